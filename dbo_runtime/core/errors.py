@@ -1,0 +1,48 @@
+"""Errors raised by dbo_runtime.
+
+Every configuration error names the offending parameter, the value that was
+given and the values that are allowed, because the operator sees it once, at
+engine start, in a log that is usually far away from the flag they set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class DboRuntimeError(RuntimeError):
+    """Base class for every error dbo_runtime raises on purpose."""
+
+
+class ConfigError(DboRuntimeError, ValueError):
+    """A parameter has a value dbo_runtime cannot run with."""
+
+    def __init__(self, parameter: str, value: object, allowed: str | Iterable[object]) -> None:
+        if not isinstance(allowed, str):
+            allowed = ", ".join(repr(a) for a in allowed)
+        self.parameter = parameter
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{parameter}={value!r} is not allowed; allowed values: {allowed}")
+
+
+class SubscriberError(DboRuntimeError):
+    """A budget subscriber raised while a budget was being published.
+
+    SMControl rolls the SM knobs back before raising this, so the GPU is never
+    left with half of a partition applied.
+    """
+
+    def __init__(self, subscriber: str, phase: str, cause: BaseException) -> None:
+        self.subscriber = subscriber
+        self.phase = phase
+        super().__init__(f"SM budget subscriber {subscriber!r} raised during {phase}: {cause!r}")
+        self.__cause__ = cause
+
+
+class PatchError(DboRuntimeError):
+    """The vLLM patch set could not be installed; nothing was left applied."""
+
+
+class UnsupportedConfiguration(DboRuntimeError):
+    """A vLLM configuration that dbo_runtime refuses rather than run silently wrong."""

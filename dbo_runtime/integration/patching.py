@@ -1,0 +1,320 @@
+"""A transactional patch set over vLLM's modules and classes.
+
+vLLM has no DBO / SM-control / microbatch callback registry
+(``docs/vllm-0.33-hook-points.md`` §5), so dbo_runtime patches. Two things make
+patching vLLM dangerous and are handled here once, not in every patch:
+
+* ``from x import y`` bindings: a module-level name must be patched in the
+  *importing* module, so every ``Patch`` names the exact module and attribute.
+* Half-applied state: a failure in the middle of a hand-written sequence of
+  ``setattr`` leaves vLLM partly patched (the afd-plugin's documented gap).
+  ``PatchSet.install`` resolves every target and builds every replacement
+  first, applies them all, and on any failure restores what it had applied;
+  ``uninstall`` puts back the identical original objects (tests check ``is``).
+
+Modules that cannot be imported everywhere (GLM-5-Next imports torchvision)
+are patched lazily: a ``sys.meta_path`` hook applies their patches when the
+module is first imported, and ``uninstall`` removes the hook.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from dbo_runtime.core.errors import PatchError
+
+logger = logging.getLogger(__name__)
+
+_MISSING = object()
+PATCH_MARK = "__dbo_runtime_patch__"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One replacement of one attribute, with the provenance a reviewer needs.
+
+    ``make(original)`` returns the replacement; it receives the object found at
+    install time (for a class attribute: the raw ``__dict__`` value, or the
+    inherited one) so wrappers can call through.
+    """
+
+    name: str
+    module: str
+    attr: str
+    """``"func"`` or ``"Class.method"`` inside ``module``."""
+    make: Callable[[Any], Any]
+    reason: str
+    upstream_pr: str
+    removal: str
+    vllm_version: str = "0.33.0"
+    lazy: bool = False
+    """Apply when ``module`` is first imported instead of importing it at install."""
+    optional: bool = False
+    """A missing target is logged and skipped instead of failing the set."""
+
+    @property
+    def target(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+
+@dataclass
+class _Applied:
+    patch: Patch
+    owner: Any
+    name: str
+    original: Any
+    """Raw value in ``owner.__dict__`` before install, or ``_MISSING`` when inherited."""
+    replacement: Any
+
+
+def _split(attr: str) -> tuple[list[str], str]:
+    parts = attr.split(".")
+    return parts[:-1], parts[-1]
+
+
+def resolve_owner(module: ModuleType, attr: str) -> tuple[Any, str]:
+    path, name = _split(attr)
+    owner: Any = module
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def current_value(module: ModuleType, attr: str) -> Any:
+    owner, name = resolve_owner(module, attr)
+    return getattr(owner, name)
+
+
+def _raw(owner: Any, name: str) -> Any:
+    if isinstance(owner, type):
+        return owner.__dict__.get(name, _MISSING)
+    return owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+
+
+def _mark(replacement: Any, patch: Patch, original: Any) -> Any:
+    target = replacement.__func__ if isinstance(replacement, (staticmethod, classmethod)) else replacement
+    for key, value in ((PATCH_MARK, patch.name), ("__wrapped__", original)):
+        try:
+            setattr(target, key, value)
+        except (AttributeError, TypeError):
+            pass
+    return replacement
+
+
+@dataclass
+class PatchStatus:
+    patch: Patch
+    state: str
+    """``installed``, ``pending`` (lazy, module not imported yet), ``skipped`` (optional, missing), ``missing``."""
+    detail: str = ""
+
+
+class _LazyFinder(importlib.abc.MetaPathFinder):
+    """Applies a PatchSet's lazy patches right after their module executes."""
+
+    def __init__(self, owner: PatchSet) -> None:
+        self.owner = owner
+        self._busy = threading.local()
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+        if fullname not in self.owner._pending_modules() or getattr(self._busy, "on", False):
+            return None
+        self._busy.on = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy.on = False
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        owner = self.owner
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: ModuleType) -> None:
+                loader.exec_module(module)
+                owner._apply_lazy(module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+class PatchSet:
+    """All-or-nothing installation of a list of ``Patch``."""
+
+    def __init__(self, patches: Iterable[Patch]) -> None:
+        self.patches = list(patches)
+        names = [p.name for p in self.patches]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise PatchError(f"duplicate patch names: {sorted(dup)}")
+        self._applied: list[_Applied] = []
+        self._lazy_waiting: list[Patch] = []
+        self._skipped: dict[str, str] = {}
+        self._finder: _LazyFinder | None = None
+        self._lock = threading.RLock()
+        self.installed = False
+
+    # -- install ----------------------------------------------------------------------------
+    def _prepare(self, patch: Patch, module: ModuleType) -> _Applied:
+        owner, name = resolve_owner(module, patch.attr)
+        current = getattr(owner, name)
+        raw = _raw(owner, name)
+        replacement = patch.make(raw if raw is not _MISSING else current)
+        return _Applied(patch, owner, name, raw, _mark(replacement, patch, current))
+
+    @staticmethod
+    def _set(applied: _Applied) -> None:
+        setattr(applied.owner, applied.name, applied.replacement)
+
+    @staticmethod
+    def _unset(applied: _Applied) -> None:
+        if applied.original is _MISSING:
+            delattr(applied.owner, applied.name)
+        else:
+            setattr(applied.owner, applied.name, applied.original)
+
+    def install(self) -> None:
+        """Apply every eager patch and arm the lazy ones, or nothing at all."""
+        with self._lock:
+            if self.installed:
+                return
+            prepared: list[_Applied] = []
+            lazy: list[Patch] = []
+            skipped: dict[str, str] = {}
+            try:
+                for patch in self.patches:
+                    module = sys.modules.get(patch.module)
+                    if module is None and patch.lazy:
+                        lazy.append(patch)
+                        continue
+                    try:
+                        if module is None:
+                            module = importlib.import_module(patch.module)
+                        prepared.append(self._prepare(patch, module))
+                    except Exception as exc:
+                        if patch.optional:
+                            skipped[patch.name] = f"{type(exc).__name__}: {exc}"
+                            continue
+                        raise PatchError(f"patch {patch.name!r} ({patch.target}) cannot be prepared: {exc!r}") from exc
+            except PatchError:
+                raise
+            applied: list[_Applied] = []
+            try:
+                for item in prepared:
+                    self._set(item)
+                    applied.append(item)
+            except Exception as exc:
+                for item in reversed(applied):
+                    self._unset(item)
+                raise PatchError(f"patch {prepared[len(applied)].patch.name!r} failed to apply: {exc!r}; rolled back") from exc
+            self._applied = applied
+            self._lazy_waiting = lazy
+            self._skipped = skipped
+            if lazy:
+                self._finder = _LazyFinder(self)
+                sys.meta_path.insert(0, self._finder)
+            self.installed = True
+            for name, why in skipped.items():
+                logger.info("dbo_runtime: optional patch %s skipped (%s)", name, why)
+
+    def _pending_modules(self) -> set[str]:
+        return {p.module for p in self._lazy_waiting}
+
+    def _apply_lazy(self, module: ModuleType) -> None:
+        with self._lock:
+            todo = [p for p in self._lazy_waiting if p.module == module.__name__]
+            prepared: list[_Applied] = []
+            try:
+                for patch in todo:
+                    prepared.append(self._prepare(patch, module))
+            except Exception as exc:  # noqa: BLE001 - a lazy target that moved: report, patch none of it
+                logger.error("dbo_runtime: lazy patches for %s not applied: %r", module.__name__, exc)
+                for patch in todo:
+                    self._skipped[patch.name] = f"{type(exc).__name__}: {exc}"
+                self._lazy_waiting = [p for p in self._lazy_waiting if p not in todo]
+                return
+            for item in prepared:
+                self._set(item)
+            self._applied.extend(prepared)
+            self._lazy_waiting = [p for p in self._lazy_waiting if p not in todo]
+
+    # -- uninstall --------------------------------------------------------------------------
+    def uninstall(self) -> None:
+        """Restore every original object, newest first."""
+        with self._lock:
+            if self._finder is not None:
+                try:
+                    sys.meta_path.remove(self._finder)
+                except ValueError:
+                    pass
+                self._finder = None
+            for item in reversed(self._applied):
+                self._unset(item)
+            self._applied = []
+            self._lazy_waiting = []
+            self._skipped = {}
+            self.installed = False
+
+    # -- introspection ----------------------------------------------------------------------
+    def status(self) -> list[PatchStatus]:
+        with self._lock:
+            applied = {a.patch.name for a in self._applied}
+            waiting = {p.name for p in self._lazy_waiting}
+            out = []
+            for patch in self.patches:
+                if patch.name in applied:
+                    out.append(PatchStatus(patch, "installed"))
+                elif patch.name in waiting:
+                    out.append(PatchStatus(patch, "pending", "module not imported yet"))
+                elif patch.name in self._skipped:
+                    out.append(PatchStatus(patch, "skipped", self._skipped[patch.name]))
+                else:
+                    out.append(PatchStatus(patch, "missing" if self.installed else "not installed"))
+            return out
+
+    def originals(self) -> dict[str, Any]:
+        """Patch name -> the original object, for tests and ``doctor``."""
+        return {a.patch.name: a.original for a in self._applied}
+
+
+def probe_target(patch: Patch) -> PatchStatus:
+    """Check that a patch's target exists without installing it (``dbo-runtime doctor``)."""
+    module = sys.modules.get(patch.module)
+    try:
+        if module is None:
+            module = importlib.import_module(patch.module)
+        current_value(module, patch.attr)
+    except Exception as exc:  # noqa: BLE001 - the doctor reports any failure
+        state = "skipped" if patch.optional or patch.lazy else "missing"
+        return PatchStatus(patch, state, f"{type(exc).__name__}: {exc}")
+    return PatchStatus(patch, "found")
+
+
+@dataclass
+class PatchRegistry:
+    """Collects the patch factories of each feature module, in a stable order."""
+
+    factories: list[Callable[[], list[Patch]]] = field(default_factory=list)
+
+    def add(self, factory: Callable[[], list[Patch]]) -> Callable[[], list[Patch]]:
+        self.factories.append(factory)
+        return factory
+
+    def build(self) -> list[Patch]:
+        out: list[Patch] = []
+        for factory in self.factories:
+            out.extend(factory())
+        return out

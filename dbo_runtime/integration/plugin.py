@@ -1,0 +1,109 @@
+"""The vLLM general plugin: ``register()`` and ``uninstall()``.
+
+vLLM calls every ``vllm.general_plugins`` entry point with no arguments, once
+per process, in the API server, each engine core, each worker and the model
+inspection subprocess (``plugins/__init__.py:77-90``). So ``register`` must be
+idempotent, cheap, and must not initialise CUDA; it installs the whole patch
+set as one transaction or nothing.
+
+Environment:
+
+* ``DBO_RUNTIME_DISABLE=1`` -- patch nothing.
+* ``DBO_RUNTIME_STRICT=1`` -- an unsupported vLLM version or a failed install
+  raises instead of logging one line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from importlib import metadata
+
+from dbo_runtime.core.errors import PatchError
+from dbo_runtime.integration.patching import Patch, PatchSet
+
+logger = logging.getLogger("dbo_runtime")
+
+SUPPORTED_VLLM = "0.33"
+"""Major.minor of the vLLM releases whose source the patch set was written against."""
+
+FEATURE_MODULES: tuple[str, ...] = (
+    "dbo_runtime.integration.sm_hooks",
+    "dbo_runtime.integration.indexer_hooks",
+    "dbo_runtime.integration.topk_hooks",
+)
+"""Each module exposes ``patches() -> list[Patch]``; order is install order."""
+
+_lock = threading.Lock()
+_patch_set: PatchSet | None = None
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def vllm_version() -> str | None:
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def version_supported(version: str | None) -> bool:
+    if version is None:
+        return False
+    parts = version.split("+")[0].split(".")
+    return ".".join(parts[:2]) == SUPPORTED_VLLM
+
+
+def all_patches() -> list[Patch]:
+    out: list[Patch] = []
+    for name in FEATURE_MODULES:
+        out.extend(importlib.import_module(name).patches())
+    return out
+
+
+def installed_patch_set() -> PatchSet | None:
+    return _patch_set
+
+
+def register() -> None:
+    """Entry point of ``vllm.general_plugins``; safe to call any number of times."""
+    global _patch_set
+    with _lock:
+        if _patch_set is not None and _patch_set.installed:
+            return
+        if _truthy("DBO_RUNTIME_DISABLE"):
+            logger.info("dbo_runtime: DBO_RUNTIME_DISABLE is set; vLLM left unpatched")
+            return
+        version = vllm_version()
+        if not version_supported(version):
+            msg = (
+                f"dbo_runtime supports vLLM {SUPPORTED_VLLM}.x, found {version or 'no vLLM'}; "
+                "nothing patched (DBO with DSA models keeps vLLM's own behaviour)"
+            )
+            if _truthy("DBO_RUNTIME_STRICT"):
+                raise PatchError(msg)
+            logger.warning("%s", msg)
+            return
+        patch_set = PatchSet(all_patches())
+        try:
+            patch_set.install()
+        except PatchError:
+            if _truthy("DBO_RUNTIME_STRICT"):
+                raise
+            logger.exception("dbo_runtime: patch set not installed; vLLM left untouched")
+            return
+        _patch_set = patch_set
+        logger.info("dbo_runtime: %d patches installed for vLLM %s", len(patch_set.patches), version)
+
+
+def uninstall() -> None:
+    """Restore every original vLLM object."""
+    global _patch_set
+    with _lock:
+        if _patch_set is not None:
+            _patch_set.uninstall()
+        _patch_set = None

@@ -1,0 +1,168 @@
+"""vLLM's ``create_sm_control_context``, backed by SMControl.
+
+Upstream target: ``vllm.v1.worker.ubatch_utils.create_sm_control_context``
+(vLLM 0.33.0, ``v1/worker/ubatch_utils.py:83-126``), *as bound* in its two
+importers -- ``vllm.v1.worker.gpu_ubatch_wrapper`` (MRV1 ``UBatchWrapper``,
+``:25``/``:90``) and ``vllm.v1.worker.gpu.ubatch_utils`` (MRV2
+``UBatchRunner``, ``:30-35``/``:333``). Patching the defining module would not
+reach them: they imported the name.
+
+The replacement reads exactly the inputs vLLM reads, from the same module
+globals (``envs``, ``current_platform``, ``get_ep_group``, ``has_deep_gemm``,
+``num_compute_units``, ``deep_gemm_set_num_sms`` of
+``vllm.v1.worker.ubatch_utils``), feeds them to the pure policy in
+``dbo_runtime.core.budget`` and returns a context whose ``__enter__`` /
+``__exit__`` go through the device's SMControl. The knobs see the same call
+sequence as with vLLM's own context (the contract tests compare them), but the
+budget is now published to subscribers before any kernel runs under it, and
+nested or failing scopes restore the previous budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import TracebackType
+from typing import Any
+
+from dbo_runtime.adapters.all2all import All2AllKnob
+from dbo_runtime.adapters.deep_gemm import DeepGemmKnob
+from dbo_runtime.core.budget import SMBudget, compute_budget
+from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.integration.patching import Patch
+from dbo_runtime.services.sm_control import FunctionKnob, SMControl, SMKnob, sm_control_for
+
+logger = logging.getLogger(__name__)
+
+UPSTREAM_PR = "none yet (SM-control publication); crash fixed by vllm#60732"
+
+
+class DboSMControlContext:
+    """Drop-in for vLLM's ``SMControlContextManager`` that delegates to SMControl.
+
+    Keeps vLLM's public attributes (``total_sms``, ``comm_sms``,
+    ``compute_sms``, ``set_comm_sms``, ``set_compute_sms``) because code and
+    tests read them. Re-entrant per instance: MRV2 enters it from an
+    ``ExitStack`` that is closed by ``finish()`` possibly on another code path,
+    so the tokens are a stack rather than one slot.
+    """
+
+    def __init__(self, control: SMControl, budget: SMBudget, comm_knob: SMKnob | None, compute_knob: SMKnob | None) -> None:
+        self.control = control
+        self.budget = budget
+        self.total_sms = budget.total
+        self.comm_sms = budget.comm
+        self.compute_sms = budget.compute
+        self._comm_knob = comm_knob
+        self._compute_knob = compute_knob
+        self.set_comm_sms = comm_knob.set if comm_knob is not None else (lambda sms: None)
+        self.set_compute_sms = compute_knob.set if compute_knob is not None else (lambda sms: None)
+        self._tokens: list[int] = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(self.control.enter(self.budget, comm_knob=self._comm_knob, compute_knob=self._compute_knob))
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.control.exit(self._tokens.pop(), body_raised=exc is not None)
+
+    def __repr__(self) -> str:
+        return f"DboSMControlContext({self.budget.describe()}, device={self.budget.device})"
+
+
+def _platform_name(platform: Any) -> str:
+    if platform.is_cuda():
+        return "cuda"
+    if platform.is_rocm():
+        return "rocm"
+    raise ConfigError(
+        "current_platform",
+        getattr(platform, "device_name", type(platform).__name__),
+        "cuda, rocm (vLLM's SM/CU control exists only on CUDA and ROCm)",
+    )
+
+
+def _read_env_comm_sms(envs: Any) -> object:
+    import os
+
+    try:
+        return envs.VLLM_DBO_COMM_SMS
+    except ValueError:
+        # vLLM parses with a bare int(); give the operator the variable's name instead.
+        return os.environ.get("VLLM_DBO_COMM_SMS")
+
+
+def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMKnob | None]:
+    """Compute the budget and knobs exactly as vLLM 0.33.0 would, from its globals."""
+    import torch
+    from vllm.v1.worker import ubatch_utils as uu
+
+    platform = _platform_name(uu.current_platform)
+    device = torch.accelerator.current_device_index()
+    total = uu.num_compute_units(device)
+
+    manager = None
+    max_sms_used: int | None = None
+    if parallel_config.enable_expert_parallel:
+        communicator = uu.get_ep_group().device_communicator
+        if communicator is not None:
+            manager = communicator.all2all_manager
+        if manager is not None:
+            max_sms_used = manager.max_sms_used()
+
+    deep_gemm_present = bool(uu.has_deep_gemm())
+    budget = compute_budget(
+        total_sms=total,
+        platform=platform,
+        enable_dbo=bool(parallel_config.enable_dbo),
+        expert_parallel=bool(parallel_config.enable_expert_parallel),
+        all2all_backend=parallel_config.all2all_backend,
+        env_comm_sms=_read_env_comm_sms(uu.envs),
+        has_all2all_manager=manager is not None,
+        max_sms_used=max_sms_used,
+        has_deep_gemm=deep_gemm_present,
+        device=device,
+    )
+    comm_knob: SMKnob | None = All2AllKnob(manager) if budget.comm_knob else None
+    compute_knob: SMKnob | None = None
+    if budget.compute_knob:
+        # Resolve vLLM's alias at call time, like vLLM's lambda does.
+        compute_knob = DeepGemmKnob(lambda sms: uu.deep_gemm_set_num_sms(sms))
+    return budget, comm_knob, compute_knob
+
+
+def create_sm_control_context(parallel_config: Any) -> DboSMControlContext:
+    """What vLLM's ``create_sm_control_context`` computes, published through SMControl."""
+    budget, comm_knob, compute_knob = budget_from_vllm(parallel_config)
+    control = sm_control_for(budget.device, budget.total)
+    # Runs at UBatchWrapper / UBatchRunner construction (model load): the right
+    # moment for subscribers to warm per-SM-count kernels, outside any capture.
+    control.announce(budget)
+    logger.info("dbo_runtime: DBO SM budget on device %d: %s", budget.device, budget.describe())
+    return DboSMControlContext(control, budget, comm_knob, compute_knob)
+
+
+def _replace(original: Any) -> Any:
+    return create_sm_control_context
+
+
+def patches() -> list[Patch]:
+    common = dict(
+        make=_replace,
+        reason=(
+            "route DBO's compute/comm SM split through SMControl so subscribers (indexer schedule "
+            "cache, planner warm-up) learn the budget before any kernel runs under it"
+        ),
+        upstream_pr=UPSTREAM_PR,
+        removal="vLLM exposes an SM-budget callback from create_sm_control_context",
+    )
+    return [
+        Patch(name="sm_control.mrv1", module="vllm.v1.worker.gpu_ubatch_wrapper", attr="create_sm_control_context", **common),  # type: ignore[arg-type]
+        Patch(name="sm_control.mrv2", module="vllm.v1.worker.gpu.ubatch_utils", attr="create_sm_control_context", **common),  # type: ignore[arg-type]
+    ]
+
+
+__all__ = ["DboSMControlContext", "FunctionKnob", "budget_from_vllm", "create_sm_control_context", "patches"]
