@@ -1,0 +1,118 @@
+"""The pure partition policy: vLLM 0.33.0's decisions, and one clear error per bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from dbo_runtime.core.budget import SMBudget, compute_budget, full_budget, parse_comm_sms
+from dbo_runtime.core.errors import ConfigError
+
+
+def ht(**kw: object) -> SMBudget:
+    args: dict[str, object] = dict(
+        total_sms=132,
+        platform="cuda",
+        enable_dbo=True,
+        expert_parallel=True,
+        all2all_backend="deepep_high_throughput",
+        max_sms_used=None,
+    )
+    args.update(kw)
+    return compute_budget(**args)  # type: ignore[arg-type]
+
+
+def test_h200_deepep_ht_default_is_112_compute() -> None:
+    b = ht()
+    assert (b.total, b.comm, b.compute) == (132, 20, 112)
+    assert b.comm_knob and b.compute_knob and b.partitioned
+
+
+def test_low_latency_and_nixl_turn_partitioning_off() -> None:
+    for backend in ("deepep_low_latency", "nixl_ep"):
+        b = ht(all2all_backend=backend, max_sms_used=0)
+        assert (b.comm, b.compute) == (0, 132)
+        assert not b.comm_knob and not b.compute_knob
+
+
+def test_max_sms_used_caps_env_value() -> None:
+    b = ht(env_comm_sms=32, max_sms_used=24)
+    assert (b.comm, b.compute) == (24, 108)
+
+
+def test_env_value_used_below_cap() -> None:
+    assert ht(env_comm_sms="16", max_sms_used=24).comm == 16
+
+
+def test_rocm_deepep_ht_dbo_override_forces_zero() -> None:
+    b = ht(platform="rocm", total_sms=304)
+    assert b.comm == 0 and b.reason.rocm_override and not b.compute_knob
+
+
+def test_rocm_default_is_64_without_override() -> None:
+    b = ht(platform="rocm", total_sms=304, all2all_backend="allgather_reducescatter")
+    assert b.comm == 64 and not b.reason.rocm_override
+
+
+def test_rocm_override_needs_enable_dbo() -> None:
+    # ubatch_size > 1 without --enable-dbo is microbatching too, and vLLM keeps the env value then.
+    assert ht(platform="rocm", total_sms=304, enable_dbo=False).comm == 64
+
+
+def test_no_expert_parallel_still_lowers_deep_gemm() -> None:
+    # vLLM installs the compute setter whenever DeepGEMM is present and comm > 0, EP or not.
+    b = ht(expert_parallel=False, max_sms_used=0)
+    assert (b.comm, b.compute) == (20, 112)
+    assert not b.comm_knob and b.compute_knob
+
+
+def test_no_all2all_manager_ignores_max_sms_used() -> None:
+    b = ht(has_all2all_manager=False, max_sms_used=0)
+    assert b.comm == 20 and not b.comm_knob and b.compute_knob
+
+
+def test_without_deep_gemm_no_compute_knob() -> None:
+    b = ht(has_deep_gemm=False)
+    assert b.comm == 20 and b.comm_knob and not b.compute_knob
+
+
+@pytest.mark.parametrize("env", [132, 200])
+def test_comm_at_or_above_total_is_named_error(env: int) -> None:
+    with pytest.raises(ConfigError) as e:
+        ht(env_comm_sms=env, expert_parallel=False)
+    assert e.value.parameter == "VLLM_DBO_COMM_SMS" and "[0, 132)" in str(e.value)
+
+
+@pytest.mark.parametrize("raw", ["-4", -4, "abc", "1.5", 2.0, True])
+def test_bad_env_values(raw: object) -> None:
+    with pytest.raises(ConfigError) as e:
+        ht(env_comm_sms=raw)
+    assert e.value.parameter == "VLLM_DBO_COMM_SMS" and "non-negative integer" in str(e.value)
+
+
+def test_odd_comm_for_deepep_ht_rejected() -> None:
+    with pytest.raises(ConfigError, match="even"):
+        ht(env_comm_sms=19)
+
+
+def test_odd_comm_fine_where_deepep_never_sees_it() -> None:
+    assert ht(env_comm_sms=19, expert_parallel=False).comm == 19
+
+
+def test_unknown_backend_and_platform() -> None:
+    with pytest.raises(ConfigError, match="all2all_backend='deepep_turbo'.*deepep_high_throughput"):
+        ht(all2all_backend="deepep_turbo")
+    with pytest.raises(ConfigError, match="platform='xpu'"):
+        ht(platform="xpu")
+
+
+def test_budget_is_immutable_and_checked() -> None:
+    b = ht()
+    with pytest.raises(AttributeError):
+        b.comm = 0  # type: ignore[misc]
+    with pytest.raises(ConfigError):
+        SMBudget(total=132, comm=20, compute=100, device=0, reason=b.reason)
+    assert full_budget(132).compute == 132 and not full_budget(132).partitioned
+
+
+def test_parse_comm_sms_accepts_whitespace_ints() -> None:
+    assert parse_comm_sms(" 24 ") == 24
