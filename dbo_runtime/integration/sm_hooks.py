@@ -158,6 +158,9 @@ def patches() -> list[Patch]:
         ),
         upstream_pr=UPSTREAM_PR,
         removal="vLLM exposes an SM-budget callback from create_sm_control_context",
+        # Patched when the runner module is imported (in the worker), so the API-server
+        # process never imports CUDA-only runner code just because the plugin loaded.
+        lazy=True,
     )
     return [
         Patch(name="sm_control.mrv1", module="vllm.v1.worker.gpu_ubatch_wrapper", attr="create_sm_control_context", **common),  # type: ignore[arg-type]

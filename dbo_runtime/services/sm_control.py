@@ -147,7 +147,8 @@ class SMControl:
     def subscribe(self, callback: Subscriber, *, name: str | None = None, replay: bool = True) -> Subscription:
         """Register ``callback``; with ``replay`` it is told every budget announced so far."""
         with self._lock:
-            sub = Subscription(self, name or getattr(callback, "__qualname__", repr(callback)), callback, next(self._tokens))
+            label = name or str(getattr(callback, "__qualname__", None) or repr(callback))
+            sub = Subscription(self, label, callback, next(self._tokens))
             self._subscribers[sub.token] = sub
             announced = list(self.announced) if replay else []
         for budget in announced:
@@ -164,7 +165,7 @@ class SMControl:
         for sub in list(self._subscribers.values()):
             try:
                 sub.callback(event)
-            except Exception as exc:  # noqa: BLE001 - reported to the caller below
+            except Exception as exc:
                 self.stats.subscriber_errors += 1
                 errors.append((sub, exc))
         return errors
@@ -264,7 +265,7 @@ class SMControl:
     def _restore_knobs(self, budget: SMBudget, comm_knob: SMKnob | None, compute_knob: SMKnob | None) -> None:
         try:
             self._apply(budget, comm_knob, compute_knob)
-        except Exception:  # noqa: BLE001 - the original error is the one to report
+        except Exception:
             logger.exception("dbo_runtime: restoring SM knobs to %s failed", budget.describe())
 
     def _exit(self, token: int, body_raised: bool) -> None:

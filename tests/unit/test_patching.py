@@ -1,0 +1,177 @@
+"""PatchSet: all-or-nothing install, identical originals on uninstall, lazy targets."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dbo_runtime.core.errors import PatchError
+from dbo_runtime.integration.patching import PATCH_MARK, Patch, PatchSet, probe_target
+
+
+@pytest.fixture
+def target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A throwaway module with a function, a class method and an inherited method."""
+    name = f"dbo_patch_target_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(
+            """
+            def func(x):
+                return x + 1
+
+            class Base:
+                def inherited(self):
+                    return "base"
+
+            class Klass(Base):
+                def method(self):
+                    return "orig"
+
+                @staticmethod
+                def static():
+                    return "static"
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def wrap(tag: str):  # type: ignore[no-untyped-def]
+    def make(original):  # type: ignore[no-untyped-def]
+        if isinstance(original, staticmethod):
+            return staticmethod(lambda: f"{tag}:{original.__func__()}")
+
+        def replacement(*a, **k):  # type: ignore[no-untyped-def]
+            return f"{tag}:{original(*a, **k)}"
+
+        return replacement
+
+    return make
+
+
+def p(name: str, module: str, attr: str, make=None, **kw) -> Patch:  # type: ignore[no-untyped-def]
+    return Patch(name=name, module=module, attr=attr, make=make or wrap(name), reason="test", upstream_pr="-", removal="-", **kw)
+
+
+def test_install_and_uninstall_restore_identical_objects(target: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(target)
+    originals = (mod.func, mod.Klass.__dict__["method"], mod.Klass.__dict__["static"])
+    ps = PatchSet(
+        [
+            p("f", target, "func"),
+            p("m", target, "Klass.method"),
+            p("s", target, "Klass.static"),
+            p("i", target, "Klass.inherited"),
+        ]
+    )
+    ps.install()
+    assert mod.func(1) == "f:2"
+    assert mod.Klass().method() == "m:orig" and mod.Klass.static() == "s:static"
+    assert mod.Klass().inherited() == "i:base"
+    assert getattr(mod.func, PATCH_MARK) == "f" and mod.func.__wrapped__ is originals[0]
+    ps.install()  # idempotent
+    assert mod.func(1) == "f:2"
+    ps.uninstall()
+    assert (mod.func, mod.Klass.__dict__["method"], mod.Klass.__dict__["static"]) == originals
+    assert mod.func is originals[0] and mod.Klass.__dict__["method"] is originals[1]
+    # An inherited attribute is removed again, not frozen into the subclass.
+    assert "inherited" not in mod.Klass.__dict__
+
+
+def test_failing_factory_leaves_every_target_untouched(target: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(target)
+    before = (mod.func, mod.Klass.__dict__["method"])
+
+    def broken(original):  # type: ignore[no-untyped-def]
+        raise RuntimeError("target moved")
+
+    ps = PatchSet([p("f", target, "func"), p("bad", target, "Klass.method", make=broken)])
+    with pytest.raises(PatchError, match="bad"):
+        ps.install()
+    assert (mod.func, mod.Klass.__dict__["method"]) == before and not ps.installed
+
+
+def test_missing_target_fails_whole_set(target: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(target)
+    before = mod.func
+    with pytest.raises(PatchError, match="nope"):
+        PatchSet([p("f", target, "func"), p("x", target, "Klass.nope")]).install()
+    assert mod.func is before
+
+
+def test_setattr_failure_mid_apply_rolls_back(target: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(target)
+    before = mod.func
+    frozen = types.MappingProxyType({"x": 1})  # setattr on it raises at apply time
+    holder = types.ModuleType("dbo_holder")
+    holder.mapping = frozen  # type: ignore[attr-defined]
+    sys.modules["dbo_holder"] = holder
+    try:
+        ps = PatchSet([p("f", target, "func"), p("ro", "dbo_holder", "mapping.keys")])
+        with pytest.raises(PatchError, match="rolled back"):
+            ps.install()
+        assert mod.func is before
+    finally:
+        sys.modules.pop("dbo_holder")
+
+
+def test_optional_missing_target_is_skipped(target: str) -> None:
+    ps = PatchSet([p("f", target, "func"), p("opt", "dbo_no_such_module_xyz", "f", optional=True)])
+    ps.install()
+    states = {s.patch.name: s.state for s in ps.status()}
+    assert states == {"f": "installed", "opt": "skipped"}
+    ps.uninstall()
+
+
+def test_lazy_patch_applies_on_first_import_and_uninstall_disarms(target: str) -> None:
+    assert target not in sys.modules
+    ps = PatchSet([p("lazy", target, "func", lazy=True)])
+    ps.install()
+    assert {s.state for s in ps.status()} == {"pending"}
+    import importlib
+
+    mod = importlib.import_module(target)
+    assert mod.func(1) == "lazy:2"
+    assert {s.state for s in ps.status()} == {"installed"}
+    original = mod.func.__wrapped__
+    ps.uninstall()
+    assert mod.func is original
+    sys.modules.pop(target)
+    assert importlib.import_module(target).func(1) == 2  # finder removed
+
+
+def test_lazy_patch_on_already_imported_module_is_eager(target: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(target)
+    ps = PatchSet([p("lazy", target, "func", lazy=True)])
+    ps.install()
+    assert mod.func(1) == "lazy:2"
+    ps.uninstall()
+    assert mod.func(1) == 2
+
+
+def test_duplicate_names_rejected(target: str) -> None:
+    with pytest.raises(PatchError, match="duplicate"):
+        PatchSet([p("a", target, "func"), p("a", target, "Klass.method")])
+
+
+def test_probe_target(target: str) -> None:
+    assert probe_target(p("f", target, "func")).state == "found"
+    assert probe_target(p("x", target, "nope")).state == "missing"
+    assert probe_target(p("y", target, "nope", optional=True)).state == "skipped"

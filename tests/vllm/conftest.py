@@ -1,0 +1,107 @@
+"""Fixtures for contract tests against the real vLLM 0.33.0 package on a CPU box.
+
+The only fakes here stand in for what cannot exist without a GPU: the CUDA /
+ROCm platform answer, the device's SM count, the current accelerator index,
+the expert-parallel group's all2all manager and DeepGEMM's SM setter. Each is
+installed on the exact vLLM global that ``create_sm_control_context`` reads
+(see ../shared/docs/vllm-cpu-smoke-example.py). GPU twins live in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from dbo_runtime.integration import plugin
+from dbo_runtime.services.sm_control import reset_controls_for_tests
+
+
+@dataclass
+class FakeAll2AllManager:
+    """Boundary fake for vLLM's all2all manager (needs a real EP group / NCCL)."""
+
+    max_sms: int | None
+    calls: list[tuple[str, int]]
+
+    def max_sms_used(self) -> int | None:
+        return self.max_sms
+
+    def set_num_sms(self, n: int) -> None:
+        self.calls.append(("comm", n))
+
+
+@dataclass
+class FakeGpuPlatform:
+    """Applies the platform fakes; ``calls`` is the shared knob-call log."""
+
+    monkeypatch: pytest.MonkeyPatch
+    calls: list[tuple[str, int]] = field(default_factory=list)
+
+    def set(
+        self,
+        *,
+        platform: str = "cuda",
+        total_sms: int = 132,
+        max_sms_used: int | None = None,
+        has_manager: bool = True,
+        deep_gemm: bool = True,
+        env_comm_sms: int | None = None,
+    ) -> None:
+        from vllm.platforms import current_platform
+        from vllm.utils import platform_utils
+        from vllm.v1.worker import ubatch_utils
+
+        mp = self.monkeypatch
+        mp.setattr(current_platform, "is_cuda", lambda: platform == "cuda")
+        mp.setattr(current_platform, "is_rocm", lambda: platform == "rocm")
+        mp.setattr(current_platform, "num_compute_units", lambda device_id=0: total_sms, raising=False)
+        platform_utils.num_compute_units.cache_clear()
+        mp.setattr(torch.accelerator, "current_device_index", lambda: 0)
+        manager = FakeAll2AllManager(max_sms_used, self.calls) if has_manager else None
+        ep = types.SimpleNamespace(device_communicator=types.SimpleNamespace(all2all_manager=manager))
+        mp.setattr(ubatch_utils, "get_ep_group", lambda: ep)
+        mp.setattr(ubatch_utils, "has_deep_gemm", lambda: deep_gemm)
+        mp.setattr(ubatch_utils, "deep_gemm_set_num_sms", lambda n: self.calls.append(("compute", n)))
+        if env_comm_sms is None:
+            mp.delenv("VLLM_DBO_COMM_SMS", raising=False)
+            if hasattr(ubatch_utils.envs, "VLLM_DBO_COMM_SMS") and "VLLM_DBO_COMM_SMS" in vars(ubatch_utils.envs):
+                mp.delattr(ubatch_utils.envs, "VLLM_DBO_COMM_SMS")
+            # vLLM picks the ROCm default from torch.version.hip.
+            mp.setattr(torch.version, "hip", "6.4" if platform == "rocm" else None)
+        else:
+            mp.setenv("VLLM_DBO_COMM_SMS", str(env_comm_sms))
+        reset_controls_for_tests()
+
+
+@pytest.fixture
+def gpu_platform(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpuPlatform]:
+    from vllm.utils import platform_utils
+
+    fake = FakeGpuPlatform(monkeypatch)
+    yield fake
+    platform_utils.num_compute_units.cache_clear()
+    reset_controls_for_tests()
+
+
+@pytest.fixture
+def clean_plugin() -> Iterator[Callable[[], None]]:
+    """Guarantees vLLM is unpatched before and after the test."""
+    plugin.uninstall()
+    yield plugin.register
+    plugin.uninstall()
+
+
+def parallel_config(*, backend: str = "deepep_high_throughput", ep: bool = True, dbo: bool = True) -> object:
+    from vllm.config import ParallelConfig
+
+    return ParallelConfig(
+        enable_dbo=dbo,
+        ubatch_size=0 if dbo else 2,
+        enable_expert_parallel=ep,
+        all2all_backend=backend,
+        data_parallel_size=2,
+    )

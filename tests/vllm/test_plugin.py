@@ -1,0 +1,135 @@
+"""The plugin inside the real vLLM 0.33.0: entry point, idempotence, version guard, transaction."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import vllm.v1.worker.gpu.ubatch_utils
+import vllm.v1.worker.gpu_ubatch_wrapper  # noqa: F401
+
+from dbo_runtime.core.errors import PatchError
+from dbo_runtime.integration import plugin
+from dbo_runtime.integration.patching import Patch, current_value
+
+
+def targets() -> dict[str, Any]:
+    """Every patch target's current object, resolved freshly (identity is what counts)."""
+    out = {}
+    for patch in plugin.all_patches():
+        module = importlib.import_module(patch.module) if not patch.lazy else importlib.sys.modules.get(patch.module)  # type: ignore[attr-defined]
+        if module is None:
+            continue
+        try:
+            out[patch.name] = current_value(module, patch.attr)
+        except AttributeError:
+            continue
+    return out
+
+
+@pytest.fixture
+def unpatched() -> Iterator[dict[str, Any]]:
+    plugin.uninstall()
+    yield targets()
+    plugin.uninstall()
+
+
+def test_entry_point_is_loaded_by_vllm(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.plugins
+
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    vllm.plugins.load_general_plugins()
+    ps = plugin.installed_patch_set()
+    assert ps is not None and ps.installed
+    from vllm.v1.worker import gpu_ubatch_wrapper
+
+    from dbo_runtime.integration import sm_hooks
+
+    assert gpu_ubatch_wrapper.create_sm_control_context is sm_hooks.create_sm_control_context
+
+
+def test_register_twice_is_once_and_uninstall_restores_identity(unpatched: dict[str, Any]) -> None:
+    plugin.register()
+    first = plugin.installed_patch_set()
+    patched = targets()
+    plugin.register()
+    assert plugin.installed_patch_set() is first and targets() == patched
+    changed = [name for name in unpatched if patched[name] is not unpatched[name]]
+    assert changed, "register() patched nothing"
+    plugin.uninstall()
+    after = targets()
+    for name, original in unpatched.items():
+        assert after[name] is original, name
+
+
+def test_unsupported_version_patches_nothing(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.34.1")
+    plugin.register()
+    assert plugin.installed_patch_set() is None
+    assert all(targets()[n] is o for n, o in unpatched.items())
+    assert "supports vLLM 0.33.x, found 0.34.1" in caplog.text
+
+
+def test_strict_mode_raises_on_unsupported_version(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.32.0")
+    monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")
+    with pytest.raises(PatchError, match=r"found 0\.32\.0"):
+        plugin.register()
+
+
+def test_disable_env_skips(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "1")
+    plugin.register()
+    assert plugin.installed_patch_set() is None
+    assert all(targets()[n] is o for n, o in unpatched.items())
+
+
+def test_failed_install_leaves_vllm_untouched(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    real = plugin.all_patches
+
+    def with_broken_last() -> list[Patch]:
+        broken = Patch(
+            name="broken",
+            module="vllm.v1.worker.ubatch_utils",
+            attr="SMControlContextManager.no_such_method",
+            make=lambda o: o,
+            reason="test",
+            upstream_pr="-",
+            removal="-",
+        )
+        return [*real(), broken]
+
+    monkeypatch.setattr(plugin, "all_patches", with_broken_last)
+    plugin.register()  # logs, does not raise
+    assert plugin.installed_patch_set() is None
+    assert all(targets()[n] is o for n, o in unpatched.items())
+    monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")
+    with pytest.raises(PatchError, match="broken"):
+        plugin.register()
+    assert all(targets()[n] is o for n, o in unpatched.items())
+
+
+@pytest.mark.parametrize(("version", "ok"), [("0.33.0", True), ("0.33.2+cu130", True), ("0.3.3", False), ("0.34.0", False), (None, False)])
+def test_version_guard(version: str | None, ok: bool) -> None:
+    assert plugin.version_supported(version) is ok
+
+
+def test_every_patch_documents_itself() -> None:
+    from pathlib import Path
+
+    table = (Path(__file__).parents[2] / "docs" / "patches.md").read_text()
+    for patch in plugin.all_patches():
+        assert patch.reason and patch.upstream_pr and patch.removal, patch.name
+        assert f"`{patch.name}`" in table, f"{patch.name} missing from docs/patches.md"
+
+
+def test_docs_patch_table_is_generated_from_the_patches() -> None:
+    from pathlib import Path
+
+    from dbo_runtime.integration.patch_table import render
+
+    committed = (Path(__file__).parents[2] / "docs" / "patches.md").read_text()
+    assert committed == render(), "regenerate: python -m dbo_runtime.integration.patch_table > docs/patches.md"

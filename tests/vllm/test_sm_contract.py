@@ -1,0 +1,170 @@
+"""Contract: the patched MRV1 and MRV2 ``create_sm_control_context`` equal vLLM 0.33.0's own.
+
+For every cell of the matrix below, vLLM's original function (still bound in
+``vllm.v1.worker.ubatch_utils``, which dbo_runtime never patches) and the
+function each runner now sees must give the same total/comm/compute and the
+same knob-call sequence on enter and on exit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import vllm.v1.worker.gpu.ubatch_utils
+import vllm.v1.worker.gpu_ubatch_wrapper  # noqa: F401
+
+from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.integration.sm_hooks import DboSMControlContext
+from dbo_runtime.services.sm_control import existing_controls
+from tests.vllm.conftest import FakeGpuPlatform, parallel_config
+
+RUNNER_MODULES = {
+    "MRV1": "vllm.v1.worker.gpu_ubatch_wrapper",
+    "MRV2": "vllm.v1.worker.gpu.ubatch_utils",
+}
+
+MATRIX = list(
+    itertools.product(
+        ["cuda", "rocm"],
+        [True, False],  # expert parallel
+        ["deepep_high_throughput", "deepep_low_latency", "nixl_ep"],
+        [None, 0, 16],  # all2all max_sms_used()
+        [None, 0, 24, 40],  # VLLM_DBO_COMM_SMS (None = platform default)
+        [True, False],  # DeepGEMM present
+    )
+)
+
+
+def run_context(factory: Any, pc: Any, calls: list[tuple[str, int]]) -> tuple[tuple[int, int, int], list, list]:
+    ctx = factory(pc)
+    start = len(calls)
+    with ctx:
+        entered = calls[start:]
+    exited = calls[start + len(entered) :]
+    return (ctx.total_sms, ctx.comm_sms, ctx.compute_sms), entered, exited
+
+
+@pytest.mark.parametrize("runner", sorted(RUNNER_MODULES))
+@pytest.mark.parametrize(("platform", "ep", "backend", "max_used", "env", "dg"), MATRIX)
+def test_patched_context_equals_vllm(
+    gpu_platform: FakeGpuPlatform,
+    clean_plugin: Any,
+    runner: str,
+    platform: str,
+    ep: bool,
+    backend: str,
+    max_used: int | None,
+    env: int | None,
+    dg: bool,
+) -> None:
+    import importlib
+
+    from vllm.v1.worker import ubatch_utils
+
+    total = 132 if platform == "cuda" else 304
+    pc = parallel_config(backend=backend, ep=ep)  # built before the platform fakes, as on a real worker
+    gpu_platform.set(platform=platform, total_sms=total, max_sms_used=max_used, deep_gemm=dg, env_comm_sms=env)
+
+    expected = run_context(ubatch_utils.create_sm_control_context, pc, gpu_platform.calls)
+    clean_plugin()
+    module = importlib.import_module(RUNNER_MODULES[runner])
+    assert module.create_sm_control_context is not ubatch_utils.create_sm_control_context
+    got = run_context(module.create_sm_control_context, pc, gpu_platform.calls)
+    assert got == expected
+    ctx = module.create_sm_control_context(pc)
+    assert isinstance(ctx, DboSMControlContext)
+    # The budget was announced on the device's SMControl before any step.
+    assert ctx.budget in existing_controls()[0].announced
+
+
+def test_matrix_covers_partitioned_and_unpartitioned_cells() -> None:
+    # Guard against a matrix that silently degenerates to "comm == 0 everywhere".
+    kinds = {(env or 20) > 0 and max_used != 0 for (_, _, _, max_used, env, _) in MATRIX}
+    assert kinds == {True, False} and len(MATRIX) == 288
+
+
+def test_ubatch_size_without_dbo_matches(gpu_platform: FakeGpuPlatform, clean_plugin: Any) -> None:
+    from vllm.v1.worker import gpu_ubatch_wrapper, ubatch_utils
+
+    pc = parallel_config(dbo=False)
+    gpu_platform.set(platform="rocm", total_sms=304)
+    expected = run_context(ubatch_utils.create_sm_control_context, pc, gpu_platform.calls)
+    clean_plugin()
+    assert run_context(gpu_ubatch_wrapper.create_sm_control_context, pc, gpu_platform.calls) == expected
+    assert expected[0] == (304, 64, 240)
+
+
+def test_comm_not_below_total_both_refuse(gpu_platform: FakeGpuPlatform, clean_plugin: Any) -> None:
+    from vllm.v1.worker import gpu_ubatch_wrapper, ubatch_utils
+
+    pc = parallel_config()
+    gpu_platform.set(env_comm_sms=132, max_sms_used=None)
+    with pytest.raises(AssertionError):
+        ubatch_utils.create_sm_control_context(pc)
+    clean_plugin()
+    with pytest.raises(ConfigError, match=r"VLLM_DBO_COMM_SMS=132 .*\[0, 132\)"):
+        gpu_ubatch_wrapper.create_sm_control_context(pc)
+
+
+@pytest.mark.parametrize("raw", ["-2", "twenty"])
+def test_bad_env_is_one_named_error(gpu_platform: FakeGpuPlatform, clean_plugin: Any, raw: str, monkeypatch: Any) -> None:
+    from vllm.v1.worker import gpu_ubatch_wrapper
+
+    pc = parallel_config()
+    gpu_platform.set()
+    monkeypatch.setenv("VLLM_DBO_COMM_SMS", raw)
+    clean_plugin()
+    with pytest.raises(ConfigError) as e:
+        gpu_ubatch_wrapper.create_sm_control_context(pc)
+    assert e.value.parameter == "VLLM_DBO_COMM_SMS" and str(e.value.value) == raw
+
+
+def test_odd_comm_with_deepep_ht_is_refused(gpu_platform: FakeGpuPlatform, clean_plugin: Any) -> None:
+    from vllm.v1.worker.gpu import ubatch_utils as mrv2
+
+    pc = parallel_config()
+    gpu_platform.set(env_comm_sms=19)
+    clean_plugin()
+    with pytest.raises(ConfigError, match="even"):
+        mrv2.create_sm_control_context(pc)
+
+
+def test_nested_contexts_restore_previous(gpu_platform: FakeGpuPlatform, clean_plugin: Any) -> None:
+    """MRV1 enters SM control per warm-up and around the capture; nesting restores the outer split."""
+    from vllm.v1.worker import gpu_ubatch_wrapper
+
+    pc = parallel_config()
+    gpu_platform.set(max_sms_used=None)
+    clean_plugin()
+    outer = gpu_ubatch_wrapper.create_sm_control_context(pc)
+    calls = gpu_platform.calls
+    with outer:
+        with gpu_ubatch_wrapper.create_sm_control_context(pc):
+            pass
+        assert calls[-2:] == [("comm", 20), ("compute", 112)]
+    assert calls[-2:] == [("comm", 132), ("compute", 132)]
+
+
+def test_contract_holds_for_all2all_backends_list() -> None:
+    import typing
+
+    from vllm.config.parallel import All2AllBackend
+
+    from dbo_runtime.core.budget import ALL2ALL_BACKENDS
+
+    assert set(typing.get_args(All2AllBackend)) == set(ALL2ALL_BACKENDS)
+
+
+def test_real_all2all_managers_max_sms_used_table() -> None:
+    """The CLI's per-backend defaults equal what vLLM's managers return (class-level read)."""
+    from vllm.distributed.device_communicators import all2all, base_device_communicator
+
+    from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED
+
+    assert all2all.DeepEPLLAll2AllManager.max_sms_used(None) == BACKEND_MAX_SMS_USED["deepep_low_latency"]  # type: ignore[arg-type]
+    assert all2all.NixlEPAll2AllManager.max_sms_used(None) == BACKEND_MAX_SMS_USED["nixl_ep"]  # type: ignore[arg-type]
+    assert "max_sms_used" not in vars(all2all.DeepEPHTAll2AllManager)
+    base = base_device_communicator.All2AllManagerBase
+    assert base.max_sms_used(None) is BACKEND_MAX_SMS_USED["deepep_high_throughput"]  # type: ignore[arg-type]
