@@ -1,0 +1,22 @@
+# The two commands of the README. Both set up ./.venv first (see .ci/setup-venv).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test setup lint gpu-test
+
+setup:
+	@VENV=$(VENV) bash .ci/setup-venv
+
+## Main job on the embedded default (CPU: H200 profile of 132 SMs; GPU: the real devices).
+run: setup
+	@$(VENV)/bin/dbo-runtime sms --embedded-default
+
+## Whole test suite + lint + types (what CI runs). GPU tests skip without CUDA/DeepGEMM.
+test: setup
+	$(PY) -m pytest -q
+	$(VENV)/bin/ruff check dbo_runtime tests graphs
+	$(VENV)/bin/mypy dbo_runtime
+
+lint: setup
+	$(VENV)/bin/ruff check dbo_runtime tests graphs
+	$(VENV)/bin/mypy dbo_runtime
