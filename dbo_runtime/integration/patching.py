@@ -61,6 +61,9 @@ class Patch:
     """Apply when ``module`` is first imported instead of importing it at install."""
     optional: bool = False
     """A missing target is logged and skipped instead of failing the set."""
+    adds: bool = False
+    """The attribute may not exist yet (e.g. a data descriptor added to a class); ``make`` then
+    receives ``None`` and uninstall deletes what it added."""
 
     @property
     def target(self) -> str:
@@ -170,7 +173,7 @@ class PatchSet:
     # -- install ----------------------------------------------------------------------------
     def _prepare(self, patch: Patch, module: ModuleType) -> _Applied:
         owner, name = resolve_owner(module, patch.attr)
-        current = getattr(owner, name)
+        current = getattr(owner, name, None) if patch.adds else getattr(owner, name)
         raw = _raw(owner, name)
         replacement = patch.make(raw if raw is not _MISSING else current)
         return _Applied(patch, owner, name, raw, _mark(replacement, patch, current))
@@ -296,7 +299,10 @@ def probe_target(patch: Patch) -> PatchStatus:
     try:
         if module is None:
             module = importlib.import_module(patch.module)
-        current_value(module, patch.attr)
+        if patch.adds:
+            resolve_owner(module, patch.attr)
+        else:
+            current_value(module, patch.attr)
     except Exception as exc:
         state = "skipped" if patch.optional or patch.lazy else "missing"
         return PatchStatus(patch, state, f"{type(exc).__name__}: {exc}")
