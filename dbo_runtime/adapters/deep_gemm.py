@@ -1,16 +1,25 @@
-"""DeepGEMM's SM knob and planner, imported lazily.
+"""DeepGEMM's SM knob and paged-MQA planner, imported lazily.
 
 DeepGEMM keeps one process-global SM count in its device runtime
 (``csrc/jit/device_runtime.hpp``): ``set_num_sms`` changes it for every thread,
 ``get_num_sms`` lazily initialises it to the device's SM count. Importing
 DeepGEMM initialises CUDA, so the core never imports it; this adapter does, on
 first use, and prefers vLLM's wrapper module when vLLM is importable because
-that is the binding vLLM's own kernels go through.
+that is the binding vLLM's own kernels go through (vLLM may load its vendored
+copy, whose device runtime is a different SM counter from a pip ``deep_gemm``).
+
+The paged-MQA schedule rule lives here too: on SM90 with ``next_n == 4`` the
+logits kernel runs one task per 2-CTA multicast cluster, so the planner is
+asked for ``num_sms // 2`` slots (``vllm.utils.deep_gemm._paged_mqa_logits_schedule_slots``);
+DeepGEMM then asserts ``rows == slots + 1``. When vLLM is importable its own
+rule function is used, so a future vLLM change of the rule is followed.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -22,6 +31,13 @@ def _module() -> ModuleType:
         return importlib.import_module("deep_gemm")
 
 
+def _vllm_wrapper() -> ModuleType | None:
+    try:
+        return importlib.import_module("vllm.utils.deep_gemm")
+    except ImportError:
+        return None
+
+
 def available() -> bool:
     """True when a DeepGEMM build loads here (CPU boxes usually say False)."""
     try:
@@ -29,7 +45,7 @@ def available() -> bool:
     except ImportError:
         try:
             importlib.import_module("deep_gemm")
-        except Exception:  # noqa: BLE001 - any load failure means "not available"
+        except Exception:  # any load failure means "not available"
             return False
         return True
     return bool(has_deep_gemm())
@@ -41,6 +57,112 @@ def get_num_sms() -> int:
 
 def set_num_sms(num_sms: int) -> None:
     _module().set_num_sms(num_sms)
+
+
+@functools.cache
+def num_sms_reader() -> Callable[[], int]:
+    """The cheapest callable returning DeepGEMM's *live* SM count (~0.1 us).
+
+    vLLM's ``get_num_sms`` wrapper runs ``_lazy_init`` and an import lookup on
+    every call; the indexer call site runs once per layer, so we bind the
+    underlying module's function once. It is the module vLLM itself resolved
+    (``_import_deep_gemm``: pip ``deep_gemm`` first, vendored copy second).
+    """
+    wrapper = _vllm_wrapper()
+    if wrapper is not None:
+        wrapper._lazy_init()
+        dg = wrapper._import_deep_gemm()
+        if dg is None:
+            raise RuntimeError("DeepGEMM is not available")
+    else:
+        dg = importlib.import_module("deep_gemm")
+    return dg.get_num_sms  # type: ignore[no-any-return]
+
+
+@functools.cache
+def sm_major(device: int | None = None) -> int:
+    """Compute-capability major of ``device`` (current device when None); 0 without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    index = torch.cuda.current_device() if device is None else device
+    return int(torch.cuda.get_device_capability(index)[0])
+
+
+def kv_multicast(next_n: int, major: int) -> int:
+    """CTAs per scheduler task: 2 for SM90 ``next_n == 4`` (multicast cluster), else 1."""
+    return 2 if next_n == 4 and major == 9 else 1
+
+
+def schedule_slots(num_sms: int, next_n: int, major: int | None = None) -> int:
+    """Scheduler slots the logits kernel launches for ``num_sms``; the schedule has ``slots + 1`` rows.
+
+    With ``major`` None the rule of the installed vLLM is used when vLLM is
+    importable (it reads the current platform), else this mirror of it.
+    """
+    if major is None:
+        wrapper = _vllm_wrapper()
+        rule = getattr(wrapper, "_paged_mqa_logits_schedule_slots", None) if wrapper is not None else None
+        if rule is not None:
+            return int(rule(num_sms, next_n))
+        major = sm_major()
+    return num_sms // kv_multicast(next_n, major)
+
+
+def plan_paged_mqa_schedule(context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
+    """DeepGEMM ``get_paged_mqa_logits_metadata`` for ``num_sms`` SMs (slot rule applied once).
+
+    Through vLLM's wrapper when vLLM is importable (it converts SMs to slots),
+    else straight to ``deep_gemm`` with ``schedule_slots``.
+    """
+    wrapper = _vllm_wrapper()
+    if wrapper is not None:
+        return wrapper.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=indices)
+    dg = importlib.import_module("deep_gemm")
+    next_n = int(context_lens.shape[1]) if context_lens.dim() == 2 else 1
+    slots = schedule_slots(num_sms, next_n)
+    if indices is None:
+        return dg.get_paged_mqa_logits_metadata(context_lens, block_kv, slots)
+    return dg.get_paged_mqa_logits_metadata(context_lens, block_kv, slots, indices=indices)
+
+
+class DeepGemmPlanner:
+    """The real ``SchedulePlanner`` for ``dbo_runtime.services.schedule_cache`` (see there)."""
+
+    name = "deep_gemm"
+
+    def __init__(self) -> None:
+        self._reader: Callable[[], int] | None = None
+
+    def get_num_sms(self) -> int:
+        reader = self._reader
+        if reader is None:
+            reader = self._reader = num_sms_reader()
+        return int(reader())
+
+    def slots(self, num_sms: int, next_n: int) -> int:
+        return schedule_slots(num_sms, next_n)
+
+    def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
+        return plan_paged_mqa_schedule(context_lens, block_kv, num_sms, indices)
+
+    def capturing(self) -> bool:
+        import torch
+
+        return bool(torch.cuda.is_current_stream_capturing())
+
+    def capture_id(self) -> int | None:
+        from dbo_runtime.adapters.cuda_graph import capture_id
+
+        return capture_id()
+
+    def hot_probes(self) -> tuple[Callable[[], int], Callable[[], bool]]:
+        """The raw bindings the call site calls once per layer (no Python frame of ours in between)."""
+        import torch
+
+        capturing = getattr(torch.cuda.graphs, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+        return num_sms_reader(), capturing
 
 
 class DeepGemmKnob:

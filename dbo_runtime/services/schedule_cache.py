@@ -1,0 +1,380 @@
+"""IndexerScheduleCache: DeepGEMM's paged-MQA schedule, kept valid for the SM count in force.
+
+Why this exists (vLLM PR #60732): the DSA indexer builder plans DeepGEMM's
+paged-MQA-logits schedule for the whole GPU, but under DBO the logits kernel
+runs while ``deep_gemm.set_num_sms(total - comm)`` is in force, and DeepGEMM
+asserts ``rows == slots(num_sms) + 1``. Worse, inside a FULL CUDA graph the
+assertion never runs at replay: a schedule planned for another count is read
+silently wrong (measured on an H200: 16% of valid logits).
+
+What it does, per schedule tensor (one per decode metadata object, i.e. per
+build and per microbatch -- each microbatch has its own builder):
+
+* ``track`` records the SM count, block size and ``next_n`` a schedule was
+  planned for. The count is recorded, never inferred from the row count:
+  SM90 with ``next_n == 4`` plans ``num_sms // 2 + 1`` rows.
+* ``resolve`` (the call site, once per indexer layer): when DeepGEMM's *live*
+  count equals the planned one and no capture is underway, the planned tensor
+  is returned untouched -- no kernel, no sync, no allocation. Otherwise the
+  schedule is re-planned once per count with the same inputs and reused by
+  every later layer of that forward. The live count is read every call because
+  anything may call ``deep_gemm.set_num_sms``, not only SMControl.
+* Capture: a schedule produced outside the graph may be rewritten before a
+  replay (the next ``build()`` writes the same persistent buffer, possibly for
+  another count) and DeepGEMM cannot check it at replay. So while the current
+  stream is capturing, the planner kernel is *recorded into the graph* (it reads
+  the persistent ``context_lens``), and only reused by later layers when it was
+  produced inside the same capture (same CUDA capture id) for the same count.
+* ``invalidate``: ``update_draft_decode_metadata`` rewrites ``seq_lens`` in
+  place, so every cached re-plan of that schedule is dropped.
+* Plan-ahead: when a runner builds per-microbatch metadata it knows the step is
+  microbatched; ``plan_ahead_sms`` gives the DBO compute count announced on
+  SMControl so the builder plans for it directly -- zero call-site re-plans in
+  steady state (``stats.replans`` stays flat).
+* Warm-up: DeepGEMM JIT-compiles one planner per (aligned batch, SM slots). On
+  SMControl's ``announced`` event (model load) the planner is compiled for the
+  DBO count, outside any capture, for every indexer profile registered so far
+  (and for announced counts when a profile registers later).
+
+No vLLM or DeepGEMM import: the kernels come through a ``SchedulePlanner``
+(``dbo_runtime.adapters.deep_gemm.DeepGemmPlanner`` by default, a fake on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.services.sm_control import BudgetEvent, SMControl, Subscription, sm_control_for
+
+logger = logging.getLogger(__name__)
+
+STATE_ATTR = "_dbo_schedule_state"
+"""Attribute set on a tracked schedule tensor (torch tensors carry a ``__dict__``)."""
+
+WARM_MAX_BATCH_ENV = "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH"
+DEFAULT_WARM_MAX_BATCH = 512
+BATCH_ALIGN = 32
+"""DeepGEMM's planner is templated on the batch size aligned to 32 (``kAlignedBatchSize % 32 == 0``)."""
+
+
+class SchedulePlanner(Protocol):
+    """DeepGEMM's side of the cache: live SM count, slot rule, planner kernel, capture probes."""
+
+    name: str
+
+    def get_num_sms(self) -> int: ...
+
+    def slots(self, num_sms: int, next_n: int) -> int: ...
+
+    def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any: ...
+
+    def capturing(self) -> bool: ...
+
+    def capture_id(self) -> int | None:
+        """CUDA capture-sequence id of the current stream (None: unknown or not capturing)."""
+        ...
+
+
+@dataclass(eq=False)
+class ScheduleState:
+    """What one schedule tensor was planned for, plus its re-plans."""
+
+    planned_sms: int
+    block_kv: int
+    next_n: int
+    generation: int = 0
+    replans: dict[int, Any] = field(default_factory=dict)
+    """Eager re-plans by SM count; valid until ``invalidate``."""
+    in_graph: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """Re-plans recorded into a capture, by ``(capture id, SM count)``."""
+
+
+@dataclass
+class ScheduleCacheStats:
+    replans: int = 0
+    """Eager call-site planner kernels (the number plan-ahead drives to 0)."""
+    captured_replans: int = 0
+    """Planner kernels recorded into CUDA graphs."""
+    untracked_replans: int = 0
+    """Re-plans of schedules no build was seen for (no per-forward reuse possible)."""
+    planned_ahead: int = 0
+    """Builds that planned for the DBO count directly."""
+    invalidations: int = 0
+    warmups: int = 0
+    """Planner kernels launched by warm-up (compiles when new)."""
+    warm_skipped_in_capture: int = 0
+
+
+@dataclass(frozen=True)
+class PlannerProfile:
+    """What an indexer builder will ask the planner for (registered at builder construction)."""
+
+    device: Any
+    block_kv: int
+    next_ns: tuple[int, ...]
+    max_batch: int
+    varlen: bool = False
+
+
+def aligned_buckets(max_batch: int, align: int = BATCH_ALIGN) -> list[int]:
+    """Batch sizes covering every aligned bucket up to ``max_batch``."""
+    if max_batch <= 0:
+        raise ConfigError("max_batch", max_batch, "a positive integer")
+    top = -(-max_batch // align) * align
+    return list(range(align, top + 1, align))
+
+
+def warm_max_batch(default: int = DEFAULT_WARM_MAX_BATCH) -> int:
+    raw = os.environ.get(WARM_MAX_BATCH_ENV)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip(), 10)
+    except ValueError:
+        raise ConfigError(WARM_MAX_BATCH_ENV, raw, "a non-negative integer (0 disables planner warm-up)") from None
+    if value < 0:
+        raise ConfigError(WARM_MAX_BATCH_ENV, raw, "a non-negative integer (0 disables planner warm-up)")
+    return value
+
+
+class IndexerScheduleCache:
+    """See the module docstring. One per process: ``schedule_cache()``."""
+
+    def __init__(self, planner: SchedulePlanner | None = None) -> None:
+        self._planner = planner
+        self._num_sms: Callable[[], int] | None = None
+        self._capturing: Callable[[], bool] | None = None
+        self.stats = ScheduleCacheStats()
+        self._lock = threading.RLock()
+        self._dbo_sms: dict[int, int] = {}
+        self._profiles: dict[int, list[PlannerProfile]] = {}
+        self._warmed: set[tuple[Any, ...]] = set()
+        self._subscriptions: dict[int, Subscription] = {}
+        self._tls = threading.local()
+
+    # -- planner ---------------------------------------------------------------------------
+    @property
+    def planner(self) -> SchedulePlanner:
+        if self._planner is None:
+            from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner
+
+            self._planner = DeepGemmPlanner()
+        return self._planner
+
+    def _bind(self) -> None:
+        planner = self.planner
+        probes = getattr(planner, "hot_probes", None)
+        if probes is not None:
+            self._num_sms, self._capturing = probes()
+        else:
+            self._num_sms, self._capturing = planner.get_num_sms, planner.capturing
+
+    # -- tracking --------------------------------------------------------------------------
+    def track(self, schedule: Any, *, planned_sms: int, block_kv: int, next_n: int) -> ScheduleState:
+        """Record what ``schedule`` was planned for (a new build: a fresh state)."""
+        state = ScheduleState(planned_sms=int(planned_sms), block_kv=int(block_kv), next_n=int(next_n))
+        setattr(schedule, STATE_ATTR, state)
+        return state
+
+    @staticmethod
+    def state_of(schedule: Any) -> ScheduleState | None:
+        return getattr(schedule, STATE_ATTR, None)
+
+    def invalidate(self, schedule: Any, *, planned_sms: int | None = None) -> None:
+        """The inputs of ``schedule`` were rewritten in place: drop every re-plan of it."""
+        state = self.state_of(schedule)
+        if state is None:
+            return
+        state.replans.clear()
+        state.in_graph.clear()
+        state.generation += 1
+        if planned_sms is not None:
+            state.planned_sms = int(planned_sms)
+        self.stats.invalidations += 1
+
+    # -- the call site ---------------------------------------------------------------------
+    def resolve(self, schedule: Any, context_lens: Any, block_kv: int, indices: Any | None = None) -> Any:
+        """The schedule the logits kernel must get for DeepGEMM's live SM count.
+
+        ``block_kv`` is only used for schedules no build was seen for (the
+        call site's ``kv_cache.shape[1]``); tracked ones use their own.
+        """
+        num_sms = self._num_sms
+        if num_sms is None:
+            self._bind()
+            num_sms = self._num_sms
+        current = num_sms()  # type: ignore[misc]
+        state = schedule.__dict__.get(STATE_ATTR)
+        if state is not None and current == state.planned_sms and not self._capturing():  # type: ignore[misc]
+            return schedule
+        return self._resolve_slow(state, schedule, context_lens, block_kv, indices, current)
+
+    def _resolve_slow(
+        self, state: ScheduleState | None, schedule: Any, context_lens: Any, block_kv: int, indices: Any, current: int
+    ) -> Any:
+        planner = self.planner
+        if self._capturing():  # type: ignore[misc]
+            return self._resolve_capturing(state, schedule, context_lens, block_kv, indices, current)
+        if state is None:
+            next_n = int(context_lens.shape[1]) if context_lens.dim() == 2 else 1
+            if int(schedule.shape[0]) == planner.slots(current, next_n) + 1:
+                # Not ours to know what it was planned for; DeepGEMM's own check passes.
+                return schedule
+            self.stats.untracked_replans += 1
+            return planner.plan(context_lens, block_kv, current, indices)
+        if planner.slots(current, state.next_n) == planner.slots(state.planned_sms, state.next_n):
+            # e.g. SM90 next_n=4 with 113 vs 112 SMs: same slot count, same schedule.
+            return schedule
+        replanned = state.replans.get(current)
+        if replanned is None:
+            replanned = planner.plan(context_lens, state.block_kv, current, indices)
+            state.replans[current] = replanned
+            self.stats.replans += 1
+        return replanned
+
+    def _resolve_capturing(
+        self, state: ScheduleState | None, schedule: Any, context_lens: Any, block_kv: int, indices: Any, current: int
+    ) -> Any:
+        capture = self.planner.capture_id()
+        if state is not None and capture is not None:
+            key = (capture, current)
+            replanned = state.in_graph.get(key)
+            if replanned is None:
+                replanned = self.planner.plan(context_lens, state.block_kv, current, indices)
+                state.in_graph[key] = replanned
+                self.stats.captured_replans += 1
+            return replanned
+        # Unknown capture identity or untracked schedule: record a planner for this call.
+        self.stats.captured_replans += 1
+        return self.planner.plan(context_lens, state.block_kv if state is not None else block_kv, current, indices)
+
+    # -- plan-ahead ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def microbatched_build(self) -> Iterator[None]:
+        """Marks (on this thread) that the metadata being built is for a microbatched step."""
+        depth = getattr(self._tls, "depth", 0)
+        self._tls.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._tls.depth = depth
+
+    def in_microbatched_build(self) -> bool:
+        return getattr(self._tls, "depth", 0) > 0
+
+    def plan_ahead_sms(self, device: int) -> int | None:
+        """The DBO compute count to plan for now, or None to keep the builder's own count."""
+        if not self.in_microbatched_build():
+            return None
+        return self._dbo_sms.get(device)
+
+    def dbo_sms(self, device: int) -> int | None:
+        return self._dbo_sms.get(device)
+
+    # -- SMControl subscriber --------------------------------------------------------------
+    def attach(self, control: SMControl) -> None:
+        """Subscribe to ``control`` once (replays budgets announced before)."""
+        with self._lock:
+            if control.device in self._subscriptions:
+                return
+            self._subscriptions[control.device] = control.subscribe(self.on_budget, name="indexer_schedule_cache")
+
+    def attach_device(self, device: int, total_sms: int) -> SMControl:
+        control = sm_control_for(device, total_sms)
+        self.attach(control)
+        return control
+
+    def detach_all(self) -> None:
+        with self._lock:
+            for sub in self._subscriptions.values():
+                sub.close()
+            self._subscriptions.clear()
+
+    def on_budget(self, event: BudgetEvent) -> None:
+        budget = event.budget
+        if not budget.compute_knob:
+            return
+        if event.kind == "announced":
+            self._dbo_sms[budget.device] = budget.compute
+            self.warm(budget.device, budget.compute)
+        elif event.kind == "entered":
+            # Budgets not announced (set by someone else): warm before the first kernel, if we can.
+            self.warm(budget.device, budget.compute)
+
+    # -- warm-up ---------------------------------------------------------------------------
+    def register_profile(self, device_index: int, profile: PlannerProfile) -> None:
+        """An indexer builder exists for ``device_index``; warm it for every announced DBO count."""
+        with self._lock:
+            profiles = self._profiles.setdefault(device_index, [])
+            if profile not in profiles:
+                profiles.append(profile)
+        sms = self._dbo_sms.get(device_index)
+        if sms is not None:
+            self.warm(device_index, sms)
+
+    def warm(self, device_index: int, num_sms: int) -> int:
+        """Launch the planner for every registered profile and batch bucket at ``num_sms``.
+
+        Never inside a capture (a JIT compile there would be fatal): skipped and
+        counted; the call-site path then records a planner that eager warm-up
+        runs (which precede every capture in both runners) have compiled.
+        """
+        profiles = self._profiles.get(device_index, [])
+        if not profiles:
+            return 0
+        planner = self.planner
+        if planner.capturing():
+            self.stats.warm_skipped_in_capture += 1
+            return 0
+        import torch
+
+        launched = 0
+        for profile in profiles:
+            limit = min(profile.max_batch, warm_max_batch())
+            if limit <= 0:
+                continue
+            for next_n in profile.next_ns:
+                slots = planner.slots(num_sms, next_n)
+                for batch in aligned_buckets(limit):
+                    key = (device_index, profile.block_kv, slots, batch, profile.varlen, next_n)
+                    if key in self._warmed:
+                        continue
+                    # Varlen (SM100) plans one row per token with request indices; next_n is 1 there.
+                    width = 1 if profile.varlen else next_n
+                    lens = torch.ones((batch, width), dtype=torch.int32, device=profile.device)
+                    indices = torch.arange(batch, dtype=torch.int32, device=profile.device) if profile.varlen else None
+                    planner.plan(lens, profile.block_kv, num_sms, indices)
+                    self._warmed.add(key)
+                    launched += 1
+        self.stats.warmups += launched
+        if launched:
+            logger.info("dbo_runtime: warmed %d paged-MQA planners for %d SMs on device %d", launched, num_sms, device_index)
+        return launched
+
+
+_CACHE: IndexerScheduleCache | None = None
+_CACHE_LOCK = threading.Lock()
+
+
+def schedule_cache() -> IndexerScheduleCache:
+    """The process's cache (created on first use, with the real DeepGEMM planner)."""
+    global _CACHE
+    with _CACHE_LOCK:
+        if _CACHE is None:
+            _CACHE = IndexerScheduleCache()
+        return _CACHE
+
+
+def set_schedule_cache_for_tests(cache: IndexerScheduleCache | None) -> IndexerScheduleCache | None:
+    """Swap the process cache (tests with a fake planner); returns the previous one."""
+    global _CACHE
+    with _CACHE_LOCK:
+        previous, _CACHE = _CACHE, cache
+        return previous
