@@ -1,0 +1,77 @@
+"""CUDA device properties through torch, imported lazily.
+
+The SM count vLLM partitions is ``current_platform.num_compute_units`` =
+``torch.cuda.get_device_properties(i).multi_processor_count``
+(``platforms/cuda.py:703-705``), so that is the authoritative count the CLI
+shows for a device CUDA can see (including a MIG instance selected with
+``CUDA_VISIBLE_DEVICES``). ``get_device_properties`` initialises CUDA, so we
+only reach it after ``torch.cuda.is_available()`` said True: on a box without
+a GPU nothing is initialised and an empty list comes back with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class CudaDevice:
+    index: int
+    """CUDA ordinal (after ``CUDA_VISIBLE_DEVICES``), not the NVML index."""
+    name: str
+    multi_processor_count: int
+    compute_capability: tuple[int, int]
+    total_memory_bytes: int | None
+    uuid: str | None
+    """As torch prints it (no ``GPU-``/``MIG-`` prefix), or None on older torch."""
+
+
+@dataclass(frozen=True, slots=True)
+class CudaScan:
+    devices: tuple[CudaDevice, ...]
+    torch_version: str | None
+    reason: str
+    """Why ``devices`` is empty, or a summary when it is not."""
+
+
+def normalize_uuid(uuid: str | None) -> str | None:
+    """Compare torch's and NVML's spellings of a UUID (NVML prefixes ``GPU-`` / ``MIG-``)."""
+    if not uuid:
+        return None
+    text = str(uuid).strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if text.startswith(prefix):
+            text = text[len(prefix) :]
+    return text or None
+
+
+def _uuid(props: Any) -> str | None:
+    raw = getattr(props, "uuid", None)
+    return None if raw is None else str(raw)
+
+
+def scan() -> CudaScan:
+    """Every CUDA device torch can see, without initialising CUDA when there is none."""
+    try:
+        torch = importlib.import_module("torch")
+    except ImportError as exc:
+        return CudaScan((), None, f"torch is not installed ({exc})")
+    version = str(torch.__version__)
+    if not torch.cuda.is_available():
+        return CudaScan((), version, "torch.cuda.is_available() is False")
+    devices = []
+    for index in range(int(torch.cuda.device_count())):
+        props = torch.cuda.get_device_properties(index)
+        devices.append(
+            CudaDevice(
+                index=index,
+                name=str(props.name),
+                multi_processor_count=int(props.multi_processor_count),
+                compute_capability=(int(props.major), int(props.minor)),
+                total_memory_bytes=int(props.total_memory) if hasattr(props, "total_memory") else None,
+                uuid=_uuid(props),
+            )
+        )
+    return CudaScan(tuple(devices), version, f"{len(devices)} CUDA device(s)")

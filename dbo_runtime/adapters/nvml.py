@@ -1,0 +1,267 @@
+"""NVML (nvidia-ml-py, ``import pynvml``) as typed, per-GPU snapshots.
+
+Why NVML next to CUDA: CUDA only sees the devices this process may use and
+reports nothing about MIG slicing, clocks or utilisation, and importing torch's
+CUDA side initialises a context. NVML sees every GPU through the driver without
+a context. But NVML has no SM-count field for a *full* GPU --
+``nvmlDeviceGetAttributes_v2`` (``multiprocessorCount``) is MIG-only and raises
+NotSupported on a whole H200 (measured) -- so for a full GPU we derive a
+cross-check from ``nvmlDeviceGetNumGpuCores`` divided by the cores per SM of
+the compute capability (16896 / 128 = 132 on an H200), and the authoritative
+count comes from CUDA (``adapters/cuda_devices.py``), as vLLM and DeepGEMM use.
+
+Every per-field NVML call degrades to ``None`` on any ``NVMLError``
+(NotSupported on MIG handles and older boards, NoPermission in containers,
+FunctionNotFound on older drivers): one missing field must not hide the others.
+Only a failure to initialise NVML at all is reported, as ``NvmlUnavailable``.
+
+``pynvml`` is imported lazily, inside ``query``; this module imports nothing
+heavy and never touches CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: CUDA cores per SM by compute capability (the table of CUDA samples'
+#: ``_ConvertSMVer2Cores``, ``helper_cuda.h``). Only used to cross-check.
+CORES_PER_SM: dict[tuple[int, int], int] = {
+    (3, 0): 192,
+    (3, 2): 192,
+    (3, 5): 192,
+    (3, 7): 192,
+    (5, 0): 128,
+    (5, 2): 128,
+    (5, 3): 128,
+    (6, 0): 64,
+    (6, 1): 128,
+    (6, 2): 128,
+    (7, 0): 64,
+    (7, 2): 64,
+    (7, 5): 64,
+    (8, 0): 64,
+    (8, 6): 128,
+    (8, 7): 128,
+    (8, 9): 128,
+    (9, 0): 128,
+    (10, 0): 128,
+    (10, 1): 128,
+    (10, 3): 128,
+    (11, 0): 128,
+    (12, 0): 128,
+    (12, 1): 128,
+}
+
+
+def cores_per_sm(capability: tuple[int, int] | None) -> int | None:
+    """Cores per SM for a compute capability, or None when not in the table."""
+    if capability is None:
+        return None
+    return CORES_PER_SM.get((int(capability[0]), int(capability[1])))
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot be used here (no nvidia-ml-py, no driver, no libnvidia-ml)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlMigDevice:
+    """One MIG instance of a GPU; ``multiprocessor_count`` from ``nvmlDeviceGetAttributes_v2``."""
+
+    parent_index: int
+    slot: int
+    """Index passed to ``nvmlDeviceGetMigDeviceHandleByIndex``."""
+    name: str | None
+    uuid: str | None
+    gpu_instance_id: int | None
+    compute_instance_id: int | None
+    multiprocessor_count: int | None
+    gpu_instance_slice_count: int | None
+    memory_size_mb: int | None
+    sm_clock_mhz: int | None
+    max_sm_clock_mhz: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlGpu:
+    """One physical GPU as NVML sees it; every field may be None (see module docstring)."""
+
+    index: int
+    name: str | None
+    uuid: str | None
+    compute_capability: tuple[int, int] | None
+    num_gpu_cores: int | None
+    mig_enabled: bool | None
+    mig_pending: bool | None
+    sm_clock_mhz: int | None
+    max_sm_clock_mhz: int | None
+    utilization_gpu_pct: int | None
+    utilization_memory_pct: int | None
+    attributes_multiprocessor_count: int | None
+    """``nvmlDeviceGetAttributes_v2`` on the GPU handle: None on a full (non-MIG) GPU."""
+    mig_devices: tuple[NvmlMigDevice, ...] = field(default_factory=tuple)
+
+    @property
+    def cores_per_sm(self) -> int | None:
+        return cores_per_sm(self.compute_capability)
+
+    @property
+    def sms_from_cores(self) -> int | None:
+        """NVML cores / cores-per-SM: the cross-check for the CUDA SM count."""
+        cps = self.cores_per_sm
+        if self.num_gpu_cores is None or not cps or self.num_gpu_cores % cps:
+            return None
+        return self.num_gpu_cores // cps
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlSnapshot:
+    driver_version: str | None
+    nvml_version: str | None
+    gpus: tuple[NvmlGpu, ...]
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+class _Reader:
+    """Calls NVML functions, turning any ``NVMLError`` into ``None`` for that field."""
+
+    def __init__(self, nvml: ModuleType) -> None:
+        self.nvml = nvml
+        self.error: type[BaseException] = nvml.NVMLError
+
+    def opt(self, fn: Callable[..., T], *args: Any) -> T | None:
+        try:
+            return fn(*args)
+        except self.error:
+            return None
+
+    def call(self, name: str, *args: Any) -> Any:
+        fn = getattr(self.nvml, name, None)
+        if fn is None:  # an older nvidia-ml-py without this binding
+            return None
+        return self.opt(fn, *args)
+
+    def clock(self, handle: Any, maximum: bool) -> int | None:
+        value = self.call("nvmlDeviceGetMaxClockInfo" if maximum else "nvmlDeviceGetClockInfo", handle, self.nvml.NVML_CLOCK_SM)
+        return None if value is None else int(value)
+
+
+def _load() -> ModuleType:
+    try:
+        return importlib.import_module("pynvml")
+    except ImportError as exc:
+        raise NvmlUnavailable(f"nvidia-ml-py is not installed ({exc})") from None
+
+
+def _mig_devices(r: _Reader, parent_index: int, handle: Any) -> tuple[NvmlMigDevice, ...]:
+    count = r.call("nvmlDeviceGetMaxMigDeviceCount", handle)
+    out: list[NvmlMigDevice] = []
+    for slot in range(int(count or 0)):
+        mig = r.call("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
+        if mig is None:  # NVMLError_NotFound: an empty slot
+            continue
+        attrs = r.call("nvmlDeviceGetAttributes_v2", mig)
+        out.append(
+            NvmlMigDevice(
+                parent_index=parent_index,
+                slot=slot,
+                name=_text(r.call("nvmlDeviceGetName", mig)),
+                uuid=_text(r.call("nvmlDeviceGetUUID", mig)),
+                gpu_instance_id=r.call("nvmlDeviceGetGpuInstanceId", mig),
+                compute_instance_id=r.call("nvmlDeviceGetComputeInstanceId", mig),
+                multiprocessor_count=None if attrs is None else int(attrs.multiprocessorCount),
+                gpu_instance_slice_count=None if attrs is None else int(attrs.gpuInstanceSliceCount),
+                memory_size_mb=None if attrs is None else int(attrs.memorySizeMB),
+                sm_clock_mhz=r.clock(mig, maximum=False),
+                max_sm_clock_mhz=r.clock(mig, maximum=True),
+            )
+        )
+    return tuple(out)
+
+
+def _gpu(r: _Reader, index: int) -> NvmlGpu:
+    nvml = r.nvml
+    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    cc = r.call("nvmlDeviceGetCudaComputeCapability", handle)
+    mig = r.call("nvmlDeviceGetMigMode", handle)
+    enable = getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1)
+    mig_enabled = None if mig is None else int(mig[0]) == enable
+    mig_pending = None if mig is None else int(mig[1]) == enable
+    util = r.call("nvmlDeviceGetUtilizationRates", handle)
+    attrs = r.call("nvmlDeviceGetAttributes_v2", handle)
+    cores = r.call("nvmlDeviceGetNumGpuCores", handle)
+    return NvmlGpu(
+        index=index,
+        name=_text(r.call("nvmlDeviceGetName", handle)),
+        uuid=_text(r.call("nvmlDeviceGetUUID", handle)),
+        compute_capability=None if cc is None else (int(cc[0]), int(cc[1])),
+        num_gpu_cores=None if cores is None else int(cores),
+        mig_enabled=mig_enabled,
+        mig_pending=mig_pending,
+        sm_clock_mhz=r.clock(handle, maximum=False),
+        max_sm_clock_mhz=r.clock(handle, maximum=True),
+        utilization_gpu_pct=None if util is None else int(util.gpu),
+        utilization_memory_pct=None if util is None else int(util.memory),
+        attributes_multiprocessor_count=None if attrs is None else int(attrs.multiprocessorCount),
+        mig_devices=_mig_devices(r, index, handle) if mig_enabled else (),
+    )
+
+
+def query(nvml: ModuleType | None = None) -> NvmlSnapshot:
+    """Snapshot every GPU NVML sees. Raises ``NvmlUnavailable`` when NVML cannot start.
+
+    ``nvml`` defaults to ``import pynvml``; NVML is shut down again before returning
+    (init/shutdown are reference counted by the driver library).
+    """
+    module = nvml if nvml is not None else _load()
+    error: type[BaseException] = module.NVMLError
+    try:
+        module.nvmlInit()
+    except error as exc:
+        raise NvmlUnavailable(f"NVML cannot initialise: {exc}") from None
+    except OSError as exc:  # pragma: no cover - defensive: a broken libnvidia-ml
+        raise NvmlUnavailable(f"NVML cannot initialise: {exc}") from None
+    try:
+        r = _Reader(module)
+        try:
+            count = int(module.nvmlDeviceGetCount())
+        except error as exc:
+            raise NvmlUnavailable(f"nvmlDeviceGetCount failed: {exc}") from None
+        gpus = []
+        for index in range(count):
+            try:
+                gpus.append(_gpu(r, index))
+            except error:  # a handle that cannot be opened (e.g. GPU lost): skip it, report the others
+                continue
+        return NvmlSnapshot(
+            driver_version=_text(r.call("nvmlSystemGetDriverVersion")),
+            nvml_version=_text(r.call("nvmlSystemGetNVMLVersion")),
+            gpus=tuple(gpus),
+        )
+    finally:
+        try:
+            module.nvmlShutdown()
+        except error:
+            pass
+
+
+def availability(nvml: ModuleType | None = None) -> tuple[bool, str]:
+    """(available, one-line detail) for ``dbo-runtime doctor``."""
+    try:
+        snap = query(nvml)
+    except NvmlUnavailable as exc:
+        return False, str(exc)
+    return True, f"driver {snap.driver_version or '?'}, {len(snap.gpus)} GPU(s)"
