@@ -1,0 +1,71 @@
+"""Exit codes, the one-line error type and output helpers shared by subcommands.
+
+``rich`` renders the tables for people, but the GPU machine has no package
+registry and may lack it, so a plain fixed-width table is the fallback; JSON
+output never depends on either.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+EXIT_OK = 0
+EXIT_PROBLEM = 1
+"""A check failed (``doctor``: vLLM missing/unsupported, a required patch target missing)."""
+EXIT_USAGE = 2
+"""Bad flag or value (argparse errors and ``ConfigError``)."""
+EXIT_NO_DEVICE = 3
+"""No GPU visible through NVML or CUDA and no ``--total-sms`` given."""
+
+
+class CliError(Exception):
+    """An expected failure: printed as one line on stderr, no traceback."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_PROBLEM) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def print_json(document: Any) -> None:
+    sys.stdout.write(json.dumps(document, indent=2, sort_keys=False) + "\n")
+
+
+def _plain_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], caption: Sequence[str]) -> str:
+    widths = [len(c) for c in columns]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    lines = [title]
+    lines.append("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+    lines.extend(caption)
+    return "\n".join(lines) + "\n"
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], caption: Sequence[str] = ()) -> None:
+    """A table on stdout: rich when importable, plain text otherwise.
+
+    Cells are passed as ``rich.text.Text`` so GPU names or notes containing
+    ``[...]`` are never parsed as rich markup; off a terminal the width is fixed
+    wide so captured output (tests, logs) is not wrapped mid-number.
+    """
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+    except ImportError:
+        sys.stdout.write(_plain_table(title, columns, rows, caption))
+        return
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 220, highlight=False)
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row))
+    console.print(table)
+    for line in caption:
+        console.print(Text(line))

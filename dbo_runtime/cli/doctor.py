@@ -1,0 +1,195 @@
+"""``dbo-runtime doctor``: will the plugin work with the vLLM installed here?
+
+Why: the plugin patches named vLLM attributes and refuses, with one log line,
+to patch an unsupported vLLM; an operator who upgraded vLLM learns that only
+from a log of every worker. The doctor checks the same things up front without
+installing anything: the vLLM version against ``plugin.SUPPORTED_VLLM``, that
+every patch target exists (``patching.probe_target``; lazy or optional targets
+that cannot be imported here count as ``skipped``, not failures), that the
+``vllm.general_plugins`` entry point is registered, and whether DeepGEMM and
+NVML load. vLLM and the integration package are imported inside ``run`` only,
+so ``dbo-runtime sms`` stays importable without vLLM.
+
+Exit 0 when vLLM is supported, the entry point is registered and no required
+(non-optional, non-lazy) patch target is missing; 1 otherwise. DeepGEMM / NVML
+absence is reported but not a failure (CPU boxes lack both).
+
+JSON schema (``--json``)::
+
+    {
+      "schema": "dbo-runtime/doctor/v1",
+      "ok": bool,
+      "problems": [str],
+      "dbo_runtime_version": str, "python": str,
+      "vllm": {"version": str | null, "supported": bool, "supported_series": "0.33"},
+      "plugin": {"entry_point": bool, "disabled_by_env": bool},
+      "patches": [{"name": str, "target": str, "state": "found" | "missing" | "skipped",
+                   "lazy": bool, "optional": bool, "detail": str,
+                   "reason": str, "upstream_pr": str, "removal": str}],
+      "deep_gemm": {"available": bool, "detail": str},
+      "nvml": {"available": bool, "detail": str}
+    }
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+from importlib import metadata
+from typing import Any
+
+from dbo_runtime import __version__
+from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, print_json, print_table
+
+SCHEMA = "dbo-runtime/doctor/v1"
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENTRY_POINT_VALUE = "dbo_runtime.integration.plugin:register"
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "doctor",
+        help="check vLLM version, patch targets, DeepGEMM and NVML",
+        description="Check that the installed vLLM has every attribute dbo_runtime patches (nothing is installed).",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output (schema in the module docstring)")
+    return p
+
+
+def _entry_point_registered() -> bool:
+    return any(ep.value == ENTRY_POINT_VALUE for ep in metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            line += f" ({type(record.exc_info[1]).__name__}: {record.exc_info[1]})"
+        self.lines.append(line)
+
+
+def _deep_gemm() -> dict[str, Any]:
+    """DeepGEMM availability as vLLM sees it.
+
+    vLLM's ``_has_module`` logs a full traceback when a DeepGEMM build is found
+    but fails to load (the CPU wheel's vendored copy always does); the doctor
+    turns that into its one-line detail instead of spilling the traceback.
+    """
+    from dbo_runtime.adapters import deep_gemm
+
+    vllm_logger = logging.getLogger("vllm.utils.import_utils")
+    capture = _Capture()
+    propagate = vllm_logger.propagate
+    vllm_logger.addHandler(capture)
+    vllm_logger.propagate = False
+    try:
+        ok = deep_gemm.available()
+    except Exception as exc:  # a broken build must be reported, not crash the doctor
+        return {"available": False, "detail": f"{type(exc).__name__}: {exc}"}
+    finally:
+        vllm_logger.removeHandler(capture)
+        vllm_logger.propagate = propagate
+    if ok:
+        return {"available": True, "detail": "importable"}
+    return {"available": False, "detail": "; ".join(capture.lines) or "not installed"}
+
+
+def _nvml() -> dict[str, Any]:
+    from dbo_runtime.adapters import nvml
+
+    ok, detail = nvml.availability()
+    return {"available": ok, "detail": detail}
+
+
+def _patches(vllm_installed: bool) -> list[dict[str, Any]]:
+    from dbo_runtime.integration import patching, plugin
+
+    out = []
+    for patch in plugin.all_patches():  # a feature module may import vLLM: the caller handles ImportError
+        if vllm_installed:
+            status = patching.probe_target(patch)
+            state, detail = status.state, status.detail
+        else:
+            state = "skipped" if patch.optional or patch.lazy else "missing"
+            detail = "vLLM not installed"
+        out.append(
+            {
+                "name": patch.name,
+                "target": patch.target,
+                "state": state,
+                "lazy": patch.lazy,
+                "optional": patch.optional,
+                "detail": detail,
+                "reason": patch.reason,
+                "upstream_pr": patch.upstream_pr,
+                "removal": patch.removal,
+            }
+        )
+    return out
+
+
+def collect() -> dict[str, Any]:
+    """The ``--json`` document (module docstring)."""
+    from dbo_runtime.integration import plugin
+
+    version = plugin.vllm_version()
+    supported = plugin.version_supported(version)
+    entry_point = _entry_point_registered()
+    problems = []
+    try:
+        patches = _patches(version is not None)
+    except ImportError as exc:  # a feature module imports vLLM at module level and vLLM is absent/broken
+        patches = []
+        problems.append(f"patch list unavailable: {type(exc).__name__}: {exc}")
+    if version is None:
+        problems.append("vLLM not installed")
+    elif not supported:
+        problems.append(f"vLLM {version} is not supported (dbo_runtime supports {plugin.SUPPORTED_VLLM}.x); the plugin patches nothing")
+    if not entry_point:
+        problems.append(f"entry point {ENTRY_POINT_GROUP}:{ENTRY_POINT_VALUE} not registered (is dbo-runtime pip-installed?)")
+    problems.extend(f"patch target missing: {p['target']} ({p['name']}): {p['detail']}" for p in patches if p["state"] == "missing")
+    return {
+        "schema": SCHEMA,
+        "ok": not problems,
+        "problems": problems,
+        "dbo_runtime_version": __version__,
+        "python": platform.python_version(),
+        "vllm": {"version": version, "supported": supported, "supported_series": plugin.SUPPORTED_VLLM},
+        "plugin": {
+            "entry_point": entry_point,
+            "disabled_by_env": os.environ.get("DBO_RUNTIME_DISABLE", "").strip().lower() in {"1", "true", "yes", "on"},
+        },
+        "patches": patches,
+        "deep_gemm": _deep_gemm(),
+        "nvml": _nvml(),
+    }
+
+
+def render(doc: dict[str, Any]) -> None:
+    v = doc["vllm"]
+    vllm_line = "vLLM not installed" if v["version"] is None else f"vLLM {v['version']} ({'supported' if v['supported'] else 'NOT supported'}; plugin targets {v['supported_series']}.x)"
+    rows = [[p["name"], p["target"], p["state"], ("lazy " if p["lazy"] else "") + ("optional" if p["optional"] else ""), p["detail"]] for p in doc["patches"]]
+    caption = [
+        f"dbo_runtime {doc['dbo_runtime_version']}, Python {doc['python']}; {vllm_line}",
+        f"entry point {ENTRY_POINT_GROUP}: {'registered' if doc['plugin']['entry_point'] else 'MISSING'}"
+        + ("; DBO_RUNTIME_DISABLE is set" if doc["plugin"]["disabled_by_env"] else ""),
+        f"DeepGEMM: {'available' if doc['deep_gemm']['available'] else 'unavailable'} ({doc['deep_gemm']['detail']})",
+        f"NVML: {'available' if doc['nvml']['available'] else 'unavailable'} ({doc['nvml']['detail']})",
+        "OK" if doc["ok"] else "PROBLEMS: " + "; ".join(doc["problems"]),
+    ]
+    print_table("dbo-runtime doctor: vLLM patch targets", ["Patch", "Target", "State", "Kind", "Detail"], rows, caption)
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = collect()
+    if args.json:
+        print_json(doc)
+    else:
+        render(doc)
+    return EXIT_OK if doc["ok"] else EXIT_PROBLEM

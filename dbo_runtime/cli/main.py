@@ -1,0 +1,93 @@
+"""``dbo-runtime``: the command-line entry point and its subcommand registry.
+
+Subcommands are discovered, not listed: every module of ``dbo_runtime.cli``
+whose name does not start with ``_`` (and is not ``main``) and that defines
+
+* ``add_parser(subparsers) -> argparse.ArgumentParser`` -- add its parser, and
+* ``run(args: argparse.Namespace) -> int`` -- do the work, return the exit code,
+
+becomes a subcommand; so a new one (``simulate``) is one new file and no edit
+here. Such modules must stay cheap to import (stdlib and ``dbo_runtime.core``
+at module level): building the parser imports all of them, and ``sms`` must run
+on the GPU machine, which has no vLLM.
+
+Exit codes (``dbo_runtime.cli._common``): 0 ok, 1 a check failed, 2 bad flag
+or value (one line naming the parameter and the allowed values), 3 no GPU.
+Expected failures print one line on stderr and never a traceback; console
+scripts pass ``main()``'s return value to ``sys.exit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import NoReturn
+
+from dbo_runtime import __version__
+from dbo_runtime.cli._common import EXIT_USAGE, CliError
+from dbo_runtime.core.errors import ConfigError
+
+PROG = "dbo-runtime"
+PREFERRED_ORDER: tuple[str, ...] = ("sms", "doctor")
+"""Order in ``--help``; other discovered subcommands follow alphabetically."""
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse prints the whole usage block on a bad flag; operators asked for one line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def subcommand_modules() -> list[ModuleType]:
+    """The modules of ``dbo_runtime.cli`` that define ``add_parser`` and ``run``."""
+    import dbo_runtime.cli as package
+
+    names = [m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_") and m.name != "main"]
+    names.sort(key=lambda n: (PREFERRED_ORDER.index(n) if n in PREFERRED_ORDER else len(PREFERRED_ORDER), n))
+    modules = []
+    for name in names:
+        module = importlib.import_module(f"{package.__name__}.{name}")
+        if callable(getattr(module, "add_parser", None)) and callable(getattr(module, "run", None)):
+            modules.append(module)
+    return modules
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineArgumentParser(prog=PROG, description="DBO SM-budget introspection and vLLM integration checks.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in subcommand_modules():
+        sub = module.add_parser(subparsers)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(None if argv is None else list(argv))
+    except SystemExit as exc:  # --help, --version, usage errors
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    run = getattr(args, "_run", None)
+    if run is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    where = f"{PROG} {args.command}"
+    try:
+        return int(run(args))
+    except ConfigError as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except CliError as exc:
+        print(f"{where}: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
