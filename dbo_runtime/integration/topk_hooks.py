@@ -1,9 +1,258 @@
-"""Per-microbatch top-k hooks (issue 4). Filled in by the top-k work."""
+"""Per-microbatch shared top-k for GLM-5.x IndexCache layers under DBO (vllm#60734).
+
+Upstream (vLLM 0.33.0) keeps the leader -> follower top-k hand-off in state with
+no microbatch dimension (``docs/vllm-0.33-hook-points.md`` §4.2): the model-wide
+``DeepseekV32Model.topk_indices_buffer`` and, per ``SparseMLAIndexGroup``, the
+physical workspace, valid counts and two ready events. DBO yields between
+layers, so microbatch 1's leader overwrites them before microbatch 0's followers
+read them. These patches route every access through
+``dbo_runtime.services.topk_state.UbatchTopkState``:
+
+* ``SparseMLAIndexGroupBuilder.register_layer`` -- when a group gets its first
+  follower and the model is built with DBO (``get_num_ubatches`` of the config
+  vLLM passes / the current config), attach per-microbatch state (at model
+  construction: inside vLLM's memory profile). Refuses HiSparse (its runtime
+  captures the group's stream/events by reference and stages top-k without a
+  microbatch dimension) and any builder whose logical buffer is not the CUDA DSA
+  model's (the torch.compiled generic ``DeepseekV2Model`` / ``Glm4MoeLite`` path
+  and ROCm DSA pass the buffer into compiled graphs, where a Python getter is
+  evaluated once at trace time: it would be silently wrong, so it is refused).
+* ``SparseMLAIndexGroup._convert_once`` / ``.set_logical_topk_ready`` -- run
+  vLLM's own method on the calling microbatch's view of the group (the only
+  readers of ``physical_topk_ready`` / ``logical_topk_ready`` outside HiSparse).
+* ``topk_indices_buffer`` data descriptors on ``DeepseekV32Attention`` (writers:
+  ``fused_norm_rope`` clear, ``sparse_attn_indexer``), ``DeepseekV32Indexer``,
+  ``SparseAttnIndexer``, ``DeepseekV32Model`` (getter, setter, deleter: MRV1's
+  proposer ``del``s then assigns, MRV2 assigns) and a wrapped
+  ``SharedTopkIndicesBuffer.topk_indices_buffer`` property (readers: the sparse
+  MLA impls). Values stay in the instance ``__dict__`` under the same name, so
+  uninstalling the patches leaves every live module with its plain attribute.
+
+MTP drafts never run microbatched (hook doc §4.3), resolve microbatch 0 and so
+see the target buffer itself.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
+import threading
+from typing import Any
+
+from dbo_runtime.core.errors import UnsupportedConfiguration
 from dbo_runtime.integration.patching import Patch
+from dbo_runtime.services.topk_state import LAYOUT_ENV, UbatchTopkState, parse_layout
+
+UPSTREAM_PR = "vllm#60734 (per-microbatch DSA shared-indexer top-k); see also vllm#56476 dbo_select_buffer"
+REMOVAL = "remove when the supported vLLM keeps shared top-k state per DBO microbatch (vllm#60734 merged)"
+ATTR = "topk_indices_buffer"
+
+_INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
+_SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
+_V32_ATTENTION = "vllm.models.deepseek_v32.attention"
+_SPARSE_INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
+_V32_MODEL = "vllm.models.deepseek_v32.nvidia.model"
+
+_state: UbatchTopkState | None = None
+_state_lock = threading.Lock()
 
 
-def patches() -> list[Patch]:
-    return []
+def default_state() -> UbatchTopkState:
+    """The process-wide registry, resolving microbatches through vLLM's thread table."""
+    global _state
+    with _state_lock:
+        if _state is None:
+            from dbo_runtime.integration.ubatch_ids import current_ubatch
+
+            _state = UbatchTopkState(current_ubatch)
+        return _state
+
+
+def _num_ubatches(vllm_config: Any) -> int:
+    if vllm_config is None:
+        return 1
+    from vllm.v1.worker.ubatch_utils import get_num_ubatches
+
+    return int(get_num_ubatches(vllm_config.parallel_config))
+
+
+def _make_event() -> Any:
+    # Resolved at call time: the same factory vLLM's builder uses for the group's own events.
+    return importlib.import_module(_INDEX_GROUP)._create_event()
+
+
+def _refuse_unsupported(builder: Any, vllm_config: Any, state: UbatchTopkState) -> None:
+    attention_config = getattr(vllm_config, "attention_config", None)
+    if getattr(attention_config, "hisparse_config", None) is not None:
+        raise UnsupportedConfiguration(
+            "HiSparse (attention_config.hisparse_config) together with DBO (--enable-dbo) and shared "
+            "top-k layers (index_topk_freq > 1) is not supported: HiSparse stages the shared top-k "
+            "without a microbatch dimension and holds the index group's stream and events by "
+            "reference, so microbatches would read each other's selection. Disable DBO or HiSparse."
+        )
+    if not state.is_model_buffer(builder.logical_topk_indices):
+        raise UnsupportedConfiguration(
+            "DBO (--enable-dbo) with shared top-k layers (index_topk_freq > 1) is supported only on "
+            "the CUDA DSA model (vllm.models.deepseek_v32.nvidia.model.DeepseekV32Model). This "
+            "model's index groups use a top-k buffer that the torch.compiled DeepseekV2/GLM-4-MoE-Lite "
+            "(or ROCm DSA) path bakes into its graph, so microbatches would share it silently. "
+            "Disable DBO for this model."
+        )
+
+
+def _register_layer_patch(state: UbatchTopkState) -> Patch:
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def register_layer(
+            self: Any,
+            is_index_producing_layer: bool,
+            vllm_config: Any = None,
+            *,
+            head_size: int | None = None,
+            kv_cache_dtype: str | None = None,
+        ) -> Any:
+            follower = not is_index_producing_layer and self.current_group is not None
+            num_ubatches = 1
+            if follower:
+                if vllm_config is None:
+                    from vllm.config import get_current_vllm_config_or_none
+
+                    config = get_current_vllm_config_or_none()
+                else:
+                    config = vllm_config
+                num_ubatches = _num_ubatches(config)
+                if num_ubatches > 1:
+                    _refuse_unsupported(self, config, state)
+                    if state.num_groups() == 0:
+                        state.layout = parse_layout(os.environ.get(LAYOUT_ENV))
+            result = original(
+                self, is_index_producing_layer, vllm_config, head_size=head_size, kv_cache_dtype=kv_cache_dtype
+            )
+            if follower and num_ubatches > 1:
+                state.attach(result[0], num_ubatches, _make_event)
+            return result
+
+        return register_layer
+
+    return Patch(
+        name="topk.builder_register_layer",
+        module=_INDEX_GROUP,
+        attr="SparseMLAIndexGroupBuilder.register_layer",
+        make=make,
+        reason="allocate/attach per-microbatch top-k state when a group gets a follower under DBO; "
+        "refuse HiSparse and the compiled generic path",
+        upstream_pr=UPSTREAM_PR,
+        removal=REMOVAL,
+        lazy=True,
+    )
+
+
+def _group_method_patch(state: UbatchTopkState, method: str) -> Patch:
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def per_ubatch(self: Any, layer_index: int, *args: Any, **kwargs: Any) -> Any:
+            view = state.group_view(self)
+            return original(self if view is None else view, layer_index, *args, **kwargs)
+
+        return per_ubatch
+
+    return Patch(
+        name=f"topk.group_{method.strip('_')}",
+        module=_INDEX_GROUP,
+        attr=f"SparseMLAIndexGroup.{method}",
+        make=make,
+        reason="run vLLM's conversion / ready-event record on the calling microbatch's physical "
+        "workspace and events instead of the group's single copy",
+        upstream_pr=UPSTREAM_PR,
+        removal=REMOVAL,
+        lazy=True,
+    )
+
+
+class TopkIndicesBufferAttr:
+    """``topk_indices_buffer`` as a data descriptor that resolves the calling microbatch's buffer.
+
+    ``nn.Module.__setattr__`` / ``__delattr__`` hand plain tensors to
+    ``object``'s, which honours class data descriptors; so assignments in
+    vLLM's ``__init__`` and the MTP proposer's ``del`` + assign land here.
+    """
+
+    def __init__(self, state: UbatchTopkState, *, marks_model_buffer: bool = False) -> None:
+        self.state = state
+        self.marks_model_buffer = marks_model_buffer
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            value = obj.__dict__[ATTR]
+        except KeyError:
+            raise AttributeError(ATTR) from None
+        return self.state.logical(value)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[ATTR] = value
+        if self.marks_model_buffer:
+            self.state.mark_model_buffer(value)
+
+    def __delete__(self, obj: Any) -> None:
+        try:
+            del obj.__dict__[ATTR]
+        except KeyError:
+            raise AttributeError(ATTR) from None
+
+
+def _descriptor_patch(state: UbatchTopkState, module: str, cls: str, *, model: bool = False) -> Patch:
+    return Patch(
+        name=f"topk.{cls}.{ATTR}",
+        module=module,
+        attr=f"{cls}.{ATTR}",
+        make=lambda original: TopkIndicesBufferAttr(state, marks_model_buffer=model),
+        reason=(
+            "model-owned logical top-k buffer: marks it as resolvable per microbatch; getter/setter/deleter "
+            "(MRV1 proposer dels then assigns)"
+            if model
+            else "writers of the leader's top-k resolve the calling microbatch's logical buffer"
+        ),
+        upstream_pr=UPSTREAM_PR,
+        removal=REMOVAL,
+        lazy=True,
+        adds=True,
+    )
+
+
+def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
+    def make(original: Any) -> Any:
+        fget, fset, fdel = original.fget, original.fset, original.fdel
+
+        def topk_indices_buffer(self: Any) -> Any:
+            return state.logical(fget(self))
+
+        return property(topk_indices_buffer, fset, fdel, original.__doc__)
+
+    return Patch(
+        name="topk.SharedTopkIndicesBuffer.topk_indices_buffer",
+        module=_SPARSE_MLA,
+        attr=f"SharedTopkIndicesBuffer.{ATTR}",
+        make=make,
+        reason="followers' sparse MLA impls read the calling microbatch's logical buffer",
+        upstream_pr=UPSTREAM_PR,
+        removal=REMOVAL,
+        lazy=True,
+    )
+
+
+def patches(state: UbatchTopkState | None = None) -> list[Patch]:
+    """All top-k patches, bound to ``state`` (the process registry by default)."""
+    st = state if state is not None else default_state()
+    return [
+        _register_layer_patch(st),
+        _group_method_patch(st, "_convert_once"),
+        _group_method_patch(st, "set_logical_topk_ready"),
+        _shared_buffer_patch(st),
+        _descriptor_patch(st, _V32_ATTENTION, "DeepseekV32Attention"),
+        _descriptor_patch(st, _V32_ATTENTION, "DeepseekV32Indexer"),
+        _descriptor_patch(st, _SPARSE_INDEXER, "SparseAttnIndexer"),
+        _descriptor_patch(st, _V32_MODEL, "DeepseekV32Model", model=True),
+    ]

@@ -1,0 +1,329 @@
+"""Per-microbatch shared top-k state for DSA IndexCache layers (GLM-5.x, vllm#60734).
+
+Why this exists: GLM-5.x runs the sparse indexer only on "leader" layers
+(``index_topk_freq`` 4, offset 3: 21 of 78 layers); each "follower" reuses the
+top-k of the leader before it through state that has no microbatch dimension --
+the model-wide logical top-k buffer and, per index group, the converted
+(physical) indices, valid counts and the logical/physical ready events. DBO
+yields inside MoE between layers, so microbatch 1's leader overwrites all of it
+between microbatch 0's leader and its followers (GSM8K 0.93 -> 0.61).
+
+This module gives every microbatch after the first its own view of that state,
+resolved by the calling thread's microbatch id and token offset (an injected
+callable: the integration layer reads vLLM's thread table without the
+``KeyError`` that ``dbo_current_ubatch_id()`` raises on the main thread). Groups
+without followers (DeepSeek-V3.2, GLM-5.1, GLM-5.3 layers 0 and 1) are never
+attached and cost nothing.
+
+Two layouts (``TopkLayout``):
+
+* ``COPIES`` -- upstream's design: one logical buffer and, per group with
+  followers, one physical workspace + valid counts per extra microbatch.
+  ``(max_num_batched_tokens + G * (max_decode_rows + 1)) * index_topk * 4`` bytes
+  per extra microbatch (216 MiB for GLM-5.3 at 8192 tokens / 1024 seqs).
+* ``WINDOWS`` (default) -- no new tensors: microbatch *i* uses the rows of the
+  existing buffers that start at its token offset in the padded batch. Correct
+  because vLLM's ubatch slices are consecutive, disjoint and sum to the padded
+  token count (``maybe_create_ubatch_slices`` asserts it), every writer and reader
+  indexes its buffer from row 0 of its own slice (``buf[:num_tokens]``), and the
+  padded count never exceeds ``max_num_batched_tokens`` (cudagraph capture sizes
+  are clipped to it and DP padding takes a max over ranks that each obey it) --
+  the same invariant the non-DBO step already relies on for the logical buffer.
+  In FULL-graph DBO capture each microbatch thread resolves its window while
+  capturing; the split point is ``num_tokens_padded // num_ubatches`` for the
+  graph's size, so replay uses the same disjoint addresses. The physical
+  workspace has only ``max_decode_rows + 1`` rows: when a later microbatch's
+  window does not fit (``offset + rows > workspace``, only for steps larger than
+  a full decode batch), vLLM's own ``_convert_once`` sees the short view and
+  converts per layer from the (windowed, hence correct) logical buffer -- the path
+  upstream already takes for any step larger than the workspace. Copies would
+  keep the shared conversion for such mid-sized steps; windows trade that for
+  zero bytes. Events are always per microbatch (they cost no memory).
+
+Nothing here imports vLLM; tensors, events and streams are duck-typed so the GPU
+twin test drives the same code with real CUDA objects.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from dbo_runtime.core.errors import ConfigError, DboRuntimeError
+
+UbatchLocator = Callable[[], tuple[int, int]]
+"""Returns ``(microbatch id, token offset)`` of the calling thread; ``(0, 0)`` outside DBO."""
+
+LAYOUT_ENV = "DBO_RUNTIME_TOPK_LAYOUT"
+
+
+class TopkLayout(StrEnum):
+    WINDOWS = "windows"
+    COPIES = "copies"
+
+
+def parse_layout(value: str | None) -> TopkLayout:
+    """``None``/empty -> ``WINDOWS``; anything else must name a layout."""
+    if value is None or value.strip() == "":
+        return TopkLayout.WINDOWS
+    try:
+        return TopkLayout(value.strip().lower())
+    except ValueError:
+        raise ConfigError(LAYOUT_ENV, value, [m.value for m in TopkLayout]) from None
+
+
+# -- layer pattern and memory ------------------------------------------------------------------
+def index_leaders(
+    num_layers: int,
+    index_topk_freq: int = 1,
+    index_skip_topk_offset: int = 2,
+    index_topk_pattern: str | None = None,
+) -> list[bool]:
+    """Which layers run the indexer, by the formula of ``DeepseekV32Attention.__init__``.
+
+    (vLLM 0.33.0 ``models/deepseek_v32/attention.py:166-177``: ``skip_topk =
+    max(layer - offset + 1, 0) % freq != 0``, or ``pattern[layer] == "S"``.)
+    """
+    if index_topk_freq < 1:
+        raise ConfigError("index_topk_freq", index_topk_freq, "an integer >= 1")
+    out = []
+    for layer in range(num_layers):
+        if index_topk_pattern is not None:
+            skip = layer < len(index_topk_pattern) and index_topk_pattern[layer] == "S"
+        else:
+            skip = max(layer - index_skip_topk_offset + 1, 0) % index_topk_freq != 0
+        out.append(not skip)
+    return out
+
+
+def groups_with_followers(leaders: Sequence[bool]) -> int:
+    """Index groups (a leader and the followers after it) that have at least one follower."""
+    count = 0
+    for i, is_leader in enumerate(leaders):
+        if is_leader and i + 1 < len(leaders) and not leaders[i + 1]:
+            count += 1
+    return count
+
+
+def max_decode_rows(max_num_batched_tokens: int, max_num_seqs: int, max_decode_query_len: int = 1) -> int:
+    """vLLM's ``get_sparse_mla_index_group_max_rows`` (``index_group.py:406-411``)."""
+    return min(max_num_batched_tokens, max_num_seqs * max_decode_query_len)
+
+
+def topk_memory_bytes(
+    *,
+    num_layers: int,
+    index_topk_freq: int,
+    index_skip_topk_offset: int,
+    index_topk: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_decode_query_len: int = 1,
+    index_topk_pattern: str | None = None,
+    index_dtype_bytes: int = 4,
+) -> dict[str, int]:
+    """Device bytes each extra microbatch costs, for both layouts.
+
+    ``copies`` counts the logical buffer, each group's physical workspace and its
+    int32 valid counts (upstream's quoted formula omits the counts, a few KiB per
+    group); ``windows`` allocates nothing. Also returns the inputs derived on the
+    way (``groups_with_followers``, ``max_decode_rows``).
+    """
+    leaders = index_leaders(num_layers, index_topk_freq, index_skip_topk_offset, index_topk_pattern)
+    groups = groups_with_followers(leaders)
+    rows = max_decode_rows(max_num_batched_tokens, max_num_seqs, max_decode_query_len)
+    copies = 0
+    if groups:
+        copies = max_num_batched_tokens * index_topk * index_dtype_bytes
+        copies += groups * (rows + 1) * (index_topk * index_dtype_bytes + 4)
+    return {
+        "copies": copies,
+        "windows": 0,
+        "groups_with_followers": groups,
+        "max_decode_rows": rows,
+    }
+
+
+# -- per-microbatch views ------------------------------------------------------------------------
+@dataclass
+class GroupView:
+    """What ``SparseMLAIndexGroup._convert_once`` / ``set_logical_topk_ready`` read, for one microbatch.
+
+    vLLM's methods run unchanged on this object (they only read these fields),
+    so the conversion algorithm stays upstream's.
+    """
+
+    logical_topk_indices: Any
+    physical_topk_indices: Any
+    valid_topk_counts: Any
+    side_stream: Any
+    logical_topk_ready: Any
+    physical_topk_ready: Any
+    has_indexer: bool
+    num_layers: int
+
+
+class _GroupState:
+    def __init__(self, group: Any, layout: TopkLayout, num_ubatches: int, make_event: Callable[[], Any]) -> None:
+        self.group_ref = weakref.ref(group)
+        self.layout = layout
+        self.events = [(make_event(), make_event()) for _ in range(num_ubatches - 1)]
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if layout is TopkLayout.COPIES:
+            self.copies = [
+                (torch.empty_like(group.physical_topk_indices), torch.empty_like(group.valid_topk_counts))
+                for _ in range(num_ubatches - 1)
+            ]
+        self._cache: dict[int, tuple[int, GroupView]] = {}
+
+    def view(self, group: Any, ubatch: int, offset: int) -> GroupView:
+        hit = self._cache.get(ubatch)
+        if hit is not None and hit[0] == offset:
+            return hit[1]
+        logical_ready, physical_ready = self.events[ubatch - 1]
+        if self.layout is TopkLayout.COPIES:
+            physical, valid = self.copies[ubatch - 1]
+        else:
+            physical = group.physical_topk_indices[offset:]
+            valid = group.valid_topk_counts[offset:]
+        view = GroupView(
+            logical_topk_indices=group.logical_topk_indices,
+            physical_topk_indices=physical,
+            valid_topk_counts=valid,
+            side_stream=group.side_stream,
+            logical_topk_ready=logical_ready,
+            physical_topk_ready=physical_ready,
+            has_indexer=group.has_indexer,
+            num_layers=group.num_layers,
+        )
+        self._cache[ubatch] = (offset, view)
+        return view
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() + v.numel() * v.element_size() for p, v in self.copies)
+
+
+class _LogicalState:
+    def __init__(self, base: torch.Tensor, layout: TopkLayout, num_ubatches: int) -> None:
+        self.base_ref = weakref.ref(base)
+        self.layout = layout
+        self.num_ubatches = num_ubatches
+        self.copies = [torch.empty_like(base) for _ in range(num_ubatches - 1)] if layout is TopkLayout.COPIES else []
+        self._cache: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def resolve(self, base: torch.Tensor, ubatch: int, offset: int) -> torch.Tensor:
+        if self.layout is TopkLayout.COPIES:
+            return self.copies[ubatch - 1]
+        hit = self._cache.get(ubatch)
+        if hit is not None and hit[0] == offset:
+            return hit[1]
+        window = base[offset:]
+        self._cache[ubatch] = (offset, window)
+        return window
+
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.copies)
+
+
+class UbatchTopkState:
+    """Registry of the logical buffers and index groups that need per-microbatch state.
+
+    Process-wide (one per model runner process, like the model). Construction
+    happens on one thread at model build; the hot path (``logical``,
+    ``group_view``) only reads dicts and is safe from the microbatch threads, of
+    which vLLM runs exactly one at a time.
+    """
+
+    def __init__(self, locate: UbatchLocator, layout: TopkLayout = TopkLayout.WINDOWS) -> None:
+        self.locate = locate
+        self.layout = layout
+        self._lock = threading.Lock()
+        self._model_buffers: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._logical: dict[int, _LogicalState] = {}
+        self._groups: dict[int, _GroupState] = {}
+
+    # -- construction (model build) ------------------------------------------------------------
+    def mark_model_buffer(self, tensor: Any) -> None:
+        """Record a logical buffer whose every writer and reader resolves through this registry."""
+        if isinstance(tensor, torch.Tensor):
+            with self._lock:
+                self._model_buffers[id(tensor)] = weakref.ref(tensor)
+
+    def is_model_buffer(self, tensor: Any) -> bool:
+        ref = self._model_buffers.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def attach(self, group: Any, num_ubatches: int, make_event: Callable[[], Any]) -> None:
+        """Give ``group`` (which now has a follower) and its logical buffer per-microbatch state.
+
+        Idempotent. Allocates (``COPIES`` only) right here, at model
+        construction, so vLLM's KV-cache memory profile accounts for it.
+        """
+        if num_ubatches < 2:
+            return
+        base = group.logical_topk_indices
+        with self._lock:
+            if id(group) not in self._groups or self._groups[id(group)].group_ref() is not group:
+                self._groups[id(group)] = _GroupState(group, self.layout, num_ubatches, make_event)
+            state = self._logical.get(id(base))
+            if state is None or state.base_ref() is not base:
+                self._logical[id(base)] = _LogicalState(base, self.layout, num_ubatches)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._model_buffers.clear()
+            self._logical.clear()
+            self._groups.clear()
+
+    # -- hot path ----------------------------------------------------------------------------------
+    def _current(self, num_ubatches: int) -> tuple[int, int]:
+        ubatch, offset = self.locate()
+        if ubatch >= num_ubatches:
+            raise DboRuntimeError(
+                f"microbatch {ubatch} resolved top-k state built for {num_ubatches} microbatches "
+                "(parallel_config.num_ubatches changed after model construction?)"
+            )
+        if ubatch > 0 and offset <= 0 and self.layout is TopkLayout.WINDOWS:
+            raise DboRuntimeError(
+                f"microbatch {ubatch} has token offset {offset}: top-k windows need vLLM's "
+                "make_ubatch_contexts(token_offsets=...) (or set DBO_RUNTIME_TOPK_LAYOUT=copies)"
+            )
+        return ubatch, offset
+
+    def logical(self, tensor: Any) -> Any:
+        """The calling microbatch's logical top-k buffer for ``tensor`` (itself when not shared)."""
+        if not self._logical:
+            return tensor
+        state = self._logical.get(id(tensor))
+        if state is None or state.base_ref() is not tensor:
+            return tensor
+        ubatch, offset = self._current(state.num_ubatches)
+        if ubatch == 0:
+            return tensor
+        return state.resolve(tensor, ubatch, offset)
+
+    def group_view(self, group: Any) -> GroupView | None:
+        """The calling microbatch's view of ``group``; ``None`` means "use the group itself"."""
+        if not self._groups:
+            return None
+        state = self._groups.get(id(group))
+        if state is None or state.group_ref() is not group:
+            return None
+        ubatch, offset = self._current(len(state.events) + 1)
+        if ubatch == 0:
+            return None
+        return state.view(group, ubatch, offset)
+
+    # -- introspection -----------------------------------------------------------------------------
+    def num_groups(self) -> int:
+        return sum(1 for s in self._groups.values() if s.group_ref() is not None)
+
+    def extra_bytes(self) -> int:
+        """Device bytes allocated for microbatches after the first (0 with ``WINDOWS``)."""
+        return sum(s.nbytes() for s in self._logical.values()) + sum(s.nbytes() for s in self._groups.values())
