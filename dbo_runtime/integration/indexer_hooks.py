@@ -1,9 +1,357 @@
-"""Indexer schedule-cache hooks (issue 3). Filled in by the indexer work."""
+"""Indexer schedule hooks (issue 3): keep DeepGEMM's paged-MQA schedule valid under DBO.
+
+Upstream behaviour that forces these patches (vLLM 0.33.0, ``docs/vllm-0.33-hook-points.md`` §1.5, §3):
+
+* ``DeepseekV32IndexerMetadataBuilder.build`` (``v1/attention/backends/mla/indexer.py:1744-1767``)
+  plans the schedule with ``self.num_sms`` (the whole GPU) on the main thread,
+  *before* ``SMControlContextManager`` lowers DeepGEMM to ``total - comm``; the
+  logits kernel then asserts ``rows == slots(num_sms) + 1`` (PR #60732).
+* ``update_draft_decode_metadata`` (``:1784-1836``) rewrites ``decode.seq_lens``
+  in place and re-plans into the same tensor, asserting an unchanged shape.
+* The logits call sites bound ``fp8_fp4_paged_mqa_logits`` by ``from`` import:
+  ``vllm.model_executor.layers.sparse_attn_indexer`` (custom-op path *and* the
+  DSA model's direct call both look the name up in that module's globals),
+  ``vllm.models.glm5next.nvidia.sparse_indexer`` (needs torchvision: lazy) and
+  DeepSeek-V4.1's specialized decode, whose ``_decode_rows`` re-plans a row
+  slice with ``schedule.shape[0] - 1`` as the SM count (wrong under DBO and for
+  SM90 ``next_n == 4``).
+* Runners build per-microbatch metadata in MRV1
+  ``GPUModelRunner._build_attention_metadata(ubatch_slices=...)`` and MRV2
+  ``UBatchRunner.prepare`` -- the only places that know a step is microbatched.
+
+What the patches do: the builder's planner call (its ``get_paged_mqa_logits_metadata``
+binding) reports the count it planned for, and plans for the announced DBO
+compute count while a runner builds microbatch metadata (plan-ahead); ``build``
+attaches that to the schedule tensor; the call sites hand the schedule to
+``IndexerScheduleCache.resolve``; the builder's ``__init__`` registers the
+planner profile so the DBO count is JIT-warmed at model load. XPU and ROCm
+paths are not touched (XPU uses its own op; ROCm never reaches DeepGEMM).
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
 from dbo_runtime.integration.patching import Patch
+from dbo_runtime.services import schedule_cache as _sc
+from dbo_runtime.services.schedule_cache import PlannerProfile, schedule_cache, warm_max_batch
+
+logger = logging.getLogger(__name__)
+
+UPSTREAM_PR = "vllm-project/vllm#60732"
+INDEXER_MODULE = "vllm.v1.attention.backends.mla.indexer"
+BUILDER = "DeepseekV32IndexerMetadataBuilder"
+SPARSE_ATTN_INDEXER_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
+GLM5NEXT_MODULE = "vllm.models.glm5next.nvidia.sparse_indexer"
+V41_DECODE_MODULE = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.indexer"
+MRV1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+MRV2_UBATCH_MODULE = "vllm.v1.worker.gpu.ubatch_utils"
+
+
+# -- the builder's planner scope ----------------------------------------------------------------
+@dataclass
+class _PlanScope:
+    override_sms: int | None
+    planned: tuple[int, int, int] | None = None
+    """``(num_sms, block_kv, next_n)`` of the last planner call in this scope."""
+
+
+_tls = threading.local()
+
+
+def _push(scope: _PlanScope) -> _PlanScope | None:
+    previous: _PlanScope | None = getattr(_tls, "scope", None)
+    _tls.scope = scope
+    return previous
+
+
+def _pop(previous: _PlanScope | None) -> None:
+    _tls.scope = previous
+
+
+def _next_n(context_lens: Any) -> int:
+    return int(context_lens.shape[1]) if context_lens.dim() == 2 else 1
+
+
+def _device_index(builder: Any) -> int | None:
+    device = getattr(builder, "device", None)
+    if device is None or getattr(device, "type", None) != "cuda":
+        return None
+    return int(device.index) if device.index is not None else 0
+
+
+def _make_builder_planner(original: Any) -> Any:
+    def get_paged_mqa_logits_metadata(
+        context_lens: Any, block_size: int, num_sms: int, indices: Any | None = None
+    ) -> Any:
+        scope: _PlanScope | None = getattr(_tls, "scope", None)
+        if scope is not None and scope.override_sms is not None:
+            num_sms = scope.override_sms
+        out = original(context_lens, block_size, num_sms, indices=indices)
+        if scope is not None:
+            scope.planned = (int(num_sms), int(block_size), _next_n(context_lens))
+        return out
+
+    return get_paged_mqa_logits_metadata
+
+
+def _make_build(original: Any) -> Any:
+    def build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cache = schedule_cache()
+        device = _device_index(self)
+        override = cache.plan_ahead_sms(device) if device is not None else None
+        scope = _PlanScope(override)
+        previous = _push(scope)
+        try:
+            metadata = original(self, *args, **kwargs)
+        finally:
+            _pop(previous)
+        decode = getattr(metadata, "decode", None)
+        if decode is not None and scope.planned is not None:
+            sms, block_kv, next_n = scope.planned
+            decode.dbo_schedule_state = cache.track(
+                decode.schedule_metadata, planned_sms=sms, block_kv=block_kv, next_n=next_n
+            )
+            if override is not None:
+                cache.stats.planned_ahead += 1
+        return metadata
+
+    return build
+
+
+def _make_update_draft(original: Any) -> Any:
+    def update_draft_decode_metadata(self: Any, metadata: Any) -> None:
+        cache = schedule_cache()
+        decode = getattr(metadata, "decode", None)
+        state = cache.state_of(decode.schedule_metadata) if decode is not None else None
+        # Re-plan for the count the schedule was planned for: vLLM asserts the shape is unchanged.
+        scope = _PlanScope(state.planned_sms if state is not None else None)
+        previous = _push(scope)
+        try:
+            original(self, metadata)
+        finally:
+            _pop(previous)
+        if decode is None:
+            return
+        if state is not None:
+            cache.invalidate(decode.schedule_metadata)
+        elif scope.planned is not None:
+            sms, block_kv, next_n = scope.planned
+            decode.dbo_schedule_state = cache.track(
+                decode.schedule_metadata, planned_sms=sms, block_kv=block_kv, next_n=next_n
+            )
+
+    return update_draft_decode_metadata
+
+
+def register_builder(builder: Any, device_index: int | None = None) -> PlannerProfile | None:
+    """Subscribe the cache to the builder's device and register what it will plan (warms announced counts)."""
+    device = _device_index(builder) if device_index is None else device_index
+    if device is None:
+        return None
+    cache = schedule_cache()
+    cache.attach_device(device, int(builder.num_sms))
+    next_n = int(getattr(builder, "num_speculative_tokens", 0)) + 1
+    flat = bool(getattr(builder, "use_flattening", False))
+    varlen = bool(getattr(builder, "supports_varlen", False))
+    sched = builder.vllm_config.scheduler_config
+    max_batch = int(sched.max_num_batched_tokens) if (flat or varlen) else int(sched.max_num_seqs)
+    profile = PlannerProfile(
+        device=builder.device,
+        block_kv=int(builder.kv_cache_spec.num_states),
+        next_ns=(1,) if (flat or varlen) else tuple(sorted({1, next_n})),
+        max_batch=min(max_batch, warm_max_batch()),
+        varlen=varlen,
+    )
+    cache.register_profile(device, profile)
+    return profile
+
+
+def _make_builder_init(original: Any) -> Any:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        register_builder(self)
+
+    return __init__
+
+
+# -- call sites -----------------------------------------------------------------------------------
+def _make_logits(original: Any) -> Any:
+    def fp8_fp4_paged_mqa_logits(
+        q: Any,
+        kv_cache: Any,
+        weights: Any,
+        context_lens: Any,
+        block_tables: Any,
+        schedule_metadata: Any,
+        max_model_len: int,
+        indices: Any | None = None,
+    ) -> Any:
+        cache = _sc._CACHE or schedule_cache()
+        schedule_metadata = cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
+        return original(
+            q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len, indices=indices
+        )
+
+    return fp8_fp4_paged_mqa_logits
+
+
+def _make_v41_planner(original: Any) -> Any:
+    def get_paged_mqa_logits_metadata(
+        context_lens: Any, block_size: int, num_sms: int, indices: Any | None = None
+    ) -> Any:
+        # _decode_rows passes ``schedule.shape[0] - 1``: an SM count inferred from rows. The slice's
+        # schedule is planned right here, so the right count is DeepGEMM's live one.
+        cache = schedule_cache()
+        live = cache.live_num_sms()
+        out = original(context_lens, block_size, live, indices=indices)
+        cache.track_fresh(out, planned_sms=live, block_kv=block_size, next_n=_next_n(context_lens))
+        return out
+
+    return get_paged_mqa_logits_metadata
+
+
+# -- plan-ahead scopes ----------------------------------------------------------------------------
+_MRV1_UBATCH_SLICES_POS = 5
+"""``ubatch_slices`` is the 6th parameter after ``self`` of ``_build_attention_metadata`` (0.33.0)."""
+
+
+def _make_mrv1_build_attention_metadata(original: Any) -> Any:
+    def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+        slices = kwargs.get("ubatch_slices")
+        if slices is None and len(args) > _MRV1_UBATCH_SLICES_POS:
+            slices = args[_MRV1_UBATCH_SLICES_POS]
+        if slices is None:
+            return original(self, *args, **kwargs)
+        with schedule_cache().microbatched_build():
+            return original(self, *args, **kwargs)
+
+    return _build_attention_metadata
+
+
+def _make_mrv2_prepare(original: Any) -> Any:
+    def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with schedule_cache().microbatched_build():
+            return original(self, *args, **kwargs)
+
+    return prepare
+
+
+def _keep(original: Any) -> Any:
+    return original
 
 
 def patches() -> list[Patch]:
-    return []
+    removal_cache = "vLLM records the planned SM count on the decode metadata and re-plans at the call site (#60732)"
+    logits_reason = (
+        "hand the schedule to IndexerScheduleCache: re-plan once per SM count when DeepGEMM's live count "
+        "differs (DBO), always record the planner inside CUDA-graph capture"
+    )
+    return [
+        Patch(
+            name="indexer.builder_init",
+            module=INDEXER_MODULE,
+            attr=f"{BUILDER}.__init__",
+            make=_make_builder_init,
+            reason="register the planner profile (block size, next_n, batch range) so the DBO SM count's planner "
+            "is JIT-compiled at model load, never in a step or a capture",
+            upstream_pr=UPSTREAM_PR,
+            removal="DeepGEMM planner compiled ahead for the DBO count upstream",
+        ),
+        Patch(
+            name="indexer.builder_planner",
+            module=INDEXER_MODULE,
+            attr="get_paged_mqa_logits_metadata",
+            make=_make_builder_planner,
+            reason="learn the SM count build()/update_draft_decode_metadata() planned for, and plan for the DBO "
+            "count while a runner builds microbatch metadata (plan-ahead: no call-site re-plan)",
+            upstream_pr=UPSTREAM_PR,
+            removal=removal_cache,
+        ),
+        Patch(
+            name="indexer.builder_build",
+            module=INDEXER_MODULE,
+            attr=f"{BUILDER}.build",
+            make=_make_build,
+            reason="attach (planned SMs, block size, next_n) to each new decode schedule; a new build is a new "
+            "cache entry",
+            upstream_pr=UPSTREAM_PR,
+            removal=removal_cache,
+        ),
+        Patch(
+            name="indexer.builder_update_draft",
+            module=INDEXER_MODULE,
+            attr=f"{BUILDER}.update_draft_decode_metadata",
+            make=_make_update_draft,
+            reason="seq_lens are rewritten in place: drop cached re-plans; re-plan for the schedule's own count "
+            "(vLLM asserts an unchanged shape)",
+            upstream_pr=UPSTREAM_PR,
+            removal=removal_cache,
+        ),
+        Patch(
+            name="indexer.logits.sparse_attn_indexer",
+            module=SPARSE_ATTN_INDEXER_MODULE,
+            attr="fp8_fp4_paged_mqa_logits",
+            make=_make_logits,
+            reason=logits_reason + " (custom-op path and the DSA model's direct call)",
+            upstream_pr=UPSTREAM_PR,
+            removal=removal_cache,
+        ),
+        Patch(
+            name="indexer.logits.glm5next",
+            module=GLM5NEXT_MODULE,
+            attr="fp8_fp4_paged_mqa_logits",
+            make=_make_logits,
+            reason=logits_reason + " (GLM-5-Next kpool indexer)",
+            upstream_pr=UPSTREAM_PR,
+            removal=removal_cache,
+            lazy=True,
+        ),
+        Patch(
+            name="indexer.logits.deepseek_v41",
+            module=V41_DECODE_MODULE,
+            attr="fp8_fp4_paged_mqa_logits",
+            make=_make_logits,
+            reason=logits_reason + " (DeepSeek-V4.1 specialized decode)",
+            upstream_pr=UPSTREAM_PR,
+            removal=removal_cache,
+            lazy=True,
+        ),
+        Patch(
+            name="indexer.planner.deepseek_v41",
+            module=V41_DECODE_MODULE,
+            attr="get_paged_mqa_logits_metadata",
+            make=_make_v41_planner,
+            reason="_decode_rows re-plans a row slice with schedule.shape[0] - 1 as the SM count (inferred from "
+            "rows); plan for DeepGEMM's live count instead",
+            upstream_pr=UPSTREAM_PR,
+            removal="vLLM passes get_num_sms() in _decode_rows",
+            lazy=True,
+        ),
+        Patch(
+            name="indexer.plan_ahead.mrv1",
+            module=MRV1_RUNNER_MODULE,
+            attr="GPUModelRunner._build_attention_metadata",
+            make=_make_mrv1_build_attention_metadata,
+            reason="metadata built with ubatch_slices is for a microbatched step: plan the schedule for the DBO "
+            "compute count up front",
+            upstream_pr="none (improvement over #60732: zero steady-state re-plans)",
+            removal="vLLM passes the microbatch SM budget to the indexer builder",
+        ),
+        Patch(
+            name="indexer.plan_ahead.mrv2",
+            module=MRV2_UBATCH_MODULE,
+            attr="UBatchRunner.prepare",
+            make=_make_mrv2_prepare,
+            reason="UBatchRunner.prepare builds per-microbatch metadata: plan the schedule for the DBO compute "
+            "count up front",
+            upstream_pr="none (improvement over #60732: zero steady-state re-plans)",
+            removal="vLLM passes the microbatch SM budget to the indexer builder",
+        ),
+    ]
+
+
+__all__ = ["patches", "register_builder"]

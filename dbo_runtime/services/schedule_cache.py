@@ -200,11 +200,13 @@ class IndexerScheduleCache:
         self.stats.invalidations += 1
 
     # -- the call site ---------------------------------------------------------------------
-    def resolve(self, schedule: Any, context_lens: Any, block_kv: int, indices: Any | None = None) -> Any:
+    def resolve(self, schedule: Any, context_lens: Any, indices: Any | None, block_source: Any) -> Any:
         """The schedule the logits kernel must get for DeepGEMM's live SM count.
 
-        ``block_kv`` is only used for schedules no build was seen for (the
-        call site's ``kv_cache.shape[1]``); tracked ones use their own.
+        ``block_source`` (an int, or the 4-D ``kv_cache`` whose ``shape[1]`` is
+        the block size) is only read for schedules no build was seen for;
+        tracked ones re-plan with their own block size. It is passed unevaluated
+        because a ``.shape`` read costs as much as the whole fast path.
         """
         num_sms = self._num_sms
         if num_sms is None:
@@ -214,7 +216,29 @@ class IndexerScheduleCache:
         state = schedule.__dict__.get(STATE_ATTR)
         if state is not None and current == state.planned_sms and not self._capturing():  # type: ignore[misc]
             return schedule
+        block_kv = block_source if isinstance(block_source, int) else int(block_source.shape[1])
         return self._resolve_slow(state, schedule, context_lens, block_kv, indices, current)
+
+    def live_num_sms(self) -> int:
+        """DeepGEMM's SM count now (what the logits kernel will assert against)."""
+        if self._num_sms is None:
+            self._bind()
+        return int(self._num_sms())  # type: ignore[misc]
+
+    def track_fresh(self, schedule: Any, *, planned_sms: int, block_kv: int, next_n: int) -> ScheduleState:
+        """``track`` for a schedule planned right now on the current stream.
+
+        Inside a capture it was recorded into this graph, so later layers of the
+        same capture may reuse it instead of recording another planner.
+        """
+        state = self.track(schedule, planned_sms=planned_sms, block_kv=block_kv, next_n=next_n)
+        if self._capturing is None:
+            self._bind()
+        if self._capturing():  # type: ignore[misc]
+            capture = self.planner.capture_id()
+            if capture is not None:
+                state.in_graph[(capture, int(planned_sms))] = schedule
+        return state
 
     def _resolve_slow(
         self, state: ScheduleState | None, schedule: Any, context_lens: Any, block_kv: int, indices: Any, current: int
@@ -343,7 +367,8 @@ class IndexerScheduleCache:
             for next_n in profile.next_ns:
                 slots = planner.slots(num_sms, next_n)
                 for batch in aligned_buckets(limit):
-                    key = (device_index, profile.block_kv, slots, batch, profile.varlen, next_n)
+                    # The planner kernel is templated on (aligned batch, SPLIT_KV, slots, varlen); next_n is a runtime arg.
+                    key = (device_index, profile.block_kv, slots, batch, profile.varlen)
                     if key in self._warmed:
                         continue
                     # Varlen (SM100) plans one row per token with request indices; next_n is 1 there.
@@ -364,8 +389,14 @@ _CACHE_LOCK = threading.Lock()
 
 
 def schedule_cache() -> IndexerScheduleCache:
-    """The process's cache (created on first use, with the real DeepGEMM planner)."""
+    """The process's cache (created on first use, with the real DeepGEMM planner).
+
+    Called once per indexer layer: the common case is one global read, no lock.
+    """
     global _CACHE
+    cache = _CACHE
+    if cache is not None:
+        return cache
     with _CACHE_LOCK:
         if _CACHE is None:
             _CACHE = IndexerScheduleCache()
