@@ -1,0 +1,380 @@
+"""``dbo-runtime sms``: split, JSON schema, error lines, NVML/CUDA merging.
+
+The no-GPU path runs for real (this box has no NVIDIA driver and CPU torch);
+the NVML-present path uses ``tests/fakes/fake_pynvml.py`` at the driver
+boundary (twin: ``tests/gpu/test_cli_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dbo_runtime.adapters import cuda_devices, nvml
+from dbo_runtime.cli.main import main
+from tests.fakes.fake_cuda_devices import fake_cuda_device, fake_cuda_scan
+from tests.fakes.fake_pynvml import FakeGpu, FakeMig, FakePynvml, NVMLError_DriverNotLoaded, h200, h200_mig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DEVICE_KEYS = {
+    "label", "kind", "nvml_index", "cuda_index", "mig_slot", "name", "uuid", "compute_capability",
+    "sms", "sms_source", "sms_cuda", "sms_nvml_mig_attributes", "sms_nvml_cores", "nvml_gpu_cores",
+    "cores_per_sm", "sms_consistent", "mig_enabled", "sm_clock_mhz", "max_sm_clock_mhz",
+    "utilization_gpu_pct", "utilization_memory_pct", "budget", "note",
+}  # fmt: skip
+BUDGET_KEYS = {
+    "total", "comm", "compute", "partitioned", "comm_knob", "compute_knob", "rocm_override",
+    "env_comm_sms", "max_sms_used", "expert_parallel", "describe",
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    rc = main(["sms", "--json", *args])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert err == ""
+    return json.loads(out)
+
+
+def split(device: dict) -> tuple[int, int, int]:
+    b = device["budget"]
+    return b["total"], b["comm"], b["compute"]
+
+
+def use_fake_nvml(monkeypatch: pytest.MonkeyPatch, fake: FakePynvml) -> FakePynvml:
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    return fake
+
+
+# -- the split, from --total-sms ---------------------------------------------------------------
+
+
+def test_embedded_h200_profile_json_schema_and_ht_split(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, "--total-sms", "132")
+    assert doc["schema"] == "dbo-runtime/sms/v1"
+    assert doc["source"] == "--total-sms"
+    assert doc["settings"] == {
+        "platform": "cuda",
+        "all2all_backend": "deepep_high_throughput",
+        "enable_dbo": True,
+        "expert_parallel": True,
+        "comm_sms": 20,
+        "comm_sms_source": "default",
+        "max_sms_used": None,
+        "max_sms_used_source": "vllm-0.33.0-manager",
+        "deep_gemm": True,
+    }
+    assert doc["nvml"]["available"] is None and doc["cuda"]["available"] is None
+    [dev] = doc["devices"]
+    assert set(dev) == DEVICE_KEYS
+    assert set(dev["budget"]) == BUDGET_KEYS
+    assert dev["name"] == "NVIDIA H200 (embedded profile)"
+    assert (dev["sms"], dev["sms_source"], dev["kind"]) == (132, "--total-sms", "profile")
+    assert split(dev) == (132, 20, 112)
+    assert dev["budget"]["comm_knob"] and dev["budget"]["compute_knob"] and dev["budget"]["partitioned"]
+
+
+def test_other_total_is_not_called_h200(capsys: pytest.CaptureFixture[str]) -> None:
+    [dev] = run_json(capsys, "--total-sms", "78")["devices"]
+    assert "H200" not in dev["name"] and "78" in dev["name"]
+    assert split(dev) == (78, 20, 58)
+
+
+@pytest.mark.parametrize("backend", ["deepep_low_latency", "nixl_ep"])
+def test_low_latency_and_nixl_do_not_partition(capsys: pytest.CaptureFixture[str], backend: str) -> None:
+    doc = run_json(capsys, "--total-sms", "132", "--all2all-backend", backend)
+    [dev] = doc["devices"]
+    assert split(dev) == (132, 0, 132)
+    assert doc["settings"]["max_sms_used"] == 0
+    assert not dev["budget"]["comm_knob"] and not dev["budget"]["compute_knob"]
+
+
+def test_table_shows_split_and_knobs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sms", "--total-sms", "132"]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA H200 (embedded profile)" in out
+    assert "132/20/112" in out
+    assert "DeepGEMM set_num_sms(112)" in out and "all2all set_num_sms(20)" in out
+    assert main(["sms", "--total-sms", "132", "--all2all-backend", "deepep_low_latency"]) == 0
+    out = capsys.readouterr().out
+    assert "132/0/132" in out and "none (no partition)" in out
+
+
+def test_rocm_deepep_ht_override_forces_comm_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    [dev] = run_json(capsys, "--total-sms", "304", "--platform", "rocm")["devices"]
+    assert split(dev) == (304, 0, 304)
+    assert dev["budget"]["rocm_override"] is True
+    assert main(["sms", "--total-sms", "304", "--platform", "rocm"]) == 0
+    assert "ROCm HT override" in capsys.readouterr().out
+
+
+def test_rocm_default_comm_is_64_for_allgather_reducescatter(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, "--total-sms", "304", "--platform", "rocm", "--all2all-backend", "allgather_reducescatter")
+    assert doc["settings"]["comm_sms"] == 64
+    assert split(doc["devices"][0]) == (304, 64, 240)
+    assert doc["devices"][0]["budget"]["rocm_override"] is False
+
+
+def test_no_expert_parallel_still_lowers_deep_gemm(capsys: pytest.CaptureFixture[str]) -> None:
+    [dev] = run_json(capsys, "--total-sms", "132", "--no-expert-parallel")["devices"]
+    assert split(dev) == (132, 20, 112)
+    assert dev["budget"]["comm_knob"] is False and dev["budget"]["compute_knob"] is True
+    # without EP vLLM never asks the manager, so max_sms_used does not cap comm
+    [dev] = run_json(capsys, "--total-sms", "132", "--no-expert-parallel", "--all2all-backend", "deepep_low_latency")["devices"]
+    assert split(dev) == (132, 20, 112)
+
+
+def test_no_deep_gemm_reserves_comm_but_leaves_compute_knob(capsys: pytest.CaptureFixture[str]) -> None:
+    [dev] = run_json(capsys, "--total-sms", "132", "--no-deep-gemm")["devices"]
+    assert split(dev) == (132, 20, 112)
+    assert dev["budget"]["compute_knob"] is False and dev["budget"]["comm_knob"] is True
+
+
+def test_max_sms_used_override(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, "--total-sms", "132", "--max-sms-used", "10")
+    assert doc["settings"]["max_sms_used_source"] == "--max-sms-used"
+    assert split(doc["devices"][0]) == (132, 10, 122)
+    doc = run_json(capsys, "--total-sms", "132", "--all2all-backend", "deepep_low_latency", "--max-sms-used", "none")
+    assert split(doc["devices"][0]) == (132, 20, 112)
+
+
+def test_comm_from_env_and_flag_precedence(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_DBO_COMM_SMS", "24")
+    doc = run_json(capsys, "--total-sms", "132")
+    assert (doc["settings"]["comm_sms"], doc["settings"]["comm_sms_source"]) == (24, "VLLM_DBO_COMM_SMS")
+    assert split(doc["devices"][0]) == (132, 24, 108)
+    doc = run_json(capsys, "--total-sms", "132", "--comm-sms", "16")
+    assert (doc["settings"]["comm_sms"], doc["settings"]["comm_sms_source"]) == (16, "--comm-sms")
+    assert split(doc["devices"][0]) == (132, 16, 116)
+
+
+def test_odd_comm_is_fine_when_deepep_ht_is_not_used(capsys: pytest.CaptureFixture[str]) -> None:
+    [dev] = run_json(capsys, "--total-sms", "132", "--comm-sms", "21", "--all2all-backend", "deepep_low_latency")["devices"]
+    assert split(dev) == (132, 0, 132)
+
+
+# -- bad values: one line naming the parameter and the allowed values ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "parameter", "allowed"),
+    [
+        (["--all2all-backend", "foo"], None, "--all2all-backend='foo'", "deepep_high_throughput, deepep_low_latency, nixl_ep"),
+        (["--all2all-backend", "naive"], None, "--all2all-backend='naive'", "with DBO on cuda"),
+        (["--comm-sms", "132"], None, "--comm-sms=132", "[0, 132)"),
+        (["--comm-sms", "21"], None, "--comm-sms=21", "even integers"),
+        (["--comm-sms", "-4"], None, "--comm-sms='-4'", "a non-negative integer"),
+        (["--comm-sms", "many"], None, "--comm-sms='many'", "a non-negative integer"),
+        (["--total-sms", "0"], None, "--total-sms='0'", "a positive integer"),
+        (["--total-sms", "abc"], None, "--total-sms='abc'", "a positive integer"),
+        (["--platform", "tpu"], None, "--platform='tpu'", "'cuda', 'rocm'"),
+        (["--max-sms-used", "-1"], None, "--max-sms-used='-1'", "a non-negative integer"),
+        ([], "abc", "VLLM_DBO_COMM_SMS='abc'", "a non-negative integer"),
+        ([], "140", "VLLM_DBO_COMM_SMS=140", "[0, 132)"),
+    ],
+)
+def test_bad_values_give_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    env: str | None,
+    parameter: str,
+    allowed: str,
+) -> None:
+    if env is not None:
+        monkeypatch.setenv("VLLM_DBO_COMM_SMS", env)
+    base = [] if "--total-sms" in args else ["--total-sms", "132"]
+    rc = main(["sms", *base, *args])
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("dbo-runtime sms: error: " + parameter)
+    assert allowed in lines[0]
+    assert "Traceback" not in err
+
+
+def test_unknown_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sms", "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--bogus" in err
+
+
+# -- hardware paths ------------------------------------------------------------------------------
+
+
+def test_no_gpu_for_real_is_one_line_exit_3(capsys: pytest.CaptureFixture[str]) -> None:
+    if cuda_devices.scan().devices:
+        pytest.skip("this machine has a CUDA device; the no-GPU path is exercised on the CPU box")
+    rc = main(["sms"])
+    out, err = capsys.readouterr()
+    assert rc == 3
+    assert out == ""
+    [line] = err.strip().splitlines()
+    assert "no GPU visible" in line and "NVML" in line and "torch.cuda.is_available() is False" in line
+    assert "--total-sms" in line
+
+
+def test_cuda_scan_does_not_initialise_cuda_without_gpu() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    scan = cuda_devices.scan()
+    assert scan.devices == () and "is_available() is False" in scan.reason
+    assert torch.cuda.is_initialized() is False
+
+
+def test_fake_nvml_h200_uses_cores_cross_check_when_cuda_is_absent(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = use_fake_nvml(monkeypatch, FakePynvml([h200()]))
+    monkeypatch.setattr(cuda_devices, "scan", lambda: fake_cuda_scan())
+    doc = run_json(capsys)
+    assert doc["source"] == "hardware"
+    assert doc["nvml"] == {"available": True, "detail": "1 GPU(s)", "driver_version": "580.95.05"}
+    [dev] = doc["devices"]
+    assert dev["kind"] == "gpu" and dev["name"] == "NVIDIA H200" and dev["compute_capability"] == "9.0"
+    assert (dev["nvml_gpu_cores"], dev["cores_per_sm"], dev["sms_nvml_cores"]) == (16896, 128, 132)
+    assert (dev["sms"], dev["sms_source"]) == (132, "nvml-cores")
+    assert dev["sms_nvml_mig_attributes"] is None  # NotSupported on a full GPU, degraded to None
+    assert dev["mig_enabled"] is False
+    assert (dev["sm_clock_mhz"], dev["max_sm_clock_mhz"], dev["utilization_gpu_pct"]) == (345, 1980, 7)
+    assert split(dev) == (132, 20, 112)
+    assert fake.inits == fake.shutdowns == 1
+
+
+def test_fake_nvml_merges_cuda_device_by_uuid_and_flags_mismatch(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpu0, gpu1 = h200(), h200()
+    gpu1.uuid = "GPU-6b1f0c2e-0000-4000-8000-000000000002"
+    use_fake_nvml(monkeypatch, FakePynvml([gpu0, gpu1]))
+    # CUDA enumerates in another order than NVML, spells UUIDs without "GPU-", and sees a third device
+    scan = fake_cuda_scan(
+        fake_cuda_device(0, 114, gpu1.uuid[4:].upper()),
+        fake_cuda_device(1, 132, gpu0.uuid[4:]),
+        fake_cuda_device(2, 78, None, name="NVIDIA H100 PCIe"),
+    )
+    monkeypatch.setattr(cuda_devices, "scan", lambda: scan)
+    devs = run_json(capsys)["devices"]
+    assert [(d["label"], d["kind"], d["cuda_index"]) for d in devs] == [("0", "gpu", 1), ("1", "gpu", 0), ("cuda:2", "cuda", 2)]
+    assert (devs[0]["sms"], devs[0]["sms_source"], devs[0]["sms_consistent"]) == (132, "cuda", True)
+    assert (devs[1]["sms"], devs[1]["sms_cuda"], devs[1]["sms_nvml_cores"], devs[1]["sms_consistent"]) == (114, 114, 132, False)
+    assert split(devs[1]) == (114, 20, 94)
+    assert (devs[2]["sms"], devs[2]["sms_source"]) == (78, "cuda")
+    assert main(["sms"]) == 0
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_fake_nvml_mig_instances_get_their_own_split(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = h200_mig(
+        FakeMig("NVIDIA H200 MIG 3g.71gb", "MIG-aaaa-0001", 60, gpu_instance_id=2),
+        None,
+        FakeMig("NVIDIA H200 MIG 2g.35gb", "MIG-aaaa-0002", 32, gpu_instance_id=5, gpu_instance_slice_count=2),
+    )
+    use_fake_nvml(monkeypatch, FakePynvml([gpu]))
+    monkeypatch.setattr(cuda_devices, "scan", lambda: fake_cuda_scan())
+    devs = run_json(capsys)["devices"]
+    assert [d["label"] for d in devs] == ["0", "0 MIG 0", "0 MIG 2"]
+    parent, mig0, mig2 = devs
+    assert parent["mig_enabled"] is True and parent["budget"] is None and "MIG enabled" in parent["note"]
+    assert parent["utilization_gpu_pct"] is None  # NotSupported in MIG mode
+    assert (mig0["kind"], mig0["sms"], mig0["sms_source"], mig0["mig_slot"]) == ("mig", 60, "nvml-mig-attributes", 0)
+    assert split(mig0) == (60, 20, 40)
+    assert (mig2["sms"], split(mig2)) == (32, (32, 20, 12))
+    assert main(["sms"]) == 0
+    out = capsys.readouterr().out
+    assert "0 MIG 2" in out and "60/20/40" in out and "MIG attributes 32" in out
+
+
+def test_fake_nvml_mig_slice_smaller_than_comm_is_a_named_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_fake_nvml(monkeypatch, FakePynvml([h200_mig(FakeMig("NVIDIA H200 MIG 1g.18gb", "MIG-bbbb-0001", 16))]))
+    monkeypatch.setattr(cuda_devices, "scan", lambda: fake_cuda_scan())
+    assert main(["sms"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("dbo-runtime sms: error: VLLM_DBO_COMM_SMS=20") and "[0, 16)" in line and "device 0 MIG 0" in line
+    assert main(["sms", "--comm-sms", "8"]) == 0
+    assert "16/8/8" in capsys.readouterr().out
+
+
+def test_fake_nvml_not_supported_fields_degrade_to_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = FakeGpu(unsupported={"nvmlDeviceGetClockInfo", "nvmlDeviceGetNumGpuCores", "nvmlDeviceGetMigMode", "nvmlDeviceGetUUID"})
+    snap = nvml.query(FakePynvml([gpu]))
+    [g] = snap.gpus
+    assert g.name == "NVIDIA H200" and g.max_sm_clock_mhz == 1980
+    assert g.sm_clock_mhz is None and g.num_gpu_cores is None and g.sms_from_cores is None
+    assert g.mig_enabled is None and g.uuid is None and g.mig_devices == ()
+
+
+def test_nvml_init_failure_and_no_cuda_is_exit_3(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    use_fake_nvml(monkeypatch, FakePynvml([], init_error=NVMLError_DriverNotLoaded()))
+    monkeypatch.setattr(cuda_devices, "scan", lambda: fake_cuda_scan())
+    assert main(["sms", "--json"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and "Driver Not Loaded" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cores_per_sm_table() -> None:
+    assert nvml.cores_per_sm((9, 0)) == 128
+    assert nvml.cores_per_sm((8, 0)) == 64
+    assert nvml.cores_per_sm((8, 9)) == 128
+    assert nvml.cores_per_sm((99, 0)) is None
+    assert nvml.cores_per_sm(None) is None
+
+
+def test_plain_table_when_rich_is_absent(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("rich", "rich.console", "rich.table", "rich.text"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert main(["sms", "--total-sms", "132"]) == 0
+    out = capsys.readouterr().out
+    assert "132/20/112" in out and "NVIDIA H200 (embedded profile)" in out
+    assert "┃" not in out  # not rich's box drawing
+
+
+# -- entry points --------------------------------------------------------------------------------
+
+
+def test_help_lists_discovered_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "sms" in out and "doctor" in out
+    assert main([]) == 2
+
+
+def test_console_script_and_module_entry_in_subprocesses() -> None:
+    script = shutil.which("dbo-runtime", path=str(Path(sys.executable).parent))
+    assert script is not None, "dbo-runtime console script missing: pip install -e . in the venv"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_DBO_COMM_SMS"}
+    ok = subprocess.run([script, "sms", "--total-sms", "132", "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert split(json.loads(ok.stdout)["devices"][0]) == (132, 20, 112)
+    bad = subprocess.run([script, "sms", "--total-sms", "132", "--comm-sms", "21"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+    # `sms` must not import vLLM (the GPU box has none): run it through `python -m dbo_runtime`'s main
+    code = (
+        "import sys; from dbo_runtime.cli.main import main; "
+        "rc = main(['sms', '--total-sms', '132', '--json']); "
+        "sys.exit(rc if 'vllm' not in sys.modules else 99)"
+    )
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    mod = subprocess.run([sys.executable, "-m", "dbo_runtime", "sms", "--total-sms", "132"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert mod.returncode == 0 and "132/20/112" in mod.stdout
