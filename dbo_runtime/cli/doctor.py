@@ -97,7 +97,8 @@ def _deep_gemm() -> dict[str, Any]:
         vllm_logger.propagate = propagate
     if ok:
         return {"available": True, "detail": "importable"}
-    return {"available": False, "detail": "; ".join(capture.lines) or "not installed"}
+    # vLLM caches the probe, so a second doctor run in one process sees no log line.
+    return {"available": False, "detail": "; ".join(capture.lines) or "not importable (has_deep_gemm() is False)"}
 
 
 def _nvml() -> dict[str, Any]:
