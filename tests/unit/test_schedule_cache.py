@@ -1,0 +1,347 @@
+"""IndexerScheduleCache on CPU, with the DeepGEMM boundary fake (tests/fakes/fake_deep_gemm.py).
+
+No vLLM import: the service must work without it. The fake performs DeepGEMM's host assertion,
+so "the logits call succeeds" below is a real check of the rows the cache handed over. GPU twin:
+tests/gpu/test_indexer_schedule_gpu.py (real DeepGEMM, real CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dbo_runtime.core.budget import compute_budget
+from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.services.schedule_cache import (
+    STATE_ATTR,
+    WARM_MAX_BATCH_ENV,
+    IndexerScheduleCache,
+    PlannerProfile,
+    aligned_buckets,
+    warm_max_batch,
+)
+from dbo_runtime.services.sm_control import SMControl
+from tests.fakes.fake_deep_gemm import FakeDeepGemm, FakeSchedulePlanner
+
+BLOCK = 64
+LAYERS = 21
+
+
+def _lens(next_n: int = 1, batch: int = 13) -> torch.Tensor:
+    # GLM-5.3 indexer case: 13 requests with contexts 1..32768; row j of request b sees L_b - next_n + j + 1.
+    last = torch.tensor([1, 7, 64, 65, 255, 256, 257, 1000, 4096, 8191, 16384, 30000, 32768][:batch], dtype=torch.int32)
+    offs = torch.arange(next_n, dtype=torch.int32) - (next_n - 1)
+    return (last[:, None] + offs[None, :]).clamp(min=1).contiguous()
+
+
+def _setup(next_n: int = 1, sm_major: int = 9) -> tuple[FakeDeepGemm, FakeSchedulePlanner, IndexerScheduleCache]:
+    dg = FakeDeepGemm(total_sms=132, sm_major=sm_major)
+    planner = FakeSchedulePlanner(dg)
+    return dg, planner, IndexerScheduleCache(planner)
+
+
+def _build(
+    cache: IndexerScheduleCache, planner: FakeSchedulePlanner, lens: torch.Tensor, sms: int
+) -> torch.Tensor:
+    """What the patched builder does: plan for ``sms`` and record it."""
+    schedule = planner.plan(lens, BLOCK, sms)
+    cache.track(schedule, planned_sms=sms, block_kv=BLOCK, next_n=int(lens.shape[1]))
+    return schedule
+
+
+def _logits(dg: FakeDeepGemm, lens: torch.Tensor, schedule: torch.Tensor) -> torch.Tensor:
+    return dg.fp8_fp4_paged_mqa_logits(None, torch.empty(0), torch.empty(0), lens, torch.empty(0), schedule, 8)
+
+
+def test_fake_raises_deepgemm_assertion_without_cache() -> None:
+    dg, planner, cache = _setup()
+    lens = _lens()
+    schedule = _build(cache, planner, lens, 132)
+    dg.set_num_sms(112)
+    with pytest.raises(RuntimeError, match="_schedule_meta_size == num_sms"):
+        _logits(dg, lens, schedule)
+
+
+def test_unchanged_count_returns_planned_tensor_without_kernel() -> None:
+    dg, planner, cache = _setup()
+    lens = _lens()
+    schedule = _build(cache, planner, lens, 132)
+    calls = len(dg.plan_calls)
+    for _ in range(LAYERS):
+        assert cache.resolve(schedule, lens, None, BLOCK) is schedule
+    assert len(dg.plan_calls) == calls
+    assert cache.stats.replans == 0
+
+
+def test_replans_once_per_count_and_reuses_across_layers() -> None:
+    dg, planner, cache = _setup()
+    lens = _lens()
+    schedule = _build(cache, planner, lens, 132)
+    dg.set_num_sms(112)
+    got = [cache.resolve(schedule, lens, None, BLOCK) for _ in range(LAYERS)]
+    assert all(g is got[0] for g in got)
+    assert tuple(got[0].shape) == (113, 2)
+    assert cache.stats.replans == 1
+    assert dg.plan_calls[-1][0] == 112
+    _logits(dg, lens, got[0])  # the fake's DeepGEMM assertion accepts it
+    assert torch.equal(got[0], planner.plan(lens, BLOCK, 112))
+
+    dg.set_num_sms(110)
+    other = cache.resolve(schedule, lens, None, BLOCK)
+    assert tuple(other.shape) == (111, 2) and cache.stats.replans == 2
+    dg.set_num_sms(112)
+    assert cache.resolve(schedule, lens, None, BLOCK) is got[0]
+    assert cache.stats.replans == 2
+    dg.set_num_sms(132)
+    assert cache.resolve(schedule, lens, None, BLOCK) is schedule
+
+
+def test_external_set_num_sms_is_seen_at_call_site() -> None:
+    """Nothing but DeepGEMM's live count is consulted: no SMControl involved at all."""
+    dg, planner, cache = _setup()
+    lens = _lens()
+    schedule = _build(cache, planner, lens, 132)
+    dg.set_num_sms(96)
+    out = cache.resolve(schedule, lens, None, BLOCK)
+    assert tuple(out.shape) == (97, 2)
+    _logits(dg, lens, out)
+
+
+def test_invalidate_drops_replans_and_new_build_is_new_entry() -> None:
+    dg, planner, cache = _setup()
+    lens = _lens()
+    schedule = _build(cache, planner, lens, 132)
+    dg.set_num_sms(112)
+    first = cache.resolve(schedule, lens, None, BLOCK)
+    # update_draft_decode_metadata rewrites seq_lens in place, then the schedule in place.
+    lens.fill_(300)
+    schedule.copy_(planner.plan(lens, BLOCK, 132))
+    cache.invalidate(schedule)
+    state = cache.state_of(schedule)
+    assert state is not None and state.generation == 1 and not state.replans
+    second = cache.resolve(schedule, lens, None, BLOCK)
+    assert second is not first
+    assert torch.equal(second, planner.plan(lens, BLOCK, 112))
+    assert cache.stats.replans == 2 and cache.stats.invalidations == 1
+
+    rebuilt = _build(cache, planner, lens, 132)
+    assert cache.state_of(rebuilt) is not state
+    cache.resolve(rebuilt, lens, None, BLOCK)
+    assert cache.stats.replans == 3
+
+
+def test_sm90_next_n4_rows_come_from_the_rule_not_the_shape() -> None:
+    dg, planner, cache = _setup(sm_major=9)
+    lens = _lens(next_n=4)
+    schedule = _build(cache, planner, lens, 132)
+    assert tuple(schedule.shape) == (67, 2)  # 132 // 2 + 1
+    # Inferring "66 SMs" from 67 rows would re-plan here; the recorded count says no.
+    assert cache.resolve(schedule, lens, None, BLOCK) is schedule
+    dg.set_num_sms(112)
+    out = cache.resolve(schedule, lens, None, BLOCK)
+    assert tuple(out.shape) == (57, 2)
+    _logits(dg, lens, out)
+    # 113 and 112 SMs are both 56 slots: the schedule is the same, no re-plan needed.
+    at_113 = _build(cache, planner, lens, 113)
+    calls = len(dg.plan_calls)
+    assert cache.resolve(at_113, lens, None, BLOCK) is at_113
+    assert len(dg.plan_calls) == calls
+
+
+def test_sm100_next_n4_keeps_one_slot_per_sm() -> None:
+    dg, planner, cache = _setup(sm_major=10)
+    lens = _lens(next_n=4)
+    schedule = _build(cache, planner, lens, 132)
+    assert tuple(schedule.shape) == (133, 2)
+    dg.set_num_sms(112)
+    assert tuple(cache.resolve(schedule, lens, None, BLOCK).shape) == (113, 2)
+
+
+def test_untracked_schedule_passes_when_rows_match_and_replans_when_not() -> None:
+    dg, planner, cache = _setup()
+    lens = _lens()
+    loose = planner.plan(lens, BLOCK, 132)
+    assert not hasattr(loose, STATE_ATTR)
+    assert cache.resolve(loose, lens, None, BLOCK) is loose
+    dg.set_num_sms(112)
+    kv_cache = torch.empty((4, BLOCK, 1, 132), dtype=torch.uint8)  # block size read from kv_cache.shape[1]
+    out = cache.resolve(loose, lens, None, kv_cache)
+    assert tuple(out.shape) == (113, 2) and dg.plan_calls[-1][1] == BLOCK
+    assert cache.stats.untracked_replans == 1 and cache.stats.replans == 0
+
+
+def test_capture_records_planner_even_when_counts_match() -> None:
+    dg, planner, cache = _setup()
+    lens = _lens()
+    schedule = _build(cache, planner, lens, 112)  # planned ahead for the DBO count, outside the graph
+    dg.set_num_sms(112)
+    planner.capturing_now, planner.current_capture = True, 7
+    got = [cache.resolve(schedule, lens, None, BLOCK) for _ in range(LAYERS)]
+    assert got[0] is not schedule  # the persistent buffer may hold another count at replay
+    assert all(g is got[0] for g in got)  # one planner per capture, reused by later layers
+    assert cache.stats.captured_replans == 1 and cache.stats.replans == 0
+    planner.current_capture = 8  # a different graph must not read graph 7's pool tensor
+    assert cache.resolve(schedule, lens, None, BLOCK) is not got[0]
+    assert cache.stats.captured_replans == 2
+    planner.current_capture = None  # capture identity unknown: record every time
+    cache.resolve(schedule, lens, None, BLOCK)
+    cache.resolve(schedule, lens, None, BLOCK)
+    assert cache.stats.captured_replans == 4
+    planner.capturing_now = False
+    assert cache.resolve(schedule, lens, None, BLOCK) is schedule
+
+
+def test_track_fresh_inside_capture_is_reused_by_same_capture() -> None:
+    dg, planner, cache = _setup()
+    lens = _lens()
+    dg.set_num_sms(112)
+    planner.capturing_now, planner.current_capture = True, 3
+    fresh = planner.plan(lens, BLOCK, 112)
+    cache.track_fresh(fresh, planned_sms=112, block_kv=BLOCK, next_n=1)
+    assert cache.resolve(fresh, lens, None, BLOCK) is fresh
+    assert cache.stats.captured_replans == 0
+
+
+def _dbo_budget() -> object:
+    return compute_budget(
+        total_sms=132, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_high_throughput"
+    )
+
+
+def test_plan_ahead_uses_announced_dbo_budget_only_inside_microbatched_build() -> None:
+    _, _, cache = _setup()
+    control = SMControl(0, 132)
+    cache.attach(control)
+    assert cache.plan_ahead_sms(0) is None
+    control.announce(_dbo_budget())  # type: ignore[arg-type]
+    assert cache.dbo_sms(0) == 112
+    assert cache.plan_ahead_sms(0) is None  # a non-microbatched step plans for the whole GPU
+    seen: list[int | None] = []
+    with cache.microbatched_build():
+        assert cache.plan_ahead_sms(0) == 112
+        assert cache.plan_ahead_sms(1) is None
+        worker = threading.Thread(target=lambda: seen.append(cache.plan_ahead_sms(0)))
+        worker.start()
+        worker.join()
+    assert seen == [None]  # the flag is per thread
+    assert cache.plan_ahead_sms(0) is None
+
+
+def test_no_plan_ahead_for_budget_without_compute_knob() -> None:
+    _, _, cache = _setup()
+    control = SMControl(0, 132)
+    cache.attach(control)
+    low_latency = compute_budget(
+        total_sms=132, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_low_latency",
+        max_sms_used=0,  # DeepEPLLAll2AllManager.max_sms_used()
+    )
+    control.announce(low_latency)
+    with cache.microbatched_build():
+        assert cache.plan_ahead_sms(0) is None
+
+
+def test_steady_state_plan_ahead_needs_zero_replans_upstream_needs_one_per_step() -> None:
+    dg, planner, cache = _setup()
+    control = SMControl(0, 132)
+    cache.attach(control)
+    budget = _dbo_budget()
+    control.announce(budget)  # type: ignore[arg-type]
+
+    def step(plan_ahead: bool) -> None:
+        for ubatch in range(2):  # each microbatch has its own builder and schedule
+            lens = _lens(batch=6 + ubatch)
+            with cache.microbatched_build():
+                sms = (cache.plan_ahead_sms(0) if plan_ahead else None) or 132
+                schedule = _build(cache, planner, lens, sms)
+            with control.partition(budget, compute_knob=_Knob(dg)):  # type: ignore[arg-type]
+                for _ in range(LAYERS):
+                    _logits(dg, lens, cache.resolve(schedule, lens, None, BLOCK))
+
+    before = cache.stats.replans
+    for _ in range(5):
+        step(plan_ahead=True)
+    assert cache.stats.replans == before
+    for _ in range(5):
+        step(plan_ahead=False)
+    assert cache.stats.replans == before + 5 * 2
+
+
+class _Knob:
+    name = "fake deep_gemm.set_num_sms"
+
+    def __init__(self, dg: FakeDeepGemm) -> None:
+        self.dg = dg
+
+    def set(self, num_sms: int) -> None:
+        self.dg.set_num_sms(num_sms)
+
+
+def test_warm_up_on_announce_and_on_late_profile() -> None:
+    dg, _planner, cache = _setup()
+    control = SMControl(0, 132)
+    cache.attach(control)
+    profile = PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(1, 4), max_batch=70)
+    cache.register_profile(0, profile)
+    assert dg.plan_calls == []  # nothing announced yet: nothing to warm
+    control.announce(_dbo_budget())  # type: ignore[arg-type]
+    # buckets 32, 64, 96; slots 112 (next_n 1) and 56 (SM90 next_n 4)
+    assert sorted((c[0], c[2][0]) for c in dg.plan_calls) == sorted(
+        (s, b) for s in (112, 56) for b in (32, 64, 96)
+    )
+    assert cache.stats.warmups == 6
+    control.announce(_dbo_budget())  # type: ignore[arg-type]
+    assert cache.stats.warmups == 6  # already compiled: not again
+
+    dg2, _planner2, late = _setup()
+    control2 = SMControl(0, 132)
+    control2.announce(_dbo_budget())  # type: ignore[arg-type]
+    late.attach(control2)  # subscribe after the announce: replayed
+    assert dg2.plan_calls == []
+    late.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(1,), max_batch=32))
+    assert [c[0] for c in dg2.plan_calls] == [112]
+
+
+def test_warm_up_never_inside_capture_and_on_unannounced_entered_budget() -> None:
+    dg, planner, cache = _setup()
+    control = SMControl(0, 132)
+    cache.attach(control)
+    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(1,), max_batch=32))
+    planner.capturing_now = True
+    control.announce(_dbo_budget())  # type: ignore[arg-type]
+    assert dg.plan_calls == [] and cache.stats.warm_skipped_in_capture == 1
+    planner.capturing_now = False
+    other = compute_budget(
+        total_sms=132,
+        platform="cuda",
+        enable_dbo=True,
+        expert_parallel=True,
+        all2all_backend="deepep_high_throughput",
+        env_comm_sms=22,
+    )
+    with control.partition(other, compute_knob=_Knob(dg)):
+        pass
+    assert [c[0] for c in dg.plan_calls] == [110]
+
+
+def test_warm_batch_limit_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(WARM_MAX_BATCH_ENV, "64")
+    assert warm_max_batch() == 64
+    dg, _planner, cache = _setup()
+    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(1,), max_batch=1000))
+    control = SMControl(0, 132)
+    cache.attach(control)
+    control.announce(_dbo_budget())  # type: ignore[arg-type]
+    assert sorted(c[2][0] for c in dg.plan_calls) == [32, 64]
+    monkeypatch.setenv(WARM_MAX_BATCH_ENV, "many")
+    with pytest.raises(ConfigError, match=WARM_MAX_BATCH_ENV):
+        warm_max_batch()
+
+
+def test_aligned_buckets() -> None:
+    assert aligned_buckets(1) == [32]
+    assert aligned_buckets(32) == [32]
+    assert aligned_buckets(33) == [32, 64]
+    with pytest.raises(ConfigError, match="max_batch"):
+        aligned_buckets(0)
