@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import threading
 from typing import Any
 
 from dbo_runtime.core.errors import UnsupportedConfiguration
 from dbo_runtime.integration.patching import Patch
-from dbo_runtime.services.topk_state import LAYOUT_ENV, UbatchTopkState, parse_layout
+from dbo_runtime.services.topk_state import UbatchTopkState
 
 UPSTREAM_PR = "vllm#60734 (per-microbatch DSA shared-indexer top-k); see also vllm#56476 dbo_select_buffer"
 REMOVAL = "remove when the supported vLLM keeps shared top-k state per DBO microbatch (vllm#60734 merged)"
@@ -124,8 +123,6 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
                 num_ubatches = _num_ubatches(config)
                 if num_ubatches > 1:
                     _refuse_unsupported(self, config, state)
-                    if state.num_groups() == 0:
-                        state.layout = parse_layout(os.environ.get(LAYOUT_ENV))
             result = original(
                 self, is_index_producing_layer, vllm_config, head_size=head_size, kv_cache_dtype=kv_cache_dtype
             )

@@ -46,6 +46,7 @@ twin test drives the same code with real CUDA objects.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -240,9 +241,10 @@ class UbatchTopkState:
     which vLLM runs exactly one at a time.
     """
 
-    def __init__(self, locate: UbatchLocator, layout: TopkLayout = TopkLayout.WINDOWS) -> None:
+    def __init__(self, locate: UbatchLocator, layout: TopkLayout | None = None) -> None:
         self.locate = locate
-        self.layout = layout
+        self.layout: TopkLayout | None = layout
+        """``None``: read ``DBO_RUNTIME_TOPK_LAYOUT`` at the first ``attach`` (model construction)."""
         self._lock = threading.Lock()
         self._model_buffers: dict[int, weakref.ref[torch.Tensor]] = {}
         self._logical: dict[int, _LogicalState] = {}
@@ -269,6 +271,8 @@ class UbatchTopkState:
             return
         base = group.logical_topk_indices
         with self._lock:
+            if self.layout is None:
+                self.layout = parse_layout(os.environ.get(LAYOUT_ENV))
             if id(group) not in self._groups or self._groups[id(group)].group_ref() is not group:
                 self._groups[id(group)] = _GroupState(group, self.layout, num_ubatches, make_event)
             state = self._logical.get(id(base))
@@ -289,7 +293,7 @@ class UbatchTopkState:
                 f"microbatch {ubatch} resolved top-k state built for {num_ubatches} microbatches "
                 "(parallel_config.num_ubatches changed after model construction?)"
             )
-        if ubatch > 0 and offset <= 0 and self.layout is TopkLayout.WINDOWS:
+        if ubatch > 0 and offset <= 0 and self.layout is not TopkLayout.COPIES:
             raise DboRuntimeError(
                 f"microbatch {ubatch} has token offset {offset}: top-k windows need vLLM's "
                 "make_ubatch_contexts(token_offsets=...) (or set DBO_RUNTIME_TOPK_LAYOUT=copies)"
@@ -321,6 +325,10 @@ class UbatchTopkState:
         return state.view(group, ubatch, offset)
 
     # -- introspection -----------------------------------------------------------------------------
+    def is_attached(self, group: Any) -> bool:
+        state = self._groups.get(id(group))
+        return state is not None and state.group_ref() is group
+
     def num_groups(self) -> int:
         return sum(1 for s in self._groups.values() if s.group_ref() is not None)
 
