@@ -8,6 +8,7 @@ output never depends on either.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -50,8 +51,8 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
     """A table on stdout: rich when importable, plain text otherwise.
 
     Cells are passed as ``rich.text.Text`` so GPU names or notes containing
-    ``[...]`` are never parsed as rich markup; off a terminal the width is fixed
-    wide so captured output (tests, logs) is not wrapped mid-number.
+    ``[...]`` are never parsed as rich markup; off a terminal (and without ``$COLUMNS``) the
+    width is fixed wide so captured output (tests, logs) is not wrapped mid-number.
     """
     try:
         from rich.console import Console
@@ -60,10 +61,12 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
     except ImportError:
         sys.stdout.write(_plain_table(title, columns, rows, caption))
         return
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 220, highlight=False)
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 220, highlight=False)
     table = Table(title=title, title_justify="left")
-    for column in columns:
-        table.add_column(column, overflow="fold")
+    key_width = max([len(columns[0]), *(len(row[0]) for row in rows)]) if columns else 0
+    for i, column in enumerate(columns):
+        # the first column is the row's key (GPU label, patch name): never folded, so it stays greppable
+        table.add_column(column, overflow="fold", min_width=key_width if i == 0 else None)
     for row in rows:
         table.add_row(*(Text(cell) for cell in row))
     console.print(table)
