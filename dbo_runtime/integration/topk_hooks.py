@@ -81,15 +81,29 @@ def _make_event() -> Any:
     return importlib.import_module(_INDEX_GROUP)._create_event()
 
 
+def _hisparse(vllm_config: Any) -> bool:
+    return getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None
+
+
+def _model_shares_topk(vllm_config: Any) -> bool:
+    """Whether the HF config declares follower layers (checked before HiSparse builds any state)."""
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    pattern = getattr(hf, "index_topk_pattern", None)
+    return int(getattr(hf, "index_topk_freq", 1) or 1) > 1 or (isinstance(pattern, str) and "S" in pattern)
+
+
+def _refuse_hisparse() -> None:
+    raise UnsupportedConfiguration(
+        "HiSparse (attention_config.hisparse_config) together with DBO (--enable-dbo) and shared "
+        "top-k layers (index_topk_freq > 1) is not supported: HiSparse stages the shared top-k "
+        "without a microbatch dimension and holds the index group's stream and events by "
+        "reference, so microbatches would read each other's selection. Disable DBO or HiSparse."
+    )
+
+
 def _refuse_unsupported(builder: Any, vllm_config: Any, state: UbatchTopkState) -> None:
-    attention_config = getattr(vllm_config, "attention_config", None)
-    if getattr(attention_config, "hisparse_config", None) is not None:
-        raise UnsupportedConfiguration(
-            "HiSparse (attention_config.hisparse_config) together with DBO (--enable-dbo) and shared "
-            "top-k layers (index_topk_freq > 1) is not supported: HiSparse stages the shared top-k "
-            "without a microbatch dimension and holds the index group's stream and events by "
-            "reference, so microbatches would read each other's selection. Disable DBO or HiSparse."
-        )
+    if _hisparse(vllm_config):
+        _refuse_hisparse()
     if not state.is_model_buffer(builder.logical_topk_indices):
         raise UnsupportedConfiguration(
             "DBO (--enable-dbo) with shared top-k layers (index_topk_freq > 1) is supported only on "
@@ -112,17 +126,18 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
             kv_cache_dtype: str | None = None,
         ) -> Any:
             follower = not is_index_producing_layer and self.current_group is not None
-            num_ubatches = 1
-            if follower:
-                if vllm_config is None:
-                    from vllm.config import get_current_vllm_config_or_none
+            if vllm_config is None:
+                from vllm.config import get_current_vllm_config_or_none
 
-                    config = get_current_vllm_config_or_none()
-                else:
-                    config = vllm_config
-                num_ubatches = _num_ubatches(config)
-                if num_ubatches > 1:
+                config = get_current_vllm_config_or_none()
+            else:
+                config = vllm_config
+            num_ubatches = _num_ubatches(config)
+            if num_ubatches > 1:
+                if follower:
                     _refuse_unsupported(self, config, state)
+                elif _hisparse(config) and _model_shares_topk(config):
+                    _refuse_hisparse()  # before HiSparse builds host caches for the leader
             result = original(
                 self, is_index_producing_layer, vllm_config, head_size=head_size, kv_cache_dtype=kv_cache_dtype
             )

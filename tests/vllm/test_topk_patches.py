@@ -1,0 +1,184 @@
+"""Top-k patch set against the real vLLM 0.33.0 classes: identity on uninstall, MTP re-pointing, refusals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dbo_runtime.core.errors import UnsupportedConfiguration
+from dbo_runtime.integration import topk_hooks
+from dbo_runtime.integration.patching import PatchSet, current_value, resolve_owner
+from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
+from tests.vllm.test_topk_isolation import boundary, build_model, dbo_config, installed  # noqa: F401 - fixtures
+
+ATTR = "topk_indices_buffer"
+
+
+def _classes() -> dict[str, type]:
+    from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
+    from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
+    from vllm.models.deepseek_v32.attention import DeepseekV32Attention, DeepseekV32Indexer
+    from vllm.models.deepseek_v32.nvidia.model import DeepseekV32Model
+
+    return {
+        "attn": DeepseekV32Attention,
+        "indexer": DeepseekV32Indexer,
+        "op": SparseAttnIndexer,
+        "model": DeepseekV32Model,
+        "shared": SharedTopkIndicesBuffer,
+    }
+
+
+def test_uninstall_restores_identical_objects() -> None:
+    import importlib
+
+    patches = topk_hooks.patches(UbatchTopkState(lambda: (0, 0)))
+    before = {}
+    for p in patches:
+        owner, name = resolve_owner(importlib.import_module(p.module), p.attr)
+        before[p.name] = owner.__dict__.get(name, "<absent>")
+    ps = PatchSet(patches)
+    ps.install()
+    try:
+        for p in patches:
+            owner, name = resolve_owner(importlib.import_module(p.module), p.attr)
+            assert owner.__dict__.get(name, "<absent>") is not before[p.name], p.name
+    finally:
+        ps.uninstall()
+    for p in patches:
+        owner, name = resolve_owner(importlib.import_module(p.module), p.attr)
+        assert owner.__dict__.get(name, "<absent>") is before[p.name], p.name
+    for key in ("attn", "indexer", "op", "model"):
+        assert ATTR not in _classes()[key].__dict__
+    assert isinstance(current_value(importlib.import_module(patches[3].module), patches[3].attr), property)
+
+
+def test_live_modules_keep_their_buffer_across_uninstall() -> None:
+    import torch.nn as nn
+
+    cls = _classes()["attn"]
+    ps = PatchSet(topk_hooks.patches(UbatchTopkState(lambda: (0, 0))))
+    ps.install()
+    obj = object.__new__(cls)
+    nn.Module.__init__(obj)
+    buf = torch.zeros(4, 2, dtype=torch.int32)
+    obj.topk_indices_buffer = buf
+    ps.uninstall()
+    assert obj.topk_indices_buffer is buf
+
+
+def _new(cls: type) -> Any:
+    import torch.nn as nn
+
+    obj = object.__new__(cls)
+    nn.Module.__init__(obj)
+    return obj
+
+
+@pytest.mark.parametrize("runner", ["mrv1_del_then_assign", "mrv2_assign"])
+def test_mtp_repointing_with_descriptors(installed: Any, runner: str) -> None:  # noqa: F811
+    """LLMBaseProposer.load_model (MRV1) / load_eagle_model (MRV2) statements on patched classes."""
+    from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonImpl
+
+    c = _classes()
+    # A live DBO microbatch 1 at offset 4 must not leak into the (never microbatched) draft.
+    located = {"value": (0, 0)}
+    state = UbatchTopkState(lambda: located["value"], TopkLayout.WINDOWS)
+    installed(state)
+
+    target = _new(c["model"])
+    target.topk_indices_buffer = torch.zeros(8, 2, dtype=torch.int32)
+    target_buffer = target.topk_indices_buffer
+    assert state.is_model_buffer(target_buffer)
+
+    draft_inner = _new(c["model"])
+    draft_inner.topk_indices_buffer = torch.ones(8, 2, dtype=torch.int32)
+    attn, indexer, op = _new(c["attn"]), _new(c["indexer"]), _new(c["op"])
+    own = draft_inner.topk_indices_buffer
+    for m in (attn, indexer, op):
+        m.topk_indices_buffer = own
+    impl = object.__new__(SparseMLACommonImpl)
+    impl.init_topk_indices_buffer(indexer, own)
+
+    if runner == "mrv1_del_then_assign":
+        assert hasattr(draft_inner, ATTR)
+        del draft_inner.topk_indices_buffer
+        assert not hasattr(draft_inner, ATTR)
+        with pytest.raises(AttributeError):
+            del draft_inner.topk_indices_buffer
+        draft_inner.topk_indices_buffer = target_buffer
+    for m in (draft_inner, attn, indexer, op):
+        if hasattr(m, ATTR):
+            m.topk_indices_buffer = target_buffer
+
+    for m in (draft_inner, attn, indexer, op):
+        assert m.topk_indices_buffer is target_buffer
+    assert impl.topk_indices_buffer is target_buffer
+    assert not hasattr(_new(c["attn"]), ATTR)  # hasattr stays False where vLLM never set it
+
+
+def test_hisparse_with_dbo_and_followers_refuses(boundary: Any, installed: Any) -> None:  # noqa: F811
+    installed(UbatchTopkState(lambda: (0, 0)))
+    import types
+
+    config = dbo_config()
+    config.attention_config.hisparse_config = object()
+    # Refused at the first follower ...
+    with pytest.raises(UnsupportedConfiguration, match=r"HiSparse .*DBO.*index_topk_freq > 1"):
+        _register_follower(config)
+    # ... and, when the HF config declares followers, before HiSparse builds the leader's caches.
+    config.model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(index_topk_freq=4))
+    with pytest.raises(UnsupportedConfiguration, match=r"HiSparse .*DBO.*index_topk_freq > 1"):
+        build_model(config)
+
+
+def _register_follower(config: Any) -> None:
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+
+    builder = SparseMLAIndexGroupBuilder(torch.zeros(8, 2, dtype=torch.int32), 4)
+    builder.current_group = object()  # a leader registered earlier (HiSparse leader state needs a real model)
+    builder.register_layer(False, config)
+
+
+def test_generic_path_with_dbo_and_followers_refuses(boundary: Any, installed: Any) -> None:  # noqa: F811
+    """A builder whose buffer is not DeepseekV32Model's (compiled DeepseekV2Model / Glm4MoeLite path)."""
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+
+    state = UbatchTopkState(lambda: (0, 0))
+    installed(state)
+    builder = SparseMLAIndexGroupBuilder(torch.zeros(8, 2, dtype=torch.int32), 4)
+    config = dbo_config()
+    builder.register_layer(True, config)  # a leader alone is fine
+    with pytest.raises(UnsupportedConfiguration, match="only on the CUDA DSA model"):
+        builder.register_layer(False, config)
+    # Without DBO the same model builds and nothing is attached.
+    builder2 = SparseMLAIndexGroupBuilder(torch.zeros(8, 2, dtype=torch.int32), 4)
+    builder2.register_layer(True, dbo_config(enable_dbo=False))
+    group, index = builder2.register_layer(False, dbo_config(enable_dbo=False))
+    assert index == 1 and not state.is_attached(group)
+
+
+def test_bad_layout_env_is_one_clear_error(boundary: Any, installed: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    from dbo_runtime.core.errors import ConfigError
+
+    monkeypatch.setenv("DBO_RUNTIME_TOPK_LAYOUT", "shared")
+    installed(UbatchTopkState(lambda: (0, 0)))
+    with pytest.raises(ConfigError, match=r"DBO_RUNTIME_TOPK_LAYOUT='shared'.*'windows', 'copies'"):
+        build_model(dbo_config())
+
+
+def test_main_thread_resolution_never_raises_while_ubatch_threads_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's dbo_current_ubatch_id() raises KeyError here; ubatch_ids does not."""
+    import threading
+
+    from vllm.v1.worker import ubatching
+
+    from dbo_runtime.integration import ubatch_ids
+
+    monkeypatch.setitem(ubatching._THREAD_ID_TO_CONTEXT, threading.get_ident() + 1, 1)
+    with pytest.raises(KeyError):
+        ubatching.dbo_current_ubatch_id()
+    assert ubatch_ids.current_ubatch_id() == 0
+    assert ubatch_ids.current_ubatch() == (0, 0)
