@@ -19,6 +19,11 @@ DOC_KEYS = {"schema", "ok", "problems", "dbo_runtime_version", "python", "vllm",
 PATCH_KEYS = {"name", "target", "state", "lazy", "optional", "detail", "reason", "upstream_pr", "removal"}
 
 
+@pytest.fixture(autouse=True)
+def _wide_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)  # a narrow terminal width would fold table cells
+
+
 def doctor_json(capsys: pytest.CaptureFixture[str]) -> tuple[int, dict]:
     rc = main(["doctor", "--json"])
     out = capsys.readouterr().out

@@ -39,6 +39,7 @@ BUDGET_KEYS = {
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("COLUMNS", raising=False)  # a narrow terminal width would fold table cells
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
