@@ -98,7 +98,7 @@ def _deep_gemm() -> dict[str, Any]:
     if ok:
         return {"available": True, "detail": "importable"}
     # vLLM caches the probe, so a second doctor run in one process sees no log line.
-    return {"available": False, "detail": "; ".join(capture.lines) or "not importable (has_deep_gemm() is False)"}
+    return {"available": False, "detail": "; ".join(capture.lines) or "not importable here"}
 
 
 def _nvml() -> dict[str, Any]:
@@ -143,17 +143,20 @@ def collect() -> dict[str, Any]:
     supported = plugin.version_supported(version)
     entry_point = _entry_point_registered()
     problems = []
+    patch_error = ""
     try:
         patches = _patches(version is not None)
     except ImportError as exc:  # a feature module imports vLLM at module level and vLLM is absent/broken
         patches = []
-        problems.append(f"patch list unavailable: {type(exc).__name__}: {exc}")
+        patch_error = f"patch list unavailable: {type(exc).__name__}: {exc}"
     if version is None:
         problems.append("vLLM not installed")
     elif not supported:
         problems.append(f"vLLM {version} is not supported (dbo_runtime supports {plugin.SUPPORTED_VLLM}.x); the plugin patches nothing")
     if not entry_point:
         problems.append(f"entry point {ENTRY_POINT_GROUP}:{ENTRY_POINT_VALUE} not registered (is dbo-runtime pip-installed?)")
+    if patch_error:
+        problems.append(patch_error)
     problems.extend(f"patch target missing: {p['target']} ({p['name']}): {p['detail']}" for p in patches if p["state"] == "missing")
     return {
         "schema": SCHEMA,
