@@ -373,6 +373,7 @@ def test_console_script_and_module_entry_in_subprocesses() -> None:
     code = (
         "import sys; from dbo_runtime.cli.main import main; "
         "rc = main(['sms', '--total-sms', '132', '--json']); "
+        "main(['sms', '--json']); "  # the hardware path too (exit 3 on this box, 0 on a GPU box)
         "sys.exit(rc if 'vllm' not in sys.modules else 99)"
     )
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
