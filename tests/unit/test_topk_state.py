@@ -1,0 +1,88 @@
+"""UbatchTopkState and the memory function, pure (no vLLM, no GPU)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from dbo_runtime.core.errors import ConfigError, DboRuntimeError
+from dbo_runtime.services.topk_state import (
+    TopkLayout,
+    UbatchTopkState,
+    groups_with_followers,
+    index_leaders,
+    parse_layout,
+    topk_memory_bytes,
+)
+
+
+def test_glm53_pattern_and_memory() -> None:
+    leaders = index_leaders(78, 4, 3)
+    assert [i for i, x in enumerate(leaders) if x] == [0, 1, 2, *range(6, 78, 4)]
+    assert sum(leaders) == 21 and groups_with_followers(leaders) == 19
+    m = topk_memory_bytes(num_layers=78, index_topk_freq=4, index_skip_topk_offset=3, index_topk=2048,
+                          max_num_batched_tokens=8192, max_num_seqs=1024)
+    upstream = (8192 + 19 * (1024 + 1)) * 2048 * 4  # vllm#60734's formula: 216 MiB
+    assert m["copies"] == upstream + 19 * 1025 * 4 and m["windows"] == 0
+    assert round(upstream / 2**20) == 216
+
+
+def test_freq1_costs_nothing() -> None:
+    m = topk_memory_bytes(num_layers=78, index_topk_freq=1, index_skip_topk_offset=3, index_topk=2048,
+                          max_num_batched_tokens=8192, max_num_seqs=1024)
+    assert m == {"copies": 0, "windows": 0, "groups_with_followers": 0, "max_decode_rows": 1024}
+
+
+def test_layout_parsing() -> None:
+    assert parse_layout(None) is TopkLayout.WINDOWS and parse_layout(" Copies ") is TopkLayout.COPIES
+    with pytest.raises(ConfigError, match="DBO_RUNTIME_TOPK_LAYOUT"):
+        parse_layout("shared")
+
+
+class _Group(types.SimpleNamespace):
+    """A weak-referenceable stand-in with SparseMLAIndexGroup's fields."""
+
+
+def _group(base: torch.Tensor) -> _Group:
+    return _Group(
+        logical_topk_indices=base, physical_topk_indices=torch.zeros(5, 2, dtype=torch.int32),
+        valid_topk_counts=torch.zeros(5, dtype=torch.int32), side_stream=None, logical_topk_ready=None,
+        physical_topk_ready=None, has_indexer=True, num_layers=2,
+    )
+
+
+@pytest.mark.parametrize("layout", list(TopkLayout))
+def test_resolution_by_microbatch(layout: TopkLayout) -> None:
+    where = {"v": (0, 0)}
+    st = UbatchTopkState(lambda: where["v"], layout)
+    base = torch.zeros(8, 2, dtype=torch.int32)
+    g = _group(base)
+    st.attach(g, 2, object)
+    assert st.logical(base) is base and st.group_view(g) is None
+    where["v"] = (1, 3)
+    win = st.logical(base)
+    view = st.group_view(g)
+    assert view is not None and view.logical_topk_ready is not g.logical_topk_ready
+    if layout is TopkLayout.WINDOWS:
+        assert win.data_ptr() == base[3:].data_ptr() and win.shape[0] == 5
+        assert view.physical_topk_indices.data_ptr() == g.physical_topk_indices[3:].data_ptr()
+        assert st.extra_bytes() == 0
+    else:
+        assert win.data_ptr() != base.data_ptr() and win.shape == base.shape
+        assert st.extra_bytes() == 8 * 2 * 4 + 5 * 2 * 4 + 5 * 4
+    other = torch.zeros(8, 2, dtype=torch.int32)
+    assert st.logical(other) is other  # never attached: itself
+
+
+def test_windows_refuse_zero_offset_and_unknown_ubatch() -> None:
+    where = {"v": (1, 0)}
+    st = UbatchTopkState(lambda: where["v"], TopkLayout.WINDOWS)
+    base = torch.zeros(8, 2, dtype=torch.int32)
+    st.attach(_group(base), 2, object)
+    with pytest.raises(DboRuntimeError, match="token offset 0"):
+        st.logical(base)
+    where["v"] = (2, 4)
+    with pytest.raises(DboRuntimeError, match="built for 2 microbatches"):
+        st.logical(base)
