@@ -1,0 +1,365 @@
+"""Indexer schedule hooks against the real vLLM 0.33.0 package (CPU).
+
+What is real: vLLM's modules, the ``DeepseekV32IndexerMetadataBuilder`` class, its ``__init__``,
+``build()`` (decode branch) and ``update_draft_decode_metadata()``, the ``DeepSeekV32IndexerDecodeMetadata``
+objects they return, the call-site module attributes, the PatchSet transaction.
+
+Boundary fakes (no GPU / no DeepGEMM here; GPU twin: tests/gpu/test_indexer_schedule_gpu.py):
+``current_platform.is_cuda`` / ``is_device_capability_family`` (the builder only plans on CUDA),
+the indexer module's ``num_compute_units`` (132) and ``has_deep_gemm``, DeepGEMM's planner and
+logits kernel (tests/fakes/fake_deep_gemm.py; the logits fake performs DeepGEMM's host assertion),
+and ``builder.device`` set to ``cuda:0`` after construction (buffers stay on the CPU; the hooks
+only read the device index).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from dbo_runtime.core.budget import compute_budget
+from dbo_runtime.integration import indexer_hooks
+from dbo_runtime.integration.patching import PatchSet
+from dbo_runtime.services.schedule_cache import IndexerScheduleCache, set_schedule_cache_for_tests
+from dbo_runtime.services.sm_control import reset_controls_for_tests, sm_control_for
+from tests.fakes.fake_deep_gemm import (
+    FakeDeepGemm,
+    FakeSchedulePlanner,
+    vllm_signature_logits,
+    vllm_signature_planner,
+)
+
+LAYERS = 21
+BLOCK = 64
+IX = "vllm.v1.attention.backends.mla.indexer"
+SAI = "vllm.model_executor.layers.sparse_attn_indexer"
+V41 = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.indexer"
+
+
+def _raw(owner: Any, name: str) -> Any:
+    return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+
+
+def test_patches_land_on_real_targets_and_uninstall_restores_identity() -> None:
+    ix = importlib.import_module(IX)
+    sai = importlib.import_module(SAI)
+    from vllm.utils import deep_gemm as vdg
+    from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    builder = ix.DeepseekV32IndexerMetadataBuilder
+    targets = {
+        "indexer.builder_init": (builder, "__init__"),
+        "indexer.builder_build": (builder, "build"),
+        "indexer.builder_update_draft": (builder, "update_draft_decode_metadata"),
+        "indexer.builder_planner": (ix, "get_paged_mqa_logits_metadata"),
+        "indexer.logits.sparse_attn_indexer": (sai, "fp8_fp4_paged_mqa_logits"),
+        "indexer.plan_ahead.mrv1": (GPUModelRunner, "_build_attention_metadata"),
+        "indexer.plan_ahead.mrv2": (UBatchRunner, "prepare"),
+    }
+    before = {name: _raw(owner, attr) for name, (owner, attr) in targets.items()}
+    # The call sites really hold vLLM's DeepGEMM wrappers (from-import bindings).
+    assert before["indexer.logits.sparse_attn_indexer"] is vdg.fp8_fp4_paged_mqa_logits
+    assert before["indexer.builder_planner"] is vdg.get_paged_mqa_logits_metadata
+
+    patch_set = PatchSet(indexer_hooks.patches())
+    patch_set.install()
+    try:
+        for name, (owner, attr) in targets.items():
+            now = _raw(owner, attr)
+            assert now is not before[name], name
+            assert now.__wrapped__ is before[name], name
+        states = {s.patch.name: s.state for s in patch_set.status()}
+        assert all(states[name] == "installed" for name in targets)
+        # GLM-5-Next's module needs torchvision and cannot be imported here: armed, not applied.
+        assert states["indexer.logits.glm5next"] == "pending"
+    finally:
+        patch_set.uninstall()
+    for name, (owner, attr) in targets.items():
+        assert _raw(owner, attr) is before[name], name
+
+
+def test_lazy_patches_apply_on_first_import() -> None:
+    """V4.1's decode module imports on CPU; it exercises the lazy path GLM-5-Next's patch relies on."""
+    saved = {k: v for k, v in sys.modules.items() if k == V41}
+    parent = importlib.import_module(V41.rsplit(".", 1)[0])
+    saved_attr = parent.__dict__.get("indexer")
+    sys.modules.pop(V41, None)
+    patch_set = PatchSet(indexer_hooks.patches())
+    patch_set.install()
+    try:
+        states = {s.patch.name: s.state for s in patch_set.status()}
+        assert states["indexer.logits.deepseek_v41"] == "pending"
+        assert states["indexer.planner.deepseek_v41"] == "pending"
+        module = importlib.import_module(V41)
+        from vllm.utils import deep_gemm as vdg
+
+        assert module.fp8_fp4_paged_mqa_logits.__wrapped__ is vdg.fp8_fp4_paged_mqa_logits
+        assert module.get_paged_mqa_logits_metadata.__wrapped__ is vdg.get_paged_mqa_logits_metadata
+        states = {s.patch.name: s.state for s in patch_set.status()}
+        assert states["indexer.logits.deepseek_v41"] == "installed"
+    finally:
+        patch_set.uninstall()
+    assert module.fp8_fp4_paged_mqa_logits is vdg.fp8_fp4_paged_mqa_logits
+    assert module.get_paged_mqa_logits_metadata is vdg.get_paged_mqa_logits_metadata
+    sys.modules.pop(V41, None)
+    sys.modules.update(saved)
+    if saved_attr is not None:
+        parent.indexer = saved_attr
+
+
+@dataclass
+class Env:
+    dg: FakeDeepGemm
+    cache: IndexerScheduleCache
+    ix: Any
+    sai: Any
+    patch_set: PatchSet
+
+    def builder(self) -> Any:
+        from vllm.config import DeviceConfig, VllmConfig
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        vc = VllmConfig(device_config=DeviceConfig(device="cpu"))
+        object.__setattr__(vc, "model_config", types.SimpleNamespace(max_model_len=40960))
+        vc.attention_config.sparse_mla_prefill_workspace_factor = 5
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=132, dtype=torch.uint8)
+        builder = self.ix.DeepseekV32IndexerMetadataBuilder(spec, ["indexer.0"], vc, torch.device("cpu"), block_table_width=64)
+        builder.device = torch.device("cuda", 0)
+        return builder
+
+    def logits(self, decode: Any) -> torch.Tensor:
+        # Exactly how sparse_attn_indexer's decode branch calls it (module-global lookup, keywords).
+        return self.sai.fp8_fp4_paged_mqa_logits(
+            (torch.empty(0), None),
+            torch.empty((4, BLOCK, 1, 132), dtype=torch.uint8),
+            torch.empty(0),
+            decode.seq_lens,
+            decode.block_table,
+            decode.schedule_metadata,
+            max_model_len=8,
+            indices=decode.indices,
+        )
+
+
+def _common(seq_lens: list[int]) -> Any:
+    from vllm.v1.attention.backends.utils import CommonAttentionMetadata
+
+    n = len(seq_lens)
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=n,
+        num_actual_tokens=n,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        block_table_tensor=torch.zeros((n, 64), dtype=torch.int32),
+        slot_mapping=torch.arange(n, dtype=torch.int64),
+    )
+
+
+SEQS = [1, 7, 300, 4096, 30000, 32768]
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+    from vllm.platforms import current_platform
+
+    ix = importlib.import_module(IX)
+    sai = importlib.import_module(SAI)
+    dg = FakeDeepGemm(total_sms=132, sm_major=9)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "is_device_capability_family", lambda fam, device_id=0: fam == 90)
+    monkeypatch.setattr(ix, "num_compute_units", lambda device_id=0: 132)
+    monkeypatch.setattr(ix, "has_deep_gemm", lambda: True)
+    monkeypatch.setattr(ix, "get_paged_mqa_logits_metadata", vllm_signature_planner(dg))
+    monkeypatch.setattr(sai, "fp8_fp4_paged_mqa_logits", vllm_signature_logits(dg))
+    cache = IndexerScheduleCache(FakeSchedulePlanner(dg))
+    previous = set_schedule_cache_for_tests(cache)
+    reset_controls_for_tests()
+    patch_set = PatchSet(indexer_hooks.patches())
+    patch_set.install()
+    try:
+        yield Env(dg, cache, ix, sai, patch_set)
+    finally:
+        patch_set.uninstall()
+        cache.detach_all()
+        set_schedule_cache_for_tests(previous)
+        reset_controls_for_tests()
+
+
+def _register(builder: Any) -> None:
+    """``register_builder`` as on cuda:0, with the warm-up tensors on the CPU (no GPU here)."""
+    device, builder.device = builder.device, torch.device("cpu")
+    try:
+        indexer_hooks.register_builder(builder, device_index=0)
+    finally:
+        builder.device = device
+
+
+def _announce_dbo(device: int = 0) -> Any:
+    budget = compute_budget(
+        total_sms=132, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_high_throughput"
+    )
+    sm_control_for(device, 132).announce(budget)
+    return budget
+
+
+def test_build_records_planned_count_and_call_site_replans_once(env: Env) -> None:
+    builder = env.builder()
+    metadata = builder.build(0, _common(SEQS))
+    decode = metadata.decode
+    state = env.cache.state_of(decode.schedule_metadata)
+    assert state is not None and (state.planned_sms, state.block_kv, state.next_n) == (132, BLOCK, 1)
+    assert decode.dbo_schedule_state is state
+    assert tuple(decode.schedule_metadata.shape) == (133, 2)
+
+    env.logits(decode)  # 132 SMs: the build's schedule passes DeepGEMM's check untouched
+    calls = len(env.dg.plan_calls)
+    env.dg.set_num_sms(112)  # what SMControl does inside the microbatches
+    for _ in range(LAYERS):
+        env.logits(decode)
+    assert len(env.dg.plan_calls) == calls + 1 and env.dg.plan_calls[-1][0] == 112
+    assert env.cache.stats.replans == 1
+
+    env.patch_set.uninstall()  # vLLM as shipped: the production assertion
+    with pytest.raises(RuntimeError, match="_schedule_meta_size == num_sms"):
+        env.logits(decode)
+
+
+def test_plan_ahead_in_microbatched_build_needs_no_call_site_replan(env: Env) -> None:
+    builder = env.builder()
+    _register(builder)  # what the patched __init__ does on a GPU
+    _announce_dbo()
+    with env.cache.microbatched_build():
+        metadata = builder.build(0, _common(SEQS))
+    assert tuple(metadata.decode.schedule_metadata.shape) == (113, 2)
+    assert env.cache.stats.planned_ahead == 1
+    env.dg.set_num_sms(112)
+    calls = len(env.dg.plan_calls)
+    for _ in range(LAYERS):
+        env.logits(metadata.decode)
+    assert len(env.dg.plan_calls) == calls and env.cache.stats.replans == 0
+
+    env.dg.set_num_sms(132)  # a non-microbatched step on the same builder plans for the whole GPU
+    plain = builder.build(0, _common(SEQS))
+    assert tuple(plain.decode.schedule_metadata.shape) == (133, 2)
+    env.logits(plain.decode)
+    assert env.cache.stats.replans == 0
+
+
+def test_update_draft_invalidates_and_keeps_planned_count(env: Env) -> None:
+    builder = env.builder()
+    metadata = builder.build(0, _common(SEQS))
+    decode = metadata.decode
+    env.dg.set_num_sms(112)
+    env.logits(decode)
+    assert env.cache.stats.replans == 1
+    metadata.seq_lens = torch.tensor([s + 1 for s in SEQS], dtype=torch.int32)
+    builder.update_draft_decode_metadata(metadata)
+    assert env.cache.stats.invalidations == 1
+    assert tuple(decode.seq_lens.view(-1).tolist()) == tuple(s + 1 for s in SEQS)
+    env.logits(decode)
+    assert env.cache.stats.replans == 2  # the old re-plan was for the old seq_lens
+
+
+def test_update_draft_after_plan_ahead_keeps_vllm_shape_assertion_happy(env: Env) -> None:
+    builder = env.builder()
+    _register(builder)
+    _announce_dbo()
+    with env.cache.microbatched_build():
+        metadata = builder.build(0, _common(SEQS))
+    # vLLM re-plans with self.num_sms (132 -> 133 rows) and asserts the 113-row shape: the hook plans 112.
+    builder.update_draft_decode_metadata(metadata)
+    assert env.dg.plan_calls[-1][0] == 112
+    assert tuple(metadata.decode.schedule_metadata.shape) == (113, 2)
+
+
+def test_builder_init_registers_profile(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(indexer_hooks, "register_builder", lambda builder, device_index=None: seen.append(builder))
+    builder = env.builder()
+    assert seen == [builder]
+
+
+def test_register_builder_warms_announced_dbo_count(env: Env) -> None:
+    builder = env.builder()
+    builder.device = torch.device("cpu")  # the warm-up tensors are allocated on the builder's device
+    _announce_dbo()
+    profile = indexer_hooks.register_builder(builder, device_index=0)
+    assert profile is not None and profile.block_kv == BLOCK and profile.next_ns == (1,)
+    assert profile.max_batch == builder.vllm_config.scheduler_config.max_num_seqs
+    assert {c[0] for c in env.dg.plan_calls} == {112}
+    assert env.cache.stats.warmups == len({c[2][0] for c in env.dg.plan_calls})
+
+
+def test_sm90_next_n4_slot_rule_is_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.platforms import current_platform
+
+    from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner, schedule_slots
+
+    planner = DeepGemmPlanner()
+    monkeypatch.setattr(current_platform, "is_device_capability_family", lambda fam, device_id=0: fam == 90)
+    assert [planner.slots(132, n) for n in (1, 2, 4)] == [132, 132, 66]
+    assert planner.slots(112, 4) == 56
+    monkeypatch.setattr(current_platform, "is_device_capability_family", lambda fam, device_id=0: fam == 100)
+    assert planner.slots(132, 4) == 132
+    assert schedule_slots(132, 4, major=9) == 66 and schedule_slots(132, 4, major=10) == 132
+
+
+def test_v41_decode_rows_plans_for_live_count(monkeypatch: pytest.MonkeyPatch, env: Env) -> None:
+    module = importlib.import_module(V41)
+    env.patch_set.uninstall()
+    monkeypatch.setattr(module, "get_paged_mqa_logits_metadata", vllm_signature_planner(env.dg))
+    monkeypatch.setattr(module, "fp8_fp4_paged_mqa_logits", vllm_signature_logits(env.dg))
+    env.patch_set.install()
+    env.dg.set_num_sms(112)
+    lens = torch.tensor([[5], [300], [7000]], dtype=torch.int32)
+    # _decode_rows passes schedule.shape[0] - 1 of a 132-SM schedule.
+    schedule = module.get_paged_mqa_logits_metadata(lens, BLOCK, 132, indices=None)
+    assert tuple(schedule.shape) == (113, 2)
+    calls = len(env.dg.plan_calls)
+    module.fp8_fp4_paged_mqa_logits(
+        (torch.empty(0), None),
+        torch.empty((4, BLOCK, 1, 132), dtype=torch.uint8),
+        torch.empty(0),
+        lens,
+        torch.zeros((3, 4), dtype=torch.int32),
+        schedule,
+        max_model_len=8,
+        indices=None,
+    )
+    assert len(env.dg.plan_calls) == calls
+
+
+def test_runner_hooks_mark_microbatched_builds(env: Env) -> None:
+    seen: list[bool] = []
+
+    def original(self: Any, *args: Any, **kwargs: Any) -> str:
+        seen.append(env.cache.in_microbatched_build())
+        return "metadata"
+
+    mrv1 = indexer_hooks._make_mrv1_build_attention_metadata(original)
+    assert mrv1(object(), 8, 4, 1) == "metadata"
+    mrv1(object(), 8, 4, 1, ubatch_slices=[slice(0, 4), slice(4, 8)])
+    mrv1(object(), 8, 4, 1, None, None, ["positional ubatch slices"])
+    mrv2 = indexer_hooks._make_mrv2_prepare(original)
+    mrv2(object(), "input_batch")
+    assert seen == [False, True, True, True]
+    assert not env.cache.in_microbatched_build()
+    # The positional index matches vLLM 0.33.0's signature.
+    import inspect
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    params = list(inspect.signature(GPUModelRunner._build_attention_metadata.__wrapped__).parameters)
+    assert params[indexer_hooks._MRV1_UBATCH_SLICES_POS + 1] == "ubatch_slices"
