@@ -7,9 +7,9 @@ PY := $(VENV)/bin/python
 setup:
 	@VENV=$(VENV) bash .ci/setup-venv
 
-## Main job on the embedded default (CPU: H200 profile of 132 SMs; GPU: the real devices).
+## Main job: the DBO + DSA scenario on the embedded default (CPU: simulated H200, 132 SMs; GPU + DeepGEMM: real kernels).
 run: setup
-	@$(VENV)/bin/dbo-runtime sms --embedded-default
+	@$(VENV)/bin/dbo-runtime simulate
 
 ## Whole test suite + lint + types (what CI runs). GPU tests skip without CUDA/DeepGEMM.
 test: setup

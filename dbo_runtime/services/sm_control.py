@@ -48,7 +48,8 @@ EventKind = Literal["announced", "entered", "exited"]
 class SMKnob(Protocol):
     """Something that sets an SM count in a third-party library."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def set(self, num_sms: int) -> None: ...
 

@@ -1,0 +1,215 @@
+"""Kernel backends of the DBO scenario: real DeepGEMM on a GPU, a faithful simulation on a CPU.
+
+The scenario must run where operators debug (a laptop, CI: no GPU) and where the
+bug lives (an H200 with DeepGEMM). Both backends expose the same surface: a
+process-global SM count (DeepGEMM's device runtime), the paged-MQA planner, the
+logits kernel *with DeepGEMM's host-side schedule assertion*, and capture probes
+for the schedule cache. The CPU backend plans with
+``dbo_runtime.core.reference_planner`` (checked bit-for-bit against DeepGEMM on
+the H200, ``tests/gpu/test_reference_planner_gpu.py``) and computes the same
+logits formula in fp32, so the crash and its fix show up on a CPU exactly as on
+the GPU. The CPU backend is a simulation and says so in every report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from dbo_runtime.core import reference_planner as ref
+
+
+class ScheduleAssertion(RuntimeError):
+    """DeepGEMM's ``_schedule_meta_size == num_sms / num_kv_multicast + 1`` host assertion."""
+
+
+class KernelBackend(Protocol):
+    name: str
+    simulated: bool
+    device: torch.device
+    total_sms: int
+
+    # SchedulePlanner surface (dbo_runtime.services.schedule_cache)
+    def get_num_sms(self) -> int: ...
+    def set_num_sms(self, num_sms: int) -> None: ...
+    def slots(self, num_sms: int, next_n: int) -> int: ...
+    def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any: ...
+    def capturing(self) -> bool: ...
+    def capture_id(self) -> int | None: ...
+
+    def make_inputs(self, *, q: torch.Tensor, k: torch.Tensor, block_kv: int) -> tuple[Any, Any]: ...
+    def logits(
+        self, q: Any, kv_cache: Any, weights: torch.Tensor, context_lens: torch.Tensor,
+        block_table: torch.Tensor, schedule: torch.Tensor, max_context_len: int,
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class JitLedger:
+    """Which (kernel, aligned batch, SM slots) variants have been launched eagerly.
+
+    DeepGEMM JIT-compiles the planner per ``(aligned batch, slots)`` and the
+    logits kernel per SM count; a first launch inside a graph capture compiles
+    there. The scenario asserts that never happens.
+    """
+
+    seen: set[tuple[str, int, int]] = field(default_factory=set)
+    compiled_in_capture: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def note(self, kernel: str, batch: int, slots: int, capturing: bool) -> None:
+        key = (kernel, -(-batch // 32) * 32, slots)
+        if key in self.seen:
+            return
+        if capturing:
+            self.compiled_in_capture.append(key)
+        self.seen.add(key)
+
+
+class SimulatedDeepGemm:
+    """CPU stand-in for DeepGEMM: reference planner, same assertion, fp32 logits (a simulation)."""
+
+    name = "cpu-simulated-deepgemm"
+    simulated = True
+
+    def __init__(self, total_sms: int = 132, sm_major: int = 9) -> None:
+        self.device = torch.device("cpu")
+        self.total_sms = total_sms
+        self.sm_major = sm_major
+        self._num_sms = total_sms
+        self.jit = JitLedger()
+        self.planner_launches = 0
+
+    def get_num_sms(self) -> int:
+        return self._num_sms
+
+    def set_num_sms(self, num_sms: int) -> None:
+        if not 0 < num_sms <= self.total_sms:
+            raise RuntimeError(f"set_num_sms({num_sms}) outside [1, {self.total_sms}]")
+        self._num_sms = num_sms
+
+    def slots(self, num_sms: int, next_n: int) -> int:
+        return ref.schedule_slots(num_sms, next_n, self.sm_major)
+
+    def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
+        slots = self.slots(num_sms, int(context_lens.shape[1]))
+        self.planner_launches += 1
+        self.jit.note("planner", int(context_lens.shape[0]), slots, False)
+        return ref.plan_paged_mqa_schedule(context_lens, block_kv, slots, sm_major=self.sm_major)
+
+    def capturing(self) -> bool:
+        return False
+
+    def capture_id(self) -> int | None:
+        return None
+
+    def make_inputs(self, *, q: torch.Tensor, k: torch.Tensor, block_kv: int) -> tuple[Any, Any]:
+        num_blocks = k.shape[0] // block_kv
+        return q.float(), k.float().reshape(num_blocks, block_kv, k.shape[-1])
+
+    def logits(
+        self, q: Any, kv_cache: Any, weights: torch.Tensor, context_lens: torch.Tensor,
+        block_table: torch.Tensor, schedule: torch.Tensor, max_context_len: int,
+    ) -> torch.Tensor:
+        batch, next_n, _, dim = q.shape
+        slots = self.slots(self._num_sms, next_n)
+        if schedule.shape[0] != slots + 1:
+            raise ScheduleAssertion(
+                "Assertion error (csrc/apis/attention.hpp:388): _schedule_meta_size == num_sms / "
+                f"num_kv_multicast + 1 and _meta_info_size == 2 (schedule rows {schedule.shape[0]}, "
+                f"DeepGEMM SMs {self._num_sms})"
+            )
+        self.jit.note("logits", batch, slots, False)
+        block_kv = kv_cache.shape[1]
+        blocks = -(-max_context_len // block_kv)
+        keys = kv_cache[block_table[:, :blocks].long()].reshape(batch, blocks * block_kv, dim)[:, :max_context_len]
+        scores = torch.einsum("bnhd,btd->bnht", q, keys).relu()
+        out = torch.einsum("bnht,bnh->bnt", scores, weights.view(batch, next_n, -1))
+        return out.reshape(batch * next_n, max_context_len)
+
+
+class DeepGemmBackend:
+    """Real DeepGEMM on the current CUDA device (``deep_gemm`` wheel; vLLM not needed)."""
+
+    name = "deep_gemm"
+    simulated = False
+
+    def __init__(self) -> None:
+        import deep_gemm
+
+        from dbo_runtime.adapters import deep_gemm as adapter
+
+        self.dg = deep_gemm
+        self.adapter = adapter
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.total_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.planner = adapter.DeepGemmPlanner()
+        self.jit = JitLedger()
+        self.planner_launches = 0
+
+    def get_num_sms(self) -> int:
+        return int(self.dg.get_num_sms())
+
+    def set_num_sms(self, num_sms: int) -> None:
+        self.dg.set_num_sms(num_sms)
+
+    def slots(self, num_sms: int, next_n: int) -> int:
+        return int(self.planner.slots(num_sms, next_n))
+
+    def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
+        capturing = self.capturing()
+        self.planner_launches += 1
+        self.jit.note("planner", int(context_lens.shape[0]), self.slots(num_sms, int(context_lens.shape[1])), capturing)
+        return self.planner.plan(context_lens, block_kv, num_sms, indices)
+
+    def capturing(self) -> bool:
+        return bool(torch.cuda.is_current_stream_capturing())
+
+    def capture_id(self) -> int | None:
+        return self.planner.capture_id()
+
+    def make_inputs(self, *, q: torch.Tensor, k: torch.Tensor, block_kv: int) -> tuple[Any, Any]:
+        """fp8 e4m3 q, and DeepGEMM's fused kv cache: per block ``block_kv*D`` fp8 values, then fp32 scales."""
+        dim = k.shape[-1]
+        num_blocks = k.shape[0] // block_kv
+        scale = (k.abs().amax(dim=-1, keepdim=True).float() / 448.0).clamp(min=1e-6)
+        k_fp8 = (k.float() / scale).to(torch.float8_e4m3fn)
+        kv = torch.empty((num_blocks, block_kv * (dim + 4)), dtype=torch.uint8, device=k.device)
+        kv[:, : block_kv * dim] = k_fp8.view(torch.uint8).reshape(num_blocks, block_kv * dim)
+        kv[:, block_kv * dim :] = scale.reshape(num_blocks, block_kv).contiguous().view(torch.uint8)
+        return q.to(torch.float8_e4m3fn), kv.view(num_blocks, block_kv, 1, dim + 4)
+
+    def logits(
+        self, q: Any, kv_cache: Any, weights: torch.Tensor, context_lens: torch.Tensor,
+        block_table: torch.Tensor, schedule: torch.Tensor, max_context_len: int,
+    ) -> torch.Tensor:
+        batch, next_n = q.shape[0], q.shape[1]
+        capturing = self.capturing()
+        self.jit.note("logits", batch, self.slots(self.get_num_sms(), next_n), capturing)
+        try:
+            return self.dg.fp8_fp4_paged_mqa_logits(
+                (q, None), kv_cache, weights, context_lens, block_table, schedule, max_context_len,
+                clean_logits=False, logits_dtype=torch.float32,
+            )
+        except RuntimeError as exc:
+            if "_schedule_meta_size" in str(exc):
+                raise ScheduleAssertion(str(exc)) from exc
+            raise
+
+
+def make_backend(kind: str = "auto", *, total_sms: int = 132) -> KernelBackend:
+    """``auto``: DeepGEMM when CUDA and ``deep_gemm`` load, else the CPU simulation."""
+    from dbo_runtime.core.errors import ConfigError
+
+    if kind not in ("auto", "cpu", "deep_gemm"):
+        raise ConfigError("backend", kind, ("auto", "cpu", "deep_gemm"))
+    if kind in ("auto", "deep_gemm") and torch.cuda.is_available():
+        try:
+            return DeepGemmBackend()
+        except ImportError:
+            if kind == "deep_gemm":
+                raise
+    elif kind == "deep_gemm":
+        raise ConfigError("backend", kind, "cpu (no CUDA device here)")
+    return SimulatedDeepGemm(total_sms=total_sms)

@@ -1,0 +1,188 @@
+"""Two microbatches on two threads, scheduled the way vLLM 0.33.0's DBO schedules them.
+
+The GPU box that proves dbo_runtime has no vLLM, and a CPU box has no CUDA, so
+the scenario and ``dbo-runtime simulate`` cannot call vLLM's
+``vllm.v1.worker.ubatching``. This module reproduces the part of it that
+decides *correctness* (``UBatchContext``, ``_run_ubatches``,
+``_capture_ubatches``): one thread per microbatch, registered by thread id;
+a barrier with the main thread; exactly one thread running Python at a time,
+handing over at each ``yield_`` (vLLM yields inside MoE dispatch/combine,
+i.e. between layers); a shared compute stream and a shared comm stream with
+per-microbatch done events; the main thread releases microbatch 0 and joins,
+inside ``torch.cuda.graph`` when capturing.
+
+``current_ubatch_id()`` returns 0 on any thread that is not a microbatch
+thread -- unlike vLLM's ``dbo_current_ubatch_id``, which raises on the main
+thread while microbatch threads are parked.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+_THREAD_TO_UBATCH: dict[int, tuple[int, int]] = {}
+
+
+def current_ubatch_id() -> int:
+    return _THREAD_TO_UBATCH.get(threading.get_ident(), (0, 0))[0]
+
+
+def current_ubatch() -> tuple[int, int]:
+    """``(microbatch id, token offset)`` of the calling thread; ``(0, 0)`` elsewhere."""
+    return _THREAD_TO_UBATCH.get(threading.get_ident(), (0, 0))
+
+
+@dataclass
+class MicrobatchContext:
+    """One microbatch's thread-side context (vLLM's ``UBatchContext``, minus the forward context)."""
+
+    id: int
+    wait_event: threading.Event
+    signal_event: threading.Event
+    barrier: threading.Barrier
+    token_offset: int = 0
+    compute_stream: Any = None
+    comm_stream: Any = None
+    compute_done: Any = None
+    comm_done: Any = None
+    yields: int = 0
+    trace: list[tuple[int, str]] = field(default_factory=list)
+
+    def __enter__(self) -> MicrobatchContext:
+        _THREAD_TO_UBATCH[threading.get_ident()] = (self.id, self.token_offset)
+        self.barrier.wait()
+        self.wait_event.wait()
+        self.wait_event.clear()
+        self._use(self.compute_stream)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _THREAD_TO_UBATCH.pop(threading.get_ident(), None)
+        self.signal_event.set()
+        self.wait_event.clear()
+
+    @staticmethod
+    def _use(stream: Any) -> None:
+        if stream is not None:
+            import torch
+
+            torch.cuda.set_stream(stream)
+
+    def yield_(self) -> None:
+        """Hand the CPU to the other microbatch (what MoE dispatch/combine do in vLLM)."""
+        self.yields += 1
+        self.signal_event.set()
+        self.wait_event.wait()
+        self.wait_event.clear()
+        self._use(self.compute_stream)
+
+    def comm(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on the comm stream after this microbatch's compute, then come back.
+
+        vLLM's ``yield_and_switch_from_compute_to_comm`` / ``..._comm_to_compute``:
+        the all2all of one microbatch overlaps the other's compute.
+        """
+        if self.comm_stream is None:
+            self.yield_()
+            work()
+            self.yield_()
+            return
+        self.compute_done.record(self.compute_stream)
+        self.yield_()
+        self._use(self.comm_stream)
+        self.comm_stream.wait_event(self.compute_done)
+        work()
+        self.comm_done.record(self.comm_stream)
+        self.yield_()
+        self._use(self.compute_stream)
+        self.compute_stream.wait_event(self.comm_done)
+
+
+@dataclass
+class MicrobatchRun:
+    """Threads of one step; ``start()`` parks them, ``finish()`` releases and joins (MRV2's split)."""
+
+    contexts: list[MicrobatchContext]
+    threads: list[threading.Thread]
+    results: dict[int, Any]
+    errors: list[BaseException]
+    barrier: threading.Barrier
+
+    def finish(self) -> list[Any]:
+        self.contexts[0].wait_event.set()
+        for t in self.threads:
+            t.join()
+        if self.errors:
+            raise self.errors[0]
+        return [self.results[i] for i in range(len(self.contexts))]
+
+
+def start_microbatches(
+    bodies: Sequence[Callable[[MicrobatchContext], Any]],
+    *,
+    token_offsets: Sequence[int] | None = None,
+    compute_stream: Any = None,
+    comm_stream: Any = None,
+    device: int | None = None,
+) -> MicrobatchRun:
+    """Start one parked thread per body; each runs ``body(ctx)`` inside its context.
+
+    Every body must yield the same number of times (vLLM's microbatches run the
+    same model): a microbatch that finished hands the CPU to the next one and
+    nobody wakes a thread that yields after its partner exited.
+    """
+    n = len(bodies)
+    barrier = threading.Barrier(n + 1)
+    events = [threading.Event() for _ in range(n)]
+    gpu_events: list[tuple[Any, Any]] = [(None, None)] * n
+    if compute_stream is not None:
+        import torch
+
+        gpu_events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in range(n)]
+    contexts = [
+        MicrobatchContext(
+            id=i,
+            wait_event=events[i],
+            signal_event=events[(i + 1) % n],
+            barrier=barrier,
+            token_offset=token_offsets[i] if token_offsets is not None else 0,
+            compute_stream=compute_stream,
+            comm_stream=comm_stream,
+            compute_done=gpu_events[i][0],
+            comm_done=gpu_events[i][1],
+        )
+        for i in range(n)
+    ]
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def runner(ctx: MicrobatchContext, body: Callable[[MicrobatchContext], Any]) -> None:
+        if device is not None:
+            import torch
+
+            torch.cuda.set_device(device)
+            if compute_stream is not None:
+                # Touch cuBLAS handles outside the capture, as vLLM's capture threads do.
+                with torch.cuda.stream(compute_stream):
+                    torch.cuda.current_blas_handle()
+        try:
+            with ctx:
+                results[ctx.id] = body(ctx)
+        except BaseException as exc:
+            errors.append(exc)
+            # Never leave the other microbatch parked forever.
+            ctx.signal_event.set()
+
+    threads = [threading.Thread(target=runner, args=(c, b), name=f"ubatch-{c.id}") for c, b in zip(contexts, bodies)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    return MicrobatchRun(contexts, threads, results, errors, barrier)
+
+
+def run_microbatches(bodies: Sequence[Callable[[MicrobatchContext], Any]], **kw: Any) -> list[Any]:
+    """Start and finish in one go (MRV1 ``_run_ubatches`` / MRV2 ``run``)."""
+    return start_microbatches(bodies, **kw).finish()

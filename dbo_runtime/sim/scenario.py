@@ -1,0 +1,459 @@
+"""A GLM-5.3-shaped DSA stack run the way vLLM 0.33.0 runs DBO, checked against an unsplit run.
+
+What it reproduces, and why each piece is there:
+
+* **Layers.** ``num_layers`` layers; leaders (``index_topk_freq`` / offset, the
+  formula of ``DeepseekV32Attention``) run the indexer: paged-MQA logits through
+  the kernel backend with the decode schedule, then a top-k written into the
+  model-wide logical top-k buffer. Followers read that buffer (what the sparse
+  MLA impl does) and fold it into an exact integer checksum per request.
+* **Microbatches.** Two threads, one compute and one comm stream, yielding
+  around a comm op after every layer (MoE dispatch/combine), so microbatch 1's
+  leader runs between microbatch 0's leader and its followers: the order that
+  corrupts shared top-k state (vllm#60734).
+* **SM budget.** The DBO step runs under ``SMControl.partition`` with vLLM's
+  policy (132 -> 112 on an H200 with DeepEP HT) turning the backend's
+  process-global SM count, so a schedule planned for the whole GPU trips the
+  logits kernel's assertion (vllm#60732).
+* **Metadata.** Each microbatch "builds" its decode schedule before the forward,
+  into a persistent per-microbatch buffer, planned for the builder's count (the
+  whole GPU) -- or, with dbo_runtime, for the DBO count (plan-ahead). The call
+  site resolves it through ``IndexerScheduleCache``.
+* **Modes.** ``eager`` (``_run_ubatches``), ``mrv1`` (SM control around the
+  whole capture; threads released inside ``torch.cuda.graph``) and ``mrv2``
+  (SM control entered before the graph opens and exited inside it); graphs are
+  replayed with new inputs copied into the persistent buffers, without SM
+  control, as vLLM replays them.
+
+Checks per step: no assertion; every request's valid logits, top-k and follower
+checksums bit-identical to the unsplit reference run at full SMs; call-site
+re-plans; planner/logits variants first launched inside a capture (JIT there).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from dbo_runtime.core.budget import SMBudget, compute_budget
+from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.services.schedule_cache import IndexerScheduleCache, PlannerProfile
+from dbo_runtime.services.sm_control import BudgetEvent, FunctionKnob, SMControl
+from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState, index_leaders
+from dbo_runtime.sim.backends import KernelBackend, ScheduleAssertion
+from dbo_runtime.sim.microbatch import MicrobatchContext, current_ubatch, start_microbatches
+
+Mode = Literal["eager", "mrv1", "mrv2"]
+MODES: tuple[Mode, ...] = ("eager", "mrv1", "mrv2")
+
+
+@dataclass(frozen=True)
+class ScenarioConfig:
+    num_layers: int = 78
+    index_topk_freq: int = 4
+    index_skip_topk_offset: int = 3
+    num_requests: int = 16
+    next_n: int = 1
+    max_context: int = 2048
+    heads: int = 8
+    head_dim: int = 32
+    block_kv: int = 64
+    index_topk: int = 64
+    comm_sms: int = 20
+    steps: int = 4
+    seed: int = 0
+    fix_schedule: bool = True
+    """dbo_runtime's schedule cache at the call site (False: vLLM 0.33.0 behaviour)."""
+    isolate_topk: bool = True
+    """Per-microbatch top-k state (False: vLLM 0.33.0's shared buffer)."""
+    plan_ahead: bool = True
+    topk_layout: str = "windows"
+
+    def validate(self) -> None:
+        if self.num_requests < 2:
+            raise ConfigError("num_requests", self.num_requests, "an integer >= 2 (two microbatches)")
+        if self.next_n not in (1, 2, 4):
+            raise ConfigError("next_n", self.next_n, (1, 2, 4))
+        if self.max_context < 1 or self.max_context % self.block_kv:
+            raise ConfigError("max_context", self.max_context, f"a positive multiple of block_kv={self.block_kv}")
+        if not 1 <= self.index_topk <= self.max_context:
+            raise ConfigError("index_topk", self.index_topk, f"integers in [1, max_context={self.max_context}]")
+        if self.steps < 1:
+            raise ConfigError("steps", self.steps, "an integer >= 1")
+
+
+SMALL = ScenarioConfig()
+"""CPU default: the GLM-5.3 layer pattern at toy widths (runs in seconds)."""
+GLM53 = ScenarioConfig(num_requests=32, max_context=16384, heads=32, head_dim=128, index_topk=2048, steps=20)
+"""GPU default: GLM-5.3 indexer shapes (32 heads x 128, block 64, top-k 2048)."""
+
+
+@dataclass
+class StepCheck:
+    step: int
+    phase: str
+    ok: bool
+    logits_mismatch_rows: int = 0
+    topk_mismatch_rows: int = 0
+    follower_mismatch: int = 0
+    replans: int = 0
+    error: str = ""
+
+
+@dataclass
+class ScenarioResult:
+    mode: str
+    backend: str
+    simulated: bool
+    config: dict[str, Any]
+    budget: str
+    leaders: int
+    followers: int
+    checks: list[StepCheck] = field(default_factory=list)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    replans_total: int = 0
+    captured_replans: int = 0
+    planned_ahead: int = 0
+    warmups: int = 0
+    jit_in_capture: list[Any] = field(default_factory=list)
+    topk_extra_bytes: int = 0
+    step_ms: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and all(c.ok for c in self.checks) and not self.jit_in_capture
+
+    @property
+    def steady_state_replans(self) -> int:
+        """Call-site re-plans after the first step (plan-ahead makes this 0)."""
+        return sum(c.replans for c in self.checks[1:] if c.phase != "reference")
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ok"] = self.ok
+        out["steady_state_replans"] = self.steady_state_replans
+        return out
+
+
+class _SimIndexGroup:
+    """The fields of vLLM's ``SparseMLAIndexGroup`` that ``UbatchTopkState`` reads."""
+
+    def __init__(self, logical: torch.Tensor) -> None:
+        self.logical_topk_indices = logical
+        self.physical_topk_indices = logical
+        self.valid_topk_counts = torch.zeros(logical.shape[0], dtype=torch.int32, device=logical.device)
+        self.side_stream = None
+        self.has_indexer = True
+        self.num_layers = 2
+
+
+class Scenario:
+    """Persistent buffers, services and the layer stack of one scenario run."""
+
+    def __init__(self, config: ScenarioConfig, backend: KernelBackend) -> None:
+        config.validate()
+        self.cfg = config
+        self.be = backend
+        self.dev = backend.device
+        self.leaders = index_leaders(config.num_layers, config.index_topk_freq, config.index_skip_topk_offset)
+        self.leader_ids = [i for i, lead in enumerate(self.leaders) if lead]
+        self.gen = torch.Generator(device="cpu").manual_seed(config.seed)
+        b, n = config.num_requests, config.next_n
+        self.split = [b // 2, b - b // 2]
+        self.max_blocks = config.max_context // config.block_kv
+        self.num_blocks = b * self.max_blocks + 1
+        kv = torch.randn((self.num_blocks * config.block_kv, config.head_dim), generator=self.gen)
+        q0 = torch.randn((1, 1, 1, config.head_dim), generator=self.gen)
+        _, self.kv_cache = backend.make_inputs(q=q0.to(self.dev), k=kv.to(self.dev), block_kv=config.block_kv)
+        # Persistent inputs (address-stable: CUDA graphs read them at replay).
+        self.context_lens = torch.zeros((b, n), dtype=torch.int32, device=self.dev)
+        self.block_table = torch.zeros((b, self.max_blocks), dtype=torch.int32, device=self.dev)
+        q_shape = (len(self.leader_ids), b, n, config.heads, config.head_dim)
+        self.q = backend.make_inputs(q=torch.zeros(q_shape, device=self.dev), k=kv[: config.block_kv].to(self.dev), block_kv=config.block_kv)[0]
+        self.weights = torch.zeros((len(self.leader_ids), b * n, config.heads), device=self.dev)
+        # Persistent outputs.
+        self.out_logits = torch.zeros((len(self.leader_ids), b * n, config.max_context), device=self.dev)
+        self.out_topk = torch.zeros((len(self.leader_ids), b * n, config.index_topk), dtype=torch.int32, device=self.dev)
+        self.out_follow = torch.zeros((config.num_layers, b * n), dtype=torch.int64, device=self.dev)
+        self.cols = torch.arange(config.max_context, device=self.dev)
+        # The model-wide logical top-k buffer (max_num_batched_tokens rows) and the services.
+        self.logical = torch.zeros((b * n, config.index_topk), dtype=torch.int32, device=self.dev)
+        self.comm_buf = torch.zeros(1024, device=self.dev)
+        self.topk = UbatchTopkState(
+            (lambda: current_ubatch()) if config.isolate_topk else (lambda: (0, 0)),
+            layout=TopkLayout(config.topk_layout),
+        )
+        self.topk.mark_model_buffer(self.logical)
+        if config.isolate_topk:
+            self.topk.attach(_SimIndexGroup(self.logical), 2, self._make_event)
+        self.cache = IndexerScheduleCache(planner=backend)  # type: ignore[arg-type]
+        device_index = self.dev.index if self.dev.index is not None else 0
+        self.control = SMControl(device_index, backend.total_sms)
+        self.budget: SMBudget = compute_budget(
+            total_sms=backend.total_sms,
+            platform="cuda",
+            enable_dbo=True,
+            expert_parallel=True,
+            all2all_backend="deepep_high_throughput",
+            env_comm_sms=config.comm_sms,
+            device=device_index,
+        )
+        self.knob = FunctionKnob("deep_gemm.set_num_sms", backend.set_num_sms)
+        self.timeline: list[dict[str, Any]] = []
+        self._t0 = time.perf_counter()
+        self.control.subscribe(self._on_budget, name="scenario-timeline")
+        self.cache.register_profile(device_index, PlannerProfile(self.dev, config.block_kv, (config.next_n,), max(self.split)))
+        self.cache.attach(self.control)
+        self.control.announce(self.budget)
+        # Per-microbatch persistent schedule buffers (vLLM: one builder, one buffer per microbatch).
+        self.sched_buf = [torch.zeros((backend.total_sms + 1, 2), dtype=torch.int32, device=self.dev) for _ in range(2)]
+        self.sched_full = torch.zeros((backend.total_sms + 1, 2), dtype=torch.int32, device=self.dev)
+        self.schedules: list[torch.Tensor] = []
+        if self.dev.type == "cuda":
+            self.compute_stream = torch.cuda.Stream(device=self.dev)
+            self.comm_stream = torch.cuda.Stream(device=self.dev)
+        else:
+            self.compute_stream = self.comm_stream = None
+
+    def _make_event(self) -> Any:
+        return torch.cuda.Event() if self.dev.type == "cuda" else None
+
+    def _on_budget(self, e: BudgetEvent) -> None:
+        self.timeline.append(
+            {"t_ms": round((time.perf_counter() - self._t0) * 1e3, 3), "event": e.kind, "compute": e.budget.compute, "comm": e.budget.comm}
+        )
+
+    # -- inputs --------------------------------------------------------------------------------
+    def new_inputs(self) -> None:
+        """Fresh contexts, block tables, queries and weights, copied in place."""
+        c, g = self.cfg, self.gen
+        b, n = c.num_requests, c.next_n
+        last = torch.randint(n, c.max_context + 1, (b,), generator=g)
+        last[0] = c.max_context  # one request at the full context every step
+        lens = torch.stack([last - (n - 1 - j) for j in range(n)], dim=1).to(torch.int32)
+        perm = torch.randperm(self.num_blocks - 1, generator=g)[: b * self.max_blocks] + 1
+        self.context_lens.copy_(lens)
+        self.block_table.copy_(perm.view(b, self.max_blocks).to(torch.int32))
+        q = torch.randn(self.q.shape, generator=g)
+        self.q.copy_(q.to(self.q.dtype) if self.dev.type == "cpu" else q.to(self.dev).to(self.q.dtype))
+        self.weights.copy_(torch.rand(self.weights.shape, generator=g))
+
+    def rows(self, ub: int | None) -> slice:
+        n = self.cfg.next_n
+        if ub is None:
+            return slice(0, self.cfg.num_requests * n)
+        start = 0 if ub == 0 else self.split[0]
+        return slice(start * n, (start + self.split[ub]) * n)
+
+    def reqs(self, ub: int | None) -> slice:
+        if ub is None:
+            return slice(0, self.cfg.num_requests)
+        start = 0 if ub == 0 else self.split[0]
+        return slice(start, start + self.split[ub])
+
+    # -- metadata build (outside SM control, as in both runners) --------------------------------
+    def build(self, microbatched: bool) -> None:
+        """Plan each microbatch's schedule, like ``DeepseekV32IndexerMetadataBuilder.build``."""
+        builder_sms = self.be.total_sms  # vLLM: num_compute_units(), fixed for the builder's lifetime
+        ubs: list[int | None] = [0, 1] if microbatched else [None]
+        self.schedules = []
+        for ub in ubs:
+            sms = builder_sms
+            if self.cfg.fix_schedule and self.cfg.plan_ahead and microbatched:
+                with self.cache.microbatched_build():
+                    sms = self.cache.plan_ahead_sms(self.control.device) or builder_sms
+            lens = self.context_lens[self.reqs(ub)]
+            planned = self.be.plan(lens, self.cfg.block_kv, sms)
+            buf = self.sched_full if ub is None else self.sched_buf[ub]
+            view = buf[: planned.shape[0]]
+            view.copy_(planned)
+            if self.cfg.fix_schedule:
+                self.cache.track(view, planned_sms=sms, block_kv=self.cfg.block_kv, next_n=self.cfg.next_n)
+                if ub is not None:
+                    self.cache.stats.planned_ahead += int(sms != builder_sms)
+            self.schedules.append(view)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, ub: int | None, ctx: MicrobatchContext | None) -> None:
+        c = self.cfg
+        rows, reqs = self.rows(ub), self.reqs(ub)
+        nrows = rows.stop - rows.start
+        lens = self.context_lens[reqs]
+        table = self.block_table[reqs]
+        schedule = self.schedules[0 if ub is None else ub]
+        valid = self.cols.view(1, -1) < lens.reshape(-1, 1)
+        leader_pos = 0
+        for layer in range(c.num_layers):
+            buf = self.topk.logical(self.logical)
+            if self.leaders[layer]:
+                sched = self.cache.resolve(schedule, lens, None, c.block_kv) if c.fix_schedule else schedule
+                logits = self.be.logits(
+                    self.q[leader_pos, reqs], self.kv_cache, self.weights[leader_pos, rows], lens, table, sched, c.max_context
+                )
+                masked = logits.masked_fill(~valid, float("-inf"))
+                order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, : c.index_topk].to(torch.int32)
+                buf[:nrows].copy_(order)
+                self.out_logits[leader_pos, rows].copy_(masked)
+                self.out_topk[leader_pos, rows].copy_(order)
+                leader_pos += 1
+            else:
+                self.out_follow[layer, rows].copy_((buf[:nrows].long() * (layer + 1)).sum(dim=-1))
+            if ctx is not None:
+                ctx.comm(self._comm_op)
+
+    def _comm_op(self) -> None:
+        self.comm_buf.add_(1.0)
+
+    def run_reference(self) -> dict[str, torch.Tensor]:
+        """Unsplit, full SMs, no DBO: the ground truth for the same inputs."""
+        self.build(microbatched=False)
+        self.forward(None, None)
+        return self.snapshot()
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {"logits": self.out_logits.clone(), "topk": self.out_topk.clone(), "follow": self.out_follow.clone()}
+
+    def clear_outputs(self) -> None:
+        self.out_logits.zero_()
+        self.out_topk.zero_()
+        self.out_follow.zero_()
+
+    def bodies(self) -> list[Callable[[MicrobatchContext], None]]:
+        def body(ub: int) -> Callable[[MicrobatchContext], None]:
+            return lambda ctx: self.forward(ub, ctx)
+
+        return [body(0), body(1)]
+
+    def start(self) -> Any:
+        n = self.cfg.next_n
+        return start_microbatches(
+            self.bodies(),
+            token_offsets=[0, self.split[0] * n],
+            compute_stream=self.compute_stream,
+            comm_stream=self.comm_stream,
+            device=self.dev.index if self.dev.type == "cuda" else None,
+        )
+
+    def compare(self, ref: dict[str, torch.Tensor], step: int, phase: str, replans: int) -> StepCheck:
+        out = self.snapshot()
+        logits_bad = (out["logits"] != ref["logits"]).any(dim=-1).any(dim=0)
+        # -inf == -inf is True; NaN never appears (masked columns are -inf, valid ones are finite).
+        topk_bad = (out["topk"] != ref["topk"]).any(dim=-1).any(dim=0)
+        follow_bad = (out["follow"] != ref["follow"]).sum()
+        chk = StepCheck(
+            step=step,
+            phase=phase,
+            ok=False,
+            logits_mismatch_rows=int(logits_bad.sum()),
+            topk_mismatch_rows=int(topk_bad.sum()),
+            follower_mismatch=int(follow_bad),
+            replans=replans,
+        )
+        chk.ok = chk.logits_mismatch_rows == 0 and chk.topk_mismatch_rows == 0 and chk.follower_mismatch == 0
+        return chk
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def run_scenario(
+    config: ScenarioConfig,
+    backend: KernelBackend,
+    mode: Mode = "eager",
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> ScenarioResult:
+    """Reference + DBO steps in ``mode``; never raises for a scenario failure (it is in the result)."""
+    if mode not in MODES:
+        raise ConfigError("mode", mode, MODES)
+    if mode != "eager" and backend.device.type != "cuda":
+        raise ConfigError("mode", mode, "eager on a CPU backend (CUDA graphs need a GPU)")
+    sc = Scenario(config, backend)
+    result = ScenarioResult(
+        mode=mode,
+        backend=backend.name,
+        simulated=backend.simulated,
+        config=asdict(config),
+        budget=sc.budget.describe(),
+        leaders=len(sc.leader_ids),
+        followers=config.num_layers - len(sc.leader_ids),
+        topk_extra_bytes=sc.topk.extra_bytes(),
+    )
+    graph: Any = None
+    try:
+        for step in range(config.steps):
+            sc.new_inputs()
+            ref = sc.run_reference()
+            sc.clear_outputs()
+            before = sc.cache.stats.replans
+            t0 = time.perf_counter()
+            if mode == "eager" or (graph is None and step == 0):
+                # Eager DBO step (in graph modes this is vLLM's warm-up run under SM control).
+                sc.build(microbatched=True)
+                with sc.control.partition(sc.budget, compute_knob=sc.knob):
+                    sc.start().finish()
+                _sync(sc.dev)
+                phase = "eager" if mode == "eager" else "warmup"
+            elif graph is None:
+                graph = _capture(sc, mode)
+                _sync(sc.dev)
+                phase = "capture"
+            else:
+                sc.build(microbatched=True)  # vLLM rebuilds metadata every step, also before a replay
+                graph.replay()
+                _sync(sc.dev)
+                phase = "replay"
+            result.step_ms.append((time.perf_counter() - t0) * 1e3)
+            result.checks.append(sc.compare(ref, step, phase, sc.cache.stats.replans - before))
+            if progress is not None:
+                progress(step + 1, config.steps)
+    except ScheduleAssertion as exc:
+        result.error = f"DeepGEMM assertion: {exc}"
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        sc.be.set_num_sms(sc.be.total_sms)
+    st = sc.cache.stats
+    result.replans_total = st.replans
+    result.captured_replans = st.captured_replans
+    result.planned_ahead = st.planned_ahead
+    result.warmups = st.warmups
+    jit = getattr(sc.be, "jit", None)
+    result.jit_in_capture = list(jit.compiled_in_capture) if jit is not None else []
+    result.timeline = sc.timeline
+    return result
+
+
+def _capture(sc: Scenario, mode: Mode) -> Any:
+    """Capture one FULL DBO graph the way MRV1 or MRV2 does; the first replay is the capture run."""
+    graph = torch.cuda.CUDAGraph()
+    sc.build(microbatched=True)
+    if mode == "mrv1":
+        # UBatchWrapper: `with self.sm_control: self._capture_ubatches(...)`; threads released in the graph.
+        with sc.control.partition(sc.budget, compute_knob=sc.knob):
+            run = sc.start()
+            with torch.cuda.graph(graph, stream=sc.compute_stream):
+                run.finish()
+    else:
+        # UBatchRunner: SM control entered before torch.cuda.graph opens, exited by finish() inside it.
+        token = sc.control.enter(sc.budget, compute_knob=sc.knob)
+        run = sc.start()
+        try:
+            with torch.cuda.graph(graph, stream=sc.compute_stream):
+                try:
+                    run.finish()
+                finally:
+                    sc.control.exit(token)
+        except BaseException:
+            if sc.control.depth:
+                sc.control.exit(token)
+            raise
+    graph.replay()
+    return graph

@@ -1,0 +1,89 @@
+"""``dbo-runtime simulate`` and the scenario engine on the CPU simulation backend.
+
+The CPU backend is a named simulation (reference planner, fp32 logits, DeepGEMM's
+schedule assertion); its GPU twin is ``graphs/scenario_suite.py`` /
+``tests/gpu/test_scenario_gpu.py`` with real DeepGEMM and real CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dbo_runtime.cli.main import main
+from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.sim.backends import SimulatedDeepGemm
+from dbo_runtime.sim.scenario import SMALL, run_scenario
+
+FAST = dataclasses.replace(SMALL, steps=2, num_layers=20, max_context=512, num_requests=6)
+
+
+def test_dbo_runtime_run_is_bit_identical_with_zero_steady_replans() -> None:
+    res = run_scenario(FAST, SimulatedDeepGemm())
+    assert res.ok, res.error or res.checks
+    assert res.steady_state_replans == 0 and res.replans_total == 0 and res.planned_ahead == 4
+    kinds = [e["event"] for e in res.timeline]
+    assert kinds[0] == "announced" and kinds[1:] == ["entered", "exited"] * FAST.steps
+    assert {e["compute"] for e in res.timeline if e["event"] == "entered"} == {112}
+
+
+def test_without_schedule_fix_the_logits_kernel_asserts() -> None:
+    res = run_scenario(dataclasses.replace(FAST, fix_schedule=False, isolate_topk=False), SimulatedDeepGemm())
+    assert res.error.startswith("DeepGEMM assertion") and "_schedule_meta_size" in res.error
+    assert not res.ok
+
+
+def test_without_topk_isolation_followers_read_the_other_microbatch() -> None:
+    res = run_scenario(dataclasses.replace(FAST, isolate_topk=False), SimulatedDeepGemm())
+    assert not res.error and not res.ok
+    assert all(c.follower_mismatch > 0 for c in res.checks)
+    # Leaders are unaffected: their own logits and top-k stay bit-identical.
+    assert all(c.logits_mismatch_rows == 0 and c.topk_mismatch_rows == 0 for c in res.checks)
+
+
+def test_upstream_call_site_replan_costs_one_planner_per_microbatch_per_step() -> None:
+    res = run_scenario(dataclasses.replace(FAST, plan_ahead=False), SimulatedDeepGemm())
+    assert res.ok and [c.replans for c in res.checks] == [2, 2]
+
+
+@pytest.mark.parametrize("layout", ["windows", "copies"])
+def test_topk_layouts_both_isolate(layout: str) -> None:
+    res = run_scenario(dataclasses.replace(FAST, topk_layout=layout), SimulatedDeepGemm())
+    assert res.ok
+    assert (res.topk_extra_bytes == 0) is (layout == "windows")
+
+
+def test_next_n_4_uses_sm90_half_slots() -> None:
+    res = run_scenario(dataclasses.replace(FAST, next_n=4), SimulatedDeepGemm())
+    assert res.ok, res.error
+
+
+def test_graph_modes_need_a_gpu() -> None:
+    with pytest.raises(ConfigError, match="mode='mrv1'"):
+        run_scenario(FAST, SimulatedDeepGemm(), "mrv1")
+
+
+def test_cli_json_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["simulate", "--json", "--backend", "cpu", "--steps", "2", "--requests", "6"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["verdict"] == "PASS" and doc["simulated"] is True
+    by_name = {r["name"]: r for r in doc["runs"]}
+    assert by_name["dbo_runtime"]["ok"] and by_name["dbo_runtime"]["steady_state_replans"] == 0
+    assert by_name["vLLM 0.33.0 (no dbo_runtime)"]["error"].startswith("DeepGEMM assertion")
+    assert not by_name["schedule fix only (vllm#60732)"]["ok"]
+    assert all(r["as_expected"] for r in doc["runs"])
+
+
+def test_cli_bad_value_is_one_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dbo_runtime", "simulate", "--requests", "1", "--backend", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "num_requests=1" in proc.stderr and "Traceback" not in proc.stderr
