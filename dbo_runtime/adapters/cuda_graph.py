@@ -37,30 +37,42 @@ def _loaded_cudart_paths() -> list[str]:
     return paths
 
 
+_RUNTIME_SYMBOLS = ("cudaStreamGetCaptureInfo_v3", "cudaStreamGetCaptureInfo_v2", "cudaStreamGetCaptureInfo")
+_DRIVER_SYMBOLS = ("cuStreamGetCaptureInfo_v3", "cuStreamGetCaptureInfo_v2", "cuStreamGetCaptureInfo")
+
+
 @functools.cache
 def _get_capture_info() -> Any | None:
-    candidates = [*_loaded_cudart_paths(), "libcudart.so.13", "libcudart.so.12", "libcudart.so"]
-    for path in candidates:
+    """First usable capture-info entry point: the runtime torch loaded, then the driver.
+
+    Every variant (legacy v1, v2, v3, CUDA 13's) starts with ``(stream, status*, id*)`` and takes
+    only optional outputs after that, so calling with four extra NULLs is valid for each of them
+    (x86-64 SysV: surplus trailing arguments are ignored by the callee). Status 1 means "active"
+    in both the runtime and the driver enum.
+    """
+    libraries = [*_loaded_cudart_paths(), "libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    attempts = [(path, _RUNTIME_SYMBOLS) for path in libraries] + [("libcuda.so.1", _DRIVER_SYMBOLS)]
+    for path, symbols in attempts:
         try:
             lib = ctypes.CDLL(path)
-            fn = lib.cudaStreamGetCaptureInfo
-        except (OSError, AttributeError):
+        except OSError:
             continue
-        # CUDA 12: (stream, status*, id*, graph*, deps**, numDeps*); CUDA 13 adds edgeData** before
-        # numDeps*. Every output after id* is optional (NULL), so passing 7 NULL-padded arguments
-        # is valid for both ABIs (x86-64 SysV: unused trailing arguments are ignored).
-        fn.restype = ctypes.c_int
-        fn.argtypes = [
-            ctypes.c_void_p,
-            ctypes.POINTER(ctypes.c_int),
-            ctypes.POINTER(ctypes.c_ulonglong),
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-        ]
-        return fn
-    logger.warning("dbo_runtime: cudaStreamGetCaptureInfo not found; captured re-plans are not shared between layers")
+        for symbol in symbols:
+            fn = getattr(lib, symbol, None)
+            if fn is None:
+                continue
+            fn.restype = ctypes.c_int
+            fn.argtypes = [
+                ctypes.c_void_p,
+                ctypes.POINTER(ctypes.c_int),
+                ctypes.POINTER(ctypes.c_ulonglong),
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+            ]
+            return fn
+    logger.warning("dbo_runtime: no stream capture-info entry point; captured re-plans are not shared between layers")
     return None
 
 

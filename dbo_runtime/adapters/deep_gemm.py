@@ -31,7 +31,9 @@ def _module() -> ModuleType:
         return importlib.import_module("deep_gemm")
 
 
+@functools.cache
 def _vllm_wrapper() -> ModuleType | None:
+    """vLLM's DeepGEMM wrapper module, or None (GPU box without vLLM); looked up once."""
     try:
         return importlib.import_module("vllm.utils.deep_gemm")
     except ImportError:
