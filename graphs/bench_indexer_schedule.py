@@ -1,0 +1,335 @@
+"""Indexer schedule cache on a GPU: host cost, planner kernels per DBO step, first-step JIT latency.
+
+Three measurements with real DeepGEMM (no vLLM needed), GLM-5.3 indexer shapes (32 heads x 128,
+block 64, 13 requests with contexts 1..32768, next_n 1):
+
+1. Host cost per indexer layer when the SM count is unchanged: ``IndexerScheduleCache.resolve``
+   (and the vLLM call-site wrapper around a no-op kernel) vs a bare ``deep_gemm.get_num_sms()``.
+   Goal: <= 0.2 us above ``get_num_sms``.
+2. Planner kernels per DBO microbatch per step, ``--steps`` steps x 2 microbatches x ``--layers``
+   layers under the DBO budget (132 -> 112): upstream #60732 (build plans for the whole GPU, the
+   call site re-plans every step) vs plan-ahead (build plans for the DBO count, 0 re-plans).
+   GPU time of the planning part and of the whole step, CUDA events.
+3. First DBO step latency for an SM count never used in the process (fresh ``DG_JIT_CACHE_DIR``):
+   112 after the ``announced`` warm-up vs 110 cold (the planner JIT-compiles inside the step).
+
+    python3 graphs/bench_indexer_schedule.py [--out graphs/results] [--steps 20]
+
+Writes ``bench_indexer_schedule.json`` (+ ``.png`` when matplotlib is present) to ``--out`` and,
+when ``$OUT`` is set, a copy there. Numbers are never asserted (they are measurements).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+# A fresh JIT cache: "cold" must mean a compile, not a hit in ~/.deep_gemm from an earlier run.
+os.environ.setdefault("DG_JIT_CACHE_DIR", tempfile.mkdtemp(prefix="dg_jit_bench_"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+HEADS, DIM, BLOCK = 32, 128, 64
+CONTEXTS = [1, 7, 64, 65, 255, 256, 257, 1000, 4096, 8191, 16384, 30000, 32768]
+MAX_CTX = 32768
+
+
+def _inputs(device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    batch, per_req = len(CONTEXTS), MAX_CTX // BLOCK
+    num_blocks = batch * per_req
+    values = (torch.randn((num_blocks, BLOCK * DIM), generator=gen) * 0.5).to(torch.float8_e4m3fn)
+    scales = torch.rand((num_blocks, BLOCK), generator=gen) + 0.5
+    fused = torch.empty((num_blocks, BLOCK * (DIM + 4)), dtype=torch.uint8)
+    fused[:, : BLOCK * DIM] = values.view(torch.uint8)
+    fused[:, BLOCK * DIM :] = scales.contiguous().view(torch.uint8)
+    return {
+        "kv_cache": fused.view(num_blocks, BLOCK, 1, DIM + 4).to(device),
+        "q": (torch.randn((batch, 1, HEADS, DIM), generator=gen) * 0.5).to(torch.float8_e4m3fn).to(device),
+        "weights": torch.rand((batch, HEADS), generator=gen).to(device),
+        "context_lens": torch.tensor(CONTEXTS, dtype=torch.int32).view(-1, 1).to(device),
+        "block_table": torch.randperm(num_blocks, generator=gen).view(batch, per_req).to(torch.int32).to(device),
+    }
+
+
+def _logits(dg: Any, x: dict[str, torch.Tensor], schedule: torch.Tensor) -> torch.Tensor:
+    return dg.fp8_fp4_paged_mqa_logits(
+        (x["q"], None), x["kv_cache"], x["weights"], x["context_lens"], x["block_table"], schedule, MAX_CTX,
+        clean_logits=False, logits_dtype=torch.float32,
+    )
+
+
+def _per_call_ns(fn: Any, calls: int, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter_ns() - t0) / calls)
+    return best
+
+
+def host_cost(dg: Any, x: dict[str, torch.Tensor], calls: int) -> dict[str, Any]:
+    from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner, num_sms_reader
+    from dbo_runtime.integration.indexer_hooks import _make_logits
+    from dbo_runtime.services import schedule_cache as sc
+
+    planner = DeepGemmPlanner()
+    cache = sc.IndexerScheduleCache(planner)
+    previous = sc.set_schedule_cache_for_tests(cache)
+    try:
+        live = int(dg.get_num_sms())
+        schedule = planner.plan(x["context_lens"], BLOCK, live)
+        cache.track(schedule, planned_sms=live, block_kv=BLOCK, next_n=1)
+        ctx, kv = x["context_lens"], x["kv_cache"]
+        reader = num_sms_reader()
+        capturing = torch.cuda.is_current_stream_capturing
+        noop = lambda *a, **k: None  # noqa: E731 - stands for the kernel launch
+        wrapper = _make_logits(noop)
+        q = (x["q"], None)
+        assert cache.resolve(schedule, ctx, None, kv) is schedule
+        res = {
+            "calls_per_repeat": calls,
+            "repeats": 5,
+            "empty_call_ns": _per_call_ns(noop, calls),
+            "get_num_sms_ns": _per_call_ns(reader, calls),
+            "is_current_stream_capturing_ns": _per_call_ns(capturing, calls),
+            "resolve_ns": _per_call_ns(lambda: cache.resolve(schedule, ctx, None, kv), calls),
+            "bare_call_site_ns": _per_call_ns(lambda: noop(q, kv, None, ctx, None, schedule, MAX_CTX, indices=None), calls),
+            "wrapped_call_site_ns": _per_call_ns(
+                lambda: wrapper(q, kv, None, ctx, None, schedule, max_model_len=MAX_CTX, indices=None), calls
+            ),
+        }
+        # resolve() is called through a lambda here, so subtract one empty call to compare with get_num_sms().
+        res["resolve_above_get_num_sms_ns"] = res["resolve_ns"] - res["empty_call_ns"] - res["get_num_sms_ns"]
+        res["wrapper_overhead_ns"] = res["wrapped_call_site_ns"] - res["bare_call_site_ns"]
+        res["replans_during_measurement"] = cache.stats.replans
+        return res
+    finally:
+        sc.set_schedule_cache_for_tests(previous)
+
+
+def steady_state(dg: Any, x: dict[str, torch.Tensor], steps: int, layers: int, dbo_sms: int) -> dict[str, Any]:
+    from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner
+    from dbo_runtime.core.budget import compute_budget
+    from dbo_runtime.services.schedule_cache import IndexerScheduleCache
+    from dbo_runtime.services.sm_control import SMControl
+
+    total = int(dg.get_num_sms())
+    out: dict[str, Any] = {"steps": steps, "microbatches": 2, "layers": layers, "dbo_sms": dbo_sms}
+    for approach in ("upstream_replan_at_call_site", "plan_ahead"):
+        planner = DeepGemmPlanner()
+        cache = IndexerScheduleCache(planner)
+        control = SMControl(torch.cuda.current_device(), total)
+        cache.attach(control)
+        budget = compute_budget(
+            total_sms=total, platform="cuda", enable_dbo=True, expert_parallel=True,
+            all2all_backend="deepep_high_throughput", env_comm_sms=total - dbo_sms,
+        )
+        control.announce(budget)
+        knob = _Knob(dg)
+        plan_ms: list[float] = []
+        step_ms: list[float] = []
+        replans: list[int] = []
+        planner_kernels: list[int] = []
+        for step in range(steps + 1):  # step 0 is a warm-up, not recorded
+            before = cache.stats.replans
+            kernels = 0
+            e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            plan_time = 0.0
+            e_step0 = torch.cuda.Event(enable_timing=True)
+            e_step1 = torch.cuda.Event(enable_timing=True)
+            e_step0.record()
+            for _ub in range(2):
+                e0.record()
+                with cache.microbatched_build():
+                    sms = cache.plan_ahead_sms(control.device) if approach == "plan_ahead" else None
+                    sms = sms or total
+                    schedule = planner.plan(x["context_lens"], BLOCK, sms)  # the builder's planner
+                    kernels += 1
+                cache.track(schedule, planned_sms=sms, block_kv=BLOCK, next_n=1)
+                with control.partition(budget, compute_knob=knob):
+                    r0 = cache.stats.replans
+                    first = cache.resolve(schedule, x["context_lens"], None, BLOCK)
+                    kernels += cache.stats.replans - r0
+                    e1.record()
+                    _logits(dg, x, first)
+                    for _ in range(layers - 1):
+                        _logits(dg, x, cache.resolve(schedule, x["context_lens"], None, BLOCK))
+                torch.cuda.synchronize()
+                plan_time += e0.elapsed_time(e1)
+            e_step1.record()
+            torch.cuda.synchronize()
+            if step == 0:
+                continue
+            plan_ms.append(plan_time)
+            step_ms.append(e_step0.elapsed_time(e_step1))
+            replans.append(cache.stats.replans - before)
+            planner_kernels.append(kernels)
+        out[approach] = {
+            "replans_per_step": replans,
+            "replans_per_microbatch_step": sum(replans) / (2 * steps),
+            "planner_kernels_per_microbatch_step": sum(planner_kernels) / (2 * steps),
+            "planning_ms_per_step_median": sorted(plan_ms)[len(plan_ms) // 2],
+            "step_ms_median": sorted(step_ms)[len(step_ms) // 2],
+            "planning_timing": "CUDA events from before the builder's planner to after the call site's schedule lookup, both microbatches, GPU idle at the start (includes host launch time)",
+        }
+    return out
+
+
+class _Knob:
+    name = "deep_gemm.set_num_sms"
+
+    def __init__(self, dg: Any) -> None:
+        self.dg = dg
+
+    def set(self, num_sms: int) -> None:
+        self.dg.set_num_sms(num_sms)
+
+
+def first_step(dg: Any, x: dict[str, torch.Tensor], warm_sms: int, cold_sms: int) -> dict[str, Any]:
+    from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner
+    from dbo_runtime.core.budget import compute_budget
+    from dbo_runtime.services.schedule_cache import IndexerScheduleCache, PlannerProfile
+    from dbo_runtime.services.sm_control import SMControl
+
+    total = int(dg.get_num_sms())
+    device = torch.cuda.current_device()
+    result: dict[str, Any] = {"jit_cache_dir": os.environ.get("DG_JIT_CACHE_DIR")}
+
+    def one_step(cache: IndexerScheduleCache, planner: DeepGemmPlanner, sms: int) -> float:
+        schedule = planner.plan(x["context_lens"], BLOCK, total)  # upstream build: whole GPU
+        cache.track(schedule, planned_sms=total, block_kv=BLOCK, next_n=1)
+        torch.cuda.synchronize()
+        dg.set_num_sms(sms)
+        t0 = time.perf_counter()
+        _logits(dg, x, cache.resolve(schedule, x["context_lens"], None, BLOCK))
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        dg.set_num_sms(total)
+        return elapsed * 1e3
+
+    for label, sms, warm in (("with_warmup", warm_sms, True), ("without_warmup", cold_sms, False)):
+        planner = DeepGemmPlanner()
+        cache = IndexerScheduleCache(planner)
+        control = SMControl(device, total)
+        cache.attach(control)
+        cache.register_profile(device, PlannerProfile(device=torch.device("cuda", device), block_kv=BLOCK, next_ns=(1,), max_batch=len(CONTEXTS)))
+        warm_ms = 0.0
+        if warm:
+            budget = compute_budget(
+                total_sms=total, platform="cuda", enable_dbo=True, expert_parallel=True,
+                all2all_backend="deepep_high_throughput", env_comm_sms=total - sms,
+            )
+            t0 = time.perf_counter()
+            control.announce(budget)  # model load: compiles the planner for `sms`
+            torch.cuda.synchronize()
+            warm_ms = (time.perf_counter() - t0) * 1e3
+        first = one_step(cache, planner, sms)
+        second = one_step(cache, planner, sms)
+        result[label] = {
+            "sms": sms,
+            "warmup_ms_at_model_load": warm_ms,
+            "warmup_planner_kernels": cache.stats.warmups,
+            "first_step_ms": first,
+            "second_step_ms": second,
+        }
+    return result
+
+
+def _plot(doc: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    h = doc["host_cost"]
+    axes[0].bar(["get_num_sms", "resolve", "resolve - get_num_sms"],
+                [h["get_num_sms_ns"], h["resolve_ns"] - h["empty_call_ns"], h["resolve_above_get_num_sms_ns"]])
+    axes[0].axhline(200, color="red", linestyle="--", label="goal: +200 ns")
+    axes[0].set_ylabel("ns per indexer layer (host)")
+    axes[0].legend()
+    s = doc["steady_state"]
+    names = ["upstream_replan_at_call_site", "plan_ahead"]
+    axes[1].bar(["upstream #60732", "plan-ahead"], [s[n]["planner_kernels_per_microbatch_step"] for n in names])
+    axes[1].set_ylabel("planner kernels per microbatch per step")
+    for i, n in enumerate(names):
+        axes[1].text(i, 0.05, f"re-plans {s[n]['replans_per_microbatch_step']:.2f}\n"
+                     f"plan {s[n]['planning_ms_per_step_median'] * 1e3:.1f} us/step", ha="center")
+    f = doc["first_step"]
+    axes[2].bar([f"{f['with_warmup']['sms']} SMs, warmed", f"{f['without_warmup']['sms']} SMs, cold"],
+                [f["with_warmup"]["first_step_ms"], f["without_warmup"]["first_step_ms"]])
+    axes[2].set_ylabel("first DBO step, indexer layer 0 (ms)")
+    axes[2].set_yscale("log")
+    env = doc["environment"]
+    fig.suptitle(f"Indexer schedule cache - {env.get('device')} - {env.get('deep_gemm')} - torch {env.get('torch')} - {env.get('date')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=21)
+    ap.add_argument("--calls", type=int, default=200_000)
+    ap.add_argument("--dbo-sms", type=int, default=112)
+    ap.add_argument("--cold-sms", type=int, default=110)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_indexer_schedule: no CUDA device; nothing measured", file=sys.stderr)
+        return 2
+    import deep_gemm as dg
+
+    from dbo_runtime.sim.report import environment
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = _inputs(device, seed=0)
+    total = int(dg.get_num_sms())
+    # Compile what every approach needs anyway (planner @ total, logits kernel) before measuring.
+    from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner
+
+    _logits(dg, x, DeepGemmPlanner().plan(x["context_lens"], BLOCK, total))
+    torch.cuda.synchronize()
+
+    doc: dict[str, Any] = {"environment": environment(), "case": {"heads": HEADS, "dim": DIM, "block": BLOCK, "contexts": CONTEXTS}}
+    # First-step latency first: its SM counts must not have been used in this process yet.
+    doc["first_step"] = first_step(dg, x, args.dbo_sms, args.cold_sms)
+    doc["host_cost"] = host_cost(dg, x, args.calls)
+    doc["steady_state"] = steady_state(dg, x, args.steps, args.layers, args.dbo_sms)
+    dg.set_num_sms(total)
+
+    h, s, f = doc["host_cost"], doc["steady_state"], doc["first_step"]
+    print(
+        f"host: get_num_sms {h['get_num_sms_ns']:.0f} ns, resolve +{h['resolve_above_get_num_sms_ns']:.0f} ns above it, "
+        f"wrapper +{h['wrapper_overhead_ns']:.0f} ns | replans/ubatch/step upstream "
+        f"{s['upstream_replan_at_call_site']['replans_per_microbatch_step']:.2f} vs plan-ahead "
+        f"{s['plan_ahead']['replans_per_microbatch_step']:.2f} | first step {f['with_warmup']['first_step_ms']:.2f} ms "
+        f"warmed vs {f['without_warmup']['first_step_ms']:.2f} ms cold",
+        flush=True,
+    )
+    targets = [args.out]
+    if os.environ.get("OUT"):
+        targets.append(Path(os.environ["OUT"]))
+    for target in targets:
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "bench_indexer_schedule.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        plotted = _plot(doc, target / "bench_indexer_schedule.png")
+        print(f"wrote {target / 'bench_indexer_schedule.json'}" + (" + .png" if plotted else " (no matplotlib: no PNG)"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
