@@ -35,6 +35,15 @@ def current_ubatch() -> tuple[int, int]:
     return _THREAD_TO_UBATCH.get(threading.get_ident(), (0, 0))
 
 
+class MicrobatchAborted(RuntimeError):
+    """The other microbatch failed; this one unwinds instead of waiting forever."""
+
+
+@dataclass
+class _RunState:
+    aborted: bool = False
+
+
 @dataclass
 class MicrobatchContext:
     """One microbatch's thread-side context (vLLM's ``UBatchContext``, minus the forward context)."""
@@ -43,6 +52,7 @@ class MicrobatchContext:
     wait_event: threading.Event
     signal_event: threading.Event
     barrier: threading.Barrier
+    run_state: _RunState = field(default_factory=_RunState)
     token_offset: int = 0
     compute_stream: Any = None
     comm_stream: Any = None
@@ -77,6 +87,8 @@ class MicrobatchContext:
         self.signal_event.set()
         self.wait_event.wait()
         self.wait_event.clear()
+        if self.run_state.aborted:
+            raise MicrobatchAborted(f"microbatch {self.id}: the other microbatch failed")
         self._use(self.compute_stream)
 
     def comm(self, work: Callable[[], None]) -> None:
@@ -136,6 +148,7 @@ def start_microbatches(
     """
     n = len(bodies)
     barrier = threading.Barrier(n + 1)
+    run_state = _RunState()
     events = [threading.Event() for _ in range(n)]
     gpu_events: list[tuple[Any, Any]] = [(None, None)] * n
     if compute_stream is not None:
@@ -148,6 +161,7 @@ def start_microbatches(
             wait_event=events[i],
             signal_event=events[(i + 1) % n],
             barrier=barrier,
+            run_state=run_state,
             token_offset=token_offsets[i] if token_offsets is not None else 0,
             compute_stream=compute_stream,
             comm_stream=comm_stream,
@@ -171,10 +185,13 @@ def start_microbatches(
         try:
             with ctx:
                 results[ctx.id] = body(ctx)
-        except BaseException as exc:
-            errors.append(exc)
-            # Never leave the other microbatch parked forever.
-            ctx.signal_event.set()
+        except BaseException as exc:  # re-raised on the main thread by finish()
+            if not isinstance(exc, MicrobatchAborted):
+                errors.append(exc)
+            # Never leave the other microbatch parked forever: it unwinds at its next yield.
+            run_state.aborted = True
+            for other in contexts:
+                other.wait_event.set()
 
     threads = [threading.Thread(target=runner, args=(c, b), name=f"ubatch-{c.id}") for c, b in zip(contexts, bodies)]
     for t in threads:

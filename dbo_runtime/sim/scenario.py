@@ -323,6 +323,12 @@ class Scenario:
         self.out_topk.zero_()
         self.out_follow.zero_()
 
+    def join(self, run: Any) -> None:
+        """Release and join the threads; outside a capture the caller's stream waits for them."""
+        run.finish()
+        if self.compute_stream is not None and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream().wait_stream(self.compute_stream)
+
     def bodies(self) -> list[Callable[[MicrobatchContext], None]]:
         def body(ub: int) -> Callable[[MicrobatchContext], None]:
             return lambda ctx: self.forward(ub, ctx)
@@ -330,7 +336,10 @@ class Scenario:
         return [body(0), body(1)]
 
     def start(self) -> Any:
+        """Park the two microbatch threads; the compute stream first waits for the inputs."""
         n = self.cfg.next_n
+        if self.compute_stream is not None and not torch.cuda.is_current_stream_capturing():
+            self.compute_stream.wait_stream(torch.cuda.current_stream())
         return start_microbatches(
             self.bodies(),
             token_offsets=[0, self.split[0] * n],
@@ -398,11 +407,11 @@ def run_scenario(
                 # Eager DBO step (in graph modes this is vLLM's warm-up run under SM control).
                 sc.build(microbatched=True)
                 with sc.control.partition(sc.budget, compute_knob=sc.knob):
-                    sc.start().finish()
+                    sc.join(sc.start())
                 _sync(sc.dev)
                 phase = "eager" if mode == "eager" else "warmup"
             elif graph is None:
-                graph = _capture(sc, mode)
+                graph = capture_dbo_graph(sc, mode)
                 _sync(sc.dev)
                 phase = "capture"
             else:
@@ -431,7 +440,7 @@ def run_scenario(
     return result
 
 
-def _capture(sc: Scenario, mode: Mode) -> Any:
+def capture_dbo_graph(sc: Scenario, mode: Mode) -> Any:
     """Capture one FULL DBO graph the way MRV1 or MRV2 does; the first replay is the capture run."""
     graph = torch.cuda.CUDAGraph()
     sc.build(microbatched=True)

@@ -87,3 +87,34 @@ def test_cli_bad_value_is_one_line() -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "num_requests=1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_failing_microbatch_never_leaves_the_other_parked() -> None:
+    from dbo_runtime.sim.microbatch import MicrobatchContext, run_microbatches
+
+    def fails_late(ctx: MicrobatchContext) -> None:
+        ctx.yield_()
+        raise ValueError("layer 1 failed")
+
+    def keeps_yielding(ctx: MicrobatchContext) -> None:
+        for _ in range(10):
+            ctx.yield_()
+
+    with pytest.raises(ValueError, match="layer 1 failed"):
+        run_microbatches([fails_late, keeps_yielding])
+
+
+def test_microbatches_run_in_dbo_order() -> None:
+    from dbo_runtime.sim.microbatch import MicrobatchContext, current_ubatch, run_microbatches
+
+    order: list[tuple[int, int, int]] = []
+
+    def body(ctx: MicrobatchContext) -> None:
+        for layer in range(3):
+            ub, offset = current_ubatch()
+            order.append((layer, ub, offset))
+            ctx.yield_()
+
+    run_microbatches([body, body], token_offsets=[0, 8])
+    assert order == [(0, 0, 0), (0, 1, 8), (1, 0, 0), (1, 1, 8), (2, 0, 0), (2, 1, 8)]
+    assert current_ubatch() == (0, 0)  # the main thread is never a microbatch

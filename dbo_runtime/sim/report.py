@@ -1,0 +1,51 @@
+"""Provenance for every figure and result file: device, versions, date, command.
+
+CI has no GPU, so a GPU number is only worth something with the machine and
+versions that produced it attached; every ``graphs/`` script and GPU summary
+goes through ``environment()``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return f"{name}=={metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "deep_gemm": _dist_version("tokenspeed-deepgemm", "deep-gemm", "deep_gemm", "sgl-deep-gemm"),
+        "vllm": _dist_version("vllm"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.update(device=props.name, sms=props.multi_processor_count, capability=f"{props.major}.{props.minor}")
+    else:
+        env.update(device="cpu", sms=None, capability=None)
+    return env
+
+
+def write_json(path: Path, document: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2, default=str) + "\n")
+    return path
