@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 STATE_ATTR = "_dbo_schedule_state"
 """Attribute set on a tracked schedule tensor (torch tensors carry a ``__dict__``)."""
 
+_ITSELF = object()
+"""``in_graph`` value meaning "the tracked schedule itself was produced inside this capture"."""
+
 WARM_MAX_BATCH_ENV = "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH"
 DEFAULT_WARM_MAX_BATCH = 512
 BATCH_ALIGN = 32
@@ -237,7 +240,9 @@ class IndexerScheduleCache:
         if self._capturing():  # type: ignore[misc]
             capture = self.planner.capture_id()
             if capture is not None:
-                state.in_graph[(capture, int(planned_sms))] = schedule
+                # A marker, not the tensor: schedule -> state -> schedule would be a reference cycle
+                # that keeps graph-pool memory alive until the cyclic GC runs.
+                state.in_graph[(capture, int(planned_sms))] = _ITSELF
         return state
 
     def _resolve_slow(
@@ -270,6 +275,8 @@ class IndexerScheduleCache:
         if state is not None and capture is not None:
             key = (capture, current)
             replanned = state.in_graph.get(key)
+            if replanned is _ITSELF:
+                return schedule
             if replanned is None:
                 replanned = self.planner.plan(context_lens, state.block_kv, current, indices)
                 state.in_graph[key] = replanned
