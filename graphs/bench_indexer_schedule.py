@@ -245,6 +245,28 @@ def first_step(dg: Any, x: dict[str, torch.Tensor], warm_sms: int, cold_sms: int
     return result
 
 
+def _environment() -> dict[str, Any]:
+    import datetime
+    import platform
+    from importlib import metadata
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    try:
+        dg_version = metadata.version("tokenspeed-deepgemm")
+    except metadata.PackageNotFoundError:
+        dg_version = None
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "deep_gemm": f"tokenspeed-deepgemm=={dg_version}" if dg_version else None,
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "capability": f"{props.major}.{props.minor}",
+    }
+
+
 def _plot(doc: dict[str, Any], path: Path) -> bool:
     try:
         import matplotlib
@@ -293,7 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import deep_gemm as dg
 
-    from dbo_runtime.sim.report import environment
+    try:
+        from dbo_runtime.sim.report import environment
+    except ImportError:  # the shared provenance helper; keep the benchmark runnable without it
+        environment = _environment
 
     device = torch.device("cuda", torch.cuda.current_device())
     x = _inputs(device, seed=0)
