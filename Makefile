@@ -13,7 +13,7 @@ run: setup
 
 ## Whole test suite + lint + types (what CI runs). GPU tests skip without CUDA/DeepGEMM.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not gpu"
 	$(VENV)/bin/ruff check dbo_runtime tests graphs
 	$(VENV)/bin/mypy dbo_runtime
 

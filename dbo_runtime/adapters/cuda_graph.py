@@ -91,3 +91,66 @@ def capture_id(stream_handle: int | None = None) -> int | None:
     if err != 0 or status.value != _CAPTURE_ACTIVE:
         return None
     return int(ident.value)
+
+
+class CaptureCounter:
+    """How many torch CUDA-graph captures are in progress in this process, if we are told.
+
+    ``torch.cuda.is_current_stream_capturing()`` costs about 440 ns on the H200
+    host (a runtime call through the current-stream lookup), more than the
+    whole budget of the indexer call site, which runs once per indexer layer.
+    Captures are rare (engine start), so the call site first reads this
+    counter: with ``installed`` and ``active == 0`` no capture can be underway
+    and the precise check is skipped. ``installed`` is True only while the
+    capture hooks (``dbo_runtime.integration.capture_hooks``) wrap
+    ``torch.cuda.graphs.CUDAGraph.capture_begin/capture_end``; without them
+    callers must fall back to the precise check. Captures that bypass torch's
+    ``CUDAGraph`` (raw ``cudaStreamBeginCapture``) are not counted; vLLM
+    captures through ``torch.cuda.graph``.
+    """
+
+    __slots__ = ("active", "installed")
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.installed = False
+
+    def no_capture_possible(self) -> bool:
+        return self.installed and self.active == 0
+
+
+CAPTURES = CaptureCounter()
+
+
+def counting_capture_begin(original: Any) -> Any:
+    def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Counted before the capture starts: a layer on another thread must not take the
+        # fast path while this capture is being set up.
+        CAPTURES.active += 1
+        try:
+            return original(self, *args, **kwargs)
+        except BaseException:
+            CAPTURES.active -= 1
+            raise
+
+    return capture_begin
+
+
+def counting_capture_end(original: Any) -> Any:
+    def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            CAPTURES.active = max(0, CAPTURES.active - 1)
+
+    return capture_end
+
+
+def counting_installed() -> None:
+    CAPTURES.active = 0
+    CAPTURES.installed = True
+
+
+def counting_uninstalled() -> None:
+    CAPTURES.installed = False
+    CAPTURES.active = 0

@@ -64,6 +64,10 @@ class Patch:
     adds: bool = False
     """The attribute may not exist yet (e.g. a data descriptor added to a class); ``make`` then
     receives ``None`` and uninstall deletes what it added."""
+    on_install: Callable[[], None] | None = None
+    """Called right after the replacement is in place (and only then: not at prepare time)."""
+    on_uninstall: Callable[[], None] | None = None
+    """Called after the original is back, also on a rolled-back install."""
 
     @property
     def target(self) -> str:
@@ -181,6 +185,8 @@ class PatchSet:
     @staticmethod
     def _set(applied: _Applied) -> None:
         setattr(applied.owner, applied.name, applied.replacement)
+        if applied.patch.on_install is not None:
+            applied.patch.on_install()
 
     @staticmethod
     def _unset(applied: _Applied) -> None:
@@ -188,6 +194,8 @@ class PatchSet:
             delattr(applied.owner, applied.name)
         else:
             setattr(applied.owner, applied.name, applied.original)
+        if applied.patch.on_uninstall is not None:
+            applied.patch.on_uninstall()
 
     def install(self) -> None:
         """Apply every eager patch and arm the lazy ones, or nothing at all."""

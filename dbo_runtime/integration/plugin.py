@@ -30,6 +30,7 @@ SUPPORTED_VLLM = "0.33"
 """Major.minor of the vLLM releases whose source the patch set was written against."""
 
 FEATURE_MODULES: tuple[str, ...] = (
+    "dbo_runtime.integration.capture_hooks",
     "dbo_runtime.integration.sm_hooks",
     "dbo_runtime.integration.indexer_hooks",
     "dbo_runtime.integration.topk_hooks",

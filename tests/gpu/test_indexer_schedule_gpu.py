@@ -303,3 +303,47 @@ def test_announced_budget_warms_planner_outside_capture(
     assert cache.dbo_sms(control.device) == total - 20
     distinct_slots = {schedule_slots(total - 20, 1), schedule_slots(total - 20, 4)}  # SM90: 112 and 56
     assert cache.stats.warmups == 2 * len(distinct_slots)  # batch buckets 32 and 64
+
+
+def test_capture_counter_with_real_graph(
+    deep_gemm: ModuleType, planner: DeepGemmPlanner, cuda_device: torch.device
+) -> None:
+    """Twin of tests/unit/test_capture_counter.py: with the plugin's capture counter installed, the
+    fast path still records the re-plan inside a real capture (the replay-safety case) and skips
+    the capture probe outside it."""
+    from dbo_runtime.adapters.cuda_graph import CAPTURES
+    from dbo_runtime.integration import capture_hooks
+    from dbo_runtime.integration.patching import PatchSet
+
+    patches = PatchSet(capture_hooks.patches())
+    patches.install()
+    try:
+        total = int(deep_gemm.get_num_sms())
+        case = _make_case(1, cuda_device, seed=3)
+        buffer = torch.zeros((total + 1, 2), dtype=torch.int32, device=cuda_device)
+        ahead = buffer[: DBO_SMS + 1]
+        ahead.copy_(planner.plan(case.context_lens, BLOCK, DBO_SMS))
+        cache = IndexerScheduleCache(planner)
+        cache.track(ahead, planned_sms=DBO_SMS, block_kv=BLOCK, next_n=1)
+        deep_gemm.set_num_sms(DBO_SMS)
+        assert CAPTURES.installed and CAPTURES.active == 0
+        assert cache.resolve(ahead, case.context_lens, None, BLOCK) is ahead  # eager: planned tensor, no probe
+        seen_active: list[int] = []
+
+        def forward() -> torch.Tensor:
+            seen_active.append(CAPTURES.active)
+            return _logits(deep_gemm, case, cache.resolve(ahead, case.context_lens, None, BLOCK))
+
+        graph, out = _capture(forward)
+        assert seen_active == [1] and CAPTURES.active == 0
+        assert cache.stats.captured_replans == 1
+        gen = torch.Generator().manual_seed(13)
+        case.refresh(gen)
+        deep_gemm.set_num_sms(total)
+        buffer[: total + 1].copy_(planner.plan(case.context_lens, BLOCK, total))  # a non-DBO build overwrote it
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _mismatch(case, out, _reference(deep_gemm, case, planner, total)) == 0.0
+    finally:
+        patches.uninstall()
+    assert not CAPTURES.installed

@@ -1,0 +1,79 @@
+"""The process-wide capture counter that lets the indexer call site skip a ~440 ns probe.
+
+GPU twin: tests/gpu/test_indexer_schedule_gpu.py::test_capture_counter_with_real_graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dbo_runtime.adapters import cuda_graph
+from dbo_runtime.adapters.cuda_graph import CAPTURES, counting_capture_begin, counting_capture_end
+from dbo_runtime.integration import capture_hooks
+from dbo_runtime.integration.patching import PatchSet
+from dbo_runtime.services.schedule_cache import IndexerScheduleCache
+from tests.fakes.fake_deep_gemm import FakeDeepGemm, FakeSchedulePlanner
+
+
+def test_patch_set_installs_counts_and_restores_torch() -> None:
+    cls = torch.cuda.graphs.CUDAGraph
+    originals = (cls.__dict__["capture_begin"], cls.__dict__["capture_end"])
+    ps = PatchSet(capture_hooks.patches())
+    ps.install()
+    try:
+        assert CAPTURES.installed and CAPTURES.active == 0
+        assert cls.__dict__["capture_begin"] is not originals[0]
+    finally:
+        ps.uninstall()
+    assert (cls.__dict__["capture_begin"], cls.__dict__["capture_end"]) == originals
+    assert cls.__dict__["capture_begin"] is originals[0] and not CAPTURES.installed
+
+
+def test_counter_follows_begin_end_and_failed_begin() -> None:
+    calls: list[str] = []
+    begin = counting_capture_begin(lambda self, *a, **k: calls.append("begin"))
+    end = counting_capture_end(lambda self: calls.append("end"))
+    start = CAPTURES.active
+    begin(object())
+    assert CAPTURES.active == start + 1
+    end(object())
+    assert CAPTURES.active == start
+
+    def refuses(self: object, *a: object, **k: object) -> None:
+        raise RuntimeError("capture_begin failed")
+
+    with pytest.raises(RuntimeError):
+        counting_capture_begin(refuses)(object())
+    assert CAPTURES.active == start and calls == ["begin", "end"]
+
+
+class CountingPlanner(FakeSchedulePlanner):
+    def __init__(self, dg: FakeDeepGemm) -> None:
+        super().__init__(dg)
+        self.probes = 0
+
+    def capturing(self) -> bool:
+        self.probes += 1
+        return super().capturing()
+
+
+def test_fast_path_skips_the_capture_probe_only_when_the_counter_is_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    dg = FakeDeepGemm(total_sms=132)
+    planner = CountingPlanner(dg)
+    cache = IndexerScheduleCache(planner)
+    lens = torch.tensor([[100], [3000]], dtype=torch.int32)
+    schedule = planner.plan(lens, 64, 132)
+    cache.track(schedule, planned_sms=132, block_kv=64, next_n=1)
+    counter = cuda_graph.CaptureCounter()
+    monkeypatch.setattr(cache, "_captures", counter)
+
+    assert cache.resolve(schedule, lens, None, 64) is schedule and planner.probes == 1  # not installed: probe
+    counter.installed = True
+    for _ in range(21):
+        assert cache.resolve(schedule, lens, None, 64) is schedule
+    assert planner.probes == 1  # trusted counter, no capture: no probe at all
+    counter.active = 1  # a capture somewhere in the process: probe again
+    planner.capturing_now, planner.current_capture = True, 5
+    assert cache.resolve(schedule, lens, None, 64) is not schedule
+    assert planner.probes >= 2 and cache.stats.captured_replans == 1
