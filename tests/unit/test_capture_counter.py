@@ -77,3 +77,37 @@ def test_fast_path_skips_the_capture_probe_only_when_the_counter_is_trusted(monk
     planner.capturing_now, planner.current_capture = True, 5
     assert cache.resolve(schedule, lens, None, 64) is not schedule
     assert planner.probes >= 2 and cache.stats.captured_replans == 1
+
+
+def test_call_site_wrapper_inlines_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dbo_runtime.integration.indexer_hooks import _make_logits
+    from dbo_runtime.services import schedule_cache as sc
+
+    dg = FakeDeepGemm(total_sms=132)
+    planner = CountingPlanner(dg)
+    cache = IndexerScheduleCache(planner)
+    previous = sc.set_schedule_cache_for_tests(cache)
+    counter = cuda_graph.CaptureCounter()
+    counter.installed = True
+    monkeypatch.setattr("dbo_runtime.integration.indexer_hooks._CAPTURES", counter)
+    try:
+        lens = torch.tensor([[100], [3000]], dtype=torch.int32)
+        schedule = planner.plan(lens, 64, 132)
+        cache.track(schedule, planned_sms=132, block_kv=64, next_n=1)
+        seen: list[object] = []
+        wrapper = _make_logits(lambda q, kv, w, cl, bt, sched, m, indices=None: seen.append(sched))
+        slow: list[int] = []
+        real_resolve = cache.resolve
+        monkeypatch.setattr(cache, "resolve", lambda *a: (slow.append(1), real_resolve(*a))[1])
+        for _ in range(5):
+            wrapper(None, 64, None, lens, None, schedule, 8)
+        assert len(slow) == 1 and all(s is schedule for s in seen)  # only the first call binds the reader
+        dg.set_num_sms(112)
+        wrapper(None, 64, None, lens, None, schedule, 8)
+        assert len(slow) == 2 and seen[-1] is not schedule and seen[-1].shape[0] == 113
+        counter.active = 1  # a capture somewhere: always the precise path
+        dg.set_num_sms(132)
+        wrapper(None, 64, None, lens, None, schedule, 8)
+        assert len(slow) == 3
+    finally:
+        sc.set_schedule_cache_for_tests(previous)
