@@ -335,7 +335,8 @@ def test_capture_counter_with_real_graph(
             return _logits(deep_gemm, case, cache.resolve(ahead, case.context_lens, None, BLOCK))
 
         graph, out = _capture(forward)
-        assert seen_active == [1] and CAPTURES.active == 0
+        # _capture runs forward once eagerly (warm-up, no capture) and once inside the capture.
+        assert seen_active == [0, 1] and CAPTURES.active == 0
         assert cache.stats.captured_replans == 1
         gen = torch.Generator().manual_seed(13)
         case.refresh(gen)
