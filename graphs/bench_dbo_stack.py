@@ -77,7 +77,7 @@ def time_graph(graph, reps: int) -> list[float]:  # type: ignore[no-untyped-def]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--requests", type=int, default=GLM53.num_requests)
     ap.add_argument("--max-context", type=int, default=GLM53.max_context)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -127,9 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     def med(xs: list[float]) -> float:
         return round(statistics.median(xs), 3)
 
+    def iqr(xs: list[float]) -> list[float]:
+        q = statistics.quantiles(xs, n=4)
+        return [round(q[0], 3), round(q[2], 3)]
+
     summary = {
         "eager_ms_median": {k: med(v) for k, v in eager.items()},
+        "eager_ms_p25_p75": {k: iqr(v) for k, v in eager.items()},
         "graph_replay_ms_median": {k: med(v) for k, v in replay.items()},
+        "graph_replay_ms_p25_p75": {k: iqr(v) for k, v in replay.items()},
         "planner_kernels_per_eager_step": {k: statistics.mean(v) for k, v in planners.items()},
         "planner_kernels_per_graph_replay": {
             "dbo_runtime": scen["dbo_runtime"].cache.stats.captured_replans and 2,
