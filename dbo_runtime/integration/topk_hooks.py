@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import threading
 from typing import Any
 
@@ -55,6 +56,8 @@ _V32_MODEL = "vllm.models.deepseek_v32.nvidia.model"
 
 _state: UbatchTopkState | None = None
 _state_lock = threading.Lock()
+
+logger = logging.getLogger(__name__)
 
 
 def default_state() -> UbatchTopkState:
@@ -141,8 +144,15 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
             result = original(
                 self, is_index_producing_layer, vllm_config, head_size=head_size, kv_cache_dtype=kv_cache_dtype
             )
-            if follower and num_ubatches > 1:
+            if follower and num_ubatches > 1 and not state.is_attached(result[0]):
                 state.attach(result[0], num_ubatches, _make_event)
+                logger.info(
+                    "dbo_runtime: per-microbatch top-k state for %d index groups with followers "
+                    "(%s layout, %d extra bytes)",
+                    state.num_groups(),
+                    state.layout,
+                    state.extra_bytes(),
+                )
             return result
 
         return register_layer
