@@ -74,6 +74,7 @@ from dbo_runtime.core.budget import (
     ALL2ALL_BACKENDS,
     BACKEND_MAX_SMS_USED,
     DBO_BACKENDS,
+    DEEPEP_HT_MANAGER_NUM_SMS,
     PLATFORMS,
     SMBudget,
     compute_budget,
@@ -238,6 +239,7 @@ def _apply_budget(row: DeviceRow, s: Settings) -> None:
             max_sms_used=s.max_sms_used,
             has_deep_gemm=s.deep_gemm,
             device=row.cuda_index if row.cuda_index is not None else (row.nvml_index or 0),
+            comm_cap=DEEPEP_HT_MANAGER_NUM_SMS if s.all2all_backend == "deepep_high_throughput" else None,
         )
     except ConfigError as exc:
         parameter = exc.parameter

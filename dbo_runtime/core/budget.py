@@ -45,6 +45,9 @@ ALL2ALL_BACKENDS: tuple[str, ...] = (
 )
 """``typing.get_args(vllm.config.parallel.All2AllBackend)`` in 0.33.0 (a contract test keeps them equal)."""
 
+#: ``DeepEPAll2AllManagerBase.num_sms`` in vLLM 0.33.0 (``all2all.py:216``): the HT manager clamps requests to it.
+DEEPEP_HT_MANAGER_NUM_SMS = 20
+
 #: What ``max_sms_used()`` of each backend's all2all manager returns in vLLM 0.33.0
 #: (``None`` = "could use the whole GPU", base class; ``0`` = no SM reservation).
 BACKEND_MAX_SMS_USED: dict[str, int | None] = {
@@ -175,6 +178,7 @@ def compute_budget(
     max_sms_used: int | None = None,
     has_deep_gemm: bool = True,
     device: int = 0,
+    comm_cap: int | None = None,
 ) -> SMBudget:
     """vLLM 0.33.0 ``create_sm_control_context``, decision only.
 
@@ -191,6 +195,10 @@ def compute_budget(
     5. ``comm < total`` or vLLM asserts; we raise a named error instead.
 
     ``max_sms_used`` is only read when ``expert_parallel and has_all2all_manager``.
+    ``comm_cap`` is the all2all manager's own ceiling (vLLM's DeepEP HT manager
+    clamps every request to the ``num_sms`` its buffers were sized for, 20): the
+    even-count check of DeepEP applies to the clamped value, which is what
+    ``deep_ep.Buffer.set_num_sms`` receives.
     """
     if platform not in PLATFORMS:
         raise ConfigError("platform", platform, PLATFORMS)
@@ -223,11 +231,14 @@ def compute_budget(
             env_value,
             f"integers in [0, {total_sms}) on this device ({total_sms} SMs): the comm share must leave compute SMs",
         )
-    if comm_knob and all2all_backend == "deepep_high_throughput" and comm % 2:
+    reaches_deepep = min(comm, comm_cap) if comm_cap is not None else comm
+    if comm_knob and all2all_backend == "deepep_high_throughput" and reaches_deepep % 2:
         raise ConfigError(
             "VLLM_DBO_COMM_SMS",
             env_value,
-            "even integers (DeepEP's Buffer.set_num_sms asserts an even SM count)",
+            "even integers, or values above the DeepEP manager's "
+            f"{comm_cap if comm_cap is not None else 20}-SM ceiling "
+            "(DeepEP's Buffer.set_num_sms asserts an even SM count)",
         )
 
     return SMBudget(

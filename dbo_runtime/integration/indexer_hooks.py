@@ -114,7 +114,7 @@ def _make_build(original: Any) -> Any:
         if decode is not None and scope.planned is not None:
             sms, block_kv, next_n = scope.planned
             decode.dbo_schedule_state = cache.track(
-                decode.schedule_metadata, planned_sms=sms, block_kv=block_kv, next_n=next_n
+                decode.schedule_metadata, planned_sms=sms, block_kv=block_kv, next_n=next_n, ahead=override is not None
             )
             if override is not None:
                 cache.stats.planned_ahead += 1
@@ -272,6 +272,7 @@ def patches() -> list[Patch]:
             "is JIT-compiled at model load, never in a step or a capture",
             upstream_pr=UPSTREAM_PR,
             removal="DeepGEMM planner compiled ahead for the DBO count upstream",
+            lazy=True,
         ),
         Patch(
             name="indexer.builder_planner",
@@ -282,6 +283,7 @@ def patches() -> list[Patch]:
             "count while a runner builds microbatch metadata (plan-ahead: no call-site re-plan)",
             upstream_pr=UPSTREAM_PR,
             removal=removal_cache,
+            lazy=True,
         ),
         Patch(
             name="indexer.builder_build",
@@ -292,6 +294,7 @@ def patches() -> list[Patch]:
             "cache entry",
             upstream_pr=UPSTREAM_PR,
             removal=removal_cache,
+            lazy=True,
         ),
         Patch(
             name="indexer.builder_update_draft",
@@ -302,6 +305,7 @@ def patches() -> list[Patch]:
             "(vLLM asserts an unchanged shape)",
             upstream_pr=UPSTREAM_PR,
             removal=removal_cache,
+            lazy=True,
         ),
         Patch(
             name="indexer.logits.sparse_attn_indexer",
@@ -311,6 +315,7 @@ def patches() -> list[Patch]:
             reason=logits_reason + " (custom-op path and the DSA model's direct call)",
             upstream_pr=UPSTREAM_PR,
             removal=removal_cache,
+            lazy=True,
         ),
         Patch(
             name="indexer.logits.glm5next",
@@ -352,6 +357,7 @@ def patches() -> list[Patch]:
             "compute count up front",
             upstream_pr="none (improvement over #60732: zero steady-state re-plans)",
             removal="vLLM passes the microbatch SM budget to the indexer builder",
+            lazy=True,
         ),
         Patch(
             name="indexer.plan_ahead.mrv2",
@@ -362,6 +368,7 @@ def patches() -> list[Patch]:
             "count up front",
             upstream_pr="none (improvement over #60732: zero steady-state re-plans)",
             removal="vLLM passes the microbatch SM budget to the indexer builder",
+            lazy=True,
         ),
     ]
 

@@ -24,6 +24,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -198,30 +199,42 @@ class PatchSet:
             applied.patch.on_uninstall()
 
     def install(self) -> None:
-        """Apply every eager patch and arm the lazy ones, or nothing at all."""
+        """Apply every patch whose module is loaded, arm the lazy rest, or change nothing at all.
+
+        Eager patches import their module first. That import can load modules of
+        *lazy* patches too (``gpu_model_runner`` imports ``gpu_ubatch_wrapper``), so
+        lazy patches are decided only after every eager import: those whose module
+        is loaded by then join the same transaction; the others wait for the
+        import hook, which is armed before anything is applied.
+        """
         with self._lock:
             if self.installed:
                 return
             prepared: list[_Applied] = []
-            lazy: list[Patch] = []
             skipped: dict[str, str] = {}
-            try:
-                for patch in self.patches:
-                    module = sys.modules.get(patch.module)
-                    if module is None and patch.lazy:
-                        lazy.append(patch)
+            eager = [p for p in self.patches if not p.lazy]
+            for patch in eager:
+                try:
+                    module = sys.modules.get(patch.module) or importlib.import_module(patch.module)
+                    prepared.append(self._prepare(patch, module))
+                except Exception as exc:
+                    if patch.optional:
+                        skipped[patch.name] = f"{type(exc).__name__}: {exc}"
                         continue
-                    try:
-                        if module is None:
-                            module = importlib.import_module(patch.module)
-                        prepared.append(self._prepare(patch, module))
-                    except Exception as exc:
-                        if patch.optional:
-                            skipped[patch.name] = f"{type(exc).__name__}: {exc}"
-                            continue
-                        raise PatchError(f"patch {patch.name!r} ({patch.target}) cannot be prepared: {exc!r}") from exc
-            except PatchError:
-                raise
+                    raise PatchError(f"patch {patch.name!r} ({patch.target}) cannot be prepared: {exc!r}") from exc
+            lazy: list[Patch] = []
+            for patch in (p for p in self.patches if p.lazy):
+                loaded = sys.modules.get(patch.module)
+                if loaded is None:
+                    lazy.append(patch)
+                    continue
+                try:
+                    prepared.append(self._prepare(patch, loaded))
+                except Exception as exc:
+                    if patch.optional:
+                        skipped[patch.name] = f"{type(exc).__name__}: {exc}"
+                        continue
+                    raise PatchError(f"patch {patch.name!r} ({patch.target}) cannot be prepared: {exc!r}") from exc
             applied: list[_Applied] = []
             try:
                 for item in prepared:
@@ -234,10 +247,10 @@ class PatchSet:
             self._applied = applied
             self._lazy_waiting = lazy
             self._skipped = skipped
+            self.installed = True
             if lazy:
                 self._finder = _LazyFinder(self)
                 sys.meta_path.insert(0, self._finder)
-            self.installed = True
             for name, why in skipped.items():
                 logger.info("dbo_runtime: optional patch %s skipped (%s)", name, why)
 
@@ -245,22 +258,43 @@ class PatchSet:
         return {p.module for p in self._lazy_waiting}
 
     def _apply_lazy(self, module: ModuleType) -> None:
+        """A lazy module finished importing: patch it, or, if a required target moved, undo the whole set.
+
+        Half a feature is worse than none (a follower reading microbatch 0's rows
+        with no error), so a required lazy patch that cannot be applied rolls back
+        every patch of the set and vLLM runs unpatched, with one error logged
+        (``DBO_RUNTIME_STRICT=1``: the import fails instead).
+        """
         with self._lock:
+            if not self.installed:
+                return
             todo = [p for p in self._lazy_waiting if p.module == module.__name__]
             prepared: list[_Applied] = []
-            try:
-                for patch in todo:
+            failure: Exception | None = None
+            for patch in todo:
+                try:
                     prepared.append(self._prepare(patch, module))
-            except Exception as exc:
-                logger.error("dbo_runtime: lazy patches for %s not applied: %r", module.__name__, exc)
-                for patch in todo:
-                    self._skipped[patch.name] = f"{type(exc).__name__}: {exc}"
-                self._lazy_waiting = [p for p in self._lazy_waiting if p not in todo]
-                return
-            for item in prepared:
-                self._set(item)
-            self._applied.extend(prepared)
+                except Exception as exc:
+                    if patch.optional:
+                        self._skipped[patch.name] = f"{type(exc).__name__}: {exc}"
+                        continue
+                    failure = exc
+                    break
             self._lazy_waiting = [p for p in self._lazy_waiting if p not in todo]
+            if failure is None:
+                for item in prepared:
+                    self._set(item)
+                self._applied.extend(prepared)
+                return
+            names = ", ".join(p.name for p in todo)
+            message = (
+                f"dbo_runtime: patches for {module.__name__} ({names}) cannot be applied ({failure!r}); "
+                "the whole patch set was rolled back and vLLM runs unpatched"
+            )
+            self.uninstall()
+        if os.environ.get("DBO_RUNTIME_STRICT", "").strip().lower() in {"1", "true", "yes", "on"}:
+            raise PatchError(message) from failure
+        logger.error("%s", message)
 
     # -- uninstall --------------------------------------------------------------------------
     def uninstall(self) -> None:

@@ -42,8 +42,9 @@ class DboSMControlContext:
     Keeps vLLM's public attributes (``total_sms``, ``comm_sms``,
     ``compute_sms``, ``set_comm_sms``, ``set_compute_sms``) because code and
     tests read them. Re-entrant per instance: MRV2 enters it from an
-    ``ExitStack`` that is closed by ``finish()`` possibly on another code path,
-    so the tokens are a stack rather than one slot.
+    ``ExitStack`` that is closed by ``finish()`` on another code path, so the
+    token is kept on the instance; a token still outstanding at the next enter is
+    a leaked scope and is closed first.
     """
 
     def __init__(self, control: SMControl, budget: SMBudget, comm_knob: SMKnob | None, compute_knob: SMKnob | None) -> None:
@@ -59,6 +60,14 @@ class DboSMControlContext:
         self._tokens: list[int] = []
 
     def __enter__(self) -> None:
+        if self._tokens:
+            # vLLM never nests one runner's context; an outstanding token means an earlier scope
+            # leaked (e.g. MRV2 begin_capturable_run raised after entering it). vLLM's own context
+            # would reset to all SMs on the next exit; we close the leaked scope so the budget
+            # stack cannot keep the GPU partitioned after this step.
+            logger.warning("dbo_runtime: closing %d leaked SM-control scope(s) of %r", len(self._tokens), self)
+            while self._tokens:
+                self.control.exit(self._tokens.pop(), body_raised=True)
         self._tokens.append(self.control.enter(self.budget, comm_knob=self._comm_knob, compute_knob=self._compute_knob))
 
     def __exit__(
@@ -114,6 +123,7 @@ def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMK
             max_sms_used = manager.max_sms_used()
 
     deep_gemm_present = bool(uu.has_deep_gemm())
+    cap = getattr(manager, "num_sms", None) if manager is not None else None
     budget = compute_budget(
         total_sms=total,
         platform=platform,
@@ -125,6 +135,7 @@ def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMK
         max_sms_used=max_sms_used,
         has_deep_gemm=deep_gemm_present,
         device=device,
+        comm_cap=cap if isinstance(cap, int) and not isinstance(cap, bool) else None,
     )
     comm_knob: SMKnob | None = All2AllKnob(manager) if budget.comm_knob else None
     compute_knob: SMKnob | None = None

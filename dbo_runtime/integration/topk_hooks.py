@@ -53,6 +53,7 @@ _SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
 _V32_ATTENTION = "vllm.models.deepseek_v32.attention"
 _SPARSE_INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
 _V32_MODEL = "vllm.models.deepseek_v32.nvidia.model"
+_FA4_SPARSE = "vllm.v1.attention.backends.mla.flashattn_mla_sparse"
 
 _state: UbatchTopkState | None = None
 _state_lock = threading.Lock()
@@ -265,6 +266,38 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
     )
 
 
+def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:
+    """FA4 sparse MLA caches per-token scalars keyed on ``topk_indices_buffer.shape[0]``.
+
+    ``_fa4_varlen_scalars`` is ``functools.cache``d and never evicted (CUDA graphs
+    bake its pointers in). With the windows layout microbatch 1's buffer is
+    ``base[offset:]``, so every new split point would be a new key and three
+    never-freed tensors. The scalars are prefixes (an arange, zeros, a fill) that
+    the caller slices to ``num_tokens + 1``, so keying on the full buffer's rows
+    gives identical values with upstream's single cache entry.
+    """
+
+    def make(original: Any) -> Any:
+        def _fa4_varlen_scalars(num_tokens: int, num_kv_rows: int, device: Any) -> Any:
+            rows = state.max_logical_rows()
+            return original(rows if 0 < num_tokens < rows else num_tokens, num_kv_rows, device)
+
+        return _fa4_varlen_scalars
+
+    return Patch(
+        name="topk.fa4_varlen_scalars",
+        module=_FA4_SPARSE,
+        attr="_fa4_varlen_scalars",
+        make=make,
+        reason="keep FA4's never-evicted varlen-scalar cache at one entry when microbatch 1 reads a window "
+        "of the logical top-k buffer (a new window length per split point would leak device memory)",
+        upstream_pr=UPSTREAM_PR,
+        removal=REMOVAL,
+        lazy=True,
+        optional=True,
+    )
+
+
 def patches(state: UbatchTopkState | None = None) -> list[Patch]:
     """All top-k patches, bound to ``state`` (the process registry by default)."""
     st = state if state is not None else default_state()
@@ -277,4 +310,5 @@ def patches(state: UbatchTopkState | None = None) -> list[Patch]:
         _descriptor_patch(st, _V32_ATTENTION, "DeepseekV32Indexer"),
         _descriptor_patch(st, _SPARSE_INDEXER, "SparseAttnIndexer"),
         _descriptor_patch(st, _V32_MODEL, "DeepseekV32Model", model=True),
+        _fa4_scalars_patch(st),
     ]

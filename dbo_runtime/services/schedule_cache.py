@@ -93,6 +93,8 @@ class ScheduleState:
     planned_sms: int
     block_kv: int
     next_n: int
+    ahead: bool = False
+    """Planned for the DBO count by plan-ahead rather than for the builder's own count."""
     generation: int = 0
     replans: dict[int, Any] = field(default_factory=dict)
     """Eager re-plans by SM count; valid until ``invalidate``."""
@@ -106,6 +108,8 @@ class ScheduleCacheStats:
     """Eager call-site planner kernels (the number plan-ahead drives to 0)."""
     captured_replans: int = 0
     """Planner kernels recorded into CUDA graphs."""
+    capture_consistent: int = 0
+    """Captured call sites that read the builder's schedule directly (count consistent at every replay)."""
     untracked_replans: int = 0
     """Re-plans of schedules no build was seen for (no per-forward reuse possible)."""
     planned_ahead: int = 0
@@ -182,9 +186,18 @@ class IndexerScheduleCache:
             self._num_sms, self._capturing = planner.get_num_sms, planner.capturing
 
     # -- tracking --------------------------------------------------------------------------
-    def track(self, schedule: Any, *, planned_sms: int, block_kv: int, next_n: int) -> ScheduleState:
-        """Record what ``schedule`` was planned for (a new build: a fresh state)."""
-        state = ScheduleState(planned_sms=int(planned_sms), block_kv=int(block_kv), next_n=int(next_n))
+    def track(
+        self, schedule: Any, *, planned_sms: int, block_kv: int, next_n: int, ahead: bool = False
+    ) -> ScheduleState:
+        """Record what ``schedule`` was planned for (a new build: a fresh state).
+
+        ``ahead``: planned for the DBO count by plan-ahead. A schedule planned for
+        the builder's own count is re-planned for that same count before every
+        replay of a graph that reads it (every step builds), so a capture at that
+        count may read it directly; a planned-ahead one shares a builder buffer
+        with non-microbatched steps and is always re-planned inside the graph.
+        """
+        state = ScheduleState(planned_sms=int(planned_sms), block_kv=int(block_kv), next_n=int(next_n), ahead=ahead)
         setattr(schedule, STATE_ATTR, state)
         return state
 
@@ -277,6 +290,12 @@ class IndexerScheduleCache:
     def _resolve_capturing(
         self, state: ScheduleState | None, schedule: Any, context_lens: Any, block_kv: int, indices: Any, current: int
     ) -> Any:
+        if state is not None and not state.ahead and current == state.planned_sms:
+            # Builder's own count, in force at capture: every replay of this graph follows a
+            # build that writes the same count's plan into the same buffer (a non-DBO FULL
+            # decode graph, or DBO with partitioning off). No planner kernel in the graph.
+            self.stats.capture_consistent += 1
+            return schedule
         capture = self.planner.capture_id()
         if state is not None and capture is not None:
             key = (capture, current)

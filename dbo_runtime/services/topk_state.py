@@ -213,6 +213,7 @@ class _GroupState:
 class _LogicalState:
     def __init__(self, base: torch.Tensor, layout: TopkLayout, num_ubatches: int) -> None:
         self.base_ref = weakref.ref(base)
+        self.base_rows = int(base.shape[0])
         self.layout = layout
         self.num_ubatches = num_ubatches
         self.copies = [torch.empty_like(base) for _ in range(num_ubatches - 1)] if layout is TopkLayout.COPIES else []
@@ -328,6 +329,10 @@ class UbatchTopkState:
     def is_attached(self, group: Any) -> bool:
         state = self._groups.get(id(group))
         return state is not None and state.group_ref() is group
+
+    def max_logical_rows(self) -> int:
+        """Rows of the largest shared logical buffer (0 when none is attached)."""
+        return max((ref.base_rows for ref in self._logical.values()), default=0)
 
     def num_groups(self) -> int:
         return sum(1 for s in self._groups.values() if s.group_ref() is not None)

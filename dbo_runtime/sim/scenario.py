@@ -273,7 +273,9 @@ class Scenario:
             view = buf[: planned.shape[0]]
             view.copy_(planned)
             if self.cfg.fix_schedule:
-                self.cache.track(view, planned_sms=sms, block_kv=self.cfg.block_kv, next_n=self.cfg.next_n)
+                self.cache.track(
+                    view, planned_sms=sms, block_kv=self.cfg.block_kv, next_n=self.cfg.next_n, ahead=sms != builder_sms
+                )
                 if ub is not None:
                     self.cache.stats.planned_ahead += int(sms != builder_sms)
             self.schedules.append(view)

@@ -263,7 +263,7 @@ def test_replay_after_build_for_other_count_is_correct(
     ahead = buffer[: DBO_SMS + 1]
     ahead.copy_(planner.plan(case.context_lens, BLOCK, DBO_SMS))
     cache = IndexerScheduleCache(planner)
-    cache.track(ahead, planned_sms=DBO_SMS, block_kv=BLOCK, next_n=1)
+    cache.track(ahead, planned_sms=DBO_SMS, block_kv=BLOCK, next_n=1, ahead=True)
     deep_gemm.set_num_sms(DBO_SMS)
 
     ours, ours_out = _capture(lambda: _logits(deep_gemm, case, cache.resolve(ahead, case.context_lens, None, BLOCK)))
@@ -324,7 +324,7 @@ def test_capture_counter_with_real_graph(
         ahead = buffer[: DBO_SMS + 1]
         ahead.copy_(planner.plan(case.context_lens, BLOCK, DBO_SMS))
         cache = IndexerScheduleCache(planner)
-        cache.track(ahead, planned_sms=DBO_SMS, block_kv=BLOCK, next_n=1)
+        cache.track(ahead, planned_sms=DBO_SMS, block_kv=BLOCK, next_n=1, ahead=True)
         deep_gemm.set_num_sms(DBO_SMS)
         assert CAPTURES.installed and CAPTURES.active == 0
         assert cache.resolve(ahead, case.context_lens, None, BLOCK) is ahead  # eager: planned tensor, no probe

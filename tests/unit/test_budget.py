@@ -96,6 +96,10 @@ def test_odd_comm_for_deepep_ht_rejected() -> None:
 
 def test_odd_comm_fine_where_deepep_never_sees_it() -> None:
     assert ht(env_comm_sms=19, expert_parallel=False).comm == 19
+    # vLLM's HT manager clamps 21 to the 20 its buffers were sized for: DeepEP sees an even count.
+    assert ht(env_comm_sms=21, comm_cap=20).comm == 21
+    with pytest.raises(ConfigError, match="even"):
+        ht(env_comm_sms=19, comm_cap=20)
 
 
 def test_unknown_backend_and_platform() -> None:

@@ -64,7 +64,7 @@ def test_fast_path_skips_the_capture_probe_only_when_the_counter_is_trusted(monk
     cache = IndexerScheduleCache(planner)
     lens = torch.tensor([[100], [3000]], dtype=torch.int32)
     schedule = planner.plan(lens, 64, 132)
-    cache.track(schedule, planned_sms=132, block_kv=64, next_n=1)
+    cache.track(schedule, planned_sms=132, block_kv=64, next_n=1, ahead=True)
     counter = cuda_graph.CaptureCounter()
     monkeypatch.setattr(cache, "_captures", counter)
 

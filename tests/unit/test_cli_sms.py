@@ -176,7 +176,7 @@ def test_odd_comm_is_fine_when_deepep_ht_is_not_used(capsys: pytest.CaptureFixtu
         (["--all2all-backend", "foo"], None, "--all2all-backend='foo'", "deepep_high_throughput, deepep_low_latency, nixl_ep"),
         (["--all2all-backend", "naive"], None, "--all2all-backend='naive'", "with DBO on cuda"),
         (["--comm-sms", "132"], None, "--comm-sms=132", "[0, 132)"),
-        (["--comm-sms", "21"], None, "--comm-sms=21", "even integers"),
+        (["--comm-sms", "19"], None, "--comm-sms=19", "even integers"),
         (["--comm-sms", "-4"], None, "--comm-sms='-4'", "a non-negative integer"),
         (["--comm-sms", "many"], None, "--comm-sms='many'", "a non-negative integer"),
         (["--total-sms", "0"], None, "--total-sms='0'", "a positive integer"),
@@ -366,7 +366,7 @@ def test_console_script_and_module_entry_in_subprocesses() -> None:
     ok = subprocess.run([script, "sms", "--total-sms", "132", "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert split(json.loads(ok.stdout)["devices"][0]) == (132, 20, 112)
-    bad = subprocess.run([script, "sms", "--total-sms", "132", "--comm-sms", "21"], capture_output=True, text=True, env=env, timeout=120)
+    bad = subprocess.run([script, "sms", "--total-sms", "132", "--comm-sms", "19"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and bad.stdout == ""
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
     # `sms` must not import vLLM (the GPU box has none): run it through `python -m dbo_runtime`'s main

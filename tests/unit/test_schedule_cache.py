@@ -175,7 +175,8 @@ def test_untracked_schedule_passes_when_rows_match_and_replans_when_not() -> Non
 def test_capture_records_planner_even_when_counts_match() -> None:
     dg, planner, cache = _setup()
     lens = _lens()
-    schedule = _build(cache, planner, lens, 112)  # planned ahead for the DBO count, outside the graph
+    schedule = planner.plan(lens, BLOCK, 112)  # planned ahead for the DBO count, outside the graph
+    cache.track(schedule, planned_sms=112, block_kv=BLOCK, next_n=1, ahead=True)
     dg.set_num_sms(112)
     planner.capturing_now, planner.current_capture = True, 7
     got = [cache.resolve(schedule, lens, None, BLOCK) for _ in range(LAYERS)]
@@ -191,6 +192,22 @@ def test_capture_records_planner_even_when_counts_match() -> None:
     assert cache.stats.captured_replans == 4
     planner.capturing_now = False
     assert cache.resolve(schedule, lens, None, BLOCK) is schedule
+
+
+def test_capture_reads_builder_schedule_directly_when_its_own_count_is_in_force() -> None:
+    """A non-DBO FULL graph (or DBO with partitioning off): every replay follows a build for the same
+    count into the same buffer, so no planner kernel is recorded (upstream replays stay unchanged)."""
+    dg, planner, cache = _setup()
+    lens = _lens()
+    schedule = _build(cache, planner, lens, 132)
+    planner.capturing_now, planner.current_capture = True, 9
+    launches = len(dg.plan_calls)
+    assert all(cache.resolve(schedule, lens, None, BLOCK) is schedule for _ in range(LAYERS))
+    assert len(dg.plan_calls) == launches and cache.stats.captured_replans == 0
+    assert cache.stats.capture_consistent == LAYERS
+    dg.set_num_sms(112)  # a DBO capture reading a schedule planned for the whole GPU: recorded
+    assert cache.resolve(schedule, lens, None, BLOCK) is not schedule
+    assert cache.stats.captured_replans == 1
 
 
 def test_track_fresh_inside_capture_is_reused_by_same_capture() -> None:

@@ -133,3 +133,68 @@ def test_docs_patch_table_is_generated_from_the_patches() -> None:
 
     committed = (Path(__file__).parents[2] / "docs" / "patches.md").read_text()
     assert committed == render(), "regenerate: python -m dbo_runtime.integration.patch_table > docs/patches.md"
+
+
+def test_fresh_process_patches_runner_modules_imported_after_register() -> None:
+    """In a worker the runner modules load after the plugin: every lazy patch must still land.
+
+    (A review found the SM hooks stuck 'pending' when an eager patch imported their
+    module during install; this runs the real order in a clean interpreter.)
+    """
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys
+        from dbo_runtime.integration import plugin, sm_hooks
+        plugin.register()
+        heavy = [m for m in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu_ubatch_wrapper",
+                             "vllm.v1.attention.backends.mla.indexer") if m in sys.modules]
+        assert not heavy, f"register() imported worker modules: {heavy}"
+        import vllm.v1.worker.gpu_model_runner  # imports gpu_ubatch_wrapper, the indexer builder, ...
+        import vllm.v1.worker.gpu_ubatch_wrapper as w
+        assert w.create_sm_control_context is sm_hooks.create_sm_control_context
+        states = {s.patch.name: s.state for s in plugin.installed_patch_set().status()}
+        stuck = [n for n, st in states.items() if st == "pending"
+                 and plugin.installed_patch_set().patches[[p.name for p in plugin.installed_patch_set().patches].index(n)].module in sys.modules]
+        assert not stuck, stuck
+        assert states["sm_control.mrv1"] == "installed" and states["indexer.plan_ahead.mrv1"] == "installed", states
+        print("OK", sum(st == "installed" for st in states.values()))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_lazy_patch_failure_rolls_back_the_whole_set(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    import sys
+
+    from dbo_runtime.integration.patching import PatchSet
+
+    name = "dbo_lazy_target_rollback"
+    (tmp_path / f"{name}.py").write_text("def present():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import vllm.v1.worker.ubatch_utils as uu
+
+    original = uu.create_sm_control_context
+    ps = PatchSet(
+        [
+            Patch(name="eager", module="vllm.v1.worker.ubatch_utils", attr="create_sm_control_context",
+                  make=lambda o: (lambda pc: o(pc)), reason="t", upstream_pr="-", removal="-"),
+            Patch(name="lazy-ok", module=name, attr="present", make=lambda o: o, reason="t", upstream_pr="-",
+                  removal="-", lazy=True),
+            Patch(name="lazy-moved", module=name, attr="absent", make=lambda o: o, reason="t", upstream_pr="-",
+                  removal="-", lazy=True),
+        ]
+    )
+    ps.install()
+    try:
+        assert uu.create_sm_control_context is not original
+        importlib.import_module(name)
+        assert uu.create_sm_control_context is original and not ps.installed
+        assert "whole patch set was rolled back" in caplog.text
+    finally:
+        ps.uninstall()
+        sys.modules.pop(name, None)

@@ -168,3 +168,20 @@ def test_real_all2all_managers_max_sms_used_table() -> None:
     assert "max_sms_used" not in vars(all2all.DeepEPHTAll2AllManager)
     base = base_device_communicator.All2AllManagerBase
     assert base.max_sms_used(None) is BACKEND_MAX_SMS_USED["deepep_high_throughput"]  # type: ignore[arg-type]
+
+
+def test_leaked_scope_is_closed_at_next_enter(gpu_platform: FakeGpuPlatform, clean_plugin: Any) -> None:
+    """MRV2: begin_capturable_run can raise after entering SM control; the next step must not stay nested."""
+    from vllm.v1.worker.gpu import ubatch_utils as mrv2
+
+    pc = parallel_config()
+    gpu_platform.set(max_sms_used=None)
+    clean_plugin()
+    ctx = mrv2.create_sm_control_context(pc)
+    ctx.__enter__()  # leaked: never exited
+    control = existing_controls()[0]
+    assert control.depth == 1
+    with ctx:
+        assert control.depth == 1 and control.active.compute == 112
+    assert control.depth == 0 and control.active.compute == 132
+    assert gpu_platform.calls[-2:] == [("comm", 132), ("compute", 132)]
