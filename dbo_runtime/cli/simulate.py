@@ -56,23 +56,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _runs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
-    runs: list[tuple[str, str, dict[str, Any]]] = [("dbo_runtime", "pass", {})]
-    if not args.no_contrast:
-        runs += [
-            ("vLLM 0.33.0 (no dbo_runtime)", "assertion", {"fix_schedule": False, "isolate_topk": False}),
-            ("schedule fix only (vllm#60732)", "topk-mismatch", {"isolate_topk": False}),
-            ("upstream re-plan at call site", "pass", {"plan_ahead": False}),
-        ]
-    return runs
+def _runs(args: argparse.Namespace) -> list[Any]:
+    from dbo_runtime.sim.scenario import CONTRASTS, Contrast
 
-
-def _as_expected(expect: str, res: Any) -> bool:
-    if expect == "pass":
-        return bool(res.ok)
-    if expect == "assertion":
-        return res.error.startswith("DeepGEMM assertion")
-    return not res.error and any(c.follower_mismatch > 0 for c in res.checks)
+    return [Contrast("dbo_runtime", "pass", {}), *([] if args.no_contrast else CONTRASTS)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,16 +79,16 @@ def run(args: argparse.Namespace) -> int:
     backend = make_backend(args.backend, total_sms=args.total_sms)
     results = []
     with Progress(transient=True, disable=args.json) as progress:
-        for name, expect, kw in _runs(args):
-            task = progress.add_task(name, total=config.steps)
+        for contrast in _runs(args):
+            task = progress.add_task(contrast.name, total=config.steps)
 
             def advance(done: int, total: int, task: Any = task) -> None:
                 progress.update(task, completed=done)
 
-            res = run_scenario(dataclasses.replace(config, **kw), backend, args.mode, progress=advance)
-            results.append((name, expect, res))
-    verdict = all(_as_expected(e, r) for _, e, r in results)
-    head = results[0][2]
+            res = run_scenario(dataclasses.replace(config, **contrast.overrides), backend, args.mode, progress=advance)
+            results.append((contrast, res))
+    verdict = all(c.as_expected(r) for c, r in results)
+    head = results[0][1]
     if args.json:
         print_json(
             {
@@ -112,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
                 "budget": head.budget,
                 "verdict": "PASS" if verdict else "FAIL",
                 "runs": [
-                    {"name": n, "expect": e, "as_expected": _as_expected(e, r), **r.to_json()} for n, e, r in results
+                    {"name": c.name, "expect": c.expect, "as_expected": c.as_expected(r), **r.to_json()}
+                    for c, r in results
                 ],
             }
         )
@@ -136,14 +124,14 @@ def _print_human(backend: Any, args: argparse.Namespace, head: Any, results: lis
         timeline.append(f"   ... {len(head.timeline) - 8} more events")
     print("SM budget timeline (dbo_runtime run):\n  " + "\n  ".join(timeline))
     rows = []
-    for name, expect, r in results:
+    for contrast, r in results:
         bad_logits = sum(c.logits_mismatch_rows for c in r.checks)
         bad_topk = sum(c.topk_mismatch_rows for c in r.checks)
         bad_follow = sum(c.follower_mismatch for c in r.checks)
         outcome = "crash: " + r.error.split(":")[0] if r.error else ("bit-identical" if r.ok else "WRONG RESULTS")
         rows.append(
             [
-                name,
+                contrast.name,
                 f"{len(r.checks)}/{cfg['steps']}",
                 outcome,
                 str(bad_logits),
@@ -151,7 +139,7 @@ def _print_human(backend: Any, args: argparse.Namespace, head: Any, results: lis
                 str(bad_follow),
                 f"{r.replans_total} ({r.steady_state_replans} steady)",
                 str(r.captured_replans),
-                "yes" if _as_expected(expect, r) else "NO",
+                "yes" if contrast.as_expected(r) else "NO",
             ]
         )
     print_table(

@@ -205,36 +205,22 @@ class PatchSet:
         *lazy* patches too (``gpu_model_runner`` imports ``gpu_ubatch_wrapper``), so
         lazy patches are decided only after every eager import: those whose module
         is loaded by then join the same transaction; the others wait for the
-        import hook, which is armed before anything is applied.
+        import hook, armed once the transaction has succeeded.
         """
         with self._lock:
             if self.installed:
                 return
             prepared: list[_Applied] = []
             skipped: dict[str, str] = {}
-            eager = [p for p in self.patches if not p.lazy]
-            for patch in eager:
-                try:
-                    module = sys.modules.get(patch.module) or importlib.import_module(patch.module)
-                    prepared.append(self._prepare(patch, module))
-                except Exception as exc:
-                    if patch.optional:
-                        skipped[patch.name] = f"{type(exc).__name__}: {exc}"
-                        continue
-                    raise PatchError(f"patch {patch.name!r} ({patch.target}) cannot be prepared: {exc!r}") from exc
+            for patch in (p for p in self.patches if not p.lazy):
+                self._prepare_into(patch, None, prepared, skipped)
             lazy: list[Patch] = []
             for patch in (p for p in self.patches if p.lazy):
                 loaded = sys.modules.get(patch.module)
                 if loaded is None:
                     lazy.append(patch)
-                    continue
-                try:
-                    prepared.append(self._prepare(patch, loaded))
-                except Exception as exc:
-                    if patch.optional:
-                        skipped[patch.name] = f"{type(exc).__name__}: {exc}"
-                        continue
-                    raise PatchError(f"patch {patch.name!r} ({patch.target}) cannot be prepared: {exc!r}") from exc
+                else:
+                    self._prepare_into(patch, loaded, prepared, skipped)
             applied: list[_Applied] = []
             try:
                 for item in prepared:
@@ -253,6 +239,18 @@ class PatchSet:
                 sys.meta_path.insert(0, self._finder)
             for name, why in skipped.items():
                 logger.info("dbo_runtime: optional patch %s skipped (%s)", name, why)
+
+    def _prepare_into(
+        self, patch: Patch, module: ModuleType | None, prepared: list[_Applied], skipped: dict[str, str]
+    ) -> None:
+        """Prepare one patch (importing its module when ``module`` is None); optional ones may be skipped."""
+        try:
+            target = module if module is not None else (sys.modules.get(patch.module) or importlib.import_module(patch.module))
+            prepared.append(self._prepare(patch, target))
+        except Exception as exc:
+            if not patch.optional:
+                raise PatchError(f"patch {patch.name!r} ({patch.target}) cannot be prepared: {exc!r}") from exc
+            skipped[patch.name] = f"{type(exc).__name__}: {exc}"
 
     def _pending_modules(self) -> set[str]:
         return {p.module for p in self._lazy_waiting}

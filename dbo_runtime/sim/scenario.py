@@ -369,6 +369,30 @@ class Scenario:
         return chk
 
 
+@dataclass(frozen=True)
+class Contrast:
+    """A run of the same scenario with part of dbo_runtime switched off, and how it must fail."""
+
+    name: str
+    expect: Literal["pass", "assertion", "topk-mismatch"]
+    overrides: dict[str, Any]
+
+    def as_expected(self, res: ScenarioResult) -> bool:
+        if self.expect == "pass":
+            return res.ok
+        if self.expect == "assertion":
+            return res.error.startswith("DeepGEMM assertion")
+        return not res.error and any(c.follower_mismatch > 0 for c in res.checks)
+
+
+CONTRASTS: tuple[Contrast, ...] = (
+    Contrast("vLLM 0.33.0 (no dbo_runtime)", "assertion", {"fix_schedule": False, "isolate_topk": False}),
+    Contrast("schedule fix only (vllm#60732)", "topk-mismatch", {"isolate_topk": False}),
+    Contrast("upstream re-plan at call site", "pass", {"plan_ahead": False}),
+)
+"""What vLLM 0.33.0 does, what the upstream schedule fix alone does, and upstream's re-plan cost."""
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
