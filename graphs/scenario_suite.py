@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dbo_runtime.sim.backends import DeepGemmBackend
 from dbo_runtime.sim.report import environment, write_json
-from dbo_runtime.sim.scenario import GLM53, MODES, run_scenario
+from dbo_runtime.sim.scenario import CONTRASTS, GLM53, MODES, run_scenario
 
 
 def main(argv: list[str] | None = None) -> int:
