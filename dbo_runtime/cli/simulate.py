@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from dbo_runtime.sim.backends import make_backend
-    from dbo_runtime.sim.scenario import GLM53, SMALL, run_scenario
+    from dbo_runtime.sim.scenario import GLM53, SMALL, for_backend, run_scenario
 
     base = SMALL if args.preset == "small" else GLM53
     overrides: dict[str, Any] = {"comm_sms": args.comm_sms, "seed": args.seed, "topk_layout": args.topk_layout}
@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     config = dataclasses.replace(base, **overrides)
     config.validate()
     backend = make_backend(args.backend, total_sms=args.total_sms)
+    config = for_backend(config, backend)
     results = []
     with Progress(transient=True, disable=args.json) as progress:
         for contrast in _runs(args):
@@ -151,4 +152,7 @@ def _print_human(backend: Any, args: argparse.Namespace, head: Any, results: lis
             f"planner warm-ups: {head.warmups}; JIT inside capture: {len(head.jit_in_capture)}",
         ],
     )
+    for contrast, r in results:
+        if r.error and not contrast.as_expected(r):
+            print(f"{contrast.name}: {r.error}")
     print(f"verdict: {'PASS' if verdict else 'FAIL'}")

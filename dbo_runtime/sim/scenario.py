@@ -32,6 +32,7 @@ re-plans; planner/logits variants first launched inside a capture (JIT there).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -88,6 +89,17 @@ class ScenarioConfig:
 
 SMALL = ScenarioConfig()
 """CPU default: the GLM-5.3 layer pattern at toy widths (runs in seconds)."""
+
+DEEPGEMM_INDEXER_SHAPES: tuple[tuple[int, int], ...] = ((32, 128), (64, 128))
+"""(heads, head_dim) of the DSA indexers DeepGEMM's paged-MQA logits kernel is built for
+(GLM-5.x: 32 x 128, DeepSeek-V3.2: 64 x 128); the toy widths of ``SMALL`` are not among them."""
+
+
+def for_backend(config: ScenarioConfig, backend: KernelBackend) -> ScenarioConfig:
+    """Real DeepGEMM only runs real indexer shapes: widen toy heads to GLM-5.3's 32 x 128."""
+    if backend.simulated or (config.heads, config.head_dim) in DEEPGEMM_INDEXER_SHAPES:
+        return config
+    return dataclasses.replace(config, heads=32, head_dim=128)
 GLM53 = ScenarioConfig(num_requests=32, max_context=16384, heads=32, head_dim=128, index_topk=2048, steps=20)
 """GPU default: GLM-5.3 indexer shapes (32 heads x 128, block 64, top-k 2048)."""
 

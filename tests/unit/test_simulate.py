@@ -118,3 +118,14 @@ def test_microbatches_run_in_dbo_order() -> None:
     run_microbatches([body, body], token_offsets=[0, 8])
     assert order == [(0, 0, 0), (0, 1, 8), (1, 0, 0), (1, 1, 8), (2, 0, 0), (2, 1, 8)]
     assert current_ubatch() == (0, 0)  # the main thread is never a microbatch
+
+
+def test_real_deepgemm_gets_real_indexer_shapes() -> None:
+    from dbo_runtime.sim.scenario import DEEPGEMM_INDEXER_SHAPES, for_backend
+
+    class RealLike(SimulatedDeepGemm):
+        simulated = False
+
+    widened = for_backend(SMALL, RealLike())
+    assert (widened.heads, widened.head_dim) in DEEPGEMM_INDEXER_SHAPES
+    assert for_backend(SMALL, SimulatedDeepGemm()) is SMALL
