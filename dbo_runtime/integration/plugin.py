@@ -89,13 +89,15 @@ def register() -> None:
                 raise PatchError(msg)
             logger.warning("%s", msg)
             return
-        patch_set = PatchSet(all_patches())
         try:
+            # Building the list imports the feature modules; vLLM does not catch a plugin's
+            # exception, so a failure here must not stop engine start (unless strict).
+            patch_set = PatchSet(all_patches())
             patch_set.install()
-        except PatchError:
+        except Exception as exc:
             if _truthy("DBO_RUNTIME_STRICT"):
                 raise
-            logger.exception("dbo_runtime: patch set not installed; vLLM left untouched")
+            logger.error("dbo_runtime: patch set not installed (%r); vLLM left untouched", exc, exc_info=True)
             return
         _patch_set = patch_set
         logger.info("dbo_runtime: %d patches installed for vLLM %s", len(patch_set.patches), version)

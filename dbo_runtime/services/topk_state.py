@@ -39,6 +39,11 @@ Two layouts (``TopkLayout``):
   upstream already takes for any step larger than the workspace. Copies would
   keep the shared conversion for such mid-sized steps; windows trade that for
   zero bytes. Events are always per microbatch (they cost no memory).
+  One edge, checked against vLLM 0.33.0 and harmless there: when an MTP request
+  is split across the two microbatches, microbatch 0's padded decode path writes
+  rows up to ``B0 * next_n``, i.e. microbatch 1's first row. Microbatches
+  alternate at every MoE layer and microbatch 1's leader rewrites that row before
+  any of its followers reads it, so no follower sees the stray write.
 
 Nothing here imports vLLM; tensors, events and streams are duck-typed so the GPU
 twin test drives the same code with real CUDA objects.

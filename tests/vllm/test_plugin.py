@@ -198,3 +198,15 @@ def test_lazy_patch_failure_rolls_back_the_whole_set(tmp_path: Any, monkeypatch:
     finally:
         ps.uninstall()
         sys.modules.pop(name, None)
+
+
+def test_broken_feature_module_does_not_stop_vllm(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    def broken() -> list[Patch]:
+        raise ImportError("feature module failed to import")
+
+    monkeypatch.setattr(plugin, "all_patches", broken)
+    plugin.register()  # vLLM calls plugins without a try: this must not raise
+    assert plugin.installed_patch_set() is None and "vLLM left untouched" in caplog.text
+    monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")
+    with pytest.raises(ImportError):
+        plugin.register()
