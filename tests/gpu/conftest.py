@@ -4,9 +4,11 @@ The GPU machine has CUDA and the DeepGEMM wheel but no vLLM, and the CPU box has
 vLLM but no CUDA; so every test here asks for a fixture that skips cleanly when
 its boundary is absent instead of importing CUDA-only code at module level.
 
-Set ``DBO_REQUIRE_GPU=1`` on the GPU machine: then a missing CUDA device or a
-DeepGEMM build that fails to load is a test *error*, not a silent skip (a skip
-there would hide exactly the breakage these twins exist to catch).
+Set ``DBO_REQUIRE_GPU=1`` on the GPU machine: then a missing CUDA device, or a
+DeepGEMM / DeepEP / pynvml module that fails to import, is a test *error*, not a
+silent skip (a skip there would hide exactly the breakage these twins exist to
+catch). Tests take such modules from the fixtures below, never from
+``pytest.importorskip`` (which skips regardless of ``DBO_REQUIRE_GPU``).
 
 Fixtures:
 - ``cuda_device``: ``torch.device("cuda")`` or skip.
@@ -14,6 +16,8 @@ Fixtures:
 - ``deep_gemm``: the imported ``deep_gemm`` module; DeepGEMM's SM count is a
   process-global (``csrc/jit/device_runtime.hpp``), so the fixture restores the
   value it found after each test, whatever the test did with ``set_num_sms``.
+- ``deep_ep``: the imported ``deep_ep`` module (needs ``cuda_device``).
+- ``pynvml``: the imported ``pynvml`` module (NVML bindings).
 - ``out_dir``: ``pathlib.Path`` of ``$OUT`` (created) or ``None`` when unset;
   GPU scripts write their JSON summaries there.
 """
@@ -75,6 +79,29 @@ def deep_gemm(_deep_gemm_module: ModuleType) -> Iterator[ModuleType]:
         yield _deep_gemm_module
     finally:
         _deep_gemm_module.set_num_sms(original)
+
+
+def _import_or_unavailable(name: str) -> ModuleType:
+    """Import ``name``; on failure skip, or fail under ``DBO_REQUIRE_GPU=1``."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        _unavailable(f"{name} is not importable: {exc!r}")
+    except Exception as exc:  # a wheel built for another torch ABI raises OSError/RuntimeError
+        _unavailable(f"{name} failed to load: {exc!r}")
+    raise AssertionError("unreachable")  # _unavailable always raises
+
+
+@pytest.fixture(scope="session")
+def deep_ep(cuda_device: torch.device) -> ModuleType:
+    return _import_or_unavailable("deep_ep")
+
+
+@pytest.fixture(scope="session")
+def pynvml() -> ModuleType:
+    return _import_or_unavailable("pynvml")
 
 
 @pytest.fixture(scope="session")

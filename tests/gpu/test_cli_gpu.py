@@ -18,6 +18,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from types import ModuleType
 
 import pytest
 import torch
@@ -43,9 +44,8 @@ def _sms_doc(capsys: pytest.CaptureFixture[str]) -> dict:
 
 
 def test_sms_json_matches_torch_and_nvml(
-    cuda_device: torch.device, capsys: pytest.CaptureFixture[str], out_dir: pathlib.Path | None
+    cuda_device: torch.device, pynvml: ModuleType, capsys: pytest.CaptureFixture[str], out_dir: pathlib.Path | None
 ) -> None:
-    pynvml = pytest.importorskip("pynvml")
     doc = _sms_doc(capsys)
     index = cuda_device.index if cuda_device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)

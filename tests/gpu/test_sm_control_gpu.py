@@ -60,8 +60,7 @@ def test_partition_restores_after_exception(deep_gemm: ModuleType, cuda_device: 
     assert deep_gemm.get_num_sms() == total
 
 
-def test_deepep_buffer_comm_knob(deep_gemm: ModuleType, cuda_device: torch.device) -> None:
-    deep_ep = pytest.importorskip("deep_ep")
+def test_deepep_buffer_comm_knob(deep_gemm: ModuleType, deep_ep: ModuleType, cuda_device: torch.device) -> None:
     total = torch.cuda.get_device_properties(cuda_device).multi_processor_count
     control = SMControl(cuda_device.index or 0, total)
     before = deep_ep.Buffer.num_sms

@@ -48,7 +48,12 @@ def test_counter_follows_begin_end_and_failed_begin() -> None:
     assert CAPTURES.active == start and calls == ["begin", "end"]
 
 
-class CountingPlanner(FakeSchedulePlanner):
+class FakeCountingPlanner(FakeSchedulePlanner):
+    """Fake for the DeepGEMM planner + CUDA capture probe; counts probes.
+
+    GPU twin: tests/gpu/test_indexer_schedule_gpu.py::test_capture_counter_with_real_graph.
+    """
+
     def __init__(self, dg: FakeDeepGemm) -> None:
         super().__init__(dg)
         self.probes = 0
@@ -60,7 +65,7 @@ class CountingPlanner(FakeSchedulePlanner):
 
 def test_fast_path_skips_the_capture_probe_only_when_the_counter_is_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
     dg = FakeDeepGemm(total_sms=132)
-    planner = CountingPlanner(dg)
+    planner = FakeCountingPlanner(dg)
     cache = IndexerScheduleCache(planner)
     lens = torch.tensor([[100], [3000]], dtype=torch.int32)
     schedule = planner.plan(lens, 64, 132)
@@ -84,7 +89,7 @@ def test_call_site_wrapper_inlines_the_fast_path(monkeypatch: pytest.MonkeyPatch
     from dbo_runtime.services import schedule_cache as sc
 
     dg = FakeDeepGemm(total_sms=132)
-    planner = CountingPlanner(dg)
+    planner = FakeCountingPlanner(dg)
     cache = IndexerScheduleCache(planner)
     previous = sc.set_schedule_cache_for_tests(cache)
     counter = cuda_graph.CaptureCounter()

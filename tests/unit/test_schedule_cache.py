@@ -272,7 +272,7 @@ def test_steady_state_plan_ahead_needs_zero_replans_upstream_needs_one_per_step(
             with cache.microbatched_build():
                 sms = (cache.plan_ahead_sms(0) if plan_ahead else None) or 132
                 schedule = _build(cache, planner, lens, sms)
-            with control.partition(budget, compute_knob=_Knob(dg)):  # type: ignore[arg-type]
+            with control.partition(budget, compute_knob=FakeKnob(dg)):  # type: ignore[arg-type]
                 for _ in range(LAYERS):
                     _logits(dg, lens, cache.resolve(schedule, lens, None, BLOCK))
 
@@ -285,7 +285,9 @@ def test_steady_state_plan_ahead_needs_zero_replans_upstream_needs_one_per_step(
     assert cache.stats.replans == before + 5 * 2
 
 
-class _Knob:
+class FakeKnob:
+    """Fake for the DeepGEMM SM knob (GPU twin: tests/gpu/test_sm_control_gpu.py)."""
+
     name = "fake deep_gemm.set_num_sms"
 
     def __init__(self, dg: FakeDeepGemm) -> None:
@@ -337,7 +339,7 @@ def test_warm_up_never_inside_capture_and_on_unannounced_entered_budget() -> Non
         all2all_backend="deepep_high_throughput",
         env_comm_sms=22,
     )
-    with control.partition(other, compute_knob=_Knob(dg)):
+    with control.partition(other, compute_knob=FakeKnob(dg)):
         pass
     assert [c[0] for c in dg.plan_calls] == [110]
 

@@ -123,9 +123,11 @@ def test_microbatches_run_in_dbo_order() -> None:
 def test_real_deepgemm_gets_real_indexer_shapes() -> None:
     from dbo_runtime.sim.scenario import DEEPGEMM_INDEXER_SHAPES, for_backend
 
-    class RealLike(SimulatedDeepGemm):
+    class FakeRealDeepGemm(SimulatedDeepGemm):
+        """Stands for a real-DeepGEMM backend on CPU (GPU twin: tests/gpu/test_scenario_gpu.py)."""
+
         simulated = False
 
-    widened = for_backend(SMALL, RealLike())
+    widened = for_backend(SMALL, FakeRealDeepGemm())
     assert (widened.heads, widened.head_dim) in DEEPGEMM_INDEXER_SHAPES
     assert for_backend(SMALL, SimulatedDeepGemm()) is SMALL

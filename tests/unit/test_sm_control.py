@@ -11,8 +11,8 @@ from dbo_runtime.core.errors import ConfigError, SubscriberError
 from dbo_runtime.services.sm_control import BudgetEvent, FunctionKnob, SMControl
 
 
-class Recorder:
-    """Records every knob call in one shared list, as (knob, value)."""
+class FakeKnobs:
+    """Fake for the DeepGEMM/DeepEP SM knobs (GPU twin: tests/gpu/test_sm_control_gpu.py); logs (knob, value) calls."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
@@ -38,11 +38,11 @@ def budget(comm: int, total: int = 132) -> SMBudget:
 
 
 @pytest.fixture
-def rec() -> Recorder:
-    return Recorder()
+def rec() -> FakeKnobs:
+    return FakeKnobs()
 
 
-def test_enter_and_exit_match_vllm_sequence(rec: Recorder) -> None:
+def test_enter_and_exit_match_vllm_sequence(rec: FakeKnobs) -> None:
     ctl = SMControl(0, 132)
     with ctl.partition(budget(20), comm_knob=rec.knob("comm"), compute_knob=rec.knob("compute")) as b:
         assert rec.calls == [("comm", 20), ("compute", 112)]
@@ -52,7 +52,7 @@ def test_enter_and_exit_match_vllm_sequence(rec: Recorder) -> None:
     assert ctl.active.compute == 132 and ctl.depth == 0
 
 
-def test_nested_restores_previous_not_all(rec: Recorder) -> None:
+def test_nested_restores_previous_not_all(rec: FakeKnobs) -> None:
     ctl = SMControl(0, 132)
     comm, compute = rec.knob("comm"), rec.knob("compute")
     with ctl.partition(budget(20), comm_knob=comm, compute_knob=compute):
@@ -63,7 +63,7 @@ def test_nested_restores_previous_not_all(rec: Recorder) -> None:
     assert rec.calls[-2:] == [("comm", 132), ("compute", 132)]
 
 
-def test_body_exception_restores_and_propagates(rec: Recorder) -> None:
+def test_body_exception_restores_and_propagates(rec: FakeKnobs) -> None:
     ctl = SMControl(0, 132)
     with pytest.raises(ValueError, match="boom"), ctl.partition(budget(20), compute_knob=rec.knob("compute")):
         raise ValueError("boom")
@@ -71,7 +71,7 @@ def test_body_exception_restores_and_propagates(rec: Recorder) -> None:
     assert ctl.active.compute == 132 and ctl.depth == 0
 
 
-def test_failing_knob_leaves_nothing_half_set(rec: Recorder) -> None:
+def test_failing_knob_leaves_nothing_half_set(rec: FakeKnobs) -> None:
     ctl = SMControl(0, 132)
     with pytest.raises(RuntimeError, match="refuses 112"), ctl.partition(
         budget(20), comm_knob=rec.knob("comm"), compute_knob=rec.knob("compute", fail_on=112)
@@ -82,7 +82,7 @@ def test_failing_knob_leaves_nothing_half_set(rec: Recorder) -> None:
     assert ctl.active.compute == 132 and ctl.depth == 0
 
 
-def test_subscriber_sees_budget_before_body_and_restore_after(rec: Recorder) -> None:
+def test_subscriber_sees_budget_before_body_and_restore_after(rec: FakeKnobs) -> None:
     ctl = SMControl(0, 132)
     seen: list[tuple[str, int, list[tuple[str, int]]]] = []
     ctl.subscribe(lambda e: seen.append((e.kind, e.budget.compute, list(rec.calls))), name="probe")
@@ -91,7 +91,7 @@ def test_subscriber_sees_budget_before_body_and_restore_after(rec: Recorder) -> 
     assert seen[-1] == ("exited", 132, [("compute", 112), ("compute", 132)])
 
 
-def test_subscriber_raising_on_enter_rolls_back(rec: Recorder) -> None:
+def test_subscriber_raising_on_enter_rolls_back(rec: FakeKnobs) -> None:
     ctl = SMControl(0, 132)
     events: list[str] = []
     ctl.subscribe(lambda e: events.append(f"ok:{e.kind}:{e.budget.compute}"), name="good")
@@ -109,7 +109,7 @@ def test_subscriber_raising_on_enter_rolls_back(rec: Recorder) -> None:
     assert ctl.active.compute == 132 and ctl.stats.subscriber_errors == 1
 
 
-def test_subscriber_raising_on_exit(rec: Recorder) -> None:
+def test_subscriber_raising_on_exit(rec: FakeKnobs) -> None:
     ctl = SMControl(0, 132)
 
     def bad(e: BudgetEvent) -> None:
@@ -141,7 +141,7 @@ def test_unsubscribe_and_replay_of_announced() -> None:
     assert got[-1] == "announced"
 
 
-def test_active_readable_from_microbatch_threads_while_main_holds(rec: Recorder) -> None:
+def test_active_readable_from_microbatch_threads_while_main_holds(rec: FakeKnobs) -> None:
     ctl = SMControl(0, 132)
     seen: list[int] = []
     start = threading.Barrier(3)
@@ -161,7 +161,7 @@ def test_active_readable_from_microbatch_threads_while_main_holds(rec: Recorder)
     assert len(seen) == 2000 and set(seen) == {112}
 
 
-def test_non_lifo_exit_from_another_thread_keeps_top(rec: Recorder) -> None:
+def test_non_lifo_exit_from_another_thread_keeps_top(rec: FakeKnobs) -> None:
     ctl = SMControl(0, 132)
     knob = rec.knob("compute")
     outer = ctl.enter(budget(20), compute_knob=knob)
@@ -176,7 +176,7 @@ def test_non_lifo_exit_from_another_thread_keeps_top(rec: Recorder) -> None:
         ctl.exit(inner)
 
 
-def test_counters(rec: Recorder) -> None:
+def test_counters(rec: FakeKnobs) -> None:
     t = [0.0]
     ctl = SMControl(0, 132, clock=lambda: t[0])
     t[0] = 1.0

@@ -41,12 +41,15 @@ def test_layout_parsing() -> None:
         parse_layout("shared")
 
 
-class _Group(types.SimpleNamespace):
-    """A weak-referenceable stand-in with SparseMLAIndexGroup's fields."""
+class FakeIndexGroup(types.SimpleNamespace):
+    """The fields of vLLM's SparseMLAIndexGroup that UbatchTopkState reads.
+
+    Its GPU twin: tests/gpu/test_topk_isolation_gpu.py.
+    """
 
 
-def _group(base: torch.Tensor) -> _Group:
-    return _Group(
+def _group(base: torch.Tensor) -> FakeIndexGroup:
+    return FakeIndexGroup(
         logical_topk_indices=base, physical_topk_indices=torch.zeros(5, 2, dtype=torch.int32),
         valid_topk_counts=torch.zeros(5, dtype=torch.int32), side_stream=None, logical_topk_ready=None,
         physical_topk_ready=None, has_indexer=True, num_layers=2,

@@ -2,14 +2,18 @@
 
 The only fakes here stand in for what cannot exist without a GPU: the CUDA /
 ROCm platform answer, the device's SM count, the current accelerator index,
-the expert-parallel group's all2all manager and DeepGEMM's SM setter. Each is
-installed on the exact vLLM global that ``create_sm_control_context`` reads
-(see ../shared/docs/vllm-cpu-smoke-example.py). GPU twins live in tests/gpu.
+the expert-parallel group (``FakeEpGroup``) with its all2all manager
+(``FakeAll2AllManager``) and DeepGEMM's SM setter (``FakeDeepGemmSetter``).
+Each is installed on the exact vLLM global that ``create_sm_control_context``
+reads (see ../shared/docs/vllm-cpu-smoke-example.py).
+
+These vLLM-platform fakes cannot have a GPU twin that imports vLLM: the GPU
+machine has no vLLM. Their semantic twin is tests/gpu/test_sm_control_gpu.py,
+where SMControl turns the real DeepGEMM and DeepEP SM knobs.
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -22,16 +26,46 @@ from dbo_runtime.services.sm_control import reset_controls_for_tests
 
 @dataclass
 class FakeAll2AllManager:
-    """Boundary fake for vLLM's all2all manager (needs a real EP group / NCCL)."""
+    """Boundary fake for vLLM's all2all manager (needs a real EP group / NCCL).
+
+    ``num_sms`` mirrors vLLM's ``DeepEPAll2AllManagerBase.num_sms = 20``, the SM
+    count its buffers are sized for; dbo_runtime's sm_hooks reads it as the HT
+    manager's clamp on the comm SMs that reach DeepEP.
+    """
 
     max_sms: int | None
     calls: list[tuple[str, int]]
+    num_sms: int = 20
 
     def max_sms_used(self) -> int | None:
         return self.max_sms
 
     def set_num_sms(self, n: int) -> None:
         self.calls.append(("comm", n))
+
+
+@dataclass
+class FakeDeviceCommunicator:
+    """Boundary fake for the EP group's device communicator: only the all2all manager is read."""
+
+    all2all_manager: FakeAll2AllManager | None
+
+
+@dataclass
+class FakeEpGroup:
+    """Boundary fake for vLLM's expert-parallel group (``get_ep_group()``; needs NCCL and GPUs)."""
+
+    device_communicator: FakeDeviceCommunicator
+
+
+@dataclass
+class FakeDeepGemmSetter:
+    """Boundary fake for vLLM's ``deep_gemm_set_num_sms`` (needs DeepGEMM on a GPU); logs ("compute", n)."""
+
+    calls: list[tuple[str, int]]
+
+    def __call__(self, n: int) -> None:
+        self.calls.append(("compute", n))
 
 
 @dataclass
@@ -62,10 +96,10 @@ class FakeGpuPlatform:
         platform_utils.num_compute_units.cache_clear()
         mp.setattr(torch.accelerator, "current_device_index", lambda: 0)
         manager = FakeAll2AllManager(max_sms_used, self.calls) if has_manager else None
-        ep = types.SimpleNamespace(device_communicator=types.SimpleNamespace(all2all_manager=manager))
+        ep = FakeEpGroup(FakeDeviceCommunicator(manager))
         mp.setattr(ubatch_utils, "get_ep_group", lambda: ep)
         mp.setattr(ubatch_utils, "has_deep_gemm", lambda: deep_gemm)
-        mp.setattr(ubatch_utils, "deep_gemm_set_num_sms", lambda n: self.calls.append(("compute", n)))
+        mp.setattr(ubatch_utils, "deep_gemm_set_num_sms", FakeDeepGemmSetter(self.calls))
         if env_comm_sms is None:
             mp.delenv("VLLM_DBO_COMM_SMS", raising=False)
             if hasattr(ubatch_utils.envs, "VLLM_DBO_COMM_SMS") and "VLLM_DBO_COMM_SMS" in vars(ubatch_utils.envs):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +115,17 @@ def test_lazy_patches_apply_on_first_import() -> None:
 
 
 @dataclass
+class FakeModelConfig:
+    """Stands for vLLM's ModelConfig, which needs a real model's HF config (none on this box).
+
+    The builder paths exercised here read only ``max_model_len`` from it; on the GPU twin
+    (tests/gpu/test_indexer_schedule_gpu.py) no vLLM config is involved at all.
+    """
+
+    max_model_len: int
+
+
+@dataclass
 class Env:
     dg: FakeDeepGemm
     cache: IndexerScheduleCache
@@ -128,7 +138,7 @@ class Env:
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         vc = VllmConfig(device_config=DeviceConfig(device="cpu"))
-        object.__setattr__(vc, "model_config", types.SimpleNamespace(max_model_len=40960))
+        object.__setattr__(vc, "model_config", FakeModelConfig(max_model_len=40960))
         vc.attention_config.sparse_mla_prefill_workspace_factor = 5
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=132, dtype=torch.uint8)
         builder = self.ix.DeepseekV32IndexerMetadataBuilder(spec, ["indexer.0"], vc, torch.device("cpu"), block_table_width=64)

@@ -185,3 +185,35 @@ def test_leaked_scope_is_closed_at_next_enter(gpu_platform: FakeGpuPlatform, cle
         assert control.depth == 1 and control.active.compute == 112
     assert control.depth == 0 and control.active.compute == 132
     assert gpu_platform.calls[-2:] == [("comm", 132), ("compute", 132)]
+
+
+def test_deepep_ht_comm_above_manager_ceiling(gpu_platform: FakeGpuPlatform, clean_plugin: Any) -> None:
+    """VLLM_DBO_COMM_SMS=21 on DeepEP HT: the manager clamps to its num_sms (20, even), so both accept it.
+
+    =19 stays below the ceiling and reaches DeepEP odd: dbo_runtime refuses it up front
+    (DeepEP's Buffer.set_num_sms asserts an even count), while vLLM's own accepts it.
+    """
+    import importlib
+
+    from vllm.v1.worker import ubatch_utils
+
+    from tests.vllm.conftest import FakeAll2AllManager
+
+    assert FakeAll2AllManager(None, []).num_sms == 20
+    pc = parallel_config()  # built before the platform fakes, as on a real worker
+    gpu_platform.set(env_comm_sms=21, max_sms_used=None)
+    expected = run_context(ubatch_utils.create_sm_control_context, pc, gpu_platform.calls)
+    assert expected[0] == (132, 21, 111)
+    clean_plugin()
+    for runner in sorted(RUNNER_MODULES):
+        module = importlib.import_module(RUNNER_MODULES[runner])
+        assert module.create_sm_control_context is not ubatch_utils.create_sm_control_context
+        assert run_context(module.create_sm_control_context, pc, gpu_platform.calls) == expected, runner
+
+    gpu_platform.set(env_comm_sms=19, max_sms_used=None)
+    original = run_context(ubatch_utils.create_sm_control_context, pc, gpu_platform.calls)
+    assert original[0] == (132, 19, 113)
+    for runner in sorted(RUNNER_MODULES):
+        module = importlib.import_module(RUNNER_MODULES[runner])
+        with pytest.raises(ConfigError, match="even"):
+            module.create_sm_control_context(pc)

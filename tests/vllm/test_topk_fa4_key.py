@@ -17,14 +17,20 @@ from dbo_runtime.integration.topk_hooks import _fa4_scalars_patch
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 
 
-class _Group:
-    def __init__(self, logical: torch.Tensor) -> None:
-        self.logical_topk_indices = logical
-        self.physical_topk_indices = torch.zeros((9, 4), dtype=torch.int32)
-        self.valid_topk_counts = torch.zeros(9, dtype=torch.int32)
-        self.side_stream = None
-        self.has_indexer = True
-        self.num_layers = 2
+def _index_group(logical: torch.Tensor) -> object:
+    """vLLM's real SparseMLAIndexGroup (a plain dataclass); no stream or events exist on CPU, so those are None."""
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
+
+    return SparseMLAIndexGroup(
+        logical_topk_indices=logical,
+        physical_topk_indices=torch.zeros((9, 4), dtype=torch.int32),
+        valid_topk_counts=torch.zeros(9, dtype=torch.int32),
+        side_stream=None,  # type: ignore[arg-type]
+        logical_topk_ready=None,  # type: ignore[arg-type]
+        physical_topk_ready=None,  # type: ignore[arg-type]
+        has_indexer=True,
+        num_layers=2,
+    )
 
 
 def test_target_exists_in_vllm_0_33_source() -> None:
@@ -53,7 +59,7 @@ def test_window_lengths_share_one_cache_entry_and_values_match() -> None:
     wrapped = _fa4_scalars_patch(state).make(scalars)
     cpu = torch.device("cpu")
     assert wrapped(64, 7, cpu) is scalars(64, 7, cpu)  # nothing attached yet: unchanged key
-    state.attach(_Group(base), 2, lambda: None)
+    state.attach(_index_group(base), 2, lambda: None)
     windows = [wrapped(64 - offset, 7, cpu) for offset in (3, 10, 31, 40)]
     assert all(w is windows[0] for w in windows) and calls == [64]
     n = 5  # what the kernel slices: identical to a cache entry made for the window length itself
