@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test setup lint gpu-test
+.PHONY: run test setup lint
 
 setup:
 	@VENV=$(VENV) bash .ci/setup-venv
@@ -11,7 +11,7 @@ setup:
 run: setup
 	@$(VENV)/bin/dbo-runtime simulate
 
-## Whole test suite + lint + types (what CI runs). GPU tests skip without CUDA/DeepGEMM.
+## Whole CPU test suite + lint + types (what CI runs). The GPU twins (tests/gpu) are deselected: see README.
 test: setup
 	$(PY) -m pytest -q -m "not gpu"
 	$(VENV)/bin/ruff check dbo_runtime tests graphs

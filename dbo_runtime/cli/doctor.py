@@ -37,11 +37,13 @@ import argparse
 import logging
 import os
 import platform
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
 from dbo_runtime import __version__
 from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, print_json, print_table
+from dbo_runtime.core.switches import TRUE
 
 SCHEMA = "dbo-runtime/doctor/v1"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -135,6 +137,28 @@ def _patches(vllm_installed: bool) -> list[dict[str, Any]]:
     return out
 
 
+def _environment_problems() -> list[str]:
+    """Every dbo_runtime switch and setting an operator can mistype, checked the way the runtime parses it."""
+    from dbo_runtime.core.errors import ConfigError
+    from dbo_runtime.core.switches import SWITCHES, parse_switch
+    from dbo_runtime.services.schedule_cache import warm_max_batch
+    from dbo_runtime.services.topk_state import LAYOUT_ENV, parse_layout
+
+    problems = []
+    checks: list[Callable[[], object]] = [*((lambda name=name: parse_switch(name)) for name in SWITCHES)]
+    checks.append(lambda: parse_layout(os.environ.get(LAYOUT_ENV)))
+    checks.append(lambda: warm_max_batch())
+    for check in checks:
+        try:
+            check()
+        except ConfigError as exc:
+            problems.append(str(exc))
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if plugins is not None and "dbo_runtime" not in [p.strip() for p in plugins.split(",")]:
+        problems.append(f"VLLM_PLUGINS={plugins!r} does not list dbo_runtime: vLLM will not load the plugin")
+    return problems
+
+
 def collect() -> dict[str, Any]:
     """The ``--json`` document (module docstring)."""
     from dbo_runtime.integration import plugin
@@ -158,6 +182,7 @@ def collect() -> dict[str, Any]:
     if patch_error:
         problems.append(patch_error)
     problems.extend(f"patch target missing: {p['target']} ({p['name']}): {p['detail']}" for p in patches if p["state"] == "missing")
+    problems.extend(_environment_problems())
     return {
         "schema": SCHEMA,
         "ok": not problems,
@@ -167,7 +192,7 @@ def collect() -> dict[str, Any]:
         "vllm": {"version": version, "supported": supported, "supported_series": plugin.SUPPORTED_VLLM},
         "plugin": {
             "entry_point": entry_point,
-            "disabled_by_env": os.environ.get("DBO_RUNTIME_DISABLE", "").strip().lower() in {"1", "true", "yes", "on"},
+            "disabled_by_env": os.environ.get("DBO_RUNTIME_DISABLE", "").strip().lower() in TRUE,
         },
         "patches": patches,
         "deep_gemm": _deep_gemm(),

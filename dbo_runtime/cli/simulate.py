@@ -31,9 +31,22 @@ import argparse
 import dataclasses
 from typing import Any
 
-from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, print_json, print_table
+from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, CliError, print_json, print_table
+from dbo_runtime.core.errors import ConfigError
 
 SCHEMA = "dbo-runtime/simulate/v1"
+MAX_REQUESTS = 1024
+MAX_TOTAL_SMS = 1024
+
+FLAG_FOR = {
+    "steps": "--steps",
+    "num_requests": "--requests",
+    "total_sms": "--total-sms",
+    "backend": "--backend",
+    "mode": "--mode",
+    "VLLM_DBO_COMM_SMS": "--comm-sms",
+}
+"""Scenario/policy parameter -> the flag an operator typed (errors name the flag)."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -46,9 +59,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--mode", default="eager", choices=("eager", "mrv1", "mrv2"), help="eager, or FULL CUDA-graph capture as MRV1/MRV2 (GPU)")
     p.add_argument("--preset", default="small", choices=("small", "glm53"), help="small: toy widths; glm53: GLM-5.3 indexer shapes")
     p.add_argument("--steps", type=int, default=None, help="DBO steps (default: preset's)")
-    p.add_argument("--requests", type=int, default=None, help="requests per step, split in two microbatches")
-    p.add_argument("--comm-sms", type=int, default=20, help="VLLM_DBO_COMM_SMS for the budget (default 20)")
-    p.add_argument("--total-sms", type=int, default=132, help="SMs of the simulated device (CPU backend; default: H200, 132)")
+    p.add_argument("--requests", type=int, default=None, help=f"requests per step, split in two microbatches (2..{MAX_REQUESTS})")
+    p.add_argument("--comm-sms", default=None, help="comm SMs (default: $VLLM_DBO_COMM_SMS, else 20)")
+    p.add_argument("--total-sms", type=int, default=132, help=f"SMs of the simulated device (CPU backend; 1..{MAX_TOTAL_SMS}; default: H200, 132)")
     p.add_argument("--topk-layout", default="windows", choices=("windows", "copies"), help="per-microbatch top-k state layout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-contrast", action="store_true", help="skip the vLLM 0.33.0 comparison runs")
@@ -62,14 +75,42 @@ def _runs(args: argparse.Namespace) -> list[Any]:
     return [Contrast("dbo_runtime", "pass", {}), *([] if args.no_contrast else CONTRASTS)]
 
 
+def _comm_sms(args: argparse.Namespace) -> int:
+    import os
+
+    from dbo_runtime.core.budget import parse_comm_sms
+
+    if args.comm_sms is not None:
+        return parse_comm_sms(args.comm_sms, parameter="--comm-sms")
+    raw = os.environ.get("VLLM_DBO_COMM_SMS")
+    return 20 if raw is None or raw.strip() == "" else parse_comm_sms(raw)
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ConfigError as exc:
+        flag = FLAG_FOR.get(exc.parameter)
+        if flag is None or (exc.parameter == "VLLM_DBO_COMM_SMS" and args.comm_sms is None):
+            raise
+        raise ConfigError(flag, exc.value, exc.allowed) from None
+    except (RuntimeError, MemoryError) as exc:  # e.g. an allocation the machine cannot hold
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CliError(f"error: the scenario could not be set up: {first}", EXIT_USAGE) from None
+
+
+def _run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from dbo_runtime.sim.backends import make_backend
     from dbo_runtime.sim.scenario import GLM53, SMALL, for_backend, run_scenario
 
+    if args.requests is not None and not 2 <= args.requests <= MAX_REQUESTS:
+        raise ConfigError("--requests", args.requests, f"integers in [2, {MAX_REQUESTS}]")
+    if not 1 <= args.total_sms <= MAX_TOTAL_SMS:
+        raise ConfigError("--total-sms", args.total_sms, f"integers in [1, {MAX_TOTAL_SMS}]")
     base = SMALL if args.preset == "small" else GLM53
-    overrides: dict[str, Any] = {"comm_sms": args.comm_sms, "seed": args.seed, "topk_layout": args.topk_layout}
+    overrides: dict[str, Any] = {"comm_sms": _comm_sms(args), "seed": args.seed, "topk_layout": args.topk_layout}
     if args.steps is not None:
         overrides["steps"] = args.steps
     if args.requests is not None:

@@ -231,14 +231,15 @@ def compute_budget(
             env_value,
             f"integers in [0, {total_sms}) on this device ({total_sms} SMs): the comm share must leave compute SMs",
         )
+    if comm_cap is None and all2all_backend == "deepep_high_throughput":
+        comm_cap = DEEPEP_HT_MANAGER_NUM_SMS
     reaches_deepep = min(comm, comm_cap) if comm_cap is not None else comm
     if comm_knob and all2all_backend == "deepep_high_throughput" and reaches_deepep % 2:
         raise ConfigError(
             "VLLM_DBO_COMM_SMS",
             env_value,
-            "even integers, or values above the DeepEP manager's "
-            f"{comm_cap if comm_cap is not None else 20}-SM ceiling "
-            "(DeepEP's Buffer.set_num_sms asserts an even SM count)",
+            f"even integers up to the DeepEP manager's {comm_cap}-SM ceiling, or values above it (vLLM clamps "
+            "those to the ceiling); DeepEP's Buffer.set_num_sms asserts an even SM count",
         )
 
     return SMBudget(

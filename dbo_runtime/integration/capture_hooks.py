@@ -1,4 +1,4 @@
-"""Count torch CUDA-graph captures so the indexer call site can skip a 440 ns capture probe.
+"""Count torch CUDA-graph captures so the indexer call site can skip a 300-650 ns capture probe.
 
 Upstream target: ``torch.cuda.graphs.CUDAGraph.capture_begin`` / ``capture_end``
 (the Python layer every ``torch.cuda.graph(...)`` capture goes through; vLLM
@@ -19,8 +19,8 @@ from dbo_runtime.integration.patching import Patch
 
 _COMMON = dict(
     reason=(
-        "torch.cuda.is_current_stream_capturing() costs ~440 ns on an H200 host; a process-wide capture "
-        "counter lets the indexer call site stay under 0.2 us when no capture is underway"
+        "torch.cuda.is_current_stream_capturing() costs 300-650 ns on an H200 host; a process-wide capture "
+        "counter lets the indexer call site skip it when no capture is underway"
     ),
     upstream_pr="none (torch has no cheap capture-in-progress flag)",
     removal="torch exposes a cheap process-wide capture flag, or vLLM re-plans inside its own call site",

@@ -30,17 +30,17 @@ paths are not touched (XPU uses its own op; ROCm never reaches DeepGEMM).
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from dbo_runtime.adapters.cuda_graph import CAPTURES as _CAPTURES
+from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.services import schedule_cache as _sc
 from dbo_runtime.services.schedule_cache import PlannerProfile, schedule_cache, warm_max_batch
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 UPSTREAM_PR = "vllm-project/vllm#60732"
 INDEXER_MODULE = "vllm.v1.attention.backends.mla.indexer"
@@ -250,10 +250,6 @@ def _make_mrv2_prepare(original: Any) -> Any:
             return original(self, *args, **kwargs)
 
     return prepare
-
-
-def _keep(original: Any) -> Any:
-    return original
 
 
 def patches() -> list[Patch]:

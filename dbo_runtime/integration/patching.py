@@ -23,8 +23,6 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import logging
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -33,8 +31,10 @@ from types import ModuleType
 from typing import Any
 
 from dbo_runtime.core.errors import PatchError
+from dbo_runtime.core.log import get_logger
+from dbo_runtime.core.switches import parse_switch
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _MISSING = object()
 PATCH_MARK = "__dbo_runtime_patch__"
@@ -290,7 +290,7 @@ class PatchSet:
                 "the whole patch set was rolled back and vLLM runs unpatched"
             )
             self.uninstall()
-        if os.environ.get("DBO_RUNTIME_STRICT", "").strip().lower() in {"1", "true", "yes", "on"}:
+        if parse_switch("DBO_RUNTIME_STRICT"):
             raise PatchError(message) from failure
         logger.error("%s", message)
 

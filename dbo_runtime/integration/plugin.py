@@ -16,15 +16,15 @@ Environment:
 from __future__ import annotations
 
 import importlib
-import logging
-import os
 import threading
 from importlib import metadata
 
 from dbo_runtime.core.errors import PatchError
+from dbo_runtime.core.log import get_logger
+from dbo_runtime.core.switches import parse_switch
 from dbo_runtime.integration.patching import Patch, PatchSet
 
-logger = logging.getLogger("dbo_runtime")
+logger = get_logger("dbo_runtime.plugin")
 
 SUPPORTED_VLLM = "0.33"
 """Major.minor of the vLLM releases whose source the patch set was written against."""
@@ -42,7 +42,7 @@ _patch_set: PatchSet | None = None
 
 
 def _truthy(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+    return parse_switch(name)
 
 
 def vllm_version() -> str | None:

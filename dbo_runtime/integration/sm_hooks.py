@@ -20,7 +20,6 @@ nested or failing scopes restore the previous budget.
 
 from __future__ import annotations
 
-import logging
 from types import TracebackType
 from typing import Any
 
@@ -28,10 +27,11 @@ from dbo_runtime.adapters.all2all import All2AllKnob
 from dbo_runtime.adapters.deep_gemm import DeepGemmKnob
 from dbo_runtime.core.budget import SMBudget, compute_budget
 from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.services.sm_control import FunctionKnob, SMControl, SMKnob, sm_control_for
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 UPSTREAM_PR = "none yet (SM-control publication); crash fixed by vllm#60732"
 

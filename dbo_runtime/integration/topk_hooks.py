@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 import threading
 from typing import Any
 
 from dbo_runtime.core.errors import UnsupportedConfiguration
+from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.services.topk_state import UbatchTopkState
 
@@ -58,7 +58,7 @@ _FA4_SPARSE = "vllm.v1.attention.backends.mla.flashattn_mla_sparse"
 _state: UbatchTopkState | None = None
 _state_lock = threading.Lock()
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def default_state() -> UbatchTopkState:
@@ -147,11 +147,13 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
             )
             if follower and num_ubatches > 1 and not state.is_attached(result[0]):
                 state.attach(result[0], num_ubatches, _make_event)
-                logger.info(
-                    "dbo_runtime: per-microbatch top-k state for %d index groups with followers "
-                    "(%s layout, %d extra bytes)",
-                    state.num_groups(),
+                # Once per process at INFO (the first group with followers); the rest at DEBUG.
+                log = logger.info if state.num_groups() == 1 else logger.debug
+                log(
+                    "dbo_runtime: per-microbatch top-k state for index groups with followers "
+                    "(%s layout, %d groups so far, %d extra bytes)",
                     state.layout,
+                    state.num_groups(),
                     state.extra_bytes(),
                 )
             return result

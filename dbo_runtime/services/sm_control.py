@@ -29,7 +29,6 @@ subscriber error is raised only when the body itself did not raise.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,8 +38,9 @@ from typing import Literal, Protocol
 
 from dbo_runtime.core.budget import SMBudget, full_budget
 from dbo_runtime.core.errors import ConfigError, SubscriberError
+from dbo_runtime.core.log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 EventKind = Literal["announced", "entered", "exited"]
 

@@ -364,3 +364,17 @@ def test_aligned_buckets() -> None:
     assert aligned_buckets(33) == [32, 64]
     with pytest.raises(ConfigError, match="max_batch"):
         aligned_buckets(0)
+
+
+def test_warm_returns_at_once_when_the_count_is_already_warm() -> None:
+    """SMControl publishes 'entered' every DBO step; a warm count must cost no probe or bucket walk."""
+    dg, planner, cache = _setup()
+    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(1,), max_batch=64))
+    assert cache.warm(0, 112) == 2  # buckets 32 and 64
+    probes = []
+    planner.capturing = lambda: probes.append(1) or False  # type: ignore[method-assign]
+    for _ in range(10):
+        assert cache.warm(0, 112) == 0
+    assert probes == []
+    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(2,), max_batch=32))
+    assert cache.warm(0, 112) == 0 and len(probes) == 1  # new profile: walked again (already warm)

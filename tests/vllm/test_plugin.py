@@ -210,3 +210,21 @@ def test_broken_feature_module_does_not_stop_vllm(unpatched: dict[str, Any], mon
     monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")
     with pytest.raises(ImportError):
         plugin.register()
+
+
+def test_log_lines_reach_vllms_handler() -> None:
+    """Operators grep vLLM's log for 'dbo_runtime:'; our loggers must be children of vLLM's."""
+    import subprocess
+    import sys
+
+    code = (
+        "from vllm.logger import configure_logging\n"
+        "from vllm.config.logging import LoggingConfig\n"
+        "configure_logging(LoggingConfig())\n"
+        "import vllm.plugins\n"
+        "vllm.plugins.load_general_plugins()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-2000:]
+    assert "INFO" in out and "dbo_runtime: " in out and "patches installed for vLLM 0.33" in out, out[-2000:]
