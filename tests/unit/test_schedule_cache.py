@@ -368,7 +368,7 @@ def test_aligned_buckets() -> None:
 
 def test_warm_returns_at_once_when_the_count_is_already_warm() -> None:
     """SMControl publishes 'entered' every DBO step; a warm count must cost no probe or bucket walk."""
-    dg, planner, cache = _setup()
+    _dg, planner, cache = _setup()
     cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(1,), max_batch=64))
     assert cache.warm(0, 112) == 2  # buckets 32 and 64
     probes = []
