@@ -15,7 +15,6 @@ followers of 0, followers of 1. Only the GPU boundary is faked
 from __future__ import annotations
 
 import threading
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +26,25 @@ from dbo_runtime.integration import topk_hooks, ubatch_ids
 from dbo_runtime.integration.patching import Patch, PatchSet
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState, index_leaders, topk_memory_bytes
 from tests.fakes.topk_boundary import FakeEvent, FakeStream, fake_convert
+
+
+@dataclass
+class FakeConvertMetadata:
+    """The three fields of vLLM's attention metadata that ``_convert_logical_to_physical_topk`` reads
+    (a full metadata object needs a KV cache on a GPU; the conversion is twinned in
+    tests/gpu/test_topk_isolation_gpu.py)."""
+
+    req_id_per_token: torch.Tensor
+    block_table: torch.Tensor
+    block_size: int
+
+
+@dataclass
+class FakeForwardContext:
+    """The one field ``UBatchContext`` and the impls read from a ForwardContext (a real one needs a
+    model runner); microbatch contexts always carry CUDAGraphMode.NONE in vLLM 0.33.0."""
+
+    cudagraph_runtime_mode: Any
 
 NUM_LAYERS = 78
 TOPK = 8
@@ -147,7 +165,7 @@ def run_step(model: Model, boundary: Boundary, total: int, seed: int) -> StepRes
     metas = []
     for n in sizes:
         metas.append(
-            types.SimpleNamespace(
+            FakeConvertMetadata(
                 req_id_per_token=torch.arange(n, dtype=torch.int32) % 3,
                 block_table=torch.randint(0, 1000, (3, NUM_BLOCKS), generator=gen, dtype=torch.int32),
                 block_size=BLOCK_SIZE,
@@ -185,7 +203,7 @@ def run_step(model: Model, boundary: Boundary, total: int, seed: int) -> StepRes
             errors.append(exc)
 
     barrier = threading.Barrier(3)
-    fcs = [types.SimpleNamespace(cudagraph_runtime_mode=CUDAGraphMode.NONE) for _ in range(2)]
+    fcs = [FakeForwardContext(cudagraph_runtime_mode=CUDAGraphMode.NONE) for _ in range(2)]
     ctxs = ubatching.make_ubatch_contexts(
         num_micro_batches=2,
         compute_stream=boundary.compute,
