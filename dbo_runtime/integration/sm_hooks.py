@@ -29,6 +29,7 @@ from dbo_runtime.core.budget import SMBudget, compute_budget
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration.patching import Patch
+from dbo_runtime.services.metrics import export_to_prometheus
 from dbo_runtime.services.sm_control import FunctionKnob, SMControl, SMKnob, sm_control_for
 
 logger = get_logger(__name__)
@@ -149,6 +150,7 @@ def create_sm_control_context(parallel_config: Any) -> DboSMControlContext:
     """What vLLM's ``create_sm_control_context`` computes, published through SMControl."""
     budget, comm_knob, compute_knob = budget_from_vllm(parallel_config)
     control = sm_control_for(budget.device, budget.total)
+    export_to_prometheus(control)
     # Runs at UBatchWrapper / UBatchRunner construction (model load): the right
     # moment for subscribers to warm per-SM-count kernels, outside any capture.
     control.announce(budget)

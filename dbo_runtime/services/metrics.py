@@ -1,0 +1,115 @@
+"""dbo_runtime's counters on vLLM's Prometheus endpoint.
+
+vLLM serves ``/metrics`` from the API-server process and sets
+``PROMETHEUS_MULTIPROC_DIR`` before it starts engine cores and workers
+(``vllm/v1/metrics/prometheus.py``); ``prometheus_client`` in a child process
+then writes its values to that directory and the API server's multiprocess
+collector exports them. So the worker, where SMControl and the schedule cache
+live, only has to create ordinary ``prometheus_client`` metrics.
+
+The exporter is an SMControl subscriber: it sets the DBO budget gauges when a
+budget is announced, and at each ``exited`` event (once per DBO step, on the
+main thread, outside any kernel) it moves the counters by the deltas of
+``SMControl.stats`` and ``ScheduleCacheStats`` since the last step. Nothing runs
+on the per-layer hot path.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from dbo_runtime.core.log import get_logger
+from dbo_runtime.services.sm_control import BudgetEvent, SMControl
+
+logger = get_logger(__name__)
+
+PREFIX = "dbo_runtime_"
+
+
+class MetricsExporter:
+    """Prometheus metrics for one process (``registry`` defaults to prometheus_client's global one)."""
+
+    def __init__(self, registry: Any | None = None, cache: Any | None = None) -> None:
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        reg = REGISTRY if registry is None else registry
+        labels = ("device",)
+        self.partitions = Counter(PREFIX + "sm_partitions", "DBO steps run under an SM partition", labels, registry=reg)
+        self.knob_switches = Counter(PREFIX + "sm_knob_switches", "SM knob applications (enter and restore)", labels, registry=reg)
+        self.compute_sms = Gauge(
+            PREFIX + "dbo_compute_sms", "Compute SMs of the announced DBO budget", labels, registry=reg, multiprocess_mode="mostrecent"
+        )
+        self.comm_sms = Gauge(
+            PREFIX + "dbo_comm_sms", "Comm SMs of the announced DBO budget", labels, registry=reg, multiprocess_mode="mostrecent"
+        )
+        self.replans = Counter(
+            PREFIX + "indexer_replans", "Paged-MQA schedule re-plans by where they ran", ("kind",), registry=reg
+        )
+        self.planned_ahead = Counter(PREFIX + "indexer_planned_ahead", "Schedules planned for the DBO count at build", registry=reg)
+        self.warmups = Counter(PREFIX + "planner_warmups", "Planner kernels launched by warm-up (JIT outside steps)", registry=reg)
+        self._cache = cache
+        self._last: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._attached: set[int] = set()
+
+    def attach(self, control: SMControl) -> None:
+        """Subscribe to ``control`` once (replays the budgets announced so far)."""
+        with self._lock:
+            if id(control) in self._attached:
+                return
+            self._attached.add(id(control))
+        control.subscribe(self.on_budget, name="prometheus_metrics")
+
+    def _schedule_cache(self) -> Any:
+        if self._cache is None:
+            from dbo_runtime.services.schedule_cache import schedule_cache
+
+            self._cache = schedule_cache()
+        return self._cache
+
+    def _delta(self, key: str, value: int) -> int:
+        previous = self._last.get(key, 0)
+        self._last[key] = value
+        return max(0, value - previous)
+
+    def on_budget(self, event: BudgetEvent) -> None:
+        device = str(event.budget.device)
+        if event.kind == "announced":
+            self.compute_sms.labels(device).set(event.budget.compute)
+            self.comm_sms.labels(device).set(event.budget.comm)
+            return
+        if event.kind != "exited":
+            return
+        with self._lock:
+            stats = event.control.stats
+            self.partitions.labels(device).inc(self._delta(f"partitions{device}", stats.partitions_entered))
+            self.knob_switches.labels(device).inc(self._delta(f"switches{device}", stats.switches))
+            cache = self._schedule_cache().stats
+            for kind, value in (
+                ("call_site", cache.replans),
+                ("captured", cache.captured_replans),
+                ("untracked", cache.untracked_replans),
+            ):
+                self.replans.labels(kind).inc(self._delta(f"replans.{kind}", value))
+            self.planned_ahead.inc(self._delta("planned_ahead", cache.planned_ahead))
+            self.warmups.inc(self._delta("warmups", cache.warmups))
+
+
+_EXPORTER: MetricsExporter | None = None
+_EXPORTER_LOCK = threading.Lock()
+
+
+def export_to_prometheus(control: SMControl) -> MetricsExporter | None:
+    """Attach the process's exporter to ``control`` (created on first use); None without prometheus_client."""
+    global _EXPORTER
+    with _EXPORTER_LOCK:
+        if _EXPORTER is None:
+            try:
+                _EXPORTER = MetricsExporter()
+            except ImportError:
+                logger.info("dbo_runtime: prometheus_client not installed; metrics not exported")
+                return None
+        exporter = _EXPORTER
+    exporter.attach(control)
+    return exporter

@@ -1,0 +1,46 @@
+"""Prometheus export: budget gauges at announce, counters moved by per-step deltas at 'exited'."""
+
+from __future__ import annotations
+
+from dbo_runtime.core.budget import compute_budget
+from dbo_runtime.services.metrics import MetricsExporter
+from dbo_runtime.services.schedule_cache import ScheduleCacheStats
+from dbo_runtime.services.sm_control import SMControl
+
+
+class FakeCacheStats:
+    """Only ``.stats`` of IndexerScheduleCache is read; the real cache is exercised in test_schedule_cache."""
+
+    def __init__(self) -> None:
+        self.stats = ScheduleCacheStats()
+
+
+def _value(registry: object, name: str, labels: dict[str, str] | None = None) -> float:
+    got = registry.get_sample_value(name, labels or {})  # type: ignore[attr-defined]
+    assert got is not None, name
+    return float(got)
+
+
+def test_exporter_reports_budget_and_step_deltas() -> None:
+    import prometheus_client  # a vLLM dependency, pinned in the lock
+    registry = prometheus_client.CollectorRegistry()
+    cache = FakeCacheStats()
+    exporter = MetricsExporter(registry=registry, cache=cache)
+    control = SMControl(0, 132)
+    budget = compute_budget(
+        total_sms=132, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_high_throughput"
+    )
+    exporter.attach(control)
+    exporter.attach(control)  # idempotent: one subscription
+    control.announce(budget)
+    assert _value(registry, "dbo_runtime_dbo_compute_sms", {"device": "0"}) == 112
+    assert _value(registry, "dbo_runtime_dbo_comm_sms", {"device": "0"}) == 20
+    for step in range(3):
+        cache.stats.replans += 2 if step == 0 else 0  # upstream-like first step, then plan-ahead
+        cache.stats.planned_ahead += 2
+        with control.partition(budget):
+            pass
+    assert _value(registry, "dbo_runtime_sm_partitions_total", {"device": "0"}) == 3
+    assert _value(registry, "dbo_runtime_sm_knob_switches_total", {"device": "0"}) == 6
+    assert _value(registry, "dbo_runtime_indexer_replans_total", {"kind": "call_site"}) == 2
+    assert _value(registry, "dbo_runtime_indexer_planned_ahead_total") == 6
