@@ -1,11 +1,14 @@
 """dbo_runtime's counters on vLLM's Prometheus endpoint.
 
-vLLM serves ``/metrics`` from the API-server process and sets
-``PROMETHEUS_MULTIPROC_DIR`` before it starts engine cores and workers
-(``vllm/v1/metrics/prometheus.py``); ``prometheus_client`` in a child process
-then writes its values to that directory and the API server's multiprocess
-collector exports them. So the worker, where SMControl and the schedule cache
-live, only has to create ordinary ``prometheus_client`` metrics.
+vLLM serves ``/metrics`` from the API-server process. In multiprocess mode --
+``PROMETHEUS_MULTIPROC_DIR`` set before engine cores and workers start, which
+``vllm serve`` does itself for ``--api-server-count > 1``
+(``entrypoints/cli/serve.py:282-283``) and honours when the operator sets it --
+``prometheus_client`` in a child process writes its values to that directory and
+the API server's multiprocess collector exports them. So the worker, where
+SMControl and the schedule cache live, only creates ordinary ``prometheus_client``
+metrics. Without multiprocess mode the values stay in the worker process and are
+not served (vLLM's own worker-side metrics behave the same way).
 
 The exporter is an SMControl subscriber: it sets the DBO budget gauges when a
 budget is announced, and at each ``exited`` event (once per DBO step, on the
