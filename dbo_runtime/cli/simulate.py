@@ -99,8 +99,30 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"error: the scenario could not be set up: {first}", EXIT_USAGE) from None
 
 
+class _NoProgress:
+    """Stand-in for ``rich.progress.Progress`` where rich is absent (the GPU box may lack it)."""
+
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def __enter__(self) -> _NoProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def add_task(self, *_: Any, **__: Any) -> int:
+        return 0
+
+    def update(self, *_: Any, **__: Any) -> None:
+        return None
+
+
 def _run(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        Progress = _NoProgress  # type: ignore[assignment,misc]
 
     from dbo_runtime.sim.backends import make_backend
     from dbo_runtime.sim.scenario import GLM53, SMALL, for_backend, run_scenario

@@ -146,3 +146,19 @@ def test_cli_errors_name_the_flag_and_read_the_env(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("VLLM_DBO_COMM_SMS", "21")  # clamped to 20 by vLLM's DeepEP HT manager: allowed
     assert main(["simulate", "--backend", "cpu", "--no-contrast", "--steps", "1", "--requests", "4", "--json"]) == 0
     assert "compute 111/132" in json.loads(capsys.readouterr().out)["budget"]
+
+
+def test_simulate_runs_without_rich(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The GPU machine or a --no-deps install may lack rich: plain output, same verdict."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_rich(name: str, *args: object, **kwargs: object) -> object:
+        if name == "rich" or name.startswith("rich."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(builtins, "__import__", no_rich)
+    assert main(["simulate", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
