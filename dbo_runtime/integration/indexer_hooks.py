@@ -36,8 +36,10 @@ from typing import Any
 
 from dbo_runtime.adapters.cuda_graph import CAPTURES as _CAPTURES
 from dbo_runtime.core.log import get_logger
+from dbo_runtime.integration import activation
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.services import schedule_cache as _sc
+from dbo_runtime.services.runtime_stats import count_microbatched_build
 from dbo_runtime.services.schedule_cache import PlannerProfile, schedule_cache, warm_max_batch
 
 logger = get_logger(__name__)
@@ -174,6 +176,7 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
 def _make_builder_init(original: Any) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
+        activation.flush()
         register_builder(self)
 
     return __init__
@@ -238,14 +241,21 @@ def _make_mrv1_build_attention_metadata(original: Any) -> Any:
             slices = args[_MRV1_UBATCH_SLICES_POS]
         if slices is None:
             return original(self, *args, **kwargs)
+        count_microbatched_build()
         with schedule_cache().microbatched_build():
             return original(self, *args, **kwargs)
 
     return _build_attention_metadata
 
 
+_MRV2_FOR_CAPTURE_POS = 4
+"""``for_capture`` is the 5th parameter after ``self`` of ``UBatchRunner.prepare`` (0.33.0)."""
+
+
 def _make_mrv2_prepare(original: Any) -> Any:
     def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for_capture = kwargs.get("for_capture", args[_MRV2_FOR_CAPTURE_POS] if len(args) > _MRV2_FOR_CAPTURE_POS else False)
+        count_microbatched_build(for_capture=bool(for_capture))
         with schedule_cache().microbatched_build():
             return original(self, *args, **kwargs)
 

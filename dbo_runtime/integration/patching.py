@@ -33,6 +33,7 @@ from typing import Any
 from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.switches import parse_switch
+from dbo_runtime.integration import selftime
 
 logger = get_logger(__name__)
 
@@ -174,13 +175,22 @@ class PatchSet:
         self._finder: _LazyFinder | None = None
         self._lock = threading.RLock()
         self.installed = False
+        self.lazy_listeners: list[Callable[[str], None]] = []
+        """Called (module name) after a lazy module's patches were applied: the first moment a
+        worker-side module is patched in a process, e.g. to log the activation line there."""
 
     # -- install ----------------------------------------------------------------------------
     def _prepare(self, patch: Patch, module: ModuleType) -> _Applied:
         owner, name = resolve_owner(module, patch.attr)
         current = getattr(owner, name, None) if patch.adds else getattr(owner, name)
         raw = _raw(owner, name)
-        replacement = patch.make(raw if raw is not _MISSING else current)
+        given = raw if raw is not _MISSING else current
+        timed = selftime.enabled()
+        if timed and not patch.adds:
+            given = selftime.pause_for_original(given)
+        replacement = patch.make(given)
+        if timed:
+            replacement = selftime.time_plugin(replacement, patch.name)
         return _Applied(patch, owner, name, raw, _mark(replacement, patch, current))
 
     @staticmethod
@@ -283,7 +293,17 @@ class PatchSet:
                 for item in prepared:
                     self._set(item)
                 self._applied.extend(prepared)
-                return
+                listeners = list(self.lazy_listeners)
+            else:
+                listeners = []
+        if failure is None:
+            for listener in listeners:
+                try:
+                    listener(module.__name__)
+                except Exception as exc:  # a log line must never break vLLM's import
+                    logger.debug("dbo_runtime: lazy listener failed: %r", exc)
+            return
+        with self._lock:
             names = ", ".join(p.name for p in todo)
             message = (
                 f"dbo_runtime: patches for {module.__name__} ({names}) cannot be applied ({failure!r}); "

@@ -22,6 +22,7 @@ from importlib import metadata
 from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.switches import parse_switch
+from dbo_runtime.integration import activation
 from dbo_runtime.integration.patching import Patch, PatchSet
 
 logger = get_logger("dbo_runtime.plugin")
@@ -34,6 +35,7 @@ FEATURE_MODULES: tuple[str, ...] = (
     "dbo_runtime.integration.sm_hooks",
     "dbo_runtime.integration.indexer_hooks",
     "dbo_runtime.integration.topk_hooks",
+    "dbo_runtime.integration.worker_stats",
 )
 """Each module exposes ``patches() -> list[Patch]``; order is install order."""
 
@@ -75,6 +77,7 @@ def register() -> None:
     global _patch_set
     with _lock:
         if _patch_set is not None and _patch_set.installed:
+            activation.flush()
             return
         if _truthy("DBO_RUNTIME_DISABLE"):
             logger.info("dbo_runtime: DBO_RUNTIME_DISABLE is set; vLLM left unpatched")
@@ -100,7 +103,36 @@ def register() -> None:
             logger.error("dbo_runtime: patch set not installed (%r); vLLM left untouched", exc, exc_info=True)
             return
         _patch_set = patch_set
-        logger.info("dbo_runtime: %d patches installed for vLLM %s", len(patch_set.patches), version)
+        activation.set_summary(lambda: activation_line(patch_set, version))
+        patch_set.lazy_listeners.append(_flush_activation)
+    # Outside the lock: the line may be pending until vLLM configures logging (see activation.py).
+    activation.flush()
+
+
+def _flush_activation(module: str) -> None:
+    activation.flush()
+
+
+def activation_line(patch_set: PatchSet, version: str | None) -> str:
+    """``dbo_runtime: N patches installed for vLLM 0.33.0 (...)``, as logged once in each process."""
+    from dbo_runtime import __version__
+
+    groups: dict[str, list[str]] = {}
+    states = patch_set.status()
+    for status in states:
+        feature, _, rest = status.patch.name.partition(".")
+        groups.setdefault(feature, []).append(rest or feature)
+    applied = sum(1 for s in states if s.state == "installed")
+    waiting = sum(1 for s in states if s.state == "pending")
+    skipped = [s.patch.name for s in states if s.state == "skipped"]
+    listing = "; ".join(f"{feature}: {', '.join(names)}" for feature, names in groups.items())
+    text = (
+        f"dbo_runtime: {len(patch_set.patches)} patches installed for vLLM {version} (dbo_runtime {__version__}; "
+        f"{applied} applied in this process, {waiting} apply when vLLM imports their module"
+        + (f", {len(skipped)} optional skipped: {', '.join(skipped)}" if skipped else "")
+        + f") -- {listing}"
+    )
+    return text
 
 
 def uninstall() -> None:

@@ -28,6 +28,7 @@ from dbo_runtime.adapters.deep_gemm import DeepGemmKnob
 from dbo_runtime.core.budget import SMBudget, compute_budget
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.log import get_logger
+from dbo_runtime.integration import activation
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.services.metrics import export_to_prometheus
 from dbo_runtime.services.sm_control import FunctionKnob, SMControl, SMKnob, sm_control_for
@@ -154,6 +155,7 @@ def create_sm_control_context(parallel_config: Any) -> DboSMControlContext:
     # Runs at UBatchWrapper / UBatchRunner construction (model load): the right
     # moment for subscribers to warm per-SM-count kernels, outside any capture.
     control.announce(budget)
+    activation.flush()
     logger.info("dbo_runtime: DBO SM budget on device %d: %s", budget.device, budget.describe())
     return DboSMControlContext(control, budget, comm_knob, compute_knob)
 

@@ -72,6 +72,11 @@ def default_state() -> UbatchTopkState:
         return _state
 
 
+def current_state() -> UbatchTopkState | None:
+    """The process-wide registry if a model ever created it (never creates one)."""
+    return _state
+
+
 def _num_ubatches(vllm_config: Any) -> int:
     if vllm_config is None:
         return 1

@@ -28,6 +28,7 @@ from dbo_runtime.services.sm_control import BudgetEvent, SMControl
 logger = get_logger(__name__)
 
 PREFIX = "dbo_runtime_"
+REPLAN_KINDS = ("call_site", "captured", "untracked")
 
 
 class MetricsExporter:
@@ -62,6 +63,13 @@ class MetricsExporter:
             if id(control) in self._attached:
                 return
             self._attached.add(id(control))
+            # A labelled counter has no sample until its child exists: create them now so
+            # /metrics lists every DBO series from model load on, not from the first DBO step.
+            device = str(control.device)
+            self.partitions.labels(device)
+            self.knob_switches.labels(device)
+            for kind in REPLAN_KINDS:
+                self.replans.labels(kind)
         control.subscribe(self.on_budget, name="prometheus_metrics")
 
     def _schedule_cache(self) -> Any:

@@ -1,0 +1,116 @@
+"""Per-worker counters through vLLM's own RPC: ``llm.collective_rpc("dbo_runtime_stats")``.
+
+Upstream target: ``vllm.v1.worker.gpu_worker.Worker`` (vLLM 0.33.0), a method
+*added* under the name ``dbo_runtime_stats``. Why a method on the worker: the
+counters live in the worker process (engine core with one GPU, a worker
+process per rank otherwise), and vLLM's ``collective_rpc`` resolves a string
+method on each worker (``v1/serial_utils.py:run_method``) without
+``VLLM_ALLOW_INSECURE_SERIALIZATION`` (which a callable would need). The
+offline ``LLM`` exposes it directly; under ``vllm serve`` the same counters go
+to ``/metrics`` (``services/metrics.py``).
+
+Retired by: a vLLM plugin-RPC/extension registry (``worker_extension_cls`` is
+a user option, not something a plugin may set).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from dbo_runtime.integration import activation, selftime
+from dbo_runtime.integration.patching import Patch
+
+METHOD = "dbo_runtime_stats"
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+
+
+def _runner_kind(worker: Any) -> str | None:
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        return None
+    module = type(runner).__module__
+    if module.startswith("vllm.v1.worker.gpu."):
+        return "v2"
+    if module.startswith("vllm.v1.worker.gpu_model_runner"):
+        return "v1"
+    return module
+
+
+def _identity(worker: Any) -> dict[str, Any]:
+    if worker is None:
+        return {}
+    parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    device = getattr(worker, "device", None)
+    return {
+        "dp_rank": getattr(parallel, "data_parallel_rank", None),
+        "dp_size": getattr(parallel, "data_parallel_size", None),
+        "rank": getattr(worker, "rank", None),
+        "local_rank": getattr(worker, "local_rank", None),
+        "device": str(device) if device is not None else None,
+        "enable_dbo": getattr(parallel, "enable_dbo", None),
+        "all2all_backend": getattr(parallel, "all2all_backend", None),
+        "runner": _runner_kind(worker),
+    }
+
+
+def collect(worker: Any = None) -> dict[str, Any]:
+    """Everything dbo_runtime counts in this process, plus which worker it is."""
+    from dbo_runtime.integration.plugin import installed_patch_set
+    from dbo_runtime.integration.topk_hooks import current_state
+    from dbo_runtime.services.runtime_stats import collect as services
+
+    snap = services()
+    state = current_state()
+    snap["topk"] = {
+        "groups_attached": state.num_groups() if state is not None else 0,
+        "layout": str(state.layout) if state is not None and state.layout is not None else None,
+        "extra_bytes": state.extra_bytes() if state is not None else 0,
+    }
+    patch_set = installed_patch_set()
+    statuses = patch_set.status() if patch_set is not None else []
+    snap["patches"] = {s.patch.name: s.state for s in statuses}
+    snap["activation_line_emitted"] = activation.emitted_in_this_process()
+    snap["self_time"] = selftime.snapshot(calibrate=selftime.enabled())
+    snap["worker"] = _identity(worker)
+    cache = snap["schedule_cache"]
+    snap["summary"] = {
+        "microbatched_builds": snap["steps"]["microbatched_builds"],
+        "partitions": sum(c["partitions_entered"] for c in snap["sm_control"].values()),
+        "replans_call_site": cache.get("replans", 0),
+        "replans_in_graph": cache.get("captured_replans", 0),
+        "replans_untracked": cache.get("untracked_replans", 0),
+        "planned_ahead": cache.get("planned_ahead", 0),
+        "warmups": cache.get("warmups", 0),
+        "topk_groups_attached": snap["topk"]["groups_attached"],
+        "self_time_ns": snap["self_time"]["total_ns"],
+    }
+    snap["pid"] = os.getpid()
+    return snap
+
+
+def _make_method(existing: Any) -> Any:
+    def dbo_runtime_stats(self: Any) -> dict[str, Any]:
+        return collect(self)
+
+    return dbo_runtime_stats
+
+
+def patches() -> list[Patch]:
+    return [
+        Patch(
+            name="stats.worker_rpc",
+            module=WORKER_MODULE,
+            attr=f"Worker.{METHOD}",
+            make=_make_method,
+            reason="expose dbo_runtime's per-worker counters to LLM.collective_rpc (offline runs, tests, "
+            "dbo-runtime verify) without insecure serialization",
+            upstream_pr="none (vLLM has no plugin RPC registry)",
+            removal="vLLM lets a plugin register worker extension methods",
+            lazy=True,
+            adds=True,
+        )
+    ]
+
+
+__all__ = ["METHOD", "collect", "patches"]

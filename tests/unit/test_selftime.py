@@ -1,0 +1,96 @@
+"""DBO_RUNTIME_SELF_TIME: plugin time excludes the vLLM original it calls through."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import pytest
+
+from dbo_runtime.integration import selftime
+from dbo_runtime.integration.patching import Patch, PatchSet
+
+
+def _busy(ns: int) -> None:
+    end = time.perf_counter_ns() + ns
+    while time.perf_counter_ns() < end:
+        pass
+
+
+def test_exclusive_time_and_nesting() -> None:
+    before = selftime.snapshot(calibrate=False)
+
+    def original() -> None:
+        _busy(20_000_000)  # 20 ms in "vLLM"
+
+    inner = selftime.time_plugin(lambda: _busy(2_000_000), "inner")  # 2 ms plugin, not a FunctionType? it is
+    paused = selftime.pause_for_original(original)
+
+    def replacement() -> None:
+        _busy(3_000_000)  # 3 ms plugin
+        paused()
+        inner()
+
+    timed = selftime.time_plugin(replacement, "outer")
+    timed()
+    after = selftime.snapshot(calibrate=False)
+    spent = after["total_ns"] - before["total_ns"]
+    assert after["calls"] - before["calls"] == 2
+    assert 5_000_000 <= spent < 12_000_000, spent  # 3 + 2 ms, never the 20 ms inside the original
+
+
+def test_threads_are_summed() -> None:
+    before = selftime.snapshot(calibrate=False)["total_ns"]
+    timed = selftime.time_plugin(lambda: _busy(4_000_000), "t")
+    threads = [threading.Thread(target=timed) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert selftime.snapshot(calibrate=False)["total_ns"] - before >= 8_000_000
+
+
+def test_non_functions_are_left_alone() -> None:
+    obj = object()
+    assert selftime.time_plugin(obj, "descriptor") is obj
+    assert "descriptor" in selftime.snapshot(calibrate=False)["untimed"]
+    assert selftime.snapshot(calibrate=True)["overhead_ns_per_call"] >= 0.0
+
+
+def test_patchset_wraps_only_when_enabled_and_restores_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("fake_vllm_module_for_selftime")
+
+    def target(x: int) -> int:
+        return x + 1
+
+    module.target = target  # type: ignore[attr-defined]
+    import sys
+
+    sys.modules[module.__name__] = module
+    try:
+        patch = Patch(
+            name="t.target",
+            module=module.__name__,
+            attr="target",
+            make=lambda original: lambda x: original(x) * 10,
+            reason="test",
+            upstream_pr="none",
+            removal="test",
+        )
+        monkeypatch.setenv(selftime.ENV, "1")
+        before = selftime.snapshot(calibrate=False)["calls"]
+        ps = PatchSet([patch])
+        ps.install()
+        assert module.target(1) == 20  # type: ignore[attr-defined]
+        assert selftime.snapshot(calibrate=False)["calls"] == before + 1
+        ps.uninstall()
+        assert module.target is target  # type: ignore[attr-defined]
+        monkeypatch.setenv(selftime.ENV, "0")
+        ps = PatchSet([patch])
+        ps.install()
+        assert module.target(1) == 20  # type: ignore[attr-defined]
+        assert selftime.snapshot(calibrate=False)["calls"] == before + 1  # not wrapped
+        ps.uninstall()
+    finally:
+        sys.modules.pop(module.__name__, None)
