@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in subcommand_modules():
         sub = module.add_parser(subparsers)
-        sub.set_defaults(_run=module.run)
+        sub.set_defaults(_run=module.run, _accepts_extra=bool(getattr(module, "ACCEPTS_EXTRA_ARGS", False)))
     return parser
 
 
@@ -71,7 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
     parser = build_parser()
     try:
-        args = parser.parse_args(None if argv is None else list(argv))
+        # A subcommand that wraps another program (verify: vLLM's engine arguments) takes the
+        # arguments it does not know; every other subcommand rejects them as argparse would.
+        args, extra = parser.parse_known_args(None if argv is None else list(argv))
+        if extra and not getattr(args, "_accepts_extra", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.extra_args = extra
     except SystemExit as exc:  # --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     run = getattr(args, "_run", None)

@@ -1,0 +1,363 @@
+"""``dbo-runtime verify [options] VLLM_ENGINE_ARGS...``: does DBO change my model's outputs?
+
+The operator's canary before turning ``--enable-dbo`` on in production. It runs
+the operator's own model and parallel configuration twice -- DBO off, then DBO
+on -- on the same fixed prompts with greedy decoding, compares the two runs
+request by request (``harness.compare``) and prints a verdict. Data parallelism
+runs the way vLLM runs it offline: one process per DP rank with ``VLLM_DP_*``
+(so ``--data-parallel-size N`` is taken off the engine arguments and becomes N
+rank processes on this node).
+
+Why it checks that DBO really happened: with data-parallel size 1 vLLM never
+microbatches, and below ``--dbo-decode-token-threshold`` tokens per rank it
+does not either; a "pass" from two identical non-DBO runs would be a lie. With
+dbo_runtime installed the per-worker counters say how many microbatched steps
+ran; 0 makes the verdict *inconclusive* (non-zero exit).
+
+Exit codes: 0 pass, 1 outputs differ (fail), 2 bad arguments, 3 could not run (too
+few GPUs, or an engine run failed -- e.g. vLLM 0.33.0's DeepGEMM schedule
+assertion under DBO), 4 inconclusive (DBO never microbatched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, CliError, print_json, print_table
+from dbo_runtime.core.errors import ConfigError
+
+EXIT_RUN_FAILED = 3
+EXIT_INCONCLUSIVE = 4
+
+ACCEPTS_EXTRA_ARGS = True
+"""``main`` hands every argument verify does not know to it: they are vLLM's engine arguments."""
+
+DP_SIZE_FLAGS = ("--data-parallel-size", "-dp")
+UNSUPPORTED_FLAGS = (
+    "--data-parallel-size-local",
+    "-dpl",
+    "--data-parallel-address",
+    "-dpa",
+    "--data-parallel-rpc-port",
+    "-dpp",
+    "--data-parallel-start-rank",
+    "-dpr",
+    "--data-parallel-hybrid-lb",
+    "--data-parallel-external-lb",
+    "--headless",
+    "--api-server-count",
+)
+"""Multi-node / server-only DP options: verify runs offline on one node."""
+DBO_FLAGS = ("--enable-dbo", "--no-enable-dbo")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "verify",
+        help="run the model with DBO off and on and say whether DBO changes its outputs",
+        description=(
+            "Run VLLM_ENGINE_ARGS (your `vllm serve` engine arguments, e.g. --model M --data-parallel-size 2 "
+            "--enable-expert-parallel --all2all-backend deepep_high_throughput) twice, DBO off and DBO on, on the "
+            "same prompts with greedy decoding, and compare the outputs token by token. Put verify's own options "
+            "first. Exit 0 pass, 1 outputs differ, 2 bad arguments, 3 an engine run failed, 4 inconclusive "
+            "(DBO never microbatched)."
+        ),
+        allow_abbrev=False,
+    )
+    parser.add_argument("--prompts", type=int, default=64, metavar="N", help="synthetic prompts (default 64)")
+    parser.add_argument(
+        "--prompt-len", default="256-1024", metavar="MIN-MAX", help="synthetic prompt lengths in tokens (default 256-1024)"
+    )
+    parser.add_argument(
+        "--prompt-file",
+        metavar="PATH",
+        help="prompts instead of synthetic ids: .jsonl with prompt_token_ids or prompt per line, or one text prompt per line",
+    )
+    parser.add_argument("--prompt-seed", type=int, default=0, metavar="S", help="seed of the synthetic prompts (default 0)")
+    parser.add_argument("--max-tokens", type=int, default=32, metavar="T", help="greedy tokens per prompt (default 32)")
+    parser.add_argument(
+        "--min-agreement",
+        type=float,
+        default=0.98,
+        metavar="A",
+        help="pass needs at least this fraction of tokens equal to the DBO-off run (default 0.98)",
+    )
+    parser.add_argument(
+        "--max-dlogprob",
+        type=float,
+        default=0.25,
+        metavar="D",
+        help="pass needs max |logprob difference| of the reference tokens on the shared prefix <= D (default 0.25)",
+    )
+    parser.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds per engine run (default 1800)")
+    parser.add_argument("--workdir", metavar="DIR", help="keep logs and records here (default: a temporary directory)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
+    return parser
+
+
+def _int_range(text: str, name: str) -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in text.split("-", 1))
+    except ValueError as exc:
+        raise ConfigError(name, text, "MIN-MAX, two positive integers, e.g. 256-1024") from exc
+    if not 1 <= low <= high:
+        raise ConfigError(name, text, "MIN-MAX with 1 <= MIN <= MAX")
+    return low, high
+
+
+def split_engine_args(extra: list[str]) -> tuple[list[str], int, list[str]]:
+    """(engine args without DP size / DBO flags, DP size, notes). Pure: tested on CPU."""
+    args = [a for a in extra if a != "--"]
+    notes = []
+    dp = 1
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        if name in UNSUPPORTED_FLAGS:
+            raise ConfigError(name, value or "(set)", "not supported by verify: it runs offline on one node (leave it out)")
+        if name in DBO_FLAGS:
+            notes.append(f"{name} ignored: verify runs DBO off and on itself")
+            i += 1
+            continue
+        if name in DP_SIZE_FLAGS:
+            if not eq:
+                if i + 1 >= len(args):
+                    raise ConfigError(name, "(missing)", "a positive integer")
+                value = args[i + 1]
+                i += 1
+            try:
+                dp = int(value)
+            except ValueError as exc:
+                raise ConfigError(name, value, "a positive integer") from exc
+            if dp < 1:
+                raise ConfigError(name, value, "a positive integer")
+            i += 1
+            continue
+        out.append(arg)
+        i += 1
+    if not any(a == "--model" or a.startswith("--model=") for a in out) and not (out and not out[0].startswith("-")):
+        raise ConfigError("--model", "(missing)", "the model to verify, as for `vllm serve` (--model NAME_OR_PATH)")
+    if out and not out[0].startswith("-"):
+        out = ["--model", *out]  # `vllm serve MODEL ...` style: the positional model
+    if dp == 1:
+        notes.append(
+            "data-parallel size 1: vLLM never microbatches without data parallelism, so DBO cannot run; "
+            "pass --data-parallel-size 2 or more"
+        )
+    return out, dp, notes
+
+
+def check_with_vllm(engine_args: list[str]) -> None:
+    """Parse the engine arguments with vLLM's own parser; one line on error, before any GPU work."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as exc:
+        raise CliError(f"vLLM is not importable here ({exc}); verify runs the real engine", EXIT_PROBLEM) from exc
+
+    class _Parser(FlexibleArgumentParser):
+        def error(self, message: str) -> Any:  # argparse would print usage and exit 2
+            raise ConfigError("VLLM_ENGINE_ARGS", " ".join(engine_args), f"arguments vLLM accepts ({message})")
+
+    try:
+        parser = EngineArgs.add_cli_args(_Parser(prog="vllm"))
+    except Exception as exc:  # e.g. no GPU platform: vLLM's DeviceConfig cannot infer a device
+        raise CliError(f"vLLM cannot run on this machine ({type(exc).__name__}: {exc}); verify needs a GPU machine") from exc
+    parser.parse_args(engine_args)
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+class _Progress:
+    """Elapsed-time progress on stderr while engines start and run (works when piped too)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.phase = ""
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def set(self, phase: str) -> None:
+        self.phase = phase
+        self.started = time.monotonic()
+        self.say(f"{phase} ...")
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            sys.stderr.write(f"[verify] {text}\n")
+            sys.stderr.flush()
+
+    def __enter__(self) -> _Progress:
+        def tick() -> None:
+            while not self._stop.wait(15.0):
+                self.say(f"{self.phase}: {time.monotonic() - self.started:.0f} s")
+
+        self._thread = threading.Thread(target=tick, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+
+def run(args: argparse.Namespace) -> int:
+    from dbo_runtime.harness.compare import Request, Thresholds, compare, verdict
+    from dbo_runtime.harness.launch import RunSpec, launch
+    from dbo_runtime.harness.prompts import MAX_PROMPTS, PromptSpec
+
+    extra = list(getattr(args, "extra_args", []) or [])
+    engine_args, dp, notes = split_engine_args(extra)
+    low, high = _int_range(args.prompt_len, "--prompt-len")
+    if not 1 <= args.prompts <= MAX_PROMPTS:
+        raise ConfigError("--prompts", args.prompts, f"an integer in [1, {MAX_PROMPTS}]")
+    if args.prompts < dp and args.prompt_file is None:
+        raise ConfigError("--prompts", args.prompts, f"at least the data-parallel size ({dp}): every rank needs prompts")
+    if not 1 <= args.max_tokens <= 4096:
+        raise ConfigError("--max-tokens", args.max_tokens, "an integer in [1, 4096]")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ConfigError("--timeout", args.timeout, "a positive number of seconds")
+    thresholds = Thresholds(args.min_agreement, args.max_dlogprob)
+    thresholds.validate()
+    prompts = PromptSpec(num=args.prompts, min_len=low, max_len=high, seed=args.prompt_seed, file=args.prompt_file)
+    prompts.validate()
+    if args.prompt_file is not None:
+        from dbo_runtime.harness.prompts import from_file
+
+        from_file(args.prompt_file)  # fail on a bad file now, not after an engine start
+    progress = _Progress()
+    for note in notes:
+        progress.say(f"note: {note}")
+    progress.say("checking the engine arguments with vLLM's parser")
+    check_with_vllm(engine_args)
+    visible = _visible_gpus()
+    if visible < dp:
+        raise CliError(f"needs {dp} GPU(s) for data-parallel size {dp} (one engine rank per GPU); {visible} visible", EXIT_RUN_FAILED)
+
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="dbo-verify-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    records: dict[str, dict[str, Any]] = {}
+    with progress:
+        for label, dbo in (("dbo-off", False), ("dbo-on", True)):
+            spec = RunSpec(
+                label=label,
+                engine_args=[*engine_args, *(["--enable-dbo"] if dbo else [])],
+                dp=dp,
+                prompts=prompts,
+                max_tokens=args.max_tokens,
+                timeout_s=args.timeout,
+            )
+            progress.set(f"{label}: starting {dp} engine rank(s) and generating")
+            records[label] = launch(spec, workdir)
+            rec = records[label]
+            progress.say(f"{label}: {'done' if rec['ok'] else 'FAILED'} in {rec['wall_s']:.0f} s")
+            if not rec["ok"]:
+                break
+    result = _result(records, thresholds, workdir, notes, Request, compare, verdict)
+    _print(result, args.json)
+    if not args.workdir and result["exit_code"] == EXIT_OK:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return int(result["exit_code"])
+
+
+def _result(
+    records: dict[str, dict[str, Any]],
+    thresholds: Any,
+    workdir: Path,
+    notes: list[str],
+    request_cls: Any,
+    compare_fn: Any,
+    verdict_fn: Any,
+) -> dict[str, Any]:
+    """The verdict document (pure given the two records: tested on CPU)."""
+    runs = {
+        label: {k: rec.get(k) for k in ("ok", "error", "failure_signatures", "start_s", "generate_s", "microbatched_steps", "plugin")}
+        for label, rec in records.items()
+    }
+    doc: dict[str, Any] = {"runs": runs, "workdir": str(workdir), "notes": notes, "thresholds": vars(thresholds)}
+    failed = [label for label, rec in records.items() if not rec.get("ok")]
+    if failed or len(records) < 2:
+        label = failed[0] if failed else "dbo-on"
+        rec = records.get(label, {})
+        doc.update(
+            verdict="error",
+            exit_code=EXIT_RUN_FAILED,
+            reasons=[f"the {label} run failed: {rec.get('error')}"]
+            + [f"known failure: {s}" for s in rec.get("failure_signatures") or []]
+            + [f"logs: {workdir / label}"],
+        )
+        return doc
+    ref = [request_cls.from_json(r) for r in records["dbo-off"]["requests"]]
+    test = [request_cls.from_json(r) for r in records["dbo-on"]["requests"]]
+    comparison = compare_fn(ref, test)
+    passed, reasons = verdict_fn(comparison, thresholds)
+    doc["comparison"] = {k: v for k, v in comparison.to_json().items() if k not in ("first_divergences",)}
+    steps = records["dbo-on"].get("microbatched_steps")
+    counted = [s for s in (steps if isinstance(steps, list) else [steps]) if isinstance(s, int)]
+    if counted and min(counted) == 0:
+        doc.update(
+            verdict="inconclusive",
+            exit_code=EXIT_INCONCLUSIVE,
+            reasons=[
+                f"DBO never microbatched (microbatched steps per rank: {counted}): vLLM needs data-parallel size >= 2 "
+                "and at least --dbo-decode-token-threshold tokens per rank in a decode step; send more prompts or "
+                "lower the threshold"
+            ],
+        )
+        return doc
+    if not counted:
+        notes.append("dbo_runtime counters unavailable (plugin disabled?): cannot confirm that DBO microbatched")
+    doc.update(verdict="pass" if passed else "fail", exit_code=EXIT_OK if passed else EXIT_PROBLEM, reasons=reasons)
+    return doc
+
+
+def _print(doc: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print_json(doc)
+        return
+    rows = []
+    comp = doc.get("comparison")
+    if comp:
+        rows += [
+            ["requests compared", str(comp["requests"])],
+            ["token agreement", f"{comp['agreement']:.4f}  (pass >= {doc['thresholds']['min_agreement']})"],
+            ["identical prefix (mean)", f"{comp['prefix_agreement']:.4f}"],
+            ["identical requests", f"{comp['exact_requests']}/{comp['requests']}"],
+            ["max |dlogprob| (shared prefix)", f"{comp['max_abs_dlogprob']:.4g}  (pass <= {doc['thresholds']['max_dlogprob']})"],
+            ["mean |dlogprob|", f"{comp['mean_abs_dlogprob']:.3g}"],
+        ]
+    for label, run in doc["runs"].items():
+        start = run.get("start_s") or []
+        starts = ", ".join(f"{s:.0f}" for s in start if isinstance(s, (int, float)))
+        state = "ok" if run.get("ok") else f"FAILED ({run.get('error')})"
+        rows.append([f"{label} run", f"{state}; engine start {starts} s" if starts else state])
+        if label == "dbo-on" and run.get("microbatched_steps") is not None:
+            rows.append(["microbatched steps (per rank)", json.dumps(run["microbatched_steps"])])
+    print_table("dbo-runtime verify: DBO off vs DBO on (greedy)", ["metric", "value"], rows)
+    verdict = doc["verdict"].upper()
+    sys.stdout.write(f"verdict: {verdict}" + (f" -- {'; '.join(doc['reasons'])}" if doc.get("reasons") else "") + "\n")
+    for note in doc.get("notes") or []:
+        sys.stdout.write(f"note: {note}\n")
+    if doc["verdict"] != "pass":
+        sys.stdout.write(f"logs and records: {doc['workdir']}\n")
+
+
+__all__ = ["add_parser", "run", "split_engine_args"]

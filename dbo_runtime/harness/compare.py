@@ -1,0 +1,134 @@
+"""Compare two greedy runs request by request: the metric behind the accuracy A/B and ``verify``.
+
+Why these metrics: DBO must not change what a model says. Greedy decoding makes
+that checkable token by token. After the first differing token the two runs
+continue from different contexts, so a logprob difference is only meaningful on
+the shared prefix; ``max_abs_dlogprob`` is therefore taken over every position
+up to and including the first divergence (where the reference token's logprob
+is looked up in the other run's returned top-k; if it is not there the position
+counts in ``dlogprob_missing``).
+
+* ``agreement``: fraction of reference tokens equal, position by position, to
+  the other run's token (the issue's "fraction of tokens equal to the reference").
+* ``prefix_agreement``: mean over requests of (first divergence / length): how
+  far runs stay identical, insensitive to what happens after a divergence.
+* ``exact_requests``: requests whose whole output is identical.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dbo_runtime.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int
+    tokens: Sequence[int]
+    logprobs: Sequence[Mapping[int, float]]
+    """Per position: token id -> logprob for the returned top-k (always including the sampled token)."""
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any]) -> Request:
+        lps = [{int(k): float(v) for k, v in pos.items()} for pos in obj.get("logprobs") or []]
+        return Request(int(obj["index"]), [int(t) for t in obj["tokens"]], lps)
+
+
+@dataclass
+class Comparison:
+    requests: int = 0
+    tokens: int = 0
+    equal_tokens: int = 0
+    agreement: float = 1.0
+    prefix_agreement: float = 1.0
+    exact_requests: int = 0
+    max_abs_dlogprob: float = 0.0
+    mean_abs_dlogprob: float = 0.0
+    dlogprob_positions: int = 0
+    dlogprob_missing: int = 0
+    first_divergences: list[int | None] = field(default_factory=list)
+    missing_requests: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _dlogprob(ref: Request, other: Request, position: int) -> float | None:
+    if position >= len(ref.logprobs) or position >= len(other.logprobs):
+        return None
+    token = ref.tokens[position]
+    a = ref.logprobs[position].get(token)
+    b = other.logprobs[position].get(token)
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return None
+    return abs(a - b)
+
+
+def compare(reference: Sequence[Request], other: Sequence[Request]) -> Comparison:
+    """Compare ``other`` against ``reference`` (matched by ``index``)."""
+    by_index = {r.index: r for r in other}
+    out = Comparison()
+    prefix_sum = 0.0
+    dsum = 0.0
+    for ref in sorted(reference, key=lambda r: r.index):
+        test = by_index.get(ref.index)
+        if test is None:
+            out.missing_requests.append(ref.index)
+            out.tokens += len(ref.tokens)
+            out.first_divergences.append(0)
+            continue
+        out.requests += 1
+        n = len(ref.tokens)
+        out.tokens += n
+        equal = sum(1 for i in range(n) if i < len(test.tokens) and test.tokens[i] == ref.tokens[i])
+        out.equal_tokens += equal
+        first = next((i for i in range(n) if i >= len(test.tokens) or test.tokens[i] != ref.tokens[i]), None)
+        out.first_divergences.append(first)
+        if first is None and len(test.tokens) == n:
+            out.exact_requests += 1
+        prefix_sum += (n if first is None else first) / n if n else 1.0
+        last = (n - 1) if first is None else first
+        for pos in range(last + 1):
+            d = _dlogprob(ref, test, pos)
+            if d is None:
+                out.dlogprob_missing += 1
+                continue
+            out.dlogprob_positions += 1
+            dsum += d
+            out.max_abs_dlogprob = max(out.max_abs_dlogprob, d)
+    total_requests = out.requests + len(out.missing_requests)
+    out.agreement = out.equal_tokens / out.tokens if out.tokens else 1.0
+    out.prefix_agreement = prefix_sum / total_requests if total_requests else 1.0
+    out.mean_abs_dlogprob = dsum / out.dlogprob_positions if out.dlogprob_positions else 0.0
+    return out
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    min_agreement: float = 0.99
+    max_dlogprob: float = 0.1
+
+    def validate(self) -> None:
+        if not 0.0 <= self.min_agreement <= 1.0:
+            raise ConfigError("--min-agreement", self.min_agreement, "a number in [0, 1]")
+        if not (self.max_dlogprob >= 0.0 and math.isfinite(self.max_dlogprob)):
+            raise ConfigError("--max-dlogprob", self.max_dlogprob, "a finite number >= 0")
+
+
+def verdict(result: Comparison, thresholds: Thresholds) -> tuple[bool, list[str]]:
+    """(passed, reasons it failed)."""
+    reasons = []
+    if result.missing_requests:
+        reasons.append(f"{len(result.missing_requests)} requests missing from the DBO run")
+    if result.agreement < thresholds.min_agreement:
+        reasons.append(f"token agreement {result.agreement:.4f} < {thresholds.min_agreement}")
+    if result.max_abs_dlogprob > thresholds.max_dlogprob:
+        reasons.append(f"max |dlogprob| {result.max_abs_dlogprob:.4g} > {thresholds.max_dlogprob}")
+    return (not reasons), reasons
+
+
+__all__ = ["Comparison", "Request", "Thresholds", "compare", "verdict"]

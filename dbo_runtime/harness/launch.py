@@ -1,0 +1,245 @@
+"""Start one real-engine run (all its DP ranks), wait for it, and turn it into a record.
+
+Why the care about processes: a DP rank whose peer died blocks forever in a
+collective (vLLM wakes nobody), and vLLM's engine-core and worker processes can
+outlive a killed parent. Every rank therefore runs in its own session; once one
+rank fails the others get a grace period and then the whole process group is
+killed, and every group is killed at the end whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dbo_runtime.core.switches import parse_switch
+from dbo_runtime.harness.prompts import PromptSpec
+from dbo_runtime.harness.runner import BARRIER_ENV
+
+RUNNER_MODULE_ENV = "DBO_HARNESS_RUNNER_MODULE"
+"""Module run per rank (default ``dbo_runtime.harness.runner``); CPU tests point it at a fake engine."""
+
+FAIL_GRACE_S = 20.0
+"""How long the other ranks may run on after one failed (they are normally stuck in a collective)."""
+
+SIGNATURES: dict[str, str] = {
+    "deepgemm_schedule_assert": r"_schedule_meta_size == num_sms",
+    "cuda_invalid_cluster_size": r"CUDA_ERROR_INVALID_CLUSTER_SIZE|invalid cluster size",
+    "cuda_oom": r"CUDA out of memory|OutOfMemoryError",
+    "engine_dead": r"EngineDeadError|EngineCore encountered an issue",
+    "hang_killed": r"\[dbo-harness launcher\] timeout",
+}
+"""Known failure texts in the logs, so a record says *what* happened, not only that it failed."""
+
+
+@dataclass
+class RunSpec:
+    label: str
+    engine_args: list[str]
+    dp: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    prompts: PromptSpec = field(default_factory=PromptSpec)
+    max_tokens: int = 32
+    logprobs: int = 5
+    bench: dict[str, Any] | None = None
+    gpus: list[int] | None = None
+    """Physical GPUs to expose (``CUDA_VISIBLE_DEVICES``); None keeps the caller's."""
+    timeout_s: float = 900.0
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Free-form facts for the record (model name, what the run demonstrates)."""
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["prompts"] = asdict(self.prompts)
+        return out
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _arg_value(args: list[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def describe(spec: RunSpec) -> dict[str, Any]:
+    """The record's configuration keys, read from what the run was given."""
+    args = spec.engine_args
+    dbo = "--enable-dbo" in args
+    env = {**os.environ, **spec.env}
+    try:
+        plugin = not parse_switch("DBO_RUNTIME_DISABLE", env)
+    except Exception:
+        plugin = False
+    v2 = env.get("VLLM_USE_V2_MODEL_RUNNER")
+    # vLLM 0.33 picks MRV2 by default and falls back to MRV1 under DBO unless forced.
+    runner = "v2" if v2 == "1" else ("v1" if v2 == "0" or dbo else "v2")
+    model = _arg_value(args, "--model") or ""
+    compilation = _arg_value(args, "--compilation-config") or _arg_value(args, "-cc") or ""
+    return {
+        "model": spec.meta.get("model") or Path(model).name or model,
+        "dp": spec.dp,
+        "dbo": dbo,
+        "plugin": plugin,
+        "runner": runner,
+        "graphs": "--enforce-eager" not in args,
+        "cudagraph_mode": (json.loads(compilation).get("cudagraph_mode") if compilation.startswith("{") else None),
+        "all2all_backend": _arg_value(args, "--all2all-backend"),
+        "env": dict(spec.env),
+    }
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run ``spec`` to completion (or failure/timeout) and return its record."""
+    if spec.dp < 1:
+        raise ValueError("dp must be >= 1")
+    root = workdir / spec.label
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "barrier").mkdir(exist_ok=True)
+    for stale in list(root.glob("rank*.json")) + list((root / "barrier").iterdir()):
+        stale.unlink()
+    spec_path = root / "spec.json"
+    spec_path.write_text(json.dumps(spec.to_json(), indent=1))
+    port = free_port()
+    runner_module = os.environ.get(RUNNER_MODULE_ENV, "dbo_runtime.harness.runner")
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    started = time.monotonic()
+    for rank in range(spec.dp):
+        env = {**os.environ, **spec.env, BARRIER_ENV: str(root / "barrier"), "PYTHONUNBUFFERED": "1"}
+        if spec.dp > 1:
+            env.update(
+                VLLM_DP_RANK=str(rank),
+                VLLM_DP_RANK_LOCAL=str(rank),
+                VLLM_DP_SIZE=str(spec.dp),
+                VLLM_DP_MASTER_IP="127.0.0.1",
+                VLLM_DP_MASTER_PORT=str(port),
+            )
+        if spec.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+        log_path = root / f"rank{rank}.log"
+        logs.append(log_path)
+        with open(log_path, "wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", runner_module, str(spec_path), str(root / f"rank{rank}.json")],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    failed_at: float | None = None
+    timed_out = False
+    try:
+        while True:
+            codes = [p.poll() for p in procs]  # poll every rank: any() would stop at the first live one
+            if all(c is not None for c in codes):
+                break
+            now = time.monotonic()
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = now
+            if failed_at is not None and now - failed_at > FAIL_GRACE_S:
+                break
+            if now - started > spec.timeout_s:
+                timed_out = True
+                break
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            _kill_group(p)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+    wall = time.monotonic() - started
+    if timed_out:
+        with open(logs[0], "a") as log:
+            log.write(f"\n[dbo-harness launcher] timeout after {spec.timeout_s:.0f} s: killed every rank\n")
+    ranks = []
+    for rank, proc in enumerate(procs):
+        path = root / f"rank{rank}.json"
+        if path.exists():
+            ranks.append(json.loads(path.read_text()))
+        else:
+            ranks.append({"rank": rank, "ok": False, "error": f"rank {rank} wrote no result (exit code {proc.returncode})"})
+    record = assemble(spec, ranks, [p.read_text(errors="replace") for p in logs], wall)
+    (root / "record.json").write_text(json.dumps(record, indent=1))
+    if progress is not None:
+        progress(f"{spec.label}: {'ok' if record['ok'] else 'FAILED: ' + str(record['error'])} ({wall:.0f} s)")
+    return record
+
+
+PLUGIN_LINE = re.compile(r"dbo_runtime[:/]")
+
+
+def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s: float) -> dict[str, Any]:
+    """One record from the ranks' results and logs (pure: tested on CPU)."""
+    text = "\n".join(logs)
+    signatures = [name for name, pattern in SIGNATURES.items() if re.search(pattern, text)]
+    ok = all(r.get("ok") for r in ranks) and len(ranks) == spec.dp
+    error = None
+    if not ok:
+        errors = [str(r.get("error")) for r in ranks if not r.get("ok")]
+        detail = next((line.strip() for line in text.splitlines() if "_schedule_meta_size" in line), None)
+        error = "; ".join(dict.fromkeys(errors))
+        if detail and detail not in error:
+            error += f" | {detail}"
+    requests = sorted((req for r in ranks for req in r.get("requests") or []), key=lambda q: q["index"])
+    stats_end = [s for r in ranks for s in (r.get("stats_end") or [])]
+    builds = [r.get("microbatched_builds") for r in ranks]
+    record: dict[str, Any] = {
+        "label": spec.label,
+        **describe(spec),
+        "ok": ok,
+        "error": error,
+        "failure_signatures": signatures,
+        "vllm_version": next((r["versions"].get("vllm") for r in ranks if r.get("versions")), None),
+        "device": next((r["versions"].get("device") for r in ranks if r.get("versions")), None),
+        "versions": next((r["versions"] for r in ranks if r.get("versions")), None),
+        "start_s": [r.get("start_s") for r in ranks],
+        "import_s": [r.get("import_s") for r in ranks],
+        "generate_s": [r.get("generate_s") for r in ranks],
+        "wall_s": wall_s,
+        "num_requests": len(requests),
+        "max_tokens": spec.max_tokens,
+        "microbatched_steps": builds if spec.dp > 1 else builds[0],
+        "counters": [s.get("summary") for s in stats_end] or None,
+        "runner_seen": sorted({s["worker"].get("runner") for s in stats_end if s.get("worker")}) or None,
+        "plugin_log_lines": [line.strip() for line in text.splitlines() if PLUGIN_LINE.search(line)][:60],
+        "tokens_identical_to": None,
+        "meta": spec.meta,
+        "engine_args": spec.engine_args,
+        "requests": requests,
+        "bench": [r.get("bench") for r in ranks if r.get("bench")] or None,
+        "log_tail": text[-4000:] if not ok else None,
+    }
+    return record
+
+
+__all__ = ["RunSpec", "assemble", "describe", "free_port", "launch"]

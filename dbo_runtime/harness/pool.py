@@ -1,0 +1,92 @@
+"""Run many real-engine runs at once on one machine, within an engine budget.
+
+Why: one engine start of even a tiny DSA model takes 35-70 s (imports, model
+init, DeepGEMM JIT, graph capture), mostly on one CPU core, while the GPU is
+nearly idle. The test plan has dozens of runs; running them in parallel (each
+with a fixed KV-cache size, so concurrent memory profiling cannot mislead vLLM)
+is what makes the plan fit a GPU lease. Timed benchmarks never use this pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from dbo_runtime.harness.launch import RunSpec, launch
+
+
+def assign_gpus(specs: Sequence[RunSpec], gpus: Sequence[int] | None) -> list[RunSpec]:
+    """Spread single-rank runs over ``gpus`` round robin; DP runs see every GPU (vLLM maps rank r to GPU r)."""
+    if not gpus:
+        return list(specs)
+    out = []
+    turn = 0
+    for spec in specs:
+        if spec.gpus is None and spec.dp == 1:
+            spec = replace(spec, gpus=[gpus[turn % len(gpus)]])
+            turn += 1
+        out.append(spec)
+    return out
+
+
+Job = tuple[str, int, Callable[[], dict[str, Any]]]
+"""(label, engines it runs at once, function returning its record): work that is not one RunSpec,
+e.g. a ``dbo-runtime verify`` invocation or a ``vllm serve`` session."""
+
+
+def run_all(
+    specs: Sequence[RunSpec],
+    workdir: Path,
+    *,
+    max_engines: int,
+    gpus: Sequence[int] | None = None,
+    progress: Callable[[str], None] | None = None,
+    jobs: Sequence[Job] = (),
+) -> dict[str, dict[str, Any]]:
+    """Records by label. A run needs ``dp`` engine slots; runs start in the given order as slots free up."""
+    if max_engines < 1:
+        raise ValueError("max_engines must be >= 1")
+    labels = [s.label for s in specs] + [j[0] for j in jobs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"duplicate run labels: {sorted({x for x in labels if labels.count(x) > 1})}")
+    todo = assign_gpus(specs, gpus)
+    free = [max_engines]
+    cond = threading.Condition()
+    records: dict[str, dict[str, Any]] = {}
+
+    def one(item: RunSpec | Job) -> None:
+        if isinstance(item, RunSpec):
+            label, engines = item.label, item.dp
+            spec = item
+
+            def work() -> dict[str, Any]:
+                return launch(spec, workdir, progress)
+        else:
+            label, engines, work = item
+        need = min(engines, max_engines)
+        with cond:
+            cond.wait_for(lambda: free[0] >= need)
+            free[0] -= need
+        try:
+            records[label] = work()
+        except Exception as exc:  # a broken launch is a failed run, not a broken plan
+            records[label] = {"label": label, "ok": False, "error": f"launcher: {exc!r}"}
+            if progress is not None:
+                progress(f"{label}: launcher error {exc!r}")
+        finally:
+            with cond:
+                free[0] += need
+                cond.notify_all()
+
+    # Threads only wait on child processes; jobs (the longest: two runs each) go first.
+    items: list[RunSpec | Job] = [*jobs, *todo]
+    with ThreadPoolExecutor(max_workers=len(items) or 1) as pool:
+        list(pool.map(one, items))
+    return {label: records[label] for label in labels}
+
+
+__all__ = ["assign_gpus", "run_all"]

@@ -1,0 +1,223 @@
+"""One rank of one real-engine run (a child process): ``python -m dbo_runtime.harness.runner SPEC OUT``.
+
+Why a child process per rank: vLLM's offline data parallelism is one process per
+DP rank with ``VLLM_DP_*`` set before the engine is created
+(``config/parallel.py:1023-1028``), a vanilla run must not inherit the plugin
+(``register()`` runs at ``EngineArgs`` creation in the process that makes the
+engine), and a crashing engine (the upstream DeepGEMM assertion) must not take
+the caller with it.
+
+The spec (JSON, written by ``harness.launch``) holds the vLLM CLI arguments, the
+prompts, the sampling length and an optional timing phase; the result (JSON)
+holds per-request greedy tokens and top-k logprobs, the engine start time, the
+plugin's per-worker counters before and after, and the timings. Ranks of one
+run meet at file barriers so timed phases start together (DP ranks step in
+lock-step; a rank that idles runs dummy batches and would skew the other's time).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from dbo_runtime.harness.prompts import PromptSpec, for_rank, load
+
+BARRIER_ENV = "DBO_HARNESS_BARRIER_DIR"
+BARRIER_TIMEOUT_S = 600.0
+_KEEP: list[Any] = []
+
+
+def _log(msg: str) -> None:
+    sys.stderr.write(f"[dbo-harness rank {os.environ.get('VLLM_DP_RANK', '0')}] {msg}\n")
+    sys.stderr.flush()
+
+
+def barrier(name: str, rank: int, size: int) -> None:
+    if size <= 1:
+        return
+    root = Path(os.environ[BARRIER_ENV])
+    (root / f"{name}.{rank}").touch()
+    deadline = time.monotonic() + BARRIER_TIMEOUT_S
+    while not all((root / f"{name}.{r}").exists() for r in range(size)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name!r}: the other DP ranks did not arrive within {BARRIER_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
+
+
+def _stats(llm: Any) -> list[dict[str, Any]] | None:
+    """Per-worker dbo_runtime counters, or None where the plugin is not installed (vanilla)."""
+    try:
+        return list(llm.collective_rpc("dbo_runtime_stats", timeout=60))
+    except Exception as exc:
+        _log(f"no plugin counters on the workers ({type(exc).__name__}: {exc})")
+        return None
+
+
+def _requests(indices: list[int], outputs: list[Any]) -> list[dict[str, Any]]:
+    out = []
+    for index, output in zip(indices, outputs, strict=True):
+        completion = output.outputs[0]
+        logprobs = []
+        for position in completion.logprobs or []:
+            logprobs.append({str(tid): float(lp.logprob) for tid, lp in position.items()})
+        out.append({"index": index, "tokens": list(completion.token_ids), "logprobs": logprobs})
+    return out
+
+
+def _versions() -> dict[str, Any]:
+    from importlib import metadata
+
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    for dist in ("vllm", "tokenspeed-deepgemm", "tokenspeed-deepep", "dbo-runtime"):
+        try:
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[dist] = None
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+        info["visible_gpus"] = torch.cuda.device_count()
+    return info
+
+
+def _summary_delta(before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None, key: str) -> int | None:
+    if not before or not after:
+        return None
+    return sum(int(a["summary"][key]) - int(b["summary"][key]) for a, b in zip(before, after, strict=False))
+
+
+def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``result`` as the run goes, so a failure still reports what happened before it."""
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    result["import_s"] = time.perf_counter() - t0
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm"))
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(spec["engine_args"]))
+    t1 = time.perf_counter()
+    llm = LLM.from_engine_args(engine_args)
+    _KEEP.append(llm)  # shut down only after the result is on disk (a DP shutdown can hang)
+    result["start_s"] = time.perf_counter() - t1
+    _log(f"engine ready in {result['start_s']:.1f} s")
+    result["versions"] = _versions()
+    vocab = int(llm.llm_engine.model_config.get_vocab_size())
+    prompts = load(PromptSpec(**spec["prompts"]), vocab)
+    mine = for_rank(prompts, rank, size)
+    if not mine:
+        raise ValueError(f"DP rank {rank} has no prompt: give at least {size} prompts")
+    batch = [prompts[i] for i in mine]
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=int(spec["max_tokens"]),
+        ignore_eos=True,
+        logprobs=int(spec.get("logprobs", 5)),
+        detokenize=False,
+    )
+    result["stats_start"] = _stats(llm)
+    barrier("generate", rank, size)
+    t2 = time.perf_counter()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    result["generate_s"] = time.perf_counter() - t2
+    result["requests"] = _requests(mine, outputs)
+    result["stats_end"] = _stats(llm)
+    result["microbatched_builds"] = _summary_delta(result["stats_start"], result["stats_end"], "microbatched_builds")
+    _log(f"generated {len(batch)} requests in {result['generate_s']:.2f} s")
+    bench = spec.get("bench")
+    if bench:
+        result["bench"] = _bench(llm, SamplingParams, batch, bench, rank, size)
+    result["ok"] = True
+    # Only a rank that succeeded waits for the others: a failed peer is killed by the launcher.
+    barrier("exit", rank, size)
+    return result
+
+
+def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], rank: int, size: int) -> dict[str, Any]:
+    """Decode timing on warm caches: per rep, a 1-token pass (prefill) and a T-token pass; the
+    difference over T-1 is the decode step. The plugin's own time per step comes from its
+    self-time counter (``DBO_RUNTIME_SELF_TIME=1``) read around both passes the same way."""
+    steps = int(bench["max_tokens"])
+    one = sampling(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    full = sampling(temperature=0.0, max_tokens=steps, ignore_eos=True, detokenize=False)
+    reps = []
+    for rep in range(int(bench.get("warmup", 1)) + int(bench["reps"])):
+        s0 = _stats(llm)
+        barrier(f"bench{rep}a", rank, size)
+        t = time.perf_counter()
+        llm.generate(batch, one, use_tqdm=False)
+        prefill = time.perf_counter() - t
+        s1 = _stats(llm)
+        barrier(f"bench{rep}b", rank, size)
+        t = time.perf_counter()
+        llm.generate(batch, full, use_tqdm=False)
+        total = time.perf_counter() - t
+        s2 = _stats(llm)
+        decode = max(total - prefill, 1e-9)
+        row: dict[str, Any] = {
+            "rep": rep,
+            "warmup": rep < int(bench.get("warmup", 1)),
+            "prefill_s": prefill,
+            "total_s": total,
+            "decode_step_ms": decode / (steps - 1) * 1e3,
+            "decode_tok_per_s": len(batch) * (steps - 1) / decode,
+            "microbatched_builds": _summary_delta(s1, s2, "microbatched_builds"),
+        }
+        one_ns = _summary_delta(s0, s1, "self_time_ns")
+        full_ns = _summary_delta(s1, s2, "self_time_ns")
+        if one_ns is not None and full_ns is not None:
+            row["plugin_self_us_per_step"] = max(0.0, (full_ns - one_ns) / (steps - 1) / 1e3)
+        reps.append(row)
+    return {"max_tokens": steps, "requests": len(batch), "reps": reps}
+
+
+def _watchdog(seconds: float) -> None:
+    """vLLM's DP shutdown can hang after the result is written; never let that block the caller."""
+
+    def fire() -> None:
+        time.sleep(seconds)
+        _log(f"shutdown took over {seconds:.0f} s; exiting hard")
+        os._exit(3)
+
+    threading.Thread(target=fire, daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        sys.stderr.write("usage: python -m dbo_runtime.harness.runner SPEC.json OUT.json\n")
+        return 2
+    spec = json.loads(Path(args[0]).read_text())
+    rank = int(os.environ.get("VLLM_DP_RANK", "0"))
+    size = int(os.environ.get("VLLM_DP_SIZE", "1"))
+    out = Path(args[1])
+    result: dict[str, Any] = {"label": spec.get("label"), "rank": rank, "dp": size, "ok": False, "error": None}
+    try:
+        run(spec, rank, size, result)
+    except BaseException as exc:  # the run's failure is the result (e.g. vLLM's DeepGEMM assertion)
+        result["ok"] = False
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-6000:]
+        _log(f"failed: {result['error']}")
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)
+    _watchdog(90.0)
+    _KEEP.clear()
+    gc.collect()
+    return 0 if result.get("ok") else 1
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code) if os.environ.get("DBO_HARNESS_HARD_EXIT") == "1" else sys.exit(code)

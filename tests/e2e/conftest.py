@@ -1,0 +1,160 @@
+"""Real vLLM engine tests (issues 8 and 9): GPU machines with vLLM 0.33 installed.
+
+Markers: ``e2e`` (one GPU) and ``e2e_dp2`` (two GPUs, data parallel 2). ``make test`` deselects
+both (CI has no GPU; a skip is not coverage). Without vLLM/CUDA/enough GPUs they skip, and under
+``DBO_REQUIRE_GPU=1`` they fail instead.
+
+Every test names the runs it needs (``@pytest.mark.runs(...)`` with labels from ``plan.py``);
+the first test that asks for records starts all runs of the selected tests at once
+(``harness.pool``), bounded by ``DBO_E2E_MAX_ENGINES`` engines (default 12). Each run's
+record lands in ``DBO_E2E_OUT`` (default ``tests/e2e/.out``); with ``DBO_E2E_RECORD_DIR``
+set, the records (requests stripped, comparisons added by the tests) are also written there as
+``<date>-real-engine-<label>.json`` (the files under ``docs/gpu-runs/``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e import plan
+
+OUT = Path(os.environ.get("DBO_E2E_OUT", Path(__file__).parent / ".out"))
+
+
+
+def _problem(gpus_needed: int) -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    if torch.cuda.device_count() < gpus_needed:
+        return f"needs {gpus_needed} GPUs, {torch.cuda.device_count()} visible"
+    try:
+        from importlib import metadata
+
+        version = metadata.version("vllm")
+    except Exception:
+        return "vLLM is not installed"
+    if not version.startswith("0.33"):
+        return f"needs vLLM 0.33.x, found {version}"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    require = os.environ.get("DBO_REQUIRE_GPU") == "1"
+    for item in items:
+        if item.get_closest_marker("e2e_dp2") is not None:
+            need = 2
+        elif item.get_closest_marker("e2e") is not None:
+            need = 1
+        else:
+            continue
+        problem = _problem(need)
+        if problem is None:
+            continue
+        if require:
+            item.stash[_PROBLEM] = problem  # fails in the autouse fixture below: not a skip
+        else:
+            item.add_marker(pytest.mark.skip(reason=problem))
+
+
+_PROBLEM = pytest.StashKey[str]()
+
+
+@pytest.fixture(autouse=True)
+def _fail_when_gpu_required(request: pytest.FixtureRequest) -> None:
+    problem = request.node.stash.get(_PROBLEM, None)
+    if problem is not None:
+        pytest.fail(f"DBO_REQUIRE_GPU=1 but {problem}")
+
+
+class Records:
+    """Runs the requested plan once per session and keeps the records (plus test annotations)."""
+
+    def __init__(self, labels: list[str]) -> None:
+        self.labels = labels
+        self.records: dict[str, dict[str, Any]] | None = None
+        self.extra: dict[str, dict[str, Any]] = {}
+
+    def _run(self) -> dict[str, dict[str, Any]]:
+        if self.records is None:
+            import torch
+
+            from dbo_runtime.harness.pool import run_all
+            from tests.e2e.jobs import all_jobs
+
+            specs = plan.all_specs()
+            gpus = list(range(torch.cuda.device_count()))
+            jobs = all_jobs(OUT, gpus)
+            todo = [specs[label] for label in self.labels if label in specs]
+            extra = [(label, *jobs[label]) for label in self.labels if label in jobs]
+            OUT.mkdir(parents=True, exist_ok=True)
+            self.records = run_all(
+                todo,
+                OUT,
+                max_engines=int(os.environ.get("DBO_E2E_MAX_ENGINES", "12")),
+                gpus=gpus,
+                progress=lambda msg: print(f"[e2e] {msg}", file=sys.stderr, flush=True),
+                jobs=extra,
+            )
+        return self.records
+
+    def __getitem__(self, label: str) -> dict[str, Any]:
+        return self._run()[label]
+
+    def annotate(self, label: str, **facts: Any) -> None:
+        self.extra.setdefault(label, {}).update(facts)
+
+    def add(self, label: str, record: dict[str, Any]) -> None:
+        self._run()[label] = record
+
+
+@pytest.fixture(scope="session")
+def records(request: pytest.FixtureRequest) -> Iterator[Records]:
+    labels: list[str] = []
+    for item in request.session.items:
+        if any(m.name == "skip" for m in item.iter_markers()):
+            continue
+        for marker in item.iter_markers("runs"):
+            labels.extend(label for label in marker.args if label not in labels)
+    store = Records(labels)
+    yield store
+    if store.records is not None:
+        _write_records(store)
+
+
+def _write_records(store: Records) -> None:
+    target = os.environ.get("DBO_E2E_RECORD_DIR")
+    if not target or store.records is None:
+        return
+    root = Path(target)
+    root.mkdir(parents=True, exist_ok=True)
+    day = datetime.date.today().isoformat()
+    for label, record in store.records.items():
+        doc = {k: v for k, v in record.items() if k not in ("requests",)}
+        doc.update(store.extra.get(label, {}))
+        doc["date"] = day
+        (root / f"{day}-real-engine-{label}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+
+@pytest.fixture(scope="session")
+def workdir() -> Path:
+    OUT.mkdir(parents=True, exist_ok=True)
+    return OUT
+
+
+def clean(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path

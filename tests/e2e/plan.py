@@ -1,0 +1,151 @@
+"""Every real-engine run the e2e tests need, by label (the tests ask for labels; the
+session runs exactly the labels of the selected tests, in parallel).
+
+Sizes: the issue's bar -- at least 48 prompts of 300-2500 tokens and 24+ tokens each on one
+GPU; at least 64 requests x 32 tokens for the two-GPU A/B. Every engine gets a fixed KV-cache
+size, so engines sharing a GPU never mislead each other's memory profiling.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dbo_runtime.harness.launch import RunSpec
+from dbo_runtime.harness.prompts import PromptSpec
+
+MODELS = Path(__file__).parent / "models"
+KV_CACHE_BYTES = 2 << 30
+ONE_GPU_PROMPTS = PromptSpec(num=48, min_len=300, max_len=2500, seed=1)
+TWO_GPU_PROMPTS = PromptSpec(num=64, min_len=300, max_len=2500, seed=2)
+DBO_THRESHOLDS = ["--dbo-decode-token-threshold", "4"]
+"""Microbatch every decode step of 4+ tokens per rank (vLLM's default is 32)."""
+HT = "deepep_high_throughput"
+LL = "deepep_low_latency"
+FULL_DECODE = ["--compilation-config", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"})]
+
+
+def tiny_args(model: str, *, eager: bool, extra: list[str] | None = None) -> list[str]:
+    return [
+        "--model",
+        str(MODELS / model),
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--max-model-len",
+        "4096",
+        "--max-num-seqs",
+        "64",
+        "--gpu-memory-utilization",
+        "0.06",
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
+        "--seed",
+        "0",
+        *(["--enforce-eager"] if eager else []),
+        *(extra or []),
+    ]
+
+
+def _env(runner: str | None, plugin: bool, **extra: str) -> dict[str, str]:
+    env = dict(extra)
+    if runner is not None:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    if not plugin:
+        env["DBO_RUNTIME_DISABLE"] = "1"
+    return env
+
+
+def one_gpu() -> dict[str, RunSpec]:
+    out: dict[str, RunSpec] = {}
+    for model in ("deepseek-v32", "shared-topk"):
+        for mode in ("eager", "graphs"):
+            for runner in ("v1", "v2"):
+                for plugin in (True, False):
+                    label = f"1gpu-{model}-{mode}-{runner}-{'plugin' if plugin else 'vanilla'}"
+                    out[label] = RunSpec(
+                        label=label,
+                        engine_args=tiny_args(model, eager=mode == "eager"),
+                        env=_env(runner, plugin),
+                        prompts=ONE_GPU_PROMPTS,
+                        max_tokens=24,
+                        meta={"model": model, "issue": 8, "what": "transparency, DBO off"},
+                    )
+    for k in (1, 3):
+        for plugin in (True, False):
+            label = f"1gpu-mtp{k}-{'plugin' if plugin else 'vanilla'}"
+            spec = json.dumps({"method": "mtp", "num_speculative_tokens": k})
+            out[label] = RunSpec(
+                label=label,
+                engine_args=tiny_args("deepseek-v32-mtp", eager=True, extra=["--speculative-config", spec]),
+                env=_env(None, plugin),
+                prompts=ONE_GPU_PROMPTS,
+                max_tokens=24,
+                meta={"model": "deepseek-v32-mtp", "issue": 8, "what": f"MTP k={k} (indexer next_n {k + 1}), DBO off"},
+            )
+    label = "1gpu-shared-topk-dbo-dp1-plugin"
+    out[label] = RunSpec(
+        label=label,
+        engine_args=tiny_args("shared-topk", eager=True, extra=["--enable-expert-parallel", "--all2all-backend", HT, "--enable-dbo"]),
+        env=_env(None, True),
+        prompts=PromptSpec(num=8, min_len=300, max_len=2500, seed=3),
+        max_tokens=8,
+        meta={"model": "shared-topk", "issue": 8, "what": "--enable-dbo with DP 1: budget, warm-up, top-k attach; no microbatch"},
+    )
+    return out
+
+
+def _dp(label: str, model: str, backend: str, *, dbo: bool, runner: str, plugin: bool, graphs: bool, what: str, **env: str) -> RunSpec:
+    extra = ["--enable-expert-parallel", "--all2all-backend", backend, *DBO_THRESHOLDS]
+    if graphs:
+        extra += FULL_DECODE
+    if dbo:
+        extra.append("--enable-dbo")
+    return RunSpec(
+        label=label,
+        engine_args=tiny_args(model, eager=not graphs, extra=extra),
+        dp=2,
+        env=_env(runner, plugin, **env),
+        prompts=TWO_GPU_PROMPTS,
+        max_tokens=32,
+        meta={"model": model, "issue": 9, "what": what},
+    )
+
+
+def two_gpu() -> dict[str, RunSpec]:
+    specs = [
+        # HT eager: the crash, the fix, the A/B (the shared-topk HT V1 A/B comes from the verify tests)
+        _dp("dp2-ht-ref-deepseek-v32-v1", "deepseek-v32", HT, dbo=False, runner="v1", plugin=True, graphs=False, what="reference (DBO off)"),
+        _dp("dp2-ht-dbo-deepseek-v32-v1-plugin", "deepseek-v32", HT, dbo=True, runner="v1", plugin=True, graphs=False, what="DBO, dbo_runtime (noise floor)"),
+        _dp("dp2-ht-dbo-deepseek-v32-v1-vanilla-comm0", "deepseek-v32", HT, dbo=True, runner="v1", plugin=False, graphs=False,
+            what="DBO vanilla, VLLM_DBO_COMM_SMS=0", VLLM_DBO_COMM_SMS="0"),
+        _dp("dp2-ht-dbo-deepseek-v32-v2-plugin", "deepseek-v32", HT, dbo=True, runner="v2", plugin=True, graphs=False, what="DBO, dbo_runtime, MRV2"),
+        _dp("dp2-ht-ref-shared-topk-v2", "shared-topk", HT, dbo=False, runner="v2", plugin=True, graphs=False, what="reference (DBO off), MRV2"),
+        _dp("dp2-ht-dbo-shared-topk-v2-plugin", "shared-topk", HT, dbo=True, runner="v2", plugin=True, graphs=False, what="DBO, dbo_runtime, MRV2"),
+        _dp("dp2-ht-dbo-shared-topk-v1-vanilla", "shared-topk", HT, dbo=True, runner="v1", plugin=False, graphs=False, what="the crash, MRV1"),
+        _dp("dp2-ht-dbo-shared-topk-v2-vanilla", "shared-topk", HT, dbo=True, runner="v2", plugin=False, graphs=False, what="the crash, MRV2"),
+        # MTP (one speculative token) under DBO, HT eager
+        _dp("dp2-ht-ref-mtp1-v1", "deepseek-v32-mtp", HT, dbo=False, runner="v1", plugin=True, graphs=False, what="MTP k=1 reference (DBO off)"),
+        _dp("dp2-ht-dbo-mtp1-v1-plugin", "deepseek-v32-mtp", HT, dbo=True, runner="v1", plugin=True, graphs=False, what="MTP k=1, DBO, dbo_runtime"),
+    ]
+    for spec in specs:
+        if spec.meta["model"] == "deepseek-v32-mtp":
+            spec.engine_args += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
+    # LL + FULL_DECODE_ONLY graphs: top-k isolation inside graph replays (no SM partition under LL)
+    for model, runners in (("deepseek-v32", ("v1",)), ("shared-topk", ("v1", "v2"))):
+        for runner in runners:
+            specs += [
+                _dp(f"dp2-ll-ref-{model}-{runner}", model, LL, dbo=False, runner=runner, plugin=True, graphs=True, what="reference (DBO off)"),
+                _dp(f"dp2-ll-dbo-{model}-{runner}-plugin", model, LL, dbo=True, runner=runner, plugin=True, graphs=True, what="DBO, dbo_runtime"),
+                _dp(f"dp2-ll-dbo-{model}-{runner}-vanilla", model, LL, dbo=True, runner=runner, plugin=False, graphs=True, what="DBO vanilla"),
+            ]
+    return {s.label: s for s in specs}
+
+
+def all_specs() -> dict[str, RunSpec]:
+    return {**one_gpu(), **two_gpu()}
+
+
+def verify_args(model: str) -> list[str]:
+    """The engine arguments ``dbo-runtime verify`` gets in the two-GPU tests (HT eager, DP 2)."""
+    return tiny_args(model, eager=True, extra=["--data-parallel-size", "2", "--enable-expert-parallel", "--all2all-backend", HT, *DBO_THRESHOLDS])

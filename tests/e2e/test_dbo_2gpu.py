@@ -1,0 +1,162 @@
+"""Issue 9: DBO in the real engine on two GPUs (data parallel 2 + expert parallel).
+
+Reproduces both upstream bugs in vanilla vLLM 0.33.0 and shows dbo_runtime fixes them:
+the DeepGEMM schedule assertion under DeepEP high-throughput (eager), and the shared top-k
+corruption, measured as token agreement with a DBO-off reference against DBO's own noise floor
+(the DeepSeek-V3.2 shape, which has no follower layers). Also LL + FULL decode graphs, MTP,
+and the operator canary ``dbo-runtime verify``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dbo_runtime.harness.compare import Comparison, Request, compare
+from tests.e2e.conftest import Records
+from tests.e2e.jobs import VERIFY_CASES
+
+pytestmark = pytest.mark.e2e_dp2
+
+FLOOR_SLACK = 0.02
+"""dbo_runtime on the shared-top-k shape may fall at most this far below the floor's agreement."""
+OUTSIDE_MARGIN = 0.05
+"""vanilla on the shared-top-k shape must fall at least this far below the floor to count as 'measurably outside'."""
+
+
+def _ok(record: dict[str, Any]) -> dict[str, Any]:
+    assert record["ok"], f"{record['label']} failed: {record.get('error')}\n{record.get('log_tail') or ''}"
+    return record
+
+
+def _cmp(records: Records, ref_label: str, test_label: str) -> Comparison:
+    ref, test = _ok(records[ref_label]), _ok(records[test_label])
+    result = compare([Request.from_json(r) for r in ref["requests"]], [Request.from_json(r) for r in test["requests"]])
+    records.annotate(
+        test_label,
+        reference=ref_label,
+        agreement=result.agreement,
+        prefix_agreement=result.prefix_agreement,
+        exact_requests=result.exact_requests,
+        max_abs_dlogprob=result.max_abs_dlogprob,
+        mean_abs_dlogprob=result.mean_abs_dlogprob,
+        tokens_identical_to=ref_label if result.exact_requests == result.requests == len(ref["requests"]) else None,
+    )
+    assert result.requests == len(ref["requests"]) >= 64
+    return result
+
+
+def _microbatched(record: dict[str, Any]) -> None:
+    steps = record["microbatched_steps"]
+    assert isinstance(steps, list) and len(steps) == 2 and all(isinstance(s, int) and s > 0 for s in steps), (
+        f"{record['label']}: microbatched steps per rank {steps}: DBO did not microbatch"
+    )
+
+
+def _verify(records: Records, label: str) -> dict[str, Any]:
+    job = records[label]
+    assert job["ok"], f"{label}: {job.get('error')}\n{job.get('stderr_tail')}"
+    return job
+
+
+def _verify_record(job: dict[str, Any], run: str) -> dict[str, Any]:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(job["workdir"]) / run / "record.json").read_text())
+
+
+# -- 1. the crash ---------------------------------------------------------------------------------
+@pytest.mark.runs("dp2-ht-dbo-shared-topk-v1-vanilla", "dp2-ht-dbo-shared-topk-v2-vanilla")
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_vanilla_vllm_crashes_under_dbo_with_deepep_ht(records: Records, runner: str) -> None:
+    record = records[f"dp2-ht-dbo-shared-topk-{runner}-vanilla"]
+    assert not record["ok"], "vanilla vLLM 0.33.0 completed a DBO run with DeepEP HT: the upstream crash did not reproduce"
+    assert "deepgemm_schedule_assert" in record["failure_signatures"], record.get("error")
+
+
+@pytest.mark.runs(
+    "dp2-ht-dbo-deepseek-v32-v1-plugin",
+    "dp2-ht-dbo-deepseek-v32-v2-plugin",
+    "dp2-ht-dbo-shared-topk-v2-plugin",
+    "verify-shared-topk-plugin",
+)
+def test_dbo_runtime_completes_and_microbatches(records: Records) -> None:
+    runs = [records[x] for x in ("dp2-ht-dbo-deepseek-v32-v1-plugin", "dp2-ht-dbo-deepseek-v32-v2-plugin", "dp2-ht-dbo-shared-topk-v2-plugin")]
+    runs.append(_verify_record(_verify(records, "verify-shared-topk-plugin"), "dbo-on"))
+    for record in runs:
+        _ok(record)
+        _microbatched(record)
+        for counters in record["counters"]:
+            assert counters["partitions"] > 0, record["label"]  # HT: every eager DBO step runs under the 112-SM split
+            assert counters["replans_call_site"] == 0, (record["label"], counters)  # plan-ahead: no re-plan in steps
+            assert counters["planned_ahead"] > 0 and counters["warmups"] > 0, (record["label"], counters)
+    assert {r["runner_seen"][0] for r in runs} == {"v1", "v2"}
+
+
+# -- 2. accuracy A/B, HT eager --------------------------------------------------------------------
+@pytest.mark.runs(
+    "dp2-ht-ref-deepseek-v32-v1",
+    "dp2-ht-dbo-deepseek-v32-v1-plugin",
+    "dp2-ht-dbo-deepseek-v32-v1-vanilla-comm0",
+    "verify-shared-topk-plugin",
+    "verify-shared-topk-vanilla-comm0",
+)
+def test_accuracy_ab_ht(records: Records) -> None:
+    floor = _cmp(records, "dp2-ht-ref-deepseek-v32-v1", "dp2-ht-dbo-deepseek-v32-v1-plugin")
+    vanilla_floor = _cmp(records, "dp2-ht-ref-deepseek-v32-v1", "dp2-ht-dbo-deepseek-v32-v1-vanilla-comm0")
+    plugin_job, vanilla_job = _verify(records, "verify-shared-topk-plugin"), _verify(records, "verify-shared-topk-vanilla-comm0")
+    plugin = plugin_job["verify"]["comparison"]
+    vanilla = vanilla_job["verify"]["comparison"]
+    records.annotate(
+        "accuracy-ab-ht",
+        floor=floor.to_json(),
+        vanilla_floor=vanilla_floor.to_json(),
+        shared_topk_plugin=plugin,
+        shared_topk_vanilla_comm0=vanilla,
+    )
+    assert plugin["agreement"] >= floor.agreement - FLOOR_SLACK, (plugin, floor)
+    assert vanilla["agreement"] < floor.agreement - OUTSIDE_MARGIN, (vanilla, floor)
+
+
+# -- 3. LL + FULL_DECODE_ONLY graphs ---------------------------------------------------------------
+@pytest.mark.runs(
+    "dp2-ll-ref-deepseek-v32-v1", "dp2-ll-dbo-deepseek-v32-v1-plugin", "dp2-ll-dbo-deepseek-v32-v1-vanilla",
+    "dp2-ll-ref-shared-topk-v1", "dp2-ll-dbo-shared-topk-v1-plugin", "dp2-ll-dbo-shared-topk-v1-vanilla",
+    "dp2-ll-ref-shared-topk-v2", "dp2-ll-dbo-shared-topk-v2-plugin", "dp2-ll-dbo-shared-topk-v2-vanilla",
+)  # fmt: skip
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_accuracy_ab_ll_full_decode_graphs(records: Records, runner: str) -> None:
+    floor = _cmp(records, "dp2-ll-ref-deepseek-v32-v1", "dp2-ll-dbo-deepseek-v32-v1-plugin")
+    _cmp(records, "dp2-ll-ref-deepseek-v32-v1", "dp2-ll-dbo-deepseek-v32-v1-vanilla")
+    plugin = _cmp(records, f"dp2-ll-ref-shared-topk-{runner}", f"dp2-ll-dbo-shared-topk-{runner}-plugin")
+    vanilla = _cmp(records, f"dp2-ll-ref-shared-topk-{runner}", f"dp2-ll-dbo-shared-topk-{runner}-vanilla")
+    _microbatched(records[f"dp2-ll-dbo-shared-topk-{runner}-plugin"])
+    assert plugin.agreement >= floor.agreement - FLOOR_SLACK, (plugin, floor)
+    assert vanilla.agreement < floor.agreement - OUTSIDE_MARGIN, (vanilla, floor)
+
+
+# -- 4. MTP under DBO ------------------------------------------------------------------------------
+@pytest.mark.runs("dp2-ht-ref-mtp1-v1", "dp2-ht-dbo-mtp1-v1-plugin", "dp2-ht-ref-deepseek-v32-v1", "dp2-ht-dbo-deepseek-v32-v1-plugin")
+def test_mtp_under_dbo(records: Records) -> None:
+    floor = _cmp(records, "dp2-ht-ref-deepseek-v32-v1", "dp2-ht-dbo-deepseek-v32-v1-plugin")
+    mtp = _cmp(records, "dp2-ht-ref-mtp1-v1", "dp2-ht-dbo-mtp1-v1-plugin")
+    _microbatched(records["dp2-ht-dbo-mtp1-v1-plugin"])
+    assert mtp.agreement >= floor.agreement - FLOOR_SLACK, (mtp, floor)
+
+
+# -- the operator canary ---------------------------------------------------------------------------
+@pytest.mark.runs(*VERIFY_CASES)
+@pytest.mark.parametrize("label", list(VERIFY_CASES))
+def test_verify_cli(records: Records, label: str) -> None:
+    job = _verify(records, label)
+    expected = VERIFY_CASES[label][2]
+    doc = job["verify"]
+    assert doc["verdict"] == expected, (doc["verdict"], doc.get("reasons"), job["stderr_tail"][-1500:])
+    assert job["exit_code"] == {"pass": 0, "fail": 1, "error": 3}[expected]
+    if expected == "error":
+        assert doc["runs"]["dbo-off"]["ok"] and not doc["runs"]["dbo-on"]["ok"]
+        assert "deepgemm_schedule_assert" in doc["runs"]["dbo-on"]["failure_signatures"]
+    # progress was shown while the engines started and ran
+    assert "[verify] dbo-off: starting" in job["stderr_tail"] or "[verify] dbo-on" in job["stderr_tail"]

@@ -1,0 +1,58 @@
+"""FakeEngineRunner: a stand-in for ``dbo_runtime.harness.runner`` (boundary: no GPU, so no vLLM
+engine can start in CI). It speaks the runner's file protocol (spec in, rank JSON out, exit code)
+so the launcher's process handling -- merging ranks, killing a hung peer after a failure,
+timeouts, failure signatures -- is tested on CPU. GPU twin: every test in ``tests/e2e`` (the real
+runner, real engines).
+
+Behaviour per rank from ``spec["meta"]["fake"]``: ``{"0": "ok", "1": "crash"}``; ``ok`` writes
+two requests per rank, ``crash`` prints vLLM 0.33.0's DeepGEMM assertion and exits 1 without a
+result, ``fail`` writes a failed result, ``hang`` sleeps forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    rank = int(os.environ.get("VLLM_DP_RANK", "0"))
+    size = int(os.environ.get("VLLM_DP_SIZE", "1"))
+    mode = spec["meta"]["fake"].get(str(rank), "ok")
+    if mode == "hang":
+        time.sleep(3600)
+    if mode == "crash":
+        print(
+            "RuntimeError: Assertion error (csrc/apis/attention.hpp:388): _schedule_meta_size == num_sms / "
+            "num_kv_multicast + 1 and _meta_info_size == 2",
+            flush=True,
+        )
+        return 1
+    requests = [
+        {"index": i, "tokens": [i, i + 1], "logprobs": [{str(i): -0.1}, {str(i + 1): -0.2}]}
+        for i in range(rank, 2 * size, size)
+    ]
+    result = {
+        "label": spec["label"],
+        "rank": rank,
+        "dp": size,
+        "ok": mode == "ok",
+        "error": None if mode == "ok" else "ValueError: fake failure",
+        "start_s": 1.0 + rank,
+        "versions": {"vllm": "0.33.0", "device": "FakeGPU"},
+        "requests": requests,
+        "stats_end": [{"summary": {"microbatched_builds": 5}, "worker": {"runner": "v1"}}],
+        "microbatched_builds": 5,
+    }
+    print("(EngineCore_DP0 pid=1) INFO dbo_runtime: 25 patches installed for vLLM 0.33.0 (fake)", flush=True)
+    out.write_text(json.dumps(result))
+    return 0 if mode == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The real-engine harness on CPU: comparison metrics, prompts, and the launcher's process handling
+(with FakeEngineRunner at the no-GPU boundary; the GPU twin is tests/e2e)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.harness import launch as launch_mod
+from dbo_runtime.harness.compare import Request, Thresholds, compare, verdict
+from dbo_runtime.harness.launch import RunSpec, assemble, describe, launch
+from dbo_runtime.harness.pool import assign_gpus, run_all
+from dbo_runtime.harness.prompts import PromptSpec, for_rank, from_file, synthetic
+
+
+def req(index: int, tokens: list[int], lps: list[dict[int, float]] | None = None) -> Request:
+    return Request(index, tokens, lps if lps is not None else [{t: -0.5} for t in tokens])
+
+
+# -- compare ----------------------------------------------------------------------------------------
+def test_identical_runs_agree_fully() -> None:
+    a = [req(0, [5, 6, 7]), req(1, [8, 9, 10])]
+    result = compare(a, a)
+    assert (result.agreement, result.prefix_agreement, result.exact_requests, result.max_abs_dlogprob) == (1.0, 1.0, 2, 0.0)
+
+
+def test_divergence_metrics_and_dlogprob_only_on_the_shared_prefix() -> None:
+    ref = [req(0, [1, 2, 3, 4], [{1: -0.1}, {2: -0.2}, {3: -0.3}, {4: -0.4}])]
+    # diverges at position 2; position 2 still has the reference token in the top-k; position 3 differs wildly
+    other = [req(0, [1, 2, 9, 4], [{1: -0.1}, {2: -0.25}, {9: -0.2, 3: -0.9}, {4: -50.0}])]
+    result = compare(ref, other)
+    assert result.first_divergences == [2]
+    assert result.equal_tokens == 3 and result.agreement == 0.75 and result.prefix_agreement == 0.5
+    assert result.max_abs_dlogprob == pytest.approx(0.6)  # |-0.3 - -0.9| at the divergence; position 3 ignored
+    assert result.dlogprob_positions == 3 and result.exact_requests == 0
+
+
+def test_missing_requests_and_missing_logprobs_are_counted() -> None:
+    ref = [req(0, [1, 2]), req(1, [3, 4])]
+    other = [req(0, [1, 2], [{1: -0.5}, {7: -0.1}])]
+    result = compare(ref, other)
+    assert result.missing_requests == [1] and result.agreement == 0.5
+    assert result.dlogprob_missing == 1
+    passed, reasons = verdict(result, Thresholds(0.9, 0.1))
+    assert not passed and any("missing" in r for r in reasons) and any("agreement" in r for r in reasons)
+
+
+def test_thresholds_validate() -> None:
+    with pytest.raises(ConfigError, match="--min-agreement"):
+        Thresholds(1.5, 0.1).validate()
+    with pytest.raises(ConfigError, match="--max-dlogprob"):
+        Thresholds(0.5, float("nan")).validate()
+
+
+def test_request_from_json_roundtrip() -> None:
+    r = Request.from_json({"index": 3, "tokens": [1, 2], "logprobs": [{"1": -0.5}, {"2": -1.0}]})
+    assert r.logprobs[0] == {1: -0.5} and r.tokens == [1, 2]
+
+
+# -- prompts ----------------------------------------------------------------------------------------
+def test_synthetic_prompts_are_deterministic_and_in_range() -> None:
+    spec = PromptSpec(num=20, min_len=5, max_len=9, seed=7)
+    a, b = synthetic(spec, 50), synthetic(spec, 50)
+    assert a == b and len(a) == 20
+    for p in a:
+        assert 5 <= len(p["prompt_token_ids"]) <= 9 and all(2 <= t < 50 for t in p["prompt_token_ids"])
+    assert synthetic(PromptSpec(num=20, min_len=5, max_len=9, seed=8), 50) != a
+
+
+def test_round_robin_ranks_cover_every_prompt_once() -> None:
+    got = sorted(i for r in range(3) for i in for_rank(list(range(10)), r, 3))
+    assert got == list(range(10))
+
+
+def test_prompt_file_formats_and_errors(tmp_path: Path) -> None:
+    jl = tmp_path / "p.jsonl"
+    jl.write_text('{"prompt_token_ids": [1, 2, 3]}\n{"prompt": "hello"}\n')
+    assert from_file(str(jl)) == [{"prompt_token_ids": [1, 2, 3]}, {"prompt": "hello"}]
+    txt = tmp_path / "p.txt"
+    txt.write_text("one\n\ntwo\n")
+    assert from_file(str(txt)) == [{"prompt": "one"}, {"prompt": "two"}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_token_ids": [-1]}\n')
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:1"):
+        from_file(str(bad))
+    with pytest.raises(ConfigError, match="--prompt-file"):
+        from_file(str(tmp_path / "absent.jsonl"))
+    with pytest.raises(ConfigError, match="--prompts"):
+        PromptSpec(num=0).validate()
+
+
+# -- describe / assemble ----------------------------------------------------------------------------
+def test_describe_reads_the_configuration() -> None:
+    spec = RunSpec(
+        "x",
+        ["--model", "/m/shared-topk", "--enable-dbo", "--all2all-backend", "deepep_low_latency", "--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY"}'],
+        dp=2,
+        env={"DBO_RUNTIME_DISABLE": "1"},
+    )
+    d = describe(spec)
+    assert d["model"] == "shared-topk" and d["dbo"] and not d["plugin"] and d["runner"] == "v1" and d["graphs"]
+    assert d["cudagraph_mode"] == "FULL_DECODE_ONLY" and d["all2all_backend"] == "deepep_low_latency"
+    assert describe(RunSpec("y", ["--model", "m", "--enforce-eager"]))["runner"] == "v2"  # vLLM 0.33's default without DBO
+
+
+def test_assemble_names_the_deepgemm_crash() -> None:
+    spec = RunSpec("crash", ["--model", "m"], dp=2)
+    ranks = [{"rank": 0, "ok": False, "error": "EngineDeadError: dead"}, {"rank": 1, "ok": False, "error": "killed"}]
+    log = "(Worker_DP0) RuntimeError: Assertion error (csrc/apis/attention.hpp:388): _schedule_meta_size == num_sms / num_kv_multicast + 1"
+    rec = assemble(spec, ranks, [log, ""], 3.0)
+    assert not rec["ok"] and "deepgemm_schedule_assert" in rec["failure_signatures"]
+    assert "_schedule_meta_size" in rec["error"] and rec["plugin_log_lines"] == []
+
+
+# -- launcher with FakeEngineRunner -------------------------------------------------------------------
+@pytest.fixture
+def fake_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(launch_mod.RUNNER_MODULE_ENV, "tests.fakes.fake_engine_runner")
+    monkeypatch.setattr(launch_mod, "FAIL_GRACE_S", 1.0)
+
+
+def test_launch_merges_ranks(tmp_path: Path, fake_runner: None) -> None:
+    rec = launch(RunSpec("good", ["--model", "m"], dp=2, meta={"fake": {}}), tmp_path)
+    assert rec["ok"] and [r["index"] for r in rec["requests"]] == [0, 1, 2, 3]
+    assert rec["microbatched_steps"] == [5, 5] and rec["vllm_version"] == "0.33.0"
+    assert any("patches installed" in line for line in rec["plugin_log_lines"])
+    assert json.loads((tmp_path / "good" / "record.json").read_text())["ok"]
+
+
+def test_launch_kills_the_hung_peer_of_a_crashed_rank(tmp_path: Path, fake_runner: None) -> None:
+    started = time.monotonic()
+    rec = launch(RunSpec("crash", ["--model", "m"], dp=2, meta={"fake": {"0": "hang", "1": "crash"}}), tmp_path)
+    assert time.monotonic() - started < 30
+    assert not rec["ok"] and "deepgemm_schedule_assert" in rec["failure_signatures"]
+    assert "wrote no result" in rec["error"]
+
+
+def test_launch_timeout(tmp_path: Path, fake_runner: None) -> None:
+    rec = launch(RunSpec("slow", ["--model", "m"], dp=1, meta={"fake": {"0": "hang"}}, timeout_s=2.0), tmp_path)
+    assert not rec["ok"] and "hang_killed" in rec["failure_signatures"]
+
+
+def test_pool_runs_everything_within_the_engine_budget(tmp_path: Path, fake_runner: None) -> None:
+    specs = [RunSpec(f"r{i}", ["--model", "m"], dp=1 + i % 2, meta={"fake": {}}) for i in range(4)]
+    jobs = [("job", 2, lambda: {"label": "job", "ok": True})]
+    got = run_all(specs, tmp_path, max_engines=2, gpus=[0, 1], jobs=jobs)
+    assert list(got) == ["r0", "r1", "r2", "r3", "job"] and all(r["ok"] for r in got.values())
+    assert [s.gpus for s in assign_gpus(specs, [0, 1])] == [[0], None, [1], None]
+    with pytest.raises(ValueError, match="duplicate"):
+        run_all([specs[0], specs[0]], tmp_path, max_engines=1)

@@ -1,0 +1,150 @@
+"""``dbo-runtime verify`` on CPU: argument handling (with vLLM's real parser) and the verdict logic.
+
+The engine runs themselves need GPUs: their GPU twin is ``tests/e2e/test_dbo_2gpu.py::test_verify_cli``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dbo_runtime.cli import verify
+from dbo_runtime.cli.main import main
+from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.harness.compare import Request, Thresholds, compare
+from dbo_runtime.harness.compare import verdict as verdict_fn
+
+
+@pytest.fixture
+def fake_cuda_device_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FakeDeviceType: vLLM's DeviceConfig infers the device from the platform, which is
+    'unspecified' without a GPU (boundary: no GPU in CI); the GPU twin parses on a real platform."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "device_type", "cuda", raising=False)
+
+
+def test_split_engine_args() -> None:
+    args, dp, notes = verify.split_engine_args(["--model", "m", "-dp", "2", "--enable-dbo", "--enable-expert-parallel"])
+    assert args == ["--model", "m", "--enable-expert-parallel"] and dp == 2 and any("--enable-dbo ignored" in n for n in notes)
+    args, dp, _ = verify.split_engine_args(["m", "--data-parallel-size=4", "--", "--seed", "1"])
+    assert args == ["--model", "m", "--seed", "1"] and dp == 4
+    _, dp, notes = verify.split_engine_args(["--model", "m"])
+    assert dp == 1 and any("never microbatches" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    ("argv", "parameter"),
+    [
+        (["--model", "m", "-dp", "x"], "-dp"),
+        (["--model", "m", "--data-parallel-size", "0"], "--data-parallel-size"),
+        (["--model", "m", "--data-parallel-size"], "--data-parallel-size"),
+        (["--model", "m", "--data-parallel-address", "10.0.0.1"], "--data-parallel-address"),
+        (["--model", "m", "--headless"], "--headless"),
+        (["--enable-expert-parallel"], "--model"),
+    ],
+)
+def test_split_engine_args_refuses_with_the_parameter_named(argv: list[str], parameter: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        verify.split_engine_args(argv)
+    assert info.value.parameter == parameter
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--prompts", "0", "--model", "m", "-dp", "2"], "--prompts=0"),
+        (["--prompts", "1", "--model", "m", "-dp", "2"], "at least the data-parallel size"),
+        (["--prompt-len", "9-3", "--model", "m", "-dp", "2"], "--prompt-len='9-3'"),
+        (["--prompt-len", "abc", "--model", "m", "-dp", "2"], "--prompt-len='abc'"),
+        (["--max-tokens", "0", "--model", "m", "-dp", "2"], "--max-tokens=0"),
+        (["--min-agreement", "1.5", "--model", "m", "-dp", "2"], "--min-agreement=1.5"),
+        (["--timeout", "-1", "--model", "m", "-dp", "2"], "--timeout=-1.0"),
+        (["--prompt-file", "/nonexistent.jsonl", "--model", "m", "-dp", "2"], "--prompt-file='/nonexistent.jsonl'"),
+        (["--prompts", "x", "--model", "m"], "invalid int value"),
+    ],
+)
+def test_bad_verify_options_are_one_line_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_bad_vllm_args_are_one_line_exit_2(fake_cuda_device_type: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--model", "m", "-dp", "2", "--no-such-vllm-flag", "1"]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[verify]")]
+    assert len(err) == 1 and "VLLM_ENGINE_ARGS" in err[0] and "--no-such-vllm-flag" in err[0], err
+
+
+def test_verify_options_do_not_shadow_vllm_engine_args(fake_cuda_device_type: None) -> None:
+    """verify takes the arguments it knows; a name shared with vLLM would silently steal a vLLM setting."""
+    import argparse
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    vllm_options = set(EngineArgs.add_cli_args(FlexibleArgumentParser())._option_string_actions)
+    ours = verify.add_parser(argparse.ArgumentParser().add_subparsers())
+    mine = {o for o in ours._option_string_actions if o not in ("-h", "--help")}
+    assert not mine & vllm_options, mine & vllm_options
+
+
+def test_other_subcommands_still_reject_unknown_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sms", "--total-sms", "132", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_no_gpu_is_one_line() -> None:
+    import subprocess
+    import sys
+
+    # a fresh interpreter: vLLM caches its parser's defaults, so the in-process fake would leak in
+    proc = subprocess.run([sys.executable, "-m", "dbo_runtime", "verify", "--model", "m", "-dp", "2"], capture_output=True, text=True, timeout=300)
+    err = [line for line in proc.stderr.strip().splitlines() if line.startswith("dbo-runtime verify")]
+    assert proc.returncode in (1, 3) and len(err) == 1, proc.stderr[-2000:]
+    assert "needs a GPU machine" in err[0] or "needs 2 GPU(s)" in err[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_too_few_gpus_is_one_line_exit_3(fake_cuda_device_type: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--model", "m", "-dp", "2"]) == 3
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[verify]")]
+    assert err == ["dbo-runtime verify: needs 2 GPU(s) for data-parallel size 2 (one engine rank per GPU); 0 visible"]
+
+
+# -- the verdict document ---------------------------------------------------------------------------
+def _rec(ok: bool = True, tokens: list[list[int]] | None = None, steps: Any = (4, 4), error: str | None = None, sigs: list[str] | None = None) -> dict[str, Any]:
+    toks = tokens or [[1, 2, 3], [4, 5, 6]]
+    return {
+        "ok": ok,
+        "error": error,
+        "failure_signatures": sigs or [],
+        "start_s": [30.0, 31.0],
+        "generate_s": [1.0, 1.0],
+        "microbatched_steps": list(steps) if steps is not None else None,
+        "plugin": True,
+        "requests": [{"index": i, "tokens": t, "logprobs": [{str(x): -0.5} for x in t]} for i, t in enumerate(toks)],
+    }
+
+
+def _doc(records: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    return verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], Request, compare, verdict_fn)
+
+
+def test_result_pass_fail_error_inconclusive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _doc({"dbo-off": _rec(), "dbo-on": _rec()}, tmp_path)
+    assert doc["verdict"] == "pass" and doc["exit_code"] == 0
+    doc = _doc({"dbo-off": _rec(), "dbo-on": _rec(tokens=[[1, 9, 9], [4, 5, 6]])}, tmp_path)
+    assert doc["verdict"] == "fail" and doc["exit_code"] == 1 and "agreement" in doc["reasons"][0]
+    crash = _rec(ok=False, error="EngineDeadError", sigs=["deepgemm_schedule_assert"])
+    doc = _doc({"dbo-off": _rec(), "dbo-on": crash}, tmp_path)
+    assert doc["verdict"] == "error" and doc["exit_code"] == 3 and "known failure: deepgemm_schedule_assert" in doc["reasons"]
+    doc = _doc({"dbo-off": _rec(), "dbo-on": _rec(steps=(0, 5))}, tmp_path)
+    assert doc["verdict"] == "inconclusive" and doc["exit_code"] == 4
+    doc = _doc({"dbo-off": _rec(), "dbo-on": _rec(steps=None)}, tmp_path)
+    assert doc["verdict"] == "pass" and any("cannot confirm" in n for n in doc["notes"])
+    verify._print(doc, as_json=False)
+    out = capsys.readouterr().out
+    assert "token agreement" in out and "verdict: PASS" in out
