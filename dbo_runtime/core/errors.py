@@ -26,20 +26,6 @@ class ConfigError(DboRuntimeError, ValueError):
         super().__init__(f"{parameter}={value!r} is not allowed; allowed values: {allowed}")
 
 
-class SubscriberError(DboRuntimeError):
-    """A budget subscriber raised while a budget was being published.
-
-    SMControl rolls the SM knobs back before raising this, so the GPU is never
-    left with half of a partition applied.
-    """
-
-    def __init__(self, subscriber: str, phase: str, cause: BaseException) -> None:
-        self.subscriber = subscriber
-        self.phase = phase
-        super().__init__(f"SM budget subscriber {subscriber!r} raised during {phase}: {cause!r}")
-        self.__cause__ = cause
-
-
 class PatchError(DboRuntimeError):
     """The vLLM patch set could not be installed; nothing was left applied."""
 
