@@ -354,7 +354,10 @@ class UbatchTopkState:
 
     # -- hot path ----------------------------------------------------------------------------------
     def _group_state(self, group: Any) -> _GroupState | None:
-        state = getattr(group, "__dict__", {}).get(STATE_ATTR)
+        try:
+            state = group.__dict__.get(STATE_ATTR)
+        except AttributeError:  # a group without a __dict__ was never attached
+            return None
         return state if state is not None and state.owner is self else None
 
     def _current(self, num_ubatches: int) -> tuple[int, int]:
