@@ -38,6 +38,12 @@ read them. These patches route every access through
 
 MTP drafts never run microbatched (hook doc §4.3), resolve microbatch 0 and so
 see the target buffer itself.
+
+Every hook above that runs on a microbatch thread catches its own failure and
+hands it to ``ubatch_guard.record`` (vLLM does not wake the partner microbatch
+when one thread dies: the step would hang). There it continues with vLLM's own
+object (the shared buffer, the group itself) and the failure is raised on the
+main thread after the join, so the step's output is never used.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from typing import Any
 from dbo_runtime.core.errors import UnsupportedConfiguration
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration.patching import Patch
+from dbo_runtime.integration.ubatch_guard import record as record_ubatch_failure
 from dbo_runtime.services.topk_state import UbatchTopkState
 
 UPSTREAM_PR = "vllm#60734 (per-microbatch DSA shared-indexer top-k); see also vllm#56476 dbo_select_buffer"
@@ -205,7 +212,13 @@ def _group_method_patch(state: UbatchTopkState, method: str) -> Patch:
     def make(original: Any) -> Any:
         @functools.wraps(original)
         def per_ubatch(self: Any, layer_index: int, *args: Any, **kwargs: Any) -> Any:
-            view = state.group_view(self)
+            try:
+                view = state.group_view(self)
+            except Exception as exc:
+                # Never raise on a microbatch thread (see ubatch_guard): recorded, raised after the join.
+                if not record_ubatch_failure(f"top-k group view ({method})", exc):
+                    raise
+                view = None
             return original(self if view is None else view, layer_index, *args, **kwargs)
 
         return per_ubatch
@@ -242,7 +255,13 @@ class TopkIndicesBufferAttr:
             value = obj.__dict__[ATTR]
         except KeyError:
             raise AttributeError(ATTR) from None
-        return self.state.logical(value)
+        try:
+            return self.state.logical(value)
+        except Exception as exc:
+            # Never raise on a microbatch thread (see ubatch_guard): recorded, raised after the join.
+            if not record_ubatch_failure("top-k logical buffer (module attribute)", exc):
+                raise
+            return value
 
     def __set__(self, obj: Any, value: Any) -> None:
         obj.__dict__[ATTR] = value
@@ -280,7 +299,14 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
         fget, fset, fdel = original.fget, original.fset, original.fdel
 
         def topk_indices_buffer(self: Any) -> Any:
-            return state.logical(fget(self))
+            value = fget(self)
+            try:
+                return state.logical(value)
+            except Exception as exc:
+                # Never raise on a microbatch thread (see ubatch_guard): recorded, raised after the join.
+                if not record_ubatch_failure("top-k logical buffer (sparse MLA impl)", exc):
+                    raise
+                return value
 
         return property(topk_indices_buffer, fset, fdel, original.__doc__)
 
@@ -309,7 +335,12 @@ def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:
 
     def make(original: Any) -> Any:
         def _fa4_varlen_scalars(num_tokens: int, num_kv_rows: int, device: Any) -> Any:
-            rows = state.max_logical_rows()
+            try:
+                rows = state.max_logical_rows()
+            except Exception:
+                # vLLM's own key is correct (only one more cache entry), so no failure to report.
+                logger.debug("dbo_runtime: FA4 scalar key fell back to num_tokens", exc_info=True)
+                rows = 0
             return original(rows if 0 < num_tokens < rows else num_tokens, num_kv_rows, device)
 
         return _fa4_varlen_scalars
