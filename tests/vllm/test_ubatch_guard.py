@@ -33,7 +33,12 @@ from dbo_runtime.integration import indexer_hooks, topk_hooks, ubatch_ids
 from dbo_runtime.integration.patching import PatchSet
 from dbo_runtime.services.schedule_cache import IndexerScheduleCache, set_schedule_cache_for_tests
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
-from tests.fakes.fake_deep_gemm import FakeDeepGemm, FakeSchedulePlanner, vllm_signature_logits
+from tests.fakes.fake_deep_gemm import (
+    FakeDeepGemm,
+    FakeSchedulePlanner,
+    vllm_signature_logits,
+    vllm_signature_planner,
+)
 from tests.fakes.topk_boundary import FakeStream
 from tests.vllm.test_topk_isolation import (
     BLOCK_SIZE,
@@ -49,6 +54,7 @@ from tests.vllm.test_topk_isolation import (
 )
 
 SAI = "vllm.model_executor.layers.sparse_attn_indexer"
+V41 = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.indexer"
 TOTAL = 16  # padded tokens of the step (8 per microbatch: fits the physical workspace)
 HANG_S = 20.0
 LENS = torch.tensor([[5], [300], [7000]], dtype=torch.int32)  # three decode requests, next_n 1
@@ -71,14 +77,21 @@ class FailingLocator:
 
 
 class FailingJitPlanner(FakeSchedulePlanner):
-    """The DeepGEMM planner fake, failing (like a JIT compile error) when microbatch ``ubatch`` re-plans."""
+    """The DeepGEMM planner fake, failing (like a JIT compile error) when microbatch ``fail_on`` re-plans,
+    and failing to read DeepGEMM's SM count on microbatch ``fail_live_on``."""
 
     fail_on: int | None = None
+    fail_live_on: int | None = None
 
     def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
         if self.fail_on is not None and ubatch_ids.ubatch_thread_id() == self.fail_on:
             raise RuntimeError("injected DeepGEMM JIT failure in the call-site re-plan")
         return super().plan(context_lens, block_kv, num_sms, indices)
+
+    def get_num_sms(self) -> int:
+        if self.fail_live_on is not None and ubatch_ids.ubatch_thread_id() == self.fail_live_on:
+            raise RuntimeError("injected DeepGEMM get_num_sms failure")
+        return super().get_num_sms()
 
 
 @dataclass
@@ -106,10 +119,11 @@ class Logits:
 class DboModel:
     """What each microbatch thread runs: the layer stack, one ``dbo_yield`` per layer (DBO's order)."""
 
-    def __init__(self, model: Model, logits: Logits | None) -> None:
-        self.model, self.logits = model, logits
+    def __init__(self, model: Model, logits: Logits | None, v41: Any = None) -> None:
+        self.model, self.logits, self.v41 = model, logits, v41
         self.done: dict[int, int] = {}
         self.logits_rows: dict[int, list[float]] = {}
+        self.v41_rows: dict[int, list[int]] = {}
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, **_: Any) -> torch.Tensor:
         from vllm.v1.worker import ubatching
@@ -128,6 +142,9 @@ class DboModel:
                 layer.impl.record_logical_topk_ready()
                 if self.logits is not None:
                     self.logits_rows.setdefault(u, []).append(float(self.logits()[0, 0]))
+                if self.v41 is not None:  # DeepSeek-V4.1's _decode_rows: an SM count inferred from rows
+                    schedule = self.v41.get_paged_mqa_logits_metadata(LENS, 64, 132, indices=None)
+                    self.v41_rows.setdefault(u, []).append(int(schedule.shape[0]))
             topk = layer.impl.topk_indices_buffer[:n]
             layer.impl._convert_logical_to_physical_topk(topk, meta, block_stride_rows=None, return_valid_counts=True)
             ubatching.dbo_yield()
@@ -148,7 +165,9 @@ class Env:
 
 
 @pytest.fixture
-def env(boundary: Boundary, monkeypatch: pytest.MonkeyPatch) -> Any:  # noqa: F811
+def env(boundary: Boundary, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:  # noqa: F811
+    """The GLM-5.3 stack with the top-k and call-site patches; ``ubatch_guard``'s join points unless the
+    test is parametrized indirectly with ``False``."""
     import importlib
 
     from vllm.v1.worker.gpu import ubatch_utils as mrv2
@@ -156,6 +175,7 @@ def env(boundary: Boundary, monkeypatch: pytest.MonkeyPatch) -> Any:  # noqa: F8
     from dbo_runtime.integration import ubatch_guard
 
     sai = importlib.import_module(SAI)
+    v41 = importlib.import_module(V41)
     monkeypatch.setattr(torch.accelerator, "set_device_index", lambda device: None)
     monkeypatch.setattr(mrv2, "current_stream", lambda: boundary.compute)
     contexts: list[Any] = []
@@ -169,17 +189,18 @@ def env(boundary: Boundary, monkeypatch: pytest.MonkeyPatch) -> Any:  # noqa: F8
     monkeypatch.setattr(mrv2, "make_ubatch_contexts", make_ubatch_contexts)
     dg = FakeDeepGemm(total_sms=132)
     monkeypatch.setattr(sai, "fp8_fp4_paged_mqa_logits", vllm_signature_logits(dg))
+    monkeypatch.setattr(v41, "get_paged_mqa_logits_metadata", vllm_signature_planner(dg))
     planner = FailingJitPlanner(dg)
     cache = IndexerScheduleCache(planner)
     previous = set_schedule_cache_for_tests(cache)
 
     locator = FailingLocator(None)
     state = UbatchTopkState(locator, TopkLayout.WINDOWS)
-    wanted = {"indexer.logits.sparse_attn_indexer"}
+    wanted = {"indexer.logits.sparse_attn_indexer", "indexer.planner.deepseek_v41"}
     patch_set = PatchSet(
         topk_hooks.patches(state)
         + [p for p in indexer_hooks.patches() if p.name in wanted]
-        + ubatch_guard.patches()
+        + (ubatch_guard.patches() if getattr(request, "param", True) else [])
     )
     patch_set.install()
     try:
@@ -188,7 +209,7 @@ def env(boundary: Boundary, monkeypatch: pytest.MonkeyPatch) -> Any:  # noqa: F8
         for schedule in schedules:
             cache.track(schedule, planned_sms=132, block_kv=64, next_n=1)
         dg.set_num_sms(112)  # what SMControl does for the step: every call site re-plans
-        yield Env(boundary, state, locator, model, DboModel(model, Logits(sai, dg, schedules)), planner, contexts)
+        yield Env(boundary, state, locator, model, DboModel(model, Logits(sai, dg, schedules), v41), planner, contexts)
     finally:
         patch_set.uninstall()
         set_schedule_cache_for_tests(previous)
@@ -282,19 +303,31 @@ def test_a_healthy_step_is_untouched(env: Env, runner: str) -> None:
     assert torch.equal(result, torch.arange(TOTAL).float()[:, None])
     assert env.dbo_model.done == {0: len(env.model.layers), 1: len(env.model.layers)}
     assert all(v == 113.0 for rows in env.dbo_model.logits_rows.values() for v in rows)  # re-planned for 112 SMs
+    assert {r for rows in env.dbo_model.v41_rows.values() for r in rows} == {113}  # planned for the live 112
 
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
-@pytest.mark.parametrize("fault", ["topk_resolver", "logits_replan"])
+@pytest.mark.parametrize("fault", ["topk_resolver", "logits_replan", "v41_live_count"])
 def test_a_plugin_fault_on_a_microbatch_finishes_the_step_and_raises_on_the_main_thread(
     env: Env, runner: str, fault: str
 ) -> None:
     if fault == "topk_resolver":
         env.locator.ubatch = 1
         expected = "injected top-k resolver fault"
-    else:
+        hooks = {
+            "top-k logical buffer (module attribute)",
+            "top-k logical buffer (sparse MLA impl)",
+            "top-k group view (_convert_once)",
+            "top-k group view (set_logical_topk_ready)",
+        }
+    elif fault == "logits_replan":
         env.planner.fail_on = 1
         expected = "injected DeepGEMM JIT failure"
+        hooks = {"indexer logits call site"}
+    else:
+        env.planner.fail_live_on = 1
+        expected = "injected DeepGEMM get_num_sms failure"
+        hooks = {"indexer logits call site", "DeepSeek-V4.1 decode-rows planner"}
     result, error = RUNNERS[runner](env)
 
     from dbo_runtime.core.errors import MicrobatchFailure
@@ -302,16 +335,31 @@ def test_a_plugin_fault_on_a_microbatch_finishes_the_step_and_raises_on_the_main
     assert result is None and isinstance(error, MicrobatchFailure), repr(error)
     assert expected in str(error.__cause__) and "microbatch 1" in str(error)
     assert {ubatch for _, ubatch, _ in error.failures} == {1}
+    assert {where for where, _, _ in error.failures} == hooks
     # Both threads ran the whole layer stack in lock-step: no partner was left parked.
     assert env.dbo_model.done == {0: len(env.model.layers), 1: len(env.model.layers)}
     if fault == "logits_replan":
         assert env.dbo_model.logits_rows[1] == [0.0] * len(env.dbo_model.logits_rows[1])  # placeholder, no kernel
         assert set(env.dbo_model.logits_rows[0]) == {113.0}
 
+    if fault == "v41_live_count":
+        assert set(env.dbo_model.v41_rows[1]) == {133}  # vLLM's own call (its row-inferred count) instead
     # The next step is clean again: nothing recorded is left over.
-    env.locator.ubatch = env.planner.fail_on = None
+    env.locator.ubatch = env.planner.fail_on = env.planner.fail_live_on = None
     _, error = RUNNERS[runner](env)
     assert error is None
+
+
+@pytest.mark.parametrize("env", [False], indirect=True)
+def test_mutation_without_the_join_points_the_fault_would_be_silent(env: Env) -> None:
+    """The placeholders alone would return a wrong step: the join-point check is what surfaces it."""
+    from dbo_runtime.integration import ubatch_guard
+
+    env.planner.fail_on = 1
+    result, error = _mrv1(env)
+    assert error is None and result is not None  # the step "succeeded" ...
+    assert env.dbo_model.logits_rows[1] == [0.0] * len(env.dbo_model.logits_rows[1])  # ... on placeholder logits
+    assert ubatch_guard.FAILURES.pending, "the failure was recorded but nobody raised it"
 
 
 def test_off_microbatch_threads_a_plugin_fault_still_raises(env: Env) -> None:
