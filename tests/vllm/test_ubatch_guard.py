@@ -381,3 +381,28 @@ def test_placeholder_logits_have_the_kernels_shape_and_dtype() -> None:
     out = placeholder_logits(lens, torch.empty((12, 64), dtype=torch.bfloat16), 40)
     assert out.shape == (12, 40) and out.dtype == torch.bfloat16 and not out.any()
     assert placeholder_logits(torch.ones(5, dtype=torch.int32), torch.empty((5, 64)), 8).dtype == torch.float32
+
+
+def test_failures_are_counted_logged_once_per_hook_and_raised_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from vllm.v1.worker import ubatching
+
+    from dbo_runtime.core.errors import MicrobatchFailure
+    from dbo_runtime.integration.ubatch_guard import UbatchFailures
+
+    failures = UbatchFailures()
+    assert failures.record("hook", RuntimeError("main thread")) is False  # not a microbatch thread: re-raise
+    monkeypatch.setitem(ubatching._THREAD_ID_TO_CONTEXT, threading.get_ident(), 1)  # this thread is microbatch 1
+    caplog.set_level(logging.DEBUG, logger="vllm.dbo_runtime")
+    first, second = RuntimeError("first"), RuntimeError("second")
+    assert failures.record("hook", first) and failures.record("hook", second) and failures.record("other", second)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and "failed on DBO microbatch 1" in r.getMessage()]
+    assert [r.getMessage().split(" failed")[0] for r in errors] == ["dbo_runtime: hook", "dbo_runtime: other"]
+    assert failures.recorded_total == 3 and failures.by_where == {"hook": 2, "other": 1}
+    with pytest.raises(MicrobatchFailure, match=r"hook failed on DBO microbatch 1: RuntimeError\('first'\) \(\+2 more") as err:
+        failures.raise_pending()
+    assert err.value.__cause__ is first and len(err.value.failures) == 3
+    failures.raise_pending()  # taken: nothing left to raise
