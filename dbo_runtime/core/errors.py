@@ -26,23 +26,29 @@ class ConfigError(DboRuntimeError, ValueError):
         super().__init__(f"{parameter}={value!r} is not allowed; allowed values: {allowed}")
 
 
-class SubscriberError(DboRuntimeError):
-    """A budget subscriber raised while a budget was being published.
-
-    SMControl rolls the SM knobs back before raising this, so the GPU is never
-    left with half of a partition applied.
-    """
-
-    def __init__(self, subscriber: str, phase: str, cause: BaseException) -> None:
-        self.subscriber = subscriber
-        self.phase = phase
-        super().__init__(f"SM budget subscriber {subscriber!r} raised during {phase}: {cause!r}")
-        self.__cause__ = cause
-
-
 class PatchError(DboRuntimeError):
     """The vLLM patch set could not be installed; nothing was left applied."""
 
 
 class UnsupportedConfiguration(DboRuntimeError):
     """A vLLM configuration that dbo_runtime refuses rather than run silently wrong."""
+
+
+class MicrobatchFailure(DboRuntimeError):
+    """dbo_runtime code failed on a DBO microbatch thread; raised on the main thread after the join.
+
+    ``failures`` lists ``(where, microbatch id, exception)`` in the order they
+    were recorded; ``__cause__`` is the first exception (its traceback is the
+    failing microbatch's).
+    """
+
+    def __init__(self, failures: list[tuple[str, int, BaseException]]) -> None:
+        self.failures = failures
+        where, ubatch, first = failures[0]
+        more = f" (+{len(failures) - 1} more failure(s) in this step)" if len(failures) > 1 else ""
+        super().__init__(
+            f"dbo_runtime: {where} failed on DBO microbatch {ubatch}: {first!r}{more}. The microbatch finished "
+            "the step with a placeholder so that its partner thread and the other DP ranks were not left "
+            "waiting; this step's output is discarded."
+        )
+        self.__cause__ = first

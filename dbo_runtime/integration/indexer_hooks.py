@@ -38,6 +38,8 @@ from dbo_runtime.adapters.cuda_graph import CAPTURES as _CAPTURES
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration import activation
 from dbo_runtime.integration.patching import Patch
+from dbo_runtime.integration.ubatch_guard import placeholder_logits
+from dbo_runtime.integration.ubatch_guard import record as record_ubatch_failure
 from dbo_runtime.services import schedule_cache as _sc
 from dbo_runtime.services.runtime_stats import count_microbatched_build
 from dbo_runtime.services.schedule_cache import PlannerProfile, schedule_cache, warm_max_batch
@@ -194,22 +196,29 @@ def _make_logits(original: Any) -> Any:
         max_model_len: int,
         indices: Any | None = None,
     ) -> Any:
-        cache = _sc._CACHE or schedule_cache()
-        # IndexerScheduleCache.resolve's fast path, inlined: one Python frame costs ~0.2 us on the
-        # H200 host, the whole per-layer budget. Anything unusual goes through resolve().
-        state = schedule_metadata.__dict__.get(_sc.STATE_ATTR)
-        live = cache._num_sms
-        if (
-            state is None
-            or live is None
-            or not _CAPTURES.installed
-            or _CAPTURES.active
-            or live() != state.planned_sms
-        ):
-            schedule_metadata = cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
-        return original(
-            q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len, indices=indices
-        )
+        try:  # zero-cost in CPython 3.11 when nothing raises (no extra frame on the per-layer path)
+            cache = _sc._CACHE or schedule_cache()
+            # IndexerScheduleCache.resolve's fast path, inlined: one Python frame costs ~0.2 us on the
+            # H200 host, the whole per-layer budget. Anything unusual goes through resolve().
+            state = schedule_metadata.__dict__.get(_sc.STATE_ATTR)
+            live = cache._num_sms
+            if (
+                state is None
+                or live is None
+                or not _CAPTURES.installed
+                or _CAPTURES.active
+                or live() != state.planned_sms
+            ):
+                schedule_metadata = cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
+            return original(
+                q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len, indices=indices
+            )
+        except Exception as exc:
+            # On a microbatch thread nothing may raise (ubatch_guard): recorded and raised on the main
+            # thread after the join; the kernel is skipped (its schedule may be wrong) for zero logits.
+            if not record_ubatch_failure("indexer logits call site", exc):
+                raise
+            return placeholder_logits(context_lens, weights, max_model_len)
 
     return fp8_fp4_paged_mqa_logits
 
@@ -220,11 +229,17 @@ def _make_v41_planner(original: Any) -> Any:
     ) -> Any:
         # _decode_rows passes ``schedule.shape[0] - 1``: an SM count inferred from rows. The slice's
         # schedule is planned right here, so the right count is DeepGEMM's live one.
-        cache = schedule_cache()
-        live = cache.live_num_sms()
-        out = original(context_lens, block_size, live, indices=indices)
-        cache.track_fresh(out, planned_sms=live, block_kv=block_size, next_n=_next_n(context_lens))
-        return out
+        try:
+            cache = schedule_cache()
+            live = cache.live_num_sms()
+            out = original(context_lens, block_size, live, indices=indices)
+            cache.track_fresh(out, planned_sms=live, block_kv=block_size, next_n=_next_n(context_lens))
+            return out
+        except Exception as exc:
+            # Microbatch thread (ubatch_guard): recorded, raised after the join; vLLM's own call instead.
+            if not record_ubatch_failure("DeepSeek-V4.1 decode-rows planner", exc):
+                raise
+            return original(context_lens, block_size, num_sms, indices=indices)
 
     return get_paged_mqa_logits_metadata
 

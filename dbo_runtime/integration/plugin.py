@@ -35,6 +35,7 @@ FEATURE_MODULES: tuple[str, ...] = (
     "dbo_runtime.integration.sm_hooks",
     "dbo_runtime.integration.indexer_hooks",
     "dbo_runtime.integration.topk_hooks",
+    "dbo_runtime.integration.ubatch_guard",
     "dbo_runtime.integration.worker_stats",
 )
 """Each module exposes ``patches() -> list[Patch]``; order is install order."""

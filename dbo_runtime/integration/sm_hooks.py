@@ -69,7 +69,7 @@ class DboSMControlContext:
             # stack cannot keep the GPU partitioned after this step.
             logger.warning("dbo_runtime: closing %d leaked SM-control scope(s) of %r", len(self._tokens), self)
             while self._tokens:
-                self.control.exit(self._tokens.pop(), body_raised=True)
+                self.control.exit(self._tokens.pop())
         self._tokens.append(self.control.enter(self.budget, comm_knob=self._comm_knob, compute_knob=self._compute_knob))
 
     def __exit__(
@@ -78,7 +78,7 @@ class DboSMControlContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.control.exit(self._tokens.pop(), body_raised=exc is not None)
+        self.control.exit(self._tokens.pop())
 
     def __repr__(self) -> str:
         return f"DboSMControlContext({self.budget.describe()}, device={self.budget.device})"

@@ -13,10 +13,18 @@ read them. These patches route every access through
   vLLM passes / the current config), attach per-microbatch state (at model
   construction: inside vLLM's memory profile). Refuses HiSparse (its runtime
   captures the group's stream/events by reference and stages top-k without a
-  microbatch dimension) and any builder whose logical buffer is not the CUDA DSA
+  microbatch dimension), any builder whose logical buffer is not the CUDA DSA
   model's (the torch.compiled generic ``DeepseekV2Model`` / ``Glm4MoeLite`` path
-  and ROCm DSA pass the buffer into compiled graphs, where a Python getter is
-  evaluated once at trace time: it would be silently wrong, so it is refused).
+  passes the buffer into compiled graphs, where a Python getter is evaluated
+  once at trace time: it would be silently wrong, so it is refused), and a
+  layer without an indexer that registers on a builder with no current group.
+  The last is how models without a shared builder look: vLLM 0.33.0's ROCm DSA
+  model (``models/deepseek_v32/amd/``: ``DeepseekV32MLAAttention`` passes no
+  ``index_group_builder``, so ``SparseMLACommonImpl.__init__`` makes one per
+  layer) builds GLM-5.x followers that way; nothing links such a follower to its
+  leader, it reads the model-wide buffer the other microbatch's leader
+  overwrites, and no per-microbatch state can be attached to a group it is not
+  in. Refused rather than run silently wrong.
 * ``SparseMLAIndexGroup._convert_once`` / ``.set_logical_topk_ready`` -- run
   vLLM's own method on the calling microbatch's view of the group (the only
   readers of ``physical_topk_ready`` / ``logical_topk_ready`` outside HiSparse).
@@ -30,6 +38,12 @@ read them. These patches route every access through
 
 MTP drafts never run microbatched (hook doc §4.3), resolve microbatch 0 and so
 see the target buffer itself.
+
+Every hook above that runs on a microbatch thread catches its own failure and
+hands it to ``ubatch_guard.record`` (vLLM does not wake the partner microbatch
+when one thread dies: the step would hang). There it continues with vLLM's own
+object (the shared buffer, the group itself) and the failure is raised on the
+main thread after the join, so the step's output is never used.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ from typing import Any
 from dbo_runtime.core.errors import UnsupportedConfiguration
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration.patching import Patch
+from dbo_runtime.integration.ubatch_guard import record as record_ubatch_failure
 from dbo_runtime.services.topk_state import UbatchTopkState
 
 UPSTREAM_PR = "vllm#60734 (per-microbatch DSA shared-indexer top-k); see also vllm#56476 dbo_select_buffer"
@@ -118,9 +133,27 @@ def _refuse_unsupported(builder: Any, vllm_config: Any, state: UbatchTopkState) 
             "DBO (--enable-dbo) with shared top-k layers (index_topk_freq > 1) is supported only on "
             "the CUDA DSA model (vllm.models.deepseek_v32.nvidia.model.DeepseekV32Model). This "
             "model's index groups use a top-k buffer that the torch.compiled DeepseekV2/GLM-4-MoE-Lite "
-            "(or ROCm DSA) path bakes into its graph, so microbatches would share it silently. "
+            "path bakes into its graph, so microbatches would share it silently. "
             "Disable DBO for this model."
         )
+
+
+def _architecture(vllm_config: Any) -> str:
+    archs = getattr(getattr(vllm_config, "model_config", None), "architectures", None)
+    return ", ".join(str(a) for a in archs) if archs else "this model"
+
+
+def _refuse_groupless_follower(vllm_config: Any) -> None:
+    """A layer without an indexer on a builder with no group: it reuses a top-k nothing ties it to."""
+    raise UnsupportedConfiguration(
+        f"DBO (--enable-dbo) is not supported for {_architecture(vllm_config)} with layers that reuse an "
+        "earlier layer's top-k (index_topk_freq > 1 or 'S' in index_topk_pattern, e.g. GLM-5.x) when the "
+        "model builds its sparse-MLA layers without a shared index-group builder, as vLLM 0.33.0's ROCm "
+        "DSA model does (vllm/models/deepseek_v32/amd/). Such a layer reads the leader's top-k from one "
+        "model-wide buffer with no microbatch dimension, so under DBO it would read the other "
+        "microbatch's selection. Start vLLM without --enable-dbo for this model "
+        "(parallel_config.enable_dbo=False)."
+    )
 
 
 def _register_layer_patch(state: UbatchTopkState) -> Patch:
@@ -145,6 +178,8 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
             if num_ubatches > 1:
                 if follower:
                     _refuse_unsupported(self, config, state)
+                elif not is_index_producing_layer:
+                    _refuse_groupless_follower(config)
                 elif _hisparse(config) and _model_shares_topk(config):
                     _refuse_hisparse()  # before HiSparse builds host caches for the leader
             result = original(
@@ -171,7 +206,7 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
         attr="SparseMLAIndexGroupBuilder.register_layer",
         make=make,
         reason="allocate/attach per-microbatch top-k state when a group gets a follower under DBO; "
-        "refuse HiSparse and the compiled generic path",
+        "refuse HiSparse, the compiled generic path and followers built without a shared builder (ROCm DSA)",
         upstream_pr=UPSTREAM_PR,
         removal=REMOVAL,
         lazy=True,
@@ -182,7 +217,13 @@ def _group_method_patch(state: UbatchTopkState, method: str) -> Patch:
     def make(original: Any) -> Any:
         @functools.wraps(original)
         def per_ubatch(self: Any, layer_index: int, *args: Any, **kwargs: Any) -> Any:
-            view = state.group_view(self)
+            try:
+                view = state.group_view(self)
+            except Exception as exc:
+                # Never raise on a microbatch thread (see ubatch_guard): recorded, raised after the join.
+                if not record_ubatch_failure(f"top-k group view ({method})", exc):
+                    raise
+                view = None
             return original(self if view is None else view, layer_index, *args, **kwargs)
 
         return per_ubatch
@@ -219,7 +260,13 @@ class TopkIndicesBufferAttr:
             value = obj.__dict__[ATTR]
         except KeyError:
             raise AttributeError(ATTR) from None
-        return self.state.logical(value)
+        try:
+            return self.state.logical(value)
+        except Exception as exc:
+            # Never raise on a microbatch thread (see ubatch_guard): recorded, raised after the join.
+            if not record_ubatch_failure("top-k logical buffer (module attribute)", exc):
+                raise
+            return value
 
     def __set__(self, obj: Any, value: Any) -> None:
         obj.__dict__[ATTR] = value
@@ -257,7 +304,14 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
         fget, fset, fdel = original.fget, original.fset, original.fdel
 
         def topk_indices_buffer(self: Any) -> Any:
-            return state.logical(fget(self))
+            value = fget(self)
+            try:
+                return state.logical(value)
+            except Exception as exc:
+                # Never raise on a microbatch thread (see ubatch_guard): recorded, raised after the join.
+                if not record_ubatch_failure("top-k logical buffer (sparse MLA impl)", exc):
+                    raise
+                return value
 
         return property(topk_indices_buffer, fset, fdel, original.__doc__)
 
@@ -286,7 +340,12 @@ def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:
 
     def make(original: Any) -> Any:
         def _fa4_varlen_scalars(num_tokens: int, num_kv_rows: int, device: Any) -> Any:
-            rows = state.max_logical_rows()
+            try:
+                rows = state.max_logical_rows()
+            except Exception:
+                # vLLM's own key is correct (only one more cache entry), so no failure to report.
+                logger.debug("dbo_runtime: FA4 scalar key fell back to num_tokens", exc_info=True)
+                rows = 0
             return original(rows if 0 < num_tokens < rows else num_tokens, num_kv_rows, device)
 
         return _fa4_varlen_scalars

@@ -45,3 +45,15 @@ def current_ubatch() -> tuple[int, int]:
     contexts = module._CURRENT_CONTEXTS
     ctx = contexts[ubatch] if ubatch < len(contexts) else None
     return int(ubatch), int(ctx.token_offset) if ctx is not None else 0
+
+
+def ubatch_thread_id() -> int | None:
+    """Microbatch id when the calling thread is a registered DBO microbatch thread, else None.
+
+    Never raises (``ubatch_guard`` calls it from exception handlers).
+    """
+    try:
+        ubatch = (_module or _ubatching())._THREAD_ID_TO_CONTEXT.get(threading.get_ident())
+        return None if ubatch is None else int(ubatch)
+    except Exception:
+        return None

@@ -19,11 +19,20 @@ here, in one place, in a fixed order:
 * ``active`` is one attribute read: the two microbatch threads read it while
   the main thread holds the partition.
 
-Subscribers that raise: on enter, the knobs are rolled back to the previous
-budget, subscribers already told are told ``exited``, and a ``SubscriberError``
-naming the subscriber is raised -- the body never runs half-partitioned. On
-exit, the knobs are restored first; every subscriber is still told; a
-subscriber error is raised only when the body itself did not raise.
+Subscribers are best effort. Every one of them is an optimisation or an
+observer -- the schedule cache's plan-ahead and planner warm-up (the indexer
+call site re-plans for DeepGEMM's *live* count whatever a subscriber did), the
+Prometheus exporter (writes ``prometheus_client`` multiprocess files) -- while
+the publication runs inside vLLM's DBO step (``SMControlContextManager``'s
+enter/exit in ``UBatchWrapper.__call__`` / ``UBatchRunner.begin_capturable_run``)
+or at model load (``announce``). A raising subscriber there would fail the step
+(or the engine start) for something that cannot make a result wrong. So a
+subscriber exception is caught, counted (``stats.subscriber_errors`` and
+``stats.subscriber_errors_by_name``), logged once per subscriber with its
+traceback (later ones at DEBUG), and publication goes on to the next
+subscriber. The knobs are never involved: they are turned before ``entered``
+and after the body, so the partition is always whole and exit always restores
+the previous budget exactly.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from dbo_runtime.core.budget import SMBudget, full_budget
-from dbo_runtime.core.errors import ConfigError, SubscriberError
+from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.log import get_logger
 
 logger = get_logger(__name__)
@@ -105,6 +114,8 @@ class SMControlStats:
     """Knob applications (enter and restore both count)."""
     partitions_entered: int = 0
     subscriber_errors: int = 0
+    """Subscriber callbacks that raised (caught: subscribers are best effort)."""
+    subscriber_errors_by_name: dict[str, int] = field(default_factory=dict)
     seconds_by_budget: dict[tuple[int, int], float] = field(default_factory=dict)
     """Wall time spent under each ``(compute, comm)`` split, the unpartitioned one included."""
 
@@ -133,6 +144,7 @@ class SMControl:
         self._since = clock()
         self.stats = SMControlStats()
         self.announced: list[SMBudget] = []
+        self._logged_failures: set[str] = set()
 
     # -- reads -----------------------------------------------------------------------------
     @property
@@ -153,39 +165,56 @@ class SMControl:
             self._subscribers[sub.token] = sub
             announced = list(self.announced) if replay else []
         for budget in announced:
-            callback(BudgetEvent("announced", budget, self._active, self))
+            self._deliver(sub, BudgetEvent("announced", budget, self._active, self))
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
         with self._lock:
             self._subscribers.pop(sub.token, None)
 
-    def _publish(self, kind: EventKind, budget: SMBudget, previous: SMBudget) -> list[tuple[Subscription, BaseException]]:
-        event = BudgetEvent(kind, budget, previous, self)
-        errors: list[tuple[Subscription, BaseException]] = []
-        for sub in list(self._subscribers.values()):
-            try:
-                sub.callback(event)
-            except Exception as exc:
+    def _deliver(self, sub: Subscription, event: BudgetEvent) -> None:
+        """Call one subscriber; an exception is counted and logged, never propagated (see module doc)."""
+        try:
+            sub.callback(event)
+        except Exception as exc:
+            with self._lock:
                 self.stats.subscriber_errors += 1
-                errors.append((sub, exc))
-        return errors
+                by_name = self.stats.subscriber_errors_by_name
+                by_name[sub.name] = by_name.get(sub.name, 0) + 1
+                first = sub.name not in self._logged_failures
+                self._logged_failures.add(sub.name)
+            if first:
+                logger.error(
+                    "dbo_runtime: SM budget subscriber %r raised on %r (%s) and is skipped for this event; the SM "
+                    "partition is unaffected. Further failures of this subscriber are counted in "
+                    "SMControl.stats.subscriber_errors_by_name and logged at DEBUG: %r",
+                    sub.name,
+                    event.kind,
+                    event.budget.describe(),
+                    exc,
+                    exc_info=exc,
+                )
+            else:
+                logger.debug("dbo_runtime: SM budget subscriber %r raised on %r again: %r", sub.name, event.kind, exc)
+
+    def _publish(self, kind: EventKind, budget: SMBudget, previous: SMBudget) -> None:
+        event = BudgetEvent(kind, budget, previous, self)
+        for sub in list(self._subscribers.values()):
+            self._deliver(sub, event)
 
     # -- announce --------------------------------------------------------------------------
     def announce(self, budget: SMBudget) -> None:
         """Publish a budget a partition will use later (at model load, outside any step).
 
-        Subscriber errors here propagate: this runs at start-up, where a clear
-        failure is better than a crash in the first DBO step.
+        Subscribers are best effort here too: a warm-up that cannot compile only
+        moves the compile to the first step, and a metrics file that cannot be
+        written loses a gauge; neither is worth failing vLLM's model load.
         """
         self._check_device(budget)
         with self._lock:
             if budget not in self.announced:
                 self.announced.append(budget)
-        errors = self._publish("announced", budget, self._active)
-        if errors:
-            sub, exc = errors[0]
-            raise SubscriberError(sub.name, "announce", exc)
+        self._publish("announced", budget, self._active)
 
     # -- partition -------------------------------------------------------------------------
     @contextmanager
@@ -198,21 +227,17 @@ class SMControl:
     ) -> Iterator[SMBudget]:
         """Hold ``budget`` for the body; restore the budget below it on exit."""
         token = self._enter(budget, comm_knob, compute_knob)
-        body_raised = False
         try:
             yield budget
-        except BaseException:
-            body_raised = True
-            raise
         finally:
-            self._exit(token, body_raised)
+            self._exit(token)
 
     def enter(self, budget: SMBudget, *, comm_knob: SMKnob | None = None, compute_knob: SMKnob | None = None) -> int:
         """Non-``with`` form for integrations whose enter and exit live in different calls."""
         return self._enter(budget, comm_knob, compute_knob)
 
-    def exit(self, token: int, *, body_raised: bool = False) -> None:
-        self._exit(token, body_raised)
+    def exit(self, token: int) -> None:
+        self._exit(token)
 
     def _check_device(self, budget: SMBudget) -> None:
         if budget.device != self.device or budget.total != self.total_sms:
@@ -252,15 +277,7 @@ class SMControl:
             self._stack.append(frame)
             self._active = budget
             self.stats.partitions_entered += 1
-            errors = self._publish("entered", budget, previous)
-            if errors:
-                self._stack.pop()
-                self._account()
-                self._active = previous
-                self._restore_knobs(previous, comm_knob, compute_knob)
-                self._publish("exited", previous, budget)
-                sub, exc = errors[0]
-                raise SubscriberError(sub.name, "enter", exc)
+            self._publish("entered", budget, previous)
             return frame.token
 
     def _restore_knobs(self, budget: SMBudget, comm_knob: SMKnob | None, compute_knob: SMKnob | None) -> None:
@@ -269,7 +286,7 @@ class SMControl:
         except Exception:
             logger.exception("dbo_runtime: restoring SM knobs to %s failed", budget.describe())
 
-    def _exit(self, token: int, body_raised: bool) -> None:
+    def _exit(self, token: int) -> None:
         with self._lock:
             index = next((i for i, f in enumerate(self._stack) if f.token == token), None)
             if index is None:
@@ -284,12 +301,7 @@ class SMControl:
             restored = self._stack[-1].budget if self._stack else self._root
             self._active = restored
             self._apply(restored, frame.comm_knob, frame.compute_knob)
-            errors = self._publish("exited", restored, left)
-        if errors and not body_raised:
-            sub, exc = errors[0]
-            raise SubscriberError(sub.name, "exit", exc)
-        for sub, exc in errors:
-            logger.error("dbo_runtime: subscriber %s raised on exit: %r", sub.name, exc)
+            self._publish("exited", restored, left)
 
 
 _CONTROLS: dict[int, SMControl] = {}

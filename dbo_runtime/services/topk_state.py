@@ -175,9 +175,58 @@ class GroupView:
     num_layers: int
 
 
+STATE_ATTR = "_dbo_runtime_topk_state"
+"""Attribute under which an attached index group carries its own per-microbatch state."""
+
+
+class _LogicalState:
+    """Per-microbatch views (``WINDOWS``) or copies (``COPIES``) of one logical top-k buffer.
+
+    Owned by the ``_GroupState`` of every attached group that reads this buffer;
+    the registry holds it only weakly.
+    """
+
+    def __init__(self, base: torch.Tensor, layout: TopkLayout, num_ubatches: int) -> None:
+        self.base_ref = weakref.ref(base)
+        self.base_rows = int(base.shape[0])
+        self.layout = layout
+        self.num_ubatches = num_ubatches
+        self.copies = [torch.empty_like(base) for _ in range(num_ubatches - 1)] if layout is TopkLayout.COPIES else []
+        self._cache: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def resolve(self, base: torch.Tensor, ubatch: int, offset: int) -> torch.Tensor:
+        if self.layout is TopkLayout.COPIES:
+            return self.copies[ubatch - 1]
+        hit = self._cache.get(ubatch)
+        if hit is not None and hit[0] == offset:
+            return hit[1]
+        window = base[offset:]
+        self._cache[ubatch] = (offset, window)
+        return window
+
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.copies)
+
+
 class _GroupState:
-    def __init__(self, group: Any, layout: TopkLayout, num_ubatches: int, make_event: Callable[[], Any]) -> None:
-        self.group_ref = weakref.ref(group)
+    """Per-microbatch events, workspaces (``COPIES``) and cached views of one index group.
+
+    Stored on the group itself (``STATE_ATTR``), so it lives exactly as long as
+    the group. It never references the group (only its tensors and stream), so
+    there is no cycle to wait for the garbage collector on.
+    """
+
+    def __init__(
+        self,
+        owner: UbatchTopkState,
+        group: Any,
+        logical: _LogicalState,
+        layout: TopkLayout,
+        num_ubatches: int,
+        make_event: Callable[[], Any],
+    ) -> None:
+        self.owner = owner
+        self.logical = logical
         self.layout = layout
         self.events = [(make_event(), make_event()) for _ in range(num_ubatches - 1)]
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -215,29 +264,6 @@ class _GroupState:
         return sum(p.numel() * p.element_size() + v.numel() * v.element_size() for p, v in self.copies)
 
 
-class _LogicalState:
-    def __init__(self, base: torch.Tensor, layout: TopkLayout, num_ubatches: int) -> None:
-        self.base_ref = weakref.ref(base)
-        self.base_rows = int(base.shape[0])
-        self.layout = layout
-        self.num_ubatches = num_ubatches
-        self.copies = [torch.empty_like(base) for _ in range(num_ubatches - 1)] if layout is TopkLayout.COPIES else []
-        self._cache: dict[int, tuple[int, torch.Tensor]] = {}
-
-    def resolve(self, base: torch.Tensor, ubatch: int, offset: int) -> torch.Tensor:
-        if self.layout is TopkLayout.COPIES:
-            return self.copies[ubatch - 1]
-        hit = self._cache.get(ubatch)
-        if hit is not None and hit[0] == offset:
-            return hit[1]
-        window = base[offset:]
-        self._cache[ubatch] = (offset, window)
-        return window
-
-    def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self.copies)
-
-
 class UbatchTopkState:
     """Registry of the logical buffers and index groups that need per-microbatch state.
 
@@ -245,6 +271,25 @@ class UbatchTopkState:
     happens on one thread at model build; the hot path (``logical``,
     ``group_view``) only reads dicts and is safe from the microbatch threads, of
     which vLLM runs exactly one at a time.
+
+    Lifetime (why the registry holds nothing strongly): the per-microbatch
+    state is cached views of the model's logical top-k buffer and of each
+    group's physical workspace and valid counts, the group's side stream, and
+    with ``COPIES`` whole tensors -- 64 MiB for the logical buffer plus about
+    8 MiB per group at GLM-5.3 sizes. A process-wide registry holding them would
+    keep all of it allocated after the model is gone (an offline ``LLM``
+    re-created in one process, a test suite): a view keeps its base's storage.
+    vLLM 0.33.0 has no model-teardown callback to hook, and
+    ``weakref.finalize`` on the model would run inside the garbage collector,
+    possibly on a microbatch thread in the middle of a hot-path dict read. So
+    the state is anchored to what needs it: each attached group carries its
+    ``_GroupState`` as an attribute, and that state holds the shared
+    ``_LogicalState`` of its buffer. The groups live exactly as long as the
+    model's attention impls, so when the model is dropped everything goes with
+    it by plain reference counting, on the thread that drops it. The registry
+    keeps only weak references (to groups, logical states and model buffers)
+    for lookups and introspection; dead entries are pruned at the next
+    ``attach`` or introspection call.
     """
 
     def __init__(self, locate: UbatchLocator, layout: TopkLayout | None = None) -> None:
@@ -253,8 +298,8 @@ class UbatchTopkState:
         """``None``: read ``DBO_RUNTIME_TOPK_LAYOUT`` at the first ``attach`` (model construction)."""
         self._lock = threading.Lock()
         self._model_buffers: dict[int, weakref.ref[torch.Tensor]] = {}
-        self._logical: dict[int, _LogicalState] = {}
-        self._groups: dict[int, _GroupState] = {}
+        self._logical: dict[int, weakref.ref[_LogicalState]] = {}
+        self._groups: dict[int, weakref.ref[Any]] = {}
 
     # -- construction (model build) ------------------------------------------------------------
     def mark_model_buffer(self, tensor: Any) -> None:
@@ -271,27 +316,50 @@ class UbatchTopkState:
         """Give ``group`` (which now has a follower) and its logical buffer per-microbatch state.
 
         Idempotent. Allocates (``COPIES`` only) right here, at model
-        construction, so vLLM's KV-cache memory profile accounts for it.
+        construction, so vLLM's KV-cache memory profile accounts for it. The
+        state lives as long as ``group`` does (see the class docstring).
         """
         if num_ubatches < 2:
             return
         base = group.logical_topk_indices
         with self._lock:
+            self._prune()
             if self.layout is None:
                 self.layout = parse_layout(os.environ.get(LAYOUT_ENV))
-            if id(group) not in self._groups or self._groups[id(group)].group_ref() is not group:
-                self._groups[id(group)] = _GroupState(group, self.layout, num_ubatches, make_event)
-            state = self._logical.get(id(base))
-            if state is None or state.base_ref() is not base:
-                self._logical[id(base)] = _LogicalState(base, self.layout, num_ubatches)
+            if self._group_state(group) is not None:
+                return
+            ref = self._logical.get(id(base))
+            logical = ref() if ref is not None else None
+            if logical is None or logical.base_ref() is not base:
+                logical = _LogicalState(base, self.layout, num_ubatches)
+                self._logical[id(base)] = weakref.ref(logical)
+            setattr(group, STATE_ATTR, _GroupState(self, group, logical, self.layout, num_ubatches, make_event))
+            self._groups[id(group)] = weakref.ref(group)
+
+    def _prune(self) -> None:
+        """Drop registry entries whose object is gone (caller holds the lock)."""
+        for table in (self._model_buffers, self._logical, self._groups):
+            for key in [k for k, ref in table.items() if ref() is None]:
+                del table[key]
 
     def clear(self) -> None:
         with self._lock:
+            for ref in list(self._groups.values()):
+                group = ref()
+                if group is not None and self._group_state(group) is not None:
+                    delattr(group, STATE_ATTR)
             self._model_buffers.clear()
             self._logical.clear()
             self._groups.clear()
 
     # -- hot path ----------------------------------------------------------------------------------
+    def _group_state(self, group: Any) -> _GroupState | None:
+        try:
+            state = group.__dict__.get(STATE_ATTR)
+        except AttributeError:  # a group without a __dict__ was never attached
+            return None
+        return state if state is not None and state.owner is self else None
+
     def _current(self, num_ubatches: int) -> tuple[int, int]:
         ubatch, offset = self.locate()
         if ubatch >= num_ubatches:
@@ -310,7 +378,8 @@ class UbatchTopkState:
         """The calling microbatch's logical top-k buffer for ``tensor`` (itself when not shared)."""
         if not self._logical:
             return tensor
-        state = self._logical.get(id(tensor))
+        ref = self._logical.get(id(tensor))
+        state = ref() if ref is not None else None
         if state is None or state.base_ref() is not tensor:
             return tensor
         ubatch, offset = self._current(state.num_ubatches)
@@ -320,10 +389,8 @@ class UbatchTopkState:
 
     def group_view(self, group: Any) -> GroupView | None:
         """The calling microbatch's view of ``group``; ``None`` means "use the group itself"."""
-        if not self._groups:
-            return None
-        state = self._groups.get(id(group))
-        if state is None or state.group_ref() is not group:
+        state = self._group_state(group)
+        if state is None:
             return None
         ubatch, offset = self._current(len(state.events) + 1)
         if ubatch == 0:
@@ -332,16 +399,25 @@ class UbatchTopkState:
 
     # -- introspection -----------------------------------------------------------------------------
     def is_attached(self, group: Any) -> bool:
-        state = self._groups.get(id(group))
-        return state is not None and state.group_ref() is group
+        return self._group_state(group) is not None
+
+    def _live_group_states(self) -> list[_GroupState]:
+        with self._lock:
+            self._prune()
+            groups = [ref() for ref in self._groups.values()]
+        states = [self._group_state(g) for g in groups if g is not None]
+        return [s for s in states if s is not None]
 
     def max_logical_rows(self) -> int:
         """Rows of the largest shared logical buffer (0 when none is attached)."""
-        return max((ref.base_rows for ref in self._logical.values()), default=0)
+        live = [ref() for ref in list(self._logical.values())]
+        return max((state.base_rows for state in live if state is not None), default=0)
 
     def num_groups(self) -> int:
-        return sum(1 for s in self._groups.values() if s.group_ref() is not None)
+        return len(self._live_group_states())
 
     def extra_bytes(self) -> int:
         """Device bytes allocated for microbatches after the first (0 with ``WINDOWS``)."""
-        return sum(s.nbytes() for s in self._logical.values()) + sum(s.nbytes() for s in self._groups.values())
+        states = self._live_group_states()
+        logical = {id(s.logical): s.logical for s in states}
+        return sum(s.nbytes() for s in logical.values()) + sum(s.nbytes() for s in states)

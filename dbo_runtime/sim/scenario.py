@@ -201,8 +201,11 @@ class Scenario:
             layout=TopkLayout(config.topk_layout),
         )
         self.topk.mark_model_buffer(self.logical)
+        # Held for the scenario's lifetime, like vLLM's groups live with the model: the per-microbatch
+        # state is anchored to the group (UbatchTopkState's lifetime rule).
+        self.topk_group = _SimIndexGroup(self.logical)
         if config.isolate_topk:
-            self.topk.attach(_SimIndexGroup(self.logical), 2, self._make_event)
+            self.topk.attach(self.topk_group, 2, self._make_event)
         self.cache = IndexerScheduleCache(planner=backend)  # type: ignore[arg-type]
         device_index = self.dev.index if self.dev.index is not None else 0
         self.control = SMControl(device_index, backend.total_sms)

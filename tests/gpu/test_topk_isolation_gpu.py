@@ -333,3 +333,47 @@ def test_control_resolver_pinned_to_ubatch0_is_caught(cuda_device: torch.device,
     summary = _run(TopkLayout.WINDOWS, cuda_device, graphs=False, pinned=True)
     _report(out_dir, "control_pinned_ubatch0", summary)
     assert summary["mismatches"] > 0
+
+
+def _build_and_run_dropped(layout: TopkLayout, device: torch.device) -> tuple[UbatchTopkState, Any, int]:
+    """A model's life: build, run both step sizes eagerly, drop it; returns (registry, weakref to the
+    logical buffer, device bytes allocated while the model was alive)."""
+    import weakref
+
+    h = Harness(layout, device)
+    rng = random.Random(7)
+    gen = torch.Generator().manual_seed(7)
+    main = torch.cuda.Stream()
+    other = torch.cuda.Stream()
+    for total in STEPS:
+        io = h.inputs(total)
+        h.refill(io, gen)
+        main.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(main):
+            h.step(io, rng, main, other)
+        torch.cuda.current_stream().wait_stream(main)
+    torch.cuda.synchronize()
+    return h.state, weakref.ref(h.base), torch.cuda.memory_allocated(device)
+
+
+@pytest.mark.parametrize("layout", list(TopkLayout))
+def test_dropping_the_model_frees_all_per_microbatch_state(
+    cuda_device: torch.device, out_dir: pathlib.Path | None, layout: TopkLayout
+) -> None:
+    """Twin of tests/vllm/test_topk_teardown.py with real CUDA tensors, streams and events: after the model
+    (here the harness: logical buffer, groups) is dropped, device memory is back where it was."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(cuda_device)
+    state, base_ref, alive = _build_and_run_dropped(layout, cuda_device)
+    gc.collect()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated(cuda_device)
+    summary = {"layout": layout.value, "bytes_before": before, "bytes_with_model": alive, "bytes_after": after}
+    _report(out_dir, f"teardown_{layout.value}", summary)
+    assert alive > before  # the model really lived on the GPU
+    assert base_ref() is None, "the logical top-k buffer outlived the model"
+    assert after == before, f"{after - before} device bytes kept alive after the model was dropped"
+    assert state.num_groups() == 0 and state.extra_bytes() == 0

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from dbo_runtime.core.budget import SMBudget, compute_budget
-from dbo_runtime.core.errors import ConfigError, SubscriberError
+from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.services.sm_control import BudgetEvent, FunctionKnob, SMControl
 
 
@@ -91,39 +94,113 @@ def test_subscriber_sees_budget_before_body_and_restore_after(rec: FakeKnobs) ->
     assert seen[-1] == ("exited", 132, [("compute", 112), ("compute", 132)])
 
 
-def test_subscriber_raising_on_enter_rolls_back(rec: FakeKnobs) -> None:
+def _raising_on(kind: str, message: str = "cannot plan") -> Callable[[BudgetEvent], None]:
+    def bad(e: BudgetEvent) -> None:
+        if e.kind == kind:
+            raise RuntimeError(message)
+
+    return bad
+
+
+@pytest.mark.parametrize("kind", ["entered", "exited"])
+def test_failing_subscriber_never_fails_or_half_applies_the_step(rec: FakeKnobs, kind: str, caplog: Any) -> None:
+    """Subscribers are best effort: the body runs under the whole partition, knobs return to the previous budget."""
+    caplog.set_level(logging.DEBUG, logger="vllm.dbo_runtime")
     ctl = SMControl(0, 132)
     events: list[str] = []
-    ctl.subscribe(lambda e: events.append(f"ok:{e.kind}:{e.budget.compute}"), name="good")
+    ctl.subscribe(_raising_on(kind), name="bad")
+    ctl.subscribe(lambda e: events.append(f"{e.kind}:{e.budget.compute}"), name="good")
+    ran = 0
+    for _ in range(3):
+        with ctl.partition(budget(20), comm_knob=rec.knob("comm"), compute_knob=rec.knob("compute")):
+            assert ctl.active.compute == 112 and rec.calls[-2:] == [("comm", 20), ("compute", 112)]
+            ran += 1
+        assert rec.calls[-2:] == [("comm", 132), ("compute", 132)]
+    assert ran == 3 and ctl.active.compute == 132 and ctl.depth == 0
+    assert rec.calls == [("comm", 20), ("compute", 112), ("comm", 132), ("compute", 132)] * 3
+    assert events == ["entered:112", "exited:132"] * 3  # later subscribers are still told
+    assert ctl.stats.subscriber_errors == 3 and ctl.stats.subscriber_errors_by_name == {"bad": 3}
+    logged = [r for r in caplog.records if "subscriber 'bad'" in r.getMessage() and r.levelno >= logging.WARNING]
+    assert len(logged) == 1 and "cannot plan" in logged[0].getMessage()
 
-    def bad(e: BudgetEvent) -> None:
-        if e.kind == "entered":
-            raise RuntimeError("cannot plan")
 
-    ctl.subscribe(bad, name="bad")
-    with pytest.raises(SubscriberError) as err, ctl.partition(budget(20), compute_knob=rec.knob("compute")):
-        pytest.fail("body must not run")
-    assert err.value.subscriber == "bad" and err.value.phase == "enter"
-    assert rec.calls == [("compute", 112), ("compute", 132)]
-    assert events == ["ok:entered:112", "ok:exited:132"]
-    assert ctl.active.compute == 132 and ctl.stats.subscriber_errors == 1
-
-
-def test_subscriber_raising_on_exit(rec: FakeKnobs) -> None:
+def test_failing_subscriber_in_nested_partitions_restores_each_previous_budget(rec: FakeKnobs) -> None:
     ctl = SMControl(0, 132)
+    ctl.subscribe(lambda e: (_ for _ in ()).throw(OSError("disk full")), name="always")
+    comm, compute = rec.knob("comm"), rec.knob("compute")
+    with ctl.partition(budget(20), comm_knob=comm, compute_knob=compute):
+        with ctl.partition(budget(32), comm_knob=comm, compute_knob=compute):
+            assert ctl.active.compute == 100
+        assert ctl.active.compute == 112 and rec.calls[-2:] == [("comm", 20), ("compute", 112)]
+    assert ctl.active.compute == 132 and rec.calls[-2:] == [("comm", 132), ("compute", 132)]
+    assert ctl.stats.subscriber_errors == 4
 
-    def bad(e: BudgetEvent) -> None:
-        if e.kind == "exited":
-            raise RuntimeError("late")
 
-    ctl.subscribe(bad, name="bad")
-    with pytest.raises(SubscriberError, match="late"), ctl.partition(budget(20), compute_knob=rec.knob("compute")):
-        pass
-    assert rec.calls[-1] == ("compute", 132) and ctl.active.compute == 132
-    # When the body raised, its exception wins and the subscriber error is only logged.
+def test_failing_subscriber_on_announce_and_replay_does_not_stop_model_load() -> None:
+    ctl = SMControl(0, 132)
+    ctl.subscribe(_raising_on("announced"), name="bad")
+    ctl.announce(budget(20))  # model load goes on
+    assert ctl.announced == [budget(20)]
+    late = ctl.subscribe(_raising_on("announced"), name="late")  # replay of the announced budget
+    assert late.name == "late" and ctl.stats.subscriber_errors_by_name == {"bad": 1, "late": 1}
+
+
+def test_body_exception_still_wins_over_a_failing_subscriber(rec: FakeKnobs) -> None:
+    ctl = SMControl(0, 132)
+    ctl.subscribe(_raising_on("exited"), name="bad")
     with pytest.raises(KeyError), ctl.partition(budget(20), compute_knob=rec.knob("compute")):
         raise KeyError("body")
-    assert ctl.active.compute == 132
+    assert ctl.active.compute == 132 and rec.calls == [("compute", 112), ("compute", 132)]
+
+
+def test_planner_warm_up_failing_on_entered_does_not_fail_the_step(rec: FakeKnobs) -> None:
+    """The real schedule-cache subscriber: a planner JIT compile that fails on an unannounced budget."""
+    from dbo_runtime.services.schedule_cache import IndexerScheduleCache, PlannerProfile
+    from tests.fakes.fake_deep_gemm import FakeDeepGemm, FakeSchedulePlanner
+
+    class FailingJit(FakeSchedulePlanner):
+        def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
+            raise RuntimeError("DeepGEMM JIT: nvcc failed")
+
+    ctl = SMControl(0, 132)
+    cache = IndexerScheduleCache(FailingJit(FakeDeepGemm(total_sms=132)))
+    cache.attach(ctl)
+    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=64, next_ns=(1,), max_batch=32))
+    with ctl.partition(budget(20), compute_knob=rec.knob("compute")):
+        pass
+    assert rec.calls == [("compute", 112), ("compute", 132)]
+    assert ctl.stats.subscriber_errors_by_name == {"indexer_schedule_cache": 1}
+
+
+def test_prometheus_exporter_losing_its_multiprocess_dir_does_not_stop_model_load_or_steps(
+    rec: FakeKnobs, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real exporter in prometheus_client's multiprocess mode; the directory vanishes after it was created
+    (a tmp cleaner): the budget gauges' file cannot be created at announce."""
+    import shutil
+
+    import prometheus_client
+    from prometheus_client import values
+
+    from dbo_runtime.services.metrics import MetricsExporter
+    from tests.unit.test_metrics import FakeCacheStats
+
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom))
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
+    registry = prometheus_client.CollectorRegistry()
+    exporter = MetricsExporter(registry=registry, cache=FakeCacheStats())  # opens the counters' file
+    shutil.rmtree(prom)
+    ctl = SMControl(0, 132)
+    exporter.attach(ctl)
+    ctl.announce(budget(20))  # the gauges' file cannot be created: logged and counted, model load goes on
+    assert ctl.stats.subscriber_errors_by_name == {"prometheus_metrics": 1}
+    for _ in range(2):
+        with ctl.partition(budget(20), compute_knob=rec.knob("compute")):
+            pass
+    assert rec.calls == [("compute", 112), ("compute", 132)] * 2 and ctl.active.compute == 132
+    assert registry.get_sample_value("dbo_runtime_sm_partitions_total", {"device": "0"}) == 2  # steps still exported
 
 
 def test_unsubscribe_and_replay_of_announced() -> None:

@@ -83,7 +83,8 @@ def test_windows_refuse_zero_offset_and_unknown_ubatch() -> None:
     where = {"v": (1, 0)}
     st = UbatchTopkState(lambda: where["v"], TopkLayout.WINDOWS)
     base = torch.zeros(8, 2, dtype=torch.int32)
-    st.attach(_group(base), 2, object)
+    group = _group(base)  # the state lives as long as the group (vLLM: as long as the model)
+    st.attach(group, 2, object)
     with pytest.raises(DboRuntimeError, match="token offset 0"):
         st.logical(base)
     where["v"] = (2, 4)

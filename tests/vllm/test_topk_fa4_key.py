@@ -59,7 +59,8 @@ def test_window_lengths_share_one_cache_entry_and_values_match() -> None:
     wrapped = _fa4_scalars_patch(state).make(scalars)
     cpu = torch.device("cpu")
     assert wrapped(64, 7, cpu) is scalars(64, 7, cpu)  # nothing attached yet: unchanged key
-    state.attach(_index_group(base), 2, lambda: None)
+    group = _index_group(base)  # kept: the per-microbatch state lives as long as its group
+    state.attach(group, 2, lambda: None)
     windows = [wrapped(64 - offset, 7, cpu) for offset in (3, 10, 31, 40)]
     assert all(w is windows[0] for w in windows) and calls == [64]
     n = 5  # what the kernel slices: identical to a cache entry made for the window length itself

@@ -1,0 +1,408 @@
+"""A dbo_runtime failure on a DBO microbatch thread never hangs the step (issue 10, item 4).
+
+vLLM 0.33.0 does not wake the partner microbatch when one thread dies: the partner waits at its
+next ``dbo_yield`` forever and the main thread's ``join()`` never returns. Here the real join
+points run: MRV1 ``UBatchWrapper._run_ubatches`` and MRV2 ``UBatchRunner.begin_capturable_run`` +
+``finish()``, each starting real threads under vLLM's own ``make_ubatch_contexts`` /
+``UBatchContext``; the "model" is the GLM-5.3 layer stack of tests/vllm/test_topk_isolation.py
+(real ``DeepseekV32Attention`` / ``SparseMLACommonImpl`` / ``SparseMLAIndexGroup`` objects, real
+``dbo_yield`` after every layer), plus vLLM's indexer logits call site on leader layers. A fault
+is injected into dbo_runtime code on microbatch 1 (``FailingLocator``: the top-k microbatch
+resolver; ``FailingJitPlanner``: the call-site re-plan). The step must finish on every thread,
+and the main thread must get ``MicrobatchFailure`` with the injected error as its cause.
+
+Boundary fakes beyond test_topk_isolation's: ``torch.accelerator.set_device_index`` (no
+accelerator here) and MRV2's ``current_stream``; the UBatchWrapper / UBatchRunner objects are
+made with ``object.__new__`` and only the attributes their run methods read (constructing them
+needs a CUDA device and a model runner). The GPU machine has no vLLM, so there is no GPU twin:
+nothing here is GPU behaviour (thread hand-off only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from dbo_runtime.integration import indexer_hooks, topk_hooks, ubatch_ids
+from dbo_runtime.integration.patching import PatchSet
+from dbo_runtime.services.schedule_cache import IndexerScheduleCache, set_schedule_cache_for_tests
+from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
+from tests.fakes.fake_deep_gemm import (
+    FakeDeepGemm,
+    FakeSchedulePlanner,
+    vllm_signature_logits,
+    vllm_signature_planner,
+)
+from tests.fakes.topk_boundary import FakeStream
+from tests.vllm.test_topk_isolation import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    TOPK,
+    Boundary,
+    FakeConvertMetadata,
+    FakeForwardContext,
+    Model,
+    boundary,  # noqa: F401 - fixture
+    build_model,
+    dbo_config,
+)
+
+SAI = "vllm.model_executor.layers.sparse_attn_indexer"
+V41 = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.indexer"
+TOTAL = 16  # padded tokens of the step (8 per microbatch: fits the physical workspace)
+HANG_S = 20.0
+LENS = torch.tensor([[5], [300], [7000]], dtype=torch.int32)  # three decode requests, next_n 1
+
+
+class FailingLocator:
+    """The top-k state's microbatch resolver (``ubatch_ids.current_ubatch``), failing on microbatch
+    ``ubatch`` from its ``after``-th call on: a bug in dbo_runtime code on a microbatch thread."""
+
+    def __init__(self, ubatch: int | None, after: int = 20) -> None:
+        self.ubatch, self.after, self.calls = ubatch, after, 0
+
+    def __call__(self) -> tuple[int, int]:
+        u, offset = ubatch_ids.current_ubatch()
+        if u == self.ubatch:
+            self.calls += 1
+            if self.calls > self.after:
+                raise RuntimeError(f"injected top-k resolver fault on microbatch {u}")
+        return u, offset
+
+
+class FailingJitPlanner(FakeSchedulePlanner):
+    """The DeepGEMM planner fake, failing (like a JIT compile error) when microbatch ``fail_on`` re-plans,
+    and failing to read DeepGEMM's SM count on microbatch ``fail_live_on``."""
+
+    fail_on: int | None = None
+    fail_live_on: int | None = None
+
+    def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
+        if self.fail_on is not None and ubatch_ids.ubatch_thread_id() == self.fail_on:
+            raise RuntimeError("injected DeepGEMM JIT failure in the call-site re-plan")
+        return super().plan(context_lens, block_kv, num_sms, indices)
+
+    def get_num_sms(self) -> int:
+        if self.fail_live_on is not None and ubatch_ids.ubatch_thread_id() == self.fail_live_on:
+            raise RuntimeError("injected DeepGEMM get_num_sms failure")
+        return super().get_num_sms()
+
+
+@dataclass
+class Logits:
+    """vLLM's indexer decode call site (``sparse_attn_indexer``'s ``fp8_fp4_paged_mqa_logits`` global)."""
+
+    sai: Any
+    dg: FakeDeepGemm
+    schedules: list[torch.Tensor]
+    """One per microbatch: vLLM builds each microbatch's indexer metadata (and schedule) separately."""
+
+    def __call__(self) -> torch.Tensor:
+        return self.sai.fp8_fp4_paged_mqa_logits(
+            (torch.empty(0), None),
+            torch.empty((4, 64, 1, 132), dtype=torch.uint8),
+            torch.empty((3, 4), dtype=torch.float32),
+            LENS,
+            torch.zeros((3, 4), dtype=torch.int32),
+            self.schedules[ubatch_ids.current_ubatch_id()],
+            max_model_len=8,
+            indices=None,
+        )
+
+
+class DboModel:
+    """What each microbatch thread runs: the layer stack, one ``dbo_yield`` per layer (DBO's order)."""
+
+    def __init__(self, model: Model, logits: Logits | None, v41: Any = None) -> None:
+        self.model, self.logits, self.v41 = model, logits, v41
+        self.done: dict[int, int] = {}
+        self.logits_rows: dict[int, list[float]] = {}
+        self.v41_rows: dict[int, list[int]] = {}
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, **_: Any) -> torch.Tensor:
+        from vllm.v1.worker import ubatching
+
+        u = ubatch_ids.current_ubatch_id()
+        n = int(input_ids.shape[0])
+        meta = FakeConvertMetadata(
+            req_id_per_token=torch.arange(n, dtype=torch.int32) % 3,
+            block_table=torch.zeros((3, NUM_BLOCKS), dtype=torch.int32),
+            block_size=BLOCK_SIZE,
+        )
+        for i, layer in enumerate(self.model.layers):
+            if layer.leader:
+                buf = layer.attn.topk_indices_buffer
+                buf[:n] = torch.full((n, TOPK), i, dtype=torch.int32)
+                layer.impl.record_logical_topk_ready()
+                if self.logits is not None:
+                    self.logits_rows.setdefault(u, []).append(float(self.logits()[0, 0]))
+                if self.v41 is not None:  # DeepSeek-V4.1's _decode_rows: an SM count inferred from rows
+                    schedule = self.v41.get_paged_mqa_logits_metadata(LENS, 64, 132, indices=None)
+                    self.v41_rows.setdefault(u, []).append(int(schedule.shape[0]))
+            topk = layer.impl.topk_indices_buffer[:n]
+            layer.impl._convert_logical_to_physical_topk(topk, meta, block_stride_rows=None, return_valid_counts=True)
+            ubatching.dbo_yield()
+            self.done[u] = i + 1
+        return input_ids.float()[:, None]
+
+
+@dataclass
+class Env:
+    boundary: Boundary
+    state: UbatchTopkState
+    locator: FailingLocator
+    model: Model
+    dbo_model: DboModel
+    planner: FailingJitPlanner
+    contexts: list[Any]
+    """The UBatchContexts vLLM made for the last step (for the hang rescue)."""
+
+
+@pytest.fixture
+def env(boundary: Boundary, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:  # noqa: F811
+    """The GLM-5.3 stack with the top-k and call-site patches; ``ubatch_guard``'s join points unless the
+    test is parametrized indirectly with ``False``."""
+    import importlib
+
+    from vllm.v1.worker.gpu import ubatch_utils as mrv2
+
+    from dbo_runtime.integration import ubatch_guard
+
+    sai = importlib.import_module(SAI)
+    v41 = importlib.import_module(V41)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda device: None)
+    monkeypatch.setattr(mrv2, "current_stream", lambda: boundary.compute)
+    contexts: list[Any] = []
+
+    def make_ubatch_contexts(*args: Any, **kwargs: Any) -> Any:
+        made = original_make(*args, **kwargs)
+        contexts[:] = made
+        return made
+
+    original_make = mrv2.make_ubatch_contexts
+    monkeypatch.setattr(mrv2, "make_ubatch_contexts", make_ubatch_contexts)
+    dg = FakeDeepGemm(total_sms=132)
+    monkeypatch.setattr(sai, "fp8_fp4_paged_mqa_logits", vllm_signature_logits(dg))
+    monkeypatch.setattr(v41, "get_paged_mqa_logits_metadata", vllm_signature_planner(dg))
+    planner = FailingJitPlanner(dg)
+    cache = IndexerScheduleCache(planner)
+    previous = set_schedule_cache_for_tests(cache)
+
+    locator = FailingLocator(None)
+    state = UbatchTopkState(locator, TopkLayout.WINDOWS)
+    wanted = {"indexer.logits.sparse_attn_indexer", "indexer.planner.deepseek_v41"}
+    patch_set = PatchSet(
+        topk_hooks.patches(state)
+        + [p for p in indexer_hooks.patches() if p.name in wanted]
+        + (ubatch_guard.patches() if getattr(request, "param", True) else [])
+    )
+    patch_set.install()
+    try:
+        model = build_model(dbo_config())
+        schedules = [planner.plan(LENS, 64, 132) for _ in range(2)]
+        for schedule in schedules:
+            cache.track(schedule, planned_sms=132, block_kv=64, next_n=1)
+        dg.set_num_sms(112)  # what SMControl does for the step: every call site re-plans
+        yield Env(boundary, state, locator, model, DboModel(model, Logits(sai, dg, schedules), v41), planner, contexts)
+    finally:
+        patch_set.uninstall()
+        set_schedule_cache_for_tests(previous)
+        ubatch_guard.FAILURES.take()
+
+
+def _watch(run: Any, contexts: list[Any]) -> tuple[Any, BaseException | None]:
+    """Run a join point on a "main" thread; if it does not return, it hung: unblock and fail the test."""
+    out: dict[str, Any] = {}
+
+    def main() -> None:
+        try:
+            out["result"] = run()
+        except BaseException as exc:
+            out["error"] = exc
+
+    t = threading.Thread(target=main, daemon=True)
+    t.start()
+    t.join(HANG_S)
+    hung = t.is_alive()
+    while t.is_alive():  # rescue the parked microbatch so the (non-daemon) vLLM threads can exit
+        for ctx in contexts:
+            ctx.cpu_wait_event.set()
+        time.sleep(0.001)
+    assert not hung, "the microbatch join hung: a dead microbatch thread left its partner parked"
+    return out.get("result"), out.get("error")
+
+
+def _mrv1(env: Env) -> tuple[Any, BaseException | None]:
+    from vllm.v1.worker.gpu_ubatch_wrapper import UbatchMetadata, UBatchWrapper
+    from vllm.v1.worker.ubatching import make_ubatch_contexts
+
+    wrapper = object.__new__(UBatchWrapper)
+    wrapper.__dict__.update(device=0, ready_barrier=threading.Barrier(3), cudagraphs={})
+    sizes, offsets = [TOTAL // 2, TOTAL - TOTAL // 2], [0, TOTAL // 2]
+    from vllm.config import CUDAGraphMode
+
+    contexts = make_ubatch_contexts(
+        num_micro_batches=2,
+        compute_stream=env.boundary.compute,
+        comm_stream=FakeStream("comm", ubatch_ids.current_ubatch_id, env.boundary.log),
+        forward_contexts=[FakeForwardContext(cudagraph_runtime_mode=CUDAGraphMode.NONE) for _ in range(2)],
+        ready_barrier=wrapper.ready_barrier,
+        token_offsets=offsets,
+    )
+    metadata = [
+        UbatchMetadata(
+            context=contexts[u],
+            input_ids=torch.arange(offsets[u], offsets[u] + sizes[u]),
+            positions=torch.arange(offsets[u], offsets[u] + sizes[u]),
+            inputs_embeds=None,
+            intermediate_tensors=None,
+            num_tokens=sizes[u],
+        )
+        for u in range(2)
+    ]
+    return _watch(lambda: wrapper._run_ubatches(metadata, env.dbo_model), contexts)
+
+
+def _mrv2(env: Env) -> tuple[Any, BaseException | None]:
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner, UBatchState
+    from vllm.v1.worker.ubatch_utils import UBatchSlice
+
+    runner = object.__new__(UBatchRunner)
+    runner.__dict__.update(
+        num_ubatches=2,
+        device=torch.device("cpu"),
+        comm_stream=FakeStream("comm", ubatch_ids.current_ubatch_id, env.boundary.log),
+        capture_stream=env.boundary.compute,
+        ready_barrier=threading.Barrier(3),
+        _pending_finish=None,
+        sm_control=contextlib.nullcontext(),
+    )
+    half = TOTAL // 2
+    ubatch_state = UBatchState(
+        slices=[UBatchSlice(slice(0, 2), slice(0, half)), UBatchSlice(slice(2, 3), slice(half, TOTAL))],
+        forward_contexts=[FakeForwardContext(cudagraph_runtime_mode=CUDAGraphMode.NONE) for _ in range(2)],
+    )
+    inputs = {"input_ids": torch.arange(TOTAL), "positions": torch.arange(TOTAL)}
+    return _watch(lambda: runner.run(env.dbo_model, inputs, ubatch_state), env.contexts)
+
+
+RUNNERS = {"mrv1": _mrv1, "mrv2": _mrv2}
+
+
+@pytest.mark.parametrize("runner", list(RUNNERS))
+def test_a_healthy_step_is_untouched(env: Env, runner: str) -> None:
+    result, error = RUNNERS[runner](env)
+    assert error is None
+    assert torch.equal(result, torch.arange(TOTAL).float()[:, None])
+    assert env.dbo_model.done == {0: len(env.model.layers), 1: len(env.model.layers)}
+    assert all(v == 113.0 for rows in env.dbo_model.logits_rows.values() for v in rows)  # re-planned for 112 SMs
+    assert {r for rows in env.dbo_model.v41_rows.values() for r in rows} == {113}  # planned for the live 112
+
+
+@pytest.mark.parametrize("runner", list(RUNNERS))
+@pytest.mark.parametrize("fault", ["topk_resolver", "logits_replan", "v41_live_count"])
+def test_a_plugin_fault_on_a_microbatch_finishes_the_step_and_raises_on_the_main_thread(
+    env: Env, runner: str, fault: str
+) -> None:
+    if fault == "topk_resolver":
+        env.locator.ubatch = 1
+        expected = "injected top-k resolver fault"
+        hooks = {
+            "top-k logical buffer (module attribute)",
+            "top-k logical buffer (sparse MLA impl)",
+            "top-k group view (_convert_once)",
+            "top-k group view (set_logical_topk_ready)",
+        }
+    elif fault == "logits_replan":
+        env.planner.fail_on = 1
+        expected = "injected DeepGEMM JIT failure"
+        hooks = {"indexer logits call site"}
+    else:
+        env.planner.fail_live_on = 1
+        expected = "injected DeepGEMM get_num_sms failure"
+        hooks = {"indexer logits call site", "DeepSeek-V4.1 decode-rows planner"}
+    result, error = RUNNERS[runner](env)
+
+    from dbo_runtime.core.errors import MicrobatchFailure
+
+    assert result is None and isinstance(error, MicrobatchFailure), repr(error)
+    assert expected in str(error.__cause__) and "microbatch 1" in str(error)
+    assert {ubatch for _, ubatch, _ in error.failures} == {1}
+    assert {where for where, _, _ in error.failures} == hooks
+    # Both threads ran the whole layer stack in lock-step: no partner was left parked.
+    assert env.dbo_model.done == {0: len(env.model.layers), 1: len(env.model.layers)}
+    if fault == "logits_replan":
+        assert env.dbo_model.logits_rows[1] == [0.0] * len(env.dbo_model.logits_rows[1])  # placeholder, no kernel
+        assert set(env.dbo_model.logits_rows[0]) == {113.0}
+
+    if fault == "v41_live_count":
+        assert set(env.dbo_model.v41_rows[1]) == {133}  # vLLM's own call (its row-inferred count) instead
+    # The next step is clean again: nothing recorded is left over.
+    env.locator.ubatch = env.planner.fail_on = env.planner.fail_live_on = None
+    _, error = RUNNERS[runner](env)
+    assert error is None
+
+
+@pytest.mark.parametrize("env", [False], indirect=True)
+def test_mutation_without_the_join_points_the_fault_would_be_silent(env: Env) -> None:
+    """The placeholders alone would return a wrong step: the join-point check is what surfaces it."""
+    from dbo_runtime.integration import ubatch_guard
+
+    env.planner.fail_on = 1
+    result, error = _mrv1(env)
+    assert error is None and result is not None  # the step "succeeded" ...
+    assert env.dbo_model.logits_rows[1] == [0.0] * len(env.dbo_model.logits_rows[1])  # ... on placeholder logits
+    assert ubatch_guard.FAILURES.pending, "the failure was recorded but nobody raised it"
+
+
+def test_off_microbatch_threads_a_plugin_fault_still_raises(env: Env) -> None:
+    """Outside a microbatch (non-DBO steps, model construction) the hooks re-raise as before."""
+    env.locator.ubatch = 0
+    env.locator.after = 0
+    with pytest.raises(RuntimeError, match="injected top-k resolver fault"):
+        _ = env.model.layers[3].impl.topk_indices_buffer
+    env.planner.fail_on = None
+    from dbo_runtime.integration import ubatch_guard
+
+    assert ubatch_guard.FAILURES.pending == []
+
+
+def test_placeholder_logits_have_the_kernels_shape_and_dtype() -> None:
+    from dbo_runtime.integration.ubatch_guard import placeholder_logits
+
+    lens = torch.ones((3, 4), dtype=torch.int32)
+    out = placeholder_logits(lens, torch.empty((12, 64), dtype=torch.bfloat16), 40)
+    assert out.shape == (12, 40) and out.dtype == torch.bfloat16 and not out.any()
+    assert placeholder_logits(torch.ones(5, dtype=torch.int32), torch.empty((5, 64)), 8).dtype == torch.float32
+
+
+def test_failures_are_counted_logged_once_per_hook_and_raised_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from vllm.v1.worker import ubatching
+
+    from dbo_runtime.core.errors import MicrobatchFailure
+    from dbo_runtime.integration.ubatch_guard import UbatchFailures
+
+    failures = UbatchFailures()
+    assert failures.record("hook", RuntimeError("main thread")) is False  # not a microbatch thread: re-raise
+    monkeypatch.setitem(ubatching._THREAD_ID_TO_CONTEXT, threading.get_ident(), 1)  # this thread is microbatch 1
+    caplog.set_level(logging.DEBUG, logger="vllm.dbo_runtime")
+    first, second = RuntimeError("first"), RuntimeError("second")
+    assert failures.record("hook", first) and failures.record("hook", second) and failures.record("other", second)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and "failed on DBO microbatch 1" in r.getMessage()]
+    assert [r.getMessage().split(" failed")[0] for r in errors] == ["dbo_runtime: hook", "dbo_runtime: other"]
+    assert failures.recorded_total == 3 and failures.by_where == {"hook": 2, "other": 1}
+    with pytest.raises(MicrobatchFailure, match=r"hook failed on DBO microbatch 1: RuntimeError\('first'\) \(\+2 more") as err:
+        failures.raise_pending()
+    assert err.value.__cause__ is first and len(err.value.failures) == 3
+    failures.raise_pending()  # taken: nothing left to raise
