@@ -21,8 +21,11 @@ Upstream behaviour that forces these patches (vLLM 0.33.0, ``docs/vllm-0.33-hook
 
 What the patches do: the builder's planner call (its ``get_paged_mqa_logits_metadata``
 binding) reports the count it planned for, and plans for the announced DBO
-compute count while a runner builds microbatch metadata (plan-ahead); ``build``
-attaches that to the schedule tensor; the call sites hand the schedule to
+compute count while a runner builds microbatch metadata (plan-ahead) -- or,
+for such a build, launches nothing and hands ``build`` its own buffer's rows to
+fill in later (deferred plan-ahead: a FULL-graph replay re-plans inside the
+graph and never reads what the build planned); ``build`` attaches that to the
+schedule tensor; the call sites hand the schedule to
 ``IndexerScheduleCache.resolve``; the builder's ``__init__`` registers the
 planner profile so the DBO count is JIT-warmed at model load. XPU and ROCm
 paths are not touched (XPU uses its own op; ROCm never reaches DeepGEMM).
@@ -56,8 +59,12 @@ MRV2_UBATCH_MODULE = "vllm.v1.worker.gpu.ubatch_utils"
 @dataclass
 class _PlanScope:
     override_sms: int | None
+    defer_into: Any = None
+    """The builder's ``scheduler_metadata_buffer`` when a plan-ahead build may skip its planner."""
     planned: tuple[int, int, int] | None = None
     """``(num_sms, block_kv, next_n)`` of the last planner call in this scope."""
+    deferred: tuple[Any, Any] | None = None
+    """``(context_lens, indices)`` of a planner call that was skipped (deferred to the call site)."""
 
 
 _tls = threading.local()
@@ -91,6 +98,15 @@ def _make_builder_planner(original: Any) -> Any:
         scope: _PlanScope | None = getattr(_tls, "scope", None)
         if scope is not None and scope.override_sms is not None:
             num_sms = scope.override_sms
+            if scope.defer_into is not None:
+                # build() copies what we return into the first rows of this same buffer: returning
+                # those rows makes that copy a no-op (torch skips a copy onto identical memory) and
+                # launches no planner; the first eager call site plans into them.
+                rows = schedule_cache().planner.slots(num_sms, _next_n(context_lens)) + 1
+                if rows <= int(scope.defer_into.shape[0]):
+                    scope.planned = (int(num_sms), int(block_size), _next_n(context_lens))
+                    scope.deferred = (context_lens, indices)
+                    return scope.defer_into[:rows]
         out = original(context_lens, block_size, num_sms, indices=indices)
         if scope is not None:
             scope.planned = (int(num_sms), int(block_size), _next_n(context_lens))
@@ -104,7 +120,10 @@ def _make_build(original: Any) -> Any:
         cache = schedule_cache()
         device = _device_index(self)
         override = cache.plan_ahead_sms(device) if device is not None else None
-        scope = _PlanScope(override)
+        defer_into = None
+        if override is not None and cache.defer_plan_ahead:
+            defer_into = getattr(self, "scheduler_metadata_buffer", None)
+        scope = _PlanScope(override, defer_into)
         previous = _push(scope)
         try:
             metadata = original(self, *args, **kwargs)
@@ -113,9 +132,17 @@ def _make_build(original: Any) -> Any:
         decode = getattr(metadata, "decode", None)
         if decode is not None and scope.planned is not None:
             sms, block_kv, next_n = scope.planned
-            decode.dbo_schedule_state = cache.track(
-                decode.schedule_metadata, planned_sms=sms, block_kv=block_kv, next_n=next_n, ahead=override is not None
-            )
+            if scope.deferred is not None:
+                context_lens, indices = scope.deferred
+                decode.dbo_schedule_state = cache.track_deferred(
+                    decode.schedule_metadata, planned_sms=sms, block_kv=block_kv, next_n=next_n,
+                    context_lens=context_lens, indices=indices,
+                )
+            else:
+                decode.dbo_schedule_state = cache.track(
+                    decode.schedule_metadata, planned_sms=sms, block_kv=block_kv, next_n=next_n,
+                    ahead=override is not None,
+                )
             if override is not None:
                 cache.stats.planned_ahead += 1
         return metadata
@@ -129,7 +156,7 @@ def _make_update_draft(original: Any) -> Any:
         decode = getattr(metadata, "decode", None)
         state = cache.state_of(decode.schedule_metadata) if decode is not None else None
         # Re-plan for the count the schedule was planned for: vLLM asserts the shape is unchanged.
-        scope = _PlanScope(state.planned_sms if state is not None else None)
+        scope = _PlanScope(state.intended_sms if state is not None else None)
         previous = _push(scope)
         try:
             original(self, metadata)
@@ -138,7 +165,8 @@ def _make_update_draft(original: Any) -> Any:
         if decode is None:
             return
         if state is not None:
-            cache.invalidate(decode.schedule_metadata)
+            # vLLM re-planned into the tensor in place (no defer_into here): a deferred plan is settled.
+            cache.invalidate(decode.schedule_metadata, planned_sms=scope.planned[0] if scope.planned else None)
         elif scope.planned is not None:
             sms, block_kv, next_n = scope.planned
             decode.dbo_schedule_state = cache.track(

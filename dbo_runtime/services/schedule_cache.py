@@ -62,6 +62,11 @@ STATE_ATTR = "_dbo_schedule_state"
 _ITSELF = object()
 """``in_graph`` value meaning "the tracked schedule itself was produced inside this capture"."""
 
+DEFERRED = -1
+"""``ScheduleState.planned_sms`` while the tensor holds no plan yet (``track_deferred``). No live SM
+count equals it, so the call site's fast path (``live == planned_sms``) always falls through to
+``resolve``, which plans it first."""
+
 WARM_MAX_BATCH_ENV = "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH"
 DEFAULT_WARM_MAX_BATCH = 512
 BATCH_ALIGN = 32
@@ -86,11 +91,21 @@ class SchedulePlanner(Protocol):
         ...
 
 
+@dataclass(frozen=True, eq=False)
+class DeferredPlan:
+    """The planner call a build skipped: its SM count and inputs (views of persistent buffers)."""
+
+    sms: int
+    context_lens: Any
+    indices: Any | None
+
+
 @dataclass(eq=False)
 class ScheduleState:
     """What one schedule tensor was planned for, plus its re-plans."""
 
     planned_sms: int
+    """The count the tensor's contents were planned for; ``DEFERRED`` while they are not planned yet."""
     block_kv: int
     next_n: int
     ahead: bool = False
@@ -100,6 +115,13 @@ class ScheduleState:
     """Eager re-plans by SM count; valid until ``invalidate``."""
     in_graph: dict[tuple[int, int], Any] = field(default_factory=dict)
     """Re-plans recorded into a capture, by ``(capture id, SM count)``."""
+    deferred: DeferredPlan | None = None
+    """The build's skipped planner call, run by the first eager call site (``track_deferred``)."""
+
+    @property
+    def intended_sms(self) -> int:
+        """The count the tensor is (or will be, once its deferred plan runs) planned for."""
+        return self.deferred.sms if self.deferred is not None else self.planned_sms
 
 
 @dataclass
@@ -113,7 +135,11 @@ class ScheduleCacheStats:
     untracked_replans: int = 0
     """Re-plans of schedules no build was seen for (no per-forward reuse possible)."""
     planned_ahead: int = 0
-    """Builds that planned for the DBO count directly."""
+    """Builds that planned for the DBO count directly (deferred or not)."""
+    deferred: int = 0
+    """Planned-ahead builds that launched no planner (``track_deferred``)."""
+    deferred_plans: int = 0
+    """Deferred plans run by an eager call site (a FULL-graph replay runs none)."""
     invalidations: int = 0
     warmups: int = 0
     """Planner kernels launched by warm-up (compiles when new)."""
@@ -155,8 +181,10 @@ def warm_max_batch(default: int = DEFAULT_WARM_MAX_BATCH) -> int:
 class IndexerScheduleCache:
     """See the module docstring. One per process: ``schedule_cache()``."""
 
-    def __init__(self, planner: SchedulePlanner | None = None) -> None:
+    def __init__(self, planner: SchedulePlanner | None = None, *, defer_plan_ahead: bool = True) -> None:
         self._planner = planner
+        self.defer_plan_ahead = defer_plan_ahead
+        """Planned-ahead builds skip their planner (``track_deferred``); False: plan at build (before item 7)."""
         self._num_sms: Callable[[], int] | None = None
         self._capturing: Callable[[], bool] | None = None
         self.stats = ScheduleCacheStats()
@@ -202,6 +230,43 @@ class IndexerScheduleCache:
         setattr(schedule, STATE_ATTR, state)
         return state
 
+    def track_deferred(
+        self, schedule: Any, *, planned_sms: int, block_kv: int, next_n: int, context_lens: Any, indices: Any | None
+    ) -> ScheduleState:
+        """Record a planned-ahead schedule whose build launched no planner (``schedule`` holds no plan yet).
+
+        ``schedule`` must already have the shape of a plan for ``planned_sms``
+        (``slots + 1`` rows). The first eager ``resolve`` plans it from
+        ``context_lens`` / ``indices`` -- the tensors the build would have
+        planned from, read when the kernel is about to read the schedule -- and
+        copies the plan into ``schedule``; a capture records its own planner, as
+        for any planned-ahead schedule (``ahead`` is set), so a replay never
+        reads ``schedule``.
+        """
+        state = ScheduleState(
+            planned_sms=DEFERRED,
+            block_kv=int(block_kv),
+            next_n=int(next_n),
+            ahead=True,
+            deferred=DeferredPlan(int(planned_sms), context_lens, indices),
+        )
+        setattr(schedule, STATE_ATTR, state)
+        self.stats.deferred += 1
+        return state
+
+    def _run_deferred(self, state: ScheduleState, schedule: Any) -> None:
+        """Plan a deferred schedule into its own tensor (eager only: never inside a capture)."""
+        deferred = state.deferred
+        assert deferred is not None
+        plan = self.planner.plan(deferred.context_lens, state.block_kv, deferred.sms, deferred.indices)
+        state.deferred = None
+        self.stats.deferred_plans += 1
+        if tuple(plan.shape) == tuple(schedule.shape):
+            schedule.copy_(plan)
+            state.planned_sms = deferred.sms
+        else:  # not reachable through the build hook (same slot rule); keep it correct anyway
+            state.replans[deferred.sms] = plan
+
     @staticmethod
     def state_of(schedule: Any) -> ScheduleState | None:
         return getattr(schedule, STATE_ATTR, None)
@@ -215,7 +280,9 @@ class IndexerScheduleCache:
         state.in_graph.clear()
         state.generation += 1
         if planned_sms is not None:
+            # The caller re-planned the tensor in place: a deferred plan is no longer owed.
             state.planned_sms = int(planned_sms)
+            state.deferred = None
         self.stats.invalidations += 1
 
     # -- the call site ---------------------------------------------------------------------
@@ -278,7 +345,13 @@ class IndexerScheduleCache:
                 return schedule
             self.stats.untracked_replans += 1
             return planner.plan(context_lens, block_kv, current, indices)
-        if planner.slots(current, state.next_n) == planner.slots(state.planned_sms, state.next_n):
+        if state.deferred is not None:
+            self._run_deferred(state, schedule)
+        if current == state.planned_sms:
+            return schedule
+        if state.planned_sms != DEFERRED and planner.slots(current, state.next_n) == planner.slots(
+            state.planned_sms, state.next_n
+        ):
             # e.g. SM90 next_n=4 with 113 vs 112 SMs: same slot count, same schedule.
             return schedule
         replanned = state.replans.get(current)

@@ -378,3 +378,103 @@ def test_warm_returns_at_once_when_the_count_is_already_warm() -> None:
     assert probes == []
     cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(2,), max_batch=32))
     assert cache.warm(0, 112) == 0 and len(probes) == 1  # new profile: walked again (already warm)
+
+
+# -- issue 10 item 7: deferred plan-ahead ---------------------------------------------------------------
+
+
+def _deferred_build(
+    cache: IndexerScheduleCache, planner: FakeSchedulePlanner, lens: torch.Tensor, sms: int, buffer: torch.Tensor
+) -> torch.Tensor:
+    """What the patched builder does for a plan-ahead build: no planner, its buffer's rows, the inputs recorded."""
+    schedule = buffer[: planner.slots(sms, int(lens.shape[1])) + 1]
+    cache.track_deferred(schedule, planned_sms=sms, block_kv=BLOCK, next_n=int(lens.shape[1]), context_lens=lens, indices=None)
+    return schedule
+
+
+@pytest.mark.parametrize("next_n", [1, 4])
+def test_deferred_plan_runs_once_at_the_first_eager_call_site(next_n: int) -> None:
+    dg, planner, cache = _setup()
+    lens = _lens(next_n)
+    buffer = torch.full((133, 2), -7, dtype=torch.int32)  # stale contents: a replay must never need them
+    schedule = _deferred_build(cache, planner, lens, 112, buffer)
+    assert dg.plan_calls == [] and (schedule == -7).all()  # the build launched nothing
+    dg.set_num_sms(112)
+    got = [cache.resolve(schedule, lens, None, BLOCK) for _ in range(LAYERS)]
+    assert all(g is schedule for g in got)  # planned into the build's own tensor, read by every layer
+    assert len(dg.plan_calls) == 1 and cache.stats.deferred_plans == 1 and cache.stats.replans == 0
+    assert torch.equal(schedule, planner.plan(lens, BLOCK, 112))  # exactly the plan the build would have made
+    _logits(dg, lens, schedule)  # DeepGEMM's host assertion passes
+
+
+def test_deferred_plan_inside_capture_records_the_graphs_own_planner() -> None:
+    dg, planner, cache = _setup()
+    lens = _lens()
+    buffer = torch.full((133, 2), -7, dtype=torch.int32)
+    schedule = _deferred_build(cache, planner, lens, 112, buffer)
+    dg.set_num_sms(112)
+    planner.capturing_now, planner.current_capture = True, 5
+    got = [cache.resolve(schedule, lens, None, BLOCK) for _ in range(LAYERS)]
+    assert got[0] is not schedule and all(g is got[0] for g in got)  # the graph reads its own plan
+    assert cache.stats.captured_replans == 1 and cache.stats.deferred_plans == 0
+    assert (schedule == -7).all()  # nothing was planned into the buffer: no replay reads it
+
+
+def test_deferred_plan_then_a_knob_turned_by_someone_else() -> None:
+    dg, planner, cache = _setup()
+    lens = _lens()
+    schedule = _deferred_build(cache, planner, lens, 112, torch.zeros((133, 2), dtype=torch.int32))
+    dg.set_num_sms(100)
+    other = cache.resolve(schedule, lens, None, BLOCK)
+    assert other.shape[0] == 101 and cache.stats.replans == 1 and cache.stats.deferred_plans == 1
+    dg.set_num_sms(112)
+    assert cache.resolve(schedule, lens, None, BLOCK) is schedule
+    assert torch.equal(schedule, planner.plan(lens, BLOCK, 112))
+
+
+def test_invalidate_with_the_in_place_plan_settles_a_deferred_schedule() -> None:
+    dg, planner, cache = _setup()
+    lens = _lens()
+    schedule = _deferred_build(cache, planner, lens, 112, torch.zeros((133, 2), dtype=torch.int32))
+    state = cache.state_of(schedule)
+    assert state is not None and state.intended_sms == 112 and state.planned_sms < 0
+    cache.invalidate(schedule)  # inputs rewritten in place, nothing planned: still owed, from the new inputs
+    assert state.deferred is not None
+    schedule.copy_(planner.plan(lens, BLOCK, 112))  # update_draft_decode_metadata re-plans in place ...
+    cache.invalidate(schedule, planned_sms=112)  # ... and says so
+    assert state.deferred is None and state.planned_sms == 112
+    calls = len(dg.plan_calls)
+    dg.set_num_sms(112)
+    assert cache.resolve(schedule, lens, None, BLOCK) is schedule and len(dg.plan_calls) == calls
+
+
+def test_full_graph_dbo_steps_launch_only_the_graphs_planners() -> None:
+    """Planner kernels per FULL-graph DBO step (build + replay, two microbatches): the build's plan is
+    never read there, so with deferral the step launches none on the host (before: one per microbatch)."""
+    dg, planner, cache = _setup()
+    buffers = [torch.zeros((133, 2), dtype=torch.int32) for _ in range(2)]
+    lens = [_lens(batch=6), _lens(batch=7)]
+
+    def build(defer: bool) -> list[torch.Tensor]:
+        if defer:
+            return [_deferred_build(cache, planner, lens[u], 112, buffers[u]) for u in range(2)]
+        out = []
+        for u in range(2):
+            view = buffers[u][:113]
+            view.copy_(planner.plan(lens[u], BLOCK, 112))
+            cache.track(view, planned_sms=112, block_kv=BLOCK, next_n=1, ahead=True)
+            out.append(view)
+        return out
+
+    dg.set_num_sms(112)
+    for defer, per_step in ((False, 2), (True, 0)):
+        schedules = build(defer)
+        planner.capturing_now, planner.current_capture = True, 11 + int(defer)  # the capture
+        for u in range(2):
+            for _ in range(LAYERS):
+                cache.resolve(schedules[u], lens[u], None, BLOCK)
+        planner.capturing_now = False
+        calls = len(dg.plan_calls)
+        for _ in range(5):  # replay steps: vLLM builds, then replays (no call site runs)
+            build(defer)
+        assert (len(dg.plan_calls) - calls) / 5 == per_step

@@ -250,15 +250,18 @@ def test_plan_ahead_in_microbatched_build_needs_no_call_site_replan(env: Env) ->
     builder = env.builder()
     _register(builder)  # what the patched __init__ does on a GPU
     _announce_dbo()
+    calls = len(env.dg.plan_calls)
     with env.cache.microbatched_build():
         metadata = builder.build(0, _common(SEQS))
     assert tuple(metadata.decode.schedule_metadata.shape) == (113, 2)
     assert env.cache.stats.planned_ahead == 1
+    assert len(env.dg.plan_calls) == calls  # deferred: the build launches no planner (issue 10 item 7)
     env.dg.set_num_sms(112)
-    calls = len(env.dg.plan_calls)
     for _ in range(LAYERS):
         env.logits(metadata.decode)
-    assert len(env.dg.plan_calls) == calls and env.cache.stats.replans == 0
+    # The first layer of the eager step plans it, for 112, into the same tensor; no re-plan after.
+    assert len(env.dg.plan_calls) == calls + 1 and env.dg.plan_calls[-1][0] == 112
+    assert env.cache.stats.replans == 0 and env.cache.stats.deferred_plans == 1
 
     env.dg.set_num_sms(132)  # a non-microbatched step on the same builder plans for the whole GPU
     plain = builder.build(0, _common(SEQS))
@@ -292,6 +295,75 @@ def test_update_draft_after_plan_ahead_keeps_vllm_shape_assertion_happy(env: Env
     builder.update_draft_decode_metadata(metadata)
     assert env.dg.plan_calls[-1][0] == 112
     assert tuple(metadata.decode.schedule_metadata.shape) == (113, 2)
+
+
+def test_full_graph_dbo_step_launches_no_planner_at_build(env: Env) -> None:
+    """Issue 10 item 7, with vLLM's real builder: a FULL-graph DBO step (build, then replay) used to launch
+    the build's planner although the graph re-plans inside itself and never reads it; now it launches none.
+    The replay-safety guarantee is untouched: the capture records its own planner, the buffer is never
+    read by it, and an eager step plans the schedule before its first logits kernel."""
+    builder = env.builder()
+    _register(builder)
+    _announce_dbo()
+    builder.scheduler_metadata_buffer.fill_(-7)  # stale: whatever a non-DBO build left there
+    env.dg.set_num_sms(112)  # both runners enter SM control before the capture
+
+    def microbatched_build() -> Any:
+        with env.cache.microbatched_build():
+            return builder.build(0, _common(SEQS))
+
+    # Capture: the call site records the graph's own planner (from the persistent seq_lens).
+    capture_md = microbatched_build()
+    env.cache.planner.capturing_now, env.cache.planner.current_capture = True, 1  # type: ignore[attr-defined]
+    calls = len(env.dg.plan_calls)
+    for _ in range(LAYERS):
+        env.logits(capture_md.decode)
+    env.cache.planner.capturing_now = False  # type: ignore[attr-defined]
+    assert len(env.dg.plan_calls) == calls + 1 and env.cache.stats.captured_replans == 1
+    assert (capture_md.decode.schedule_metadata == -7).all()  # the graph does not read the buffer
+
+    # Replay steps: vLLM builds the microbatch metadata, then replays the graph (no call site runs).
+    calls = len(env.dg.plan_calls)
+    for _ in range(5):
+        microbatched_build()
+    assert len(env.dg.plan_calls) == calls  # vLLM 0.33.0 + plan-ahead: one planner per build
+    assert (builder.scheduler_metadata_buffer == -7).all()
+
+    # An eager DBO step on the same builder: planned before its first logits kernel, bit for bit.
+    eager_md = microbatched_build()
+    out = env.logits(eager_md.decode)
+    assert float(out[0, 0]) == 113.0  # the fake's logits carry the rows it was handed (host check passed)
+    reference = vllm_signature_planner(FakeDeepGemm(total_sms=132, sm_major=9))
+    assert torch.equal(eager_md.decode.schedule_metadata, reference(eager_md.decode.seq_lens, BLOCK, 112))
+    assert env.cache.stats.deferred_plans == 1 and env.cache.stats.replans == 0
+
+
+def test_update_draft_on_a_deferred_schedule_plans_it_in_place(env: Env) -> None:
+    builder = env.builder()
+    _register(builder)
+    _announce_dbo()
+    with env.cache.microbatched_build():
+        metadata = builder.build(0, _common(SEQS))
+    metadata.seq_lens = torch.tensor([s + 1 for s in SEQS], dtype=torch.int32)
+    calls = len(env.dg.plan_calls)
+    builder.update_draft_decode_metadata(metadata)  # vLLM re-plans in place and asserts the 113-row shape
+    assert len(env.dg.plan_calls) == calls + 1 and env.dg.plan_calls[-1][0] == 112
+    env.dg.set_num_sms(112)
+    env.logits(metadata.decode)
+    assert len(env.dg.plan_calls) == calls + 1  # settled: nothing deferred left to run
+    assert env.cache.stats.deferred_plans == 0
+
+
+def test_plan_at_build_when_deferral_is_off(env: Env) -> None:
+    env.cache.defer_plan_ahead = False
+    builder = env.builder()
+    _register(builder)
+    _announce_dbo()
+    calls = len(env.dg.plan_calls)
+    with env.cache.microbatched_build():
+        metadata = builder.build(0, _common(SEQS))
+    assert len(env.dg.plan_calls) == calls + 1 and env.dg.plan_calls[-1][0] == 112
+    assert env.cache.stats.deferred == 0 and tuple(metadata.decode.schedule_metadata.shape) == (113, 2)
 
 
 def test_builder_init_registers_profile(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
