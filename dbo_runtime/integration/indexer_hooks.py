@@ -41,7 +41,7 @@ from dbo_runtime.adapters.cuda_graph import CAPTURES as _CAPTURES
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.services import schedule_cache as _sc
-from dbo_runtime.services.schedule_cache import PlannerProfile, schedule_cache, warm_max_batch
+from dbo_runtime.services.schedule_cache import PlannerProfile, dbo_planner_shapes, schedule_cache
 
 logger = get_logger(__name__)
 
@@ -177,22 +177,36 @@ def _make_update_draft(original: Any) -> Any:
 
 
 def register_builder(builder: Any, device_index: int | None = None) -> PlannerProfile | None:
-    """Subscribe the cache to the builder's device and register what it will plan (warms announced counts)."""
+    """Subscribe the cache to the builder's device and register what it will plan (warms announced counts).
+
+    The shapes come from the vLLM config the builder holds (``max_num_seqs``,
+    ``max_num_batched_tokens``, the FULL cudagraph capture sizes, the DBO decode
+    threshold, the speculative tokens): exactly the per-microbatch planner
+    shapes vLLM will run microbatched (``schedule_cache.dbo_planner_shapes``).
+    """
     device = _device_index(builder) if device_index is None else device_index
     if device is None:
         return None
     cache = schedule_cache()
     cache.attach_device(device, int(builder.num_sms))
-    next_n = int(getattr(builder, "num_speculative_tokens", 0)) + 1
     flat = bool(getattr(builder, "use_flattening", False))
     varlen = bool(getattr(builder, "supports_varlen", False))
-    sched = builder.vllm_config.scheduler_config
-    max_batch = int(sched.max_num_batched_tokens) if (flat or varlen) else int(sched.max_num_seqs)
+    config = builder.vllm_config
+    sched, parallel, compilation = config.scheduler_config, config.parallel_config, config.compilation_config
+    mode = compilation.cudagraph_mode
+    full_graphs = mode is not None and mode.has_full_cudagraphs()
     profile = PlannerProfile(
         device=builder.device,
         block_kv=int(builder.kv_cache_spec.num_states),
-        next_ns=(1,) if (flat or varlen) else tuple(sorted({1, next_n})),
-        max_batch=min(max_batch, warm_max_batch()),
+        shapes=dbo_planner_shapes(
+            max_num_seqs=int(sched.max_num_seqs),
+            max_num_batched_tokens=int(sched.max_num_batched_tokens),
+            num_speculative_tokens=int(getattr(builder, "num_speculative_tokens", 0)),
+            capture_sizes=tuple(compilation.cudagraph_capture_sizes or ()) if full_graphs else (),
+            num_ubatches=int(parallel.num_ubatches) if parallel.use_ubatching else 2,
+            decode_token_threshold=int(parallel.dbo_decode_token_threshold),
+            per_token_rows=flat or varlen,
+        ),
         varlen=varlen,
     )
     cache.register_profile(device, profile)

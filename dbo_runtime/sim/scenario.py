@@ -224,7 +224,8 @@ class Scenario:
         self.timeline: list[dict[str, Any]] = []
         self._t0 = time.perf_counter()
         self.control.subscribe(self._on_budget, name="scenario-timeline")
-        self.cache.register_profile(device_index, PlannerProfile(self.dev, config.block_kv, (config.next_n,), max(self.split)))
+        shapes = tuple((rows, config.next_n) for rows in self.split)  # exactly this scenario's microbatches
+        self.cache.register_profile(device_index, PlannerProfile(self.dev, config.block_kv, shapes))
         self.cache.attach(self.control)
         self.control.announce(self.budget)
         # Per-microbatch persistent schedule buffers (vLLM: one builder, one buffer per microbatch).

@@ -378,10 +378,40 @@ def test_register_builder_warms_announced_dbo_count(env: Env) -> None:
     builder.device = torch.device("cpu")  # the warm-up tensors are allocated on the builder's device
     _announce_dbo()
     profile = indexer_hooks.register_builder(builder, device_index=0)
-    assert profile is not None and profile.block_kv == BLOCK and profile.next_ns == (1,)
-    assert profile.max_batch == builder.vllm_config.scheduler_config.max_num_seqs
-    assert {c[0] for c in env.dg.plan_calls} == {112}
-    assert env.cache.stats.warmups == len({c[2][0] for c in env.dg.plan_calls})
+    # No FULL cudagraphs in this config (enforce-eager-like): only the full batch, 128 requests -> 64 each.
+    assert builder.vllm_config.scheduler_config.max_num_seqs == 128
+    assert profile is not None and profile.block_kv == BLOCK and profile.shapes == ((64, 1),)
+    assert [(c[0], c[2]) for c in env.dg.plan_calls] == [(112, (64, 1))]
+    assert env.cache.stats.warmups == 1
+
+
+@pytest.mark.parametrize(("spec", "expected"), [(0, [(112, 32), (112, 64), (112, 512)]), (3, [(56, 32), (56, 512)])])
+def test_register_builder_warms_exactly_what_vllm_runs_microbatched(
+    env: Env, spec: int, expected: list[tuple[int, int]]
+) -> None:
+    """Issue 10 item 8, from the vLLM config the real builder holds: FULL capture sizes DBO microbatches
+    (>= dbo_decode_token_threshold), and the full batch of max_num_seqs decodes, per microbatch.
+    Before: every 32-row bucket up to min(max_num_seqs, 512) for next_n 1 and 1 + spec (16 / 32 variants
+    here) whatever vLLM runs, and with max_num_seqs above 1024 the full batch's microbatches never."""
+    from vllm.config import CUDAGraphMode
+
+    builder = env.builder()
+    builder.device = torch.device("cpu")
+    vc = builder.vllm_config
+    vc.scheduler_config.max_num_seqs = 1024
+    vc.scheduler_config.max_num_batched_tokens = 8192
+    vc.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    vc.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8, 16, 24, 32, 64, 96, 128]
+    vc.parallel_config.enable_dbo = True
+    builder.num_speculative_tokens = spec  # what __init__ read from the speculative config
+    _announce_dbo()
+    profile = indexer_hooks.register_builder(builder, device_index=0)
+    assert profile is not None
+    got = sorted({(c[0], c[2][0]) for c in env.dg.plan_calls})
+    # spec 0: graphs 32/64/96/128 tokens -> 16/32/48/64 requests per microbatch -> buckets 32, 64; full batch 512.
+    # spec 3 (next_n 4, SM90: 56 slots): graphs 32/64/96/128 tokens -> 4/8/12/16 requests -> bucket 32; full 512.
+    assert got == expected and env.cache.stats.warmups == len(expected)
+    assert {c[2][1] for c in env.dg.plan_calls} == {1 + spec}
 
 
 def test_sm90_next_n4_slot_rule_is_vllms(monkeypatch: pytest.MonkeyPatch) -> None:

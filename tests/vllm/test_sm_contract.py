@@ -286,3 +286,23 @@ def test_sm90_no_even_compute_left_is_refused(gpu_platform: FakeGpuPlatform, cle
     with pytest.raises(ConfigError, match=r"VLLM_DBO_COMM_SMS=131 .*\(132 SMs\).*multiple of 2") as e:
         gpu_ubatch_wrapper.create_sm_control_context(pc)
     assert e.value.parameter == "VLLM_DBO_COMM_SMS"
+
+
+# -- issue 10 item 8: the warm-up's microbatch split is vLLM's ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens_per_request", "padded"),
+    [([1] * 64, 64), ([1] * 511, 512), ([4] * 9, 36), ([4] * 128, 512), ([1] * 60, 64), ([3, 1, 4, 1, 5], 14)],
+)
+def test_ubatch_split_matches_vllm(tokens_per_request: list[int], padded: int) -> None:
+    import numpy as np
+    from vllm.v1.worker.ubatch_utils import maybe_create_ubatch_slices
+
+    from dbo_runtime.services.schedule_cache import ubatch_split
+
+    reqs_padded = len(tokens_per_request)
+    _, slices = maybe_create_ubatch_slices(True, np.array(tokens_per_request, dtype=np.int32), padded, reqs_padded, 2)
+    assert slices is not None
+    expected = [(s.request_slice.stop - s.request_slice.start, s.token_slice.stop - s.token_slice.start) for s in slices]
+    assert ubatch_split(tokens_per_request, padded, 2) == expected
