@@ -306,8 +306,9 @@ def patches() -> list[Patch]:
             module=INDEXER_MODULE,
             attr=f"{BUILDER}.__init__",
             make=_make_builder_init,
-            reason="register the planner profile (block size, next_n, batch range) so the DBO SM count's planner "
-            "is JIT-compiled at model load, never in a step or a capture",
+            reason="register the planner shapes vLLM will run microbatched (FULL capture sizes, the full "
+            "max_num_seqs batch, from the builder's vLLM config) so the DBO SM count's planner is JIT-compiled "
+            "at model load, never in a step or a capture",
             upstream_pr=UPSTREAM_PR,
             removal="DeepGEMM planner compiled ahead for the DBO count upstream",
             lazy=True,
@@ -317,8 +318,9 @@ def patches() -> list[Patch]:
             module=INDEXER_MODULE,
             attr="get_paged_mqa_logits_metadata",
             make=_make_builder_planner,
-            reason="learn the SM count build()/update_draft_decode_metadata() planned for, and plan for the DBO "
-            "count while a runner builds microbatch metadata (plan-ahead: no call-site re-plan)",
+            reason="learn the SM count build()/update_draft_decode_metadata() planned for; while a runner builds "
+            "microbatch metadata, plan for the DBO count (plan-ahead: no call-site re-plan) at the first eager "
+            "call site instead of in build() (a FULL-graph replay re-plans in the graph and never reads it)",
             upstream_pr=UPSTREAM_PR,
             removal=removal_cache,
             lazy=True,
