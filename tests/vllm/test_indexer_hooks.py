@@ -320,13 +320,14 @@ def test_full_graph_dbo_step_launches_no_planner_at_build(env: Env) -> None:
         env.logits(capture_md.decode)
     env.cache.planner.capturing_now = False  # type: ignore[attr-defined]
     assert len(env.dg.plan_calls) == calls + 1 and env.cache.stats.captured_replans == 1
-    assert (capture_md.decode.schedule_metadata == -7).all()  # the graph does not read the buffer
 
     # Replay steps: vLLM builds the microbatch metadata, then replays the graph (no call site runs).
     calls = len(env.dg.plan_calls)
     for _ in range(5):
         microbatched_build()
-    assert len(env.dg.plan_calls) == calls  # vLLM 0.33.0 + plan-ahead: one planner per build
+    per_step = (len(env.dg.plan_calls) - calls) / 5
+    assert per_step == 0, f"planner kernels per FULL-graph DBO step (this microbatch's build): {per_step}"
+    assert (capture_md.decode.schedule_metadata == -7).all()  # nothing wrote the buffer the graph never reads
     assert (builder.scheduler_metadata_buffer == -7).all()
 
     # An eager DBO step on the same builder: planned before its first logits kernel, bit for bit.
