@@ -240,7 +240,7 @@ def first_step(dg: Any, x: dict[str, torch.Tensor], warm_sms: int, cold_sms: int
         cache = IndexerScheduleCache(planner)
         control = SMControl(device, total)
         cache.attach(control)
-        cache.register_profile(device, PlannerProfile(device=torch.device("cuda", device), block_kv=BLOCK, next_ns=(1,), max_batch=len(CONTEXTS)))
+        cache.register_profile(device, PlannerProfile(device=torch.device("cuda", device), block_kv=BLOCK, shapes=((len(CONTEXTS), 1),)))
         warm_ms = 0.0
         if warm:
             budget = compute_budget(

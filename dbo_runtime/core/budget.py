@@ -48,6 +48,26 @@ ALL2ALL_BACKENDS: tuple[str, ...] = (
 #: ``DeepEPAll2AllManagerBase.num_sms`` in vLLM 0.33.0 (``all2all.py:216``): the HT manager clamps requests to it.
 DEEPEP_HT_MANAGER_NUM_SMS = 20
 
+#: SM-count multiple that DeepGEMM's compute share must have, by compute-capability major (default 1).
+#: SM90: ``fp8_fp4_paged_mqa_logits`` at ``next_n == 4`` (MTP with 3 speculative tokens) runs one 2-CTA
+#: multicast cluster per scheduler task and launches over *all* of DeepGEMM's SMs, so an odd count
+#: fails to launch with ``CUDA_ERROR_INVALID_CLUSTER_SIZE`` (measured on the H200 at 113 and 131).
+DEEP_GEMM_COMPUTE_MULTIPLE: dict[int, int] = {9: 2}
+
+
+def deep_gemm_compute_multiple(sm_major: int) -> int:
+    """The multiple DeepGEMM's SM count must be a multiple of on a device of this major (see above).
+
+    Keyed by the major alone, not by the model's ``next_n``: vLLM creates the
+    SM-control context from the parallel config only (MRV2 does it in
+    ``initialize_kv_cache``, before any indexer builder exists), so the budget
+    cannot know whether an MTP-3 DSA indexer will run. The rounding it causes
+    only ever happens for odd compute counts, which the default split never
+    produces (132 - 20 = 112).
+    """
+    return DEEP_GEMM_COMPUTE_MULTIPLE.get(int(sm_major), 1)
+
+
 #: What ``max_sms_used()`` of each backend's all2all manager returns in vLLM 0.33.0
 #: (``None`` = "could use the whole GPU", base class; ``0`` = no SM reservation).
 BACKEND_MAX_SMS_USED: dict[str, int | None] = {
@@ -70,16 +90,22 @@ class BudgetReason:
     comm_knob: bool
     compute_knob: bool
     note: str = ""
+    compute_multiple: int = 1
+    """DeepGEMM's count must be a multiple of this when the compute knob is turned (2 on SM90)."""
 
 
 @dataclass(frozen=True, slots=True)
 class SMBudget:
-    """An immutable SM split: ``compute + comm == total`` on one device.
+    """An immutable SM split: ``compute + comm + idle == total`` on one device.
 
     ``comm_knob`` / ``compute_knob`` say whether vLLM would turn the all2all
     (DeepEP) and DeepGEMM knobs for this budget; a budget can reserve comm SMs
     on paper (``comm > 0``) and still leave DeepGEMM untouched when DeepGEMM is
     absent, exactly as vLLM does.
+
+    ``idle`` is 0 except where vLLM's ``total - comm`` would hand DeepGEMM a
+    count its cluster kernels cannot launch on (``compute_budget``): then the
+    compute share is rounded down and those SMs run neither side.
     """
 
     total: int
@@ -87,14 +113,22 @@ class SMBudget:
     compute: int
     device: int
     reason: BudgetReason
+    idle: int = 0
 
     def __post_init__(self) -> None:
         if self.total <= 0:
             raise ConfigError("total_sms", self.total, "a positive integer")
         if not 0 <= self.comm < self.total:
             raise ConfigError("comm_sms", self.comm, f"integers in [0, {self.total}) (total SMs {self.total})")
-        if self.compute != self.total - self.comm:
-            raise ConfigError("compute_sms", self.compute, f"total - comm = {self.total - self.comm}")
+        if not 0 <= self.idle < self.total - self.comm:
+            raise ConfigError("idle_sms", self.idle, f"integers in [0, {self.total - self.comm}) (total - comm)")
+        if self.compute != self.total - self.comm - self.idle:
+            raise ConfigError("compute_sms", self.compute, f"total - comm - idle = {self.total - self.comm - self.idle}")
+        multiple = self.reason.compute_multiple
+        if self.compute_knob and self.compute % multiple:
+            # The services' guarantee: no budget that turns DeepGEMM's knob to a count its
+            # 2-CTA-cluster kernels cannot launch on can even be constructed.
+            raise ConfigError("compute_sms", self.compute, f"multiples of {multiple} (DeepGEMM cluster kernels on this device)")
 
     @property
     def partitioned(self) -> bool:
@@ -117,6 +151,11 @@ class SMBudget:
         if r.max_sms_used is not None:
             parts.append(f"all2all max_sms_used={r.max_sms_used}")
         parts.append(f"VLLM_DBO_COMM_SMS={r.env_comm_sms}")
+        if self.idle:
+            parts.append(
+                f"{self.idle} SM idle: DeepGEMM's count rounded down to a multiple of {r.compute_multiple} "
+                "(SM90 paged-MQA logits at next_n 4 launches 2-CTA clusters)"
+            )
         if r.note:
             parts.append(r.note)
         return "; ".join(parts)
@@ -179,6 +218,7 @@ def compute_budget(
     has_deep_gemm: bool = True,
     device: int = 0,
     comm_cap: int | None = None,
+    compute_multiple: int = 1,
 ) -> SMBudget:
     """vLLM 0.33.0 ``create_sm_control_context``, decision only.
 
@@ -199,9 +239,26 @@ def compute_budget(
     clamps every request to the ``num_sms`` its buffers were sized for, 20): the
     even-count check of DeepEP applies to the clamped value, which is what
     ``deep_ep.Buffer.set_num_sms`` receives.
+
+    ``compute_multiple`` (``deep_gemm_compute_multiple(sm_major)``: 2 on SM90)
+    is the one deliberate deviation from vLLM. When the compute knob is turned
+    and ``total - comm`` is not a multiple of it (an odd-SM GPU or MIG slice
+    with an even comm share, or an odd ``VLLM_DBO_COMM_SMS``), vLLM would hand
+    DeepGEMM an odd count, and the SM90 paged-MQA logits kernel at ``next_n ==
+    4`` then fails to launch (``CUDA_ERROR_INVALID_CLUSTER_SIZE``). We round
+    the compute share *down* instead of refusing: DeepGEMM's count is only the
+    number of SMs its persistent kernels spread over, so one SM fewer never
+    changes a result (the paged-MQA schedule is planned for the rounded count,
+    and for that kernel ``113 // 2 == 112 // 2`` tasks anyway); the comm side
+    keeps exactly its share, and the leftover SM stays idle. Refusing would make
+    the default ``VLLM_DBO_COMM_SMS`` unusable on every odd-SM device. Only when
+    rounding would leave no compute SM at all is the configuration refused,
+    naming ``VLLM_DBO_COMM_SMS`` and the total.
     """
     if platform not in PLATFORMS:
         raise ConfigError("platform", platform, PLATFORMS)
+    if not isinstance(compute_multiple, int) or isinstance(compute_multiple, bool) or compute_multiple < 1:
+        raise ConfigError("compute_multiple", compute_multiple, "a positive integer")
     if not isinstance(total_sms, int) or isinstance(total_sms, bool) or total_sms <= 0:
         raise ConfigError("total_sms", total_sms, "a positive integer")
     if all2all_backend is not None and all2all_backend not in ALL2ALL_BACKENDS:
@@ -242,11 +299,22 @@ def compute_budget(
             "those to the ceiling); DeepEP's Buffer.set_num_sms asserts an even SM count",
         )
 
+    idle = (total_sms - comm) % compute_multiple if compute_knob else 0
+    if idle and total_sms - comm - idle <= 0:
+        raise ConfigError(
+            "VLLM_DBO_COMM_SMS",
+            env_value,
+            f"integers in [0, {total_sms - compute_multiple}] on this device ({total_sms} SMs): DeepGEMM's count "
+            f"must be a multiple of {compute_multiple} here (SM90 paged-MQA logits at next_n 4 launches 2-CTA "
+            f"clusters), and {total_sms} - {comm} leaves fewer compute SMs than that",
+        )
+
     return SMBudget(
         total=total_sms,
         comm=comm,
-        compute=total_sms - comm,
+        compute=total_sms - comm - idle,
         device=device,
+        idle=idle,
         reason=BudgetReason(
             platform=platform,
             all2all_backend=all2all_backend,
@@ -256,5 +324,6 @@ def compute_budget(
             expert_parallel=expert_parallel,
             comm_knob=comm_knob,
             compute_knob=compute_knob,
+            compute_multiple=compute_multiple,
         ),
     )

@@ -21,8 +21,11 @@ Upstream behaviour that forces these patches (vLLM 0.33.0, ``docs/vllm-0.33-hook
 
 What the patches do: the builder's planner call (its ``get_paged_mqa_logits_metadata``
 binding) reports the count it planned for, and plans for the announced DBO
-compute count while a runner builds microbatch metadata (plan-ahead); ``build``
-attaches that to the schedule tensor; the call sites hand the schedule to
+compute count while a runner builds microbatch metadata (plan-ahead) -- or,
+for such a build, launches nothing and hands ``build`` its own buffer's rows to
+fill in later (deferred plan-ahead: a FULL-graph replay re-plans inside the
+graph and never reads what the build planned); ``build`` attaches that to the
+schedule tensor; the call sites hand the schedule to
 ``IndexerScheduleCache.resolve``; the builder's ``__init__`` registers the
 planner profile so the DBO count is JIT-warmed at model load. XPU and ROCm
 paths are not touched (XPU uses its own op; ROCm never reaches DeepGEMM).
@@ -42,7 +45,7 @@ from dbo_runtime.integration.ubatch_guard import placeholder_logits
 from dbo_runtime.integration.ubatch_guard import record as record_ubatch_failure
 from dbo_runtime.services import schedule_cache as _sc
 from dbo_runtime.services.runtime_stats import count_microbatched_build
-from dbo_runtime.services.schedule_cache import PlannerProfile, schedule_cache, warm_max_batch
+from dbo_runtime.services.schedule_cache import PlannerProfile, dbo_planner_shapes, schedule_cache
 
 logger = get_logger(__name__)
 
@@ -60,8 +63,12 @@ MRV2_UBATCH_MODULE = "vllm.v1.worker.gpu.ubatch_utils"
 @dataclass
 class _PlanScope:
     override_sms: int | None
+    defer_into: Any = None
+    """The builder's ``scheduler_metadata_buffer`` when a plan-ahead build may skip its planner."""
     planned: tuple[int, int, int] | None = None
     """``(num_sms, block_kv, next_n)`` of the last planner call in this scope."""
+    deferred: tuple[Any, Any] | None = None
+    """``(context_lens, indices)`` of a planner call that was skipped (deferred to the call site)."""
 
 
 _tls = threading.local()
@@ -95,6 +102,15 @@ def _make_builder_planner(original: Any) -> Any:
         scope: _PlanScope | None = getattr(_tls, "scope", None)
         if scope is not None and scope.override_sms is not None:
             num_sms = scope.override_sms
+            if scope.defer_into is not None:
+                # build() copies what we return into the first rows of this same buffer: returning
+                # those rows makes that copy a no-op (torch skips a copy onto identical memory) and
+                # launches no planner; the first eager call site plans into them.
+                rows = schedule_cache().planner.slots(num_sms, _next_n(context_lens)) + 1
+                if rows <= int(scope.defer_into.shape[0]):
+                    scope.planned = (int(num_sms), int(block_size), _next_n(context_lens))
+                    scope.deferred = (context_lens, indices)
+                    return scope.defer_into[:rows]
         out = original(context_lens, block_size, num_sms, indices=indices)
         if scope is not None:
             scope.planned = (int(num_sms), int(block_size), _next_n(context_lens))
@@ -108,7 +124,10 @@ def _make_build(original: Any) -> Any:
         cache = schedule_cache()
         device = _device_index(self)
         override = cache.plan_ahead_sms(device) if device is not None else None
-        scope = _PlanScope(override)
+        defer_into = None
+        if override is not None and cache.defer_plan_ahead:
+            defer_into = getattr(self, "scheduler_metadata_buffer", None)
+        scope = _PlanScope(override, defer_into)
         previous = _push(scope)
         try:
             metadata = original(self, *args, **kwargs)
@@ -117,9 +136,17 @@ def _make_build(original: Any) -> Any:
         decode = getattr(metadata, "decode", None)
         if decode is not None and scope.planned is not None:
             sms, block_kv, next_n = scope.planned
-            decode.dbo_schedule_state = cache.track(
-                decode.schedule_metadata, planned_sms=sms, block_kv=block_kv, next_n=next_n, ahead=override is not None
-            )
+            if scope.deferred is not None:
+                context_lens, indices = scope.deferred
+                decode.dbo_schedule_state = cache.track_deferred(
+                    decode.schedule_metadata, planned_sms=sms, block_kv=block_kv, next_n=next_n,
+                    context_lens=context_lens, indices=indices,
+                )
+            else:
+                decode.dbo_schedule_state = cache.track(
+                    decode.schedule_metadata, planned_sms=sms, block_kv=block_kv, next_n=next_n,
+                    ahead=override is not None,
+                )
             if override is not None:
                 cache.stats.planned_ahead += 1
         return metadata
@@ -133,7 +160,7 @@ def _make_update_draft(original: Any) -> Any:
         decode = getattr(metadata, "decode", None)
         state = cache.state_of(decode.schedule_metadata) if decode is not None else None
         # Re-plan for the count the schedule was planned for: vLLM asserts the shape is unchanged.
-        scope = _PlanScope(state.planned_sms if state is not None else None)
+        scope = _PlanScope(state.intended_sms if state is not None else None)
         previous = _push(scope)
         try:
             original(self, metadata)
@@ -142,7 +169,8 @@ def _make_update_draft(original: Any) -> Any:
         if decode is None:
             return
         if state is not None:
-            cache.invalidate(decode.schedule_metadata)
+            # vLLM re-planned into the tensor in place (no defer_into here): a deferred plan is settled.
+            cache.invalidate(decode.schedule_metadata, planned_sms=scope.planned[0] if scope.planned else None)
         elif scope.planned is not None:
             sms, block_kv, next_n = scope.planned
             decode.dbo_schedule_state = cache.track(
@@ -153,22 +181,36 @@ def _make_update_draft(original: Any) -> Any:
 
 
 def register_builder(builder: Any, device_index: int | None = None) -> PlannerProfile | None:
-    """Subscribe the cache to the builder's device and register what it will plan (warms announced counts)."""
+    """Subscribe the cache to the builder's device and register what it will plan (warms announced counts).
+
+    The shapes come from the vLLM config the builder holds (``max_num_seqs``,
+    ``max_num_batched_tokens``, the FULL cudagraph capture sizes, the DBO decode
+    threshold, the speculative tokens): exactly the per-microbatch planner
+    shapes vLLM will run microbatched (``schedule_cache.dbo_planner_shapes``).
+    """
     device = _device_index(builder) if device_index is None else device_index
     if device is None:
         return None
     cache = schedule_cache()
     cache.attach_device(device, int(builder.num_sms))
-    next_n = int(getattr(builder, "num_speculative_tokens", 0)) + 1
     flat = bool(getattr(builder, "use_flattening", False))
     varlen = bool(getattr(builder, "supports_varlen", False))
-    sched = builder.vllm_config.scheduler_config
-    max_batch = int(sched.max_num_batched_tokens) if (flat or varlen) else int(sched.max_num_seqs)
+    config = builder.vllm_config
+    sched, parallel, compilation = config.scheduler_config, config.parallel_config, config.compilation_config
+    mode = compilation.cudagraph_mode
+    full_graphs = mode is not None and mode.has_full_cudagraphs()
     profile = PlannerProfile(
         device=builder.device,
         block_kv=int(builder.kv_cache_spec.num_states),
-        next_ns=(1,) if (flat or varlen) else tuple(sorted({1, next_n})),
-        max_batch=min(max_batch, warm_max_batch()),
+        shapes=dbo_planner_shapes(
+            max_num_seqs=int(sched.max_num_seqs),
+            max_num_batched_tokens=int(sched.max_num_batched_tokens),
+            num_speculative_tokens=int(getattr(builder, "num_speculative_tokens", 0)),
+            capture_sizes=tuple(compilation.cudagraph_capture_sizes or ()) if full_graphs else (),
+            num_ubatches=int(parallel.num_ubatches) if parallel.use_ubatching else 2,
+            decode_token_threshold=int(parallel.dbo_decode_token_threshold),
+            per_token_rows=flat or varlen,
+        ),
         varlen=varlen,
     )
     cache.register_profile(device, profile)
@@ -289,8 +331,9 @@ def patches() -> list[Patch]:
             module=INDEXER_MODULE,
             attr=f"{BUILDER}.__init__",
             make=_make_builder_init,
-            reason="register the planner profile (block size, next_n, batch range) so the DBO SM count's planner "
-            "is JIT-compiled at model load, never in a step or a capture",
+            reason="register the planner shapes vLLM will run microbatched (FULL capture sizes, the full "
+            "max_num_seqs batch, from the builder's vLLM config) so the DBO SM count's planner is JIT-compiled "
+            "at model load, never in a step or a capture",
             upstream_pr=UPSTREAM_PR,
             removal="DeepGEMM planner compiled ahead for the DBO count upstream",
             lazy=True,
@@ -300,8 +343,9 @@ def patches() -> list[Patch]:
             module=INDEXER_MODULE,
             attr="get_paged_mqa_logits_metadata",
             make=_make_builder_planner,
-            reason="learn the SM count build()/update_draft_decode_metadata() planned for, and plan for the DBO "
-            "count while a runner builds microbatch metadata (plan-ahead: no call-site re-plan)",
+            reason="learn the SM count build()/update_draft_decode_metadata() planned for; while a runner builds "
+            "microbatch metadata, plan for the DBO count (plan-ahead: no call-site re-plan) at the first eager "
+            "call site instead of in build() (a FULL-graph replay re-plans in the graph and never reads it)",
             upstream_pr=UPSTREAM_PR,
             removal=removal_cache,
             lazy=True,

@@ -25,7 +25,7 @@ from typing import Any
 
 from dbo_runtime.adapters.all2all import All2AllKnob
 from dbo_runtime.adapters.deep_gemm import DeepGemmKnob
-from dbo_runtime.core.budget import SMBudget, compute_budget
+from dbo_runtime.core.budget import SMBudget, compute_budget, deep_gemm_compute_multiple
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration import activation
@@ -106,8 +106,26 @@ def _read_env_comm_sms(envs: Any) -> object:
         return os.environ.get("VLLM_DBO_COMM_SMS")
 
 
+def _sm_major(platform_name: str, current_platform: Any, device: int) -> int:
+    """Compute-capability major of ``device`` as vLLM's platform reports it; 0 off CUDA.
+
+    ROCm reports gfx9xx as capability 9.x, so SM90 is only SM90 on CUDA.
+    """
+    if platform_name != "cuda":
+        return 0
+    capability = current_platform.get_device_capability(device_id=device)
+    return int(capability.major) if capability is not None else 0
+
+
 def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMKnob | None]:
-    """Compute the budget and knobs exactly as vLLM 0.33.0 would, from its globals."""
+    """Compute the budget and knobs as vLLM 0.33.0 would, from its globals.
+
+    One deliberate deviation: on SM90 the compute share is rounded down to an
+    even count (``core.budget.deep_gemm_compute_multiple``), because DeepGEMM's
+    paged-MQA logits kernel at ``next_n == 4`` launches 2-CTA clusters over all
+    of DeepGEMM's SMs and fails with ``CUDA_ERROR_INVALID_CLUSTER_SIZE`` on an
+    odd count, where vLLM's own context would set ``total - comm``.
+    """
     import torch
     from vllm.v1.worker import ubatch_utils as uu
 
@@ -138,6 +156,7 @@ def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMK
         has_deep_gemm=deep_gemm_present,
         device=device,
         comm_cap=cap if isinstance(cap, int) and not isinstance(cap, bool) else None,
+        compute_multiple=deep_gemm_compute_multiple(_sm_major(platform, uu.current_platform, device)),
     )
     comm_knob: SMKnob | None = All2AllKnob(manager) if budget.comm_knob else None
     compute_knob: SMKnob | None = None

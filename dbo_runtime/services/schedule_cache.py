@@ -31,10 +31,23 @@ build and per microbatch -- each microbatch has its own builder):
   microbatched; ``plan_ahead_sms`` gives the DBO compute count announced on
   SMControl so the builder plans for it directly -- zero call-site re-plans in
   steady state (``stats.replans`` stays flat).
-* Warm-up: DeepGEMM JIT-compiles one planner per (aligned batch, SM slots). On
-  SMControl's ``announced`` event (model load) the planner is compiled for the
-  DBO count, outside any capture, for every indexer profile registered so far
-  (and for announced counts when a profile registers later).
+* Deferred plan-ahead (``track_deferred``): a planned-ahead schedule is only
+  ever read by an *eager* microbatched forward -- a FULL graph re-plans inside
+  itself from the persistent ``context_lens`` (see Capture), and a replay runs
+  no Python at all. The build cannot tell which one follows: MRV1 decides
+  replay / capture / eager in ``UBatchWrapper.__call__``, after the build. So
+  the build launches no planner; the schedule records its inputs, and the
+  first eager call site that needs it plans it into the same tensor (the same
+  planner kernel and copy the build would have launched, moved to where they
+  are read). A FULL-graph DBO step then launches only the graph's own planners
+  (vLLM 0.33.0 + #60732: the build's planner as well, never read).
+* Warm-up: DeepGEMM JIT-compiles one planner per (aligned batch, SM slots)
+  (about 1-2 s each, cold). On SMControl's ``announced`` event (model load) the
+  planner is compiled for the DBO count, outside any capture, for exactly the
+  per-microbatch shapes vLLM will run microbatched (``dbo_planner_shapes``: each
+  FULL cudagraph capture size DBO captures, and a full batch of ``max_num_seqs``
+  decodes), for every indexer profile registered so far (and for announced
+  counts when a profile registers later).
 
 No vLLM or DeepGEMM import: the kernels come through a ``SchedulePlanner``
 (``dbo_runtime.adapters.deep_gemm.DeepGemmPlanner`` by default, a fake on CPU).
@@ -42,10 +55,11 @@ No vLLM or DeepGEMM import: the kernels come through a ``SchedulePlanner``
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,8 +76,14 @@ STATE_ATTR = "_dbo_schedule_state"
 _ITSELF = object()
 """``in_graph`` value meaning "the tracked schedule itself was produced inside this capture"."""
 
+DEFERRED = -1
+"""``ScheduleState.planned_sms`` while the tensor holds no plan yet (``track_deferred``). No live SM
+count equals it, so the call site's fast path (``live == planned_sms``) always falls through to
+``resolve``, which plans it first."""
+
 WARM_MAX_BATCH_ENV = "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH"
-DEFAULT_WARM_MAX_BATCH = 512
+"""Unset: warm exactly the shapes vLLM will run (``dbo_planner_shapes``). ``N > 0``: also every 32-row
+bucket up to N (a longer cold start instead of a first-use compile in an eager step). ``0``: no warm-up."""
 BATCH_ALIGN = 32
 """DeepGEMM's planner is templated on the batch size aligned to 32 (``kAlignedBatchSize % 32 == 0``)."""
 
@@ -86,11 +106,21 @@ class SchedulePlanner(Protocol):
         ...
 
 
+@dataclass(frozen=True, eq=False)
+class DeferredPlan:
+    """The planner call a build skipped: its SM count and inputs (views of persistent buffers)."""
+
+    sms: int
+    context_lens: Any
+    indices: Any | None
+
+
 @dataclass(eq=False)
 class ScheduleState:
     """What one schedule tensor was planned for, plus its re-plans."""
 
     planned_sms: int
+    """The count the tensor's contents were planned for; ``DEFERRED`` while they are not planned yet."""
     block_kv: int
     next_n: int
     ahead: bool = False
@@ -100,6 +130,13 @@ class ScheduleState:
     """Eager re-plans by SM count; valid until ``invalidate``."""
     in_graph: dict[tuple[int, int], Any] = field(default_factory=dict)
     """Re-plans recorded into a capture, by ``(capture id, SM count)``."""
+    deferred: DeferredPlan | None = None
+    """The build's skipped planner call, run by the first eager call site (``track_deferred``)."""
+
+    @property
+    def intended_sms(self) -> int:
+        """The count the tensor is (or will be, once its deferred plan runs) planned for."""
+        return self.deferred.sms if self.deferred is not None else self.planned_sms
 
 
 @dataclass
@@ -113,7 +150,11 @@ class ScheduleCacheStats:
     untracked_replans: int = 0
     """Re-plans of schedules no build was seen for (no per-forward reuse possible)."""
     planned_ahead: int = 0
-    """Builds that planned for the DBO count directly."""
+    """Builds that planned for the DBO count directly (deferred or not)."""
+    deferred: int = 0
+    """Planned-ahead builds that launched no planner (``track_deferred``)."""
+    deferred_plans: int = 0
+    """Deferred plans run by an eager call site (a FULL-graph replay runs none)."""
     invalidations: int = 0
     warmups: int = 0
     """Planner kernels launched by warm-up (compiles when new)."""
@@ -122,27 +163,111 @@ class ScheduleCacheStats:
 
 @dataclass(frozen=True)
 class PlannerProfile:
-    """What an indexer builder will ask the planner for (registered at builder construction)."""
+    """What an indexer builder will ask the planner for at the DBO count (registered at builder construction)."""
 
     device: Any
     block_kv: int
-    next_ns: tuple[int, ...]
-    max_batch: int
+    shapes: tuple[tuple[int, int], ...]
+    """``(rows, width)`` of the planner's ``context_lens`` per microbatch (``dbo_planner_shapes``)."""
     varlen: bool = False
+
+
+def align_batch(rows: int, align: int = BATCH_ALIGN) -> int:
+    """The aligned batch DeepGEMM templates the planner on (``kAlignedBatchSize``)."""
+    return -(-int(rows) // align) * align
 
 
 def aligned_buckets(max_batch: int, align: int = BATCH_ALIGN) -> list[int]:
     """Batch sizes covering every aligned bucket up to ``max_batch``."""
     if max_batch <= 0:
         raise ConfigError("max_batch", max_batch, "a positive integer")
-    top = -(-max_batch // align) * align
-    return list(range(align, top + 1, align))
+    return list(range(align, align_batch(max_batch, align) + 1, align))
 
 
-def warm_max_batch(default: int = DEFAULT_WARM_MAX_BATCH) -> int:
+def ubatch_split(tokens_per_request: Sequence[int], num_tokens_padded: int, num_ubatches: int) -> list[tuple[int, int]]:
+    """``(requests, tokens)`` of each microbatch of a step, split as vLLM 0.33.0 splits it.
+
+    ``vllm.v1.worker.ubatch_utils.maybe_create_ubatch_slices`` (both runners):
+    token split points at multiples of ``num_tokens_padded // num_ubatches``; a
+    microbatch holds every request overlapping its token range (a request cut
+    by a split point is in both); the last one runs to ``num_tokens_padded``.
+    A contract test compares this with vLLM's function.
+    """
+    cu = [0]
+    for n in tokens_per_request:
+        cu.append(cu[-1] + int(n))
+    step = int(num_tokens_padded) // num_ubatches
+    ends = [step * i for i in range(1, num_ubatches)] + [cu[-1]]
+    out: list[tuple[int, int]] = []
+    start = 0
+    for end in ends:
+        first = bisect.bisect_right(cu, start) - 1
+        stop = bisect.bisect_left(cu, end)
+        out.append((stop - first, end - start))
+        start = end
+    # vLLM pads the last microbatch's tokens out to the padded total.
+    requests, tokens = out[-1]
+    out[-1] = (requests, tokens + int(num_tokens_padded) - cu[-1])
+    return out
+
+
+def dbo_planner_shapes(
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    num_speculative_tokens: int,
+    capture_sizes: Sequence[int],
+    num_ubatches: int,
+    decode_token_threshold: int,
+    per_token_rows: bool,
+) -> tuple[tuple[int, int], ...]:
+    """The ``(rows, width)`` planner shapes vLLM 0.33.0 will present at the DBO SM count, per microbatch.
+
+    Why these and no others (issue 10 item 8): DeepGEMM compiles one planner per
+    ``(align32(rows), slots)``, about 1-2 s each when cold, so a blind sweep of
+    buckets costs cold start for shapes that may never run (16 per SM count for
+    the old 512 cap) and still missed ``max_num_seqs`` above 512. vLLM
+    microbatches, and so plans at the DBO count, these uniform-decode batches of
+    ``q = 1 + num_speculative_tokens`` tokens per request:
+
+    * every FULL cudagraph capture size ``T`` with ``T >= dbo_decode_token_threshold``
+      (``check_ubatch_thresholds``; MRV1 ``_capture_cudagraphs``, MRV2
+      ``_maybe_ubatch_twin``), a multiple of ``q`` within ``max_num_seqs * q``
+      (the only sizes a uniform decode dispatches to). Their planner runs inside the
+      capture; compiling it here keeps every JIT outside it.
+    * the full batch, ``min(max_num_seqs * q, max_num_batched_tokens)`` tokens: a
+      saturated decode step, eager when above the largest capture size.
+
+    Each is split like vLLM splits it (``ubatch_split``); a microbatch's planner
+    rows are its requests (native decode, ``context_lens`` of shape ``(B, q)``) or
+    its tokens (``per_token_rows``: flattened or varlen decode, width 1).
+    Not covered, by design: eager microbatched steps with other decode counts
+    (mixed prefill-decode steps above ``dbo_prefill_token_threshold``, decode
+    batches between capture sizes and the full batch). Their first use compiles
+    once per bucket, as every bucket does in vLLM's own non-DBO path;
+    ``DBO_RUNTIME_PLANNER_WARM_MAX_BATCH=N`` adds every bucket up to N.
+    """
+    q = 1 + int(num_speculative_tokens)
+    width = 1 if per_token_rows else q
+    floor = max(int(decode_token_threshold), int(num_ubatches), 1)
+    sizes = {int(t) for t in capture_sizes if int(t) >= floor and int(t) % q == 0 and int(t) <= max_num_seqs * q}
+    full = min(int(max_num_seqs) * q, int(max_num_batched_tokens)) // q * q
+    if full >= floor:
+        sizes.add(full)
+    shapes: set[tuple[int, int]] = set()
+    for tokens in sorted(sizes):
+        for requests, ubatch_tokens in ubatch_split([q] * (tokens // q), tokens, int(num_ubatches)):
+            rows = ubatch_tokens if per_token_rows else requests
+            if rows > 0:
+                shapes.add((rows, width))
+    return tuple(sorted(shapes))
+
+
+def warm_max_batch() -> int | None:
+    """``DBO_RUNTIME_PLANNER_WARM_MAX_BATCH``: None when unset (exact shapes only), else the sweep cap (0: off)."""
     raw = os.environ.get(WARM_MAX_BATCH_ENV)
     if raw is None or raw.strip() == "":
-        return default
+        return None
     try:
         value = int(raw.strip(), 10)
     except ValueError:
@@ -155,8 +280,10 @@ def warm_max_batch(default: int = DEFAULT_WARM_MAX_BATCH) -> int:
 class IndexerScheduleCache:
     """See the module docstring. One per process: ``schedule_cache()``."""
 
-    def __init__(self, planner: SchedulePlanner | None = None) -> None:
+    def __init__(self, planner: SchedulePlanner | None = None, *, defer_plan_ahead: bool = True) -> None:
         self._planner = planner
+        self.defer_plan_ahead = defer_plan_ahead
+        """Planned-ahead builds skip their planner (``track_deferred``); False: plan at build (before item 7)."""
         self._num_sms: Callable[[], int] | None = None
         self._capturing: Callable[[], bool] | None = None
         self.stats = ScheduleCacheStats()
@@ -202,6 +329,43 @@ class IndexerScheduleCache:
         setattr(schedule, STATE_ATTR, state)
         return state
 
+    def track_deferred(
+        self, schedule: Any, *, planned_sms: int, block_kv: int, next_n: int, context_lens: Any, indices: Any | None
+    ) -> ScheduleState:
+        """Record a planned-ahead schedule whose build launched no planner (``schedule`` holds no plan yet).
+
+        ``schedule`` must already have the shape of a plan for ``planned_sms``
+        (``slots + 1`` rows). The first eager ``resolve`` plans it from
+        ``context_lens`` / ``indices`` -- the tensors the build would have
+        planned from, read when the kernel is about to read the schedule -- and
+        copies the plan into ``schedule``; a capture records its own planner, as
+        for any planned-ahead schedule (``ahead`` is set), so a replay never
+        reads ``schedule``.
+        """
+        state = ScheduleState(
+            planned_sms=DEFERRED,
+            block_kv=int(block_kv),
+            next_n=int(next_n),
+            ahead=True,
+            deferred=DeferredPlan(int(planned_sms), context_lens, indices),
+        )
+        setattr(schedule, STATE_ATTR, state)
+        self.stats.deferred += 1
+        return state
+
+    def _run_deferred(self, state: ScheduleState, schedule: Any) -> None:
+        """Plan a deferred schedule into its own tensor (eager only: never inside a capture)."""
+        deferred = state.deferred
+        assert deferred is not None
+        plan = self.planner.plan(deferred.context_lens, state.block_kv, deferred.sms, deferred.indices)
+        state.deferred = None
+        self.stats.deferred_plans += 1
+        if tuple(plan.shape) == tuple(schedule.shape):
+            schedule.copy_(plan)
+            state.planned_sms = deferred.sms
+        else:  # not reachable through the build hook (same slot rule); keep it correct anyway
+            state.replans[deferred.sms] = plan
+
     @staticmethod
     def state_of(schedule: Any) -> ScheduleState | None:
         return getattr(schedule, STATE_ATTR, None)
@@ -215,7 +379,9 @@ class IndexerScheduleCache:
         state.in_graph.clear()
         state.generation += 1
         if planned_sms is not None:
+            # The caller re-planned the tensor in place: a deferred plan is no longer owed.
             state.planned_sms = int(planned_sms)
+            state.deferred = None
         self.stats.invalidations += 1
 
     # -- the call site ---------------------------------------------------------------------
@@ -278,7 +444,13 @@ class IndexerScheduleCache:
                 return schedule
             self.stats.untracked_replans += 1
             return planner.plan(context_lens, block_kv, current, indices)
-        if planner.slots(current, state.next_n) == planner.slots(state.planned_sms, state.next_n):
+        if state.deferred is not None:
+            self._run_deferred(state, schedule)
+        if current == state.planned_sms:
+            return schedule
+        if state.planned_sms != DEFERRED and planner.slots(current, state.next_n) == planner.slots(
+            state.planned_sms, state.next_n
+        ):
             # e.g. SM90 next_n=4 with 113 vs 112 SMs: same slot count, same schedule.
             return schedule
         replanned = state.replans.get(current)
@@ -377,11 +549,14 @@ class IndexerScheduleCache:
             self.warm(device_index, sms)
 
     def warm(self, device_index: int, num_sms: int) -> int:
-        """Launch the planner for every registered profile and batch bucket at ``num_sms``.
+        """Launch the planner once per distinct variant of every registered profile's shapes at ``num_sms``.
 
-        Never inside a capture (a JIT compile there would be fatal): skipped and
-        counted; the call-site path then records a planner that eager warm-up
-        runs (which precede every capture in both runners) have compiled.
+        A variant is what DeepGEMM compiles: ``(aligned batch, slots, block,
+        varlen)``; ``next_n`` is a runtime argument except through the slot count
+        (SM90 ``next_n == 4``: half). Never inside a capture (a JIT compile there
+        would be fatal): skipped and counted; the call-site path then records a
+        planner that eager warm-up runs (which precede every capture in both
+        runners) have compiled.
         """
         profiles = self._profiles.get(device_index, [])
         if not profiles:
@@ -398,25 +573,25 @@ class IndexerScheduleCache:
         import torch
 
         launched = 0
-        cap = warm_max_batch()
-        for profile in profiles:
-            limit = min(profile.max_batch, cap)
-            if limit <= 0:
-                continue
-            for next_n in profile.next_ns:
-                slots = planner.slots(num_sms, next_n)
-                for batch in aligned_buckets(limit):
-                    # The planner kernel is templated on (aligned batch, SPLIT_KV, slots, varlen); next_n is a runtime arg.
-                    key = (device_index, profile.block_kv, slots, batch, profile.varlen)
-                    if key in self._warmed:
-                        continue
-                    # Varlen (SM100) plans one row per token with request indices; next_n is 1 there.
-                    width = 1 if profile.varlen else next_n
-                    lens = torch.ones((batch, width), dtype=torch.int32, device=profile.device)
-                    indices = torch.arange(batch, dtype=torch.int32, device=profile.device) if profile.varlen else None
-                    planner.plan(lens, profile.block_kv, num_sms, indices)
-                    self._warmed.add(key)
-                    launched += 1
+        sweep = warm_max_batch()
+        for profile in profiles if sweep != 0 else ():
+            shapes = list(profile.shapes)
+            if sweep:
+                widths = sorted({width for _, width in shapes}) or [1]
+                shapes += [(batch, width) for batch in aligned_buckets(sweep) for width in widths]
+            for rows, shape_width in shapes:
+                # Varlen (SM100) plans one row per token with request indices; next_n is 1 there.
+                width = 1 if profile.varlen else shape_width
+                batch = align_batch(rows)
+                # The planner kernel is templated on (aligned batch, SPLIT_KV, slots, varlen).
+                key = (device_index, profile.block_kv, planner.slots(num_sms, width), batch, profile.varlen)
+                if key in self._warmed:
+                    continue
+                lens = torch.ones((batch, width), dtype=torch.int32, device=profile.device)
+                indices = torch.arange(batch, dtype=torch.int32, device=profile.device) if profile.varlen else None
+                planner.plan(lens, profile.block_kv, num_sms, indices)
+                self._warmed.add(key)
+                launched += 1
         self._warm_done.add(done)
         self.stats.warmups += launched
         if launched:

@@ -17,8 +17,10 @@ What it reproduces, and why each piece is there:
   logits kernel's assertion (vllm#60732).
 * **Metadata.** Each microbatch "builds" its decode schedule before the forward,
   into a persistent per-microbatch buffer, planned for the builder's count (the
-  whole GPU) -- or, with dbo_runtime, for the DBO count (plan-ahead). The call
-  site resolves it through ``IndexerScheduleCache``.
+  whole GPU) -- or, with dbo_runtime, for the DBO count (plan-ahead), deferred
+  to the first eager call site (``defer_plan_ahead``: a FULL-graph replay never
+  reads what the build planned). The call site resolves it through
+  ``IndexerScheduleCache``.
 * **Modes.** ``eager`` (``_run_ubatches``), ``mrv1`` (SM control around the
   whole capture; threads released inside ``torch.cuda.graph``) and ``mrv2``
   (SM control entered before the graph opens and exited inside it); graphs are
@@ -72,6 +74,8 @@ class ScenarioConfig:
     isolate_topk: bool = True
     """Per-microbatch top-k state (False: vLLM 0.33.0's shared buffer)."""
     plan_ahead: bool = True
+    defer_plan_ahead: bool = True
+    """Plan-ahead builds launch no planner; the first eager call site plans (False: plan at build)."""
     topk_layout: str = "windows"
 
     def validate(self) -> None:
@@ -130,6 +134,7 @@ class ScenarioResult:
     replans_total: int = 0
     captured_replans: int = 0
     planned_ahead: int = 0
+    deferred_plans: int = 0
     warmups: int = 0
     jit_in_capture: list[Any] = field(default_factory=list)
     topk_extra_bytes: int = 0
@@ -206,7 +211,7 @@ class Scenario:
         self.topk_group = _SimIndexGroup(self.logical)
         if config.isolate_topk:
             self.topk.attach(self.topk_group, 2, self._make_event)
-        self.cache = IndexerScheduleCache(planner=backend)  # type: ignore[arg-type]
+        self.cache = IndexerScheduleCache(planner=backend, defer_plan_ahead=config.defer_plan_ahead)  # type: ignore[arg-type]
         device_index = self.dev.index if self.dev.index is not None else 0
         self.control = SMControl(device_index, backend.total_sms)
         self.budget: SMBudget = compute_budget(
@@ -222,7 +227,8 @@ class Scenario:
         self.timeline: list[dict[str, Any]] = []
         self._t0 = time.perf_counter()
         self.control.subscribe(self._on_budget, name="scenario-timeline")
-        self.cache.register_profile(device_index, PlannerProfile(self.dev, config.block_kv, (config.next_n,), max(self.split)))
+        shapes = tuple((rows, config.next_n) for rows in self.split)  # exactly this scenario's microbatches
+        self.cache.register_profile(device_index, PlannerProfile(self.dev, config.block_kv, shapes))
         self.cache.attach(self.control)
         self.control.announce(self.budget)
         # Per-microbatch persistent schedule buffers (vLLM: one builder, one buffer per microbatch).
@@ -283,8 +289,19 @@ class Scenario:
                 with self.cache.microbatched_build():
                     sms = self.cache.plan_ahead_sms(self.control.device) or builder_sms
             lens = self.context_lens[self.reqs(ub)]
-            planned = self.be.plan(lens, self.cfg.block_kv, sms)
             buf = self.sched_full if ub is None else self.sched_buf[ub]
+            if self.cfg.fix_schedule and sms != builder_sms and self.cache.defer_plan_ahead:
+                # What the patched builder does (integration/indexer_hooks.py): no planner; the
+                # buffer's rows and the inputs are recorded, the first eager call site plans them.
+                view = buf[: self.be.slots(sms, self.cfg.next_n) + 1]
+                self.cache.track_deferred(
+                    view, planned_sms=sms, block_kv=self.cfg.block_kv, next_n=self.cfg.next_n, context_lens=lens,
+                    indices=None,
+                )
+                self.cache.stats.planned_ahead += 1
+                self.schedules.append(view)
+                continue
+            planned = self.be.plan(lens, self.cfg.block_kv, sms)
             view = buf[: planned.shape[0]]
             view.copy_(planned)
             if self.cfg.fix_schedule:
@@ -474,6 +491,7 @@ def run_scenario(
     result.replans_total = st.replans
     result.captured_replans = st.captured_replans
     result.planned_ahead = st.planned_ahead
+    result.deferred_plans = st.deferred_plans
     result.warmups = st.warmups
     jit = getattr(sc.be, "jit", None)
     result.jit_in_capture = list(jit.compiled_in_capture) if jit is not None else []

@@ -287,6 +287,71 @@ def test_replay_after_build_for_other_count_is_correct(
     assert ours_wrong == 0.0
 
 
+class _CountingPlanner(DeepGemmPlanner):
+    """The real planner, counting host-side planner launches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches = 0
+
+    def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
+        self.launches += 1
+        return super().plan(context_lens, block_kv, num_sms, indices)
+
+
+def test_replay_after_deferred_build_is_correct(deep_gemm: ModuleType, cuda_device: torch.device, out_dir: Any) -> None:
+    """Issue 10 item 7: a plan-ahead build now launches no planner (``track_deferred``) and leaves the
+    builder buffer as it was. The graph records its own planner, so every replay is correct whatever the
+    buffer holds (here: a later non-DBO build's 132-SM plan), and each FULL-graph step (build + replay)
+    launches no host planner; an eager step plans the schedule before its first kernel, bit for bit."""
+    planner = _CountingPlanner()
+    total = int(deep_gemm.get_num_sms())
+    case = _make_case(1, cuda_device, seed=4)
+    buffer = torch.zeros((total + 1, 2), dtype=torch.int32, device=cuda_device)  # builder.scheduler_metadata_buffer
+    rows = schedule_slots(DBO_SMS, 1) + 1
+    cache = IndexerScheduleCache(planner)
+
+    def deferred_build() -> torch.Tensor:
+        view = buffer[:rows]
+        cache.track_deferred(view, planned_sms=DBO_SMS, block_kv=BLOCK, next_n=1, context_lens=case.context_lens, indices=None)
+        return view
+
+    deep_gemm.set_num_sms(DBO_SMS)
+    schedule = deferred_build()
+    graph, out = _capture(lambda: _logits(deep_gemm, case, cache.resolve(schedule, case.context_lens, None, BLOCK)))
+    assert cache.stats.captured_replans == 1  # the graph's own planner
+
+    gen = torch.Generator().manual_seed(17)
+    worst, launches = 0.0, []
+    for _ in range(10):
+        case.refresh(gen)
+        buffer[: total + 1].copy_(DeepGemmPlanner().plan(case.context_lens, BLOCK, total))  # a non-DBO build
+        before = planner.launches
+        deferred_build()  # vLLM rebuilds every step before it replays
+        graph.replay()
+        launches.append(planner.launches - before)
+        torch.cuda.synchronize()
+        got = out.clone()
+        worst = max(worst, _mismatch(case, got, _reference(deep_gemm, case, DeepGemmPlanner(), total)))
+        deep_gemm.set_num_sms(DBO_SMS)
+    assert launches == [0] * 10
+
+    eager = deferred_build()  # an eager DBO step on the same builder
+    before = planner.launches
+    first = cache.resolve(eager, case.context_lens, None, BLOCK)
+    got = _logits(deep_gemm, case, first)
+    torch.cuda.synchronize()
+    assert first is eager and planner.launches == before + 1
+    assert torch.equal(eager, DeepGemmPlanner().plan(case.context_lens, BLOCK, DBO_SMS))
+    eager_wrong = _mismatch(case, got, _reference(deep_gemm, case, DeepGemmPlanner(), total))
+    if out_dir is not None:
+        (out_dir / "indexer_deferred_replay.json").write_text(
+            json.dumps({"replays": 10, "worst_wrong": worst, "host_planners_per_replay_step": launches, "eager_wrong": eager_wrong})
+        )
+    print(f"deferred plan-ahead: 10 replays worst wrong {worst}, host planners per replay step {launches}, eager wrong {eager_wrong}")
+    assert worst == 0.0 and eager_wrong == 0.0
+
+
 def test_announced_budget_warms_planner_outside_capture(
     deep_gemm: ModuleType, planner: DeepGemmPlanner, cuda_device: torch.device
 ) -> None:
@@ -294,7 +359,7 @@ def test_announced_budget_warms_planner_outside_capture(
     cache = IndexerScheduleCache(planner)
     control = SMControl(cuda_device.index or 0, total)
     cache.attach(control)
-    cache.register_profile(control.device, PlannerProfile(device=cuda_device, block_kv=BLOCK, next_ns=(1, 4), max_batch=64))
+    cache.register_profile(control.device, PlannerProfile(device=cuda_device, block_kv=BLOCK, shapes=((20, 1), (64, 1), (20, 4), (40, 4))))
     budget = compute_budget(
         total_sms=total, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_high_throughput"
     )

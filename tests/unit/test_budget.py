@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dbo_runtime.core.budget import SMBudget, compute_budget, full_budget, parse_comm_sms
+from dbo_runtime.core.budget import SMBudget, compute_budget, deep_gemm_compute_multiple, full_budget, parse_comm_sms
 from dbo_runtime.core.errors import ConfigError
 
 
@@ -120,3 +120,54 @@ def test_budget_is_immutable_and_checked() -> None:
 
 def test_parse_comm_sms_accepts_whitespace_ints() -> None:
     assert parse_comm_sms(" 24 ") == 24
+
+
+# -- issue 10 item 6: even DeepGEMM counts on SM90 -----------------------------------------------------
+
+
+def test_deep_gemm_compute_multiple_is_two_on_sm90_only() -> None:
+    assert [deep_gemm_compute_multiple(m) for m in (0, 8, 9, 10, 12)] == [1, 1, 2, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("kw", "expected"),
+    [
+        ({"total_sms": 131}, (131, 20, 110, 1)),  # odd-SM device / MIG slice with the default comm share
+        ({"env_comm_sms": 21}, (132, 21, 110, 1)),  # odd share above DeepEP HT's ceiling (DeepEP gets 20)
+        ({"env_comm_sms": 19, "expert_parallel": False}, (132, 19, 112, 1)),  # no EP: DeepGEMM's knob only
+        ({}, (132, 20, 112, 0)),  # the H200 default is even: nothing changes
+        ({"total_sms": 131, "has_deep_gemm": False}, (131, 20, 111, 0)),  # no DeepGEMM knob: no constraint
+        ({"total_sms": 131, "max_sms_used": 0}, (131, 0, 131, 0)),  # no partition: DeepGEMM keeps its own count
+    ],
+)
+def test_sm90_compute_share_is_rounded_down_to_even(kw: dict[str, object], expected: tuple[int, ...]) -> None:
+    b = ht(compute_multiple=2, **kw)
+    assert (b.total, b.comm, b.compute, b.idle) == expected
+    assert b.compute + b.comm + b.idle == b.total
+    assert not (b.compute_knob and b.compute % 2)
+
+
+def test_without_the_multiple_the_policy_is_vllms() -> None:
+    assert ht(total_sms=131).compute == 111 and ht(total_sms=131).idle == 0
+
+
+def test_no_even_compute_left_is_refused_naming_the_variable_and_total() -> None:
+    with pytest.raises(ConfigError) as e:
+        ht(compute_multiple=2, env_comm_sms=131, expert_parallel=False)
+    assert e.value.parameter == "VLLM_DBO_COMM_SMS" and e.value.value == 131
+    assert "[0, 130]" in str(e.value) and "(132 SMs)" in str(e.value)
+    assert ht(compute_multiple=2, env_comm_sms=130, expert_parallel=False).compute == 2
+
+
+def test_an_odd_budget_that_turns_deep_gemm_cannot_be_built() -> None:
+    b = ht(compute_multiple=2, total_sms=131)
+    with pytest.raises(ConfigError, match="multiples of 2"):
+        SMBudget(total=131, comm=20, compute=111, device=0, reason=b.reason)
+    with pytest.raises(ConfigError, match="total - comm - idle"):
+        SMBudget(total=131, comm=20, compute=111, device=0, reason=b.reason, idle=1)
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 1.5])
+def test_compute_multiple_must_be_positive_int(bad: object) -> None:
+    with pytest.raises(ConfigError, match="compute_multiple"):
+        ht(compute_multiple=bad)

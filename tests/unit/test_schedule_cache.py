@@ -19,7 +19,10 @@ from dbo_runtime.services.schedule_cache import (
     WARM_MAX_BATCH_ENV,
     IndexerScheduleCache,
     PlannerProfile,
+    align_batch,
     aligned_buckets,
+    dbo_planner_shapes,
+    ubatch_split,
     warm_max_batch,
 )
 from dbo_runtime.services.sm_control import SMControl
@@ -301,24 +304,25 @@ def test_warm_up_on_announce_and_on_late_profile() -> None:
     dg, _planner, cache = _setup()
     control = SMControl(0, 132)
     cache.attach(control)
-    profile = PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(1, 4), max_batch=70)
+    shapes = ((5, 1), (30, 1), (33, 1), (70, 1), (70, 4), (96, 4))
+    profile = PlannerProfile(device="cpu", block_kv=BLOCK, shapes=shapes)
     cache.register_profile(0, profile)
     assert dg.plan_calls == []  # nothing announced yet: nothing to warm
     control.announce(_dbo_budget())  # type: ignore[arg-type]
-    # buckets 32, 64, 96; slots 112 (next_n 1) and 56 (SM90 next_n 4)
-    assert sorted((c[0], c[2][0]) for c in dg.plan_calls) == sorted(
-        (s, b) for s in (112, 56) for b in (32, 64, 96)
+    # one launch per compiled variant: aligned batch x slots (112 for next_n 1, 56 for SM90 next_n 4)
+    assert sorted((c[0], c[2]) for c in dg.plan_calls) == sorted(
+        [(112, (32, 1)), (112, (64, 1)), (112, (96, 1)), (56, (96, 4))]
     )
-    assert cache.stats.warmups == 6
+    assert cache.stats.warmups == 4
     control.announce(_dbo_budget())  # type: ignore[arg-type]
-    assert cache.stats.warmups == 6  # already compiled: not again
+    assert cache.stats.warmups == 4  # already compiled: not again
 
     dg2, _planner2, late = _setup()
     control2 = SMControl(0, 132)
     control2.announce(_dbo_budget())  # type: ignore[arg-type]
     late.attach(control2)  # subscribe after the announce: replayed
     assert dg2.plan_calls == []
-    late.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(1,), max_batch=32))
+    late.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 1),)))
     assert [c[0] for c in dg2.plan_calls] == [112]
 
 
@@ -326,7 +330,7 @@ def test_warm_up_never_inside_capture_and_on_unannounced_entered_budget() -> Non
     dg, planner, cache = _setup()
     control = SMControl(0, 132)
     cache.attach(control)
-    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(1,), max_batch=32))
+    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 1),)))
     planner.capturing_now = True
     control.announce(_dbo_budget())  # type: ignore[arg-type]
     assert dg.plan_calls == [] and cache.stats.warm_skipped_in_capture == 1
@@ -344,15 +348,20 @@ def test_warm_up_never_inside_capture_and_on_unannounced_entered_budget() -> Non
     assert [c[0] for c in dg.plan_calls] == [110]
 
 
-def test_warm_batch_limit_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(WARM_MAX_BATCH_ENV, "64")
-    assert warm_max_batch() == 64
+@pytest.mark.parametrize(("raw", "batches"), [(None, [512]), ("0", []), ("64", [32, 64, 512])])
+def test_warm_sweep_env(monkeypatch: pytest.MonkeyPatch, raw: str | None, batches: list[int]) -> None:
+    """Unset: exactly the profile's shapes; N: also every bucket up to N; 0: no warm-up."""
+    if raw is None:
+        monkeypatch.delenv(WARM_MAX_BATCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(WARM_MAX_BATCH_ENV, raw)
+    assert warm_max_batch() == (None if raw is None else int(raw))
     dg, _planner, cache = _setup()
-    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(1,), max_batch=1000))
+    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((512, 1),)))
     control = SMControl(0, 132)
     cache.attach(control)
     control.announce(_dbo_budget())  # type: ignore[arg-type]
-    assert sorted(c[2][0] for c in dg.plan_calls) == [32, 64]
+    assert sorted(c[2][0] for c in dg.plan_calls) == batches
     monkeypatch.setenv(WARM_MAX_BATCH_ENV, "many")
     with pytest.raises(ConfigError, match=WARM_MAX_BATCH_ENV):
         warm_max_batch()
@@ -369,12 +378,182 @@ def test_aligned_buckets() -> None:
 def test_warm_returns_at_once_when_the_count_is_already_warm() -> None:
     """SMControl publishes 'entered' every DBO step; a warm count must cost no probe or bucket walk."""
     _dg, planner, cache = _setup()
-    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(1,), max_batch=64))
+    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 1), (64, 1))))
     assert cache.warm(0, 112) == 2  # buckets 32 and 64
     probes = []
     planner.capturing = lambda: probes.append(1) or False  # type: ignore[method-assign]
     for _ in range(10):
         assert cache.warm(0, 112) == 0
     assert probes == []
-    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, next_ns=(2,), max_batch=32))
+    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 2),)))
     assert cache.warm(0, 112) == 0 and len(probes) == 1  # new profile: walked again (already warm)
+
+
+# -- issue 10 item 7: deferred plan-ahead ---------------------------------------------------------------
+
+
+def _deferred_build(
+    cache: IndexerScheduleCache, planner: FakeSchedulePlanner, lens: torch.Tensor, sms: int, buffer: torch.Tensor
+) -> torch.Tensor:
+    """What the patched builder does for a plan-ahead build: no planner, its buffer's rows, the inputs recorded."""
+    schedule = buffer[: planner.slots(sms, int(lens.shape[1])) + 1]
+    cache.track_deferred(schedule, planned_sms=sms, block_kv=BLOCK, next_n=int(lens.shape[1]), context_lens=lens, indices=None)
+    return schedule
+
+
+@pytest.mark.parametrize("next_n", [1, 4])
+def test_deferred_plan_runs_once_at_the_first_eager_call_site(next_n: int) -> None:
+    dg, planner, cache = _setup()
+    lens = _lens(next_n)
+    buffer = torch.full((133, 2), -7, dtype=torch.int32)  # stale contents: a replay must never need them
+    schedule = _deferred_build(cache, planner, lens, 112, buffer)
+    assert dg.plan_calls == [] and (schedule == -7).all()  # the build launched nothing
+    dg.set_num_sms(112)
+    got = [cache.resolve(schedule, lens, None, BLOCK) for _ in range(LAYERS)]
+    assert all(g is schedule for g in got)  # planned into the build's own tensor, read by every layer
+    assert len(dg.plan_calls) == 1 and cache.stats.deferred_plans == 1 and cache.stats.replans == 0
+    assert torch.equal(schedule, planner.plan(lens, BLOCK, 112))  # exactly the plan the build would have made
+    _logits(dg, lens, schedule)  # DeepGEMM's host assertion passes
+
+
+def test_deferred_plan_inside_capture_records_the_graphs_own_planner() -> None:
+    dg, planner, cache = _setup()
+    lens = _lens()
+    buffer = torch.full((133, 2), -7, dtype=torch.int32)
+    schedule = _deferred_build(cache, planner, lens, 112, buffer)
+    dg.set_num_sms(112)
+    planner.capturing_now, planner.current_capture = True, 5
+    got = [cache.resolve(schedule, lens, None, BLOCK) for _ in range(LAYERS)]
+    assert got[0] is not schedule and all(g is got[0] for g in got)  # the graph reads its own plan
+    assert cache.stats.captured_replans == 1 and cache.stats.deferred_plans == 0
+    assert (schedule == -7).all()  # nothing was planned into the buffer: no replay reads it
+
+
+def test_deferred_plan_then_a_knob_turned_by_someone_else() -> None:
+    dg, planner, cache = _setup()
+    lens = _lens()
+    schedule = _deferred_build(cache, planner, lens, 112, torch.zeros((133, 2), dtype=torch.int32))
+    dg.set_num_sms(100)
+    other = cache.resolve(schedule, lens, None, BLOCK)
+    assert other.shape[0] == 101 and cache.stats.replans == 1 and cache.stats.deferred_plans == 1
+    dg.set_num_sms(112)
+    assert cache.resolve(schedule, lens, None, BLOCK) is schedule
+    assert torch.equal(schedule, planner.plan(lens, BLOCK, 112))
+
+
+def test_invalidate_with_the_in_place_plan_settles_a_deferred_schedule() -> None:
+    dg, planner, cache = _setup()
+    lens = _lens()
+    schedule = _deferred_build(cache, planner, lens, 112, torch.zeros((133, 2), dtype=torch.int32))
+    state = cache.state_of(schedule)
+    assert state is not None and state.intended_sms == 112 and state.planned_sms < 0
+    cache.invalidate(schedule)  # inputs rewritten in place, nothing planned: still owed, from the new inputs
+    assert state.deferred is not None
+    schedule.copy_(planner.plan(lens, BLOCK, 112))  # update_draft_decode_metadata re-plans in place ...
+    cache.invalidate(schedule, planned_sms=112)  # ... and says so
+    assert state.deferred is None and state.planned_sms == 112
+    calls = len(dg.plan_calls)
+    dg.set_num_sms(112)
+    assert cache.resolve(schedule, lens, None, BLOCK) is schedule and len(dg.plan_calls) == calls
+
+
+def test_full_graph_dbo_steps_launch_only_the_graphs_planners() -> None:
+    """Planner kernels per FULL-graph DBO step (build + replay, two microbatches): the build's plan is
+    never read there, so with deferral the step launches none on the host (before: one per microbatch)."""
+    dg, planner, cache = _setup()
+    buffers = [torch.zeros((133, 2), dtype=torch.int32) for _ in range(2)]
+    lens = [_lens(batch=6), _lens(batch=7)]
+
+    def build(defer: bool) -> list[torch.Tensor]:
+        if defer:
+            return [_deferred_build(cache, planner, lens[u], 112, buffers[u]) for u in range(2)]
+        out = []
+        for u in range(2):
+            view = buffers[u][:113]
+            view.copy_(planner.plan(lens[u], BLOCK, 112))
+            cache.track(view, planned_sms=112, block_kv=BLOCK, next_n=1, ahead=True)
+            out.append(view)
+        return out
+
+    dg.set_num_sms(112)
+    for defer, per_step in ((False, 2), (True, 0)):
+        schedules = build(defer)
+        planner.capturing_now, planner.current_capture = True, 11 + int(defer)  # the capture
+        for u in range(2):
+            for _ in range(LAYERS):
+                cache.resolve(schedules[u], lens[u], None, BLOCK)
+        planner.capturing_now = False
+        calls = len(dg.plan_calls)
+        for _ in range(5):  # replay steps: vLLM builds, then replays (no call site runs)
+            build(defer)
+        assert (len(dg.plan_calls) - calls) / 5 == per_step
+
+
+# -- issue 10 item 8: warm exactly the shapes vLLM will run ---------------------------------------------
+
+#: vLLM 0.33.0's default capture sizes for ``vllm serve`` on an H200 without speculative decoding
+#: (max_num_seqs 1024 -> largest graph min(2048, 512)): 1, 2, 4, multiples of 8 to 248, of 16 to 512.
+H200_CAPTURE_SIZES = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
+
+
+def test_align_batch_and_buckets() -> None:
+    assert [align_batch(n) for n in (1, 32, 33, 512, 513)] == [32, 32, 64, 512, 544]
+
+
+def test_ubatch_split_two_microbatches() -> None:
+    assert ubatch_split([1] * 64, 64, 2) == [(32, 32), (32, 32)]
+    assert ubatch_split([4] * 9, 36, 2) == [(5, 18), (5, 18)]  # request 4 is cut by the split point: in both
+    assert ubatch_split([1] * 60, 64, 2) == [(32, 32), (28, 32)]  # padded tokens go to the last one
+
+
+def test_dbo_planner_shapes_h200_defaults_no_mtp() -> None:
+    shapes = dbo_planner_shapes(
+        max_num_seqs=1024, max_num_batched_tokens=8192, num_speculative_tokens=0, capture_sizes=H200_CAPTURE_SIZES,
+        num_ubatches=2, decode_token_threshold=32, per_token_rows=False,
+    )
+    # graphs 32..512 tokens -> 16..256 requests per microbatch; the full batch (1024) -> 512 each
+    assert {w for _, w in shapes} == {1}
+    assert sorted({align_batch(r) for r, _ in shapes}) == [32, 64, 96, 128, 160, 192, 224, 256, 512]
+    assert min(r for r, _ in shapes) == 16 and max(r for r, _ in shapes) == 512
+
+
+def test_dbo_planner_shapes_mtp3_native_and_flattened() -> None:
+    mtp_sizes = sorted({*H200_CAPTURE_SIZES, *(4 * n for n in (1, 2, 4, *range(8, 129, 8)))})
+    native = dbo_planner_shapes(
+        max_num_seqs=1024, max_num_batched_tokens=8192, num_speculative_tokens=3, capture_sizes=mtp_sizes,
+        num_ubatches=2, decode_token_threshold=32, per_token_rows=False,
+    )
+    # uniform decode of 4 tokens per request: graphs 32..512 tokens -> 4..64 requests per microbatch, the
+    # full batch 1024 requests (4096 tokens) -> 512; all at width 4 (SM90: half the slots)
+    assert {w for _, w in native} == {4}
+    assert sorted({align_batch(r) for r, _ in native}) == [32, 64, 512]
+    flat = dbo_planner_shapes(
+        max_num_seqs=1024, max_num_batched_tokens=8192, num_speculative_tokens=3, capture_sizes=mtp_sizes,
+        num_ubatches=2, decode_token_threshold=32, per_token_rows=True,
+    )
+    assert {w for _, w in flat} == {1} and max(r for r, _ in flat) == 2048  # one row per token
+
+
+def test_dbo_planner_shapes_eager_only_and_below_threshold() -> None:
+    eager = dbo_planner_shapes(
+        max_num_seqs=256, max_num_batched_tokens=2048, num_speculative_tokens=0, capture_sizes=(),
+        num_ubatches=2, decode_token_threshold=32, per_token_rows=False,
+    )
+    assert eager == ((128, 1),)
+    assert dbo_planner_shapes(
+        max_num_seqs=16, max_num_batched_tokens=2048, num_speculative_tokens=0, capture_sizes=(8, 16),
+        num_ubatches=2, decode_token_threshold=32, per_token_rows=False,
+    ) == ()  # vLLM never microbatches a decode batch below the threshold
+
+
+def test_h200_default_warm_up_compiles_fewer_variants_and_covers_the_full_batch() -> None:
+    """Before: every bucket 32..512 per slot count (16 variants) whatever vLLM runs, and none above 512
+    (a max_num_seqs above 1024 compiled its full batch's planner in a live step). After: the 9 vLLM runs."""
+    dg, _planner, cache = _setup()
+    shapes = dbo_planner_shapes(
+        max_num_seqs=1024, max_num_batched_tokens=8192, num_speculative_tokens=0, capture_sizes=H200_CAPTURE_SIZES,
+        num_ubatches=2, decode_token_threshold=32, per_token_rows=False,
+    )
+    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=shapes))
+    assert cache.warm(0, 112) == 9
+    assert sorted(c[2][0] for c in dg.plan_calls) == [32, 64, 96, 128, 160, 192, 224, 256, 512]

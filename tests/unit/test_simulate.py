@@ -45,6 +45,21 @@ def test_without_topk_isolation_followers_read_the_other_microbatch() -> None:
     assert all(c.logits_mismatch_rows == 0 and c.topk_mismatch_rows == 0 for c in res.checks)
 
 
+@pytest.mark.parametrize("next_n", [1, 4])
+def test_deferred_plan_ahead_eager_steps_plan_once_per_microbatch_and_stay_bit_identical(next_n: int) -> None:
+    """Issue 10 item 7 on the scenario: eager DBO steps run the deferred plan at the first indexer layer
+    (one planner per microbatch per step, as the build did before), bit-identical to the unsplit run."""
+    runs = {}
+    for defer in (True, False):
+        be = SimulatedDeepGemm()
+        res = run_scenario(dataclasses.replace(FAST, next_n=next_n, defer_plan_ahead=defer), be)
+        assert res.ok, res.error or res.checks
+        assert res.replans_total == 0
+        runs[defer] = (res.deferred_plans, be.planner_launches)
+    assert runs[True][0] == 2 * FAST.steps and runs[False][0] == 0
+    assert runs[True][1] == runs[False][1]  # moved, not added
+
+
 def test_upstream_call_site_replan_costs_one_planner_per_microbatch_per_step() -> None:
     res = run_scenario(dataclasses.replace(FAST, plan_ahead=False), SimulatedDeepGemm())
     assert res.ok and [c.replans for c in res.checks] == [2, 2]

@@ -165,7 +165,7 @@ def test_planner_warm_up_failing_on_entered_does_not_fail_the_step(rec: FakeKnob
     ctl = SMControl(0, 132)
     cache = IndexerScheduleCache(FailingJit(FakeDeepGemm(total_sms=132)))
     cache.attach(ctl)
-    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=64, next_ns=(1,), max_batch=32))
+    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=64, shapes=((32, 1),)))
     with ctl.partition(budget(20), compute_knob=rec.knob("compute")):
         pass
     assert rec.calls == [("compute", 112), ("compute", 132)]
@@ -269,3 +269,25 @@ def test_budget_for_another_device_rejected() -> None:
         pass
     with pytest.raises(ConfigError):
         SMControl(0, 78).enter(budget(20))
+
+
+def test_rounded_sm90_budget_turns_even_and_restores_exactly(rec: FakeKnobs) -> None:
+    """Issue 10 item 6: on an odd-SM SM90 device the partition gives DeepGEMM an even count (one SM idle);
+    nesting and exit restore the exact count in force before, never a rounded or recomputed one."""
+
+    def sm90(comm: int) -> SMBudget:
+        return compute_budget(
+            total_sms=131, platform="cuda", enable_dbo=True, expert_parallel=True,
+            all2all_backend="deepep_high_throughput", env_comm_sms=comm, compute_multiple=2,
+        )
+
+    ctl = SMControl(0, 131)
+    comm, compute = rec.knob("comm"), rec.knob("compute")
+    with ctl.partition(sm90(20), comm_knob=comm, compute_knob=compute):
+        assert rec.calls == [("comm", 20), ("compute", 110)]
+        with ctl.partition(sm90(32), comm_knob=comm, compute_knob=compute):
+            assert rec.calls[-2:] == [("comm", 32), ("compute", 98)]
+        assert rec.calls[-2:] == [("comm", 20), ("compute", 110)]
+    assert rec.calls[-2:] == [("comm", 131), ("compute", 131)]
+    assert ctl.active.compute == 131 and ctl.depth == 0
+    assert all(n % 2 == 0 for name, n in rec.calls[:-1] if name == "compute")

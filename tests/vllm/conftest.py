@@ -1,7 +1,7 @@
 """Fixtures for contract tests against the real vLLM 0.33.0 package on a CPU box.
 
 The only fakes here stand in for what cannot exist without a GPU: the CUDA /
-ROCm platform answer, the device's SM count, the current accelerator index,
+ROCm platform answer, the device's SM count and compute capability, the current accelerator index,
 the expert-parallel group (``FakeEpGroup``) with its all2all manager
 (``FakeAll2AllManager``) and DeepGEMM's SM setter (``FakeDeepGemmSetter``).
 Each is installed on the exact vLLM global that ``create_sm_control_context``
@@ -84,8 +84,10 @@ class FakeGpuPlatform:
         has_manager: bool = True,
         deep_gemm: bool = True,
         env_comm_sms: int | None = None,
+        sm_major: int | None = None,
     ) -> None:
         from vllm.platforms import current_platform
+        from vllm.platforms.interface import DeviceCapability
         from vllm.utils import platform_utils
         from vllm.v1.worker import ubatch_utils
 
@@ -93,6 +95,9 @@ class FakeGpuPlatform:
         mp.setattr(current_platform, "is_cuda", lambda: platform == "cuda")
         mp.setattr(current_platform, "is_rocm", lambda: platform == "rocm")
         mp.setattr(current_platform, "num_compute_units", lambda device_id=0: total_sms, raising=False)
+        if sm_major is not None:  # None: the CPU platform's answer (no capability)
+            capability = DeviceCapability(major=sm_major, minor=0)
+            mp.setattr(current_platform, "get_device_capability", lambda device_id=0: capability)
         platform_utils.num_compute_units.cache_clear()
         mp.setattr(torch.accelerator, "current_device_index", lambda: 0)
         manager = FakeAll2AllManager(max_sms_used, self.calls) if has_manager else None

@@ -250,15 +250,18 @@ def test_plan_ahead_in_microbatched_build_needs_no_call_site_replan(env: Env) ->
     builder = env.builder()
     _register(builder)  # what the patched __init__ does on a GPU
     _announce_dbo()
+    calls = len(env.dg.plan_calls)
     with env.cache.microbatched_build():
         metadata = builder.build(0, _common(SEQS))
     assert tuple(metadata.decode.schedule_metadata.shape) == (113, 2)
     assert env.cache.stats.planned_ahead == 1
+    assert len(env.dg.plan_calls) == calls  # deferred: the build launches no planner (issue 10 item 7)
     env.dg.set_num_sms(112)
-    calls = len(env.dg.plan_calls)
     for _ in range(LAYERS):
         env.logits(metadata.decode)
-    assert len(env.dg.plan_calls) == calls and env.cache.stats.replans == 0
+    # The first layer of the eager step plans it, for 112, into the same tensor; no re-plan after.
+    assert len(env.dg.plan_calls) == calls + 1 and env.dg.plan_calls[-1][0] == 112
+    assert env.cache.stats.replans == 0 and env.cache.stats.deferred_plans == 1
 
     env.dg.set_num_sms(132)  # a non-microbatched step on the same builder plans for the whole GPU
     plain = builder.build(0, _common(SEQS))
@@ -294,6 +297,76 @@ def test_update_draft_after_plan_ahead_keeps_vllm_shape_assertion_happy(env: Env
     assert tuple(metadata.decode.schedule_metadata.shape) == (113, 2)
 
 
+def test_full_graph_dbo_step_launches_no_planner_at_build(env: Env) -> None:
+    """Issue 10 item 7, with vLLM's real builder: a FULL-graph DBO step (build, then replay) used to launch
+    the build's planner although the graph re-plans inside itself and never reads it; now it launches none.
+    The replay-safety guarantee is untouched: the capture records its own planner, the buffer is never
+    read by it, and an eager step plans the schedule before its first logits kernel."""
+    builder = env.builder()
+    _register(builder)
+    _announce_dbo()
+    builder.scheduler_metadata_buffer.fill_(-7)  # stale: whatever a non-DBO build left there
+    env.dg.set_num_sms(112)  # both runners enter SM control before the capture
+
+    def microbatched_build() -> Any:
+        with env.cache.microbatched_build():
+            return builder.build(0, _common(SEQS))
+
+    # Capture: the call site records the graph's own planner (from the persistent seq_lens).
+    capture_md = microbatched_build()
+    env.cache.planner.capturing_now, env.cache.planner.current_capture = True, 1  # type: ignore[attr-defined]
+    calls = len(env.dg.plan_calls)
+    for _ in range(LAYERS):
+        env.logits(capture_md.decode)
+    env.cache.planner.capturing_now = False  # type: ignore[attr-defined]
+    assert len(env.dg.plan_calls) == calls + 1 and env.cache.stats.captured_replans == 1
+
+    # Replay steps: vLLM builds the microbatch metadata, then replays the graph (no call site runs).
+    calls = len(env.dg.plan_calls)
+    for _ in range(5):
+        microbatched_build()
+    per_step = (len(env.dg.plan_calls) - calls) / 5
+    assert per_step == 0, f"planner kernels per FULL-graph DBO step (this microbatch's build): {per_step}"
+    assert (capture_md.decode.schedule_metadata == -7).all()  # nothing wrote the buffer the graph never reads
+    assert (builder.scheduler_metadata_buffer == -7).all()
+
+    # An eager DBO step on the same builder: planned before its first logits kernel, bit for bit.
+    eager_md = microbatched_build()
+    out = env.logits(eager_md.decode)
+    assert float(out[0, 0]) == 113.0  # the fake's logits carry the rows it was handed (host check passed)
+    reference = vllm_signature_planner(FakeDeepGemm(total_sms=132, sm_major=9))
+    assert torch.equal(eager_md.decode.schedule_metadata, reference(eager_md.decode.seq_lens, BLOCK, 112))
+    assert env.cache.stats.deferred_plans == 1 and env.cache.stats.replans == 0
+
+
+def test_update_draft_on_a_deferred_schedule_plans_it_in_place(env: Env) -> None:
+    builder = env.builder()
+    _register(builder)
+    _announce_dbo()
+    with env.cache.microbatched_build():
+        metadata = builder.build(0, _common(SEQS))
+    metadata.seq_lens = torch.tensor([s + 1 for s in SEQS], dtype=torch.int32)
+    calls = len(env.dg.plan_calls)
+    builder.update_draft_decode_metadata(metadata)  # vLLM re-plans in place and asserts the 113-row shape
+    assert len(env.dg.plan_calls) == calls + 1 and env.dg.plan_calls[-1][0] == 112
+    env.dg.set_num_sms(112)
+    env.logits(metadata.decode)
+    assert len(env.dg.plan_calls) == calls + 1  # settled: nothing deferred left to run
+    assert env.cache.stats.deferred_plans == 0
+
+
+def test_plan_at_build_when_deferral_is_off(env: Env) -> None:
+    env.cache.defer_plan_ahead = False
+    builder = env.builder()
+    _register(builder)
+    _announce_dbo()
+    calls = len(env.dg.plan_calls)
+    with env.cache.microbatched_build():
+        metadata = builder.build(0, _common(SEQS))
+    assert len(env.dg.plan_calls) == calls + 1 and env.dg.plan_calls[-1][0] == 112
+    assert env.cache.stats.deferred == 0 and tuple(metadata.decode.schedule_metadata.shape) == (113, 2)
+
+
 def test_builder_init_registers_profile(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Any] = []
     monkeypatch.setattr(indexer_hooks, "register_builder", lambda builder, device_index=None: seen.append(builder))
@@ -306,10 +379,40 @@ def test_register_builder_warms_announced_dbo_count(env: Env) -> None:
     builder.device = torch.device("cpu")  # the warm-up tensors are allocated on the builder's device
     _announce_dbo()
     profile = indexer_hooks.register_builder(builder, device_index=0)
-    assert profile is not None and profile.block_kv == BLOCK and profile.next_ns == (1,)
-    assert profile.max_batch == builder.vllm_config.scheduler_config.max_num_seqs
-    assert {c[0] for c in env.dg.plan_calls} == {112}
-    assert env.cache.stats.warmups == len({c[2][0] for c in env.dg.plan_calls})
+    # No FULL cudagraphs in this config (enforce-eager-like): only the full batch, 128 requests -> 64 each.
+    assert builder.vllm_config.scheduler_config.max_num_seqs == 128
+    assert profile is not None and profile.block_kv == BLOCK and profile.shapes == ((64, 1),)
+    assert [(c[0], c[2]) for c in env.dg.plan_calls] == [(112, (64, 1))]
+    assert env.cache.stats.warmups == 1
+
+
+@pytest.mark.parametrize(("spec", "expected"), [(0, [(112, 32), (112, 64), (112, 512)]), (3, [(56, 32), (56, 512)])])
+def test_register_builder_warms_exactly_what_vllm_runs_microbatched(
+    env: Env, spec: int, expected: list[tuple[int, int]]
+) -> None:
+    """Issue 10 item 8, from the vLLM config the real builder holds: FULL capture sizes DBO microbatches
+    (>= dbo_decode_token_threshold), and the full batch of max_num_seqs decodes, per microbatch.
+    Before: every 32-row bucket up to min(max_num_seqs, 512) for next_n 1 and 1 + spec (16 / 32 variants
+    here) whatever vLLM runs, and with max_num_seqs above 1024 the full batch's microbatches never."""
+    from vllm.config import CUDAGraphMode
+
+    builder = env.builder()
+    builder.device = torch.device("cpu")
+    vc = builder.vllm_config
+    vc.scheduler_config.max_num_seqs = 1024
+    vc.scheduler_config.max_num_batched_tokens = 8192
+    vc.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    vc.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8, 16, 24, 32, 64, 96, 128]
+    vc.parallel_config.enable_dbo = True
+    builder.num_speculative_tokens = spec  # what __init__ read from the speculative config
+    _announce_dbo()
+    profile = indexer_hooks.register_builder(builder, device_index=0)
+    assert profile is not None
+    got = sorted({(c[0], c[2][0]) for c in env.dg.plan_calls})
+    # spec 0: graphs 32/64/96/128 tokens -> 16/32/48/64 requests per microbatch -> buckets 32, 64; full batch 512.
+    # spec 3 (next_n 4, SM90: 56 slots): graphs 32/64/96/128 tokens -> 4/8/12/16 requests -> bucket 32; full 512.
+    assert got == expected and env.cache.stats.warmups == len(expected)
+    assert {c[2][1] for c in env.dg.plan_calls} == {1 + spec}
 
 
 def test_sm90_next_n4_slot_rule_is_vllms(monkeypatch: pytest.MonkeyPatch) -> None:

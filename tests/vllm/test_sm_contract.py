@@ -217,3 +217,92 @@ def test_deepep_ht_comm_above_manager_ceiling(gpu_platform: FakeGpuPlatform, cle
         module = importlib.import_module(RUNNER_MODULES[runner])
         with pytest.raises(ConfigError, match="even"):
             module.create_sm_control_context(pc)
+
+
+# -- issue 10 item 6: DeepGEMM's SM90 2-CTA-cluster kernels need an even compute count ------------------
+
+
+@pytest.mark.parametrize("runner", sorted(RUNNER_MODULES))
+@pytest.mark.parametrize(
+    ("total", "env", "ep", "vllm_compute"),
+    [
+        (132, 21, True, 111),  # odd comm share above DeepEP HT's 20-SM ceiling (DeepEP still gets an even 20)
+        (131, 20, True, 111),  # odd-SM device or MIG slice, default comm share
+        (132, 19, False, 113),  # no expert parallel: vLLM still turns DeepGEMM's knob to total - comm
+    ],
+)
+def test_sm90_odd_compute_rounds_down_and_restores_exactly(
+    gpu_platform: FakeGpuPlatform,
+    clean_plugin: Any,
+    runner: str,
+    total: int,
+    env: int,
+    ep: bool,
+    vllm_compute: int,
+) -> None:
+    """vLLM 0.33.0 hands DeepGEMM an odd count here (the measured CUDA_ERROR_INVALID_CLUSTER_SIZE at
+    next_n 4); dbo_runtime turns it to the even count below, leaves one SM idle, keeps the comm share,
+    and on exit restores exactly what vLLM restores (the whole device)."""
+    import importlib
+
+    from vllm.v1.worker import ubatch_utils
+
+    pc = parallel_config(ep=ep)
+    gpu_platform.set(total_sms=total, env_comm_sms=env, max_sms_used=None, sm_major=9)
+    expected = run_context(ubatch_utils.create_sm_control_context, pc, gpu_platform.calls)
+    assert expected[0] == (total, env, vllm_compute) and expected[1][-1] == ("compute", vllm_compute)
+    clean_plugin()
+    module = importlib.import_module(RUNNER_MODULES[runner])
+    (t, comm, compute), entered, exited = run_context(module.create_sm_control_context, pc, gpu_platform.calls)
+    assert (t, comm, compute) == (total, env, vllm_compute - 1)
+    assert entered == [c if c[0] == "comm" else ("compute", vllm_compute - 1) for c in expected[1]]
+    assert exited == expected[2] and exited[-1] == ("compute", total)
+    budget = module.create_sm_control_context(pc).budget
+    assert budget.idle == 1 and "1 SM idle" in budget.describe()
+
+
+@pytest.mark.parametrize(("platform", "sm_major"), [("cuda", 10), ("cuda", 8), ("rocm", 9)])
+def test_odd_compute_elsewhere_is_vllms_own(
+    gpu_platform: FakeGpuPlatform, clean_plugin: Any, platform: str, sm_major: int
+) -> None:
+    """Only CUDA SM90 runs the multicast kernel (ROCm gfx9xx also reports major 9): elsewhere, vLLM's split."""
+    from vllm.v1.worker import gpu_ubatch_wrapper, ubatch_utils
+
+    pc = parallel_config(backend="allgather_reducescatter", ep=False)
+    gpu_platform.set(platform=platform, total_sms=131, env_comm_sms=20, sm_major=sm_major)
+    expected = run_context(ubatch_utils.create_sm_control_context, pc, gpu_platform.calls)
+    clean_plugin()
+    got = run_context(gpu_ubatch_wrapper.create_sm_control_context, pc, gpu_platform.calls)
+    assert got == expected and got[0] == (131, 20, 111)
+
+
+def test_sm90_no_even_compute_left_is_refused(gpu_platform: FakeGpuPlatform, clean_plugin: Any) -> None:
+    from vllm.v1.worker import gpu_ubatch_wrapper, ubatch_utils
+
+    pc = parallel_config(ep=False)
+    gpu_platform.set(total_sms=132, env_comm_sms=131, sm_major=9)
+    assert run_context(ubatch_utils.create_sm_control_context, pc, gpu_platform.calls)[0] == (132, 131, 1)
+    clean_plugin()
+    with pytest.raises(ConfigError, match=r"VLLM_DBO_COMM_SMS=131 .*\(132 SMs\).*multiple of 2") as e:
+        gpu_ubatch_wrapper.create_sm_control_context(pc)
+    assert e.value.parameter == "VLLM_DBO_COMM_SMS"
+
+
+# -- issue 10 item 8: the warm-up's microbatch split is vLLM's ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens_per_request", "padded"),
+    [([1] * 64, 64), ([1] * 511, 512), ([4] * 9, 36), ([4] * 128, 512), ([1] * 60, 64), ([3, 1, 4, 1, 5], 14)],
+)
+def test_ubatch_split_matches_vllm(tokens_per_request: list[int], padded: int) -> None:
+    import numpy as np
+    from vllm.v1.worker.ubatch_utils import maybe_create_ubatch_slices
+
+    from dbo_runtime.services.schedule_cache import ubatch_split
+
+    reqs_padded = len(tokens_per_request)
+    _, slices = maybe_create_ubatch_slices(True, np.array(tokens_per_request, dtype=np.int32), padded, reqs_padded, 2)
+    assert slices is not None
+    expected = [(s.request_slice.stop - s.request_slice.start, s.token_slice.stop - s.token_slice.start) for s in slices]
+    assert ubatch_split(tokens_per_request, padded, 2) == expected

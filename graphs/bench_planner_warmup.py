@@ -1,0 +1,192 @@
+"""Cold-start cost of the paged-MQA planner warm-up, before and after issue 10 item 8.
+
+DeepGEMM JIT-compiles one planner per (32-aligned batch, SM slots); dbo_runtime compiles them for
+the DBO SM count when the budget is announced at model load. Two warm-up sets for the same vLLM
+configuration, each in a fresh process with an empty DeepGEMM JIT cache (``DG_JIT_CACHE_DIR``), one
+after the other in one run:
+
+* ``before`` -- every 32-row bucket up to min(max_num_seqs, 512), for next_n 1 and 1 + spec tokens
+  (the warm-up of dbo_runtime before item 8);
+* ``after``  -- exactly the per-microbatch shapes vLLM will run microbatched
+  (``schedule_cache.dbo_planner_shapes``: the FULL cudagraph capture sizes DBO captures, and the full
+  batch of max_num_seqs decodes).
+
+Both go through ``IndexerScheduleCache.warm`` with the real DeepGEMM planner at the DBO count (112 on
+an H200). Reported per set: planner variants launched, new JIT cache entries, seconds (with
+``torch.cuda.synchronize``), and which ``after`` buckets ``before`` missed. The configuration is
+vLLM 0.33.0's ``vllm serve`` default on an H200: max_num_seqs 1024, max_num_batched_tokens 8192,
+capture sizes 1, 2, 4, 8..248 step 8, 256..512 step 16 (plus 4 x requests for MTP), DBO decode
+threshold 32, two microbatches. Default ``--spec-tokens 3`` (GLM-5.3 with MTP: next_n 4);
+about 90 s on an H200 (a cold planner compile is about 2 s).
+
+    python3 graphs/bench_planner_warmup.py [--spec-tokens 3] [--max-num-seqs 1024] [--out graphs/results]
+
+Writes ``bench_planner_warmup.json`` (+ ``.png`` with matplotlib) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BLOCK = 64
+OLD_CAP = 512
+
+
+def capture_sizes(max_num_seqs: int, spec_tokens: int, max_graph: int = 512) -> list[int]:
+    """vLLM 0.33.0's default capture sizes (``VllmConfig._set_cudagraph_sizes``) for an H200."""
+    q = 1 + spec_tokens
+    top = min(max_num_seqs * q * 2, max_graph)
+    sizes = {n for n in (1, 2, 4) if n <= top} | set(range(8, min(top + 1, 256), 8)) | set(range(256, top + 1, 16))
+    if q > 1:
+        reqs = {1, 2, 4, *range(8, 256, 8), *range(256, min(max_num_seqs, max_graph) + 1, 16), min(max_num_seqs, max_graph)}
+        sizes |= {n * q for n in reqs if n * q <= top}
+    return sorted(sizes)
+
+
+def shape_sets(max_num_seqs: int, max_tokens: int, spec_tokens: int) -> dict[str, list[list[int]]]:
+    from dbo_runtime.services.schedule_cache import aligned_buckets, dbo_planner_shapes
+
+    q = 1 + spec_tokens
+    before = [[b, w] for w in sorted({1, q}) for b in aligned_buckets(min(max_num_seqs, OLD_CAP))]
+    after = dbo_planner_shapes(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens, num_speculative_tokens=spec_tokens,
+        capture_sizes=capture_sizes(max_num_seqs, spec_tokens), num_ubatches=2, decode_token_threshold=32,
+        per_token_rows=False,
+    )
+    return {"before": before, "after": [list(s) for s in after]}
+
+
+def child(spec: dict[str, Any]) -> None:
+    """Runs in a fresh process with an empty DG_JIT_CACHE_DIR: prime, then time the warm-up."""
+    import torch
+
+    from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner
+    from dbo_runtime.services.schedule_cache import IndexerScheduleCache, PlannerProfile
+
+    cache_dir = Path(os.environ["DG_JIT_CACHE_DIR"])
+    device = torch.device("cuda", torch.cuda.current_device())
+    planner = DeepGemmPlanner()
+    # Prime DeepGEMM's JIT (CUDA context, compiler discovery) with a variant in neither set.
+    planner.plan(torch.ones((1, 1), dtype=torch.int32, device=device), BLOCK, spec["prime_sms"])
+    torch.cuda.synchronize()
+    entries_before = set(os.listdir(cache_dir)) if cache_dir.exists() else set()
+    cache = IndexerScheduleCache(planner)
+    cache.register_profile(device.index or 0, PlannerProfile(device, BLOCK, tuple(tuple(s) for s in spec["shapes"])))
+    t0 = time.perf_counter()
+    launched = cache.warm(device.index or 0, spec["sms"])
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    entries = set(os.listdir(cache_dir)) if cache_dir.exists() else set()
+    variants = sorted({(b - 1) // 32 * 32 + 32 for b, _ in spec["shapes"]})
+    print("RESULT " + json.dumps({
+        "planner_variants_launched": launched,
+        "new_jit_cache_entries": len(entries - entries_before),
+        "seconds": round(seconds, 3),
+        "aligned_batches": variants,
+    }), flush=True)
+
+
+def run_child(shapes: list[list[int]], sms: int, prime_sms: int) -> dict[str, Any]:
+    env = {**os.environ, "DG_JIT_CACHE_DIR": tempfile.mkdtemp(prefix="dg_jit_warmup_"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("DBO_RUNTIME_PLANNER_WARM_MAX_BATCH", None)  # the sets are explicit here
+    spec = json.dumps({"shapes": shapes, "sms": sms, "prime_sms": prime_sms})
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--child", spec], env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"warm-up child failed (rc {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    out: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
+    out["process_seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def _plot(doc: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = doc["sets"]
+    names = list(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    axes[0].bar(names, [rows[n]["planner_variants_launched"] for n in names])
+    axes[0].set_ylabel("planner JIT variants compiled at model load")
+    axes[1].bar(names, [rows[n]["seconds"] for n in names], color="tab:orange")
+    axes[1].set_ylabel("warm-up seconds, empty JIT cache")
+    env, cfg = doc["environment"], doc["config"]
+    fig.suptitle(f"Planner warm-up, {cfg['sms']} SMs, max_num_seqs {cfg['max_num_seqs']}, spec tokens "
+                 f"{cfg['spec_tokens']} - {env.get('device')} {env.get('deep_gemm')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--spec-tokens", type=int, default=3, help="speculative tokens (3: MTP, next_n 4; 0: none)")
+    ap.add_argument("--max-num-seqs", type=int, default=1024, help="vLLM max_num_seqs (H200 default 1024)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="vLLM max_num_batched_tokens")
+    ap.add_argument("--comm-sms", type=int, default=20, help="VLLM_DBO_COMM_SMS (DBO count = SMs - this)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results", help="output folder")
+    args = ap.parse_args(argv)
+    if args.child:
+        child(json.loads(args.child))
+        return 0
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device")
+        import deep_gemm  # noqa: F401
+    except Exception as exc:
+        print(f"bench_planner_warmup: needs CUDA and DeepGEMM ({type(exc).__name__}: {exc}); nothing measured", file=sys.stderr)
+        return 2
+
+    from dbo_runtime.sim.report import environment, write_json
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = total - args.comm_sms
+    sets = shape_sets(args.max_num_seqs, args.max_num_batched_tokens, args.spec_tokens)
+    rows = {name: run_child(shapes, sms, prime_sms=sms - 2) for name, shapes in sets.items()}
+    before_b, after_b = set(rows["before"]["aligned_batches"]), set(rows["after"]["aligned_batches"])
+    doc = {
+        "benchmark": "bench_planner_warmup",
+        "environment": environment(),
+        "config": {"sms": sms, "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "spec_tokens": args.spec_tokens, "capture_sizes": capture_sizes(args.max_num_seqs, args.spec_tokens)},
+        "shapes": sets,
+        "sets": rows,
+        "after_buckets_before_missed": sorted(after_b - before_b),
+        "before_buckets_vllm_never_microbatches_as_graphs_or_full_batch": sorted(before_b - after_b),
+        "ratios": {
+            "variants after / before": round(rows["after"]["planner_variants_launched"] / max(rows["before"]["planner_variants_launched"], 1), 4),
+            "seconds after / before": round(rows["after"]["seconds"] / max(rows["before"]["seconds"], 1e-9), 4),
+        },
+    }
+    path = write_json(args.out / "bench_planner_warmup.json", doc)
+    plotted = _plot(doc, args.out / "bench_planner_warmup.png")
+    for name, r in rows.items():
+        print(f"{name:6s} variants {r['planner_variants_launched']:3d}  jit entries {r['new_jit_cache_entries']:3d}  "
+              f"{r['seconds']:7.2f} s  aligned batches {r['aligned_batches']}")
+    print(f"after covers buckets before missed: {doc['after_buckets_before_missed']}")
+    print(f"-> {path}" + (" + .png" if plotted else " (no matplotlib: no PNG)"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
