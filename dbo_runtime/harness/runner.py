@@ -51,6 +51,18 @@ def barrier(name: str, rank: int, size: int) -> None:
         time.sleep(0.05)
 
 
+def wait_turn(name: str, rank: int) -> None:
+    """Coordinated benchmarks: say ready, then wait until the coordinator starts this turn, so runs
+    of several engines alive at once are timed one at a time, interleaved (``harness.turns``)."""
+    root = Path(os.environ[BARRIER_ENV])
+    (root / f"ready-{name}.{rank}").touch()
+    deadline = time.monotonic() + BARRIER_TIMEOUT_S
+    while not (root / f"go-{name}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"turn {name!r} was never started by the coordinator")
+        time.sleep(0.02)
+
+
 def _stats(llm: Any) -> list[dict[str, Any]] | None:
     """Per-worker dbo_runtime counters, or None where the plugin is not installed (vanilla)."""
     try:
@@ -149,7 +161,10 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
     one = sampling(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     full = sampling(temperature=0.0, max_tokens=steps, ignore_eos=True, detokenize=False)
     reps = []
+    coordinated = bool(bench.get("coordinated"))
     for rep in range(int(bench.get("warmup", 1)) + int(bench["reps"])):
+        if coordinated:
+            wait_turn(f"rep{rep}", rank)
         s0 = _stats(llm)
         barrier(f"bench{rep}a", rank, size)
         t = time.perf_counter()
@@ -176,6 +191,8 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
         if one_ns is not None and full_ns is not None:
             row["plugin_self_us_per_step"] = max(0.0, (full_ns - one_ns) / (steps - 1) / 1e3)
         reps.append(row)
+        if coordinated:
+            (Path(os.environ[BARRIER_ENV]) / f"done-rep{rep}.{rank}").touch()
     return {"max_tokens": steps, "requests": len(batch), "reps": reps}
 
 

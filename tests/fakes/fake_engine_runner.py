@@ -33,6 +33,16 @@ def main() -> int:
             flush=True,
         )
         return 1
+    bench = spec.get("bench") or {}
+    reps = []
+    if bench.get("coordinated"):
+        root = Path(os.environ["DBO_HARNESS_BARRIER_DIR"])
+        for rep in range(int(bench.get("warmup", 1)) + int(bench["reps"])):
+            (root / f"ready-rep{rep}.{rank}").touch()
+            while not (root / f"go-rep{rep}").exists():
+                time.sleep(0.01)
+            reps.append({"rep": rep, "warmup": rep < int(bench.get("warmup", 1)), "decode_step_ms": 1.0, "decode_tok_per_s": 10.0})
+            (root / f"done-rep{rep}.{rank}").touch()
     requests = [
         {"index": i, "tokens": [i, i + 1], "logprobs": [{str(i): -0.1}, {str(i + 1): -0.2}]}
         for i in range(rank, 2 * size, size)
@@ -48,6 +58,7 @@ def main() -> int:
         "requests": requests,
         "stats_end": [{"summary": {"microbatched_builds": 5}, "worker": {"runner": "v1"}}],
         "microbatched_builds": 5,
+        "bench": {"reps": reps} if reps else None,
     }
     print("(EngineCore_DP0 pid=1) INFO dbo_runtime: 25 patches installed for vLLM 0.33.0 (fake)", flush=True)
     out.write_text(json.dumps(result))

@@ -1,0 +1,152 @@
+"""DBO in the real engine on two GPUs (issue 9): decode throughput and step time, DBO on vs off.
+
+Configurations (shared-top-k tiny model, DP 2 + EP, MRV1), all alive at once and timed in
+turns, interleaved (``harness.turns``): DeepEP high-throughput (eager) DBO off / on with
+dbo_runtime; DeepEP low-latency (FULL decode graphs) DBO off / on with dbo_runtime / on vanilla
+(vanilla DBO runs under LL: it reserves no comm SMs, so no crash); and HT DBO with
+``DBO_RUNTIME_SELF_TIME=1`` for the plugin's own host time per step. The tiny model shows no
+production overlap gain: the point is the plugin's cost and no regression.
+
+    python graphs/bench_dbo_engine.py [--reps 3] [--out graphs/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3, help="timed reps per configuration after one warm-up (default 3)")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps per timed pass (default 64)")
+    parser.add_argument("--out", default=str(ROOT / "graphs" / "results"))
+    args = parser.parse_args()
+    if args.reps < 1 or args.steps < 2:
+        parser.error("--reps must be >= 1 and --steps >= 2")
+    try:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            raise RuntimeError(f"{torch.cuda.device_count()} CUDA GPUs visible")
+        from importlib import metadata
+
+        metadata.version("vllm")
+    except Exception as exc:
+        print(f"bench_dbo_engine: needs two CUDA GPUs with vLLM 0.33 installed ({exc}); nothing measured", file=sys.stderr)
+        return 2
+
+    from dbo_runtime.harness.launch import RunSpec
+    from dbo_runtime.harness.prompts import PromptSpec
+    from dbo_runtime.harness.turns import run_interleaved
+    from tests.e2e import plan
+
+    prompts = PromptSpec(num=64, min_len=300, max_len=600, seed=12)
+    bench = {"max_tokens": args.steps, "reps": args.reps, "warmup": 1, "coordinated": True}
+    configs = [
+        ("ht-dbo-off", plan.HT, False, True, {}),
+        ("ht-dbo-plugin", plan.HT, True, True, {}),
+        ("ll-dbo-off", plan.LL, False, True, {}),
+        ("ll-dbo-plugin", plan.LL, True, True, {}),
+        ("ll-dbo-vanilla", plan.LL, True, False, {"DBO_RUNTIME_DISABLE": "1"}),
+        ("ht-dbo-plugin-selftime", plan.HT, True, True, {"DBO_RUNTIME_SELF_TIME": "1"}),
+    ]
+    specs = []
+    for label, backend, dbo, _plugin, env in configs:
+        extra = ["--enable-expert-parallel", "--all2all-backend", backend, *plan.DBO_THRESHOLDS]
+        graphs = backend == plan.LL
+        if graphs:
+            extra += plan.FULL_DECODE
+        if dbo:
+            extra.append("--enable-dbo")
+        specs.append(
+            RunSpec(
+                label=label,
+                engine_args=plan.tiny_args("shared-topk", eager=not graphs, extra=extra),
+                dp=2,
+                env={"VLLM_USE_V2_MODEL_RUNNER": "0", **env},
+                prompts=prompts,
+                max_tokens=4,
+                bench=bench,
+                timeout_s=1500,
+                meta={"model": "shared-topk", "issue": 9, "what": "bench_dbo_engine"},
+            )
+        )
+    work = Path(args.out) / "bench_dbo_engine_runs"
+    records = run_interleaved(specs, work, args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    rows = {}
+    for label, rec in records.items():
+        per_rank = rec.get("bench") or []
+        timed = [[r for r in b.get("reps", []) if not r.get("warmup")] for b in per_rank]
+        # DP ranks step together: a step takes as long as the slower rank
+        steps = [max(rs[i]["decode_step_ms"] for rs in timed) for i in range(min((len(rs) for rs in timed), default=0))]
+        tps = [sum(rs[i]["decode_tok_per_s"] for rs in timed) for i in range(min((len(rs) for rs in timed), default=0))]
+        selfs = [r.get("plugin_self_us_per_step") for rs in timed for r in rs if r.get("plugin_self_us_per_step") is not None]
+        ub = [r.get("microbatched_builds") for rs in timed for r in rs]
+        rows[label] = {
+            "ok": rec.get("ok"),
+            "error": rec.get("error"),
+            "decode_step_ms": steps,
+            "decode_tok_per_s": tps,
+            "median_step_ms": statistics.median(steps) if steps else None,
+            "median_tok_per_s": statistics.median(tps) if tps else None,
+            "plugin_self_us_per_step": statistics.median(selfs) if selfs else None,
+            "microbatched_builds_per_timed_pass": ub,
+            "turn_order": rec.get("turn_order"),
+        }
+
+    def ratio(a: str, b: str) -> float | None:
+        x, y = rows.get(a, {}).get("median_step_ms"), rows.get(b, {}).get("median_step_ms")
+        return x / y if x and y else None
+
+    summary = {
+        "ht_dbo_plugin_over_off": ratio("ht-dbo-plugin", "ht-dbo-off"),
+        "ll_dbo_plugin_over_off": ratio("ll-dbo-plugin", "ll-dbo-off"),
+        "ll_dbo_plugin_over_vanilla": ratio("ll-dbo-plugin", "ll-dbo-vanilla"),
+        "ht_plugin_self_us_per_step": rows.get("ht-dbo-plugin-selftime", {}).get("plugin_self_us_per_step"),
+    }
+    from dbo_runtime.sim.report import environment
+
+    doc = {"bench": "bench_dbo_engine", "args": vars(args), "environment": environment(), "summary": summary, "configs": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_dbo_engine.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    _plot(rows, summary, out / "bench_dbo_engine.png")
+    print(json.dumps({"summary": summary, "configs": {k: {kk: v[kk] for kk in ("ok", "median_step_ms", "median_tok_per_s")} for k, v in rows.items()}}, indent=1))
+    return 0
+
+
+def _plot(rows: dict, summary: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    labels = [k for k in rows if rows[k]["decode_step_ms"]]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for i, label in enumerate(labels):
+        ys = rows[label]["decode_step_ms"]
+        ax.scatter([i] * len(ys), ys, alpha=0.7)
+        ax.hlines(statistics.median(ys), i - 0.3, i + 0.3, color="k")
+    ax.set_xticks(range(len(labels)), labels, rotation=20)
+    ax.set_ylabel("decode step (ms), slower DP rank")
+    fig.suptitle(
+        "real vLLM engine, DP 2 + EP, tiny shared-top-k model: "
+        f"HT plugin/off {summary['ht_dbo_plugin_over_off'] or float('nan'):.3f}, "
+        f"LL plugin/off {summary['ll_dbo_plugin_over_off'] or float('nan'):.3f}, "
+        f"LL plugin/vanilla {summary['ll_dbo_plugin_over_vanilla'] or float('nan'):.3f}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""dbo_runtime vs vanilla vLLM 0.33.0 in the real engine on one GPU (issue 8): start-up and decode cost.
+
+A = plugin, B = vanilla (``DBO_RUNTIME_DISABLE=1``); fresh engines interleaved A B A B ... so
+drift hits both alike; every run starts its own engine (start time) and then times decode on
+warm caches (prefix cache and JIT caches warm after the first runs): per rep a 1-token pass and
+a T-token pass, decode step = difference / (T - 1). One more plugin run with
+``DBO_RUNTIME_SELF_TIME=1`` measures the plugin's own host time per decode step (kept out of the
+A/B, since the timer itself costs time). DBO is off: with one GPU vLLM never microbatches.
+
+Goals: decode-step overhead <= 1 %, start-up delta <= 3 s.
+
+    python graphs/bench_real_engine.py [--reps 5] [--model shared-topk] [--eager|--graphs] [--out graphs/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _need_gpu_and_vllm() -> None:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA GPU")
+        from importlib import metadata
+
+        metadata.version("vllm")
+    except Exception as exc:
+        print(f"bench_real_engine: needs a CUDA GPU with vLLM 0.33 installed ({exc}); nothing measured", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5, help="engine starts per variant (default 5)")
+    parser.add_argument("--decode-reps", type=int, default=2, help="timed decode reps per engine after one warm-up (default 2)")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps per timed pass (default 64)")
+    parser.add_argument("--model", default="shared-topk", choices=["shared-topk", "deepseek-v32"])
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default: eager, the host-bound worst case)")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new pairs after this many seconds")
+    parser.add_argument("--out", default=str(ROOT / "graphs" / "results"))
+    args = parser.parse_args()
+    if args.reps < 1 or args.steps < 2:
+        parser.error("--reps must be >= 1 and --steps >= 2")
+    _need_gpu_and_vllm()
+
+    from dbo_runtime.harness.launch import RunSpec, launch
+    from dbo_runtime.harness.prompts import PromptSpec
+    from tests.e2e import plan
+
+    work = Path(args.out) / "bench_real_engine_runs"
+    prompts = PromptSpec(num=32, min_len=300, max_len=600, seed=11)
+    bench = {"max_tokens": args.steps, "reps": args.decode_reps, "warmup": 1}
+
+    def spec(label: str, env: dict[str, str]) -> RunSpec:
+        return RunSpec(
+            label=label,
+            engine_args=plan.tiny_args(args.model, eager=not args.graphs),
+            env=env,
+            prompts=prompts,
+            max_tokens=4,
+            bench=bench,
+            timeout_s=900,
+            meta={"model": args.model, "issue": 8, "what": "bench_real_engine"},
+        )
+
+    started = time.monotonic()
+    runs: list[dict] = []
+    for rep in range(args.reps):
+        if time.monotonic() - started > args.budget_s:
+            print(f"budget reached after {rep} pairs", file=sys.stderr)
+            break
+        for variant, env in (("plugin", {}), ("vanilla", {"DBO_RUNTIME_DISABLE": "1"})):
+            rec = launch(spec(f"{variant}-{rep}", env), work, progress=lambda m: print(m, file=sys.stderr, flush=True))
+            runs.append({"variant": variant, "rep": rep, **_slim(rec)})
+    self_rec = launch(spec("plugin-selftime", {"DBO_RUNTIME_SELF_TIME": "1"}), work, progress=lambda m: print(m, file=sys.stderr))
+    runs.append({"variant": "plugin-selftime", "rep": 0, **_slim(self_rec)})
+
+    summary = _summary(runs)
+    from dbo_runtime.sim.report import environment
+
+    doc = {"bench": "bench_real_engine", "args": vars(args), "environment": environment(), "summary": summary, "runs": runs}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_real_engine.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    _plot(runs, summary, out / "bench_real_engine.png")
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _slim(rec: dict) -> dict:
+    bench = (rec.get("bench") or [{}])[0]
+    timed = [r for r in bench.get("reps", []) if not r.get("warmup")]
+    return {
+        "ok": rec.get("ok"),
+        "error": rec.get("error"),
+        "start_s": (rec.get("start_s") or [None])[0],
+        "decode_step_ms": [r["decode_step_ms"] for r in timed],
+        "decode_tok_per_s": [r["decode_tok_per_s"] for r in timed],
+        "plugin_self_us_per_step": [r.get("plugin_self_us_per_step") for r in timed],
+        "vllm_version": rec.get("vllm_version"),
+        "device": rec.get("device"),
+    }
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if isinstance(x, (int, float))]
+    return statistics.median(xs) if xs else None
+
+
+def _summary(runs: list[dict]) -> dict:
+    def pick(variant: str, key: str) -> list[float]:
+        out: list[float] = []
+        for r in runs:
+            if r["variant"] == variant and r["ok"]:
+                v = r[key]
+                out.extend(v if isinstance(v, list) else [v])
+        return [x for x in out if isinstance(x, (int, float))]
+
+    s: dict = {}
+    for key in ("start_s", "decode_step_ms", "decode_tok_per_s"):
+        a, b = _median(pick("plugin", key)), _median(pick("vanilla", key))
+        s[key] = {"plugin": a, "vanilla": b, "plugin_over_vanilla": (a / b) if a and b else None, "n": [len(pick("plugin", key)), len(pick("vanilla", key))]}
+    self_us = _median(pick("plugin-selftime", "plugin_self_us_per_step"))
+    step_ms = s["decode_step_ms"]["vanilla"]
+    s["plugin_self_us_per_step"] = self_us
+    s["plugin_self_share_of_step"] = (self_us / 1e3 / step_ms) if self_us is not None and step_ms else None
+    start_delta = (s["start_s"]["plugin"] - s["start_s"]["vanilla"]) if s["start_s"]["plugin"] and s["start_s"]["vanilla"] else None
+    step_over = (s["decode_step_ms"]["plugin_over_vanilla"] - 1.0) if s["decode_step_ms"]["plugin_over_vanilla"] else None
+    s["goals"] = {
+        "decode_step_overhead": step_over,
+        "decode_step_overhead_le_1pct": step_over is not None and step_over <= 0.01,
+        "start_delta_s": start_delta,
+        "start_delta_le_3s": start_delta is not None and start_delta <= 3.0,
+    }
+    s["failed_runs"] = [f"{r['variant']}-{r['rep']}: {r['error']}" for r in runs if not r["ok"]]
+    return s
+
+
+def _plot(runs: list[dict], summary: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, key, title in (
+        (axes[0], "start_s", "engine start (s)"),
+        (axes[1], "decode_step_ms", "decode step (ms)"),
+        (axes[2], "decode_tok_per_s", "decode tokens/s"),
+    ):
+        for i, variant in enumerate(("plugin", "vanilla")):
+            ys = []
+            for r in runs:
+                if r["variant"] == variant and r["ok"]:
+                    v = r[key]
+                    ys.extend(v if isinstance(v, list) else [v])
+            ax.scatter([i] * len(ys), ys, alpha=0.6)
+            if ys:
+                ax.hlines(statistics.median(ys), i - 0.25, i + 0.25, color="k")
+        ax.set_xticks([0, 1], ["dbo_runtime", "vanilla"])
+        ax.set_title(title)
+    goals = summary["goals"]
+    fig.suptitle(
+        f"real vLLM engine, 1 GPU, DBO off: step overhead {100 * (goals['decode_step_overhead'] or 0):+.2f}% "
+        f"(goal <= 1%), start delta {goals['start_delta_s'] or 0:+.1f} s (goal <= 3 s), "
+        f"plugin self time {summary['plugin_self_us_per_step'] or 0:.1f} us/step"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
