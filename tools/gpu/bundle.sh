@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Build the real vLLM 0.33.0 for the H200 machine, as parts small enough to send one per command.
+#
+# Run from the project root on a CPU machine with PyPI access (needs ~2 GB in /tmp, 2-4 min):
+#     bash tools/gpu/bundle.sh                     # -> .gpu-vllm/p0 .. .gpu-vllm/pN (git-ignored)
+# Then send ONE part directory with each command (p0, then p1, ...), each command starting
+#     mkdir -p /tmp/gpu-vllm && cp .gpu-vllm/pK/* /tmp/gpu-vllm/
+# and, with the last part, run install.sh there (see tools/gpu/README.md).
+#
+# What is in it and why:
+#  * vllm 0.33.0 (the official wheel) unpacked, minus what an H200 DSA run never loads:
+#    the FA2 extension (FA3 is kept), the vllm-rs frontend binary, flashkda, qutlass and the
+#    SM100 FMHA headers. vLLM 0.33's kernels are built on torch's stable ABI, so they load on
+#    the GPU image's torch 2.11 (checked: every torch symbol they import is exported by 2.11).
+#  * gpu-extra-lock.txt: the Python packages vLLM imports that the GPU image lacks, DeepEP
+#    (tokenspeed-deepep 1.2.1, v1 API), the CuTe DSL + quack kernels the DSA attention imports,
+#    and llguidance (imported for a type annotation).
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+out=${1:-.gpu-vllm}
+work=$(mktemp -d /tmp/gpu-vllm.XXXX)
+if [ -d .git/info ]; then grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude; fi
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+      --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_24_x86_64
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
+      --platform manylinux_2_5_x86_64 --platform any)
+echo "downloading vllm 0.33.0 and $(wc -l < "$here/gpu-extra-lock.txt") extra wheels ..."
+python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/dl" vllm==0.33.0
+mkdir -p "$work/bundle/wheels"
+python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/bundle/wheels" -r "$here/gpu-extra-lock.txt"
+mkdir -p "$work/tree" && (cd "$work/tree" && python3 -m zipfile -e "$work"/dl/vllm-0.33.0-*.whl .)
+rm -rf "$work/tree/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$work/tree/vllm/vllm-rs" \
+       "$work/tree/vllm/_flashkda_C.abi3.so" "$work/tree/vllm/_qutlass_C.abi3.so" "$work/tree/vllm/third_party/fmha_sm100"
+echo "packing (xz) ..."
+tar -C "$work/tree" -cf - . | xz -T0 -6 > "$work/bundle/vllm-tree.tar.xz"
+tar -C "$work" -cf "$work/bundle.tar" bundle
+rm -rf "$out" && mkdir -p "$out"
+split -b 60000000 -d -a 1 "$work/bundle.tar" "$work/part"
+n=0; for p in "$work"/part*; do mkdir -p "$out/p$n"; mv "$p" "$out/p$n/"; n=$((n+1)); done
+cp "$here/install.sh" "$out/p$((n-1))/"
+( cd "$work" && sha256sum bundle.tar | cut -d' ' -f1 ) > "$out/p$((n-1))/bundle.sha256"
+rm -rf "$work"
+du -sh "$out"/p*
+echo "$n parts in $out/: send p0 .. p$((n-1)) one per command; install.sh and the checksum travel with the last."

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On the GPU machine, after install.sh: the real-engine tests (tests/e2e) with the GPU twins
+# (tests/gpu, real DeepGEMM wheel without vLLM on the path) beside them, everything collected
+# into $OUT/e2e.tgz even when a limit stops the tests.
+#   tools/gpu/session-e2e.sh ["e2e or e2e_dp2"] [seconds]
+set -u
+cd "$(dirname "$0")/../.."
+MARK=${1:-"e2e or e2e_dp2"}
+LIMIT=${2:-540}
+. tools/gpu/env.sh
+export DBO_E2E_OUT=/tmp/e2e-out DBO_E2E_RECORD_DIR=/tmp/e2e-records DBO_E2E_MAX_ENGINES=${DBO_E2E_MAX_ENGINES:-16}
+mkdir -p "$DBO_E2E_OUT" "$DBO_E2E_RECORD_DIR"
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
+{ nvidia-smi -L; python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__, "gpus", torch.cuda.device_count())'; } 2>&1 | tee "$DBO_E2E_OUT/env.txt"
+if [ -d .whl ] && [ "${TWINS:-1}" = 1 ]; then
+  (
+    mkdir -p /tmp/dg && python3 -m pip install -q --no-index --no-deps --target /tmp/dg .whl/tokenspeed_*.whl >/dev/null 2>&1
+    export PYTHONPATH=/tmp/dg:$PWD CUDA_VISIBLE_DEVICES=$(( $(nvidia-smi -L | wc -l) - 1 ))
+    DBO_REQUIRE_GPU=1 timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider -rfE > "$DBO_E2E_OUT/gpu-twins.log" 2>&1
+    echo "exit $?" >> "$DBO_E2E_OUT/gpu-twins.log"
+    for b in ${TWIN_BENCHES:-bench_replay_planning.py bench_planner_warmup.py}; do timeout 200 python3 "graphs/$b" --out "$DBO_E2E_OUT/twin-bench" > "$DBO_E2E_OUT/$b.log" 2>&1; echo "exit $?" >> "$DBO_E2E_OUT/$b.log"; done
+  ) &
+fi
+timeout "$LIMIT" python3 -m pytest tests/e2e -m "$MARK" -q -p no:cacheprovider -rA 2>&1 | tee "$DBO_E2E_OUT/pytest.log" | grep -v "^\[e2e\]" | tail -60
+wait
+tar czf "$OUT/e2e.tgz" -C /tmp --exclude='*/prometheus' e2e-out e2e-records 2>/dev/null
+ls -la "$OUT"
