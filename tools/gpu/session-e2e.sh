@@ -14,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
 { nvidia-smi -L; python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__, "gpus", torch.cuda.device_count())'; } 2>&1 | tee "$DBO_E2E_OUT/env.txt"
 if [ -d .whl ] && [ "${TWINS:-1}" = 1 ]; then
   (
-    mkdir -p /tmp/dg && python3 -m pip install -q --no-index --no-deps --target /tmp/dg .whl/tokenspeed_*.whl >/dev/null 2>&1
+    mkdir -p /tmp/dg && python3 -m pip install -q --no-index --no-deps --target /tmp/dg .whl/tokenspeed_deepgemm*.whl $(ls /tmp/gpu-vllm/bundle/wheels/tokenspeed_deepep*.whl 2>/dev/null) >/dev/null 2>&1
     export PYTHONPATH=/tmp/dg:$PWD CUDA_VISIBLE_DEVICES=$(( $(nvidia-smi -L | wc -l) - 1 ))
     DBO_REQUIRE_GPU=1 timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider -rfE > "$DBO_E2E_OUT/gpu-twins.log" 2>&1
     echo "exit $?" >> "$DBO_E2E_OUT/gpu-twins.log"
