@@ -14,9 +14,9 @@ run: setup
 ## Whole CPU test suite + lint + types (what CI runs). The GPU twins (tests/gpu) are deselected: see README.
 test: setup
 	$(PY) -m pytest -q -m "not gpu and not e2e and not e2e_dp2"
-	$(VENV)/bin/ruff check dbo_runtime tests graphs
+	$(VENV)/bin/ruff check dbo_runtime tests graphs tools
 	$(VENV)/bin/mypy dbo_runtime
 
 lint: setup
-	$(VENV)/bin/ruff check dbo_runtime tests graphs
+	$(VENV)/bin/ruff check dbo_runtime tests graphs tools
 	$(VENV)/bin/mypy dbo_runtime

@@ -173,10 +173,12 @@ def _plot(runs: list[dict], summary: dict, path: Path) -> None:
         ax.set_xticks([0, 1], ["dbo_runtime", "vanilla"])
         ax.set_title(title)
     goals = summary["goals"]
+    self_us = summary.get("plugin_self_us_per_step")
+    self_text = f"{self_us:.1f} us/step" if isinstance(self_us, (int, float)) and self_us == self_us else "not measured"
     fig.suptitle(
         f"real vLLM engine, 1 GPU, DBO off: step overhead {100 * (goals['decode_step_overhead'] or 0):+.2f}% "
         f"(goal <= 1%), start delta {goals['start_delta_s'] or 0:+.1f} s (goal <= 3 s), "
-        f"plugin self time {summary['plugin_self_us_per_step'] or 0:.1f} us/step"
+        f"plugin self time {self_text}"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

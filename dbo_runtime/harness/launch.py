@@ -34,12 +34,19 @@ FAIL_GRACE_S = 20.0
 
 SIGNATURES: dict[str, str] = {
     "deepgemm_schedule_assert": r"_schedule_meta_size == num_sms",
+    "ubatch_thread_died": r"Exception in thread .*_ubatch_thread|in _ubatch_thread",
+    "rpc_timeout": r"RPC call to \w+ timed out",
     "cuda_invalid_cluster_size": r"CUDA_ERROR_INVALID_CLUSTER_SIZE|invalid cluster size",
     "cuda_oom": r"CUDA out of memory|OutOfMemoryError",
     "engine_dead": r"EngineDeadError|EngineCore encountered an issue",
     "hang_killed": r"\[dbo-harness launcher\] timeout",
 }
 """Known failure texts in the logs, so a record says *what* happened, not only that it failed."""
+
+FATAL_IN_LOG = ("deepgemm_schedule_assert", "ubatch_thread_died")
+"""Failures after which vLLM 0.33 does not exit but hangs: a microbatch thread died and its partner
+(and the DP peer) wait forever (measured on 2x H200: vanilla DBO + DeepEP HT hung until vLLM's
+5-minute ``sample_tokens`` RPC timeout). Seeing one in a log counts as the rank having failed."""
 
 
 @dataclass
@@ -106,6 +113,17 @@ def describe(spec: RunSpec) -> dict[str, Any]:
     }
 
 
+def _fatal_in_logs(logs: list[Path]) -> bool:
+    for path in logs:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        if any(re.search(SIGNATURES[name], text) for name in FATAL_IN_LOG):
+            return True
+    return False
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -154,6 +172,7 @@ def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None 
                 )
             )
     failed_at: float | None = None
+    last_scan = 0.0
     timed_out = False
     try:
         while True:
@@ -163,6 +182,10 @@ def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None 
             now = time.monotonic()
             if failed_at is None and any(c not in (None, 0) for c in codes):
                 failed_at = now
+            if failed_at is None and now - last_scan > 2.0:
+                last_scan = now
+                if _fatal_in_logs(logs):
+                    failed_at = now
             if failed_at is not None and now - failed_at > FAIL_GRACE_S:
                 break
             if now - started > spec.timeout_s:

@@ -9,6 +9,7 @@ is what makes the plan fit a GPU lease. Timed benchmarks never use this pool.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +74,10 @@ def run_all(
             free[0] -= need
         try:
             records[label] = work()
+            if not isinstance(item, RunSpec):  # a RunSpec's record is on disk already (launch)
+                target = workdir / label
+                target.mkdir(parents=True, exist_ok=True)
+                (target / "record.json").write_text(json.dumps(records[label], indent=1, default=str))
         except Exception as exc:  # a broken launch is a failed run, not a broken plan
             records[label] = {"label": label, "ok": False, "error": f"launcher: {exc!r}"}
             if progress is not None:

@@ -64,7 +64,15 @@ def wait_turn(name: str, rank: int) -> None:
 
 
 def _stats(llm: Any) -> list[dict[str, Any]] | None:
-    """Per-worker dbo_runtime counters, or None where the plugin is not installed (vanilla)."""
+    """Per-worker dbo_runtime counters, or None where the plugin is not installed (vanilla).
+
+    The workers inherit the plugin from this process (``register()`` ran when the engine
+    arguments were built here): without it, asking would only make vLLM log an AttributeError
+    traceback per worker."""
+    from dbo_runtime.integration.plugin import installed_patch_set
+
+    if installed_patch_set() is None:
+        return None
     try:
         return list(llm.collective_rpc("dbo_runtime_stats", timeout=60))
     except Exception as exc:
@@ -103,7 +111,7 @@ def _versions() -> dict[str, Any]:
 def _summary_delta(before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None, key: str) -> int | None:
     if not before or not after:
         return None
-    return sum(int(a["summary"][key]) - int(b["summary"][key]) for a, b in zip(before, after, strict=False))
+    return sum(int(late["summary"][key]) - int(early["summary"][key]) for early, late in zip(before, after, strict=False))
 
 
 def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> dict[str, Any]:

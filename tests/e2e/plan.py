@@ -58,6 +58,19 @@ def _env(runner: str | None, plugin: bool, **extra: str) -> dict[str, str]:
 
 def one_gpu() -> dict[str, RunSpec]:
     out: dict[str, RunSpec] = {}
+    # Run-to-run control: the same vanilla engine twice. vLLM's own results differ between runs
+    # in the last bits (plugin vs vanilla differed by <= 2.5e-4 in logprob, tokens identical, on
+    # 2026-11-30); the control says whether that is vLLM's noise or the plugin.
+    for mode in ("eager", "graphs"):
+        label = f"1gpu-deepseek-v32-{mode}-v2-vanilla2"
+        out[label] = RunSpec(
+            label=label,
+            engine_args=tiny_args("deepseek-v32", eager=mode == "eager"),
+            env=_env("v2", False),
+            prompts=ONE_GPU_PROMPTS,
+            max_tokens=24,
+            meta={"model": "deepseek-v32", "issue": 8, "what": "run-to-run control (vanilla twice)"},
+        )
     for model in ("deepseek-v32", "shared-topk"):
         for mode in ("eager", "graphs"):
             for runner in ("v1", "v2"):
@@ -131,8 +144,9 @@ def two_gpu() -> dict[str, RunSpec]:
     for spec in specs:
         if spec.meta["model"] == "deepseek-v32-mtp":
             spec.engine_args += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
-    # LL + FULL_DECODE_ONLY graphs: top-k isolation inside graph replays (no SM partition under LL)
-    for model, runners in (("deepseek-v32", ("v1",)), ("shared-topk", ("v1", "v2"))):
+    # LL + FULL_DECODE_ONLY graphs: top-k isolation inside graph replays (no SM partition under LL).
+    # Hidden 2048: DeepEP LL's smallest hidden size (see models/README.md).
+    for model, runners in (("deepseek-v32-h2048", ("v1",)), ("shared-topk-h2048", ("v1", "v2"))):
         for runner in runners:
             specs += [
                 _dp(f"dp2-ll-ref-{model}-{runner}", model, LL, dbo=False, runner=runner, plugin=True, graphs=True, what="reference (DBO off)"),

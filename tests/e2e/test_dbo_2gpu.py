@@ -23,6 +23,23 @@ FLOOR_SLACK = 0.02
 """dbo_runtime on the shared-top-k shape may fall at most this far below the floor's agreement."""
 OUTSIDE_MARGIN = 0.05
 """vanilla on the shared-top-k shape must fall at least this far below the floor to count as 'measurably outside'."""
+MEAN_DLOGPROB_FACTOR = 3.0
+"""...or its mean |dlogprob| must be this many times the floor's. Needed with dummy weights: vLLM fills
+every float weight with U(-1e-3, 1e-3) (norms included), so the tiny model's next token barely depends
+on attention and greedy tokens do not flip even when followers read the other microbatch's top-k; the
+logprobs still move (2026-11-30, shared-top-k HT: mean |dlogprob| 3.4e-4 vanilla vs 3.1e-5 dbo_runtime)."""
+
+
+def _within_floor(result: Comparison | dict[str, Any], floor: Comparison) -> bool:
+    r = result if isinstance(result, dict) else result.to_json()
+    return r["agreement"] >= floor.agreement - FLOOR_SLACK and r["mean_abs_dlogprob"] <= 2 * floor.mean_abs_dlogprob + 1e-5
+
+
+def _outside_floor(result: Comparison | dict[str, Any], floor: Comparison) -> bool:
+    r = result if isinstance(result, dict) else result.to_json()
+    return r["agreement"] < floor.agreement - OUTSIDE_MARGIN or r["mean_abs_dlogprob"] > MEAN_DLOGPROB_FACTOR * max(
+        floor.mean_abs_dlogprob, 1e-6
+    )
 
 
 def _ok(record: dict[str, Any]) -> dict[str, Any]:
@@ -71,9 +88,15 @@ def _verify_record(job: dict[str, Any], run: str) -> dict[str, Any]:
 @pytest.mark.runs("dp2-ht-dbo-shared-topk-v1-vanilla", "dp2-ht-dbo-shared-topk-v2-vanilla")
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_vanilla_vllm_crashes_under_dbo_with_deepep_ht(records: Records, runner: str) -> None:
+    """What vLLM 0.33.0 really does (2x H200, 2026-11-30): MRV1 raises DeepGEMM's assertion on a
+    microbatch thread, the thread dies and the step hangs (no exit); MRV2 hangs until vLLM's 5-minute
+    ``sample_tokens`` RPC timeout kills the engine. The launcher stops a run whose log shows a dead
+    microbatch thread; either way the run must not complete."""
     record = records[f"dp2-ht-dbo-shared-topk-{runner}-vanilla"]
-    assert not record["ok"], "vanilla vLLM 0.33.0 completed a DBO run with DeepEP HT: the upstream crash did not reproduce"
-    assert "deepgemm_schedule_assert" in record["failure_signatures"], record.get("error")
+    assert not record["ok"], "vanilla vLLM 0.33.0 completed a DBO run with DeepEP HT: the upstream bug did not reproduce"
+    signatures = set(record["failure_signatures"])
+    assert signatures & {"deepgemm_schedule_assert", "ubatch_thread_died", "rpc_timeout", "hang_killed"}, record.get("error")
+    records.annotate(f"dp2-ht-dbo-shared-topk-{runner}-vanilla", observed=sorted(signatures))
 
 
 @pytest.mark.runs(
@@ -116,25 +139,25 @@ def test_accuracy_ab_ht(records: Records) -> None:
         shared_topk_plugin=plugin,
         shared_topk_vanilla_comm0=vanilla,
     )
-    assert plugin["agreement"] >= floor.agreement - FLOOR_SLACK, (plugin, floor)
-    assert vanilla["agreement"] < floor.agreement - OUTSIDE_MARGIN, (vanilla, floor)
+    assert _within_floor(plugin, floor), (plugin, floor)
+    assert _outside_floor(vanilla, floor), (vanilla, floor)
 
 
 # -- 3. LL + FULL_DECODE_ONLY graphs ---------------------------------------------------------------
 @pytest.mark.runs(
-    "dp2-ll-ref-deepseek-v32-v1", "dp2-ll-dbo-deepseek-v32-v1-plugin", "dp2-ll-dbo-deepseek-v32-v1-vanilla",
-    "dp2-ll-ref-shared-topk-v1", "dp2-ll-dbo-shared-topk-v1-plugin", "dp2-ll-dbo-shared-topk-v1-vanilla",
-    "dp2-ll-ref-shared-topk-v2", "dp2-ll-dbo-shared-topk-v2-plugin", "dp2-ll-dbo-shared-topk-v2-vanilla",
+    "dp2-ll-ref-deepseek-v32-h2048-v1", "dp2-ll-dbo-deepseek-v32-h2048-v1-plugin", "dp2-ll-dbo-deepseek-v32-h2048-v1-vanilla",
+    "dp2-ll-ref-shared-topk-h2048-v1", "dp2-ll-dbo-shared-topk-h2048-v1-plugin", "dp2-ll-dbo-shared-topk-h2048-v1-vanilla",
+    "dp2-ll-ref-shared-topk-h2048-v2", "dp2-ll-dbo-shared-topk-h2048-v2-plugin", "dp2-ll-dbo-shared-topk-h2048-v2-vanilla",
 )  # fmt: skip
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_accuracy_ab_ll_full_decode_graphs(records: Records, runner: str) -> None:
-    floor = _cmp(records, "dp2-ll-ref-deepseek-v32-v1", "dp2-ll-dbo-deepseek-v32-v1-plugin")
-    _cmp(records, "dp2-ll-ref-deepseek-v32-v1", "dp2-ll-dbo-deepseek-v32-v1-vanilla")
-    plugin = _cmp(records, f"dp2-ll-ref-shared-topk-{runner}", f"dp2-ll-dbo-shared-topk-{runner}-plugin")
-    vanilla = _cmp(records, f"dp2-ll-ref-shared-topk-{runner}", f"dp2-ll-dbo-shared-topk-{runner}-vanilla")
-    _microbatched(records[f"dp2-ll-dbo-shared-topk-{runner}-plugin"])
-    assert plugin.agreement >= floor.agreement - FLOOR_SLACK, (plugin, floor)
-    assert vanilla.agreement < floor.agreement - OUTSIDE_MARGIN, (vanilla, floor)
+    floor = _cmp(records, "dp2-ll-ref-deepseek-v32-h2048-v1", "dp2-ll-dbo-deepseek-v32-h2048-v1-plugin")
+    _cmp(records, "dp2-ll-ref-deepseek-v32-h2048-v1", "dp2-ll-dbo-deepseek-v32-h2048-v1-vanilla")
+    plugin = _cmp(records, f"dp2-ll-ref-shared-topk-h2048-{runner}", f"dp2-ll-dbo-shared-topk-h2048-{runner}-plugin")
+    vanilla = _cmp(records, f"dp2-ll-ref-shared-topk-h2048-{runner}", f"dp2-ll-dbo-shared-topk-h2048-{runner}-vanilla")
+    _microbatched(records[f"dp2-ll-dbo-shared-topk-h2048-{runner}-plugin"])
+    assert _within_floor(plugin, floor), (plugin, floor)
+    assert _outside_floor(vanilla, floor), (vanilla, floor)
 
 
 # -- 4. MTP under DBO ------------------------------------------------------------------------------
@@ -143,7 +166,7 @@ def test_mtp_under_dbo(records: Records) -> None:
     floor = _cmp(records, "dp2-ht-ref-deepseek-v32-v1", "dp2-ht-dbo-deepseek-v32-v1-plugin")
     mtp = _cmp(records, "dp2-ht-ref-mtp1-v1", "dp2-ht-dbo-mtp1-v1-plugin")
     _microbatched(records["dp2-ht-dbo-mtp1-v1-plugin"])
-    assert mtp.agreement >= floor.agreement - FLOOR_SLACK, (mtp, floor)
+    assert _within_floor(mtp, floor), (mtp, floor)
 
 
 # -- the operator canary ---------------------------------------------------------------------------
@@ -157,6 +180,6 @@ def test_verify_cli(records: Records, label: str) -> None:
     assert job["exit_code"] == {"pass": 0, "fail": 1, "error": 3}[expected]
     if expected == "error":
         assert doc["runs"]["dbo-off"]["ok"] and not doc["runs"]["dbo-on"]["ok"]
-        assert "deepgemm_schedule_assert" in doc["runs"]["dbo-on"]["failure_signatures"]
+        assert "deepgemm_schedule_assert" in doc["runs"]["dbo-on"]["failure_signatures"]  # MRV1: printed, then hangs
     # progress was shown while the engines started and ran
     assert "[verify] dbo-off: starting" in job["stderr_tail"] or "[verify] dbo-on" in job["stderr_tail"]

@@ -6,7 +6,7 @@ runner, real engines).
 
 Behaviour per rank from ``spec["meta"]["fake"]``: ``{"0": "ok", "1": "crash"}``; ``ok`` writes
 two requests per rank, ``crash`` prints vLLM 0.33.0's DeepGEMM assertion and exits 1 without a
-result, ``fail`` writes a failed result, ``hang`` sleeps forever.
+result, ``fail`` writes a failed result, ``hang`` sleeps forever, ``assert-hang`` prints the assertion from a microbatch thread and then hangs (what vanilla vLLM 0.33.0 does).
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ def main() -> int:
     size = int(os.environ.get("VLLM_DP_SIZE", "1"))
     mode = spec["meta"]["fake"].get(str(rank), "ok")
     if mode == "hang":
+        time.sleep(3600)
+    if mode == "assert-hang":  # vLLM 0.33 vanilla: the assertion kills a microbatch thread, the step hangs
+        print('Exception in thread Thread-4 (_ubatch_thread):', flush=True)
+        print("RuntimeError: Assertion error (csrc/apis/attention.hpp:272): _schedule_meta_size == num_sms / num_kv_multicast + 1", flush=True)
         time.sleep(3600)
     if mode == "crash":
         print(

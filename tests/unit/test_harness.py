@@ -165,3 +165,22 @@ def test_interleaved_turns_run_one_engine_at_a_time_in_order(tmp_path: Path, fak
     assert [len(b["reps"]) for b in got["a"]["bench"]] == [3, 3]
     with pytest.raises(ValueError, match="coordinated"):
         run_interleaved([RunSpec("c", ["--model", "m"])], tmp_path, reps=1)
+
+
+def test_launch_fails_fast_when_a_microbatch_thread_died(tmp_path: Path, fake_runner: None) -> None:
+    """vLLM 0.33.0 does not exit when the DeepGEMM assertion kills a microbatch thread: it hangs.
+    The launcher reads the logs and stops the run instead of waiting for the timeout."""
+    started = time.monotonic()
+    spec = RunSpec("hung", ["--model", "m"], dp=2, meta={"fake": {"0": "assert-hang", "1": "hang"}}, timeout_s=120)
+    rec = launch(spec, tmp_path)
+    assert time.monotonic() - started < 30
+    assert not rec["ok"] and {"deepgemm_schedule_assert", "ubatch_thread_died"} <= set(rec["failure_signatures"])
+
+
+def test_summary_delta_is_later_minus_earlier() -> None:
+    from dbo_runtime.harness.runner import _summary_delta
+
+    before = [{"summary": {"microbatched_builds": 1}}, {"summary": {"microbatched_builds": 2}}]
+    after = [{"summary": {"microbatched_builds": 35}}, {"summary": {"microbatched_builds": 36}}]
+    assert _summary_delta(before, after, "microbatched_builds") == 68  # 2026-11-30 GPU run reported -34 per rank
+    assert _summary_delta(None, after, "microbatched_builds") is None

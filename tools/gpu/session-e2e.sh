@@ -21,7 +21,7 @@ if [ -d .whl ] && [ "${TWINS:-1}" = 1 ]; then
     for b in ${TWIN_BENCHES:-bench_replay_planning.py bench_planner_warmup.py}; do timeout 200 python3 "graphs/$b" --out "$DBO_E2E_OUT/twin-bench" > "$DBO_E2E_OUT/$b.log" 2>&1; echo "exit $?" >> "$DBO_E2E_OUT/$b.log"; done
   ) &
 fi
-timeout "$LIMIT" python3 -m pytest tests/e2e -m "$MARK" -q -p no:cacheprovider -rA 2>&1 | tee "$DBO_E2E_OUT/pytest.log" | grep -v "^\[e2e\]" | tail -60
+timeout "$LIMIT" python3 -m pytest tests/e2e -m "$MARK" -q -s -p no:cacheprovider -rA 2>&1 | tee "$DBO_E2E_OUT/pytest.log" | grep -v "^\[e2e\]" | tail -60
 wait
 tar czf "$OUT/e2e.tgz" -C /tmp --exclude='*/prometheus' e2e-out e2e-records 2>/dev/null
 ls -la "$OUT"

@@ -1,0 +1,141 @@
+"""Turn the raw run directories of a GPU session (``tests/e2e/.out`` or ``DBO_E2E_OUT``) into the
+``docs/gpu-runs/<date>-real-engine-<label>.json`` records, also for runs a time limit stopped.
+
+    python tools/gpu/collect_records.py RUN_DIR DOCS_DIR --date 2026-11-30 [--session NOTE]
+
+Each record keeps the issue's keys (vllm_version, device, dp, runner, graphs, dbo, plugin, model, ok,
+error, tokens_identical_to, plugin_log_lines, all2all_backend, microbatched_steps, counters, agreement,
+max_abs_dlogprob, reference); comparisons are recomputed from the per-request tokens and logprobs.
+Microbatched steps are recomputed from the per-worker counters in the rank files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from dbo_runtime.harness.compare import Request, compare
+from dbo_runtime.harness.launch import RunSpec, assemble
+from dbo_runtime.harness.prompts import PromptSpec
+
+PAIRS: dict[str, str] = {}
+"""test label -> reference label, for the comparisons the tests make."""
+for model in ("deepseek-v32", "shared-topk"):
+    for mode in ("eager", "graphs"):
+        for runner in ("v1", "v2"):
+            PAIRS[f"1gpu-{model}-{mode}-{runner}-plugin"] = f"1gpu-{model}-{mode}-{runner}-vanilla"
+for k in (1, 3):
+    PAIRS[f"1gpu-mtp{k}-plugin"] = f"1gpu-mtp{k}-vanilla"
+for mode in ("eager", "graphs"):
+    PAIRS[f"1gpu-deepseek-v32-{mode}-v2-vanilla2"] = f"1gpu-deepseek-v32-{mode}-v2-vanilla"
+PAIRS.update(
+    {
+        "dp2-ht-dbo-deepseek-v32-v1-plugin": "dp2-ht-ref-deepseek-v32-v1",
+        "dp2-ht-dbo-deepseek-v32-v1-vanilla-comm0": "dp2-ht-ref-deepseek-v32-v1",
+        "dp2-ht-dbo-shared-topk-v2-plugin": "dp2-ht-ref-shared-topk-v2",
+        "dp2-ht-dbo-mtp1-v1-plugin": "dp2-ht-ref-mtp1-v1",
+        "verify-shared-topk-plugin/dbo-on": "verify-shared-topk-plugin/dbo-off",
+        "verify-shared-topk-vanilla-comm0/dbo-on": "verify-shared-topk-vanilla-comm0/dbo-off",
+        "verify-deepseek-v32-vanilla-crash/dbo-on": "verify-deepseek-v32-vanilla-crash/dbo-off",
+    }
+)
+
+
+def _microbatched(run: Path) -> list[int | None] | None:
+    out: list[int | None] = []
+    for path in sorted(run.glob("rank*.json")):
+        r = json.loads(path.read_text())
+        a, b = r.get("stats_start"), r.get("stats_end")
+        out.append(sum(late["summary"]["microbatched_builds"] - early["summary"]["microbatched_builds"] for early, late in zip(a, b)) if a and b else None)
+    return out or None
+
+
+def load(run: Path) -> dict[str, Any] | None:
+    """The record of one run directory; rebuilt from ranks and logs when the run never finished."""
+    spec_path = run / "spec.json"
+    if (run / "record.json").exists():
+        rec = json.loads((run / "record.json").read_text())
+        if "engine_args" not in rec:  # a job record (verify / serve)
+            return rec
+    elif spec_path.exists():
+        raw = json.loads(spec_path.read_text())
+        raw["prompts"] = PromptSpec(**raw["prompts"])
+        spec = RunSpec(**raw)
+        ranks = []
+        for rank in range(spec.dp):
+            p = run / f"rank{rank}.json"
+            ranks.append(json.loads(p.read_text()) if p.exists() else {"rank": rank, "ok": False, "error": "stopped before it wrote a result (the session's time limit killed it)"})
+        logs = [p.read_text(errors="replace") for p in sorted(run.glob("rank*.log"))]
+        rec = assemble(spec, ranks, logs, wall_s=float("nan"))
+        rec["stopped_by_session_limit"] = True
+    else:
+        return None
+    steps = _microbatched(run)
+    if steps is not None and rec.get("dp", 1) > 1:
+        rec["microbatched_steps"] = steps
+    elif steps is not None:
+        rec["microbatched_steps"] = steps[0]
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("docs_dir", type=Path)
+    ap.add_argument("--date", required=True)
+    ap.add_argument("--session", default="")
+    args = ap.parse_args()
+    runs: dict[str, dict[str, Any]] = {}
+    for spec_path in sorted(args.run_dir.glob("**/spec.json")):
+        label = str(spec_path.parent.relative_to(args.run_dir))
+        rec = load(spec_path.parent)
+        if rec is not None:
+            runs[label] = rec
+    for job in sorted(args.run_dir.glob("*/record.json")):
+        label = job.parent.name
+        if label not in runs:
+            runs[label] = json.loads(job.read_text())
+    args.docs_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for label, rec in runs.items():
+        doc = {k: v for k, v in rec.items() if k not in ("requests", "log_tail")}
+        doc.setdefault("reference", None)
+        doc.setdefault("agreement", None)
+        doc.setdefault("max_abs_dlogprob", None)
+        doc.setdefault("tokens_identical_to", None)
+        ref_label = PAIRS.get(label)
+        ref = runs.get(ref_label) if ref_label else None
+        if ref and ref.get("requests") and rec.get("requests"):
+            c = compare([Request.from_json(r) for r in ref["requests"]], [Request.from_json(r) for r in rec["requests"]])
+            doc.update(
+                reference=ref_label,
+                agreement=c.agreement,
+                prefix_agreement=c.prefix_agreement,
+                exact_requests=c.exact_requests,
+                requests_compared=c.requests,
+                max_abs_dlogprob=c.max_abs_dlogprob,
+                mean_abs_dlogprob=c.mean_abs_dlogprob,
+                tokens_identical_to=ref_label if c.exact_requests == c.requests == len(ref["requests"]) else None,
+            )
+        elif ref_label:
+            doc["reference"] = ref_label
+            doc["comparison_missing"] = f"{ref_label if not ref or not ref.get('requests') else label} has no tokens"
+        doc["date"] = args.date
+        if args.session:
+            doc["session"] = args.session
+        name = label.replace("/", "-")
+        path = args.docs_dir / f"{args.date}-real-engine-{name}.json"
+        path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        written.append((name, doc.get("ok"), doc.get("error"), doc.get("microbatched_steps"), doc.get("agreement"), doc.get("max_abs_dlogprob")))
+    for row in written:
+        print(*row, sep=" | ")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
