@@ -30,6 +30,21 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
+def warn_switch_problems(command: str) -> list[str]:
+    """Print each unrecognised ``DBO_RUNTIME_*`` switch on stderr, in the plugin's words; return them.
+
+    ``sms`` and ``simulate`` do not install the plugin, but an operator runs them to learn what
+    a server with this environment will do, so they read the switches exactly as the plugin does
+    (``core.switches``) and show the same line the worker log would.
+    """
+    from dbo_runtime.core.switches import switch_problems
+
+    problems = switch_problems()
+    for problem in problems:
+        print(f"dbo-runtime {command}: warning: {problem}", file=sys.stderr)
+    return problems
+
+
 def print_json(document: Any) -> None:
     sys.stdout.write(json.dumps(document, indent=2, sort_keys=False) + "\n")
 

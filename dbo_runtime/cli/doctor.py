@@ -43,7 +43,7 @@ from typing import Any
 
 from dbo_runtime import __version__
 from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, print_json, print_table
-from dbo_runtime.core.switches import TRUE
+from dbo_runtime.core.switches import parse_switch
 
 SCHEMA = "dbo-runtime/doctor/v1"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -140,13 +140,12 @@ def _patches(vllm_installed: bool) -> list[dict[str, Any]]:
 def _environment_problems() -> list[str]:
     """Every dbo_runtime switch and setting an operator can mistype, checked the way the runtime parses it."""
     from dbo_runtime.core.errors import ConfigError
-    from dbo_runtime.core.switches import SWITCHES, parse_switch
+    from dbo_runtime.core.switches import switch_problems
     from dbo_runtime.services.schedule_cache import warm_max_batch
     from dbo_runtime.services.topk_state import LAYOUT_ENV, parse_layout
 
-    problems = []
-    checks: list[Callable[[], object]] = [*((lambda name=name: parse_switch(name)) for name in SWITCHES)]
-    checks.append(lambda: parse_layout(os.environ.get(LAYOUT_ENV)))
+    problems = switch_problems()  # the plugin logs these same lines and reads the switches the same way
+    checks: list[Callable[[], object]] = [lambda: parse_layout(os.environ.get(LAYOUT_ENV))]
     checks.append(lambda: warm_max_batch())
     for check in checks:
         try:
@@ -192,7 +191,7 @@ def collect() -> dict[str, Any]:
         "vllm": {"version": version, "supported": supported, "supported_series": plugin.SUPPORTED_VLLM},
         "plugin": {
             "entry_point": entry_point,
-            "disabled_by_env": os.environ.get("DBO_RUNTIME_DISABLE", "").strip().lower() in TRUE,
+            "disabled_by_env": parse_switch("DBO_RUNTIME_DISABLE"),
         },
         "patches": patches,
         "deep_gemm": _deep_gemm(),
@@ -207,7 +206,7 @@ def render(doc: dict[str, Any]) -> None:
     caption = [
         f"dbo_runtime {doc['dbo_runtime_version']}, Python {doc['python']}; {vllm_line}",
         f"entry point {ENTRY_POINT_GROUP}: {'registered' if doc['plugin']['entry_point'] else 'MISSING'}"
-        + ("; DBO_RUNTIME_DISABLE is set" if doc["plugin"]["disabled_by_env"] else ""),
+        + ("; DBO_RUNTIME_DISABLE reads as on: the plugin patches nothing" if doc["plugin"]["disabled_by_env"] else ""),
         f"DeepGEMM: {'available' if doc['deep_gemm']['available'] else 'unavailable'} ({doc['deep_gemm']['detail']})",
         f"NVML: {'available' if doc['nvml']['available'] else 'unavailable'} ({doc['nvml']['detail']})",
         "OK" if doc["ok"] else "PROBLEMS: " + "; ".join(doc["problems"]),

@@ -31,7 +31,15 @@ import argparse
 import dataclasses
 from typing import Any
 
-from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, CliError, print_json, print_table
+from dbo_runtime.cli._common import (
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_USAGE,
+    CliError,
+    print_json,
+    print_table,
+    warn_switch_problems,
+)
 from dbo_runtime.core.errors import ConfigError
 
 SCHEMA = "dbo-runtime/simulate/v1"
@@ -69,10 +77,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _runs(args: argparse.Namespace) -> list[Any]:
+DISABLED_RUN = "dbo_runtime (DBO_RUNTIME_DISABLE)"
+
+
+def _runs(args: argparse.Namespace, disabled: bool) -> list[Any]:
+    """The dbo_runtime run and the contrasts.
+
+    With ``DBO_RUNTIME_DISABLE`` in force (read as the plugin reads it) a server patches
+    nothing, so the run that stands for dbo_runtime runs without its fixes: simulate answers
+    "what will a server with this environment do", and the verdict says why it fails.
+    """
     from dbo_runtime.sim.scenario import CONTRASTS, Contrast
 
-    return [Contrast("dbo_runtime", "pass", {}), *([] if args.no_contrast else CONTRASTS)]
+    head = Contrast(DISABLED_RUN, "pass", {"fix_schedule": False, "isolate_topk": False}) if disabled else Contrast("dbo_runtime", "pass", {})
+    return [head, *([] if args.no_contrast else CONTRASTS)]
 
 
 def _comm_sms(args: argparse.Namespace) -> int:
@@ -124,8 +142,12 @@ def _run(args: argparse.Namespace) -> int:
     except ImportError:
         Progress = _NoProgress  # type: ignore[assignment,misc]
 
+    from dbo_runtime.core.switches import parse_switch
     from dbo_runtime.sim.backends import make_backend
     from dbo_runtime.sim.scenario import GLM53, SMALL, for_backend, run_scenario
+
+    warn_switch_problems("simulate")
+    disabled = parse_switch("DBO_RUNTIME_DISABLE")
 
     if args.requests is not None and not 2 <= args.requests <= MAX_REQUESTS:
         raise ConfigError("--requests", args.requests, f"integers in [2, {MAX_REQUESTS}]")
@@ -143,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
     config = for_backend(config, backend)
     results = []
     with Progress(transient=True, disable=args.json) as progress:
-        for contrast in _runs(args):
+        for contrast in _runs(args, disabled):
             task = progress.add_task(contrast.name, total=config.steps)
 
             def advance(done: int, total: int, task: Any = task) -> None:
@@ -162,6 +184,7 @@ def _run(args: argparse.Namespace) -> int:
                 "mode": args.mode,
                 "budget": head.budget,
                 "verdict": "PASS" if verdict else "FAIL",
+                "dbo_runtime_disabled_by_env": disabled,
                 "runs": [
                     {"name": c.name, "expect": c.expect, "as_expected": c.as_expected(r), **r.to_json()}
                     for c, r in results
@@ -169,11 +192,11 @@ def _run(args: argparse.Namespace) -> int:
             }
         )
         return EXIT_OK if verdict else EXIT_PROBLEM
-    _print_human(backend, args, head, results, verdict)
+    _print_human(backend, args, head, results, verdict, disabled)
     return EXIT_OK if verdict else EXIT_PROBLEM
 
 
-def _print_human(backend: Any, args: argparse.Namespace, head: Any, results: list[Any], verdict: bool) -> None:
+def _print_human(backend: Any, args: argparse.Namespace, head: Any, results: list[Any], verdict: bool, disabled: bool) -> None:
     kind = "CPU simulation (reference planner, fp32 logits)" if backend.simulated else "real DeepGEMM kernels"
     cfg = head.config
     print(
@@ -218,4 +241,10 @@ def _print_human(backend: Any, args: argparse.Namespace, head: Any, results: lis
     for contrast, r in results:
         if r.error and not contrast.as_expected(r):
             print(f"{contrast.name}: {r.error}")
+    if disabled:
+        print(
+            "verdict: FAIL: DBO_RUNTIME_DISABLE reads as on, so the plugin patches nothing and a DBO server "
+            f"runs as the '{DISABLED_RUN}' row shows; unset it (or set 0) to run dbo_runtime"
+        )
+        return
     print(f"verdict: {'PASS' if verdict else 'FAIL'}")

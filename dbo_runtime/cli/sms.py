@@ -38,6 +38,7 @@ JSON schema (``--json``), stable; keys are never removed within ``schema`` v1::
       },
       "nvml": {"available": bool | null, "detail": str, "driver_version": str | null},
       "cuda": {"available": bool | null, "detail": str, "torch_version": str | null},
+      "plugin": {"disabled_by_env": bool},   # DBO_RUNTIME_DISABLE as the plugin reads it
       "devices": [{
         "label": str,                      # "0", "0 MIG 1", "cuda:0", "profile"
         "kind": "gpu" | "mig" | "cuda" | "profile",
@@ -69,7 +70,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dbo_runtime.cli._common import EXIT_NO_DEVICE, EXIT_OK, CliError, print_json, print_table
+from dbo_runtime.cli._common import EXIT_NO_DEVICE, EXIT_OK, CliError, print_json, print_table, warn_switch_problems
 from dbo_runtime.core.budget import (
     ALL2ALL_BACKENDS,
     BACKEND_MAX_SMS_USED,
@@ -81,6 +82,7 @@ from dbo_runtime.core.budget import (
     parse_comm_sms,
 )
 from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.switches import parse_switch
 
 SCHEMA = "dbo-runtime/sms/v1"
 DEFAULT_BACKEND = "deepep_high_throughput"
@@ -398,6 +400,7 @@ def collect(s: Settings) -> dict[str, Any]:
         "nvml": nvml_info,
         "cuda": cuda_info,
         "devices": [asdict(r) for r in rows],
+        "plugin": {"disabled_by_env": parse_switch("DBO_RUNTIME_DISABLE")},
     }
 
 
@@ -468,10 +471,16 @@ def render(doc: dict[str, Any]) -> None:
         f"NVML: {doc['nvml']['detail']}" + (f" (driver {doc['nvml']['driver_version']})" if doc["nvml"]["driver_version"] else ""),
         f"CUDA: {doc['cuda']['detail']}" + (f" (torch {doc['cuda']['torch_version']})" if doc["cuda"]["torch_version"] else ""),
     ]
+    if doc["plugin"]["disabled_by_env"]:
+        caption.append(
+            "DBO_RUNTIME_DISABLE reads as on: the plugin patches nothing, so vLLM runs this split with an "
+            "indexer schedule planned for every SM (the crash of vllm#60732) and a shared top-k buffer"
+        )
     print_table("dbo-runtime sms: DBO SM split of vLLM 0.33.0 (--enable-dbo)", columns, rows, caption)
 
 
 def run(args: argparse.Namespace) -> int:
+    warn_switch_problems("sms")
     doc = collect(settings_from_args(args))
     if args.json:
         print_json(doc)
