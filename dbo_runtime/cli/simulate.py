@@ -40,21 +40,23 @@ from dbo_runtime.cli._common import (
     print_table,
     warn_switch_problems,
 )
+from dbo_runtime.cli._inputs import MAX_SMS, Input, budget_for, comm_input, parse_int
 from dbo_runtime.core.errors import ConfigError
 
 SCHEMA = "dbo-runtime/simulate/v1"
 MAX_REQUESTS = 1024
-MAX_TOTAL_SMS = 1024
+MAX_STEPS = 1000
+"""More steps add nothing a run of 20 does not show (and 1000 on the CPU already take hours)."""
+MAX_SEED = 2**63 - 1
+H200_SMS = 132
 
 FLAG_FOR = {
     "steps": "--steps",
     "num_requests": "--requests",
-    "total_sms": "--total-sms",
     "backend": "--backend",
     "mode": "--mode",
-    "VLLM_DBO_COMM_SMS": "--comm-sms",
 }
-"""Scenario/policy parameter -> the flag an operator typed (errors name the flag)."""
+"""Scenario parameter -> the flag an operator typed (errors name the flag)."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -66,12 +68,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=("auto", "cpu", "deep_gemm"), help="kernels (default: auto)")
     p.add_argument("--mode", default="eager", choices=("eager", "mrv1", "mrv2"), help="eager, or FULL CUDA-graph capture as MRV1/MRV2 (GPU)")
     p.add_argument("--preset", default="small", choices=("small", "glm53"), help="small: toy widths; glm53: GLM-5.3 indexer shapes")
-    p.add_argument("--steps", type=int, default=None, help="DBO steps (default: preset's)")
-    p.add_argument("--requests", type=int, default=None, help=f"requests per step, split in two microbatches (2..{MAX_REQUESTS})")
-    p.add_argument("--comm-sms", default=None, help="comm SMs (default: $VLLM_DBO_COMM_SMS, else 20)")
-    p.add_argument("--total-sms", type=int, default=132, help=f"SMs of the simulated device (CPU backend; 1..{MAX_TOTAL_SMS}; default: H200, 132)")
+    p.add_argument("--steps", metavar="N", default=None, help=f"DBO steps per run (1..{MAX_STEPS}; default: the preset's)")
+    p.add_argument("--requests", metavar="N", default=None, help=f"requests per step, split in two microbatches (2..{MAX_REQUESTS})")
+    p.add_argument("--comm-sms", metavar="N", default=None, help="comm SMs (default: $VLLM_DBO_COMM_SMS, else 20)")
+    p.add_argument(
+        "--total-sms", metavar="N", default=None, help=f"SMs of the simulated device (CPU backend; 1..{MAX_SMS}; default: H200, {H200_SMS})"
+    )
     p.add_argument("--topk-layout", default="windows", choices=("windows", "copies"), help="per-microbatch top-k state layout")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", metavar="N", default="0", help=f"seed of the random inputs (0..{MAX_SEED}; default 0)")
     p.add_argument("--no-contrast", action="store_true", help="skip the vLLM 0.33.0 comparison runs")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
@@ -93,23 +97,12 @@ def _runs(args: argparse.Namespace, disabled: bool) -> list[Any]:
     return [head, *([] if args.no_contrast else CONTRASTS)]
 
 
-def _comm_sms(args: argparse.Namespace) -> int:
-    import os
-
-    from dbo_runtime.core.budget import parse_comm_sms
-
-    if args.comm_sms is not None:
-        return parse_comm_sms(args.comm_sms, parameter="--comm-sms")
-    raw = os.environ.get("VLLM_DBO_COMM_SMS")
-    return 20 if raw is None or raw.strip() == "" else parse_comm_sms(raw)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except ConfigError as exc:
         flag = FLAG_FOR.get(exc.parameter)
-        if flag is None or (exc.parameter == "VLLM_DBO_COMM_SMS" and args.comm_sms is None):
+        if flag is None:
             raise
         raise ConfigError(flag, exc.value, exc.allowed) from None
     except (RuntimeError, MemoryError) as exc:  # e.g. an allocation the machine cannot hold
@@ -149,19 +142,33 @@ def _run(args: argparse.Namespace) -> int:
     warn_switch_problems("simulate")
     disabled = parse_switch("DBO_RUNTIME_DISABLE")
 
-    if args.requests is not None and not 2 <= args.requests <= MAX_REQUESTS:
-        raise ConfigError("--requests", args.requests, f"integers in [2, {MAX_REQUESTS}]")
-    if not 1 <= args.total_sms <= MAX_TOTAL_SMS:
-        raise ConfigError("--total-sms", args.total_sms, f"integers in [1, {MAX_TOTAL_SMS}]")
+    # Every flag is checked, and the split computed, before anything runs (sms uses the same rules).
+    steps = None if args.steps is None else parse_int(args.steps, "--steps", 1, MAX_STEPS)
+    requests = None if args.requests is None else parse_int(args.requests, "--requests", 2, MAX_REQUESTS)
+    total_sms = H200_SMS if args.total_sms is None else parse_int(args.total_sms, "--total-sms", 1, MAX_SMS)
+    seed = parse_int(args.seed, "--seed", 0, MAX_SEED)
+    comm = comm_input(args.comm_sms, "cuda")
     base = SMALL if args.preset == "small" else GLM53
-    overrides: dict[str, Any] = {"comm_sms": _comm_sms(args), "seed": args.seed, "topk_layout": args.topk_layout}
-    if args.steps is not None:
-        overrides["steps"] = args.steps
-    if args.requests is not None:
-        overrides["num_requests"] = args.requests
+    overrides: dict[str, Any] = {"comm_sms": comm.value, "seed": seed, "topk_layout": args.topk_layout}
+    if steps is not None:
+        overrides["steps"] = steps
+    if requests is not None:
+        overrides["num_requests"] = requests
     config = dataclasses.replace(base, **overrides)
     config.validate()
-    backend = make_backend(args.backend, total_sms=args.total_sms)
+    backend = make_backend(args.backend, total_sms=total_sms)
+    if backend.simulated:
+        total = Input(total_sms, "--total-sms" if args.total_sms is not None else "default", "the H200 profile")
+    else:
+        total = Input(backend.total_sms, "hardware", f"{backend.name} on this GPU")
+    budget_for(
+        total=total,
+        comm=comm,
+        max_sms_used=Input(None, "vllm-0.33.0-manager"),
+        platform="cuda",
+        all2all_backend="deepep_high_throughput",
+        where="the simulated device" if backend.simulated else "this GPU",
+    )
     config = for_backend(config, backend)
     results = []
     with Progress(transient=True, disable=args.json) as progress:

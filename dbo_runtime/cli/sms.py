@@ -71,15 +71,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dbo_runtime.cli._common import EXIT_NO_DEVICE, EXIT_OK, CliError, print_json, print_table, warn_switch_problems
+from dbo_runtime.cli._inputs import COMM_ENV, MAX_SMS, Input, budget_for, comm_input, parse_int
 from dbo_runtime.core.budget import (
     ALL2ALL_BACKENDS,
     BACKEND_MAX_SMS_USED,
     DBO_BACKENDS,
-    DEEPEP_HT_MANAGER_NUM_SMS,
     PLATFORMS,
     SMBudget,
-    compute_budget,
-    parse_comm_sms,
 )
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.switches import parse_switch
@@ -158,16 +156,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     return p
 
 
-def _positive_int(raw: str, parameter: str) -> int:
-    try:
-        value = int(raw.strip(), 10)
-    except ValueError:
-        raise ConfigError(parameter, raw, "a positive integer") from None
-    if value <= 0:
-        raise ConfigError(parameter, raw, "a positive integer")
-    return value
-
-
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Validate every flag before touching the hardware, naming the flag on error."""
     platform = args.platform
@@ -178,26 +166,21 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if backend not in allowed_backends:
         known = "" if backend in ALL2ALL_BACKENDS else "unknown backend; "
         raise ConfigError("--all2all-backend", backend, f"{known}with DBO on {platform}: {', '.join(allowed_backends)}")
-    if args.comm_sms is not None:
-        comm, comm_source = parse_comm_sms(args.comm_sms, parameter="--comm-sms"), "--comm-sms"
-    elif os.environ.get("VLLM_DBO_COMM_SMS") is not None:
-        comm, comm_source = parse_comm_sms(os.environ["VLLM_DBO_COMM_SMS"]), "VLLM_DBO_COMM_SMS"
-    else:
-        comm, comm_source = (20 if platform == "cuda" else 64), "default"
+    comm = comm_input(args.comm_sms, platform)
     if args.max_sms_used is None:
         max_sms, max_source = BACKEND_MAX_SMS_USED.get(backend), "vllm-0.33.0-manager"
     elif args.max_sms_used.strip().lower() == "none":
         max_sms, max_source = None, "--max-sms-used"
     else:
-        max_sms = parse_comm_sms(args.max_sms_used, parameter="--max-sms-used")
+        max_sms = parse_int(args.max_sms_used, "--max-sms-used", 0, also="'none'")
         max_source = "--max-sms-used"
-    total = None if args.total_sms is None else _positive_int(args.total_sms, "--total-sms")
+    total = None if args.total_sms is None else parse_int(args.total_sms, "--total-sms", 1, MAX_SMS)
     return Settings(
         platform=platform,
         all2all_backend=backend,
         expert_parallel=not args.no_expert_parallel,
-        comm_sms=comm,
-        comm_sms_source=comm_source,
+        comm_sms=int(comm.value or 0),
+        comm_sms_source=comm.source,
         max_sms_used=max_sms,
         max_sms_used_source=max_source,
         deep_gemm=not args.no_deep_gemm,
@@ -229,25 +212,18 @@ def _apply_budget(row: DeviceRow, s: Settings) -> None:
     if row.sms is None:
         row.note = "SM count unknown (CUDA cannot see this GPU and NVML gives no count)"
         return
-    try:
-        budget = compute_budget(
-            total_sms=row.sms,
-            platform=s.platform,
-            enable_dbo=True,
-            expert_parallel=s.expert_parallel,
-            all2all_backend=s.all2all_backend,
-            env_comm_sms=s.comm_sms,
-            has_all2all_manager=True,
-            max_sms_used=s.max_sms_used,
-            has_deep_gemm=s.deep_gemm,
-            device=row.cuda_index if row.cuda_index is not None else (row.nvml_index or 0),
-            comm_cap=DEEPEP_HT_MANAGER_NUM_SMS if s.all2all_backend == "deepep_high_throughput" else None,
-        )
-    except ConfigError as exc:
-        parameter = exc.parameter
-        if parameter == "VLLM_DBO_COMM_SMS" and s.comm_sms_source == "--comm-sms":
-            parameter = "--comm-sms"
-        raise ConfigError(parameter, exc.value, f"{exc.allowed} [device {row.label}]") from None
+    total_source = "--total-sms" if row.sms_source == "--total-sms" else "hardware"
+    budget = budget_for(
+        total=Input(row.sms, total_source, str(row.sms_source)),
+        comm=Input(s.comm_sms, s.comm_sms_source, f"vLLM's {COMM_ENV} default on {s.platform.upper()}"),
+        max_sms_used=Input(s.max_sms_used, s.max_sms_used_source),
+        platform=s.platform,
+        all2all_backend=s.all2all_backend,
+        expert_parallel=s.expert_parallel,
+        deep_gemm=s.deep_gemm,
+        device=row.cuda_index if row.cuda_index is not None else (row.nvml_index or 0),
+        where=f"device {row.label}",
+    )
     row.budget = budget_json(budget)
 
 

@@ -177,13 +177,13 @@ def test_odd_comm_is_fine_when_deepep_ht_is_not_used(capsys: pytest.CaptureFixtu
         (["--all2all-backend", "naive"], None, "--all2all-backend='naive'", "with DBO on cuda"),
         (["--comm-sms", "132"], None, "--comm-sms=132", "[0, 132)"),
         (["--comm-sms", "19"], None, "--comm-sms=19", "even integers"),
-        (["--comm-sms", "-4"], None, "--comm-sms='-4'", "a non-negative integer"),
-        (["--comm-sms", "many"], None, "--comm-sms='many'", "a non-negative integer"),
-        (["--total-sms", "0"], None, "--total-sms='0'", "a positive integer"),
-        (["--total-sms", "abc"], None, "--total-sms='abc'", "a positive integer"),
+        (["--comm-sms", "-4"], None, "--comm-sms='-4'", "integers >= 0"),
+        (["--comm-sms", "many"], None, "--comm-sms='many'", "integers >= 0"),
+        (["--total-sms", "0"], None, "--total-sms='0'", "integers in [1, 1024]"),
+        (["--total-sms", "abc"], None, "--total-sms='abc'", "integers in [1, 1024]"),
         (["--platform", "tpu"], None, "--platform='tpu'", "'cuda', 'rocm'"),
-        (["--max-sms-used", "-1"], None, "--max-sms-used='-1'", "a non-negative integer"),
-        ([], "abc", "VLLM_DBO_COMM_SMS='abc'", "a non-negative integer"),
+        (["--max-sms-used", "-1"], None, "--max-sms-used='-1'", "integers >= 0, or 'none'"),
+        ([], "abc", "VLLM_DBO_COMM_SMS='abc'", "integers >= 0"),
         ([], "140", "VLLM_DBO_COMM_SMS=140", "[0, 132)"),
     ],
 )
@@ -310,7 +310,9 @@ def test_fake_nvml_mig_slice_smaller_than_comm_is_a_named_error(
     monkeypatch.setattr(cuda_devices, "scan", lambda: fake_cuda_scan())
     assert main(["sms"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("dbo-runtime sms: error: VLLM_DBO_COMM_SMS=20") and "[0, 16)" in line and "device 0 MIG 0" in line
+    # nobody set the comm share: the line says so instead of quoting a value as if it had been set
+    assert line.startswith("dbo-runtime sms: error: VLLM_DBO_COMM_SMS=<not set: default 20> is not allowed")
+    assert "[0, 16)" in line and "device 0 MIG 0" in line and "set VLLM_DBO_COMM_SMS or pass --comm-sms" in line
     assert main(["sms", "--comm-sms", "8"]) == 0
     assert "16/8/8" in capsys.readouterr().out
 
