@@ -22,12 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dbo_runtime.core.budget import DEEPEP_HT_MANAGER_NUM_SMS, SMBudget, compute_budget
-from dbo_runtime.core.budget import DEFAULT_COMM_SMS as _DEFAULTS
+from dbo_runtime.core.budget import DEEPEP_HT_MANAGER_NUM_SMS, DEFAULT_COMM_SMS, SMBudget, compute_budget
 from dbo_runtime.core.errors import ConfigError
 
 COMM_ENV = "VLLM_DBO_COMM_SMS"
-DEFAULT_COMM_SMS: dict[str, int] = dict(_DEFAULTS)
 
 MAX_SMS = 1024
 """Largest SM count ``--total-sms`` takes: above any GPU (H200 132, B200 148), low enough to catch a typo."""
@@ -95,7 +93,8 @@ def comm_input(flag: str | None, platform: str, environ: Mapping[str, str] | Non
     if raw is not None:
         also = f"not set (default {DEFAULT_COMM_SMS['cuda']} on CUDA, {DEFAULT_COMM_SMS['rocm']} on ROCm)"
         return Input(parse_int(raw, COMM_ENV, 0, also=also), COMM_ENV)
-    return Input(DEFAULT_COMM_SMS[platform], "default", f"vLLM's {COMM_ENV} default on {platform.upper()}")
+    default = DEFAULT_COMM_SMS["rocm" if platform == "rocm" else "cuda"]
+    return Input(default, "default", f"vLLM's {COMM_ENV} default on {platform.upper()}")
 
 
 def _valid(kwargs: Mapping[str, Any], **change: Any) -> SMBudget | None:
