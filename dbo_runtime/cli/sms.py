@@ -22,7 +22,10 @@ accepts with DBO on the platform), ``--comm-sms`` (default
 ``--no-deep-gemm`` (default: DeepGEMM assumed present, as on a DBO server),
 ``--total-sms N`` (skip the hardware; one embedded device with N SMs --
 "NVIDIA H200 (embedded profile)" for 132), ``--json``.
-No GPU through NVML or CUDA and no ``--total-sms``: one line on stderr, exit 3.
+No GPU through NVML or CUDA and no ``--total-sms``: one line on stderr, exit 3
+(with ``--json`` also an error document on stdout, see ``cli.main``). The table
+shows the knobs vLLM really turns, including the DeepEP high-throughput
+manager's clamp of the comm share to 20, and warns on a valid but poor split.
 
 JSON schema (``--json``), stable; keys are never removed within ``schema`` v1::
 
@@ -56,9 +59,11 @@ JSON schema (``--json``), stable; keys are never removed within ``schema`` v1::
           "total": int, "comm": int, "compute": int, "partitioned": bool,
           "comm_knob": bool, "compute_knob": bool, "rocm_override": bool,
           "env_comm_sms": int, "max_sms_used": int | null, "expert_parallel": bool,
-          "describe": str
+          "describe": str,
+          "deepep_sms": int | null         # what DeepEP gets after vLLM's HT clamp to 20; null: no DeepEP knob
         },
-        "note": str                        # why budget is null, or ""
+        "note": str,                       # why budget is null, or ""
+        "warnings": [str]                  # a valid but poor split: compute < comm, comm SMs left idle
       }]
     }
 """
@@ -67,7 +72,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dbo_runtime.cli._common import EXIT_NO_DEVICE, EXIT_OK, CliError, print_json, print_table, warn_switch_problems
@@ -76,6 +81,7 @@ from dbo_runtime.core.budget import (
     ALL2ALL_BACKENDS,
     BACKEND_MAX_SMS_USED,
     DBO_BACKENDS,
+    DEEPEP_HT_MANAGER_NUM_SMS,
     PLATFORMS,
     SMBudget,
 )
@@ -132,6 +138,7 @@ class DeviceRow:
     utilization_memory_pct: int | None = None
     budget: dict[str, Any] | None = None
     note: str = ""
+    warnings: list[str] = field(default_factory=list)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -202,7 +209,39 @@ def budget_json(budget: SMBudget) -> dict[str, Any]:
         "max_sms_used": r.max_sms_used,
         "expert_parallel": r.expert_parallel,
         "describe": budget.describe(),
+        "deepep_sms": deepep_sms(budget),
     }
+
+
+def deepep_sms(budget: SMBudget) -> int | None:
+    """The SM count DeepEP really gets: vLLM's HT manager clamps ``set_num_sms`` to its buffers' 20.
+
+    ``all2all_manager.set_num_sms(comm)`` is what vLLM calls, but ``DeepEPHTAll2AllManager``
+    (``all2all.py:303-311``) lowers any request above ``num_sms`` (20) before
+    ``deep_ep.Buffer.set_num_sms``; every other manager's ``set_num_sms`` does nothing. So with
+    ``--comm-sms 32`` DeepGEMM loses 32 SMs and DeepEP uses 20. None when no DeepEP knob turns.
+    """
+    r = budget.reason
+    if not budget.comm_knob or r.all2all_backend != "deepep_high_throughput":
+        return None
+    return min(budget.comm, DEEPEP_HT_MANAGER_NUM_SMS)
+
+
+def split_warnings(budget: SMBudget) -> list[str]:
+    """What makes a valid split a poor one; shown, never refused (vLLM runs it as asked)."""
+    out = []
+    if budget.partitioned and budget.compute < budget.comm:
+        out.append(
+            f"compute {budget.compute} of {budget.total} SMs is less than the comm share {budget.comm}: the "
+            "compute kernels lose more than DBO's overlap can win back (lower VLLM_DBO_COMM_SMS / --comm-sms)"
+        )
+    used = deepep_sms(budget)
+    if used is not None and budget.comm > used:
+        out.append(
+            f"{budget.comm - used} of the {budget.comm} comm SMs stay idle: vLLM's DeepEP high-throughput manager "
+            f"clamps set_num_sms({budget.comm}) to {used}, the SM count its buffers were sized for"
+        )
+    return out
 
 
 def _apply_budget(row: DeviceRow, s: Settings) -> None:
@@ -225,6 +264,7 @@ def _apply_budget(row: DeviceRow, s: Settings) -> None:
         where=f"device {row.label}",
     )
     row.budget = budget_json(budget)
+    row.warnings = split_warnings(budget)
 
 
 def _profile_rows(total: int) -> list[DeviceRow]:
@@ -423,7 +463,12 @@ def _knobs_cell(d: dict[str, Any]) -> str:
     if b["compute_knob"]:
         knobs.append(f"DeepGEMM set_num_sms({b['compute']})")
     if b["comm_knob"]:
-        knobs.append(f"all2all set_num_sms({b['comm']})")
+        if b["deepep_sms"] is None:
+            knobs.append(f"all2all set_num_sms({b['comm']}) (a no-op for this backend)")
+        elif b["deepep_sms"] != b["comm"]:
+            knobs.append(f"all2all set_num_sms({b['comm']}) -> DeepEP {b['deepep_sms']} (HT clamp)")
+        else:
+            knobs.append(f"all2all set_num_sms({b['comm']})")
     if b["rocm_override"]:
         knobs.append("ROCm HT override: comm 0")
     return ", ".join(knobs) or "none (no partition)"
@@ -447,6 +492,7 @@ def render(doc: dict[str, Any]) -> None:
         f"NVML: {doc['nvml']['detail']}" + (f" (driver {doc['nvml']['driver_version']})" if doc["nvml"]["driver_version"] else ""),
         f"CUDA: {doc['cuda']['detail']}" + (f" (torch {doc['cuda']['torch_version']})" if doc["cuda"]["torch_version"] else ""),
     ]
+    caption.extend(f"warning: device {d['label']}: {w}" for d in doc["devices"] for w in d["warnings"])
     if doc["plugin"]["disabled_by_env"]:
         caption.append(
             "DBO_RUNTIME_DISABLE reads as on: the plugin patches nothing, so vLLM runs this split with an "

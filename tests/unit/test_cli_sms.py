@@ -27,11 +27,11 @@ DEVICE_KEYS = {
     "label", "kind", "nvml_index", "cuda_index", "mig_slot", "name", "uuid", "compute_capability",
     "sms", "sms_source", "sms_cuda", "sms_nvml_mig_attributes", "sms_nvml_cores", "nvml_gpu_cores",
     "cores_per_sm", "sms_consistent", "mig_enabled", "sm_clock_mhz", "max_sm_clock_mhz",
-    "utilization_gpu_pct", "utilization_memory_pct", "budget", "note",
+    "utilization_gpu_pct", "utilization_memory_pct", "budget", "note", "warnings",
 }  # fmt: skip
 BUDGET_KEYS = {
     "total", "comm", "compute", "partitioned", "comm_knob", "compute_knob", "rocm_override",
-    "env_comm_sms", "max_sms_used", "expert_parallel", "describe",
+    "env_comm_sms", "max_sms_used", "expert_parallel", "describe", "deepep_sms",
 }  # fmt: skip
 
 
@@ -209,6 +209,42 @@ def test_bad_values_give_one_line_and_exit_2(
     assert "Traceback" not in err
 
 
+def test_table_shows_the_deepep_ht_clamp_vllm_applies(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's HT manager clamps set_num_sms to 20: --comm-sms 32 takes 32 SMs from DeepGEMM, DeepEP gets 20."""
+    [dev] = run_json(capsys, "--total-sms", "132", "--comm-sms", "32")["devices"]
+    assert split(dev) == (132, 32, 100) and dev["budget"]["deepep_sms"] == 20
+    assert any("12 of the 32 comm SMs stay idle" in w for w in dev["warnings"])
+    assert main(["sms", "--total-sms", "132", "--comm-sms", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "all2all set_num_sms(32) -> DeepEP 20 (HT clamp)" in out
+    assert "warning: device profile: 12 of the 32 comm SMs stay idle" in out
+    [dev] = run_json(capsys, "--total-sms", "132")["devices"]
+    assert dev["budget"]["deepep_sms"] == 20 and dev["warnings"] == []
+    [dev] = run_json(capsys, "--total-sms", "132", "--all2all-backend", "deepep_low_latency", "--max-sms-used", "none")["devices"]
+    assert dev["budget"]["comm_knob"] and dev["budget"]["deepep_sms"] is None  # LL's set_num_sms is vLLM's base no-op
+
+
+def test_degenerate_split_is_warned(capsys: pytest.CaptureFixture[str]) -> None:
+    [dev] = run_json(capsys, "--total-sms", "132", "--comm-sms", "131")["devices"]
+    assert split(dev) == (132, 131, 1)
+    assert any(w.startswith("compute 1 of 132 SMs is less than the comm share 131") for w in dev["warnings"])
+    assert main(["sms", "--total-sms", "132", "--comm-sms", "131"]) == 0
+    assert "warning: device profile: compute 1 of 132 SMs" in capsys.readouterr().out
+
+
+def test_json_errors_are_json_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    if cuda_devices.scan().devices:
+        pytest.skip("this machine has a CUDA device; the no-GPU path is exercised on the CPU box")
+    assert main(["sms", "--json"]) == 3
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["schema"] == "dbo-runtime/sms/v1" and doc["exit_code"] == 3 and "no GPU visible" in doc["error"]["message"]
+    assert "no GPU visible" in err
+    assert main(["sms", "--json", "--total-sms", "x"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["error"]["parameter"] == "--total-sms" and doc["error"]["allowed"] == "integers in [1, 1024]"
+
+
 def test_unknown_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sms", "--bogus"]) == 2
     err = capsys.readouterr().err
@@ -331,7 +367,7 @@ def test_nvml_init_failure_and_no_cuda_is_exit_3(capsys: pytest.CaptureFixture[s
     monkeypatch.setattr(cuda_devices, "scan", lambda: fake_cuda_scan())
     assert main(["sms", "--json"]) == 3
     out, err = capsys.readouterr()
-    assert out == "" and "Driver Not Loaded" in err and len(err.strip().splitlines()) == 1
+    assert json.loads(out)["exit_code"] == 3 and "Driver Not Loaded" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cores_per_sm_table() -> None:
