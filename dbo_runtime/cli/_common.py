@@ -86,4 +86,4 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
         table.add_row(*(Text(cell) for cell in row))
     console.print(table)
     for line in caption:
-        console.print(Text(line))
+        console.print(Text(line), soft_wrap=True)  # one line each, however long: greppable in logs
