@@ -63,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="check vLLM version, patch targets, DeepGEMM and NVML",
         description="Check that the installed vLLM has every attribute dbo_runtime patches (nothing is installed).",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output (schema in the module docstring)")
+    p.add_argument("--json", action="store_true", help=f"machine-readable output (JSON, schema {SCHEMA})")
     return p
 
 

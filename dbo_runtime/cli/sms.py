@@ -147,7 +147,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="SMs per GPU and the DBO compute/comm split vLLM would apply",
         description="SMs per GPU (CUDA, NVML, MIG), clocks, utilisation and the DBO SM split of vLLM 0.33.0.",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output (schema in the module docstring)")
+    p.add_argument("--json", action="store_true", help=f"machine-readable output (JSON, schema {SCHEMA})")
     p.add_argument("--total-sms", metavar="N", help="skip the hardware and use one N-SM device (132 = H200 profile)")
     p.add_argument(
         "--all2all-backend",

@@ -97,7 +97,7 @@ def test_simulate_honours_disable(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     doc = json.loads(capsys.readouterr().out)
     assert rc == 1 and doc["verdict"] == "FAIL" and doc["dbo_runtime_disabled_by_env"] is True
     [run] = doc["runs"]
-    assert "DBO_RUNTIME_DISABLE" in run["name"] and run["error"].startswith("DeepGEMM assertion")
+    assert run["name"] == "dbo_runtime (disabled)" and run["error"].startswith("DeepGEMM assertion")
     assert main(["simulate", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]) == 1
     assert "verdict: FAIL: DBO_RUNTIME_DISABLE reads as on" in capsys.readouterr().out
 
