@@ -100,7 +100,8 @@ def _import_noise() -> Iterator[list[str]]:
     there and are not the doctor's findings, so they are kept as ``import_warnings`` (``--json``,
     and counted in the table) rather than shown or dropped.
     """
-    import torch  # noqa: F401  (torch installs its stderr handler on import; filter it below)
+    with contextlib.suppress(ImportError):
+        import torch  # noqa: F401  (torch installs its stderr handler on import; filter it below)
 
     capture = _Capture()
     root = logging.getLogger()

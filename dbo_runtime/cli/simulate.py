@@ -16,13 +16,19 @@ both bugs and their fixes.
 JSON (``--json``), schema ``dbo-runtime/simulate/v1``::
 
     {"schema", "backend", "simulated", "mode", "budget", "verdict": "PASS"|"FAIL",
+     "dbo_runtime_disabled_by_env": bool,   # DBO_RUNTIME_DISABLE as the plugin reads it
      "runs": [{"name", "expect", "ok", "as_expected", "error", "leaders", "followers",
                "replans_total", "steady_state_replans", "captured_replans", "planned_ahead",
                "warmups", "topk_extra_bytes", "jit_in_capture", "checks": [...],
                "timeline": [...], "step_ms": [...], "config": {...}}]}
 
 Exit code 0 when every run behaved as expected (dbo_runtime: all checks pass;
-contrasts: fail the way vLLM 0.33.0 fails), 1 otherwise.
+contrasts: fail the way vLLM 0.33.0 fails), 1 otherwise. With ``DBO_RUNTIME_DISABLE``
+in force the dbo_runtime run runs unpatched, as a server would, and fails.
+
+Progress goes to stderr (a bar on a terminal, a line per step otherwise); a CPU run
+expected to take more than ``LONG_RUN_SECONDS`` says how long up front. The human
+output fits 100 columns.
 """
 
 from __future__ import annotations
