@@ -20,26 +20,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "graphs"))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="timed reps per configuration after one warm-up (default 3)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps per timed pass (default 64)")
     parser.add_argument("--out", default=str(ROOT / "graphs" / "results"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.reps < 1 or args.steps < 2:
         parser.error("--reps must be >= 1 and --steps >= 2")
-    try:
-        import torch
+    from bench_real_engine import engine_missing
 
-        if torch.cuda.device_count() < 2:
-            raise RuntimeError(f"{torch.cuda.device_count()} CUDA GPUs visible")
-        from importlib import metadata
-
-        metadata.version("vllm")
-    except Exception as exc:
-        print(f"bench_dbo_engine: needs two CUDA GPUs with vLLM 0.33 installed ({exc}); nothing measured", file=sys.stderr)
+    missing = engine_missing(2)
+    if missing is not None:
+        print(f"bench_dbo_engine: needs two CUDA GPUs and vLLM 0.33: {missing}; nothing measured", file=sys.stderr)
         return 2
 
     from dbo_runtime.harness.launch import RunSpec

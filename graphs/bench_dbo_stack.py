@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from dbo_runtime.services.topk_state import topk_memory_bytes
-from dbo_runtime.sim.backends import DeepGemmBackend
+from dbo_runtime.sim.backends import DeepGemmBackend, real_kernels_missing
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import GLM53, Scenario, capture_dbo_graph
 
@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-context", type=int, default=GLM53.max_context)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
+    missing = real_kernels_missing()
+    if missing is not None:
+        print(f"bench_dbo_stack: needs a CUDA GPU and DeepGEMM: {missing}; nothing measured", file=sys.stderr)
+        return 2
     be = DeepGemmBackend()
     base = dataclasses.replace(GLM53, num_requests=args.requests, max_context=args.max_context)
     scen = {name: Scenario(dataclasses.replace(base, **kw), be) for name, kw in VARIANTS.items()}

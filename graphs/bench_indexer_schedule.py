@@ -328,8 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dbo-sms", type=int, default=112)
     ap.add_argument("--cold-sms", type=int, default=110)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_indexer_schedule: no CUDA device; nothing measured", file=sys.stderr)
+    from dbo_runtime.sim.backends import real_kernels_missing
+
+    missing = real_kernels_missing()
+    if missing is not None:
+        print(f"bench_indexer_schedule: needs a CUDA GPU and DeepGEMM: {missing}; nothing measured", file=sys.stderr)
         return 2
     import deep_gemm as dg
 

@@ -147,14 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(json.loads(args.child))
         return 0
-    try:
-        import torch
+    from dbo_runtime.sim.backends import real_kernels_missing
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device")
-        import deep_gemm  # noqa: F401
-    except Exception as exc:
-        print(f"bench_planner_warmup: needs CUDA and DeepGEMM ({type(exc).__name__}: {exc}); nothing measured", file=sys.stderr)
+    missing = real_kernels_missing()
+    if missing is not None:
+        print(f"bench_planner_warmup: needs a CUDA GPU and DeepGEMM: {missing}; nothing measured", file=sys.stderr)
         return 2
 
     from dbo_runtime.sim.report import environment, write_json

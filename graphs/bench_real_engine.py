@@ -25,21 +25,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _need_gpu_and_vllm() -> None:
+def engine_missing(gpus: int) -> str | None:
+    """Why the real engine cannot run here (None when it can): CUDA GPUs first, then vLLM 0.33."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    if torch.cuda.device_count() < gpus:
+        return f"{torch.cuda.device_count()} CUDA device(s) visible"
+    from importlib import metadata
+
     try:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA GPU")
-        from importlib import metadata
-
-        metadata.version("vllm")
-    except Exception as exc:
-        print(f"bench_real_engine: needs a CUDA GPU with vLLM 0.33 installed ({exc}); nothing measured", file=sys.stderr)
-        raise SystemExit(2) from None
+        version = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return "vLLM is not installed"
+    if not version.startswith("0.33"):
+        return f"vLLM {version} is installed"
+    return None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="engine starts per variant (default 5)")
     parser.add_argument("--decode-reps", type=int, default=2, help="timed decode reps per engine after one warm-up (default 2)")
@@ -48,10 +53,13 @@ def main() -> int:
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default: eager, the host-bound worst case)")
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new pairs after this many seconds")
     parser.add_argument("--out", default=str(ROOT / "graphs" / "results"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.reps < 1 or args.steps < 2:
         parser.error("--reps must be >= 1 and --steps >= 2")
-    _need_gpu_and_vllm()
+    missing = engine_missing(1)
+    if missing is not None:
+        print(f"bench_real_engine: needs a CUDA GPU and vLLM 0.33: {missing}; nothing measured", file=sys.stderr)
+        return 2
 
     from dbo_runtime.harness.launch import RunSpec, launch
     from dbo_runtime.harness.prompts import PromptSpec

@@ -39,15 +39,16 @@ def _gpu_or_exit() -> Any:
     """The DeepGEMM backend, or one clear line and exit code 2."""
     import torch
 
-    if not torch.cuda.is_available():
-        print("bench_replay_planning: no CUDA device; nothing measured", file=sys.stderr)
+    from dbo_runtime.sim.backends import DeepGemmBackend, real_kernels_missing
+
+    missing = real_kernels_missing()
+    if missing is not None:
+        print(f"bench_replay_planning: needs a CUDA GPU and DeepGEMM: {missing}; nothing measured", file=sys.stderr)
         raise SystemExit(2)
     try:
-        from dbo_runtime.sim.backends import DeepGemmBackend
-
         return DeepGemmBackend()
-    except Exception as exc:  # ImportError, or a wheel built for another torch
-        print(f"bench_replay_planning: DeepGEMM does not load ({type(exc).__name__}: {exc}); nothing measured", file=sys.stderr)
+    except Exception as exc:  # a wheel built for another torch
+        print(f"bench_replay_planning: needs a CUDA GPU and DeepGEMM: DeepGEMM does not load ({type(exc).__name__}: {exc}); nothing measured", file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -151,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-context", type=int, default=8192, help="longest context (multiple of 64)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results", help="output folder")
     args = ap.parse_args(argv)
-    be = _gpu_or_exit()
+    try:
+        be = _gpu_or_exit()
+    except SystemExit as exc:
+        return int(exc.code or 2)
 
     from dbo_runtime.sim.report import environment, write_json
     from dbo_runtime.sim.scenario import GLM53, Scenario

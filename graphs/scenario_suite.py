@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dbo_runtime.sim.backends import DeepGemmBackend
+from dbo_runtime.sim.backends import DeepGemmBackend, real_kernels_missing
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import CONTRASTS, GLM53, MODES, run_scenario
 
@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-context", type=int, default=GLM53.max_context)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
+    missing = real_kernels_missing()
+    if missing is not None:
+        print(f"scenario_suite: needs a CUDA GPU and DeepGEMM: {missing}; nothing run", file=sys.stderr)
+        return 2
     backend = DeepGemmBackend()
     cfg = dataclasses.replace(GLM53, steps=args.steps, num_requests=args.requests, max_context=args.max_context)
     runs = []

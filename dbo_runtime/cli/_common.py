@@ -7,8 +7,10 @@ output never depends on either.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +32,21 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
+def warn_switch_problems(command: str) -> list[str]:
+    """Print each unrecognised ``DBO_RUNTIME_*`` switch on stderr, in the plugin's words; return them.
+
+    ``sms`` and ``simulate`` do not install the plugin, but an operator runs them to learn what
+    a server with this environment will do, so they read the switches exactly as the plugin does
+    (``core.switches``) and show the same line the worker log would.
+    """
+    from dbo_runtime.core.switches import switch_problems
+
+    problems = switch_problems()
+    for problem in problems:
+        print(f"dbo-runtime {command}: warning: {problem}", file=sys.stderr)
+    return problems
+
+
 def print_json(document: Any) -> None:
     sys.stdout.write(json.dumps(document, indent=2, sort_keys=False) + "\n")
 
@@ -47,28 +64,56 @@ def _plain_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str
     return "\n".join(lines) + "\n"
 
 
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], caption: Sequence[str] = ()) -> None:
+def print_table(
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    caption: Sequence[str] = (),
+    *,
+    compact: bool = False,
+    width: int | None = None,
+    styles: Sequence[str | None] | None = None,
+) -> None:
     """A table on stdout: rich when importable, plain text otherwise.
 
     Cells are passed as ``rich.text.Text`` so GPU names or notes containing
-    ``[...]`` are never parsed as rich markup; off a terminal (and without ``$COLUMNS``) the
-    width is fixed wide so captured output (tests, logs) is not wrapped mid-number.
+    ``[...]`` are never parsed as rich markup. Off a terminal (and without ``$COLUMNS``) the
+    width is fixed -- ``width``, else wide (220) so captured output (tests, logs) is not wrapped
+    mid-number -- and the table is rendered to text first so no line carries rich's trailing
+    padding into a log or a diff. ``compact``: no borders, two spaces between columns and no
+    wrapping (``simulate`` keeps its table within 100 columns that way). ``styles``: a rich style
+    per row, shown on a terminal only.
     """
     try:
+        from rich import box
         from rich.console import Console
         from rich.table import Table
         from rich.text import Text
     except ImportError:
         sys.stdout.write(_plain_table(title, columns, rows, caption))
         return
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 220, highlight=False)
-    table = Table(title=title, title_justify="left")
+    terminal = sys.stdout.isatty() or bool(os.environ.get("COLUMNS"))
+    if width is None:
+        width_used = None if terminal else 220
+    else:
+        width_used = min(width, shutil.get_terminal_size((width, 24)).columns) if terminal else width
+    buffer = None if sys.stdout.isatty() else io.StringIO()
+    console = Console(file=buffer or sys.stdout, width=width_used, highlight=False, color_system="auto" if buffer is None else None)
+    if compact:
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
+    else:
+        table = Table(title=title, title_justify="left")
     key_width = max([len(columns[0]), *(len(row[0]) for row in rows)]) if columns else 0
     for i, column in enumerate(columns):
-        # the first column is the row's key (GPU label, patch name): never folded, so it stays greppable
-        table.add_column(column, overflow="fold", min_width=key_width if i == 0 else None)
-    for row in rows:
-        table.add_row(*(Text(cell) for cell in row))
+        if compact:
+            table.add_column(column, no_wrap=True)
+        else:
+            # the first column is the row's key (GPU label, patch name): never folded, so it stays greppable
+            table.add_column(column, overflow="fold", min_width=key_width if i == 0 else None)
+    for i, row in enumerate(rows):
+        table.add_row(*(Text(cell) for cell in row), style=styles[i] if styles else None)
     console.print(table)
     for line in caption:
-        console.print(Text(line))
+        console.print(Text(line), soft_wrap=True)  # one line each, however long: greppable in logs
+    if buffer is not None:
+        sys.stdout.write("".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines()))

@@ -13,8 +13,9 @@ on the GPU machine, which has no vLLM.
 
 Exit codes (``dbo_runtime.cli._common``): 0 ok, 1 a check failed, 2 bad flag
 or value (one line naming the parameter and the allowed values), 3 no GPU.
-Expected failures print one line on stderr and never a traceback; console
-scripts pass ``main()``'s return value to ``sys.exit``.
+Expected failures print one line on stderr and never a traceback (with ``--json``
+also an error document on stdout); console scripts pass ``main()``'s return
+value to ``sys.exit``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in subcommand_modules():
         sub = module.add_parser(subparsers)
-        sub.set_defaults(_run=module.run, _accepts_extra=bool(getattr(module, "ACCEPTS_EXTRA_ARGS", False)))
+        sub.set_defaults(
+            _run=module.run,
+            _schema=getattr(module, "SCHEMA", None),
+            _accepts_extra=bool(getattr(module, "ACCEPTS_EXTRA_ARGS", False)),
+        )
     return parser
 
 
@@ -88,10 +93,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(run(args))
     except ConfigError as exc:
         print(f"{where}: error: {exc}", file=sys.stderr)
+        _json_error(args, exc, EXIT_USAGE)
         return EXIT_USAGE
     except CliError as exc:
         print(f"{where}: {exc}", file=sys.stderr)
+        _json_error(args, exc, exc.exit_code)
         return exc.exit_code
+
+
+def _json_error(args: argparse.Namespace, exc: Exception, exit_code: int) -> None:
+    """Under ``--json`` a failure is a JSON document on stdout too: a script parsing stdout gets an answer.
+
+    ``{"schema": <the command's schema>, "error": {"message", "parameter", "value", "allowed"}, "exit_code"}``
+    (``parameter``/``value``/``allowed`` are null unless a value was refused).
+    """
+    if not getattr(args, "json", False):
+        return
+    from dbo_runtime.cli._common import print_json
+
+    config = exc if isinstance(exc, ConfigError) else None
+    print_json(
+        {
+            "schema": getattr(args, "_schema", None),
+            "error": {
+                "message": str(exc),
+                "parameter": config.parameter if config else None,
+                "value": None if config is None else str(config.value),
+                "allowed": config.allowed if config else None,
+            },
+            "exit_code": exit_code,
+        }
+    )
 
 
 if __name__ == "__main__":

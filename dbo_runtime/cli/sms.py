@@ -22,7 +22,10 @@ accepts with DBO on the platform), ``--comm-sms`` (default
 ``--no-deep-gemm`` (default: DeepGEMM assumed present, as on a DBO server),
 ``--total-sms N`` (skip the hardware; one embedded device with N SMs --
 "NVIDIA H200 (embedded profile)" for 132), ``--json``.
-No GPU through NVML or CUDA and no ``--total-sms``: one line on stderr, exit 3.
+No GPU through NVML or CUDA and no ``--total-sms``: one line on stderr, exit 3
+(with ``--json`` also an error document on stdout, see ``cli.main``). The table
+shows the knobs vLLM really turns, including the DeepEP high-throughput
+manager's clamp of the comm share to 20, and warns on a valid but poor split.
 
 JSON schema (``--json``), stable; keys are never removed within ``schema`` v1::
 
@@ -38,6 +41,7 @@ JSON schema (``--json``), stable; keys are never removed within ``schema`` v1::
       },
       "nvml": {"available": bool | null, "detail": str, "driver_version": str | null},
       "cuda": {"available": bool | null, "detail": str, "torch_version": str | null},
+      "plugin": {"disabled_by_env": bool},   # DBO_RUNTIME_DISABLE as the plugin reads it
       "devices": [{
         "label": str,                      # "0", "0 MIG 1", "cuda:0", "profile"
         "kind": "gpu" | "mig" | "cuda" | "profile",
@@ -55,9 +59,11 @@ JSON schema (``--json``), stable; keys are never removed within ``schema`` v1::
           "total": int, "comm": int, "compute": int, "partitioned": bool,
           "comm_knob": bool, "compute_knob": bool, "rocm_override": bool,
           "env_comm_sms": int, "max_sms_used": int | null, "expert_parallel": bool,
-          "describe": str
+          "describe": str,
+          "deepep_sms": int | null         # what DeepEP gets after vLLM's HT clamp to 20; null: no DeepEP knob
         },
-        "note": str                        # why budget is null, or ""
+        "note": str,                       # why budget is null, or ""
+        "warnings": [str]                  # a valid but poor split: compute < comm, comm SMs left idle
       }]
     }
 """
@@ -66,10 +72,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dbo_runtime.cli._common import EXIT_NO_DEVICE, EXIT_OK, CliError, print_json, print_table
+from dbo_runtime.cli._common import EXIT_NO_DEVICE, EXIT_OK, CliError, print_json, print_table, warn_switch_problems
+from dbo_runtime.cli._inputs import COMM_ENV, MAX_SMS, Input, budget_for, comm_input, parse_int
 from dbo_runtime.core.budget import (
     ALL2ALL_BACKENDS,
     BACKEND_MAX_SMS_USED,
@@ -77,10 +84,9 @@ from dbo_runtime.core.budget import (
     DEEPEP_HT_MANAGER_NUM_SMS,
     PLATFORMS,
     SMBudget,
-    compute_budget,
-    parse_comm_sms,
 )
 from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.switches import parse_switch
 
 SCHEMA = "dbo-runtime/sms/v1"
 DEFAULT_BACKEND = "deepep_high_throughput"
@@ -132,6 +138,7 @@ class DeviceRow:
     utilization_memory_pct: int | None = None
     budget: dict[str, Any] | None = None
     note: str = ""
+    warnings: list[str] = field(default_factory=list)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -140,7 +147,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="SMs per GPU and the DBO compute/comm split vLLM would apply",
         description="SMs per GPU (CUDA, NVML, MIG), clocks, utilisation and the DBO SM split of vLLM 0.33.0.",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output (schema in the module docstring)")
+    p.add_argument("--json", action="store_true", help=f"machine-readable output (JSON, schema {SCHEMA})")
     p.add_argument("--total-sms", metavar="N", help="skip the hardware and use one N-SM device (132 = H200 profile)")
     p.add_argument(
         "--all2all-backend",
@@ -156,16 +163,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     return p
 
 
-def _positive_int(raw: str, parameter: str) -> int:
-    try:
-        value = int(raw.strip(), 10)
-    except ValueError:
-        raise ConfigError(parameter, raw, "a positive integer") from None
-    if value <= 0:
-        raise ConfigError(parameter, raw, "a positive integer")
-    return value
-
-
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Validate every flag before touching the hardware, naming the flag on error."""
     platform = args.platform
@@ -176,26 +173,21 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if backend not in allowed_backends:
         known = "" if backend in ALL2ALL_BACKENDS else "unknown backend; "
         raise ConfigError("--all2all-backend", backend, f"{known}with DBO on {platform}: {', '.join(allowed_backends)}")
-    if args.comm_sms is not None:
-        comm, comm_source = parse_comm_sms(args.comm_sms, parameter="--comm-sms"), "--comm-sms"
-    elif os.environ.get("VLLM_DBO_COMM_SMS") is not None:
-        comm, comm_source = parse_comm_sms(os.environ["VLLM_DBO_COMM_SMS"]), "VLLM_DBO_COMM_SMS"
-    else:
-        comm, comm_source = (20 if platform == "cuda" else 64), "default"
+    comm = comm_input(args.comm_sms, platform)
     if args.max_sms_used is None:
         max_sms, max_source = BACKEND_MAX_SMS_USED.get(backend), "vllm-0.33.0-manager"
     elif args.max_sms_used.strip().lower() == "none":
         max_sms, max_source = None, "--max-sms-used"
     else:
-        max_sms = parse_comm_sms(args.max_sms_used, parameter="--max-sms-used")
+        max_sms = parse_int(args.max_sms_used, "--max-sms-used", 0, also="'none'")
         max_source = "--max-sms-used"
-    total = None if args.total_sms is None else _positive_int(args.total_sms, "--total-sms")
+    total = None if args.total_sms is None else parse_int(args.total_sms, "--total-sms", 1, MAX_SMS)
     return Settings(
         platform=platform,
         all2all_backend=backend,
         expert_parallel=not args.no_expert_parallel,
-        comm_sms=comm,
-        comm_sms_source=comm_source,
+        comm_sms=int(comm.value or 0),
+        comm_sms_source=comm.source,
         max_sms_used=max_sms,
         max_sms_used_source=max_source,
         deep_gemm=not args.no_deep_gemm,
@@ -217,7 +209,39 @@ def budget_json(budget: SMBudget) -> dict[str, Any]:
         "max_sms_used": r.max_sms_used,
         "expert_parallel": r.expert_parallel,
         "describe": budget.describe(),
+        "deepep_sms": deepep_sms(budget),
     }
+
+
+def deepep_sms(budget: SMBudget) -> int | None:
+    """The SM count DeepEP really gets: vLLM's HT manager clamps ``set_num_sms`` to its buffers' 20.
+
+    ``all2all_manager.set_num_sms(comm)`` is what vLLM calls, but ``DeepEPHTAll2AllManager``
+    (``all2all.py:303-311``) lowers any request above ``num_sms`` (20) before
+    ``deep_ep.Buffer.set_num_sms``; every other manager's ``set_num_sms`` does nothing. So with
+    ``--comm-sms 32`` DeepGEMM loses 32 SMs and DeepEP uses 20. None when no DeepEP knob turns.
+    """
+    r = budget.reason
+    if not budget.comm_knob or r.all2all_backend != "deepep_high_throughput":
+        return None
+    return min(budget.comm, DEEPEP_HT_MANAGER_NUM_SMS)
+
+
+def split_warnings(budget: SMBudget) -> list[str]:
+    """What makes a valid split a poor one; shown, never refused (vLLM runs it as asked)."""
+    out = []
+    if budget.partitioned and budget.compute < budget.comm:
+        out.append(
+            f"compute {budget.compute} of {budget.total} SMs is less than the comm share {budget.comm}: the "
+            "compute kernels lose more than DBO's overlap can win back (lower VLLM_DBO_COMM_SMS / --comm-sms)"
+        )
+    used = deepep_sms(budget)
+    if used is not None and budget.comm > used:
+        out.append(
+            f"{budget.comm - used} of the {budget.comm} comm SMs stay idle: vLLM's DeepEP high-throughput manager "
+            f"clamps set_num_sms({budget.comm}) to {used}, the SM count its buffers were sized for"
+        )
+    return out
 
 
 def _apply_budget(row: DeviceRow, s: Settings) -> None:
@@ -227,26 +251,20 @@ def _apply_budget(row: DeviceRow, s: Settings) -> None:
     if row.sms is None:
         row.note = "SM count unknown (CUDA cannot see this GPU and NVML gives no count)"
         return
-    try:
-        budget = compute_budget(
-            total_sms=row.sms,
-            platform=s.platform,
-            enable_dbo=True,
-            expert_parallel=s.expert_parallel,
-            all2all_backend=s.all2all_backend,
-            env_comm_sms=s.comm_sms,
-            has_all2all_manager=True,
-            max_sms_used=s.max_sms_used,
-            has_deep_gemm=s.deep_gemm,
-            device=row.cuda_index if row.cuda_index is not None else (row.nvml_index or 0),
-            comm_cap=DEEPEP_HT_MANAGER_NUM_SMS if s.all2all_backend == "deepep_high_throughput" else None,
-        )
-    except ConfigError as exc:
-        parameter = exc.parameter
-        if parameter == "VLLM_DBO_COMM_SMS" and s.comm_sms_source == "--comm-sms":
-            parameter = "--comm-sms"
-        raise ConfigError(parameter, exc.value, f"{exc.allowed} [device {row.label}]") from None
+    total_source = "--total-sms" if row.sms_source == "--total-sms" else "hardware"
+    budget = budget_for(
+        total=Input(row.sms, total_source, str(row.sms_source)),
+        comm=Input(s.comm_sms, s.comm_sms_source, f"vLLM's {COMM_ENV} default on {s.platform.upper()}"),
+        max_sms_used=Input(s.max_sms_used, s.max_sms_used_source),
+        platform=s.platform,
+        all2all_backend=s.all2all_backend,
+        expert_parallel=s.expert_parallel,
+        deep_gemm=s.deep_gemm,
+        device=row.cuda_index if row.cuda_index is not None else (row.nvml_index or 0),
+        where=f"device {row.label}",
+    )
     row.budget = budget_json(budget)
+    row.warnings = split_warnings(budget)
 
 
 def _profile_rows(total: int) -> list[DeviceRow]:
@@ -398,6 +416,7 @@ def collect(s: Settings) -> dict[str, Any]:
         "nvml": nvml_info,
         "cuda": cuda_info,
         "devices": [asdict(r) for r in rows],
+        "plugin": {"disabled_by_env": parse_switch("DBO_RUNTIME_DISABLE")},
     }
 
 
@@ -444,7 +463,12 @@ def _knobs_cell(d: dict[str, Any]) -> str:
     if b["compute_knob"]:
         knobs.append(f"DeepGEMM set_num_sms({b['compute']})")
     if b["comm_knob"]:
-        knobs.append(f"all2all set_num_sms({b['comm']})")
+        if b["deepep_sms"] is None:
+            knobs.append(f"all2all set_num_sms({b['comm']}) (a no-op for this backend)")
+        elif b["deepep_sms"] != b["comm"]:
+            knobs.append(f"all2all set_num_sms({b['comm']}) -> DeepEP {b['deepep_sms']} (HT clamp)")
+        else:
+            knobs.append(f"all2all set_num_sms({b['comm']})")
     if b["rocm_override"]:
         knobs.append("ROCm HT override: comm 0")
     return ", ".join(knobs) or "none (no partition)"
@@ -468,10 +492,17 @@ def render(doc: dict[str, Any]) -> None:
         f"NVML: {doc['nvml']['detail']}" + (f" (driver {doc['nvml']['driver_version']})" if doc["nvml"]["driver_version"] else ""),
         f"CUDA: {doc['cuda']['detail']}" + (f" (torch {doc['cuda']['torch_version']})" if doc["cuda"]["torch_version"] else ""),
     ]
+    caption.extend(f"warning: device {d['label']}: {w}" for d in doc["devices"] for w in d["warnings"])
+    if doc["plugin"]["disabled_by_env"]:
+        caption.append(
+            "DBO_RUNTIME_DISABLE reads as on: the plugin patches nothing, so vLLM runs this split with an "
+            "indexer schedule planned for every SM (the crash of vllm#60732) and a shared top-k buffer"
+        )
     print_table("dbo-runtime sms: DBO SM split of vLLM 0.33.0 (--enable-dbo)", columns, rows, caption)
 
 
 def run(args: argparse.Namespace) -> int:
+    warn_switch_problems("sms")
     doc = collect(settings_from_args(args))
     if args.json:
         print_json(doc)

@@ -1,27 +1,81 @@
-"""Boolean environment switches, parsed strictly.
+"""The on/off environment switches, read one way by the plugin, ``doctor``, ``sms`` and ``simulate``.
 
-``DBO_RUNTIME_DISABLE=ture`` silently meaning "off" would patch vLLM while the
-operator believes it untouched; every switch therefore accepts only the usual
-spellings and anything else is one ``ConfigError`` naming the variable.
+vLLM calls the plugin's ``register()`` without a ``try`` (``vllm/plugins/__init__.py``,
+``load_general_plugins``), so a switch value the plugin does not recognise must never raise:
+a typo such as ``DBO_RUNTIME_DISABLE=ture`` would stop every vLLM process at start. It must not
+pass silently either, or the operator believes a setting is in force that is not. So a value
+outside the usual spellings
+
+* is read the way in which dbo_runtime does the least: ``DBO_RUNTIME_DISABLE`` reads as on
+  (patch nothing: setting a DISABLE variable at all says "stay out"), ``DBO_RUNTIME_STRICT``
+  reads as off (raise nothing: strict mode exists to stop engine start, a typo must not); and
+* is reported in one line that names the variable, the allowed values and how it was read
+  (``Switch.problem``): a warning in the worker log, on stderr of ``sms`` / ``simulate``, and a
+  problem in ``doctor``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from dbo_runtime.core.errors import ConfigError
 
-TRUE = ("1", "true", "yes", "on")
-FALSE = ("", "0", "false", "no", "off")
+ON = ("1", "true", "yes", "on")
+OFF = ("0", "false", "no", "off", "")
 SWITCHES = ("DBO_RUNTIME_DISABLE", "DBO_RUNTIME_STRICT")
+
+UNRECOGNISED_READS_AS: dict[str, bool] = {"DBO_RUNTIME_DISABLE": True, "DBO_RUNTIME_STRICT": False}
+"""How a value outside ``ON``/``OFF`` is read: the choice in which dbo_runtime does the least."""
+
+ALLOWED = "'1', 'true', 'yes', 'on' (on); '0', 'false', 'no', 'off', '' (off); or not set (off); any case"
+
+_EFFECT = {
+    ("DBO_RUNTIME_DISABLE", True): "the plugin patches nothing and vLLM runs as without dbo_runtime",
+    ("DBO_RUNTIME_DISABLE", False): "the plugin patches vLLM",
+    ("DBO_RUNTIME_STRICT", True): "an unsupported vLLM or a failed patch install raises",
+    ("DBO_RUNTIME_STRICT", False): "an unsupported vLLM or a failed patch install logs one line and leaves vLLM unpatched",
+}
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One switch as read from the environment."""
+
+    name: str
+    raw: str | None
+    """The value as set, or None when the variable is not set."""
+    on: bool
+    recognised: bool
+
+    @property
+    def effect(self) -> str:
+        return _EFFECT.get((self.name, self.on), "on" if self.on else "off")
+
+    def problem(self) -> str:
+        """The one line every entry point shows for an unrecognised value ("" when recognised)."""
+        if self.recognised:
+            return ""
+        return f"{ConfigError(self.name, self.raw, ALLOWED)}; read as {'on' if self.on else 'off'}: {self.effect}"
+
+
+def read_switch(name: str, environ: Mapping[str, str] | None = None) -> Switch:
+    """Read ``name``; never raises (see the module docstring for unrecognised values)."""
+    raw = (os.environ if environ is None else environ).get(name)
+    value = "" if raw is None else raw.strip().lower()
+    if value in ON:
+        return Switch(name, raw, True, True)
+    if value in OFF:
+        return Switch(name, raw, False, True)
+    return Switch(name, raw, UNRECOGNISED_READS_AS.get(name, False), False)
 
 
 def parse_switch(name: str, environ: Mapping[str, str] | None = None) -> bool:
-    raw = (os.environ if environ is None else environ).get(name, "")
-    value = raw.strip().lower()
-    if value in TRUE:
-        return True
-    if value in FALSE:
-        return False
-    raise ConfigError(name, raw, [*TRUE, *FALSE[1:], "unset"])
+    """``read_switch(name).on``: whether the switch is in force."""
+    return read_switch(name, environ).on
+
+
+def switch_problems(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per switch whose value is not recognised (empty when all are fine)."""
+    return [s.problem() for s in (read_switch(name, environ) for name in SWITCHES) if not s.recognised]

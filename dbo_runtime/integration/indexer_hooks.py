@@ -1,6 +1,6 @@
 """Indexer schedule hooks (issue 3): keep DeepGEMM's paged-MQA schedule valid under DBO.
 
-Upstream behaviour that forces these patches (vLLM 0.33.0, ``docs/vllm-0.33-hook-points.md`` §1.5, §3):
+Upstream behaviour that forces these patches (vLLM 0.33.0, ``docs/vllm-hook-points.md`` §2, §3):
 
 * ``DeepseekV32IndexerMetadataBuilder.build`` (``v1/attention/backends/mla/indexer.py:1744-1767``)
   plans the schedule with ``self.num_sms`` (the whole GPU) on the main thread,

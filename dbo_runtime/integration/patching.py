@@ -1,7 +1,7 @@
 """A transactional patch set over vLLM's modules and classes.
 
 vLLM has no DBO / SM-control / microbatch callback registry
-(``docs/vllm-0.33-hook-points.md`` §5), so dbo_runtime patches. Two things make
+(``docs/vllm-hook-points.md`` §1), so dbo_runtime patches. Two things make
 patching vLLM dangerous and are handled here once, not in every patch:
 
 * ``from x import y`` bindings: a module-level name must be patched in the

@@ -11,6 +11,10 @@ Environment:
 * ``DBO_RUNTIME_DISABLE=1`` -- patch nothing.
 * ``DBO_RUNTIME_STRICT=1`` -- an unsupported vLLM version or a failed install
   raises instead of logging one line.
+
+A value of either that ``core.switches`` does not recognise never raises here (vLLM
+has no guard around ``register``): it is logged as one warning naming the variable
+and the allowed values, and read as DISABLE on / STRICT off.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from importlib import metadata
 
 from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
-from dbo_runtime.core.switches import parse_switch
+from dbo_runtime.core.switches import parse_switch, switch_problems
 from dbo_runtime.integration import activation
 from dbo_runtime.integration.patching import Patch, PatchSet
 
@@ -80,6 +84,8 @@ def register() -> None:
         if _patch_set is not None and _patch_set.installed:
             activation.flush()
             return
+        for problem in switch_problems():
+            logger.warning("dbo_runtime: %s", problem)
         if _truthy("DBO_RUNTIME_DISABLE"):
             logger.info("dbo_runtime: DBO_RUNTIME_DISABLE is set; vLLM left unpatched")
             return

@@ -1,7 +1,7 @@
 """Per-microbatch shared top-k for GLM-5.x IndexCache layers under DBO (vllm#60734).
 
 Upstream (vLLM 0.33.0) keeps the leader -> follower top-k hand-off in state with
-no microbatch dimension (``docs/vllm-0.33-hook-points.md`` §4.2): the model-wide
+no microbatch dimension (``docs/vllm-hook-points.md`` §4): the model-wide
 ``DeepseekV32Model.topk_indices_buffer`` and, per ``SparseMLAIndexGroup``, the
 physical workspace, valid counts and two ready events. DBO yields between
 layers, so microbatch 1's leader overwrites them before microbatch 0's followers
@@ -36,7 +36,7 @@ read them. These patches route every access through
   MLA impls). Values stay in the instance ``__dict__`` under the same name, so
   uninstalling the patches leaves every live module with its plain attribute.
 
-MTP drafts never run microbatched (hook doc §4.3), resolve microbatch 0 and so
+MTP drafts never run microbatched (``docs/vllm-hook-points.md`` §4), resolve microbatch 0 and so
 see the target buffer itself.
 
 Every hook above that runs on a microbatch thread catches its own failure and

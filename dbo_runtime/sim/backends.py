@@ -13,6 +13,7 @@ the GPU. The CPU backend is a simulation and says so in every report.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -198,18 +199,34 @@ class DeepGemmBackend:
             raise
 
 
+def real_kernels_missing() -> str | None:
+    """Why ``DeepGemmBackend`` cannot run here, in one line (None when it can).
+
+    ``graphs/`` scripts and ``simulate --backend deep_gemm`` ask first, so a machine without
+    CUDA or DeepGEMM gets one line naming what is missing instead of a traceback from deep
+    inside an import (a DeepGEMM build that fails to load raises ImportError or OSError).
+    """
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        importlib.import_module("deep_gemm")
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"DeepGEMM does not import ({type(exc).__name__}: {first})"
+    return None
+
+
 def make_backend(kind: str = "auto", *, total_sms: int = 132) -> KernelBackend:
     """``auto``: DeepGEMM when CUDA and ``deep_gemm`` load, else the CPU simulation."""
     from dbo_runtime.core.errors import ConfigError
 
     if kind not in ("auto", "cpu", "deep_gemm"):
         raise ConfigError("backend", kind, ("auto", "cpu", "deep_gemm"))
-    if kind in ("auto", "deep_gemm") and torch.cuda.is_available():
-        try:
-            return DeepGemmBackend()
-        except ImportError:
-            if kind == "deep_gemm":
-                raise
-    elif kind == "deep_gemm":
-        raise ConfigError("backend", kind, "cpu (no CUDA device here)")
+    if kind == "cpu":
+        return SimulatedDeepGemm(total_sms=total_sms)
+    missing = real_kernels_missing()
+    if missing is None:
+        return DeepGemmBackend()
+    if kind == "deep_gemm":
+        raise ConfigError("backend", kind, f"auto or cpu here: {missing}")
     return SimulatedDeepGemm(total_sms=total_sms)

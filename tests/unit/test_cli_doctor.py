@@ -15,7 +15,10 @@ from dbo_runtime.cli.main import main
 from dbo_runtime.integration import plugin
 from dbo_runtime.integration.patching import Patch
 
-DOC_KEYS = {"schema", "ok", "problems", "dbo_runtime_version", "python", "vllm", "plugin", "patches", "deep_gemm", "nvml"}
+DOC_KEYS = {
+    "schema", "ok", "problems", "warnings", "dbo_runtime_version", "python", "vllm", "plugin", "patches",
+    "deep_gemm", "nvml", "import_warnings",
+}  # fmt: skip
 PATCH_KEYS = {"name", "target", "state", "lazy", "optional", "detail", "reason", "upstream_pr", "removal"}
 
 
@@ -85,6 +88,33 @@ def test_missing_optional_or_lazy_target_is_skipped_not_failed(
     [bogus] = [p for p in doc["patches"] if p["name"] == "test.bogus"]
     assert bogus["state"] == "skipped"
     assert rc == 0 and doc["ok"] is True
+    flagged = [w for w in doc["warnings"] if "no_such_function_in_vllm_0_33" in w]
+    assert bool(flagged) is (flag == "lazy"), doc["warnings"]  # a skipped *required* target is a warning
+
+
+def test_skipped_required_target_is_a_warning_not_ok(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A required lazy target that cannot be checked here used to end the table with a plain OK."""
+    real = plugin.all_patches
+    monkeypatch.setattr(plugin, "all_patches", lambda: [*real(), bogus_patch(lazy=True, module="dbo_no_such_module_here")])
+    assert main(["doctor"]) == 0  # a warning, not a failure
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("WARNINGS (not failures): ")
+    assert "required patch target not checked here: dbo_no_such_module_here." in last
+    assert "skipped (warning)" in out
+
+
+def test_no_third_party_import_noise_on_stderr() -> None:
+    """vLLM's `_C` and torch's Triton warnings used to reach stderr before the doctor's first line."""
+    import subprocess
+    import sys
+
+    for args in (["doctor"], ["doctor", "--json"]):
+        proc = subprocess.run([sys.executable, "-m", "dbo_runtime", *args], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert proc.stderr == "", proc.stderr
+    doc = json.loads(proc.stdout)
+    assert all(isinstance(line, str) for line in doc["import_warnings"])  # kept, not dropped
 
 
 def test_unsupported_vllm_version_fails(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,5 +140,8 @@ def test_table_lists_every_target(capsys: pytest.CaptureFixture[str]) -> None:
     out, err = capsys.readouterr()
     for patch in plugin.all_patches():
         assert patch.name in out
-    assert "vLLM 0.33.0 (supported" in out and "OK" in out
+    assert "vLLM 0.33.0 (supported" in out
+    last = out.strip().splitlines()[-1]
+    # OK, or -- where GLM-5-Next's module does not import (no torchvision) -- a warning naming it
+    assert last == "OK" or ("WARNINGS" in out and "glm5next" in out), last
     assert "Traceback" not in err

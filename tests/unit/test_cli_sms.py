@@ -27,11 +27,11 @@ DEVICE_KEYS = {
     "label", "kind", "nvml_index", "cuda_index", "mig_slot", "name", "uuid", "compute_capability",
     "sms", "sms_source", "sms_cuda", "sms_nvml_mig_attributes", "sms_nvml_cores", "nvml_gpu_cores",
     "cores_per_sm", "sms_consistent", "mig_enabled", "sm_clock_mhz", "max_sm_clock_mhz",
-    "utilization_gpu_pct", "utilization_memory_pct", "budget", "note",
+    "utilization_gpu_pct", "utilization_memory_pct", "budget", "note", "warnings",
 }  # fmt: skip
 BUDGET_KEYS = {
     "total", "comm", "compute", "partitioned", "comm_knob", "compute_knob", "rocm_override",
-    "env_comm_sms", "max_sms_used", "expert_parallel", "describe",
+    "env_comm_sms", "max_sms_used", "expert_parallel", "describe", "deepep_sms",
 }  # fmt: skip
 
 
@@ -177,13 +177,13 @@ def test_odd_comm_is_fine_when_deepep_ht_is_not_used(capsys: pytest.CaptureFixtu
         (["--all2all-backend", "naive"], None, "--all2all-backend='naive'", "with DBO on cuda"),
         (["--comm-sms", "132"], None, "--comm-sms=132", "[0, 132)"),
         (["--comm-sms", "19"], None, "--comm-sms=19", "even integers"),
-        (["--comm-sms", "-4"], None, "--comm-sms='-4'", "a non-negative integer"),
-        (["--comm-sms", "many"], None, "--comm-sms='many'", "a non-negative integer"),
-        (["--total-sms", "0"], None, "--total-sms='0'", "a positive integer"),
-        (["--total-sms", "abc"], None, "--total-sms='abc'", "a positive integer"),
+        (["--comm-sms", "-4"], None, "--comm-sms='-4'", "integers >= 0"),
+        (["--comm-sms", "many"], None, "--comm-sms='many'", "integers >= 0"),
+        (["--total-sms", "0"], None, "--total-sms='0'", "integers in [1, 1024]"),
+        (["--total-sms", "abc"], None, "--total-sms='abc'", "integers in [1, 1024]"),
         (["--platform", "tpu"], None, "--platform='tpu'", "'cuda', 'rocm'"),
-        (["--max-sms-used", "-1"], None, "--max-sms-used='-1'", "a non-negative integer"),
-        ([], "abc", "VLLM_DBO_COMM_SMS='abc'", "a non-negative integer"),
+        (["--max-sms-used", "-1"], None, "--max-sms-used='-1'", "integers >= 0, or 'none'"),
+        ([], "abc", "VLLM_DBO_COMM_SMS='abc'", "integers >= 0"),
         ([], "140", "VLLM_DBO_COMM_SMS=140", "[0, 132)"),
     ],
 )
@@ -207,6 +207,42 @@ def test_bad_values_give_one_line_and_exit_2(
     assert lines[0].startswith("dbo-runtime sms: error: " + parameter)
     assert allowed in lines[0]
     assert "Traceback" not in err
+
+
+def test_table_shows_the_deepep_ht_clamp_vllm_applies(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's HT manager clamps set_num_sms to 20: --comm-sms 32 takes 32 SMs from DeepGEMM, DeepEP gets 20."""
+    [dev] = run_json(capsys, "--total-sms", "132", "--comm-sms", "32")["devices"]
+    assert split(dev) == (132, 32, 100) and dev["budget"]["deepep_sms"] == 20
+    assert any("12 of the 32 comm SMs stay idle" in w for w in dev["warnings"])
+    assert main(["sms", "--total-sms", "132", "--comm-sms", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "all2all set_num_sms(32) -> DeepEP 20 (HT clamp)" in out
+    assert "warning: device profile: 12 of the 32 comm SMs stay idle" in out
+    [dev] = run_json(capsys, "--total-sms", "132")["devices"]
+    assert dev["budget"]["deepep_sms"] == 20 and dev["warnings"] == []
+    [dev] = run_json(capsys, "--total-sms", "132", "--all2all-backend", "deepep_low_latency", "--max-sms-used", "none")["devices"]
+    assert dev["budget"]["comm_knob"] and dev["budget"]["deepep_sms"] is None  # LL's set_num_sms is vLLM's base no-op
+
+
+def test_degenerate_split_is_warned(capsys: pytest.CaptureFixture[str]) -> None:
+    [dev] = run_json(capsys, "--total-sms", "132", "--comm-sms", "131")["devices"]
+    assert split(dev) == (132, 131, 1)
+    assert any(w.startswith("compute 1 of 132 SMs is less than the comm share 131") for w in dev["warnings"])
+    assert main(["sms", "--total-sms", "132", "--comm-sms", "131"]) == 0
+    assert "warning: device profile: compute 1 of 132 SMs" in capsys.readouterr().out
+
+
+def test_json_errors_are_json_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    if cuda_devices.scan().devices:
+        pytest.skip("this machine has a CUDA device; the no-GPU path is exercised on the CPU box")
+    assert main(["sms", "--json"]) == 3
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["schema"] == "dbo-runtime/sms/v1" and doc["exit_code"] == 3 and "no GPU visible" in doc["error"]["message"]
+    assert "no GPU visible" in err
+    assert main(["sms", "--json", "--total-sms", "x"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["error"]["parameter"] == "--total-sms" and doc["error"]["allowed"] == "integers in [1, 1024]"
 
 
 def test_unknown_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -310,7 +346,9 @@ def test_fake_nvml_mig_slice_smaller_than_comm_is_a_named_error(
     monkeypatch.setattr(cuda_devices, "scan", lambda: fake_cuda_scan())
     assert main(["sms"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("dbo-runtime sms: error: VLLM_DBO_COMM_SMS=20") and "[0, 16)" in line and "device 0 MIG 0" in line
+    # nobody set the comm share: the line says so instead of quoting a value as if it had been set
+    assert line.startswith("dbo-runtime sms: error: VLLM_DBO_COMM_SMS=<not set: default 20> is not allowed")
+    assert "[0, 16)" in line and "device 0 MIG 0" in line and "set VLLM_DBO_COMM_SMS or pass --comm-sms" in line
     assert main(["sms", "--comm-sms", "8"]) == 0
     assert "16/8/8" in capsys.readouterr().out
 
@@ -329,7 +367,7 @@ def test_nvml_init_failure_and_no_cuda_is_exit_3(capsys: pytest.CaptureFixture[s
     monkeypatch.setattr(cuda_devices, "scan", lambda: fake_cuda_scan())
     assert main(["sms", "--json"]) == 3
     out, err = capsys.readouterr()
-    assert out == "" and "Driver Not Loaded" in err and len(err.strip().splitlines()) == 1
+    assert json.loads(out)["exit_code"] == 3 and "Driver Not Loaded" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cores_per_sm_table() -> None:

@@ -101,7 +101,7 @@ def test_cli_bad_value_is_one_line() -> None:
         timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "--requests=1" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "--requests='1'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_failing_microbatch_never_leaves_the_other_parked() -> None:
@@ -150,9 +150,9 @@ def test_real_deepgemm_gets_real_indexer_shapes() -> None:
 
 def test_cli_errors_name_the_flag_and_read_the_env(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--backend", "cpu", "--steps", "0"]) == 2
-    assert "--steps=0" in capsys.readouterr().err
+    assert "--steps='0'" in capsys.readouterr().err
     assert main(["simulate", "--backend", "cpu", "--requests", "100000"]) == 2
-    assert "--requests=100000" in capsys.readouterr().err
+    assert "--requests='100000'" in capsys.readouterr().err
     assert main(["simulate", "--backend", "cpu", "--comm-sms", "200"]) == 2
     assert "--comm-sms=200" in capsys.readouterr().err
     monkeypatch.setenv("VLLM_DBO_COMM_SMS", "abc")
@@ -177,3 +177,93 @@ def test_simulate_runs_without_rich(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     monkeypatch.setattr(builtins, "__import__", no_rich)
     assert main(["simulate", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]) == 0
     assert "verdict: PASS" in capsys.readouterr().out
+
+
+# -- the command as a user meets it (issue 10, item 13) ------------------------------------------
+
+
+def _lines(text: str) -> list[str]:
+    return text.splitlines()
+
+
+def test_output_fits_100_columns_without_trailing_padding(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["simulate", "--backend", "cpu", "--steps", "2", "--requests", "6"]) == 0
+    out = capsys.readouterr().out
+    too_wide = [line for line in _lines(out) if len(line) > 100]
+    padded = [line for line in _lines(out) if line != line.rstrip()]
+    assert not too_wide and not padded, (too_wide, padded)
+
+
+def test_crash_row_shows_no_counts_for_steps_that_never_ran(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--backend", "cpu", "--steps", "2", "--requests", "6"]) == 0
+    [row] = [line for line in _lines(capsys.readouterr().out) if line.startswith("vLLM 0.33.0 (no dbo_runtime)")]
+    cells = row.split()
+    assert "0/2" in cells and "crash: assertion" in row
+    assert cells[-5:-1] == ["-", "-", "-", "-"], row  # logits, top-k, follower reads, re-plans: no step ran
+
+
+def test_verdict_line_explains_the_red_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--backend", "cpu", "--steps", "1", "--requests", "4"]) == 0
+    verdict = _lines(capsys.readouterr().out)[-1]
+    assert verdict.startswith("verdict: PASS: ") and "red rows are vLLM 0.33.0's failures, reproduced" in verdict
+    assert main(["simulate", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]) == 0
+    assert _lines(capsys.readouterr().out)[-1] == "verdict: PASS: dbo_runtime is bit-identical at every step"
+
+
+def test_progress_shows_when_piped(capsys: pytest.CaptureFixture[str]) -> None:
+    """Off a terminal rich's bar draws nothing; a long run used to print nothing for minutes."""
+    assert main(["simulate", "--backend", "cpu", "--steps", "2", "--requests", "4", "--no-contrast", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["verdict"] == "PASS"  # stdout stays the JSON document
+    assert "dbo-runtime simulate: dbo_runtime: step 1/2 (" in err and "step 2/2" in err and "left)" in err
+
+
+def _record_configs(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Replace the scenario run by a recorder: these tests are about what simulate asks for, not the run."""
+    from dbo_runtime.sim import scenario
+
+    seen: list = []
+
+    def fake(config, backend, mode="eager", *, progress=None):  # type: ignore[no-untyped-def]
+        seen.append(config)
+        return scenario.ScenarioResult(mode, backend.name, backend.simulated, dataclasses.asdict(config), "", 0, 0)
+
+    monkeypatch.setattr(scenario, "run_scenario", fake)
+    return seen
+
+
+def test_glm53_on_the_cpu_runs_a_short_default(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU preset (20 steps x 32 requests) took ~15 minutes on a 2-core CPU with no word said."""
+    from dbo_runtime.cli.simulate import estimated_seconds
+    from dbo_runtime.sim.scenario import CONTRASTS, GLM53, Contrast
+
+    seen = _record_configs(monkeypatch)
+    main(["simulate", "--backend", "cpu", "--preset", "glm53", "--json"])
+    err = capsys.readouterr().err
+    assert seen and all((c.steps, c.num_requests) == (2, 8) for c in seen)
+    assert all((c.heads, c.head_dim, c.max_context, c.index_topk) == (GLM53.heads, GLM53.head_dim, GLM53.max_context, GLM53.index_topk) for c in seen)
+    runs = [Contrast("dbo_runtime", "pass", {}), *CONTRASTS]
+    assert estimated_seconds(seen[0], 21, runs) <= 60
+    assert "expect about" not in err  # short: nothing to warn about
+    main(["simulate", "--backend", "cpu", "--preset", "glm53", "--steps", "20", "--requests", "32", "--json"])
+    err = capsys.readouterr().err
+    assert seen[-1].steps == 20 and seen[-1].num_requests == 32  # explicit flags win
+    [line] = [x for x in err.splitlines() if "expect about" in x]
+    assert line.startswith("dbo-runtime simulate: 4 runs x 20 steps of 32 requests on the CPU simulation: expect about ")
+    assert "min on a 2-core CPU" in line
+
+
+def test_help_is_plain_text_and_every_option_says_what_it_does() -> None:
+    import argparse
+
+    from dbo_runtime.cli.main import build_parser
+
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        text = command.format_help()
+        for markup in ("``", ":func:", ":class:", ":mod:", ".. "):
+            assert markup not in text, (name, markup)
+        for action in command._actions:
+            assert action.help and action.help.strip(), (name, action.option_strings)

@@ -1,10 +1,12 @@
-"""DBO_RUNTIME_* switches: the usual spellings or one named error, never a silent 'off'."""
+"""DBO_RUNTIME_* switches: the usual spellings; a typo is one named warning and never stops vLLM."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
-from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core import switches
 from dbo_runtime.core.switches import parse_switch
 
 
@@ -17,21 +19,87 @@ def test_unset_is_off() -> None:
     assert parse_switch("DBO_RUNTIME_STRICT", {}) is False
 
 
-@pytest.mark.parametrize("raw", ["ture", "2", "maybe", "enabled"])
-def test_typos_are_one_named_error(raw: str) -> None:
-    with pytest.raises(ConfigError) as e:
-        parse_switch("DBO_RUNTIME_DISABLE", {"DBO_RUNTIME_DISABLE": raw})
-    assert e.value.parameter == "DBO_RUNTIME_DISABLE" and "'true'" in str(e.value) and repr(raw) in str(e.value)
+@pytest.mark.parametrize("raw", ["ture", "2", "maybe", "enabled", "unset"])
+def test_a_typo_never_raises_and_reads_as_doing_the_least(raw: str) -> None:
+    """DISABLE typo -> patch nothing; STRICT typo -> raise nothing; one line names both the variable and the allowed values."""
+    disable = switches.read_switch("DBO_RUNTIME_DISABLE", {"DBO_RUNTIME_DISABLE": raw})
+    strict = switches.read_switch("DBO_RUNTIME_STRICT", {"DBO_RUNTIME_STRICT": raw})
+    assert (disable.on, disable.recognised) == (True, False)
+    assert (strict.on, strict.recognised) == (False, False)
+    line = disable.problem()
+    assert "\n" not in line and line.startswith(f"DBO_RUNTIME_DISABLE={raw!r} is not allowed; allowed values: ")
+    assert "'true'" in line and "'0'" in line and "read as on: the plugin patches nothing" in line
+    assert "read as off" in strict.problem()
 
 
-def test_plugin_refuses_a_mistyped_disable_instead_of_patching(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_allowed_values_do_not_list_the_word_unset() -> None:
+    """`DBO_RUNTIME_DISABLE=unset` used to be refused with a list of allowed values ending in 'unset'."""
+    line = switches.read_switch("DBO_RUNTIME_DISABLE", {"DBO_RUNTIME_DISABLE": "unset"}).problem()
+    allowed = line.split("allowed values: ", 1)[1]
+    assert "'unset'" not in allowed and "not set" in allowed
+
+
+def test_plugin_never_raises_on_a_mistyped_switch(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's plugin loader has no try: a typo used to kill every vLLM process at start."""
+    import vllm.plugins
+
     from dbo_runtime.integration import plugin
 
     plugin.uninstall()
     monkeypatch.setenv("DBO_RUNTIME_DISABLE", "ture")
-    with pytest.raises(ConfigError, match="DBO_RUNTIME_DISABLE='ture'"):
-        plugin.register()
+    monkeypatch.setenv("DBO_RUNTIME_STRICT", "yes please")
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    with caplog.at_level(logging.WARNING, logger="vllm.dbo_runtime"):
+        vllm.plugins.load_general_plugins()  # vLLM's own loader, which does not catch
+    assert plugin.installed_patch_set() is None  # DISABLE typo reads as "patch nothing"
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(line.startswith("dbo_runtime: DBO_RUNTIME_DISABLE='ture' is not allowed; allowed values: ") for line in lines), lines
+    assert any("DBO_RUNTIME_STRICT='yes please'" in line and "read as off" in line for line in lines), lines
+
+
+def test_strict_typo_does_not_raise_on_an_unsupported_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dbo_runtime.integration import plugin
+
+    plugin.uninstall()
+    monkeypatch.setenv("DBO_RUNTIME_STRICT", "ture")
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.34.0")
+    plugin.register()  # strict would raise PatchError; a typo of it must not
     assert plugin.installed_patch_set() is None
+
+
+def test_every_entry_point_shows_the_plugins_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The plugin, doctor, sms and simulate read a switch the same way and say so in the same words."""
+    import json
+
+    from dbo_runtime.cli.main import main
+
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "ture")
+    monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
+    [line] = switches.switch_problems()
+    main(["doctor", "--json"])
+    doctor = json.loads(capsys.readouterr().out)
+    assert line in doctor["problems"] and doctor["plugin"]["disabled_by_env"] is True
+    assert main(["sms", "--json", "--total-sms", "132"]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip() == f"dbo-runtime sms: warning: {line}" and json.loads(out)["plugin"] == {"disabled_by_env": True}
+
+
+def test_simulate_honours_disable(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """simulate used to ignore DBO_RUNTIME_DISABLE and report PASS for a run the server would not have."""
+    import json
+
+    from dbo_runtime.cli.main import main
+
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "1")
+    monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
+    rc = main(["simulate", "--json", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 1 and doc["verdict"] == "FAIL" and doc["dbo_runtime_disabled_by_env"] is True
+    [run] = doc["runs"]
+    assert run["name"] == "dbo_runtime (disabled)" and run["error"].startswith("DeepGEMM assertion")
+    assert main(["simulate", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]) == 1
+    assert "verdict: FAIL: DBO_RUNTIME_DISABLE reads as on" in capsys.readouterr().out
 
 
 def test_doctor_reports_every_mistyped_setting(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,7 +5,7 @@ ROCm platform answer, the device's SM count and compute capability, the current 
 the expert-parallel group (``FakeEpGroup``) with its all2all manager
 (``FakeAll2AllManager``) and DeepGEMM's SM setter (``FakeDeepGemmSetter``).
 Each is installed on the exact vLLM global that ``create_sm_control_context``
-reads (see ../shared/docs/vllm-cpu-smoke-example.py).
+reads (``docs/vllm-hook-points.md`` §2).
 
 These vLLM-platform fakes cannot have a GPU twin that imports vLLM: the GPU
 machine has no vLLM. Their semantic twin is tests/gpu/test_sm_control_gpu.py,

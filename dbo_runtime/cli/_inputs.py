@@ -1,0 +1,171 @@
+"""The inputs of the SM split, read and checked one way for ``sms`` and ``simulate``.
+
+Why a module of its own: both commands compute vLLM's split (``core.budget.compute_budget``)
+from the same inputs -- the device's SM count, the comm share (``--comm-sms``, else
+``VLLM_DBO_COMM_SMS``, else vLLM's default) and, for ``sms``, the all2all manager's
+``max_sms_used()`` -- and an operator must get the same answer, bounds and wording from
+either for the same value.
+
+Why errors are re-attributed: the policy reports a broken rule in terms of
+``VLLM_DBO_COMM_SMS``, the only input a vLLM server takes from the operator. On the command
+line another input can be the wrong one (a typed ``--max-sms-used`` that makes the comm share
+odd; a typed ``--total-sms`` smaller than a default comm share nobody set), and an error that
+names a setting nobody touched sends the operator to the wrong place. So ``budget_for`` asks
+the policy itself which input to blame: it re-runs it with one input changed, and names the
+input whose change makes the split valid, with the values that input may take.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dbo_runtime.core.budget import DEEPEP_HT_MANAGER_NUM_SMS, DEFAULT_COMM_SMS, SMBudget, compute_budget
+from dbo_runtime.core.errors import ConfigError
+
+COMM_ENV = "VLLM_DBO_COMM_SMS"
+
+MAX_SMS = 1024
+"""Largest SM count ``--total-sms`` takes: above any GPU (H200 132, B200 148), low enough to catch a typo."""
+
+
+def parse_int(raw: object, parameter: str, lo: int, hi: int | None = None, *, also: str = "") -> int:
+    """An integer in ``[lo, hi]`` from a flag or variable; every integer input of the CLI goes through here.
+
+    One wording for every such error ("integers in [lo, hi]"), whether the value is not a number,
+    empty, or out of range, so ``sms`` and ``simulate`` read alike; ``also`` names other allowed
+    spellings (``'none'``, "not set").
+    """
+    allowed = f"integers in [{lo}, {hi}]" if hi is not None else f"integers >= {lo}"
+    if also:
+        allowed = f"{allowed}, or {also}"
+    if isinstance(raw, bool):
+        raise ConfigError(parameter, raw, allowed)
+    try:
+        value = raw if isinstance(raw, int) else int(str(raw).strip(), 10)
+    except ValueError:
+        raise ConfigError(parameter, raw, allowed) from None
+    if value < lo or (hi is not None and value > hi):
+        raise ConfigError(parameter, raw, allowed)
+    return value
+
+
+class _Unset:
+    """The value shown for an input nobody set: its default, and that it was not set."""
+
+    def __init__(self, default: int) -> None:
+        self.default = default
+
+    def __repr__(self) -> str:
+        return f"<not set: default {self.default}>"
+
+
+@dataclass(frozen=True)
+class Input:
+    """One input of the split and who chose it: a flag, a variable, ``default`` or ``hardware``."""
+
+    value: int | None
+    source: str
+    origin: str = ""
+    """For display: where a non-typed value came from ("CUDA", "--total-sms", "nvml-cores")."""
+
+    @property
+    def typed(self) -> bool:
+        """Chosen by the operator (a flag or a variable), so an error may name it."""
+        return self.source.startswith("--") or self.source == COMM_ENV
+
+    @property
+    def came_from(self) -> str:
+        return self.source if self.typed else (self.origin or self.source)
+
+
+def comm_input(flag: str | None, platform: str, environ: Mapping[str, str] | None = None) -> Input:
+    """``--comm-sms``, else ``VLLM_DBO_COMM_SMS``, else vLLM's platform default.
+
+    An empty ``VLLM_DBO_COMM_SMS`` is an error, not the default: vLLM parses it with a bare
+    ``int()``, so a server with it set empty fails at model load (the plugin names it too).
+    """
+    if flag is not None:
+        return Input(parse_int(flag, "--comm-sms", 0), "--comm-sms")
+    raw = (os.environ if environ is None else environ).get(COMM_ENV)
+    if raw is not None:
+        also = f"not set (default {DEFAULT_COMM_SMS['cuda']} on CUDA, {DEFAULT_COMM_SMS['rocm']} on ROCm)"
+        return Input(parse_int(raw, COMM_ENV, 0, also=also), COMM_ENV)
+    default = DEFAULT_COMM_SMS["rocm" if platform == "rocm" else "cuda"]
+    return Input(default, "default", f"vLLM's {COMM_ENV} default on {platform.upper()}")
+
+
+def _valid(kwargs: Mapping[str, Any], **change: Any) -> SMBudget | None:
+    try:
+        return compute_budget(**{**kwargs, **change})
+    except ConfigError:
+        return None
+
+
+def budget_for(
+    *,
+    total: Input,
+    comm: Input,
+    max_sms_used: Input,
+    platform: str,
+    all2all_backend: str,
+    expert_parallel: bool = True,
+    deep_gemm: bool = True,
+    device: int = 0,
+    where: str = "",
+) -> SMBudget:
+    """vLLM's split for these inputs; a ``ConfigError`` names the input that is wrong (module docstring)."""
+    kwargs: dict[str, Any] = {
+        "total_sms": total.value,
+        "platform": platform,
+        "enable_dbo": True,
+        "expert_parallel": expert_parallel,
+        "all2all_backend": all2all_backend,
+        "env_comm_sms": comm.value,
+        "has_all2all_manager": True,
+        "max_sms_used": max_sms_used.value,
+        "has_deep_gemm": deep_gemm,
+        "device": device,
+        "comm_cap": DEEPEP_HT_MANAGER_NUM_SMS if all2all_backend == "deepep_high_throughput" else None,
+    }
+    try:
+        return compute_budget(**kwargs)
+    except ConfigError as exc:
+        raise _blame(exc, kwargs, total, comm, max_sms_used, where) from None
+
+
+def _blame(exc: ConfigError, kwargs: Mapping[str, Any], total: Input, comm: Input, max_used: Input, where: str) -> ConfigError:
+    if exc.parameter != COMM_ENV:
+        return exc
+    on = f" on {where}" if where else ""
+    comm_value: object = comm.value if comm.typed else _Unset(int(comm.value or 0))
+    if max_used.typed and max_used.value is not None and _valid(kwargs, max_sms_used=None) is not None:
+        # Without the cap the split is fine: the capped comm share is odd where DeepEP HT gets it.
+        reach = min(int(comm.value or 0), DEEPEP_HT_MANAGER_NUM_SMS)
+        return ConfigError(
+            max_used.source,
+            max_used.value,
+            f"'none', even integers, or integers >= {reach}: it caps the comm share {comm.value} ({comm.came_from}), and "
+            "DeepEP's Buffer.set_num_sms asserts an even SM count",
+        )
+    roomy = _valid(kwargs, total_sms=1 << 40)
+    if roomy is not None:
+        # Only the device is too small for the comm share.
+        device = f"{on}, which has {total.value} SMs ({total.came_from})"
+        if comm.typed:
+            return ConfigError(comm.source, comm.value, f"integers in [0, {total.value}){device}")
+        if total.typed:
+            return ConfigError(
+                total.source,
+                total.value,
+                f"integers in [{roomy.comm + 1}, {MAX_SMS}], above the comm share {roomy.comm} ({comm.came_from}); "
+                f"--comm-sms or {COMM_ENV} lowers it",
+            )
+        return ConfigError(
+            COMM_ENV,
+            comm_value,
+            f"integers in [0, {total.value}){device}: {comm.came_from} does not fit; set {COMM_ENV} or pass --comm-sms",
+        )
+    return ConfigError(comm.source if comm.typed else COMM_ENV, comm_value, f"{exc.allowed}" + (f" [{where}]" if where else ""))

@@ -1,0 +1,105 @@
+"""``sms`` and ``simulate`` read the split's inputs one way, and an error names the input that is wrong.
+
+Both commands used to validate on their own: ``sms`` accepted ``--total-sms 1000000000000``
+while ``simulate`` capped it at 1024, an empty ``VLLM_DBO_COMM_SMS`` was an error in one and
+the default in the other, and the policy's errors blamed ``VLLM_DBO_COMM_SMS=20`` when the
+wrong input was a typed ``--max-sms-used`` or ``--total-sms`` and nobody had set the variable.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dbo_runtime.cli.main import main
+
+FAST = ["--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("VLLM_DBO_COMM_SMS", "DBO_RUNTIME_DISABLE", "DBO_RUNTIME_STRICT", "COLUMNS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def error_line(capsys: pytest.CaptureFixture[str], command: list[str]) -> str:
+    """Run a command that must fail with exit 2; return its one error line without the command prefix."""
+    rc = main(command)
+    out, err = capsys.readouterr()
+    assert rc == 2, (out, err)
+    [line] = err.strip().splitlines()
+    prefix = f"dbo-runtime {command[0]}: error: "
+    assert line.startswith(prefix) and "Traceback" not in err
+    return line[len(prefix) :]
+
+
+# -- item 9: the error names the input that is actually wrong ------------------------------------
+
+
+def test_odd_max_sms_used_blames_max_sms_used_not_the_comm_share(capsys: pytest.CaptureFixture[str]) -> None:
+    line = error_line(capsys, ["sms", "--total-sms", "132", "--max-sms-used", "5"])
+    assert line.startswith("--max-sms-used=5 is not allowed; allowed values: 'none', even integers, or integers >= 20")
+    assert "VLLM_DBO_COMM_SMS=20" not in line
+    line = error_line(capsys, ["sms", "--total-sms", "132", "--max-sms-used", "7", "--comm-sms", "20"])
+    assert line.startswith("--max-sms-used=7 is not allowed") and "--comm-sms=" not in line
+    # the values the message allows really are allowed
+    for ok in ("none", "6", "20", "21", "64"):
+        assert main(["sms", "--total-sms", "132", "--max-sms-used", ok, "--comm-sms", "20"]) == 0
+    capsys.readouterr()
+
+
+def test_a_small_typed_total_blames_total_sms_when_nobody_set_the_comm_share(capsys: pytest.CaptureFixture[str]) -> None:
+    line = error_line(capsys, ["sms", "--total-sms", "20"])
+    assert line.startswith("--total-sms=20 is not allowed; allowed values: integers in [21, 1024]")
+    assert "VLLM_DBO_COMM_SMS=20" not in line
+    line = error_line(capsys, ["simulate", *FAST, "--total-sms", "1"])
+    assert line.startswith("--total-sms=1 is not allowed; allowed values: integers in [21, 1024]")
+    assert main(["sms", "--total-sms", "21"]) == 0
+    capsys.readouterr()
+
+
+def test_a_typed_comm_share_is_blamed_when_it_does_not_fit(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    line = error_line(capsys, ["sms", "--total-sms", "20", "--comm-sms", "20"])
+    assert line.startswith("--comm-sms=20 is not allowed; allowed values: integers in [0, 20)")
+    monkeypatch.setenv("VLLM_DBO_COMM_SMS", "140")
+    assert error_line(capsys, ["simulate", *FAST]).startswith("VLLM_DBO_COMM_SMS=140 is not allowed; allowed values: integers in [0, 132)")
+
+
+# -- item 10: one validation for both commands ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (["--total-sms", "1000000000000"], None, "--total-sms='1000000000000' is not allowed; allowed values: integers in [1, 1024]"),
+        (["--total-sms", "abc"], None, "--total-sms='abc' is not allowed; allowed values: integers in [1, 1024]"),
+        (["--total-sms", "0"], None, "--total-sms='0' is not allowed; allowed values: integers in [1, 1024]"),
+        (["--comm-sms", "x"], None, "--comm-sms='x' is not allowed; allowed values: integers >= 0"),
+        (["--comm-sms", "-2"], None, "--comm-sms='-2' is not allowed; allowed values: integers >= 0"),
+        ([], "", "VLLM_DBO_COMM_SMS='' is not allowed; allowed values: integers >= 0, or not set"),
+        ([], "many", "VLLM_DBO_COMM_SMS='many' is not allowed; allowed values: integers >= 0, or not set"),
+    ],
+)
+def test_sms_and_simulate_reject_the_same_values_in_the_same_words(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str], env: str | None, expected: str
+) -> None:
+    if env is not None:
+        monkeypatch.setenv("VLLM_DBO_COMM_SMS", env)
+    base = [] if "--total-sms" in args else ["--total-sms", "132"]
+    sms = error_line(capsys, ["sms", *base, *args])
+    simulate = error_line(capsys, ["simulate", *FAST, *base, *args])
+    assert sms.startswith(expected), sms
+    assert simulate == sms
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "allowed"),
+    [
+        ("--steps", "abc", "integers in [1, 1000]"),
+        ("--steps", "1000000", "integers in [1, 1000]"),
+        ("--requests", "abc", "integers in [2, 1024]"),
+        ("--seed", "-1", "integers in [0, "),
+    ],
+)
+def test_simulate_integer_flags_are_bounded_and_worded_alike(capsys: pytest.CaptureFixture[str], flag: str, value: str, allowed: str) -> None:
+    line = error_line(capsys, ["simulate", "--backend", "cpu", flag, value])
+    assert line.startswith(f"{flag}={value!r} is not allowed; allowed values: {allowed}"), line
