@@ -37,7 +37,6 @@ PLANNER_KERNEL = "paged_mqa_logits_metadata"
 
 def _gpu_or_exit() -> Any:
     """The DeepGEMM backend, or one clear line and exit code 2."""
-    import torch
 
     from dbo_runtime.sim.backends import DeepGemmBackend, real_kernels_missing
 
