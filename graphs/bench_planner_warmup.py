@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from dbo_runtime.sim.report import environment, write_json
 
+    import torch
+
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     sms = total - args.comm_sms
     sets = shape_sets(args.max_num_seqs, args.max_num_batched_tokens, args.spec_tokens)
