@@ -154,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_planner_warmup: needs a CUDA GPU and DeepGEMM: {missing}; nothing measured", file=sys.stderr)
         return 2
 
-    from dbo_runtime.sim.report import environment, write_json
-
     import torch
+
+    from dbo_runtime.sim.report import environment, write_json
 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     sms = total - args.comm_sms
