@@ -89,6 +89,7 @@ def main() -> int:
     ap.add_argument("docs_dir", type=Path)
     ap.add_argument("--date", required=True)
     ap.add_argument("--session", default="")
+    ap.add_argument("--repo-root", default="/work/main", help="the checkout's path on the GPU machine (made relative)")
     args = ap.parse_args()
     runs: dict[str, dict[str, Any]] = {}
     for spec_path in sorted(args.run_dir.glob("**/spec.json")):
@@ -130,7 +131,9 @@ def main() -> int:
             doc["session"] = args.session
         name = label.replace("/", "-")
         path = args.docs_dir / f"{args.date}-real-engine-{name}.json"
-        path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        # Paths of the checkout on the GPU machine become repository-relative.
+        text = json.dumps(doc, indent=1, default=str).replace(args.repo_root.rstrip("/") + "/", "")
+        path.write_text(text + "\n")
         written.append((name, doc.get("ok"), doc.get("error"), doc.get("microbatched_steps"), doc.get("agreement"), doc.get("max_abs_dlogprob")))
     for row in written:
         print(*row, sep=" | ")
