@@ -293,6 +293,8 @@ class UbatchTopkState:
     """
 
     def __init__(self, locate: UbatchLocator, layout: TopkLayout | None = None) -> None:
+        # Held strongly, so ``locate`` must not reference the model (vLLM's is a module-level function,
+        # ``ubatch_ids.current_ubatch``): a closure over the model would keep it alive as long as the registry.
         self.locate = locate
         self.layout: TopkLayout | None = layout
         """``None``: read ``DBO_RUNTIME_TOPK_LAYOUT`` at the first ``attach`` (model construction)."""

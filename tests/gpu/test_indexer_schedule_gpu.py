@@ -321,32 +321,41 @@ def test_replay_after_deferred_build_is_correct(deep_gemm: ModuleType, cuda_devi
     graph, out = _capture(lambda: _logits(deep_gemm, case, cache.resolve(schedule, case.context_lens, None, BLOCK)))
     assert cache.stats.captured_replans == 1  # the graph's own planner
 
+    from dbo_runtime.sim.counters import CopyCounter
+
     gen = torch.Generator().manual_seed(17)
-    worst, launches = 0.0, []
+    worst, launches, copies = 0.0, [], []
     for _ in range(10):
         case.refresh(gen)
         buffer[: total + 1].copy_(DeepGemmPlanner().plan(case.context_lens, BLOCK, total))  # a non-DBO build
         before = planner.launches
-        deferred_build()  # vLLM rebuilds every step before it replays
-        graph.replay()
+        with CopyCounter([buffer]) as counter:
+            deferred_build()  # vLLM rebuilds every step before it replays
+            graph.replay()
         launches.append(planner.launches - before)
+        copies.append(counter.into_targets)
         torch.cuda.synchronize()
         got = out.clone()
         worst = max(worst, _mismatch(case, got, _reference(deep_gemm, case, DeepGemmPlanner(), total)))
         deep_gemm.set_num_sms(DBO_SMS)
-    assert launches == [0] * 10
+    assert launches == [0] * 10 and copies == [0] * 10  # a FULL-graph step copies nothing into the schedule
 
     eager = deferred_build()  # an eager DBO step on the same builder
     before = planner.launches
-    first = cache.resolve(eager, case.context_lens, None, BLOCK)
-    got = _logits(deep_gemm, case, first)
+    with CopyCounter([buffer]) as counter:
+        first = cache.resolve(eager, case.context_lens, None, BLOCK)
+        got = _logits(deep_gemm, case, first)
+        for _ in range(20):  # the step's other indexer layers (GLM-5.3: 21 per microbatch) take the fast path
+            assert cache.resolve(eager, case.context_lens, None, BLOCK) is eager
     torch.cuda.synchronize()
     assert first is eager and planner.launches == before + 1
+    assert counter.into_targets == 1, f"schedule copies in an eager step of 21 layers: {counter.into_targets}"
     assert torch.equal(eager, DeepGemmPlanner().plan(case.context_lens, BLOCK, DBO_SMS))
     eager_wrong = _mismatch(case, got, _reference(deep_gemm, case, DeepGemmPlanner(), total))
     if out_dir is not None:
         (out_dir / "indexer_deferred_replay.json").write_text(
-            json.dumps({"replays": 10, "worst_wrong": worst, "host_planners_per_replay_step": launches, "eager_wrong": eager_wrong})
+            json.dumps({"replays": 10, "worst_wrong": worst, "host_planners_per_replay_step": launches,
+                        "schedule_copies_per_replay_step": copies, "eager_wrong": eager_wrong})
         )
     print(f"deferred plan-ahead: 10 replays worst wrong {worst}, host planners per replay step {launches}, eager wrong {eager_wrong}")
     assert worst == 0.0 and eager_wrong == 0.0

@@ -91,3 +91,73 @@ def test_gpus_without_vllm_one_line_and_exit_2(
     out, err = capsys.readouterr()
     [line] = err.strip().splitlines()
     assert line.startswith(f"{name[:-3]}: needs {ENGINE[name]}: vLLM is not installed") and out == ""
+
+
+# -- bench_replay_planning: what it counts, on a CPU (the H200 run printed 9 vs 331 "dtod copies/step") ---------
+def _event(name: str, device: str = "DeviceType.CUDA") -> object:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, device_type=device)
+
+
+def test_replay_planning_profiler_window_counts_by_kind() -> None:
+    bench = load("bench_replay_planning.py")
+    events = (
+        [_event("void paged_mqa_logits_metadata<32, 132>(...)")] * 4
+        + [_event("Memcpy DtoD (Device -> Device)")] * 648
+        + [_event("Memcpy HtoD (Pinned -> Device)")] * 2
+        + [_event("aten::copy_", "DeviceType.CPU")] * 50  # host ops never count
+    )
+    counted = bench._count(events, steps=2)
+    assert (counted["planner_kernels"], counted["memcpy_dtod"], counted["memcpy_other"]) == (2, 324, 1)
+    assert counted["top_device_events"]["Memcpy DtoD (Device -> Device)"] == 324
+
+
+@pytest.mark.parametrize(("defer", "planners", "copies"), [(False, 2, 2), (True, 0, 0)])
+def test_replay_planning_host_counts_are_exact_per_build(defer: bool, planners: int, copies: int) -> None:
+    """The counts that answer "what does a FULL-graph DBO step's build launch", without a profiler: per step,
+    plan_at_build plans and copies once per microbatch; deferred does neither (the graph plans for itself)."""
+    import dataclasses
+
+    from dbo_runtime.sim.backends import SimulatedDeepGemm
+    from dbo_runtime.sim.scenario import SMALL, Scenario
+
+    bench = load("bench_replay_planning.py")
+    sc = Scenario(dataclasses.replace(SMALL, defer_plan_ahead=defer), SimulatedDeepGemm())
+    inputs = []
+    for _ in range(3):
+        sc.new_inputs()
+        inputs.append((sc.context_lens.clone(), sc.block_table.clone(), sc.q.clone(), sc.weights.clone()))
+    host = bench.host_counts(sc, inputs, replay=lambda: None)  # a replay runs no Python
+    assert host == {
+        "build_planner_launches": planners,
+        "build_schedule_copies": copies,
+        "build_schedule_noop_copies": 0,
+        "call_site_deferred_plans": 0,
+        "call_site_replans": 0,
+    }
+    rows = {"v": {"host_per_step": host, "profiler_replay_window_per_step": {"planner_kernels": 2.0,
+                                                                           "memcpy_dtod": 324.0, "memcpy_other": 0.0}}}
+    assert bench.consistency_notes(rows) == []
+
+    def eager_step() -> None:  # not a replay: the call sites run, and a deferred schedule is planned there
+        with sc.control.partition(sc.budget, compute_knob=sc.knob):
+            sc.join(sc.start())
+
+    eager = bench.host_counts(sc, inputs[:1], replay=eager_step)
+    assert eager["call_site_deferred_plans"] == (2 if defer else 0) and eager["call_site_replans"] == 0
+    rows["v"]["host_per_step"] = eager
+    assert bool(bench.consistency_notes(rows)) is defer
+
+
+def test_replay_planning_flags_replay_windows_that_differ() -> None:
+    bench = load("bench_replay_planning.py")
+    host = dict.fromkeys(bench.HOST_KEYS, 0.0)
+    rows = {
+        "plan_at_build": {"host_per_step": host, "profiler_replay_window_per_step":
+                          {"planner_kernels": 2.0, "memcpy_dtod": 0.0, "memcpy_other": 0.0}},
+        "deferred": {"host_per_step": host, "profiler_replay_window_per_step":
+                     {"planner_kernels": 2.0, "memcpy_dtod": 324.0, "memcpy_other": 0.0}},
+    }
+    [note] = bench.consistency_notes(rows)
+    assert note.startswith("profiler artefact: replay-window memcpy_dtod") and "host_per_step" in note

@@ -339,6 +339,49 @@ def test_full_graph_dbo_step_launches_no_planner_at_build(env: Env) -> None:
     assert env.cache.stats.deferred_plans == 1 and env.cache.stats.replans == 0
 
 
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "plan_at_build"])
+def test_planners_and_schedule_copies_per_dbo_step_never_scale_with_layers(env: Env, defer: bool) -> None:
+    """bench_replay_planning on the H200 printed 331 device-to-device copies per deferred FULL-graph step
+    against 9 at build. Per step, with vLLM's real builder (one per microbatch) and the DeepGEMM fake:
+    planner launches (the fake's calls) and copies into the schedule buffers, classified the way torch's
+    ``copy_`` decides whether to launch anything (``CopyCounter``). A FULL-graph DBO step is the build
+    followed by a replay, which runs no Python (no call site); an eager step runs every indexer layer's
+    call site. Neither count may depend on the number of layers."""
+    from dbo_runtime.sim.counters import CopyCounter
+
+    env.cache.defer_plan_ahead = defer
+    builders = [env.builder(), env.builder()]  # one builder (and schedule buffer) per microbatch
+    for builder in builders:
+        _register(builder)
+    _announce_dbo()
+    env.dg.set_num_sms(112)  # the microbatches run under SM control
+
+    def step(layers: int) -> tuple[int, int, int]:
+        """(planner launches, real copies into the schedule buffers, same-memory no-op copies onto them)."""
+        calls = len(env.dg.plan_calls)
+        with CopyCounter([b.scheduler_metadata_buffer for b in builders]) as copies:
+            with env.cache.microbatched_build():
+                built = [b.build(0, _common(SEQS)) for b in builders]
+            for _ in range(layers):
+                for metadata in built:
+                    out = env.logits(metadata.decode)
+                    assert float(out[0, 0]) == 113.0  # DeepGEMM's host check passed on a 112-SM plan
+        return len(env.dg.plan_calls) - calls, copies.into_targets, copies.noop
+
+    full_graph = [step(0) for _ in range(3)]
+    eager = [step(LAYERS) for _ in range(3)] + [step(3 * LAYERS)]
+    if defer:
+        # The build launches nothing and vLLM's `schedule_metadata[:] = metadata` is a same-memory no-op.
+        assert full_graph == [(0, 0, 2)] * 3
+        # Eager: one planner and one copy per schedule per step, at the first indexer layer.
+        assert eager == [(2, 2, 2)] * 4
+        assert env.cache.stats.deferred_plans == 2 * 4
+    else:
+        assert full_graph == [(2, 2, 0)] * 3  # planned and copied at build, never read by the replay
+        assert eager == [(2, 2, 0)] * 4
+    assert env.cache.stats.replans == 0
+
+
 def test_update_draft_on_a_deferred_schedule_plans_it_in_place(env: Env) -> None:
     builder = env.builder()
     _register(builder)

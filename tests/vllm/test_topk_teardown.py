@@ -59,9 +59,14 @@ def _build_run_and_watch(state: UbatchTopkState, boundary: Boundary) -> list[tup
         group_state = getattr(layer.group, STATE_ATTR, None)
         if group_state is None or layer.index != 0:
             continue
+        # The per-microbatch events come from vLLM's ``_create_event`` (real ``torch.Event``s on CUDA): the
+        # only objects the product makes differently on a GPU, so they are watched too.
+        watched += [(f"event {i}/{n}", weakref.ref(e)) for n, pair in enumerate(group_state.events) for e in pair]
+        watched += [(f"group state {i}", weakref.ref(group_state))]
         for n, (physical, valid) in enumerate(group_state.copies):
             watched += [(f"physical copy {i}/{n}", weakref.ref(physical)), (f"valid copy {i}/{n}", weakref.ref(valid))]
         watched += [(f"logical copy {n}", weakref.ref(t)) for n, t in enumerate(group_state.logical.copies)]
+    assert any(name.startswith("event ") for name, _ in watched)
     if state.layout is TopkLayout.COPIES:
         assert any("copy" in name for name, _ in watched)
     return watched

@@ -1,0 +1,91 @@
+"""The GPU teardown twin's own harness, run on a CPU with inert CUDA stand-ins.
+
+``tests/gpu/test_topk_isolation_gpu.py::test_dropping_the_model_frees_all_per_microbatch_state``
+failed on the H200 (run 9) with "the logical top-k buffer outlived the model" while the CPU twin
+(``tests/vllm/test_topk_teardown.py``) passed. The product was not at fault: the harness built its
+``UbatchTopkState`` with a locator lambda that closed over the harness itself, the registry holds its
+locator strongly, and the test keeps the registry to inspect it -- so the test kept the whole "model"
+(top-k buffer, groups, workspaces, ``copies`` tensors) alive. The leaked bytes on the H200 were
+exactly the harness's tensors (windows: 65536 + 5 x 17408 = 152576; copies: + 65536 + 3 x 17408).
+
+Nothing in that harness needs a GPU to show the leak: streams, events and ``_sleep`` only order work.
+This test replaces them with inert objects and runs the twin's exact build/step/drop code, so a
+harness (or product) change that keeps the model alive fails here, on every CPU run, before GPU time
+is spent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any
+
+import pytest
+import torch
+
+import tests.gpu.test_topk_isolation_gpu as twin
+from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
+
+
+class _Stream:
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+class _Event:
+    def record(self, stream: Any = None) -> None:
+        pass
+
+
+@pytest.fixture
+def inert_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    current = _Stream()
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+
+
+@pytest.mark.parametrize("layout", list(TopkLayout))
+def test_twin_harness_drops_its_model(inert_cuda: None, layout: TopkLayout) -> None:
+    state, watched, _ = twin._build_and_run_dropped(layout, torch.device("cpu"))
+    gc.collect()
+    names = [name for name, _ in watched]
+    assert "logical top-k buffer" in names and any(n.startswith("event ") for n in names)
+    if layout is TopkLayout.COPIES:
+        assert any(n.startswith("logical copy") for n in names)
+    kept = [name for name, ref in watched if ref() is not None]
+    assert kept == [], f"outlived the model while the test holds only the registry: {kept[:6]}"
+    assert state.num_groups() == 0 and state.extra_bytes() == 0 and state.max_logical_rows() == 0
+
+
+def test_a_locator_closing_over_the_model_keeps_it_alive() -> None:
+    """Why the harness changed: the registry owns its locator, so the locator must not own the model."""
+
+    import weakref
+
+    class Model:
+        def __init__(self) -> None:
+            self.buffer = torch.zeros(4, 2)
+
+    def build(close_over_model: bool) -> tuple[UbatchTopkState, weakref.ref[torch.Tensor]]:
+        model = Model()
+        locator = {"fn": lambda: (0, 0)}
+        if close_over_model:
+            state = UbatchTopkState(lambda: model.__dict__.get("fn", locator["fn"])(), TopkLayout.WINDOWS)
+        else:
+            state = UbatchTopkState(lambda: locator["fn"](), TopkLayout.WINDOWS)
+        state.mark_model_buffer(model.buffer)
+        return state, weakref.ref(model.buffer)
+
+    held_state, held = build(close_over_model=True)
+    freed_state, freed = build(close_over_model=False)
+    gc.collect()
+    assert held() is not None and held_state.locate() == (0, 0)  # the registry -> locator -> model
+    assert freed() is None and freed_state.locate() == (0, 0)
