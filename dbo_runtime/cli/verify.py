@@ -124,6 +124,11 @@ def split_engine_args(extra: list[str]) -> tuple[list[str], int, list[str]]:
     while i < len(args):
         arg = args[i]
         name, eq, value = arg.partition("=")
+        if name == "--config":
+            raise ConfigError(
+                "--config", value or "(set)", "not supported by verify: pass the engine arguments on the command line "
+                "(a config file could set enable_dbo or data_parallel_size behind verify's back)"
+            )
         if name in UNSUPPORTED_FLAGS:
             raise ConfigError(name, value or "(set)", "not supported by verify: it runs offline on one node (leave it out)")
         if name in DBO_FLAGS:

@@ -42,13 +42,17 @@ class MicrobatchFailure(DboRuntimeError):
     failing microbatch's).
     """
 
-    def __init__(self, failures: list[tuple[str, int, BaseException]]) -> None:
+    def __init__(self, failures: list[tuple[str, int, BaseException]], also: BaseException | None = None) -> None:
         self.failures = failures
+        self.also = also
         where, ubatch, first = failures[0]
         more = f" (+{len(failures) - 1} more failure(s) in this step)" if len(failures) > 1 else ""
+        then = f" vLLM then raised: {also!r}." if also is not None else ""
         super().__init__(
             f"dbo_runtime: {where} failed on DBO microbatch {ubatch}: {first!r}{more}. The microbatch finished "
             "the step with a placeholder so that its partner thread and the other DP ranks were not left "
-            "waiting; this step's output is discarded."
+            f"waiting; this step's output is discarded.{then}"
         )
+        # __cause__ makes Python's traceback printer skip __context__: vLLM's own error (``also``)
+        # is therefore named in the message, not only chained.
         self.__cause__ = first

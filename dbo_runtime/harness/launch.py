@@ -71,10 +71,30 @@ class RunSpec:
         return out
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+PORT_BLOCK = 16
+"""vLLM's offline DP derives more ports from ``VLLM_DP_MASTER_PORT`` (port, port + 1, ...,
+``config/parallel.py``), so parallel runs get whole free blocks, not single ports."""
+
+
+def free_port(block: int = 1) -> int:
+    """A port whose next ``block - 1`` ports were free too when checked (races stay possible)."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - block)
+        sockets = []
+        try:
+            for port in range(base, base + block):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no block of {block} free ports found")
 
 
 def _arg_value(args: list[str], name: str) -> str | None:
@@ -142,7 +162,7 @@ def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None 
         stale.unlink()
     spec_path = root / "spec.json"
     spec_path.write_text(json.dumps(spec.to_json(), indent=1))
-    port = free_port()
+    port = free_port(PORT_BLOCK)
     runner_module = os.environ.get(RUNNER_MODULE_ENV, "dbo_runtime.harness.runner")
     procs: list[subprocess.Popen[bytes]] = []
     logs = []

@@ -156,8 +156,6 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
     if bench:
         result["bench"] = _bench(llm, SamplingParams, batch, bench, rank, size)
     result["ok"] = True
-    # Only a rank that succeeded waits for the others: a failed peer is killed by the launcher.
-    barrier("exit", rank, size)
     return result
 
 
@@ -234,8 +232,15 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"failed: {result['error']}")
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
-    tmp.replace(out)
+    tmp.replace(out)  # before the exit barrier: a peer's failure must not cost this rank's result
     _watchdog(90.0)
+    if result.get("ok"):
+        # Only a rank that succeeded waits for the others (DP ranks shut down together); a failed
+        # peer is killed by the launcher.
+        try:
+            barrier("exit", rank, size)
+        except TimeoutError as exc:
+            _log(str(exc))
     _KEEP.clear()
     gc.collect()
     return 0 if result.get("ok") else 1

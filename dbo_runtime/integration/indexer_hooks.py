@@ -221,9 +221,23 @@ def _make_builder_init(original: Any) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         activation.flush()
-        register_builder(self)
+        # Runs inside vLLM's model load: registering the planner profile (and its warm-up) is an
+        # optimisation and must never stop engine start (the call site plans on demand anyway).
+        try:
+            register_builder(self)
+        except Exception as exc:
+            _log_once("register_builder", "dbo_runtime: indexer planner profile not registered (%r); planners compile on first use", exc)
 
     return __init__
+
+
+_logged: set[str] = set()
+
+
+def _log_once(key: str, message: str, *args: Any) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.warning(message, *args)
 
 
 # -- call sites -----------------------------------------------------------------------------------

@@ -41,8 +41,10 @@ class _ThreadClock:
 
 
 _tls = threading.local()
-_all: list[_ThreadClock] = []
-_all_lock = threading.Lock()
+_totals = [0, 0]
+"""[ns, calls] of every thread, folded in when a thread's outermost plugin call returns: vLLM starts
+two new microbatch threads per DBO step, so per-thread records would grow without bound."""
+_totals_lock = threading.Lock()
 _untimed: set[str] = set()
 
 
@@ -58,13 +60,22 @@ def _mine() -> _ThreadClock:
     if clock is None:
         clock = _ThreadClock()
         _tls.clock = clock
-        with _all_lock:
-            _all.append(clock)
     return clock
 
 
-def time_plugin(fn: Any, name: str) -> Any:
-    """Wrap a replacement so its exclusive time is accumulated (functions only)."""
+def _fold(clock: _ThreadClock) -> None:
+    with _totals_lock:
+        _totals[0] += clock.total_ns
+        _totals[1] += clock.calls
+    clock.total_ns = 0
+    clock.calls = 0
+
+
+def time_plugin(fn: Any, name: str, *, fold: bool = True) -> Any:
+    """Wrap a replacement so its exclusive time is accumulated (functions only).
+
+    ``fold=False`` keeps the time in the calling thread's clock (calibration runs on a
+    throwaway thread, so it never reaches the totals)."""
     if not isinstance(fn, types.FunctionType):
         _untimed.add(name)
         return fn
@@ -86,6 +97,8 @@ def time_plugin(fn: Any, name: str) -> Any:
             clock.total_ns += end - clock.since
             clock.in_plugin = was
             clock.since = end
+            if fold and not was:
+                _fold(clock)
 
     return timed
 
@@ -113,37 +126,42 @@ def pause_for_original(original: Any) -> Any:
 
 
 def _overhead_ns_per_call(samples: int = 2000) -> float:
-    """Measured cost of the wrapper itself around an empty function (upper-bound correction)."""
+    """Measured cost of the wrapper itself around an empty function (upper-bound correction).
+
+    Runs on a throwaway thread with a non-folding wrapper: the calibration's calls never reach the
+    plugin totals."""
+    result: list[float] = [0.0]
 
     def empty() -> None:
         return None
 
-    wrapped = time_plugin(empty, "calibration")
-    start = _clock()
-    for _ in range(samples):
-        wrapped()
-    timed = _clock() - start
-    start = _clock()
-    for _ in range(samples):
-        empty()
-    bare = _clock() - start
-    return max(0.0, (timed - bare) / samples)
+    def measure() -> None:
+        wrapped = time_plugin(empty, "calibration", fold=False)
+        start = _clock()
+        for _ in range(samples):
+            wrapped()
+        timed = _clock() - start
+        start = _clock()
+        for _ in range(samples):
+            empty()
+        bare = _clock() - start
+        result[0] = max(0.0, (timed - bare) / samples)
+
+    thread = threading.Thread(target=measure, name="dbo-runtime-selftime-calibration", daemon=True)
+    thread.start()
+    thread.join()
+    return result[0]
 
 
 def snapshot(calibrate: bool = True) -> dict[str, Any]:
     """Totals over every thread that ran plugin code (main and microbatch threads)."""
-    with _all_lock:
-        clocks = list(_all)
-    before = {id(c): (c.total_ns, c.calls) for c in clocks}
-    overhead = _overhead_ns_per_call() if calibrate else 0.0
-    # Calibration ran on this thread: report the counts from before it.
-    total_ns = sum(v[0] for v in before.values())
-    calls = sum(v[1] for v in before.values())
+    with _totals_lock:
+        total_ns, calls = _totals
     return {
         "enabled": enabled(),
         "total_ns": total_ns,
         "calls": calls,
-        "overhead_ns_per_call": overhead,
+        "overhead_ns_per_call": _overhead_ns_per_call() if calibrate else 0.0,
         "untimed": sorted(_untimed - {"calibration"}),
     }
 

@@ -170,7 +170,12 @@ def create_sm_control_context(parallel_config: Any) -> DboSMControlContext:
     """What vLLM's ``create_sm_control_context`` computes, published through SMControl."""
     budget, comm_knob, compute_knob = budget_from_vllm(parallel_config)
     control = sm_control_for(budget.device, budget.total)
-    export_to_prometheus(control)
+    # Runs inside UBatchWrapper / UBatchRunner construction (model load): exporting metrics is
+    # optional and must never stop the engine (a missing PROMETHEUS_MULTIPROC_DIR raises here).
+    try:
+        export_to_prometheus(control)
+    except Exception as exc:
+        logger.warning("dbo_runtime: Prometheus metrics not exported (%r); the engine runs without them", exc)
     # Runs at UBatchWrapper / UBatchRunner construction (model load): the right
     # moment for subscribers to warm per-SM-count kernels, outside any capture.
     control.announce(budget)

@@ -97,12 +97,13 @@ class UbatchFailures:
             taken, self.pending = self.pending, []
         return taken
 
-    def raise_pending(self) -> None:
-        """On the main thread after the join: raise what the microbatches recorded, if anything."""
+    def raise_pending(self, also: BaseException | None = None) -> None:
+        """On the main thread after the join: raise what the microbatches recorded, if anything
+        (``also``: the error vLLM itself raised at the join, named in the message)."""
         if self.pending:
             taken = self.take()
             if taken:
-                raise MicrobatchFailure(taken)
+                raise MicrobatchFailure(taken, also)
 
 
 FAILURES = UbatchFailures()
@@ -138,8 +139,8 @@ def _checked_join(original: Callable[..., Any], *, drop_new_graphs: bool = False
         before = set(graphs) if graphs is not None else set()
         try:
             result = original(self, *args, **kwargs)
-        except BaseException:
-            FAILURES.raise_pending()  # the recorded cause first; vLLM's error is its __context__
+        except BaseException as exc:
+            FAILURES.raise_pending(exc)  # the recorded cause first, vLLM's own error named in it
             raise
         try:
             FAILURES.raise_pending()
@@ -169,8 +170,8 @@ def _make_mrv2_begin(original: Any) -> Any:
         def finish_checked() -> Any:
             try:
                 result = finish()
-            except BaseException:
-                FAILURES.raise_pending()
+            except BaseException as exc:
+                FAILURES.raise_pending(exc)
                 raise
             FAILURES.raise_pending()
             return result

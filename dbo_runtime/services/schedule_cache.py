@@ -159,6 +159,8 @@ class ScheduleCacheStats:
     warmups: int = 0
     """Planner kernels launched by warm-up (compiles when new)."""
     warm_skipped_in_capture: int = 0
+    warm_failures: int = 0
+    """Warm-up launches that raised (logged once; the variant is then compiled at first use)."""
 
 
 @dataclass(frozen=True)
@@ -587,10 +589,23 @@ class IndexerScheduleCache:
                 key = (device_index, profile.block_kv, planner.slots(num_sms, width), batch, profile.varlen)
                 if key in self._warmed:
                     continue
-                lens = torch.ones((batch, width), dtype=torch.int32, device=profile.device)
-                indices = torch.arange(batch, dtype=torch.int32, device=profile.device) if profile.varlen else None
-                planner.plan(lens, profile.block_kv, num_sms, indices)
+                # A variant that fails (no JIT toolchain, OOM) is marked done too: warm-up is an
+                # optimisation, and "entered" publishes on every DBO step, so a failing variant must
+                # not be retried per step. The call site compiles it on first use, as vLLM would.
                 self._warmed.add(key)
+                try:
+                    lens = torch.ones((batch, width), dtype=torch.int32, device=profile.device)
+                    indices = torch.arange(batch, dtype=torch.int32, device=profile.device) if profile.varlen else None
+                    planner.plan(lens, profile.block_kv, num_sms, indices)
+                except Exception as exc:
+                    self.stats.warm_failures += 1
+                    if self.stats.warm_failures == 1:
+                        logger.warning(
+                            "dbo_runtime: planner warm-up for %d SMs failed (%r); the variant compiles on first use",
+                            num_sms,
+                            exc,
+                        )
+                    continue
                 launched += 1
         self._warm_done.add(done)
         self.stats.warmups += launched

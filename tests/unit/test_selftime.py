@@ -94,3 +94,17 @@ def test_patchset_wraps_only_when_enabled_and_restores_identity(monkeypatch: pyt
         ps.uninstall()
     finally:
         sys.modules.pop(module.__name__, None)
+
+
+def test_threads_do_not_accumulate_records_and_calibration_is_not_counted() -> None:
+    """vLLM starts two new microbatch threads per DBO step: no per-thread record may be kept."""
+    before = selftime.snapshot(calibrate=False)
+    timed = selftime.time_plugin(lambda: None, "t")
+    for _ in range(50):
+        t = threading.Thread(target=timed)
+        t.start()
+        t.join()
+    assert not hasattr(selftime, "_all")
+    mid = selftime.snapshot(calibrate=True)
+    assert mid["calls"] - before["calls"] == 50 and mid["overhead_ns_per_call"] > 0
+    assert selftime.snapshot(calibrate=False)["calls"] == mid["calls"]  # calibration left no calls behind

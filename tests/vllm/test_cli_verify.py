@@ -44,6 +44,7 @@ def test_split_engine_args() -> None:
         (["--model", "m", "--data-parallel-address", "10.0.0.1"], "--data-parallel-address"),
         (["--model", "m", "--headless"], "--headless"),
         (["--enable-expert-parallel"], "--model"),
+        (["--model", "m", "--config", "serve.yaml"], "--config"),
     ],
 )
 def test_split_engine_args_refuses_with_the_parameter_named(argv: list[str], parameter: str) -> None:
