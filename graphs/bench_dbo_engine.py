@@ -1,4 +1,4 @@
-"""DBO in the real engine on two GPUs (issue 9): decode throughput and step time, DBO on vs off.
+"""DBO in the real engine on two GPUs: decode throughput and step time, DBO on vs off.
 
 Configurations (shared-top-k tiny model, DP 2 + EP, MRV1), all alive at once and timed in
 turns, interleaved (``harness.turns``): DeepEP high-throughput (eager) DBO off / on with

@@ -1,4 +1,4 @@
-"""Cold-start cost of the paged-MQA planner warm-up, before and after issue 10 item 8.
+"""Cold-start cost of the paged-MQA planner warm-up: warming the shapes vLLM runs microbatched vs the old bucket sweep.
 
 DeepGEMM JIT-compiles one planner per (32-aligned batch, SM slots); dbo_runtime compiles them for
 the DBO SM count when the budget is announced at model load. Two warm-up sets for the same vLLM

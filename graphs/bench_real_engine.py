@@ -1,4 +1,4 @@
-"""dbo_runtime vs vanilla vLLM 0.33.0 in the real engine on one GPU (issue 8): start-up and decode cost.
+"""dbo_runtime vs vanilla vLLM 0.33.0 in the real engine on one GPU: start-up and decode cost.
 
 A = plugin, B = vanilla (``DBO_RUNTIME_DISABLE=1``); fresh engines interleaved A B A B ... so
 drift hits both alike; every run starts its own engine (start time) and then times decode on

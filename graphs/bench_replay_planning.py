@@ -1,4 +1,4 @@
-"""Planner kernels and schedule copies per FULL-graph DBO step, before and after deferred plan-ahead (issue 10 item 7).
+"""Planner kernels and schedule copies per FULL-graph DBO step, before and after deferred plan-ahead.
 
 A FULL-graph DBO step is a metadata build followed by a graph replay. The graph re-plans the
 paged-MQA schedule inside itself (from the persistent ``context_lens``) so every replay reads a

@@ -169,7 +169,7 @@ def check_with_vllm(engine_args: list[str]) -> None:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError as exc:
-        raise CliError(f"vLLM is not importable here ({exc}); verify runs the real engine", EXIT_PROBLEM) from exc
+        raise CliError(f"vLLM is not importable here ({exc}); verify runs the real engine", EXIT_RUN_FAILED) from exc
 
     class _Parser(FlexibleArgumentParser):
         def error(self, message: str) -> Any:  # argparse would print usage and exit 2
@@ -178,7 +178,9 @@ def check_with_vllm(engine_args: list[str]) -> None:
     try:
         parser = EngineArgs.add_cli_args(_Parser(prog="vllm"))
     except Exception as exc:  # e.g. no GPU platform: vLLM's DeviceConfig cannot infer a device
-        raise CliError(f"vLLM cannot run on this machine ({type(exc).__name__}: {exc}); verify needs a GPU machine") from exc
+        raise CliError(
+            f"vLLM cannot run on this machine ({type(exc).__name__}: {exc}); verify needs a GPU machine", EXIT_RUN_FAILED
+        ) from exc
     parser.parse_args(engine_args)
 
 
@@ -247,7 +249,9 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_file is not None:
         from dbo_runtime.harness.prompts import from_file
 
-        from_file(args.prompt_file)  # fail on a bad file now, not after an engine start
+        loaded = from_file(args.prompt_file)  # fail on a bad file now, not after an engine start
+        if len(loaded) < dp:
+            raise ConfigError("--prompt-file", args.prompt_file, f"at least {dp} prompts (one per data-parallel rank)")
     progress = _Progress()
     for note in notes:
         progress.say(f"note: {note}")
@@ -258,7 +262,13 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"needs {dp} GPU(s) for data-parallel size {dp} (one engine rank per GPU); {visible} visible", EXIT_RUN_FAILED)
 
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="dbo-verify-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / ".dbo-verify-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError("--workdir", str(workdir), f"a directory verify can create and write ({exc.strerror or exc})") from exc
     records: dict[str, dict[str, Any]] = {}
     with progress:
         for label, dbo in (("dbo-off", False), ("dbo-on", True)):

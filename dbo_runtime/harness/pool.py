@@ -4,7 +4,7 @@ Why: one engine start of even a tiny DSA model takes 35-70 s (imports, model
 init, DeepGEMM JIT, graph capture), mostly on one CPU core, while the GPU is
 nearly idle. The test plan has dozens of runs; running them in parallel (each
 with a fixed KV-cache size, so concurrent memory profiling cannot mislead vLLM)
-is what makes the plan fit a GPU lease. Timed benchmarks never use this pool.
+is what makes the plan fit in a bounded GPU session. Timed benchmarks never use this pool.
 """
 
 from __future__ import annotations

@@ -50,7 +50,10 @@ def from_file(path: str) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError("--prompt-file", path, "an existing file (.jsonl of prompt_token_ids/prompt, or text lines)")
-    lines = [line for line in p.read_text().splitlines() if line.strip()]
+    try:
+        lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (UnicodeDecodeError, OSError) as exc:
+        raise ConfigError("--prompt-file", path, f"a readable UTF-8 text file ({type(exc).__name__})") from exc
     if not lines:
         raise ConfigError("--prompt-file", path, "a file with at least one prompt")
     if len(lines) > MAX_PROMPTS:

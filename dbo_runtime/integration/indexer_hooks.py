@@ -1,4 +1,4 @@
-"""Indexer schedule hooks (issue 3): keep DeepGEMM's paged-MQA schedule valid under DBO.
+"""Indexer schedule hooks: keep DeepGEMM's paged-MQA schedule valid under DBO.
 
 Upstream behaviour that forces these patches (vLLM 0.33.0, ``docs/vllm-hook-points.md`` §2, §3):
 

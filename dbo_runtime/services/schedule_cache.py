@@ -225,7 +225,7 @@ def dbo_planner_shapes(
 ) -> tuple[tuple[int, int], ...]:
     """The ``(rows, width)`` planner shapes vLLM 0.33.0 will present at the DBO SM count, per microbatch.
 
-    Why these and no others (issue 10 item 8): DeepGEMM compiles one planner per
+    Why these and no others: DeepGEMM compiles one planner per
     ``(align32(rows), slots)``, about 1-2 s each when cold, so a blind sweep of
     buckets costs cold start for shapes that may never run (16 per SM count for
     the old 512 cap) and still missed ``max_num_seqs`` above 512. vLLM

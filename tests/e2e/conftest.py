@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from dbo_runtime.core.switches import parse_switch
 from tests.e2e import plan
 
 OUT = Path(os.environ.get("DBO_E2E_OUT", Path(__file__).parent / ".out"))
@@ -52,7 +53,7 @@ def _problem(gpus_needed: int) -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    require = os.environ.get("DBO_REQUIRE_GPU") == "1"
+    require = parse_switch("DBO_REQUIRE_GPU")  # 1/true/yes/on, as every project switch
     for item in items:
         if item.get_closest_marker("e2e_dp2") is not None:
             need = 2

@@ -32,7 +32,9 @@ from types import ModuleType
 import pytest
 import torch
 
-_REQUIRE = os.environ.get("DBO_REQUIRE_GPU", "") not in ("", "0")
+from dbo_runtime.core.switches import parse_switch
+
+_REQUIRE = parse_switch("DBO_REQUIRE_GPU")  # the project switches' spellings (1/true/yes/on)
 _HERE = pathlib.Path(__file__).resolve().parent
 
 

@@ -122,7 +122,7 @@ def test_parse_comm_sms_accepts_whitespace_ints() -> None:
     assert parse_comm_sms(" 24 ") == 24
 
 
-# -- issue 10 item 6: even DeepGEMM counts on SM90 -----------------------------------------------------
+# -- even DeepGEMM counts on SM90 -----------------------------------------------------
 
 
 def test_deep_gemm_compute_multiple_is_two_on_sm90_only() -> None:

@@ -389,7 +389,7 @@ def test_warm_returns_at_once_when_the_count_is_already_warm() -> None:
     assert cache.warm(0, 112) == 0 and len(probes) == 1  # new profile: walked again (already warm)
 
 
-# -- issue 10 item 7: deferred plan-ahead ---------------------------------------------------------------
+# -- deferred plan-ahead ---------------------------------------------------------------
 
 
 def _deferred_build(
@@ -489,7 +489,7 @@ def test_full_graph_dbo_steps_launch_only_the_graphs_planners() -> None:
         assert (len(dg.plan_calls) - calls) / 5 == per_step
 
 
-# -- issue 10 item 8: warm exactly the shapes vLLM will run ---------------------------------------------
+# -- warm exactly the shapes vLLM will run ---------------------------------------------
 
 #: vLLM 0.33.0's default capture sizes for ``vllm serve`` on an H200 without speculative decoding
 #: (max_num_seqs 1024 -> largest graph min(2048, 512)): 1, 2, 4, multiples of 8 to 248, of 16 to 512.

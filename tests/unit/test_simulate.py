@@ -179,7 +179,7 @@ def test_simulate_runs_without_rich(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     assert "verdict: PASS" in capsys.readouterr().out
 
 
-# -- the command as a user meets it (issue 10, item 13) ------------------------------------------
+# -- the command as a user meets it ------------------------------------------
 
 
 def _lines(text: str) -> list[str]:
@@ -267,3 +267,19 @@ def test_help_is_plain_text_and_every_option_says_what_it_does() -> None:
             assert markup not in text, (name, markup)
         for action in command._actions:
             assert action.help and action.help.strip(), (name, action.option_strings)
+
+
+def test_comm_sms_zero_expects_the_topk_bug_not_the_crash() -> None:
+    """VLLM_DBO_COMM_SMS=0: no partition, so vLLM 0.33.0 does not assert; only the top-k bug is left."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "dbo_runtime", "simulate", "--comm-sms", "0", "--json", "--steps", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 0 and doc["verdict"] == "PASS", proc.stdout[-2000:]
+    vanilla = next(r for r in doc["runs"] if r["name"].startswith("vLLM 0.33.0"))
+    assert vanilla["expect"] == "topk-mismatch" and vanilla["as_expected"]

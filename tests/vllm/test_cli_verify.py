@@ -149,3 +149,25 @@ def test_result_pass_fail_error_inconclusive(tmp_path: Path, capsys: pytest.Capt
     verify._print(doc, as_json=False)
     out = capsys.readouterr().out
     assert "token agreement" in out and "verdict: PASS" in out
+
+
+def test_prompt_file_problems_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    binary = tmp_path / "p.txt"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    assert main(["verify", "--prompt-file", str(binary), "--model", "m", "-dp", "2"]) == 2
+    assert "a readable UTF-8 text file" in capsys.readouterr().err
+    one = tmp_path / "one.txt"
+    one.write_text("only one prompt\n")
+    assert main(["verify", "--prompt-file", str(one), "--model", "m", "-dp", "2"]) == 2
+    assert "at least 2 prompts (one per data-parallel rank)" in capsys.readouterr().err
+
+
+def test_unusable_workdir_is_one_line(
+    tmp_path: Path, fake_cuda_device_type: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(verify, "_visible_gpus", lambda: 2)  # FakeGpuCount: past the GPU check (no GPU in CI)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["verify", "--workdir", str(afile / "sub"), "--model", "m", "-dp", "2"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[verify]")]
+    assert len(err) == 1 and "--workdir" in err[0] and "Traceback" not in err[0]
