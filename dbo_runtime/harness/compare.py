@@ -56,6 +56,19 @@ class Comparison:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def record_facts(self, reference: str, reference_requests: int) -> dict[str, Any]:
+        """The keys a run record carries for its comparison with ``reference`` (``docs/gpu-runs``)."""
+        return {
+            "reference": reference,
+            "agreement": self.agreement,
+            "prefix_agreement": self.prefix_agreement,
+            "exact_requests": self.exact_requests,
+            "requests_compared": self.requests,
+            "max_abs_dlogprob": self.max_abs_dlogprob,
+            "mean_abs_dlogprob": self.mean_abs_dlogprob,
+            "tokens_identical_to": reference if self.exact_requests == self.requests == reference_requests else None,
+        }
+
 
 def _dlogprob(ref: Request, other: Request, position: int) -> float | None:
     if position >= len(ref.logprobs) or position >= len(other.logprobs):

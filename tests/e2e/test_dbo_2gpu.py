@@ -50,16 +50,7 @@ def _ok(record: dict[str, Any]) -> dict[str, Any]:
 def _cmp(records: Records, ref_label: str, test_label: str) -> Comparison:
     ref, test = _ok(records[ref_label]), _ok(records[test_label])
     result = compare([Request.from_json(r) for r in ref["requests"]], [Request.from_json(r) for r in test["requests"]])
-    records.annotate(
-        test_label,
-        reference=ref_label,
-        agreement=result.agreement,
-        prefix_agreement=result.prefix_agreement,
-        exact_requests=result.exact_requests,
-        max_abs_dlogprob=result.max_abs_dlogprob,
-        mean_abs_dlogprob=result.mean_abs_dlogprob,
-        tokens_identical_to=ref_label if result.exact_requests == result.requests == len(ref["requests"]) else None,
-    )
+    records.annotate(test_label, **result.record_facts(ref_label, len(ref["requests"])))
     assert result.requests == len(ref["requests"]) >= 64
     return result
 

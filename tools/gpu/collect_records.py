@@ -113,16 +113,7 @@ def main() -> int:
         ref = runs.get(ref_label) if ref_label else None
         if ref and ref.get("requests") and rec.get("requests"):
             c = compare([Request.from_json(r) for r in ref["requests"]], [Request.from_json(r) for r in rec["requests"]])
-            doc.update(
-                reference=ref_label,
-                agreement=c.agreement,
-                prefix_agreement=c.prefix_agreement,
-                exact_requests=c.exact_requests,
-                requests_compared=c.requests,
-                max_abs_dlogprob=c.max_abs_dlogprob,
-                mean_abs_dlogprob=c.mean_abs_dlogprob,
-                tokens_identical_to=ref_label if c.exact_requests == c.requests == len(ref["requests"]) else None,
-            )
+            doc.update(c.record_facts(ref_label, len(ref["requests"])))
         elif ref_label:
             doc["reference"] = ref_label
             doc["comparison_missing"] = f"{ref_label if not ref or not ref.get('requests') else label} has no tokens"
