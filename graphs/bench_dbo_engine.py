@@ -1,6 +1,7 @@
 """DBO in the real engine on two GPUs: decode throughput and step time, DBO on vs off.
 
-Configurations (shared-top-k tiny model, DP 2 + EP, MRV1), all alive at once and timed in
+Configurations (shared-top-k tiny model, DP 2 + EP, MRV1; its hidden-2048 variant under DeepEP
+low-latency, whose smallest hidden size is 2048), all alive at once and timed in
 turns, interleaved (``harness.turns``): DeepEP high-throughput (eager) DBO off / on with
 dbo_runtime; DeepEP low-latency (FULL decode graphs) DBO off / on with dbo_runtime / on vanilla
 (vanilla DBO runs under LL: it reserves no comm SMs, so no crash); and HT DBO with
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     specs = []
     for label, backend, dbo, _plugin, env in configs:
+        model = "shared-topk-h2048" if backend == plan.LL else "shared-topk"
         extra = ["--enable-expert-parallel", "--all2all-backend", backend, *plan.DBO_THRESHOLDS]
         graphs = backend == plan.LL
         if graphs:
@@ -64,14 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         specs.append(
             RunSpec(
                 label=label,
-                engine_args=plan.tiny_args("shared-topk", eager=not graphs, extra=extra),
+                engine_args=plan.tiny_args(model, eager=not graphs, extra=extra),
                 dp=2,
                 env={"VLLM_USE_V2_MODEL_RUNNER": "0", **env},
                 prompts=prompts,
                 max_tokens=4,
                 bench=bench,
                 timeout_s=1500,
-                meta={"model": "shared-topk", "issue": 9, "what": "bench_dbo_engine"},
+                meta={"model": model, "issue": 9, "what": "bench_dbo_engine"},
             )
         )
     work = Path(args.out) / "bench_dbo_engine_runs"

@@ -34,6 +34,7 @@ from typing import Any
 
 from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, CliError, print_json, print_table
 from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.harness.compare import Thresholds
 
 EXIT_RUN_FAILED = 3
 EXIT_INCONCLUSIVE = 4
@@ -87,16 +88,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--min-agreement",
         type=float,
-        default=0.98,
+        default=Thresholds.min_agreement,
         metavar="A",
-        help="pass needs at least this fraction of tokens equal to the DBO-off run (default 0.98)",
+        help=f"pass needs at least this fraction of tokens equal to the DBO-off run (default {Thresholds.min_agreement})",
     )
     parser.add_argument(
         "--max-dlogprob",
         type=float,
-        default=0.25,
+        default=Thresholds.max_dlogprob,
         metavar="D",
-        help="pass needs max |logprob difference| of the reference tokens on the shared prefix <= D (default 0.25)",
+        help=(
+            "pass needs max |logprob difference| of the reference tokens on the shared prefix <= D, and every reference "
+            f"token in the DBO run's top-k there (default {Thresholds.max_dlogprob})"
+        ),
     )
     parser.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds per engine run (default 1800)")
     parser.add_argument("--workdir", metavar="DIR", help="keep logs and records here (default: a temporary directory)")

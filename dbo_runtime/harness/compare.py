@@ -13,6 +13,9 @@ counts in ``dlogprob_missing``).
 * ``prefix_agreement``: mean over requests of (first divergence / length): how
   far runs stay identical, insensitive to what happens after a divergence.
 * ``exact_requests``: requests whose whole output is identical.
+* ``agreement_se``: standard error of ``agreement`` from its per-request spread. One
+  near-tie early in a request flips everything after it, so agreement moves in
+  whole-request steps; a floor comparison needs to know how far that is noise.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Comparison:
     agreement: float = 1.0
     prefix_agreement: float = 1.0
     exact_requests: int = 0
+    agreement_se: float = 0.0
     max_abs_dlogprob: float = 0.0
     mean_abs_dlogprob: float = 0.0
     dlogprob_positions: int = 0
@@ -63,6 +67,7 @@ class Comparison:
             "agreement": self.agreement,
             "prefix_agreement": self.prefix_agreement,
             "exact_requests": self.exact_requests,
+            "agreement_se": self.agreement_se,
             "requests_compared": self.requests,
             "max_abs_dlogprob": self.max_abs_dlogprob,
             "mean_abs_dlogprob": self.mean_abs_dlogprob,
@@ -87,18 +92,21 @@ def compare(reference: Sequence[Request], other: Sequence[Request]) -> Compariso
     out = Comparison()
     prefix_sum = 0.0
     dsum = 0.0
+    per_request: list[float] = []
     for ref in sorted(reference, key=lambda r: r.index):
         test = by_index.get(ref.index)
         if test is None:
             out.missing_requests.append(ref.index)
             out.tokens += len(ref.tokens)
             out.first_divergences.append(0)
+            per_request.append(0.0)
             continue
         out.requests += 1
         n = len(ref.tokens)
         out.tokens += n
         equal = sum(1 for i in range(n) if i < len(test.tokens) and test.tokens[i] == ref.tokens[i])
         out.equal_tokens += equal
+        per_request.append(equal / n if n else 1.0)
         first = next((i for i in range(n) if i >= len(test.tokens) or test.tokens[i] != ref.tokens[i]), None)
         out.first_divergences.append(first)
         if first is None and len(test.tokens) == n:
@@ -117,13 +125,26 @@ def compare(reference: Sequence[Request], other: Sequence[Request]) -> Compariso
     out.agreement = out.equal_tokens / out.tokens if out.tokens else 1.0
     out.prefix_agreement = prefix_sum / total_requests if total_requests else 1.0
     out.mean_abs_dlogprob = dsum / out.dlogprob_positions if out.dlogprob_positions else 0.0
+    if len(per_request) > 1:
+        mean = sum(per_request) / len(per_request)
+        var = sum((x - mean) ** 2 for x in per_request) / (len(per_request) - 1)
+        out.agreement_se = math.sqrt(var / len(per_request))
     return out
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    min_agreement: float = 0.99
-    max_dlogprob: float = 0.1
+    """The pass line of ``dbo-runtime verify`` (its defaults are these).
+
+    Why these numbers: DBO changes batch shapes, so the DBO-on run is not bit-identical and a
+    near-tie can flip one greedy token, after which that request continues differently; one such
+    request among 64 costs up to 1.6 % of agreement. 0.95 tolerates about three. What noise cannot do
+    is move a reference token's logprob far on the shared prefix, or push it out of the returned
+    top-k: those are the corruption's signatures, judged by ``max_dlogprob`` and ``dlogprob_missing``.
+    """
+
+    min_agreement: float = 0.95
+    max_dlogprob: float = 0.25
 
     def validate(self) -> None:
         if not 0.0 <= self.min_agreement <= 1.0:
@@ -141,6 +162,10 @@ def verdict(result: Comparison, thresholds: Thresholds) -> tuple[bool, list[str]
         reasons.append(f"token agreement {result.agreement:.4f} < {thresholds.min_agreement}")
     if result.max_abs_dlogprob > thresholds.max_dlogprob:
         reasons.append(f"max |dlogprob| {result.max_abs_dlogprob:.4g} > {thresholds.max_dlogprob}")
+    if result.dlogprob_missing:
+        reasons.append(
+            f"at {result.dlogprob_missing} positions of the shared prefix the reference token was not in the DBO run's returned top-k"
+        )
     return (not reasons), reasons
 
 

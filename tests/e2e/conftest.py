@@ -99,6 +99,7 @@ class Records:
             gpus = list(range(torch.cuda.device_count()))
             jobs = all_jobs(OUT, gpus)
             todo = [specs[label] for label in self.labels if label in specs]
+            todo.sort(key=lambda spec: spec.timeout_s)  # short-timeout runs are the hangs: start them first
             extra = [(label, *jobs[label]) for label in self.labels if label in jobs]
             OUT.mkdir(parents=True, exist_ok=True)
             self.records = run_all(

@@ -9,6 +9,7 @@ size, so engines sharing a GPU never mislead each other's memory profiling.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from dbo_runtime.harness.launch import RunSpec
@@ -23,6 +24,13 @@ DBO_THRESHOLDS = ["--dbo-decode-token-threshold", "4"]
 HT = "deepep_high_throughput"
 LL = "deepep_low_latency"
 FULL_DECODE = ["--compilation-config", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"})]
+LOAD_FORMAT = os.environ.get("DBO_E2E_LOAD_FORMAT", "dbo_runtime_random")
+"""Realistic random weights (``dbo_runtime.harness.weights``); vLLM's ``dummy`` weights leave the tiny
+models deaf to their attention, so greedy tokens could not show the top-k corruption (2026-11-30).
+``DBO_E2E_LOAD_FORMAT=dummy`` runs the plan with vLLM's own dummy weights."""
+VANILLA_CRASH_TIMEOUT_S = 300.0
+"""Vanilla DBO + DeepEP HT on MRV2 hangs silently until vLLM's 5-minute RPC timeout (2026-11-30);
+the launcher stops it earlier (``hang_killed``). A healthy run here starts in <= 120 s under load."""
 
 
 def tiny_args(model: str, *, eager: bool, extra: list[str] | None = None) -> list[str]:
@@ -30,7 +38,7 @@ def tiny_args(model: str, *, eager: bool, extra: list[str] | None = None) -> lis
         "--model",
         str(MODELS / model),
         "--load-format",
-        "dummy",
+        LOAD_FORMAT,
         "--skip-tokenizer-init",
         "--max-model-len",
         "4096",
@@ -142,6 +150,8 @@ def two_gpu() -> dict[str, RunSpec]:
         _dp("dp2-ht-dbo-mtp1-v1-plugin", "deepseek-v32-mtp", HT, dbo=True, runner="v1", plugin=True, graphs=False, what="MTP k=1, DBO, dbo_runtime"),
     ]
     for spec in specs:
+        if spec.label.endswith("-vanilla") and spec.label.startswith("dp2-ht-dbo-"):
+            spec.timeout_s = VANILLA_CRASH_TIMEOUT_S
         if spec.meta["model"] == "deepseek-v32-mtp":
             spec.engine_args += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
     # LL + FULL_DECODE_ONLY graphs: top-k isolation inside graph replays (no SM partition under LL).

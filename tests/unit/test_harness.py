@@ -49,6 +49,18 @@ def test_missing_requests_and_missing_logprobs_are_counted() -> None:
     assert not passed and any("missing" in r for r in reasons) and any("agreement" in r for r in reasons)
 
 
+def test_agreement_standard_error_comes_from_the_per_request_spread() -> None:
+    ref = [req(i, [1, 2, 3, 4]) for i in range(4)]
+    same = compare(ref, ref)
+    assert same.agreement_se == 0.0
+    # two requests identical, two diverged at the first token: per-request agreement 1, 1, 0, 0
+    other = [req(0, [1, 2, 3, 4]), req(1, [1, 2, 3, 4]), req(2, [9, 9, 9, 9]), req(3, [9, 9, 9, 9])]
+    result = compare(ref, other)
+    assert result.agreement == 0.5
+    assert result.agreement_se == pytest.approx((1 / 3) ** 0.5 / 2)  # sample std sqrt(1/3), n = 4
+    assert result.record_facts("ref", 4)["agreement_se"] == result.agreement_se
+
+
 def test_thresholds_validate() -> None:
     with pytest.raises(ConfigError, match="--min-agreement"):
         Thresholds(1.5, 0.1).validate()

@@ -2,11 +2,14 @@
 # On the GPU machine, after install.sh: the real-engine tests (tests/e2e) with the GPU twins
 # (tests/gpu, real DeepGEMM wheel without vLLM on the path) beside them, everything collected
 # into $OUT/e2e.tgz even when a limit stops the tests.
-#   tools/gpu/session-e2e.sh ["e2e or e2e_dp2"] [seconds]
+#   tools/gpu/session-e2e.sh ["e2e or e2e_dp2"] [seconds] [pytest -k expression]
+# Before the tests, tools/gpu/check_load_format.py loads one tiny model with the plan's load format;
+# if that fails the plan falls back to vLLM's dummy weights (DBO_E2E_LOAD_FORMAT=dummy), and says so.
 set -u
 cd "$(dirname "$0")/../.."
 MARK=${1:-"e2e or e2e_dp2"}
 LIMIT=${2:-540}
+KEXPR=${3:-}
 . tools/gpu/env.sh
 export DBO_E2E_OUT=/tmp/e2e-out DBO_E2E_RECORD_DIR=/tmp/e2e-records DBO_E2E_MAX_ENGINES=${DBO_E2E_MAX_ENGINES:-16}
 mkdir -p "$DBO_E2E_OUT" "$DBO_E2E_RECORD_DIR"
@@ -18,10 +21,14 @@ if [ -d .whl ] && [ "${TWINS:-1}" = 1 ]; then
     export PYTHONPATH=/tmp/dg:$PWD CUDA_VISIBLE_DEVICES=$(( $(nvidia-smi -L | wc -l) - 1 ))
     DBO_REQUIRE_GPU=1 timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider -rfE > "$DBO_E2E_OUT/gpu-twins.log" 2>&1
     echo "exit $?" >> "$DBO_E2E_OUT/gpu-twins.log"
-    for b in ${TWIN_BENCHES:-bench_replay_planning.py bench_planner_warmup.py}; do timeout 200 python3 "graphs/$b" --out "$DBO_E2E_OUT/twin-bench" > "$DBO_E2E_OUT/$b.log" 2>&1; echo "exit $?" >> "$DBO_E2E_OUT/$b.log"; done
+    for b in ${TWIN_BENCHES-bench_replay_planning.py bench_planner_warmup.py}; do timeout 200 python3 "graphs/$b" --out "$DBO_E2E_OUT/twin-bench" > "$DBO_E2E_OUT/$b.log" 2>&1; echo "exit $?" >> "$DBO_E2E_OUT/$b.log"; done
   ) &
 fi
-timeout "$LIMIT" python3 -m pytest tests/e2e -m "$MARK" -q -s -p no:cacheprovider -rA 2>&1 | tee "$DBO_E2E_OUT/pytest.log" | grep -v "^\[e2e\]" | tail -60
+if [ -z "${DBO_E2E_LOAD_FORMAT:-}" ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 tools/gpu/check_load_format.py "$DBO_E2E_OUT/load-format-check" 2>&1 | tail -5 | tee "$DBO_E2E_OUT/load-format-check.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || { echo "load format check failed: falling back to --load-format dummy"; export DBO_E2E_LOAD_FORMAT=dummy; }
+fi
+timeout "$LIMIT" python3 -m pytest tests/e2e -m "$MARK" ${KEXPR:+-k "$KEXPR"} -q -s -p no:cacheprovider -rA 2>&1 | tee "$DBO_E2E_OUT/pytest.log" | grep -v "^\[e2e\]" | tail -60
 wait
 tar czf "$OUT/e2e.tgz" -C /tmp --exclude='*/prometheus' e2e-out e2e-records 2>/dev/null
 ls -la "$OUT"

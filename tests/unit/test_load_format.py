@@ -1,0 +1,164 @@
+"""``--load-format dbo_runtime_random`` (harness/weights.py): realistic random weights for the tiny models.
+
+The GPU twin is every e2e run in ``tests/e2e`` (they load the tiny DSA models with this format).
+"""
+
+from __future__ import annotations
+
+import math
+from importlib import metadata
+
+import pytest
+import torch
+from torch import nn
+
+from dbo_runtime.harness import weights
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((n,), 1e-3))
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, v: int, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(v, n))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    pass
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, out: int, inp: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out, inp, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.full((out // 128, inp // 128), -1e-3), requires_grad=False)
+
+
+class Experts(nn.Module):
+    def __init__(self, e: int, n: int, k: int) -> None:
+        super().__init__()
+        self.w13_weight = nn.Parameter(torch.zeros(e, 2 * n, k, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.w13_weight_scale_inv = nn.Parameter(torch.zeros(e, 2 * n // 128, k // 128), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.zeros(e, k, n, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.w2_weight_scale_inv = nn.Parameter(torch.zeros(e, k // 128, n // 128), requires_grad=False)
+
+
+class Gate(nn.Module):
+    def __init__(self, e: int, k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(e, k))
+        self.e_score_correction_bias = nn.Parameter(torch.full((e,), 5e-4))
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(512)
+        self.k_norm = nn.LayerNorm(128)
+        self.q_proj = Fp8Linear(1024, 512)
+        self.weights_proj = nn.Linear(512, 64, bias=False)
+        self.gate = Gate(8, 512)
+        self.experts = Experts(8, 256, 512)
+        self.register_buffer("cos_sin_cache", torch.full((4, 4), 7.0), persistent=False)
+        self.positions = nn.Parameter(torch.arange(4), requires_grad=False)
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(256, 512)
+        self.layers = nn.ModuleList([Layer(), Layer()])
+        self.norm = RMSNorm(512)
+        self.lm_head = ParallelLMHead(256, 512)
+
+
+def _effective(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    blocks = scale.repeat_interleave(128, -2).repeat_interleave(128, -1)
+    return w.float() * blocks
+
+
+def test_rules_give_a_trained_models_scale() -> None:
+    model = Tiny()
+    counts = weights.initialize(model, seed=0)
+    layer = model.layers[0]
+    assert torch.all(layer.input_layernorm.weight == 1) and torch.all(model.norm.weight == 1)
+    assert torch.all(layer.k_norm.weight == 1) and torch.all(layer.k_norm.bias == 0)
+    assert torch.all(layer.gate.e_score_correction_bias == 0)
+    assert torch.allclose(layer.q_proj.weight_scale_inv, torch.tensor(math.sqrt(3 / 512)))
+    assert torch.allclose(layer.experts.w2_weight_scale_inv, torch.tensor(math.sqrt(3 / 256)))
+    # effective std 1/sqrt(fan_in) for fp8 blocks and plain linears alike; embeddings std 1
+    for w, s, fan_in in (
+        (layer.q_proj.weight, layer.q_proj.weight_scale_inv, 512),
+        (layer.experts.w13_weight, layer.experts.w13_weight_scale_inv, 512),
+        (layer.experts.w2_weight, layer.experts.w2_weight_scale_inv, 256),
+    ):
+        assert _effective(w, s).std().item() == pytest.approx(1 / math.sqrt(fan_in), rel=0.05)
+    assert layer.weights_proj.weight.std().item() == pytest.approx(1 / math.sqrt(512), rel=0.05)
+    assert model.lm_head.weight.std().item() == pytest.approx(1 / math.sqrt(512), rel=0.05)
+    assert model.embed_tokens.weight.std().item() == pytest.approx(1.0, rel=0.05)
+    # integer parameters and non-persistent buffers are vLLM's, untouched
+    assert torch.equal(layer.positions, torch.arange(4)) and torch.all(layer.cos_sin_cache == 7)
+    assert counts["norm"] == 2 * 3 + 1 and counts["fp8"] == 2 * 3 and counts["scale"] == 2 * 3
+    assert counts["embedding"] == 1 and counts["other"] == 0
+
+
+def test_each_tensor_has_its_own_seed_and_runs_repeat() -> None:
+    a, b = Tiny(), Tiny()
+    weights.initialize(a, seed=0)
+    weights.initialize(b, seed=0)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(pa.float(), pb.float()), name  # deterministic: plugin and vanilla load the same model
+    # vLLM's dummy loader seeds every tensor with 1234, so same-shaped tensors were identical
+    assert not torch.equal(a.layers[0].q_proj.weight.float(), a.layers[1].q_proj.weight.float())
+    assert not torch.equal(a.layers[0].experts.w13_weight.float(), a.layers[1].experts.w13_weight.float())
+    c = Tiny()
+    weights.initialize(c, seed=1)
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+
+
+def test_dummy_weight_value_is_respected() -> None:
+    model = Tiny()
+    model.layers[0].weights_proj.weight.dummy_weight_value = 0.5  # type: ignore[attr-defined]
+    model.layers[0].weights_proj.weight.data.fill_(0.5)
+    weights.initialize(model)
+    assert torch.all(model.layers[0].weights_proj.weight == 0.5)
+
+
+def test_entry_point_registers_the_format_with_vllm() -> None:
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor import model_loader
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+    eps = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
+    assert eps.get("dbo_runtime_weights") == "dbo_runtime.harness.weights:register"
+    assert eps.get("dbo_runtime") == "dbo_runtime.integration.plugin:register"  # separate: DISABLE must not drop it
+    before = dict(model_loader._LOAD_FORMAT_TO_MODEL_LOADER)
+    try:
+        model_loader._LOAD_FORMAT_TO_MODEL_LOADER.pop(weights.LOAD_FORMAT, None)
+        weights.register()
+        cls = model_loader._LOAD_FORMAT_TO_MODEL_LOADER[weights.LOAD_FORMAT]
+        weights.register()  # idempotent: vLLM warns on re-registration, so the second call must not
+        assert model_loader._LOAD_FORMAT_TO_MODEL_LOADER[weights.LOAD_FORMAT] is cls
+        loader = model_loader.get_model_loader(LoadConfig(load_format=weights.LOAD_FORMAT))
+        assert isinstance(loader, DummyModelLoader) and type(loader).__name__ == "RealisticRandomLoader"
+    finally:
+        model_loader._LOAD_FORMAT_TO_MODEL_LOADER.clear()
+        model_loader._LOAD_FORMAT_TO_MODEL_LOADER.update(before)
+
+
+def test_loader_applies_the_rules_after_vllms_dummy_fill() -> None:
+    from vllm.config.load import LoadConfig
+
+    loader = weights.loader_class()(LoadConfig(load_format=weights.LOAD_FORMAT))
+    model = Tiny()
+
+    class Cfg:
+        seed = 0
+
+    loader.load_weights(model, Cfg())
+    assert torch.all(model.norm.weight == 1)
+    assert model.embed_tokens.weight.std().item() == pytest.approx(1.0, rel=0.05)
