@@ -25,6 +25,23 @@ It is registered by its own ``vllm.general_plugins`` entry point
 format patches nothing in vLLM; it only adds a name to
 ``vllm.model_executor.model_loader._LOAD_FORMAT_TO_MODEL_LOADER``.
 
+Two gains shape how the network responds, set with
+``--model-loader-extra-config '{"qk_gain": G, "mlp_gain": M}'`` (both default 1):
+
+* ``qk_gain`` multiplies the MLA query and key/value up-projections (``q_b_proj``/``q_proj`` and
+  ``kv_b_proj``, not the indexer's), sharpening attention so each token attends to a few positions
+  and the attention output carries the right token's value;
+* ``mlp_gain`` multiplies the MLP and MoE output projections (``down_proj``, ``w2_weight``), making
+  their residual updates small.
+
+Why: with both at 1 the tiny model is chaotic. On 2x H200 (2026-11-30) DBO on vs off -- vanilla
+with ``VLLM_DBO_COMM_SMS=0`` and dbo_runtime alike, on the model without followers -- agreed on 6-11 %
+of greedy tokens: a request's first divergence came within ~4 tokens, because DBO is not
+bit-identical (different GEMM shapes) and a random MoE router turns every near-tie into a different
+expert. A trained model is not like that. Small MLP updates keep routing flips small, and sharp
+attention keeps the model sensitive to which positions it reads -- which is exactly what a
+corrupted top-k changes.
+
 Limitation: layers that vLLM quantizes online (a quantization method requested
 for an unquantized checkpoint) keep the ``dummy`` values, because they are
 already processed when this runs; the project's test models are serialized fp8.
@@ -69,7 +86,22 @@ def _fill_random(param: torch.Tensor, *, seed: int, uniform: float | None = None
     param.data.copy_(tmp)
 
 
-def initialize(model: nn.Module, seed: int = 0) -> dict[str, int]:
+GAINS = ("qk_gain", "mlp_gain")
+_QK_MODULES = (".q_b_proj", ".q_proj", ".kv_b_proj")
+_MLP_OUT_MODULES = (".down_proj",)
+
+
+def _gain(module_name: str, pname: str, qk_gain: float, mlp_gain: float) -> float:
+    if "indexer" in module_name:
+        return 1.0
+    if module_name.endswith(_QK_MODULES):
+        return qk_gain
+    if module_name.endswith(_MLP_OUT_MODULES) or pname.startswith("w2_"):
+        return mlp_gain
+    return 1.0
+
+
+def initialize(model: nn.Module, seed: int = 0, *, qk_gain: float = 1.0, mlp_gain: float = 1.0) -> dict[str, int]:
     """Re-initialise ``model``'s floating-point parameters in place (rules in the module docstring).
 
     Returns how many tensors each rule touched, so a caller (and a test) can see the model was
@@ -100,7 +132,8 @@ def initialize(model: nn.Module, seed: int = 0) -> dict[str, int]:
                     base = next((pname[: -len(s)] for s in _SCALE_SUFFIXES if pname.endswith(s)), pname)
                     weight = params.get(base)
                     if weight is not None and weight.dim() >= 2:
-                        param.data.fill_(math.sqrt(3.0) / math.sqrt(weight.shape[-1]))
+                        gain = _gain(module_name, base, qk_gain, mlp_gain)
+                        param.data.fill_(gain * math.sqrt(3.0) / math.sqrt(weight.shape[-1]))
                     else:
                         param.data.fill_(1.0)
                     counts["scale"] += 1
@@ -111,12 +144,27 @@ def initialize(model: nn.Module, seed: int = 0) -> dict[str, int]:
                     _fill_random(param, seed=_seed(full, seed), std=1.0)
                     counts["embedding"] += 1
                 elif param.dim() >= 2:
-                    _fill_random(param, seed=_seed(full, seed), std=1.0 / math.sqrt(param.shape[-1]))
+                    gain = _gain(module_name, pname, qk_gain, mlp_gain)
+                    _fill_random(param, seed=_seed(full, seed), std=gain / math.sqrt(param.shape[-1]))
                     counts["linear"] += 1
                 else:
                     param.data.fill_(1.0)
                     counts["other"] += 1
     return counts
+
+
+def parse_gains(extra: dict[str, Any]) -> dict[str, float]:
+    """``--model-loader-extra-config`` of this format: only ``qk_gain`` and ``mlp_gain``, finite and > 0."""
+    unknown = sorted(set(extra) - set(GAINS))
+    if unknown:
+        raise ValueError(f"--model-loader-extra-config for load format {LOAD_FORMAT}: unknown keys {unknown}; allowed: {list(GAINS)}")
+    out: dict[str, float] = {}
+    for key in GAINS:
+        value = extra.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"--model-loader-extra-config {key}={value!r} for load format {LOAD_FORMAT}: allowed: a finite number > 0")
+        out[key] = float(value)
+    return out
 
 
 def loader_class() -> type[Any]:
@@ -126,9 +174,19 @@ def loader_class() -> type[Any]:
     class RealisticRandomLoader(DummyModelLoader):  # type: ignore[misc]
         """``dummy`` weights rescaled to a trained model's statistics (dbo_runtime test format)."""
 
+        def __init__(self, load_config: Any) -> None:
+            extra = dict(load_config.model_loader_extra_config or {})
+            self.gains = parse_gains(extra)
+            # DummyModelLoader refuses any extra config; ours is consumed here.
+            load_config.model_loader_extra_config = {}
+            try:
+                super().__init__(load_config)
+            finally:
+                load_config.model_loader_extra_config = extra
+
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
             super().load_weights(model, model_config)
-            initialize(model, seed=int(getattr(model_config, "seed", 0) or 0))
+            initialize(model, seed=int(getattr(model_config, "seed", 0) or 0), **self.gains)
 
     return RealisticRandomLoader
 
@@ -152,4 +210,4 @@ def register() -> None:
         logging.getLogger("vllm.dbo_runtime").warning("dbo_runtime: load format %s not registered: %r", LOAD_FORMAT, exc)
 
 
-__all__ = ["LOAD_FORMAT", "initialize", "loader_class", "register"]
+__all__ = ["GAINS", "LOAD_FORMAT", "initialize", "loader_class", "parse_gains", "register"]

@@ -18,7 +18,10 @@ from dbo_runtime.harness.prompts import PromptSpec
 MODELS = Path(__file__).parent / "models"
 KV_CACHE_BYTES = 2 << 30
 ONE_GPU_PROMPTS = PromptSpec(num=48, min_len=300, max_len=2500, seed=1)
-TWO_GPU_PROMPTS = PromptSpec(num=64, min_len=300, max_len=2500, seed=2)
+TWO_GPU_PROMPTS = PromptSpec(num=64, min_len=300, max_len=2000, seed=2)
+"""Below index_topk (2048): with longer prompts DBO on vs off changed the prefill output of every such
+request in vanilla vLLM and with dbo_runtime alike (2026-11-30, 21 of 21 prompts over 2048 tokens vs
+5 of 43 below), a separate effect that would hide the shared top-k corruption this A/B measures."""
 DBO_THRESHOLDS = ["--dbo-decode-token-threshold", "4"]
 """Microbatch every decode step of 4+ tokens per rank (vLLM's default is 32)."""
 HT = "deepep_high_throughput"
@@ -28,6 +31,9 @@ LOAD_FORMAT = os.environ.get("DBO_E2E_LOAD_FORMAT", "dbo_runtime_random")
 """Realistic random weights (``dbo_runtime.harness.weights``); vLLM's ``dummy`` weights leave the tiny
 models deaf to their attention, so greedy tokens could not show the top-k corruption (2026-11-30).
 ``DBO_E2E_LOAD_FORMAT=dummy`` runs the plan with vLLM's own dummy weights."""
+WEIGHT_GAINS = os.environ.get("DBO_E2E_WEIGHT_GAINS", json.dumps({"qk_gain": 2.0, "mlp_gain": 0.1}))
+"""Sharp attention, small MLP updates (see ``harness.weights``): with both gains 1 the random model was
+chaotic under DBO's non-bit-identical GEMM shapes (DBO on vs off agreed on 6-11 % of tokens, 2026-11-30)."""
 VANILLA_CRASH_TIMEOUT_S = 300.0
 """Vanilla DBO + DeepEP HT on MRV2 hangs silently until vLLM's 5-minute RPC timeout (2026-11-30);
 the launcher stops it earlier (``hang_killed``). A healthy run here starts in <= 120 s under load."""
@@ -39,6 +45,7 @@ def tiny_args(model: str, *, eager: bool, extra: list[str] | None = None) -> lis
         str(MODELS / model),
         "--load-format",
         LOAD_FORMAT,
+        *(["--model-loader-extra-config", WEIGHT_GAINS] if LOAD_FORMAT == "dbo_runtime_random" else []),
         "--skip-tokenizer-init",
         "--max-model-len",
         "4096",

@@ -162,3 +162,55 @@ def test_loader_applies_the_rules_after_vllms_dummy_fill() -> None:
     loader.load_weights(model, Cfg())
     assert torch.all(model.norm.weight == 1)
     assert model.embed_tokens.weight.std().item() == pytest.approx(1.0, rel=0.05)
+
+
+class Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_b_proj = nn.Linear(512, 512, bias=False)
+        self.kv_b_proj = Fp8Linear(1024, 512)
+        self.o_proj = nn.Linear(512, 512, bias=False)
+        self.indexer = nn.Module()
+        self.indexer.q_b_proj = nn.Linear(512, 512, bias=False)
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down_proj = nn.Linear(512, 512, bias=False)
+        self.experts = Experts(8, 256, 512)
+
+
+class GainModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = Attn()
+        self.mlp = Mlp()
+
+
+def test_gains_sharpen_attention_and_shrink_mlp_updates() -> None:
+    model = GainModel()
+    weights.initialize(model, seed=0, qk_gain=2.0, mlp_gain=0.1)
+    std = 1 / math.sqrt(512)
+    assert model.self_attn.q_b_proj.weight.std().item() == pytest.approx(2 * std, rel=0.05)
+    assert torch.allclose(model.self_attn.kv_b_proj.weight_scale_inv, torch.tensor(2 * math.sqrt(3 / 512)))
+    assert model.self_attn.o_proj.weight.std().item() == pytest.approx(std, rel=0.05)
+    assert model.self_attn.indexer.q_b_proj.weight.std().item() == pytest.approx(std, rel=0.05)  # the indexer keeps its scale
+    assert model.mlp.down_proj.weight.std().item() == pytest.approx(0.1 * std, rel=0.05)
+    assert torch.allclose(model.mlp.experts.w2_weight_scale_inv, torch.tensor(0.1 * math.sqrt(3 / 256)))
+    assert torch.allclose(model.mlp.experts.w13_weight_scale_inv, torch.tensor(math.sqrt(3 / 512)))
+
+
+def test_extra_config_is_checked_and_consumed() -> None:
+    from vllm.config.load import LoadConfig
+
+    cls = weights.loader_class()
+    config = LoadConfig(load_format=weights.LOAD_FORMAT, model_loader_extra_config={"qk_gain": 2, "mlp_gain": 0.5})
+    loader = cls(config)
+    assert loader.gains == {"qk_gain": 2.0, "mlp_gain": 0.5}
+    assert config.model_loader_extra_config == {"qk_gain": 2, "mlp_gain": 0.5}  # restored for whoever reads it next
+    with pytest.raises(ValueError, match=r"unknown keys \['qk'\]; allowed: \['qk_gain', 'mlp_gain'\]"):
+        cls(LoadConfig(load_format=weights.LOAD_FORMAT, model_loader_extra_config={"qk": 2}))
+    for bad in (0, -1, float("nan"), "2", True):
+        with pytest.raises(ValueError, match=r"qk_gain=.*allowed: a finite number > 0"):
+            weights.parse_gains({"qk_gain": bad})
