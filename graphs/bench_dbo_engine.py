@@ -83,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         per_rank = rec.get("bench") or []
         timed = [[r for r in b.get("reps", []) if not r.get("warmup")] for b in per_rank]
         # DP ranks step together: a step takes as long as the slower rank
-        steps = [max(rs[i]["decode_step_ms"] for rs in timed) for i in range(min((len(rs) for rs in timed), default=0))]
-        tps = [sum(rs[i]["decode_tok_per_s"] for rs in timed) for i in range(min((len(rs) for rs in timed), default=0))]
+        # a rep where any rank's measurement is invalid (None: a loaded host) is dropped for every rank
+        both = [i for i in range(min((len(rs) for rs in timed), default=0)) if all(rs[i]["decode_step_ms"] is not None for rs in timed)]
+        steps = [max(rs[i]["decode_step_ms"] for rs in timed) for i in both]
+        tps = [sum(rs[i]["decode_tok_per_s"] for rs in timed) for i in both]
         selfs = [r.get("plugin_self_us_per_step") for rs in timed for r in rs if r.get("plugin_self_us_per_step") is not None]
         ub = [r.get("microbatched_builds") for rs in timed for r in rs]
         rows[label] = {

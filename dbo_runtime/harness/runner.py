@@ -108,6 +108,13 @@ def _versions() -> dict[str, Any]:
     return info
 
 
+def _self_time_on() -> bool:
+    """Self-time counters stay 0 unless ``DBO_RUNTIME_SELF_TIME`` is on; 0 then means 'not measured'."""
+    from dbo_runtime.core.switches import parse_switch
+
+    return parse_switch("DBO_RUNTIME_SELF_TIME")
+
+
 def _summary_delta(before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None, key: str) -> int | None:
     if not before or not after:
         return None
@@ -182,19 +189,20 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
         llm.generate(batch, full, use_tqdm=False)
         total = time.perf_counter() - t
         s2 = _stats(llm)
-        decode = max(total - prefill, 1e-9)
+        decode = total - prefill
+        valid = decode > 0  # a loaded host can make the 1-token pass slower than the full one: no measurement
         row: dict[str, Any] = {
             "rep": rep,
             "warmup": rep < int(bench.get("warmup", 1)),
             "prefill_s": prefill,
             "total_s": total,
-            "decode_step_ms": decode / (steps - 1) * 1e3,
-            "decode_tok_per_s": len(batch) * (steps - 1) / decode,
+            "decode_step_ms": decode / (steps - 1) * 1e3 if valid else None,
+            "decode_tok_per_s": len(batch) * (steps - 1) / decode if valid else None,
             "microbatched_builds": _summary_delta(s1, s2, "microbatched_builds"),
         }
         one_ns = _summary_delta(s0, s1, "self_time_ns")
         full_ns = _summary_delta(s1, s2, "self_time_ns")
-        if one_ns is not None and full_ns is not None:
+        if one_ns is not None and full_ns is not None and _self_time_on():
             row["plugin_self_us_per_step"] = max(0.0, (full_ns - one_ns) / (steps - 1) / 1e3)
         reps.append(row)
         if coordinated:

@@ -19,21 +19,25 @@ MODELS = Path(__file__).parent / "models"
 KV_CACHE_BYTES = 2 << 30
 ONE_GPU_PROMPTS = PromptSpec(num=48, min_len=300, max_len=2500, seed=1)
 TWO_GPU_PROMPTS = PromptSpec(num=64, min_len=300, max_len=2000, seed=2)
-"""Below index_topk (2048): with longer prompts DBO on vs off changed the prefill output of every such
-request in vanilla vLLM and with dbo_runtime alike (2026-11-30, 21 of 21 prompts over 2048 tokens vs
-5 of 43 below), a separate effect that would hide the shared top-k corruption this A/B measures."""
+"""Below index_topk (2048). With random weights at a trained model's scale (2026-11-30), every prompt longer
+than that gave a different first token from run to run -- on one GPU with DBO off, vanilla against vanilla
+(8 of 8), and under DP 2 with DBO (21 of 21) -- while DP-2 DBO-off runs of prompts up to 2000 tokens
+repeated bit for bit. Keeping below it keeps that effect out of the A/B."""
 DBO_THRESHOLDS = ["--dbo-decode-token-threshold", "4"]
 """Microbatch every decode step of 4+ tokens per rank (vLLM's default is 32)."""
 HT = "deepep_high_throughput"
 LL = "deepep_low_latency"
 FULL_DECODE = ["--compilation-config", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"})]
-LOAD_FORMAT = os.environ.get("DBO_E2E_LOAD_FORMAT", "dbo_runtime_random")
-"""Realistic random weights (``dbo_runtime.harness.weights``); vLLM's ``dummy`` weights leave the tiny
-models deaf to their attention, so greedy tokens could not show the top-k corruption (2026-11-30).
-``DBO_E2E_LOAD_FORMAT=dummy`` runs the plan with vLLM's own dummy weights."""
+LOAD_FORMAT = os.environ.get("DBO_E2E_LOAD_FORMAT", "dummy")
+"""vLLM's ``dummy`` weights by default. ``DBO_E2E_LOAD_FORMAT=dbo_runtime_random`` loads random weights at
+a trained model's scale (``dbo_runtime.harness.weights``), which make greedy tokens sensitive -- and on
+2x H200 (2026-11-30) showed that the tiny models are then too sensitive to prove anything by tokens:
+vanilla vLLM against itself (DBO off, one GPU) agreed on 67-79 % of tokens, every prompt longer than
+index_topk diverging at its first token, and DBO on vs off with DeepEP HT agreed on 5-11 % whether or
+not the model had followers or dbo_runtime was installed. With ``dummy`` weights vLLM repeats itself to
+1.9e-6 in logprob and the top-k corruption shows in logprobs only (11x dbo_runtime's, 2026-11-30)."""
 WEIGHT_GAINS = os.environ.get("DBO_E2E_WEIGHT_GAINS", json.dumps({"qk_gain": 2.0, "mlp_gain": 0.1}))
-"""Sharp attention, small MLP updates (see ``harness.weights``): with both gains 1 the random model was
-chaotic under DBO's non-bit-identical GEMM shapes (DBO on vs off agreed on 6-11 % of tokens, 2026-11-30)."""
+"""Gains for ``dbo_runtime_random`` (see ``harness.weights``); gains 1 and these gave the same picture."""
 VANILLA_CRASH_TIMEOUT_S = 300.0
 """Vanilla DBO + DeepEP HT on MRV2 hangs silently until vLLM's 5-minute RPC timeout (2026-11-30);
 the launcher stops it earlier (``hang_killed``). A healthy run here starts in <= 120 s under load."""

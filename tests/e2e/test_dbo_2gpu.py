@@ -27,8 +27,8 @@ MEAN_DLOGPROB_FACTOR = 3.0
 """...or its mean |dlogprob| on the shared prefix must exceed this many times the floor's (and dbo_runtime's
 must not). Logprobs show the corruption even where greedy tokens do not flip: with vLLM's ``dummy`` weights
 (U(-1e-3, 1e-3), norms included) no token flipped, yet the mean |dlogprob| was 3.4e-4 vanilla vs 3.1e-5
-dbo_runtime (2026-11-30, shared-top-k HT). The plan now loads ``dbo_runtime_random`` weights, at which a
-wrong top-k changes tokens too."""
+dbo_runtime (2026-11-30, shared-top-k HT). Random weights at a trained model's scale flip tokens, but then
+DBO alone (vanilla, no followers) flips them too (``plan.LOAD_FORMAT``)."""
 
 
 def _slack(result: dict[str, Any], floor: Comparison, minimum: float) -> float:

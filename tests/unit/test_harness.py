@@ -196,3 +196,31 @@ def test_summary_delta_is_later_minus_earlier() -> None:
     after = [{"summary": {"microbatched_builds": 35}}, {"summary": {"microbatched_builds": 36}}]
     assert _summary_delta(before, after, "microbatched_builds") == 68  # 2026-11-30 GPU run reported -34 per rank
     assert _summary_delta(None, after, "microbatched_builds") is None
+
+
+def test_bench_reports_no_step_time_when_the_host_made_it_unmeasurable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2026-11-30 (14 engines on the other GPU): the 1-token pass took longer than the 64-token pass,
+    and the rep was reported as a 0.0 ms decode step. Self-time counters read 0 with
+    DBO_RUNTIME_SELF_TIME off, and were reported as 0.0 us per step instead of 'not measured'."""
+    import time as _time
+
+    from dbo_runtime.harness import runner
+
+    class Params:
+        def __init__(self, **kw: object) -> None:
+            self.max_tokens = kw["max_tokens"]
+
+    class LLM:
+        def generate(self, batch: list[object], params: Params, use_tqdm: bool = False) -> None:
+            _time.sleep(0.05 if params.max_tokens == 1 else 0.01)
+
+    stats = [{"summary": {"microbatched_builds": 0, "self_time_ns": 0}}]
+    monkeypatch.setattr(runner, "_stats", lambda llm: stats)
+    monkeypatch.delenv("DBO_RUNTIME_SELF_TIME", raising=False)
+    out = runner._bench(LLM(), Params, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)
+    [row] = out["reps"]
+    assert row["decode_step_ms"] is None and row["decode_tok_per_s"] is None
+    assert "plugin_self_us_per_step" not in row
+    monkeypatch.setenv("DBO_RUNTIME_SELF_TIME", "1")
+    [row] = runner._bench(LLM(), Params, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)["reps"]
+    assert row["plugin_self_us_per_step"] == 0.0  # measured, and the plugin ran nothing

@@ -1,7 +1,10 @@
 """Turn the raw run directories of a GPU session (``tests/e2e/.out`` or ``DBO_E2E_OUT``) into the
 ``docs/gpu-runs/<date>-real-engine-<label>.json`` records, also for runs a time limit stopped.
 
-    python tools/gpu/collect_records.py RUN_DIR DOCS_DIR --date 2026-11-30 [--session NOTE]
+    python tools/gpu/collect_records.py RUN_DIR DOCS_DIR --date 2026-11-30 [--run run11] [--session NOTE]
+
+With ``--run`` the files are ``<date>-<run>-real-engine-<label>.json``, so several sessions of one day
+do not overwrite each other.
 
 Each record keeps the issue's keys (vllm_version, device, dp, runner, graphs, dbo, plugin, model, ok,
 error, tokens_identical_to, plugin_log_lines, all2all_backend, microbatched_steps, counters, agreement,
@@ -39,11 +42,17 @@ PAIRS.update(
         "dp2-ht-dbo-deepseek-v32-v1-vanilla-comm0": "dp2-ht-ref-deepseek-v32-v1",
         "dp2-ht-dbo-shared-topk-v2-plugin": "dp2-ht-ref-shared-topk-v2",
         "dp2-ht-dbo-mtp1-v1-plugin": "dp2-ht-ref-mtp1-v1",
+        "dp2-ht-dbo-deepseek-v32-v2-plugin": "dp2-ht-ref-deepseek-v32-v1",
         "verify-shared-topk-plugin/dbo-on": "verify-shared-topk-plugin/dbo-off",
         "verify-shared-topk-vanilla-comm0/dbo-on": "verify-shared-topk-vanilla-comm0/dbo-off",
         "verify-deepseek-v32-vanilla-crash/dbo-on": "verify-deepseek-v32-vanilla-crash/dbo-off",
     }
 )
+
+for model, runners in (("deepseek-v32-h2048", ("v1",)), ("shared-topk-h2048", ("v1", "v2"))):
+    for runner in runners:
+        for variant in ("plugin", "vanilla"):
+            PAIRS[f"dp2-ll-dbo-{model}-{runner}-{variant}"] = f"dp2-ll-ref-{model}-{runner}"
 
 
 def _microbatched(run: Path) -> list[int | None] | None:
@@ -89,6 +98,7 @@ def main() -> int:
     ap.add_argument("docs_dir", type=Path)
     ap.add_argument("--date", required=True)
     ap.add_argument("--session", default="")
+    ap.add_argument("--run", default="", help="a tag for this session's files, e.g. run11")
     ap.add_argument("--repo-root", default="/work/main", help="the checkout's path on the GPU machine (made relative)")
     args = ap.parse_args()
     runs: dict[str, dict[str, Any]] = {}
@@ -118,10 +128,13 @@ def main() -> int:
             doc["reference"] = ref_label
             doc["comparison_missing"] = f"{ref_label if not ref or not ref.get('requests') else label} has no tokens"
         doc["date"] = args.date
+        if args.run:
+            doc["run"] = args.run
         if args.session:
             doc["session"] = args.session
         name = label.replace("/", "-")
-        path = args.docs_dir / f"{args.date}-real-engine-{name}.json"
+        stem = f"{args.date}-{args.run}" if args.run else args.date
+        path = args.docs_dir / f"{stem}-real-engine-{name}.json"
         # Paths of the checkout on the GPU machine become repository-relative.
         text = json.dumps(doc, indent=1, default=str).replace(args.repo_root.rstrip("/") + "/", "")
         path.write_text(text + "\n")

@@ -3,8 +3,8 @@
 # (tests/gpu, real DeepGEMM wheel without vLLM on the path) beside them, everything collected
 # into $OUT/e2e.tgz even when a limit stops the tests.
 #   tools/gpu/session-e2e.sh ["e2e or e2e_dp2"] [seconds] [pytest -k expression]
-# Before the tests, tools/gpu/check_load_format.py loads one tiny model with the plan's load format;
-# if that fails the plan falls back to vLLM's dummy weights (DBO_E2E_LOAD_FORMAT=dummy), and says so.
+# With DBO_E2E_LOAD_FORMAT=dbo_runtime_random, tools/gpu/check_load_format.py first loads one tiny model
+# with it; if that fails the plan falls back to vLLM's dummy weights (the default), and says so.
 set -u
 cd "$(dirname "$0")/../.."
 MARK=${1:-"e2e or e2e_dp2"}
@@ -24,7 +24,7 @@ if [ -d .whl ] && [ "${TWINS:-1}" = 1 ]; then
     for b in ${TWIN_BENCHES-bench_replay_planning.py bench_planner_warmup.py}; do timeout 200 python3 "graphs/$b" --out "$DBO_E2E_OUT/twin-bench" > "$DBO_E2E_OUT/$b.log" 2>&1; echo "exit $?" >> "$DBO_E2E_OUT/$b.log"; done
   ) &
 fi
-if [ -z "${DBO_E2E_LOAD_FORMAT:-}" ]; then
+if [ "${DBO_E2E_LOAD_FORMAT:-dummy}" = dbo_runtime_random ]; then
   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 tools/gpu/check_load_format.py "$DBO_E2E_OUT/load-format-check" 2>&1 | tail -5 | tee "$DBO_E2E_OUT/load-format-check.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "load format check failed: falling back to --load-format dummy"; export DBO_E2E_LOAD_FORMAT=dummy; }
 fi
