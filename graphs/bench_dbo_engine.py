@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = ["--enable-expert-parallel", "--all2all-backend", backend, *plan.DBO_THRESHOLDS]
         graphs = backend == plan.LL
         if graphs:
-            extra += plan.FULL_DECODE
+            extra += plan.FULL_DECODE + plan.LL_BATCHED_TOKENS
         if dbo:
             extra.append("--enable-dbo")
         specs.append(

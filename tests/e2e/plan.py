@@ -28,6 +28,11 @@ DBO_THRESHOLDS = ["--dbo-decode-token-threshold", "4"]
 HT = "deepep_high_throughput"
 LL = "deepep_low_latency"
 FULL_DECODE = ["--compilation-config", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"})]
+LL_BATCHED_TOKENS = ["--max-num-batched-tokens", "2048"]
+"""With DeepEP LL, vLLM 0.33 defaults ``max_num_batched_tokens`` to 256 (``engine/arg_utils.py``,
+``DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP``): prefill then runs in ~140 chunks that share steps
+with early decodes, no step reaches the prefill threshold (512), and by the time every prefill is done
+most requests have finished. On 2x H200 (2026-11-30) MRV1 microbatched 0 steps and MRV2 2 under LL."""
 LOAD_FORMAT = os.environ.get("DBO_E2E_LOAD_FORMAT", "dummy")
 """vLLM's ``dummy`` weights by default. ``DBO_E2E_LOAD_FORMAT=dbo_runtime_random`` loads random weights at
 a trained model's scale (``dbo_runtime.harness.weights``), which make greedy tokens sensitive -- and on
@@ -131,6 +136,8 @@ def _dp(label: str, model: str, backend: str, *, dbo: bool, runner: str, plugin:
     extra = ["--enable-expert-parallel", "--all2all-backend", backend, *DBO_THRESHOLDS]
     if graphs:
         extra += FULL_DECODE
+    if backend == LL:
+        extra += LL_BATCHED_TOKENS
     if dbo:
         extra.append("--enable-dbo")
     return RunSpec(
