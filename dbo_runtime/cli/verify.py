@@ -98,8 +98,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=Thresholds.max_dlogprob,
         metavar="D",
         help=(
-            "pass needs max |logprob difference| of the reference tokens on the shared prefix <= D, and every reference "
-            f"token in the DBO run's top-k there (default {Thresholds.max_dlogprob})"
+            "pass needs max |logprob difference| of the reference tokens on the shared prefix <= D; where a reference "
+            f"token left the DBO run's returned top-k its lower bound counts (default {Thresholds.max_dlogprob})"
         ),
     )
     parser.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds per engine run (default 1800)")

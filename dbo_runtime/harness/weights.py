@@ -1,14 +1,13 @@
 """``--load-format dbo_runtime_random``: random weights at the scale of a trained model.
 
-Why this exists: vLLM's ``dummy`` format fills every float tensor, norm weights
-included, with U(-1e-3, 1e-3) (``weight_utils.initialize_single_dummy_weight``),
-and every tensor from the same seed. A model built that way barely uses its
-attention: the RMSNorms scale each sublayer's input down by 1000, so the next
-token depends almost only on the last input token. On 2x H200 (2026-11-30) the
-shared top-k corruption of vanilla DBO then moved logprobs by 3.4e-4 on average
-and did not flip a single greedy token -- a model like that cannot show what an
-operator of a real model loses (GSM8K 0.93 -> 0.61 upstream), and a canary that
-passes on it proves little.
+Why this exists: vLLM's ``dummy`` format fills every float tensor except norms (which
+carry a ``dummy_weight_value`` of 1 or 0) with U(-1e-3, 1e-3), and block-fp8 weights
+with U(-1, 1) times block scales that are themselves U(-1e-3, 1e-3) -- every tensor
+from the same seed (``weight_utils.initialize_single_dummy_weight``). Each linear layer
+then scales its input down about 50x; the tiny models' next-token distribution is
+nearly flat (top logprob -8.03 against a uniform -8.32) and nearly every request
+starts with the same token. On 2x H200 (2026-11-30) the shared top-k corruption of
+vanilla DBO moved logprobs by 3.4e-4 on average and did not flip a single greedy token.
 
 This format keeps everything the ``dummy`` loader does (no files, deterministic,
 fp8/online-quant handling) and then re-initialises the tensors the way a trained
@@ -29,8 +28,9 @@ Two gains shape how the network responds, set with
 ``--model-loader-extra-config '{"qk_gain": G, "mlp_gain": M}'`` (both default 1):
 
 * ``qk_gain`` multiplies the MLA query and key/value up-projections (``q_b_proj``/``q_proj`` and
-  ``kv_b_proj``, not the indexer's), sharpening attention so each token attends to a few positions
-  and the attention output carries the right token's value;
+  ``kv_b_proj``, not the indexer's): the non-rotary attention logits grow by gain squared, the
+  rotary part by gain, and the values (hence the attention output) by gain -- sharper attention
+  whose output carries what it read;
 * ``mlp_gain`` multiplies the MLP and MoE output projections (``down_proj``, ``w2_weight``), making
   their residual updates small.
 
@@ -42,9 +42,11 @@ expert. A trained model is not like that. Small MLP updates keep routing flips s
 attention keeps the model sensitive to which positions it reads -- which is exactly what a
 corrupted top-k changes.
 
-Limitation: layers that vLLM quantizes online (a quantization method requested
-for an unquantized checkpoint) keep the ``dummy`` values, because they are
-already processed when this runs; the project's test models are serialized fp8.
+Limitations: models that vLLM quantizes online (a quantization method requested for an
+unquantized checkpoint) are refused -- their layers are already processed when the rules would
+run. Fan-in is the local shard's last dimension and seeds follow parameter names, so under tensor
+or expert parallelism the statistics shift by the shard count and ranks hold equal shards (expert i
+on EP rank 1 equals expert i on rank 0); the project's runs are TP 1.
 """
 
 from __future__ import annotations
@@ -155,6 +157,10 @@ def initialize(model: nn.Module, seed: int = 0, *, qk_gain: float = 1.0, mlp_gai
 
 def parse_gains(extra: dict[str, Any]) -> dict[str, float]:
     """``--model-loader-extra-config`` of this format: only ``qk_gain`` and ``mlp_gain``, finite and > 0."""
+    if not isinstance(extra, dict):
+        raise ValueError(
+            f"--model-loader-extra-config {extra!r} for load format {LOAD_FORMAT}: allowed: a JSON object with keys {list(GAINS)}"
+        )
     unknown = sorted(set(extra) - set(GAINS))
     if unknown:
         raise ValueError(f"--model-loader-extra-config for load format {LOAD_FORMAT}: unknown keys {unknown}; allowed: {list(GAINS)}")
@@ -169,22 +175,25 @@ def parse_gains(extra: dict[str, Any]) -> dict[str, float]:
 
 def loader_class() -> type[Any]:
     """vLLM's ``DummyModelLoader`` followed by :func:`initialize` (imports vLLM)."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 
     class RealisticRandomLoader(DummyModelLoader):  # type: ignore[misc]
         """``dummy`` weights rescaled to a trained model's statistics (dbo_runtime test format)."""
 
         def __init__(self, load_config: Any) -> None:
-            extra = dict(load_config.model_loader_extra_config or {})
-            self.gains = parse_gains(extra)
-            # DummyModelLoader refuses any extra config; ours is consumed here.
-            load_config.model_loader_extra_config = {}
-            try:
-                super().__init__(load_config)
-            finally:
-                load_config.model_loader_extra_config = extra
+            self.gains = parse_gains(load_config.model_loader_extra_config or {})
+            # DummyModelLoader.__init__ only refuses an extra config, which is ours.
+            BaseModelLoader.__init__(self, load_config)
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
+            from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+            if any(get_layerwise_info(layer).can_load() for layer in model.modules()):
+                raise ValueError(
+                    f"load format {LOAD_FORMAT}: this model is quantized online (an unquantized checkpoint with a "
+                    "quantization method); allowed: checkpoints that are unquantized or serialized quantized"
+                )
             super().load_weights(model, model_config)
             initialize(model, seed=int(getattr(model_config, "seed", 0) or 0), **self.gains)
 

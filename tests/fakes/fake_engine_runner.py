@@ -6,7 +6,8 @@ runner, real engines).
 
 Behaviour per rank from ``spec["meta"]["fake"]``: ``{"0": "ok", "1": "crash"}``; ``ok`` writes
 two requests per rank, ``crash`` prints vLLM 0.33.0's DeepGEMM assertion and exits 1 without a
-result, ``fail`` writes a failed result, ``hang`` sleeps forever, ``assert-hang`` prints the assertion from a microbatch thread and then hangs (what vanilla vLLM 0.33.0 does).
+result, ``fail`` writes a failed result, ``hang`` logs the runner's "engine ready" line and sleeps forever, ``start-hang`` sleeps
+forever before that line (a slow start), ``assert-hang`` prints the assertion from a microbatch thread and then hangs (what vanilla vLLM 0.33.0 does).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def main() -> int:
     rank = int(os.environ.get("VLLM_DP_RANK", "0"))
     size = int(os.environ.get("VLLM_DP_SIZE", "1"))
     mode = spec["meta"]["fake"].get(str(rank), "ok")
+    if mode == "start-hang":
+        time.sleep(3600)
+    print(f"[dbo-harness rank {rank}] engine ready in 1.0 s", file=sys.stderr, flush=True)  # the runner's line
     if mode == "hang":
         time.sleep(3600)
     if mode == "assert-hang":  # vLLM 0.33 vanilla: the assertion kills a microbatch thread, the step hangs

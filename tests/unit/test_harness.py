@@ -44,9 +44,24 @@ def test_missing_requests_and_missing_logprobs_are_counted() -> None:
     other = [req(0, [1, 2], [{1: -0.5}, {7: -0.1}])]
     result = compare(ref, other)
     assert result.missing_requests == [1] and result.agreement == 0.5
-    assert result.dlogprob_missing == 1
+    assert result.dlogprob_bounded == 1 and result.dlogprob_missing == 0
     passed, reasons = verdict(result, Thresholds(0.9, 0.1))
     assert not passed and any("missing" in r for r in reasons) and any("agreement" in r for r in reasons)
+
+
+def test_reference_token_outside_the_top_k_counts_with_its_lower_bound() -> None:
+    """Review of 2026-11-30: a token that left the DBO run's top-5 used to be skipped (it could hide the
+    largest changes) and then became a verdict rule of its own; now it counts with its lower bound."""
+    ref = [req(0, [1, 2], [{1: -0.1}, {2: -0.2}])]
+    other = [req(0, [1, 9], [{1: -0.1}, {9: -0.05, 8: -1.5, 7: -2.7}])]
+    result = compare(ref, other)
+    assert result.dlogprob_bounded == 1 and result.max_abs_dlogprob == pytest.approx(2.5)  # -0.2 - (-2.7)
+    assert not verdict(result, Thresholds(0.0, 0.25))[0]
+    nan = [req(0, [1, 2], [{1: float("nan")}, {2: -0.2}])]
+    bad = compare(ref, nan)
+    assert bad.nonfinite_logprobs == 1
+    passed, reasons = verdict(bad, Thresholds(0.0, 10.0))
+    assert not passed and any("non-finite" in r for r in reasons)
 
 
 def test_agreement_standard_error_comes_from_the_per_request_spread() -> None:
@@ -154,6 +169,14 @@ def test_launch_kills_the_hung_peer_of_a_crashed_rank(tmp_path: Path, fake_runne
 def test_launch_timeout(tmp_path: Path, fake_runner: None) -> None:
     rec = launch(RunSpec("slow", ["--model", "m"], dp=1, meta={"fake": {"0": "hang"}}, timeout_s=2.0), tmp_path)
     assert not rec["ok"] and "hang_killed" in rec["failure_signatures"]
+
+
+def test_a_timeout_before_every_engine_was_ready_is_not_a_hang(tmp_path: Path, fake_runner: None) -> None:
+    """Review of 2026-11-30: with 16-32 engines starting at once a healthy run can time out while
+    starting; that must not count as reproducing the vanilla DBO hang."""
+    spec = RunSpec("slow-start", ["--model", "m"], dp=2, meta={"fake": {"0": "hang", "1": "start-hang"}}, timeout_s=2.0)
+    rec = launch(spec, tmp_path)
+    assert not rec["ok"] and "start_timeout" in rec["failure_signatures"] and "hang_killed" not in rec["failure_signatures"]
 
 
 def test_pool_runs_everything_within_the_engine_budget(tmp_path: Path, fake_runner: None) -> None:

@@ -208,9 +208,12 @@ def test_extra_config_is_checked_and_consumed() -> None:
     config = LoadConfig(load_format=weights.LOAD_FORMAT, model_loader_extra_config={"qk_gain": 2, "mlp_gain": 0.5})
     loader = cls(config)
     assert loader.gains == {"qk_gain": 2.0, "mlp_gain": 0.5}
-    assert config.model_loader_extra_config == {"qk_gain": 2, "mlp_gain": 0.5}  # restored for whoever reads it next
+    assert config.model_loader_extra_config == {"qk_gain": 2, "mlp_gain": 0.5}  # the caller's config is not touched
     with pytest.raises(ValueError, match=r"unknown keys \['qk'\]; allowed: \['qk_gain', 'mlp_gain'\]"):
         cls(LoadConfig(load_format=weights.LOAD_FORMAT, model_loader_extra_config={"qk": 2}))
+    for extra in ([1], 2, "qk_gain=2"):
+        with pytest.raises(ValueError, match="allowed: a JSON object with keys"):
+            weights.parse_gains(extra)  # type: ignore[arg-type]
     for bad in (0, -1, float("nan"), "2", True):
         with pytest.raises(ValueError, match=r"qk_gain=.*allowed: a finite number > 0"):
             weights.parse_gains({"qk_gain": bad})

@@ -6,6 +6,7 @@
 # With DBO_E2E_LOAD_FORMAT=dbo_runtime_random, tools/gpu/check_load_format.py first loads one tiny model
 # with it; if that fails the plan falls back to vLLM's dummy weights (the default), and says so.
 set -u
+: "${OUT:?set OUT to the directory that receives e2e.tgz (the device machine sets it)}"
 cd "$(dirname "$0")/../.."
 MARK=${1:-"e2e or e2e_dp2"}
 LIMIT=${2:-540}
@@ -26,7 +27,11 @@ if [ -d .whl ] && [ "${TWINS:-1}" = 1 ]; then
 fi
 if [ "${DBO_E2E_LOAD_FORMAT:-dummy}" = dbo_runtime_random ]; then
   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 tools/gpu/check_load_format.py "$DBO_E2E_OUT/load-format-check" 2>&1 | tail -5 | tee "$DBO_E2E_OUT/load-format-check.txt"
-  [ "${PIPESTATUS[0]}" = 0 ] || { echo "load format check failed: falling back to --load-format dummy"; export DBO_E2E_LOAD_FORMAT=dummy; }
+  case "${PIPESTATUS[0]}" in
+    0) ;;
+    1) echo "load format check failed: falling back to --load-format dummy"; export DBO_E2E_LOAD_FORMAT=dummy ;;
+    *) echo "load format check could not run here: stopping"; exit 2 ;;
+  esac
 fi
 timeout "$LIMIT" python3 -m pytest tests/e2e -m "$MARK" ${KEXPR:+-k "$KEXPR"} -q -s -p no:cacheprovider -rA 2>&1 | tee "$DBO_E2E_OUT/pytest.log" | grep -v "^\[e2e\]" | tail -60
 wait
