@@ -18,11 +18,11 @@ from dbo_runtime.harness.prompts import PromptSpec
 MODELS = Path(__file__).parent / "models"
 KV_CACHE_BYTES = 2 << 30
 ONE_GPU_PROMPTS = PromptSpec(num=48, min_len=300, max_len=2500, seed=1)
-TWO_GPU_PROMPTS = PromptSpec(num=64, min_len=300, max_len=2000, seed=2)
-"""Below index_topk (2048). With random weights at a trained model's scale (2026-11-30), every prompt longer
-than that gave a different first token from run to run -- on one GPU with DBO off, vanilla against vanilla
-(8 of 8), and under DP 2 with DBO (21 of 21) -- while DP-2 DBO-off runs of prompts up to 2000 tokens
-repeated bit for bit. Keeping below it keeps that effect out of the A/B."""
+TWO_GPU_PROMPTS = PromptSpec(num=64, min_len=300, max_len=2500, seed=2)
+"""As in run 9, where the shared-top-k corruption showed as 11x dbo_runtime's mean |dlogprob|. Prompts
+longer than index_topk (2048) exercise the indexer's selection, but its prefill top-k claims output
+slots with atomicAdd, so with random weights at a trained scale such prompts gave a different first
+token from run to run (2026-11-30); with ``dummy`` weights vLLM repeated itself to 1.9e-6."""
 DBO_THRESHOLDS = ["--dbo-decode-token-threshold", "4"]
 """Microbatch every decode step of 4+ tokens per rank (vLLM's default is 32)."""
 HT = "deepep_high_throughput"
