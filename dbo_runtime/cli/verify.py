@@ -36,6 +36,8 @@ from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, CliError, print_json,
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.harness.compare import Thresholds
 
+SCHEMA = "dbo-runtime/verify/v1"
+
 EXIT_RUN_FAILED = 3
 EXIT_INCONCLUSIVE = 4
 
@@ -74,7 +76,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
         allow_abbrev=False,
     )
-    parser.add_argument("--prompts", type=int, default=64, metavar="N", help="synthetic prompts (default 64)")
+    parser.add_argument("--prompts", type=str, default=64, metavar="N", help="synthetic prompts (default 64)")
     parser.add_argument(
         "--prompt-len", default="256-1024", metavar="MIN-MAX", help="synthetic prompt lengths in tokens (default 256-1024)"
     )
@@ -83,18 +85,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="PATH",
         help="prompts instead of synthetic ids: .jsonl with prompt_token_ids or prompt per line, or one text prompt per line",
     )
-    parser.add_argument("--prompt-seed", type=int, default=0, metavar="S", help="seed of the synthetic prompts (default 0)")
-    parser.add_argument("--max-tokens", type=int, default=32, metavar="T", help="greedy tokens per prompt (default 32)")
+    parser.add_argument("--prompt-seed", type=str, default=0, metavar="S", help="seed of the synthetic prompts (default 0)")
+    parser.add_argument("--max-tokens", type=str, default=32, metavar="T", help="greedy tokens per prompt (default 32)")
     parser.add_argument(
         "--min-agreement",
-        type=float,
+        type=str,
         default=Thresholds.min_agreement,
         metavar="A",
         help=f"pass needs at least this fraction of tokens equal to the DBO-off run (default {Thresholds.min_agreement})",
     )
     parser.add_argument(
         "--max-dlogprob",
-        type=float,
+        type=str,
         default=Thresholds.max_dlogprob,
         metavar="D",
         help=(
@@ -102,7 +104,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             f"token left the DBO run's returned top-k its lower bound counts (default {Thresholds.max_dlogprob})"
         ),
     )
-    parser.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds per engine run (default 1800)")
+    parser.add_argument("--timeout", type=str, default=1800.0, metavar="S", help="seconds per engine run (default 1800)")
     parser.add_argument("--workdir", metavar="DIR", help="keep logs and records here (default: a temporary directory)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
     return parser
@@ -230,6 +232,25 @@ class _Progress:
         self._stop.set()
 
 
+def _numbers(args: argparse.Namespace, max_prompts: int) -> None:
+    """Numeric options arrive as text so that a non-number gets the same one line as a bad number."""
+    allowed = {
+        "prompts": (int, f"an integer in [1, {max_prompts}]"),
+        "prompt_seed": (int, "an integer"),
+        "max_tokens": (int, "an integer in [1, 4096]"),
+        "timeout": (float, "a positive number of seconds"),
+        "min_agreement": (float, "a number in [0, 1]"),
+        "max_dlogprob": (float, "a finite number >= 0"),
+    }
+    for dest, (kind, what) in allowed.items():
+        raw = getattr(args, dest)
+        if isinstance(raw, str):
+            try:
+                setattr(args, dest, kind(raw))
+            except ValueError:
+                raise ConfigError("--" + dest.replace("_", "-"), raw, what) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from dbo_runtime.harness.compare import Request, Thresholds, compare, verdict
     from dbo_runtime.harness.launch import RunSpec, launch
@@ -237,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
 
     extra = list(getattr(args, "extra_args", []) or [])
     engine_args, dp, notes = split_engine_args(extra)
+    _numbers(args, MAX_PROMPTS)
     low, high = _int_range(args.prompt_len, "--prompt-len")
     if not 1 <= args.prompts <= MAX_PROMPTS:
         raise ConfigError("--prompts", args.prompts, f"an integer in [1, {MAX_PROMPTS}]")
@@ -311,7 +333,7 @@ def _result(
         label: {k: rec.get(k) for k in ("ok", "error", "failure_signatures", "start_s", "generate_s", "microbatched_steps", "plugin")}
         for label, rec in records.items()
     }
-    doc: dict[str, Any] = {"runs": runs, "workdir": str(workdir), "notes": notes, "thresholds": vars(thresholds)}
+    doc: dict[str, Any] = {"schema": SCHEMA, "runs": runs, "workdir": str(workdir), "notes": notes, "thresholds": vars(thresholds)}
     failed = [label for label, rec in records.items() if not rec.get("ok")]
     if failed or len(records) < 2:
         label = failed[0] if failed else "dbo-on"

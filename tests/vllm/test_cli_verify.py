@@ -64,7 +64,8 @@ def test_split_engine_args_refuses_with_the_parameter_named(argv: list[str], par
         (["--min-agreement", "1.5", "--model", "m", "-dp", "2"], "--min-agreement=1.5"),
         (["--timeout", "-1", "--model", "m", "-dp", "2"], "--timeout=-1.0"),
         (["--prompt-file", "/nonexistent.jsonl", "--model", "m", "-dp", "2"], "--prompt-file='/nonexistent.jsonl'"),
-        (["--prompts", "x", "--model", "m"], "invalid int value"),
+        (["--prompts", "x", "--model", "m"], "--prompts='x' is not allowed; allowed values: an integer"),
+        (["--max-dlogprob", "big", "--model", "m", "-dp", "2"], "--max-dlogprob='big' is not allowed; allowed values: a finite number"),
     ],
 )
 def test_bad_verify_options_are_one_line_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
