@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dbo_runtime.core.budget import DEEPEP_HT_MANAGER_NUM_SMS, DEFAULT_COMM_SMS, SMBudget, compute_budget
+from dbo_runtime.core.budget import DEEPEP_HT_MANAGER_NUM_SMS, DEFAULT_COMM_SMS, SMBudget, compute_budget, deep_gemm_compute_multiple
 from dbo_runtime.core.errors import ConfigError
 
 COMM_ENV = "VLLM_DBO_COMM_SMS"
@@ -115,8 +115,13 @@ def budget_for(
     deep_gemm: bool = True,
     device: int = 0,
     where: str = "",
+    sm_major: int | None = None,
 ) -> SMBudget:
-    """vLLM's split for these inputs; a ``ConfigError`` names the input that is wrong (module docstring)."""
+    """vLLM's split for these inputs; a ``ConfigError`` names the input that is wrong (module docstring).
+
+    ``sm_major`` (the device's compute-capability major, when known) applies the worker's one
+    deviation from vLLM: on SM90 DeepGEMM's share is rounded down to an even count
+    (``core.budget.deep_gemm_compute_multiple``), so ``sms`` shows what the worker will set."""
     kwargs: dict[str, Any] = {
         "total_sms": total.value,
         "platform": platform,
@@ -129,6 +134,7 @@ def budget_for(
         "has_deep_gemm": deep_gemm,
         "device": device,
         "comm_cap": DEEPEP_HT_MANAGER_NUM_SMS if all2all_backend == "deepep_high_throughput" else None,
+        "compute_multiple": deep_gemm_compute_multiple(sm_major) if sm_major is not None else 1,
     }
     try:
         return compute_budget(**kwargs)
@@ -151,16 +157,19 @@ def _blame(exc: ConfigError, kwargs: Mapping[str, Any], total: Input, comm: Inpu
             "DeepEP's Buffer.set_num_sms asserts an even SM count",
         )
     roomy = _valid(kwargs, total_sms=1 << 40)
+    multiple = int(kwargs.get("compute_multiple", 1))
     if roomy is not None:
-        # Only the device is too small for the comm share.
+        # Only the device is too small for the comm share (and, on SM90, DeepGEMM's even count).
         device = f"{on}, which has {total.value} SMs ({total.came_from})"
+        if multiple > 1:
+            device += f"; DeepGEMM's share must be a multiple of {multiple} on this architecture"
         if comm.typed:
-            return ConfigError(comm.source, comm.value, f"integers in [0, {total.value}){device}")
+            return ConfigError(comm.source, comm.value, f"integers in [0, {total.value - multiple + 1}){device}")
         if total.typed:
             return ConfigError(
                 total.source,
                 total.value,
-                f"integers in [{roomy.comm + 1}, {MAX_SMS}], above the comm share {roomy.comm} ({comm.came_from}); "
+                f"integers in [{roomy.comm + multiple}, {MAX_SMS}], above the comm share {roomy.comm} ({comm.came_from}); "
                 f"--comm-sms or {COMM_ENV} lowers it",
             )
         return ConfigError(

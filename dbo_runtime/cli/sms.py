@@ -262,14 +262,29 @@ def _apply_budget(row: DeviceRow, s: Settings) -> None:
         deep_gemm=s.deep_gemm,
         device=row.cuda_index if row.cuda_index is not None else (row.nvml_index or 0),
         where=f"device {row.label}",
+        sm_major=_major(row.compute_capability),
     )
     row.budget = budget_json(budget)
     row.warnings = split_warnings(budget)
 
 
+def _major(cc: str | None) -> int | None:
+    """``"9.0"`` -> 9; None for a ``--total-sms`` profile, whose architecture is not known."""
+    try:
+        return int(cc.split(".", 1)[0]) if cc else None
+    except ValueError:
+        return None
+
+
 def _profile_rows(total: int) -> list[DeviceRow]:
-    name = H200_PROFILE_NAME if total == H200_SMS else f"GPU with {total} SMs (--total-sms)"
-    return [DeviceRow(label="profile", kind="profile", nvml_index=None, cuda_index=None, mig_slot=None, name=name, sms=total, sms_source="--total-sms")]
+    h200 = total == H200_SMS
+    name = H200_PROFILE_NAME if h200 else f"GPU with {total} SMs (--total-sms)"
+    return [
+        DeviceRow(
+            label="profile", kind="profile", nvml_index=None, cuda_index=None, mig_slot=None, name=name, sms=total,
+            sms_source="--total-sms", compute_capability="9.0" if h200 else None,
+        )
+    ]  # fmt: skip
 
 
 def _cc(cc: tuple[int, int] | None) -> str | None:

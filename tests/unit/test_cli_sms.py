@@ -175,7 +175,7 @@ def test_odd_comm_is_fine_when_deepep_ht_is_not_used(capsys: pytest.CaptureFixtu
     [
         (["--all2all-backend", "foo"], None, "--all2all-backend='foo'", "deepep_high_throughput, deepep_low_latency, nixl_ep"),
         (["--all2all-backend", "naive"], None, "--all2all-backend='naive'", "with DBO on cuda"),
-        (["--comm-sms", "132"], None, "--comm-sms=132", "[0, 132)"),
+        (["--comm-sms", "132"], None, "--comm-sms=132", "[0, 131)"),  # the H200 profile is SM90: DeepGEMM keeps an even share
         (["--comm-sms", "19"], None, "--comm-sms=19", "even integers"),
         (["--comm-sms", "-4"], None, "--comm-sms='-4'", "integers >= 0"),
         (["--comm-sms", "many"], None, "--comm-sms='many'", "integers >= 0"),
@@ -184,7 +184,7 @@ def test_odd_comm_is_fine_when_deepep_ht_is_not_used(capsys: pytest.CaptureFixtu
         (["--platform", "tpu"], None, "--platform='tpu'", "'cuda', 'rocm'"),
         (["--max-sms-used", "-1"], None, "--max-sms-used='-1'", "integers >= 0, or 'none'"),
         ([], "abc", "VLLM_DBO_COMM_SMS='abc'", "integers >= 0"),
-        ([], "140", "VLLM_DBO_COMM_SMS=140", "[0, 132)"),
+        ([], "140", "VLLM_DBO_COMM_SMS=140", "[0, 131)"),
     ],
 )
 def test_bad_values_give_one_line_and_exit_2(
@@ -225,11 +225,21 @@ def test_table_shows_the_deepep_ht_clamp_vllm_applies(capsys: pytest.CaptureFixt
 
 
 def test_degenerate_split_is_warned(capsys: pytest.CaptureFixture[str]) -> None:
-    [dev] = run_json(capsys, "--total-sms", "132", "--comm-sms", "131")["devices"]
-    assert split(dev) == (132, 131, 1)
-    assert any(w.startswith("compute 1 of 132 SMs is less than the comm share 131") for w in dev["warnings"])
-    assert main(["sms", "--total-sms", "132", "--comm-sms", "131"]) == 0
-    assert "warning: device profile: compute 1 of 132 SMs" in capsys.readouterr().out
+    [dev] = run_json(capsys, "--total-sms", "132", "--comm-sms", "130")["devices"]
+    assert split(dev) == (132, 130, 2)
+    assert any(w.startswith("compute 2 of 132 SMs is less than the comm share 130") for w in dev["warnings"])
+    assert main(["sms", "--total-sms", "132", "--comm-sms", "130"]) == 0
+    assert "warning: device profile: compute 2 of 132 SMs" in capsys.readouterr().out
+    [dev] = run_json(capsys, "--total-sms", "133", "--comm-sms", "132")["devices"]  # no architecture: vLLM's rule
+    assert split(dev) == (133, 132, 1)
+
+
+def test_sm90_leaves_no_compute_sm_for_an_odd_remainder(capsys: pytest.CaptureFixture[str]) -> None:
+    """131 comm SMs on the H200 leave 1 compute SM, which SM90's even rounding makes 0: refused, naming the range."""
+    assert main(["sms", "--total-sms", "132", "--comm-sms", "131"]) == 2
+    err = capsys.readouterr().err
+    assert "--comm-sms=131 is not allowed; allowed values: integers in [0, 131)" in err
+    assert "multiple of 2 on this architecture" in err
 
 
 def test_json_errors_are_json_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
@@ -293,6 +303,23 @@ def test_fake_nvml_h200_uses_cores_cross_check_when_cuda_is_absent(
     assert (dev["sm_clock_mhz"], dev["max_sm_clock_mhz"], dev["utilization_gpu_pct"]) == (345, 1980, 7)
     assert split(dev) == (132, 20, 112)
     assert fake.inits == fake.shutdowns == 1
+
+
+def test_sm90_hardware_rows_round_deep_gemm_like_the_worker(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`sms` showed vLLM's odd DeepGEMM count (111 with VLLM_DBO_COMM_SMS=21) where the worker sets 110 on
+    SM90 (the 2-CTA paged-MQA kernel fails on odd counts); the embedded H200 profile is SM90, other --total-sms profiles have no architecture."""
+    use_fake_nvml(monkeypatch, FakePynvml([h200()]))
+    monkeypatch.setattr(cuda_devices, "scan", lambda: fake_cuda_scan())
+    [dev] = run_json(capsys, "--comm-sms", "21")["devices"]
+    assert dev["compute_capability"] == "9.0" and split(dev) == (132, 21, 110)
+    [profile] = run_json(capsys, "--total-sms", "132", "--comm-sms", "21")["devices"]
+    assert profile["compute_capability"] == "9.0" and split(profile) == (132, 21, 110)  # the H200 profile is SM90
+    [other] = run_json(capsys, "--total-sms", "131", "--comm-sms", "21")["devices"]
+    assert other["compute_capability"] is None and split(other) == (131, 21, 110)  # even already
+    [odd] = run_json(capsys, "--total-sms", "130", "--comm-sms", "21")["devices"]
+    assert split(odd) == (130, 21, 109)  # architecture unknown: vLLM's own count
 
 
 def test_fake_nvml_merges_cuda_device_by_uuid_and_flags_mismatch(
