@@ -22,7 +22,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dbo_runtime.core.budget import DEEPEP_HT_MANAGER_NUM_SMS, DEFAULT_COMM_SMS, SMBudget, compute_budget, deep_gemm_compute_multiple
+from dbo_runtime.core.budget import (
+    DEEPEP_HT_MANAGER_NUM_SMS,
+    DEFAULT_COMM_SMS,
+    SMBudget,
+    compute_budget,
+    deep_gemm_compute_multiple,
+)
 from dbo_runtime.core.errors import ConfigError
 
 COMM_ENV = "VLLM_DBO_COMM_SMS"
@@ -164,7 +170,7 @@ def _blame(exc: ConfigError, kwargs: Mapping[str, Any], total: Input, comm: Inpu
         if multiple > 1:
             device += f"; DeepGEMM's share must be a multiple of {multiple} on this architecture"
         if comm.typed:
-            return ConfigError(comm.source, comm.value, f"integers in [0, {total.value - multiple + 1}){device}")
+            return ConfigError(comm.source, comm.value, f"integers in [0, {int(total.value or 0) - multiple + 1}){device}")
         if total.typed:
             return ConfigError(
                 total.source,
