@@ -26,7 +26,8 @@ JSON schema (``--json``)::
       "warnings": [str],                 # not failures: e.g. a required lazy target not importable here
       "dbo_runtime_version": str, "python": str,
       "vllm": {"version": str | null, "supported": bool, "supported_series": "0.33"},
-      "plugin": {"entry_point": bool, "disabled_by_env": bool},
+      "plugin": {"entry_point": bool, "disabled_by_env": bool,
+                 "load_format_entry_point": bool},  # dbo_runtime_weights: the test load format (patches nothing)
       "patches": [{"name": str, "target": str, "state": "found" | "missing" | "skipped",
                    "lazy": bool, "optional": bool, "detail": str,
                    "reason": str, "upstream_pr": str, "removal": str}],
@@ -55,6 +56,7 @@ from dbo_runtime.core.switches import parse_switch
 SCHEMA = "dbo-runtime/doctor/v1"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_VALUE = "dbo_runtime.integration.plugin:register"
+WEIGHTS_ENTRY_POINT_VALUE = "dbo_runtime.harness.weights:register"
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -67,8 +69,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     return p
 
 
-def _entry_point_registered() -> bool:
-    return any(ep.value == ENTRY_POINT_VALUE for ep in metadata.entry_points(group=ENTRY_POINT_GROUP))
+def _entry_point_registered(value: str = ENTRY_POINT_VALUE) -> bool:
+    return any(ep.value == value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP))
 
 
 class _Capture(logging.Handler):
@@ -198,6 +200,8 @@ def _environment_problems() -> list[str]:
     plugins = os.environ.get("VLLM_PLUGINS")
     if plugins is not None and "dbo_runtime" not in [p.strip() for p in plugins.split(",")]:
         problems.append(f"VLLM_PLUGINS={plugins!r} does not list dbo_runtime: vLLM will not load the plugin")
+    # dbo_runtime_weights left out of VLLM_PLUGINS only drops the test load format: not a problem, and
+    # vLLM then says "load format dbo_runtime_random is not supported" where it is asked for.
     return problems
 
 
@@ -252,6 +256,7 @@ def _collect() -> dict[str, Any]:
         "plugin": {
             "entry_point": entry_point,
             "disabled_by_env": parse_switch("DBO_RUNTIME_DISABLE"),
+            "load_format_entry_point": _entry_point_registered(WEIGHTS_ENTRY_POINT_VALUE),
         },
         "patches": patches,
         "deep_gemm": _deep_gemm(),
@@ -276,7 +281,13 @@ def render(doc: dict[str, Any]) -> None:
     caption = [
         f"dbo_runtime {doc['dbo_runtime_version']}, Python {doc['python']}; {vllm_line}",
         f"entry point {ENTRY_POINT_GROUP}: {'registered' if doc['plugin']['entry_point'] else 'MISSING'}"
-        + ("; DBO_RUNTIME_DISABLE reads as on: the plugin patches nothing" if doc["plugin"]["disabled_by_env"] else ""),
+        + ("; DBO_RUNTIME_DISABLE reads as on: the plugin patches nothing" if doc["plugin"]["disabled_by_env"] else "")
+        + (
+            "; load format dbo_runtime_random: registered (entry point dbo_runtime_weights, patches nothing, also under "
+            "DBO_RUNTIME_DISABLE)"
+            if doc["plugin"].get("load_format_entry_point")
+            else ""
+        ),
         f"DeepGEMM: {'available' if doc['deep_gemm']['available'] else 'unavailable'} ({doc['deep_gemm']['detail']})",
         f"NVML: {'available' if doc['nvml']['available'] else 'unavailable'} ({doc['nvml']['detail']})",
     ]

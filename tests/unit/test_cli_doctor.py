@@ -52,6 +52,7 @@ def test_real_vllm_every_target_found(capsys: pytest.CaptureFixture[str]) -> Non
     assert set(doc) == DOC_KEYS and doc["schema"] == "dbo-runtime/doctor/v1"
     assert doc["vllm"] == {"version": "0.33.0", "supported": True, "supported_series": "0.33"}
     assert doc["plugin"]["entry_point"] is True
+    assert doc["plugin"]["load_format_entry_point"] is True  # the test load format, a separate entry point
     expected = [p.name for p in plugin.all_patches()]
     assert expected, "the plugin declares no patches"
     assert [p["name"] for p in doc["patches"]] == expected
