@@ -34,7 +34,7 @@ from typing import Any
 
 from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, CliError, print_json, print_table
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.harness.compare import Thresholds
+from dbo_runtime.harness.compare import FloorRule, Thresholds
 
 SCHEMA = "dbo-runtime/verify/v1"
 
@@ -104,6 +104,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             f"token left the DBO run's returned top-k its lower bound counts (default {Thresholds.max_dlogprob})"
         ),
     )
+    parser.add_argument(
+        "--noise-floor",
+        action="store_true",
+        help=(
+            "also run DBO off with half as many sequences at a time (--max-num-seqs), and judge DBO against how much "
+            "that batch-shape change alone moves the model instead of against --min-agreement/--max-dlogprob "
+            "(one more engine run; for models whose greedy output reacts to batch shapes)"
+        ),
+    )
     parser.add_argument("--timeout", type=str, default=1800.0, metavar="S", help="seconds per engine run (default 1800)")
     parser.add_argument("--workdir", metavar="DIR", help="keep logs and records here (default: a temporary directory)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
@@ -167,6 +176,22 @@ def split_engine_args(extra: list[str]) -> tuple[list[str], int, list[str]]:
             "pass --data-parallel-size 2 or more"
         )
     return out, dp, notes
+
+
+def floor_max_num_seqs(engine_args: list[str], per_rank: int) -> int:
+    """Half the sequences the DBO-off run holds at a time per rank (the operator's --max-num-seqs or every
+    prompt of the rank, whichever is smaller), at least 1. Pure: tested on CPU."""
+    given: int | None = None
+    for i, arg in enumerate(engine_args):
+        name, eq, value = arg.partition("=")
+        if name == "--max-num-seqs":
+            raw = value if eq else (engine_args[i + 1] if i + 1 < len(engine_args) else "")
+            try:
+                given = int(raw)
+            except ValueError:
+                given = None  # vLLM's parser reports it
+    concurrent = min(given, per_rank) if given else per_rank
+    return max(1, concurrent // 2)
 
 
 def check_with_vllm(engine_args: list[str]) -> None:
@@ -272,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
     thresholds.validate()
     prompts = PromptSpec(num=args.prompts, min_len=low, max_len=high, seed=args.prompt_seed, file=args.prompt_file)
     prompts.validate()
+    loaded: list[Any] = []
     if args.prompt_file is not None:
         from dbo_runtime.harness.prompts import from_file
 
@@ -296,11 +322,17 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError("--workdir", str(workdir), f"a directory verify can create and write ({exc.strerror or exc})") from exc
     records: dict[str, dict[str, Any]] = {}
+    plan: list[tuple[str, list[str]]] = [("dbo-off", []), ("dbo-on", ["--enable-dbo"])]
+    if args.noise_floor:
+        per_rank = -(-(len(loaded) if args.prompt_file is not None else args.prompts) // dp)
+        seqs = floor_max_num_seqs(engine_args, per_rank)
+        plan.append(("noise-floor", ["--max-num-seqs", str(seqs)]))
+        notes.append(f"noise floor: DBO off with --max-num-seqs {seqs} (about half the sequences of the DBO-off run at a time)")
     with progress:
-        for label, dbo in (("dbo-off", False), ("dbo-on", True)):
+        for label, added in plan:
             spec = RunSpec(
                 label=label,
-                engine_args=[*engine_args, *(["--enable-dbo"] if dbo else [])],
+                engine_args=[*engine_args, *added],
                 dp=dp,
                 prompts=prompts,
                 max_tokens=args.max_tokens,
@@ -312,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
             progress.say(f"{label}: {'done' if rec['ok'] else 'FAILED'} in {rec['wall_s']:.0f} s")
             if not rec["ok"]:
                 break
-    result = _result(records, thresholds, workdir, notes, Request, compare, verdict)
+    floor_rule = FloorRule() if args.noise_floor else None
+    result = _result(records, thresholds, workdir, notes, Request, compare, verdict, floor_rule)
     _print(result, args.json)
     if not args.workdir and result["exit_code"] == EXIT_OK:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -327,15 +360,17 @@ def _result(
     request_cls: Any,
     compare_fn: Any,
     verdict_fn: Any,
+    floor_rule: FloorRule | None = None,
 ) -> dict[str, Any]:
-    """The verdict document (pure given the two records: tested on CPU)."""
+    """The verdict document (pure given the records: tested on CPU). With ``floor_rule`` the DBO-on
+    comparison is judged against the noise-floor run's comparison instead of ``thresholds``."""
     runs = {
         label: {k: rec.get(k) for k in ("ok", "error", "failure_signatures", "start_s", "generate_s", "microbatched_steps", "plugin")}
         for label, rec in records.items()
     }
     doc: dict[str, Any] = {"schema": SCHEMA, "runs": runs, "workdir": str(workdir), "notes": notes, "thresholds": vars(thresholds)}
     failed = [label for label, rec in records.items() if not rec.get("ok")]
-    if failed or len(records) < 2:
+    if failed or len(records) < (3 if floor_rule is not None else 2):
         label = failed[0] if failed else "dbo-on"
         rec = records.get(label, {})
         doc.update(
@@ -349,7 +384,13 @@ def _result(
     ref = [request_cls.from_json(r) for r in records["dbo-off"]["requests"]]
     test = [request_cls.from_json(r) for r in records["dbo-on"]["requests"]]
     comparison = compare_fn(ref, test)
-    passed, reasons = verdict_fn(comparison, thresholds)
+    if floor_rule is not None:
+        floor = compare_fn(ref, [request_cls.from_json(r) for r in records["noise-floor"]["requests"]])
+        passed, reasons = floor_rule.judge(comparison, floor)
+        doc["noise_floor"] = {k: v for k, v in floor.to_json().items() if k not in ("first_divergences",)}
+        doc["floor_rule"] = vars(floor_rule)
+    else:
+        passed, reasons = verdict_fn(comparison, thresholds)
     doc["comparison"] = {k: v for k, v in comparison.to_json().items() if k not in ("first_divergences",)}
     steps = records["dbo-on"].get("microbatched_steps")
     counted = [s for s in (steps if isinstance(steps, list) else [steps]) if isinstance(s, int)]
@@ -385,6 +426,11 @@ def _print(doc: dict[str, Any], as_json: bool) -> None:
             ["max |dlogprob| (shared prefix)", f"{comp['max_abs_dlogprob']:.4g}  (pass <= {doc['thresholds']['max_dlogprob']})"],
             ["mean |dlogprob|", f"{comp['mean_abs_dlogprob']:.3g}"],
         ]
+        floor = doc.get("noise_floor")
+        if floor:
+            rows[1][1] = f"{comp['agreement']:.4f}  (noise floor {floor['agreement']:.4f})"
+            rows[4][1] = f"{comp['max_abs_dlogprob']:.4g}  (noise floor {floor['max_abs_dlogprob']:.4g})"
+            rows[5][1] = f"{comp['mean_abs_dlogprob']:.3g}  (noise floor {floor['mean_abs_dlogprob']:.3g}; pass <= {doc['floor_rule']['dlogprob_factor']:g}x)"
     for label, run in doc["runs"].items():
         start = run.get("start_s") or []
         starts = ", ".join(f"{s:.0f}" for s in start if isinstance(s, (int, float)))

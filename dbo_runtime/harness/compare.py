@@ -172,6 +172,43 @@ class Thresholds:
             raise ConfigError("--max-dlogprob", self.max_dlogprob, "a finite number >= 0")
 
 
+@dataclass(frozen=True)
+class FloorRule:
+    """How far a DBO-on comparison may sit from a noise-floor comparison and still count as noise.
+
+    Why a floor: DBO changes batch shapes, and a model's greedy output can be as sensitive to that
+    as to a real defect (a random-weight model diverges within a few tokens, docs/results.md runs
+    11-13). A run that changes only batch shapes -- DBO off, fewer sequences at a time -- shows how
+    much the model moves for reasons that are not DBO's semantics; DBO may move it that much, not more.
+    """
+
+    agreement_slack: float = 0.02
+    """Agreement may sit this far below the floor's, or three standard errors of a difference of two
+    runs with the floor's per-request spread, whichever is larger."""
+    dlogprob_factor: float = 3.0
+    """Mean |dlogprob| on the shared prefix may be at most this many times the floor's..."""
+    dlogprob_min: float = 1e-6
+    """...taking the floor's as at least this (a batch-invariant floor would otherwise allow nothing)."""
+
+    def judge(self, result: Comparison, floor: Comparison) -> tuple[bool, list[str]]:
+        """(within the floor, reasons it is not)."""
+        reasons = []
+        slack = max(self.agreement_slack, 3.0 * math.sqrt(2.0) * floor.agreement_se)
+        if result.agreement < floor.agreement - slack:
+            reasons.append(f"token agreement {result.agreement:.4f} < noise floor {floor.agreement:.4f} - {slack:.3f}")
+        limit = self.dlogprob_factor * max(floor.mean_abs_dlogprob, self.dlogprob_min)
+        if result.mean_abs_dlogprob > limit:
+            reasons.append(
+                f"mean |dlogprob| {result.mean_abs_dlogprob:.3g} > {self.dlogprob_factor:g} x noise floor "
+                f"{floor.mean_abs_dlogprob:.3g}"
+            )
+        if result.missing_requests:
+            reasons.append(f"{len(result.missing_requests)} requests missing from the DBO run")
+        if result.nonfinite_logprobs:
+            reasons.append(f"{result.nonfinite_logprobs} positions with a non-finite logprob")
+        return (not reasons), reasons
+
+
 def verdict(result: Comparison, thresholds: Thresholds) -> tuple[bool, list[str]]:
     """(passed, reasons it failed)."""
     reasons = []
@@ -186,4 +223,4 @@ def verdict(result: Comparison, thresholds: Thresholds) -> tuple[bool, list[str]
     return (not reasons), reasons
 
 
-__all__ = ["Comparison", "Request", "Thresholds", "compare", "verdict"]
+__all__ = ["Comparison", "FloorRule", "Request", "Thresholds", "compare", "verdict"]

@@ -36,7 +36,7 @@ def verify_job(label: str, out: Path) -> Callable[[], dict[str, Any]]:
         argv = [
             sys.executable, "-m", "dbo_runtime", "verify", "--json", "--workdir", str(workdir),
             "--prompts", str(plan.TWO_GPU_PROMPTS.num), "--prompt-len", f"{plan.TWO_GPU_PROMPTS.min_len}-{plan.TWO_GPU_PROMPTS.max_len}",
-            "--prompt-seed", str(plan.TWO_GPU_PROMPTS.seed), "--max-tokens", "32", "--timeout", "900",
+            "--prompt-seed", str(plan.TWO_GPU_PROMPTS.seed), "--max-tokens", "32", "--timeout", "900", "--noise-floor",
             *plan.verify_args(model),
         ]  # fmt: skip
         started = time.monotonic()

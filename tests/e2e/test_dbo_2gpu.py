@@ -9,49 +9,39 @@ and the operator canary ``dbo-runtime verify``.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 
-from dbo_runtime.harness.compare import Comparison, Request, compare
-from tests.e2e import plan
+from dbo_runtime.harness.compare import Comparison, FloorRule, Request, compare
 from tests.e2e.conftest import Records
 from tests.e2e.jobs import VERIFY_CASES
 
 pytestmark = pytest.mark.e2e_dp2
 
-FLOOR_SLACK = 0.02
-"""dbo_runtime on the shared-top-k shape may fall at most this far below the floor's agreement."""
-OUTSIDE_MARGIN = 0.05
-"""vanilla on the shared-top-k shape must fall at least this far below the floor to count as 'measurably outside'."""
-MEAN_DLOGPROB_FACTOR = 3.0
-"""...or its mean |dlogprob| on the shared prefix must exceed this many times the floor's (and dbo_runtime's
-must not). Logprobs show the corruption even where greedy tokens do not flip: with vLLM's ``dummy`` weights
-(U(-1e-3, 1e-3) except norms, one seed for every tensor) no token flipped, yet the mean |dlogprob| was 3.4e-4 vanilla vs 3.1e-5
-dbo_runtime (2026-11-30, shared-top-k HT). Random weights at a trained model's scale flip tokens, but then
-DBO alone (vanilla, no followers) flips them too (``plan.LOAD_FORMAT``)."""
+WITHIN = FloorRule()
+"""dbo_runtime on the shared-top-k shape must stay within the floor: agreement at most 0.02 (or three
+standard errors) below it, mean |dlogprob| at most 3x -- the same rule as ``dbo-runtime verify --noise-floor``."""
+OUTSIDE = FloorRule(agreement_slack=0.05)
+"""vanilla on the shared-top-k shape must fall measurably outside: agreement more than 0.05 below the floor,
+or mean |dlogprob| above 3x. Logprobs show the corruption even where greedy tokens do not flip: with vLLM's
+``dummy`` weights (U(-1e-3, 1e-3) except norms, one seed for every tensor) no token flipped, yet the mean
+|dlogprob| was 3.4e-4 vanilla vs 3.1e-5 dbo_runtime (2026-11-30, shared-top-k HT). Random weights at a
+trained scale flip tokens, but then DBO alone (vanilla, no followers) flips them too (``plan.LOAD_FORMAT``)."""
 
 
-def _slack(result: dict[str, Any], floor: Comparison, minimum: float) -> float:
-    """How far below the floor's agreement still counts as the floor: at least ``minimum``, and three
-    standard errors of a difference of two runs with the floor's spread (agreement moves in whole
-    requests after a near-tie). The tested run's own spread is not used: a noisier run must not widen
-    its own pass band."""
-    del result
-    return max(minimum, 3.0 * math.sqrt(2.0) * floor.agreement_se)
+def _as_comparison(result: Comparison | dict[str, Any]) -> Comparison:
+    if isinstance(result, Comparison):
+        return result
+    return Comparison(**{k: v for k, v in result.items() if k in Comparison.__dataclass_fields__})
 
 
 def _within_floor(result: Comparison | dict[str, Any], floor: Comparison) -> bool:
-    r = result if isinstance(result, dict) else result.to_json()
-    return r["agreement"] >= floor.agreement - _slack(r, floor, FLOOR_SLACK) and r["mean_abs_dlogprob"] <= MEAN_DLOGPROB_FACTOR * max(floor.mean_abs_dlogprob, 1e-6)
+    return WITHIN.judge(_as_comparison(result), floor)[0]
 
 
 def _outside_floor(result: Comparison | dict[str, Any], floor: Comparison) -> bool:
-    r = result if isinstance(result, dict) else result.to_json()
-    return r["agreement"] < floor.agreement - _slack(r, floor, OUTSIDE_MARGIN) or r["mean_abs_dlogprob"] > MEAN_DLOGPROB_FACTOR * max(
-        floor.mean_abs_dlogprob, 1e-6
-    )
+    return not OUTSIDE.judge(_as_comparison(result), floor)[0]
 
 
 def _ok(record: dict[str, Any]) -> dict[str, Any]:
@@ -173,31 +163,16 @@ def test_mtp_under_dbo(records: Records) -> None:
 
 
 # -- the operator canary ---------------------------------------------------------------------------
-_VERIFY_GAP = {
-    # (label, load format) -> why the issue's expected verdict is not reachable on the tiny models
-    ("verify-shared-topk-vanilla-comm0", "dummy"): "dummy weights: the top-k corruption flips no greedy token and moves "
-    "logprobs by ~3e-4, far inside any noise threshold (run 9), so the canary passes vanilla",
-    ("verify-shared-topk-plugin", "dbo_runtime_random"): "random weights at a trained scale: DBO with DeepEP HT changes "
-    "this model's outputs in vanilla vLLM too, on the model without followers (runs 11-12), so the canary fails dbo_runtime",
-}
-
-
 @pytest.mark.runs(*VERIFY_CASES)
-@pytest.mark.parametrize(
-    "label",
-    [
-        pytest.param(label, marks=pytest.mark.xfail(strict=True, reason=_VERIFY_GAP[(label, plan.LOAD_FORMAT)]))
-        if (label, plan.LOAD_FORMAT) in _VERIFY_GAP
-        else label
-        for label in VERIFY_CASES
-    ],
-)
+@pytest.mark.parametrize("label", list(VERIFY_CASES))
 def test_verify_cli(records: Records, label: str) -> None:
     job = _verify(records, label)
     expected = VERIFY_CASES[label][2]
     doc = job["verify"]
     assert doc["verdict"] == expected, (doc["verdict"], doc.get("reasons"), job["stderr_tail"][-1500:])
     assert job["exit_code"] == {"pass": 0, "fail": 1, "error": 3}[expected]
+    if expected != "error":
+        assert doc["noise_floor"]["requests"] >= 64  # judged against the batch-shape noise floor (--noise-floor)
     if expected == "error":
         assert doc["runs"]["dbo-off"]["ok"] and not doc["runs"]["dbo-on"]["ok"]
         assert "deepgemm_schedule_assert" in doc["runs"]["dbo-on"]["failure_signatures"]  # MRV1: printed, then hangs

@@ -172,3 +172,55 @@ def test_unusable_workdir_is_one_line(
     assert main(["verify", "--workdir", str(afile / "sub"), "--model", "m", "-dp", "2"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[verify]")]
     assert len(err) == 1 and "--workdir" in err[0] and "Traceback" not in err[0]
+
+
+# -- the noise floor -----------------------------------------------------------------------------------
+def _lp_rec(shift: float, tokens: list[list[int]] | None = None) -> dict[str, Any]:
+    """A record whose every logprob is -0.5 - shift (tokens as given)."""
+    rec = _rec(tokens=tokens)
+    for r in rec["requests"]:
+        r["logprobs"] = [{str(x): -0.5 - shift, "999": -3.0} for x in r["tokens"]]
+    return rec
+
+
+def test_noise_floor_judges_dbo_against_a_batch_shape_change(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The dummy-weight picture of 2026-11-30: DBO with dbo_runtime moved logprobs ~3e-5, the top-k bug
+    ~3.4e-4; both pass the absolute thresholds, so only a floor can tell them apart."""
+    rule = verify.FloorRule()
+
+    def doc(on: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
+        records = {"dbo-off": _lp_rec(0.0), "dbo-on": on, "noise-floor": floor}
+        return verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], Request, compare, verdict_fn, rule)
+
+    fixed = doc(_lp_rec(3.1e-5), _lp_rec(2e-5))
+    assert fixed["verdict"] == "pass" and fixed["noise_floor"]["mean_abs_dlogprob"] == pytest.approx(2e-5)
+    bug = doc(_lp_rec(3.4e-4), _lp_rec(2e-5))
+    assert bug["verdict"] == "fail" and bug["exit_code"] == 1 and "x noise floor" in bug["reasons"][0]
+    # the same DBO run judged without a floor passes: what the floor adds
+    assert _doc({"dbo-off": _lp_rec(0.0), "dbo-on": _lp_rec(3.4e-4)}, tmp_path)["verdict"] == "pass"
+    # a model that moves a lot under a mere batch-shape change: DBO may move it as much
+    chaotic = doc(_lp_rec(0.1, tokens=[[1, 9, 9], [4, 5, 6]]), _lp_rec(0.08, tokens=[[1, 2, 9], [4, 9, 6]]))
+    assert chaotic["verdict"] == "pass", chaotic["reasons"]
+    worse = doc(_lp_rec(0.1, tokens=[[9, 9, 9], [9, 9, 9]]), _lp_rec(0.08))
+    assert worse["verdict"] == "fail" and "noise floor" in worse["reasons"][0]
+    # the floor run failing is an error, like any run
+    broken = doc(_lp_rec(0.0), _rec(ok=False, error="boom"))
+    assert broken["verdict"] == "error" and "noise-floor" in broken["reasons"][0]
+    verify._print(fixed, as_json=False)
+    out = capsys.readouterr().out
+    assert "(noise floor 1.0000)" in out and "noise-floor run" in out and "verdict: PASS" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "per_rank", "expected"),
+    [([], 32, 16), (["--max-num-seqs", "8"], 32, 4), (["--max-num-seqs=64"], 32, 16), ([], 1, 1), (["--max-num-seqs", "x"], 10, 5)],
+)
+def test_floor_halves_the_sequences_held_at_a_time(args: list[str], per_rank: int, expected: int) -> None:
+    assert verify.floor_max_num_seqs(["--model", "m", *args], per_rank) == expected
+
+
+def test_noise_floor_option_is_not_a_vllm_option() -> None:
+    import argparse
+
+    parser = verify.add_parser(argparse.ArgumentParser().add_subparsers())
+    assert parser.parse_args(["--noise-floor"]).noise_floor is True
