@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -178,20 +179,51 @@ def split_engine_args(extra: list[str]) -> tuple[list[str], int, list[str]]:
     return out, dp, notes
 
 
-def floor_max_num_seqs(engine_args: list[str], per_rank: int) -> int:
-    """Half the sequences the DBO-off run holds at a time per rank (the operator's --max-num-seqs or every
-    prompt of the rank, whichever is smaller), at least 1. Pure: tested on CPU."""
-    given: int | None = None
+def _flag_value(engine_args: list[str], flag: str) -> int | None:
+    """The last integer given for ``flag`` (vLLM also takes underscores: ``--max_num_seqs``)."""
+    found: int | None = None
     for i, arg in enumerate(engine_args):
         name, eq, value = arg.partition("=")
-        if name == "--max-num-seqs":
+        if name.replace("_", "-") == flag:
             raw = value if eq else (engine_args[i + 1] if i + 1 < len(engine_args) else "")
             try:
-                given = int(raw)
+                found = int(raw)
             except ValueError:
-                given = None  # vLLM's parser reports it
-    concurrent = min(given, per_rank) if given else per_rank
-    return max(1, concurrent // 2)
+                found = None  # vLLM's parser reports it
+    return found
+
+
+def floor_args(engine_args: list[str], per_rank: int) -> tuple[list[str], str]:
+    """Engine arguments for the noise-floor run, and a note saying what they change. Pure: tested on CPU.
+
+    The floor holds half as many sequences at a time per rank as the DBO-off run does (the smallest of
+    ``--max-num-seqs``, ``--max-num-active-seqs`` and the rank's prompts). With an active-sequence limit
+    the floor halves that one (vLLM refuses ``max_num_seqs`` below it; capture sizes stay as they were),
+    otherwise ``--max-num-seqs``."""
+    seqs = _flag_value(engine_args, "--max-num-seqs")
+    active = _flag_value(engine_args, "--max-num-active-seqs")
+    concurrent = min(x for x in (seqs, active, per_rank) if x)
+    half = concurrent // 2
+    if half < 1:
+        raise ConfigError(
+            "--noise-floor", "set", "runs where each DP rank holds at least 2 sequences at a time (more --prompts, or a larger --max-num-seqs)"
+        )
+    flag = "--max-num-active-seqs" if active else "--max-num-seqs"
+    return [flag, str(half)], f"noise floor: DBO off with {flag} {half} (half of the {concurrent} sequences per rank the DBO-off run holds at a time)"
+
+
+def same_runner_env(environ: Any) -> dict[str, str]:
+    """vLLM 0.33 falls back to the V1 runner for DBO unless ``VLLM_USE_V2_MODEL_RUNNER`` is set
+    (``VllmConfig`` lists "dual batch overlap" as unsupported by V2 then), while a run without DBO takes
+    its default. Pin V1 for every run in that case, or verify would compare runners, not DBO."""
+    return {} if environ.get("VLLM_USE_V2_MODEL_RUNNER") is not None else {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def _microbatched(record: dict[str, Any]) -> bool:
+    """False only when counters exist and some rank never microbatched (the inconclusive case)."""
+    steps = record.get("microbatched_steps")
+    counted = [x for x in (steps if isinstance(steps, list) else [steps]) if isinstance(x, int)]
+    return not counted or min(counted) > 0
 
 
 def check_with_vllm(engine_args: list[str]) -> None:
@@ -325,13 +357,22 @@ def run(args: argparse.Namespace) -> int:
     plan: list[tuple[str, list[str]]] = [("dbo-off", []), ("dbo-on", ["--enable-dbo"])]
     if args.noise_floor:
         per_rank = -(-(len(loaded) if args.prompt_file is not None else args.prompts) // dp)
-        seqs = floor_max_num_seqs(engine_args, per_rank)
-        plan.append(("noise-floor", ["--max-num-seqs", str(seqs)]))
-        notes.append(f"noise floor: DBO off with --max-num-seqs {seqs} (about half the sequences of the DBO-off run at a time)")
+        added, note = floor_args(engine_args, per_rank)
+        plan.append(("noise-floor", added))
+        notes.append(note)
+    env = same_runner_env(os.environ)
+    if env:
+        notes.append(
+            "VLLM_USE_V2_MODEL_RUNNER is not set: vLLM 0.33 runs DBO on the V1 model runner, so every run uses V1 "
+            "(only DBO differs between them)"
+        )
     with progress:
         for label, added in plan:
+            if label == "noise-floor" and not _microbatched(records["dbo-on"]):
+                break  # the verdict is inconclusive anyway: do not spend another engine run
             spec = RunSpec(
                 label=label,
+                env=env,
                 engine_args=[*engine_args, *added],
                 dp=dp,
                 prompts=prompts,
@@ -370,6 +411,8 @@ def _result(
     }
     doc: dict[str, Any] = {"schema": SCHEMA, "runs": runs, "workdir": str(workdir), "notes": notes, "thresholds": vars(thresholds)}
     failed = [label for label, rec in records.items() if not rec.get("ok")]
+    if not failed and len(records) == 2 and floor_rule is not None and not _microbatched(records["dbo-on"]):
+        floor_rule = None  # inconclusive below; the floor run was skipped
     if failed or len(records) < (3 if floor_rule is not None else 2):
         label = failed[0] if failed else "dbo-on"
         rec = records.get(label, {})
@@ -384,11 +427,28 @@ def _result(
     ref = [request_cls.from_json(r) for r in records["dbo-off"]["requests"]]
     test = [request_cls.from_json(r) for r in records["dbo-on"]["requests"]]
     comparison = compare_fn(ref, test)
+    doc["judged_by"] = "thresholds"
     if floor_rule is not None:
         floor = compare_fn(ref, [request_cls.from_json(r) for r in records["noise-floor"]["requests"]])
-        passed, reasons = floor_rule.judge(comparison, floor)
         doc["noise_floor"] = {k: v for k, v in floor.to_json().items() if k not in ("first_divergences",)}
         doc["floor_rule"] = vars(floor_rule)
+        if floor.missing_requests or floor.nonfinite_logprobs:
+            doc.update(
+                verdict="error",
+                exit_code=EXIT_RUN_FAILED,
+                reasons=[f"the noise-floor run is unusable: {len(floor.missing_requests)} requests missing, "
+                         f"{floor.nonfinite_logprobs} non-finite logprobs"],
+            )  # fmt: skip
+            return doc
+        if floor_rule.degenerate(floor):
+            notes.append(
+                "the noise-floor run was identical to the DBO-off run (this model and vLLM ignore batch shapes here): "
+                "judged by --min-agreement / --max-dlogprob instead"
+            )
+            passed, reasons = verdict_fn(comparison, thresholds)
+        else:
+            doc["judged_by"] = "noise_floor"
+            passed, reasons = floor_rule.judge(comparison, floor)
     else:
         passed, reasons = verdict_fn(comparison, thresholds)
     doc["comparison"] = {k: v for k, v in comparison.to_json().items() if k not in ("first_divergences",)}
@@ -418,19 +478,26 @@ def _print(doc: dict[str, Any], as_json: bool) -> None:
     rows = []
     comp = doc.get("comparison")
     if comp:
+        floor = doc.get("noise_floor") if doc.get("judged_by") == "noise_floor" else None
+        if floor:
+            agree = f"{comp['agreement']:.4f}  (noise floor {floor['agreement']:.4f})"
+            dmax = f"{comp['max_abs_dlogprob']:.4g}  (noise floor {floor['max_abs_dlogprob']:.4g})"
+            dmean = (
+                f"{comp['mean_abs_dlogprob_exact']:.3g}  (noise floor {floor['mean_abs_dlogprob_exact']:.3g}; "
+                f"pass <= {doc['floor_rule']['dlogprob_factor']:g}x)"
+            )
+        else:
+            agree = f"{comp['agreement']:.4f}  (pass >= {doc['thresholds']['min_agreement']})"
+            dmax = f"{comp['max_abs_dlogprob']:.4g}  (pass <= {doc['thresholds']['max_dlogprob']})"
+            dmean = f"{comp['mean_abs_dlogprob_exact']:.3g}"
         rows += [
             ["requests compared", str(comp["requests"])],
-            ["token agreement", f"{comp['agreement']:.4f}  (pass >= {doc['thresholds']['min_agreement']})"],
+            ["token agreement", agree],
             ["identical prefix (mean)", f"{comp['prefix_agreement']:.4f}"],
             ["identical requests", f"{comp['exact_requests']}/{comp['requests']}"],
-            ["max |dlogprob| (shared prefix)", f"{comp['max_abs_dlogprob']:.4g}  (pass <= {doc['thresholds']['max_dlogprob']})"],
-            ["mean |dlogprob|", f"{comp['mean_abs_dlogprob']:.3g}"],
+            ["max |dlogprob| (shared prefix)", dmax],
+            ["mean |dlogprob| (reference token in top-k)", dmean],
         ]
-        floor = doc.get("noise_floor")
-        if floor:
-            rows[1][1] = f"{comp['agreement']:.4f}  (noise floor {floor['agreement']:.4f})"
-            rows[4][1] = f"{comp['max_abs_dlogprob']:.4g}  (noise floor {floor['max_abs_dlogprob']:.4g})"
-            rows[5][1] = f"{comp['mean_abs_dlogprob']:.3g}  (noise floor {floor['mean_abs_dlogprob']:.3g}; pass <= {doc['floor_rule']['dlogprob_factor']:g}x)"
     for label, run in doc["runs"].items():
         start = run.get("start_s") or []
         starts = ", ".join(f"{s:.0f}" for s in start if isinstance(s, (int, float)))

@@ -58,6 +58,9 @@ class Comparison:
     """Positions where the reference token was not in the other run's returned top-k: counted in
     ``max_abs_dlogprob`` with their lower bound (reference logprob minus the lowest returned one)."""
     nonfinite_logprobs: int = 0
+    mean_abs_dlogprob_exact: float = 0.0
+    """Mean over the positions where the reference token was in the other run's top-k (no bounds): the
+    per-token noise, not dominated by how early a request diverged."""
     first_divergences: list[int | None] = field(default_factory=list)
     missing_requests: list[int] = field(default_factory=list)
 
@@ -104,6 +107,8 @@ def compare(reference: Sequence[Request], other: Sequence[Request]) -> Compariso
     out = Comparison()
     prefix_sum = 0.0
     dsum = 0.0
+    exact_sum = 0.0
+    exact_n = 0
     per_request: list[float] = []
     for ref in sorted(reference, key=lambda r: r.index):
         test = by_index.get(ref.index)
@@ -135,6 +140,9 @@ def compare(reference: Sequence[Request], other: Sequence[Request]) -> Compariso
                 continue
             if kind == "bound":
                 out.dlogprob_bounded += 1
+            else:
+                exact_sum += d
+                exact_n += 1
             out.dlogprob_positions += 1
             dsum += d
             out.max_abs_dlogprob = max(out.max_abs_dlogprob, d)
@@ -142,6 +150,7 @@ def compare(reference: Sequence[Request], other: Sequence[Request]) -> Compariso
     out.agreement = out.equal_tokens / out.tokens if out.tokens else 1.0
     out.prefix_agreement = prefix_sum / total_requests if total_requests else 1.0
     out.mean_abs_dlogprob = dsum / out.dlogprob_positions if out.dlogprob_positions else 0.0
+    out.mean_abs_dlogprob_exact = exact_sum / exact_n if exact_n else 0.0
     if len(per_request) > 1:
         mean = sum(per_request) / len(per_request)
         var = sum((x - mean) ** 2 for x in per_request) / (len(per_request) - 1)
@@ -190,17 +199,24 @@ class FloorRule:
     dlogprob_min: float = 1e-6
     """...taking the floor's as at least this (a batch-invariant floor would otherwise allow nothing)."""
 
+    def degenerate(self, floor: Comparison) -> bool:
+        """A floor identical to the reference measured no noise at all: there is nothing to judge against."""
+        return floor.exact_requests == floor.requests and floor.max_abs_dlogprob == 0.0 and not floor.missing_requests
+
     def judge(self, result: Comparison, floor: Comparison) -> tuple[bool, list[str]]:
-        """(within the floor, reasons it is not)."""
+        """(within the floor, reasons it is not). Per-token noise is compared on exact positions only
+        (``mean_abs_dlogprob_exact``): a run that merely diverged earlier carries more lower-bound
+        positions, which says when it diverged, not how much it moved. No sampling error is modelled
+        for the ratio; the factor 3 is the margin."""
         reasons = []
         slack = max(self.agreement_slack, 3.0 * math.sqrt(2.0) * floor.agreement_se)
         if result.agreement < floor.agreement - slack:
             reasons.append(f"token agreement {result.agreement:.4f} < noise floor {floor.agreement:.4f} - {slack:.3f}")
-        limit = self.dlogprob_factor * max(floor.mean_abs_dlogprob, self.dlogprob_min)
-        if result.mean_abs_dlogprob > limit:
+        limit = self.dlogprob_factor * max(floor.mean_abs_dlogprob_exact, self.dlogprob_min)
+        if result.mean_abs_dlogprob_exact > limit:
             reasons.append(
-                f"mean |dlogprob| {result.mean_abs_dlogprob:.3g} > {self.dlogprob_factor:g} x noise floor "
-                f"{floor.mean_abs_dlogprob:.3g}"
+                f"mean |dlogprob| {result.mean_abs_dlogprob_exact:.3g} > {self.dlogprob_factor:g} x noise floor "
+                f"{floor.mean_abs_dlogprob_exact:.3g} (positions where the reference token was in the top-k)"
             )
         if result.missing_requests:
             reasons.append(f"{len(result.missing_requests)} requests missing from the DBO run")

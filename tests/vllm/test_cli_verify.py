@@ -193,16 +193,17 @@ def test_noise_floor_judges_dbo_against_a_batch_shape_change(tmp_path: Path, cap
         return verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], Request, compare, verdict_fn, rule)
 
     fixed = doc(_lp_rec(3.1e-5), _lp_rec(2e-5))
-    assert fixed["verdict"] == "pass" and fixed["noise_floor"]["mean_abs_dlogprob"] == pytest.approx(2e-5)
+    assert fixed["verdict"] == "pass" and fixed["noise_floor"]["mean_abs_dlogprob_exact"] == pytest.approx(2e-5)
     bug = doc(_lp_rec(3.4e-4), _lp_rec(2e-5))
-    assert bug["verdict"] == "fail" and bug["exit_code"] == 1 and "x noise floor" in bug["reasons"][0]
+    assert bug["verdict"] == "fail" and bug["exit_code"] == 1 and "> 3 x noise floor" in bug["reasons"][0]
+    assert bug["judged_by"] == "noise_floor"
     # the same DBO run judged without a floor passes: what the floor adds
     assert _doc({"dbo-off": _lp_rec(0.0), "dbo-on": _lp_rec(3.4e-4)}, tmp_path)["verdict"] == "pass"
     # a model that moves a lot under a mere batch-shape change: DBO may move it as much
     chaotic = doc(_lp_rec(0.1, tokens=[[1, 9, 9], [4, 5, 6]]), _lp_rec(0.08, tokens=[[1, 2, 9], [4, 9, 6]]))
     assert chaotic["verdict"] == "pass", chaotic["reasons"]
     worse = doc(_lp_rec(0.1, tokens=[[9, 9, 9], [9, 9, 9]]), _lp_rec(0.08))
-    assert worse["verdict"] == "fail" and "noise floor" in worse["reasons"][0]
+    assert worse["verdict"] == "fail" and worse["reasons"][0].startswith("token agreement 0.0000 < noise floor")
     # the floor run failing is an error, like any run
     broken = doc(_lp_rec(0.0), _rec(ok=False, error="boom"))
     assert broken["verdict"] == "error" and "noise-floor" in broken["reasons"][0]
@@ -213,10 +214,55 @@ def test_noise_floor_judges_dbo_against_a_batch_shape_change(tmp_path: Path, cap
 
 @pytest.mark.parametrize(
     ("args", "per_rank", "expected"),
-    [([], 32, 16), (["--max-num-seqs", "8"], 32, 4), (["--max-num-seqs=64"], 32, 16), ([], 1, 1), (["--max-num-seqs", "x"], 10, 5)],
+    [
+        ([], 32, ["--max-num-seqs", "16"]),
+        (["--max-num-seqs", "8"], 32, ["--max-num-seqs", "4"]),
+        (["--max_num_seqs", "8"], 32, ["--max-num-seqs", "4"]),  # vLLM takes underscores too
+        (["--max-num-seqs=64"], 32, ["--max-num-seqs", "16"]),
+        (["--max-num-seqs", "x"], 10, ["--max-num-seqs", "5"]),
+        (["--max-num-seqs", "64", "--max-num-active-seqs", "12"], 32, ["--max-num-active-seqs", "6"]),
+    ],
 )
-def test_floor_halves_the_sequences_held_at_a_time(args: list[str], per_rank: int, expected: int) -> None:
-    assert verify.floor_max_num_seqs(["--model", "m", *args], per_rank) == expected
+def test_floor_halves_the_sequences_held_at_a_time(args: list[str], per_rank: int, expected: list[str]) -> None:
+    added, note = verify.floor_args(["--model", "m", *args], per_rank)
+    assert added == expected and f"{expected[0]} {expected[1]}" in note
+
+
+def test_floor_needs_two_sequences_per_rank() -> None:
+    with pytest.raises(ConfigError, match="--noise-floor"):
+        verify.floor_args(["--model", "m"], 1)
+    with pytest.raises(ConfigError, match="at least 2 sequences"):
+        verify.floor_args(["--model", "m", "--max-num-seqs", "1"], 32)
+
+
+def test_every_run_gets_the_runner_dbo_would_use() -> None:
+    """vLLM 0.33 runs DBO on V1 unless VLLM_USE_V2_MODEL_RUNNER is set; without pinning, DBO-off would run
+    V2 and verify would compare runners (review of 2026-11-30)."""
+    assert verify.same_runner_env({}) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert verify.same_runner_env({"VLLM_USE_V2_MODEL_RUNNER": "1"}) == {}
+
+
+def test_degenerate_or_broken_floor(tmp_path: Path) -> None:
+    rule = verify.FloorRule()
+    records = {"dbo-off": _lp_rec(0.0), "dbo-on": _lp_rec(3.4e-4), "noise-floor": _lp_rec(0.0)}
+    doc = verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], Request, compare, verdict_fn, rule)
+    assert doc["judged_by"] == "thresholds" and doc["verdict"] == "pass" and any("identical" in n for n in doc["notes"])
+    broken = _lp_rec(1e-5)
+    broken["requests"][1]["logprobs"][0] = {"4": float("nan")}
+    doc = verify._result({**records, "noise-floor": broken}, Thresholds(0.98, 0.25), tmp_path, [], Request, compare, verdict_fn, rule)
+    assert doc["verdict"] == "error" and "noise-floor run is unusable" in doc["reasons"][0]
+
+
+def test_floor_slack_grows_with_the_floors_spread() -> None:
+    from dbo_runtime.harness.compare import Comparison
+
+    floor = Comparison(requests=64, agreement=0.80, agreement_se=0.05, mean_abs_dlogprob_exact=0.01)
+    ok, _ = verify.FloorRule().judge(Comparison(requests=64, agreement=0.60, mean_abs_dlogprob_exact=0.01), floor)
+    assert ok  # 0.80 - 3 * sqrt(2) * 0.05 = 0.588
+    ok, reasons = verify.FloorRule().judge(Comparison(requests=64, agreement=0.58, mean_abs_dlogprob_exact=0.01), floor)
+    assert not ok and reasons[0].startswith("token agreement 0.5800 < noise floor 0.8000 - 0.212")
+    ok, reasons = verify.FloorRule().judge(Comparison(requests=64, agreement=0.8, missing_requests=[3], nonfinite_logprobs=2), floor)
+    assert not ok and any("missing" in r for r in reasons) and any("non-finite" in r for r in reasons)
 
 
 def test_noise_floor_option_is_not_a_vllm_option() -> None:
@@ -224,3 +270,28 @@ def test_noise_floor_option_is_not_a_vllm_option() -> None:
 
     parser = verify.add_parser(argparse.ArgumentParser().add_subparsers())
     assert parser.parse_args(["--noise-floor"]).noise_floor is True
+
+
+def test_noise_floor_end_to_end_with_the_fake_engine(
+    tmp_path: Path, fake_cuda_device_type: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify's own plan through the real launcher, with FakeEngineRunner standing in for vLLM (no GPU in
+    CI; GPU twin: the verify cases of tests/e2e): three runs, the floor's halved sequences, the runner pin."""
+    import json
+
+    from dbo_runtime.harness import launch as launch_mod
+
+    monkeypatch.setenv(launch_mod.RUNNER_MODULE_ENV, "tests.fakes.fake_engine_runner")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setattr(verify, "_visible_gpus", lambda: 2)  # FakeGpuCount
+    argv = ["verify", "--json", "--noise-floor", "--prompts", "8", "--prompt-len", "300-400", "--workdir", str(tmp_path), "--model", "m", "-dp", "2"]
+    code = main(argv)
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["verdict"] == "pass", doc
+    assert list(doc["runs"]) == ["dbo-off", "dbo-on", "noise-floor"]
+    assert any("--max-num-seqs 2" in n for n in doc["notes"]) and any("VLLM_USE_V2_MODEL_RUNNER is not set" in n for n in doc["notes"])
+    assert any("identical" in n for n in doc["notes"]) and doc["judged_by"] == "thresholds"  # the fake ignores batch shapes
+    specs = {label: json.loads((tmp_path / label / "spec.json").read_text()) for label in doc["runs"]}
+    assert specs["noise-floor"]["engine_args"][-2:] == ["--max-num-seqs", "2"] and "--enable-dbo" not in specs["noise-floor"]["engine_args"]
+    assert specs["dbo-on"]["engine_args"][-1] == "--enable-dbo"
+    assert all(s["env"] == {"VLLM_USE_V2_MODEL_RUNNER": "0"} for s in specs.values())
