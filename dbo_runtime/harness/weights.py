@@ -42,11 +42,14 @@ expert. A trained model is not like that. Small MLP updates keep routing flips s
 attention keeps the model sensitive to which positions it reads -- which is exactly what a
 corrupted top-k changes.
 
-Limitations: models that vLLM quantizes online (a quantization method requested for an
-unquantized checkpoint) are refused -- their layers are already processed when the rules would
-run. Fan-in is the local shard's last dimension and seeds follow parameter names, so under tensor
-or expert parallelism the statistics shift by the shard count and ranks hold equal shards (expert i
-on EP rank 1 equals expert i on rank 0); the project's runs are TP 1.
+Parallel layouts: a linear layer's fan-in is its global ``input_size`` (a row-parallel shard
+holds a slice of it), and routed experts are seeded by their *global* id (vLLM's
+``expert_map_manager.expert_map``), so under expert parallelism every rank holds different experts
+and the model is the one a single GPU would load. Fused-MoE weights under tensor parallelism keep
+the local fan-in (the project's runs are TP 1).
+
+Limitation: models that vLLM quantizes online (a quantization method requested for an
+unquantized checkpoint) are refused -- their layers are already processed when the rules would run.
 """
 
 from __future__ import annotations
@@ -68,6 +71,29 @@ _SCALE_SUFFIXES = ("_scale_inv", "_scale")
 
 def _seed(name: str, seed: int) -> int:
     return (zlib.crc32(name.encode()) ^ (seed * 0x9E3779B1)) & 0x7FFFFFFF
+
+
+def _fan_in(module: nn.Module, weight: torch.Tensor) -> int:
+    """The global fan-in: vLLM's linear layers keep it as ``input_size`` (a row-parallel shard's last
+    dimension is only its slice); other tensors use their last dimension."""
+    size = getattr(module, "input_size", None)
+    return int(size) if isinstance(size, int) and size > 0 else int(weight.shape[-1])
+
+
+def _global_experts(module: nn.Module, param: torch.Tensor) -> list[int] | None:
+    """Global expert id of each local expert of a fused-MoE parameter (dim 0), or None if not one."""
+    manager = getattr(module, "expert_map_manager", None)
+    local = getattr(manager, "local_num_experts", None)
+    if manager is None or not isinstance(local, int) or param.dim() < 2 or param.shape[0] != local:
+        return None
+    expert_map = getattr(manager, "expert_map", None)
+    if expert_map is None:
+        return list(range(local))
+    ids = [0] * local
+    for global_id, local_id in enumerate(expert_map.tolist()):
+        if 0 <= local_id < local:
+            ids[local_id] = global_id
+    return ids
 
 
 def _is_norm(module: nn.Module, module_name: str) -> bool:
@@ -103,6 +129,15 @@ def _gain(module_name: str, pname: str, qk_gain: float, mlp_gain: float) -> floa
     return 1.0
 
 
+def _fill_experts_or_all(module: nn.Module, param: torch.Tensor, name: str, seed: int, **dist: float) -> None:
+    experts = _global_experts(module, param)
+    if experts is None:
+        _fill_random(param, seed=_seed(name, seed), **dist)
+        return
+    for local_id, global_id in enumerate(experts):
+        _fill_random(param.data[local_id], seed=_seed(f"{name}[{global_id}]", seed), **dist)
+
+
 def initialize(model: nn.Module, seed: int = 0, *, qk_gain: float = 1.0, mlp_gain: float = 1.0) -> dict[str, int]:
     """Re-initialise ``model``'s floating-point parameters in place (rules in the module docstring).
 
@@ -135,19 +170,19 @@ def initialize(model: nn.Module, seed: int = 0, *, qk_gain: float = 1.0, mlp_gai
                     weight = params.get(base)
                     if weight is not None and weight.dim() >= 2:
                         gain = _gain(module_name, base, qk_gain, mlp_gain)
-                        param.data.fill_(gain * math.sqrt(3.0) / math.sqrt(weight.shape[-1]))
+                        param.data.fill_(gain * math.sqrt(3.0) / math.sqrt(_fan_in(module, weight)))
                     else:
                         param.data.fill_(1.0)
                     counts["scale"] += 1
                 elif torch.finfo(param.dtype).bits < 16:
-                    _fill_random(param, seed=_seed(full, seed), uniform=1.0)
+                    _fill_experts_or_all(module, param, full, seed, uniform=1.0)
                     counts["fp8"] += 1
                 elif "Embedding" in kind and "LMHead" not in kind:
                     _fill_random(param, seed=_seed(full, seed), std=1.0)
                     counts["embedding"] += 1
                 elif param.dim() >= 2:
                     gain = _gain(module_name, pname, qk_gain, mlp_gain)
-                    _fill_random(param, seed=_seed(full, seed), std=gain / math.sqrt(param.shape[-1]))
+                    _fill_experts_or_all(module, param, full, seed, std=gain / math.sqrt(_fan_in(module, param)))
                     counts["linear"] += 1
                 else:
                     param.data.fill_(1.0)

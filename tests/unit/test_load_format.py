@@ -217,3 +217,52 @@ def test_extra_config_is_checked_and_consumed() -> None:
     for bad in (0, -1, float("nan"), "2", True):
         with pytest.raises(ValueError, match=r"qk_gain=.*allowed: a finite number > 0"):
             weights.parse_gains({"qk_gain": bad})
+
+
+class _Manager:
+    """The two attributes of vLLM 0.33's ExpertMapManager the format reads."""
+
+    def __init__(self, local: int, expert_map: torch.Tensor | None) -> None:
+        self.local_num_experts = local
+        self.expert_map = expert_map
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, local: int, expert_map: torch.Tensor | None) -> None:
+        super().__init__()
+        self.w13_weight = nn.Parameter(torch.zeros(local, 512, 512, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.zeros(local, 512, 256), requires_grad=False)
+        self.expert_map_manager = _Manager(local, expert_map)
+
+
+class Moe(nn.Module):
+    def __init__(self, local: int, expert_map: torch.Tensor | None) -> None:
+        super().__init__()
+        self.experts = RoutedExperts(local, expert_map)
+
+
+def test_expert_parallel_ranks_hold_the_single_gpu_models_experts() -> None:
+    """Review of 2026-11-30: seeds by parameter name gave EP rank 1 the same experts as rank 0."""
+    single = Moe(4, None)
+    weights.initialize(single)
+    rank0 = Moe(2, torch.tensor([0, 1, -1, -1]))
+    rank1 = Moe(2, torch.tensor([-1, -1, 0, 1]))
+    for m in (rank0, rank1):
+        weights.initialize(m)
+    w = [single.experts.w13_weight.float(), rank0.experts.w13_weight.float(), rank1.experts.w13_weight.float()]
+    assert torch.equal(w[1][0], w[0][0]) and torch.equal(w[1][1], w[0][1])
+    assert torch.equal(w[2][0], w[0][2]) and torch.equal(w[2][1], w[0][3])
+    assert not torch.equal(w[1][0], w[2][0])
+    assert torch.equal(rank1.experts.w2_weight[1], single.experts.w2_weight[3])
+
+
+def test_row_parallel_shards_use_the_global_fan_in() -> None:
+    class RowParallelLinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.input_size = 2048  # global; this shard holds 512 of it
+            self.weight = nn.Parameter(torch.zeros(512, 512))
+
+    layer = RowParallelLinear()
+    weights.initialize(layer)
+    assert layer.weight.std().item() == pytest.approx(1 / math.sqrt(2048), rel=0.05)
