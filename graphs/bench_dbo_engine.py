@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "graphs"))
 
+from graphs._plotting import pyplot  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -32,12 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 1 or args.steps < 2:
         parser.error("--reps must be >= 1 and --steps >= 2")
-    from bench_real_engine import engine_missing
+    from dbo_runtime.harness.machine import refuse_without_engine
 
-    missing = engine_missing(2)
-    if missing is not None:
-        print(f"bench_dbo_engine: needs two CUDA GPUs and vLLM 0.33: {missing}; nothing measured", file=sys.stderr)
-        return 2
+    refused = refuse_without_engine("bench_dbo_engine", 2)
+    if refused is not None:
+        return refused
 
     from dbo_runtime.harness.launch import RunSpec
     from dbo_runtime.harness.prompts import PromptSpec
@@ -123,12 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows: dict, summary: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     labels = [k for k in rows if rows[k]["decode_step_ms"]]
     fig, ax = plt.subplots(figsize=(10, 4))

@@ -33,6 +33,7 @@ from dbo_runtime.services.topk_state import topk_memory_bytes
 from dbo_runtime.sim.backends import DeepGemmBackend, real_kernels_missing
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import GLM53, Scenario, capture_dbo_graph
+from graphs._plotting import pyplot
 
 VARIANTS = {
     "dbo_runtime": {},
@@ -188,12 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(doc: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     s = doc["summary"]
     names = list(s["eager_ms_median"])

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from graphs._plotting import pyplot
+
 HEADS, DIM, BLOCK = 32, 128, 64
 CONTEXTS = [1, 7, 64, 65, 255, 256, 257, 1000, 4096, 8191, 16384, 30000, 32768]
 MAX_CTX = 32768
@@ -286,12 +288,8 @@ def _environment() -> dict[str, Any]:
 
 
 def _plot(doc: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     h = doc["host_cost"]

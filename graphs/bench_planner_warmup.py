@@ -39,6 +39,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from graphs._plotting import pyplot  # noqa: E402
+
 BLOCK = 64
 OLD_CAP = 512
 
@@ -113,12 +115,8 @@ def run_child(shapes: list[list[int]], sms: int, prime_sms: int) -> dict[str, An
 
 
 def _plot(doc: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     rows = doc["sets"]
     names = list(rows)

@@ -24,24 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def engine_missing(gpus: int) -> str | None:
-    """Why the real engine cannot run here (None when it can): CUDA GPUs first, then vLLM 0.33."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
-    if torch.cuda.device_count() < gpus:
-        return f"{torch.cuda.device_count()} CUDA device(s) visible"
-    from importlib import metadata
-
-    try:
-        version = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return "vLLM is not installed"
-    if not version.startswith("0.33"):
-        return f"vLLM {version} is installed"
-    return None
+from dbo_runtime.harness.machine import refuse_without_engine  # noqa: E402
+from graphs._plotting import pyplot  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,10 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 1 or args.steps < 2:
         parser.error("--reps must be >= 1 and --steps >= 2")
-    missing = engine_missing(1)
-    if missing is not None:
-        print(f"bench_real_engine: needs a CUDA GPU and vLLM 0.33: {missing}; nothing measured", file=sys.stderr)
-        return 2
+    refused = refuse_without_engine("bench_real_engine", 1)
+    if refused is not None:
+        return refused
 
     from dbo_runtime.harness.launch import RunSpec, launch
     from dbo_runtime.harness.prompts import PromptSpec
@@ -155,12 +138,8 @@ def _summary(runs: list[dict]) -> dict:
 
 
 def _plot(runs: list[dict], summary: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib missing: no PNG", file=sys.stderr)
         return
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))

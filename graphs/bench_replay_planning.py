@@ -47,6 +47,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from graphs._plotting import pyplot
+
 VARIANTS = {"plan_at_build": {"defer_plan_ahead": False}, "deferred": {"defer_plan_ahead": True}}
 PLANNER_KERNEL = "paged_mqa_logits_metadata"
 TOP_NAMES = 8
@@ -224,12 +226,8 @@ def consistency_notes(rows: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _plot(doc: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     rows = doc["variants"]
     names = list(rows)

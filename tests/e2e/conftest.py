@@ -26,30 +26,11 @@ from typing import Any
 import pytest
 
 from dbo_runtime.core.switches import parse_switch
+from dbo_runtime.harness.machine import engine_missing
 from tests.e2e import plan
 
 OUT = Path(os.environ.get("DBO_E2E_OUT", Path(__file__).parent / ".out"))
 
-
-
-def _problem(gpus_needed: int) -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
-    if torch.cuda.device_count() < gpus_needed:
-        return f"needs {gpus_needed} GPUs, {torch.cuda.device_count()} visible"
-    try:
-        from importlib import metadata
-
-        version = metadata.version("vllm")
-    except Exception:
-        return "vLLM is not installed"
-    if not version.startswith("0.33"):
-        return f"needs vLLM 0.33.x, found {version}"
-    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -61,7 +42,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             need = 1
         else:
             continue
-        problem = _problem(need)
+        problem = engine_missing(need)
         if problem is None:
             continue
         if require:

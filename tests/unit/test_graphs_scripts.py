@@ -16,7 +16,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = sorted(p.name for p in (ROOT / "graphs").glob("*.py"))
+SCRIPTS = sorted(p.name for p in (ROOT / "graphs").glob("*.py") if not p.name.startswith("_"))  # _plotting.py: a helper
 ENGINE = {"bench_real_engine.py": "a CUDA GPU and vLLM 0.33", "bench_dbo_engine.py": "two CUDA GPUs and vLLM 0.33"}
 """Real-engine benchmarks: they need vLLM and GPUs, not DeepGEMM directly."""
 KERNELS = [s for s in SCRIPTS if s not in ENGINE]

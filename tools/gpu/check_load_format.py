@@ -25,13 +25,11 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0].startswith("-"):
         print("usage: check_load_format.py WORKDIR   (a directory for the run's logs; see the module docstring)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    sys.path.insert(0, str(ROOT / "graphs"))
-    from bench_real_engine import engine_missing
+    from dbo_runtime.harness.machine import refuse_without_engine
 
-    missing = engine_missing(1)
-    if missing is not None:
-        print(f"check_load_format: needs a CUDA GPU and vLLM 0.33: {missing}; nothing checked", file=sys.stderr)
-        return 2
+    refused = refuse_without_engine("check_load_format", 1, "nothing checked")
+    if refused is not None:
+        return refused
     from dbo_runtime.harness.launch import RunSpec, launch
     from dbo_runtime.harness.prompts import PromptSpec
     from tests.e2e import plan

@@ -1,0 +1,40 @@
+"""Can the real vLLM engine run here? One answer for the e2e tests, the engine benchmarks and the
+GPU-session checks, so they skip, fail or refuse for the same reasons in the same words."""
+
+from __future__ import annotations
+
+import sys
+
+
+def engine_missing(gpus: int) -> str | None:
+    """Why the real engine cannot run here (None when it can): torch, CUDA GPUs, then vLLM 0.33."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    if torch.cuda.device_count() < gpus:
+        return f"needs {gpus} GPUs, {torch.cuda.device_count()} visible"
+    from importlib import metadata
+
+    try:
+        version = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return "vLLM is not installed"
+    if not version.startswith("0.33"):
+        return f"needs vLLM 0.33.x, found {version}"
+    return None
+
+
+def refuse_without_engine(script: str, gpus: int, done: str = "nothing measured") -> int | None:
+    """Exit status 2 with one line on stderr when ``script`` cannot run the engine here, else None."""
+    missing = engine_missing(gpus)
+    if missing is None:
+        return None
+    need = {1: "a CUDA GPU", 2: "two CUDA GPUs"}.get(gpus, f"{gpus} CUDA GPUs")
+    print(f"{script}: needs {need} and vLLM 0.33: {missing}; {done}", file=sys.stderr)
+    return 2
+
+
+__all__ = ["engine_missing", "refuse_without_engine"]
