@@ -219,10 +219,15 @@ def same_runner_env(environ: Any) -> dict[str, str]:
     return {} if environ.get("VLLM_USE_V2_MODEL_RUNNER") is not None else {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
+def _counted_steps(record: dict[str, Any]) -> list[int]:
+    """Microbatched steps per rank where the plugin's counters answered (empty: no counters)."""
+    steps = record.get("microbatched_steps")
+    return [x for x in (steps if isinstance(steps, list) else [steps]) if isinstance(x, int)]
+
+
 def _microbatched(record: dict[str, Any]) -> bool:
     """False only when counters exist and some rank never microbatched (the inconclusive case)."""
-    steps = record.get("microbatched_steps")
-    counted = [x for x in (steps if isinstance(steps, list) else [steps]) if isinstance(x, int)]
+    counted = _counted_steps(record)
     return not counted or min(counted) > 0
 
 
@@ -452,9 +457,8 @@ def _result(
     else:
         passed, reasons = verdict_fn(comparison, thresholds)
     doc["comparison"] = {k: v for k, v in comparison.to_json().items() if k not in ("first_divergences",)}
-    steps = records["dbo-on"].get("microbatched_steps")
-    counted = [s for s in (steps if isinstance(steps, list) else [steps]) if isinstance(s, int)]
-    if counted and min(counted) == 0:
+    counted = _counted_steps(records["dbo-on"])
+    if not _microbatched(records["dbo-on"]):
         doc.update(
             verdict="inconclusive",
             exit_code=EXIT_INCONCLUSIVE,
