@@ -12,6 +12,9 @@ MARK=${1:-"e2e or e2e_dp2"}
 LIMIT=${2:-540}
 KEXPR=${3:-}
 . tools/gpu/env.sh
+# Dozens of engines share 32 cores while they start: one or two intra-op threads each (vLLM gives
+# its multiproc workers 1) keep them from oversubscribing the host.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export DBO_E2E_OUT=/tmp/e2e-out DBO_E2E_RECORD_DIR=/tmp/e2e-records DBO_E2E_MAX_ENGINES=${DBO_E2E_MAX_ENGINES:-16}
 mkdir -p "$DBO_E2E_OUT" "$DBO_E2E_RECORD_DIR"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
