@@ -33,6 +33,12 @@ LL_BATCHED_TOKENS = ["--max-num-batched-tokens", "2048"]
 ``DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP``): prefill then runs in ~140 chunks that share steps
 with early decodes, no step reaches the prefill threshold (512), and by the time every prefill is done
 most requests have finished. On 2x H200 (2026-11-30) MRV1 microbatched 0 steps and MRV2 2 under LL."""
+LL_ENV = {"NVSHMEM_QP_DEPTH": "8192"}
+"""DeepEP LL asserts ``NVSHMEM_QP_DEPTH >= (num_max_dispatch_tokens_per_rank + 1) * 2``
+(``deep_ep/buffer.py``, default depth 1024, i.e. at most 511 tokens per rank); vLLM 0.33 sizes
+the dispatch by ``max_num_batched_tokens``, so 2048 tokens need a depth of at least 4098
+(2x H200, 2026-11-30: every LL engine failed its first dummy dispatch without it)."""
+
 LOAD_FORMAT = os.environ.get("DBO_E2E_LOAD_FORMAT", "dummy")
 """vLLM's ``dummy`` weights by default. ``DBO_E2E_LOAD_FORMAT=dbo_runtime_random`` loads random weights at
 a trained model's scale (``dbo_runtime.harness.weights``), which make greedy tokens sensitive -- and on
@@ -138,6 +144,7 @@ def _dp(label: str, model: str, backend: str, *, dbo: bool, runner: str, plugin:
         extra += FULL_DECODE
     if backend == LL:
         extra += LL_BATCHED_TOKENS
+        env = {**LL_ENV, **env}
     if dbo:
         extra.append("--enable-dbo")
     return RunSpec(

@@ -40,6 +40,8 @@ def test_every_run_parses_with_vllm(label: str) -> None:
     if "deepep_low_latency" in spec.engine_args:
         assert args.max_num_batched_tokens == int(plan.LL_BATCHED_TOKENS[1]) >= 512  # prefill steps can reach DBO's threshold
         assert "h2048" in spec.meta["model"]  # DeepEP LL's smallest hidden size
+        # deep_ep/buffer.py asserts this on the first dispatch (every LL engine died of it on 2026-11-30)
+        assert int(spec.env["NVSHMEM_QP_DEPTH"]) >= (args.max_num_batched_tokens + 1) * 2
 
 
 def test_random_weights_come_with_their_gains(monkeypatch: pytest.MonkeyPatch) -> None:
