@@ -94,4 +94,28 @@ def run_all(
     return {label: records[label] for label in labels}
 
 
-__all__ = ["assign_gpus", "run_all"]
+def replay_all(workdir: Path, labels: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Records by label, read back from a finished session's run directories instead of run again.
+
+    Why: a GPU session is scarce and its raw runs (``<workdir>/<label>/record.json``, with every
+    request's tokens and logprobs) outlive it; when a test's criterion is corrected, the same
+    evidence can be judged again on any machine. Nothing is started, so nothing new is proven
+    about the engine. A label the session did not run is a failed record naming the missing file;
+    a job record's ``workdir`` (where a ``verify`` run keeps its per-run records) is moved to the
+    replayed directory."""
+    if not workdir.is_dir():
+        raise ValueError(f"replay directory {workdir} does not exist (expected <dir>/<label>/record.json)")
+    records: dict[str, dict[str, Any]] = {}
+    for label in labels:
+        path = workdir / label / "record.json"
+        if not path.is_file():
+            records[label] = {"label": label, "ok": False, "error": f"replay: {path} missing (the session did not run it)"}
+            continue
+        record = json.loads(path.read_text())
+        if "workdir" in record:
+            record["workdir"] = str(workdir / label)
+        records[label] = record
+    return records
+
+
+__all__ = ["assign_gpus", "replay_all", "run_all"]

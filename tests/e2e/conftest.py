@@ -10,6 +10,11 @@ the first test that asks for records starts all runs of the selected tests at on
 record lands in ``DBO_E2E_OUT`` (default ``tests/e2e/.out``); with ``DBO_E2E_RECORD_DIR``
 set, the records (requests stripped, comparisons added by the tests) are also written there as
 ``<date>-real-engine-<label>.json`` (the files under ``docs/gpu-runs/``).
+
+With ``DBO_E2E_REPLAY=<dir>`` (a session's run directory, e.g. an extracted ``e2e.tgz``'s
+``e2e-out``) no engine starts: the tests judge that session's recorded runs again
+(``harness.pool.replay_all``), on any machine. Use it after correcting a criterion; it proves nothing
+new about the engine.
 """
 
 from __future__ import annotations
@@ -30,10 +35,15 @@ from dbo_runtime.harness.machine import engine_missing
 from tests.e2e import plan
 
 OUT = Path(os.environ.get("DBO_E2E_OUT", Path(__file__).parent / ".out"))
+REPLAY = os.environ.get("DBO_E2E_REPLAY") or None
 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if REPLAY is not None:
+        if not Path(REPLAY).is_dir():
+            raise pytest.UsageError(f"DBO_E2E_REPLAY={REPLAY}: not a directory (expected a session's run directory, <dir>/<label>/record.json)")
+        return  # recorded runs are judged again: no engine, no GPU needed
     require = parse_switch("DBO_REQUIRE_GPU")  # 1/true/yes/on, as every project switch
     for item in items:
         if item.get_closest_marker("e2e_dp2") is not None:
@@ -70,6 +80,10 @@ class Records:
         self.extra: dict[str, dict[str, Any]] = {}
 
     def _run(self) -> dict[str, dict[str, Any]]:
+        if self.records is None and REPLAY is not None:
+            from dbo_runtime.harness.pool import replay_all
+
+            self.records = replay_all(Path(REPLAY), self.labels)
         if self.records is None:
             import torch
 
@@ -119,7 +133,7 @@ def records(request: pytest.FixtureRequest) -> Iterator[Records]:
 
 def _write_records(store: Records) -> None:
     target = os.environ.get("DBO_E2E_RECORD_DIR")
-    if not target or store.records is None:
+    if not target or store.records is None or REPLAY is not None:  # a replay's records exist already
         return
     root = Path(target)
     root.mkdir(parents=True, exist_ok=True)

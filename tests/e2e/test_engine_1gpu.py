@@ -45,10 +45,20 @@ def _identical(a: dict[str, Any], b: dict[str, Any]) -> float:
     return _max_dlogprob(a, b)
 
 
-def _floor(records: Records, mode: str) -> float:
-    """vLLM's own run-to-run logprob noise: the same vanilla engine started twice."""
-    a, b = _ok(records[f"1gpu-deepseek-v32-{mode}-v2-vanilla"]), _ok(records[f"1gpu-deepseek-v32-{mode}-v2-vanilla2"])
-    return _identical(a, b)
+def _floor(records: Records) -> float:
+    """vLLM's own run-to-run logprob noise: the same vanilla engine started twice, eager and graphs.
+
+    The larger of the two controls is the floor for every pair. Why not each mode its own: on
+    2x H200 (2026-11-30, run 15) the graphs control moved logprobs by 1/512 (one bf16 step of a
+    logit) at requests 33, 38 and 39, decode positions 17, 7 and 21, and the eager-V1 plugin-vs-vanilla
+    pair moved by the same 1/512 at the same requests and positions, while the eager control happened to
+    move nothing. The noise follows vLLM's step-by-step batch composition, not the mode, so one control
+    of one mode under-reads it."""
+    worst = 0.0
+    for mode in ("eager", "graphs"):
+        a, b = _ok(records[f"1gpu-deepseek-v32-{mode}-v2-vanilla"]), _ok(records[f"1gpu-deepseek-v32-{mode}-v2-vanilla2"])
+        worst = max(worst, _identical(a, b))
+    return worst
 
 
 @pytest.mark.runs(
@@ -63,7 +73,7 @@ def test_plugin_is_transparent_with_dbo_off(records: Records, model: str, mode: 
     with_plugin, vanilla = _ok(records[f"{base}-plugin"]), _ok(records[f"{base}-vanilla"])
     assert len(with_plugin["requests"]) == 48 and all(len(r["tokens"]) == 24 for r in with_plugin["requests"])
     worst = _identical(with_plugin, vanilla)
-    floor = _floor(records, mode)
+    floor = _floor(records)
     records.annotate(f"{base}-plugin", tokens_identical_to=f"{base}-vanilla", max_abs_dlogprob=worst, vanilla_run_to_run_max_abs_dlogprob=floor)
     assert worst <= max(2 * floor, 0.0), (worst, floor)
     # The runner the test asked for is the one vLLM used (read from the worker itself).

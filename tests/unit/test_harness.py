@@ -247,3 +247,19 @@ def test_bench_reports_no_step_time_when_the_host_made_it_unmeasurable(monkeypat
     monkeypatch.setenv("DBO_RUNTIME_SELF_TIME", "1")
     [row] = runner._bench(LLM(), Params, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)["reps"]
     assert row["plugin_self_us_per_step"] == 0.0  # measured, and the plugin ran nothing
+
+
+def test_replay_reads_a_finished_session_back(tmp_path: Path) -> None:
+    """DBO_E2E_REPLAY: the recorded runs of a GPU session are judged again without an engine."""
+    from dbo_runtime.harness.pool import replay_all
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "record.json").write_text(json.dumps({"label": "a", "ok": True, "requests": [{"index": 0, "tokens": [1]}]}))
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "record.json").write_text(json.dumps({"label": "job", "ok": True, "workdir": "/tmp/e2e-out/job"}))
+    records = replay_all(tmp_path, ["a", "job", "never-ran"])
+    assert records["a"]["requests"][0]["tokens"] == [1]
+    assert records["job"]["workdir"] == str(tmp_path / "job")  # a verify job's per-run records are found here
+    assert not records["never-ran"]["ok"] and "never-ran/record.json missing" in records["never-ran"]["error"]
+    with pytest.raises(ValueError, match="does not exist"):
+        replay_all(tmp_path / "nowhere", ["a"])
