@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # On the GPU machine, after install.sh: the real-engine benchmarks, results into $OUT/bench.tgz.
 #   tools/gpu/session-bench.sh [seconds for bench_real_engine] [seconds for bench_dbo_engine]
+# 0 seconds skips that benchmark. Each needs most of one 10-minute device command on a fresh machine
+# (bench_real_engine: one warm-up engine, then ~80 s per plugin/vanilla pair, then the self-time engine),
+# so on a lent machine run them as two commands: `session-bench.sh 560 0`, then `session-bench.sh 0 560`.
 set -u
 cd "$(dirname "$0")/../.."
 . tools/gpu/env.sh
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
 mkdir -p /tmp/bench
-CUDA_VISIBLE_DEVICES=0 timeout "${1:-300}" python3 graphs/bench_real_engine.py --reps 5 --budget-s $(( ${1:-300} - 60 )) --out /tmp/bench > /tmp/bench/bench_real_engine.log 2>&1
-echo "bench_real_engine exit $?" | tee -a /tmp/bench/bench_real_engine.log; tail -30 /tmp/bench/bench_real_engine.log
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  timeout "${2:-280}" python3 graphs/bench_dbo_engine.py --reps 3 --out /tmp/bench > /tmp/bench/bench_dbo_engine.log 2>&1
+if [ "${1:-560}" != 0 ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout "${1:-560}" python3 graphs/bench_real_engine.py --reps 5 --budget-s $(( ${1:-560} - 150 )) --out /tmp/bench > /tmp/bench/bench_real_engine.log 2>&1
+  echo "bench_real_engine exit $?" | tee -a /tmp/bench/bench_real_engine.log; tail -30 /tmp/bench/bench_real_engine.log
+fi
+if [ "${2:-560}" != 0 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  timeout "${2:-560}" python3 graphs/bench_dbo_engine.py --reps 3 --out /tmp/bench > /tmp/bench/bench_dbo_engine.log 2>&1
   echo "bench_dbo_engine exit $?" | tee -a /tmp/bench/bench_dbo_engine.log; tail -30 /tmp/bench/bench_dbo_engine.log
 fi
 tar czf "$OUT/bench.tgz" -C /tmp bench 2>/dev/null
