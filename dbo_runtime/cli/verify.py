@@ -225,6 +225,14 @@ def _counted_steps(record: dict[str, Any]) -> list[int]:
     return [x for x in (steps if isinstance(steps, list) else [steps]) if isinstance(x, int)]
 
 
+def _known_failure(signature: str) -> str:
+    """``known failure: <name>`` and, where one is known, what to do about it."""
+    from dbo_runtime.harness.launch import SIGNATURE_HINTS
+
+    hint = SIGNATURE_HINTS.get(signature)
+    return f"known failure: {signature}" + (f" ({hint})" if hint else "")
+
+
 def _microbatched(record: dict[str, Any]) -> bool:
     """False only when counters exist and some rank never microbatched (the inconclusive case)."""
     counted = _counted_steps(record)
@@ -425,7 +433,7 @@ def _result(
             verdict="error",
             exit_code=EXIT_RUN_FAILED,
             reasons=[f"the {label} run failed: {rec.get('error')}"]
-            + [f"known failure: {s}" for s in rec.get("failure_signatures") or []]
+            + [_known_failure(s) for s in rec.get("failure_signatures") or []]
             + [f"logs: {workdir / label}"],
         )
         return doc

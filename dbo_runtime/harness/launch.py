@@ -40,8 +40,17 @@ SIGNATURES: dict[str, str] = {
     "cuda_oom": r"CUDA out of memory|OutOfMemoryError",
     "engine_dead": r"EngineDeadError|EngineCore encountered an issue",
     "hang_killed": r"\[dbo-harness launcher\] timeout",
+    "deepep_ll_qp_depth": r"nvshmem_qp_depth >= \(num_max_dispatch_tokens_per_rank",
 }
 """Known failure texts in the logs, so a record says *what* happened, not only that it failed."""
+
+SIGNATURE_HINTS: dict[str, str] = {
+    "deepgemm_schedule_assert": "vLLM 0.33's DBO crash (indexer schedule planned for the whole GPU, DeepGEMM "
+    "lowered to the compute SMs): dbo_runtime fixes it; is DBO_RUNTIME_DISABLE set?",
+    "deepep_ll_qp_depth": "DeepEP low-latency needs NVSHMEM_QP_DEPTH >= 2 x (max_num_batched_tokens + 1) "
+    "(default 1024, i.e. at most 511 tokens): set NVSHMEM_QP_DEPTH=8192 or lower --max-num-batched-tokens",
+}
+"""What an operator can do about a known failure (``dbo-runtime verify`` prints it after the name)."""
 
 FATAL_IN_LOG = ("deepgemm_schedule_assert", "ubatch_thread_died")
 """Failures after which vLLM 0.33 does not exit but hangs: a microbatch thread died and its partner

@@ -143,6 +143,18 @@ def test_assemble_names_the_deepgemm_crash() -> None:
     assert "_schedule_meta_size" in rec["error"] and rec["plugin_log_lines"] == []
 
 
+def test_assemble_names_deepep_lls_queue_depth_limit() -> None:
+    """2x H200, 2026-11-30: every DeepEP-LL engine with 2048 batched tokens died on its first dispatch."""
+    from dbo_runtime.cli.verify import _known_failure
+
+    spec = RunSpec("ll", ["--model", "m"], dp=2)
+    log = "(Worker_DP0_EP0) ERROR [multiproc_executor.py:1189]     assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2"
+    rec = assemble(spec, [{"rank": 0, "ok": False, "error": "RuntimeError: Engine core initialization failed."}], [log], 3.0)
+    assert rec["failure_signatures"] == ["deepep_ll_qp_depth"]
+    assert "NVSHMEM_QP_DEPTH=8192" in _known_failure("deepep_ll_qp_depth")
+    assert _known_failure("cuda_oom") == "known failure: cuda_oom"
+
+
 # -- launcher with FakeEngineRunner -------------------------------------------------------------------
 @pytest.fixture
 def fake_runner(monkeypatch: pytest.MonkeyPatch) -> None:
