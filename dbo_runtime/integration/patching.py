@@ -193,18 +193,28 @@ class PatchSet:
             replacement = selftime.time_plugin(replacement, patch.name)
         return _Applied(patch, owner, name, raw, _mark(replacement, patch, current))
 
-    @staticmethod
-    def _set(applied: _Applied) -> None:
+    @classmethod
+    def _set(cls, applied: _Applied) -> None:
+        """Apply one patch, or leave its target as it was: a hook that fails after the ``setattr``
+        undoes it here, because the caller only rolls back the patches that returned."""
         setattr(applied.owner, applied.name, applied.replacement)
         if applied.patch.on_install is not None:
-            applied.patch.on_install()
+            try:
+                applied.patch.on_install()
+            except BaseException:
+                cls._restore(applied)
+                raise
 
     @staticmethod
-    def _unset(applied: _Applied) -> None:
+    def _restore(applied: _Applied) -> None:
         if applied.original is _MISSING:
             delattr(applied.owner, applied.name)
         else:
             setattr(applied.owner, applied.name, applied.original)
+
+    @classmethod
+    def _unset(cls, applied: _Applied) -> None:
+        cls._restore(applied)
         if applied.patch.on_uninstall is not None:
             applied.patch.on_uninstall()
 
@@ -289,13 +299,20 @@ class PatchSet:
                     failure = exc
                     break
             self._lazy_waiting = [p for p in self._lazy_waiting if p not in todo]
+            listeners: list[Callable[[str], None]] = []
             if failure is None:
-                for item in prepared:
-                    self._set(item)
-                self._applied.extend(prepared)
-                listeners = list(self.lazy_listeners)
-            else:
-                listeners = []
+                done: list[_Applied] = []
+                try:
+                    for item in prepared:
+                        self._set(item)
+                        done.append(item)
+                except Exception as exc:  # roll back this module's patches, then the whole set below
+                    for item in reversed(done):
+                        self._unset(item)
+                    failure = exc
+                else:
+                    self._applied.extend(done)
+                    listeners = list(self.lazy_listeners)
         if failure is None:
             for listener in listeners:
                 try:

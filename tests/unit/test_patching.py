@@ -130,6 +130,49 @@ def test_setattr_failure_mid_apply_rolls_back(target: str) -> None:
         sys.modules.pop("dbo_holder")
 
 
+def _failing_hook() -> None:
+    raise RuntimeError("subscriber refused")
+
+
+def test_failing_on_install_hook_leaves_its_own_target_untouched(target: str) -> None:
+    """Review 2026-11-30: the hook ran after the setattr, and a raising hook left its patch in place
+    (not yet in the rolled-back list) while the error said "rolled back"."""
+    import importlib
+
+    mod = importlib.import_module(target)
+    before = (mod.func, mod.Klass.__dict__["method"])
+    ps = PatchSet([p("f", target, "func"), p("hooked", target, "Klass.method", on_install=_failing_hook)])
+    with pytest.raises(PatchError, match="rolled back"):
+        ps.install()
+    assert (mod.func, mod.Klass.__dict__["method"]) == before and not ps.installed
+
+
+def test_failing_lazy_apply_rolls_back_the_whole_set(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lazy module whose patch fails while being applied (not prepared) must not stay half patched."""
+    import importlib
+
+    monkeypatch.delenv("DBO_RUNTIME_STRICT", raising=False)
+    holder = types.ModuleType("dbo_holder_eager")
+    holder.value = lambda: "orig"  # type: ignore[attr-defined]
+    before = holder.value  # type: ignore[attr-defined]
+    sys.modules["dbo_holder_eager"] = holder
+    try:
+        ps = PatchSet(
+            [
+                p("eager", "dbo_holder_eager", "value"),
+                p("lazy-ok", target, "func", lazy=True),
+                p("lazy-hooked", target, "Klass.method", lazy=True, on_install=_failing_hook),
+            ]
+        )
+        ps.install()
+        assert holder.value() == "eager:orig"  # type: ignore[attr-defined]
+        mod = importlib.import_module(target)  # the import hook applies the lazy pair; the hook fails
+        assert mod.func(1) == 2 and mod.Klass().method() == "orig"
+        assert holder.value is before and not ps.installed  # type: ignore[attr-defined]
+    finally:
+        sys.modules.pop("dbo_holder_eager")
+
+
 def test_optional_missing_target_is_skipped(target: str) -> None:
     ps = PatchSet([p("f", target, "func"), p("opt", "dbo_no_such_module_xyz", "f", optional=True)])
     ps.install()
