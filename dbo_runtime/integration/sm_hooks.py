@@ -185,7 +185,14 @@ def create_sm_control_context(parallel_config: Any) -> DboSMControlContext:
 
 
 def _replace(original: Any) -> Any:
-    return create_sm_control_context
+    """A wrapper of its own per patch: both runners' aliases of vLLM's function get one, so each
+    carries its own patch mark and ``__wrapped__`` original (one shared function would carry the
+    marks of whichever patch was applied last)."""
+
+    def replacement(parallel_config: Any) -> DboSMControlContext:
+        return create_sm_control_context(parallel_config)
+
+    return replacement
 
 
 def patches() -> list[Patch]:

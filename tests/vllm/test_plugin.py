@@ -46,9 +46,9 @@ def test_entry_point_is_loaded_by_vllm(unpatched: dict[str, Any], monkeypatch: p
     assert ps is not None and ps.installed
     from vllm.v1.worker import gpu_ubatch_wrapper
 
-    from dbo_runtime.integration import sm_hooks
+    from dbo_runtime.integration.patching import PATCH_MARK
 
-    assert gpu_ubatch_wrapper.create_sm_control_context is sm_hooks.create_sm_control_context
+    assert getattr(gpu_ubatch_wrapper.create_sm_control_context, PATCH_MARK) == "sm_control.mrv1"
 
 
 def test_register_twice_is_once_and_uninstall_restores_identity(unpatched: dict[str, Any]) -> None:
@@ -155,7 +155,15 @@ def test_fresh_process_patches_runner_modules_imported_after_register() -> None:
         assert not heavy, f"register() imported worker modules: {heavy}"
         import vllm.v1.worker.gpu_model_runner  # imports gpu_ubatch_wrapper, the indexer builder, ...
         import vllm.v1.worker.gpu_ubatch_wrapper as w
-        assert w.create_sm_control_context is sm_hooks.create_sm_control_context
+        import vllm.v1.worker.gpu.ubatch_utils as w2
+        import vllm.v1.worker.ubatch_utils as vu
+        from dbo_runtime.integration.patching import PATCH_MARK
+        # each runner's alias has a wrapper of its own, marked with its own patch, wrapping vLLM's function
+        for mod, name in ((w, "sm_control.mrv1"), (w2, "sm_control.mrv2")):
+            assert getattr(mod.create_sm_control_context, PATCH_MARK) == name, mod
+            assert mod.create_sm_control_context.__wrapped__ is vu.create_sm_control_context
+        assert w.create_sm_control_context is not w2.create_sm_control_context
+        assert not hasattr(sm_hooks.create_sm_control_context, PATCH_MARK)
         states = {s.patch.name: s.state for s in plugin.installed_patch_set().status()}
         stuck = [n for n, st in states.items() if st == "pending"
                  and plugin.installed_patch_set().patches[[p.name for p in plugin.installed_patch_set().patches].index(n)].module in sys.modules]
