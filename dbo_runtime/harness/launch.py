@@ -250,6 +250,57 @@ def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None 
 PLUGIN_LINE = re.compile(r"dbo_runtime[:/]")
 
 
+def reassemble(run: Path) -> dict[str, Any] | None:
+    """A run directory's record, assembled again from its spec, rank results and logs.
+
+    Why not read ``record.json``: it holds what ``assemble`` concluded when the run ended, and a
+    later ``assemble`` may know more (a new failure signature, a corrected count); a run that a
+    session's time limit killed has rank files and logs but no ``record.json`` at all. A job
+    directory (``dbo-runtime verify``, ``vllm serve``: no ``spec.json``) has only its record, which
+    is returned as written. None when the directory holds neither."""
+    spec_path, record_path = run / "spec.json", run / "record.json"
+    stored = json.loads(record_path.read_text()) if record_path.exists() else None
+    if not spec_path.exists():
+        return stored
+    raw = json.loads(spec_path.read_text())
+    raw["prompts"] = PromptSpec(**raw["prompts"])
+    spec = RunSpec(**raw)
+    ranks = []
+    for rank in range(spec.dp):
+        path = run / f"rank{rank}.json"
+        if path.exists():
+            ranks.append(json.loads(path.read_text()))
+        else:
+            why = "wrote no result" if stored is not None else "stopped before it wrote a result (the session's time limit killed it)"
+            ranks.append({"rank": rank, "ok": False, "error": f"rank {rank} {why}"})
+    logs = [path.read_text(errors="replace") for path in sorted(run.glob("rank*.log"))]
+    record = assemble(spec, ranks, logs, wall_s=float(stored["wall_s"]) if stored else float("nan"))
+    if stored is not None:
+        # ``describe`` also reads the launching process's environment (``dbo-runtime verify`` pins the
+        # runner there, a user may export DBO_RUNTIME_DISABLE): what the run was given, not this process.
+        record.update({key: stored[key] for key in describe(spec) if key in stored})
+        if not record["ok"] and stored.get("error"):
+            record["error"] = stored["error"]  # it names the exit codes, which only the launcher saw
+    else:
+        record["stopped_by_session_limit"] = True
+    steps = _microbatched_from_stats(ranks)
+    if steps is not None:
+        record["microbatched_steps"] = steps if spec.dp > 1 else steps[0]
+    return record
+
+
+def _microbatched_from_stats(ranks: list[dict[str, Any]]) -> list[int | None] | None:
+    """Microbatched steps per rank from the counter snapshots around the generate (the rank's own
+    ``microbatched_builds`` was the end-minus-start delta taken the wrong way round before run 11)."""
+    out: list[int | None] = []
+    for rank in ranks:
+        early, late = rank.get("stats_start"), rank.get("stats_end")
+        if "stats_start" not in rank and "stats_end" not in rank:
+            continue
+        out.append(sum(b["summary"]["microbatched_builds"] - a["summary"]["microbatched_builds"] for a, b in zip(early, late)) if early and late else None)
+    return out or None
+
+
 def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s: float) -> dict[str, Any]:
     """One record from the ranks' results and logs (pure: tested on CPU)."""
     text = "\n".join(logs)

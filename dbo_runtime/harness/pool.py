@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dbo_runtime.harness.launch import RunSpec, launch
+from dbo_runtime.harness.launch import RunSpec, launch, reassemble
 
 
 def assign_gpus(specs: Sequence[RunSpec], gpus: Sequence[int] | None) -> list[RunSpec]:
@@ -97,21 +97,21 @@ def run_all(
 def replay_all(workdir: Path, labels: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Records by label, read back from a finished session's run directories instead of run again.
 
-    Why: a GPU session is scarce and its raw runs (``<workdir>/<label>/record.json``, with every
-    request's tokens and logprobs) outlive it; when a test's criterion is corrected, the same
-    evidence can be judged again on any machine. Nothing is started, so nothing new is proven
-    about the engine. A label the session did not run is a failed record naming the missing file;
-    a job record's ``workdir`` (where a ``verify`` run keeps its per-run records) is moved to the
-    replayed directory."""
+    Why: a GPU session is scarce and its raw runs (``<workdir>/<label>/``: spec, rank results with
+    every request's tokens and logprobs, logs) outlive it; when a test's criterion is corrected, the
+    same evidence can be judged again on any machine. Each run is assembled again (``reassemble``),
+    so what the current harness would conclude from those files counts, also for runs a time limit
+    cut off. Nothing is started, so nothing new is proven about the engine. A label the session did
+    not run is a failed record naming the missing directory; a job record's ``workdir`` (where a
+    ``verify`` run keeps its per-run records) is moved to the replayed directory."""
     if not workdir.is_dir():
         raise ValueError(f"replay directory {workdir} does not exist (expected <dir>/<label>/record.json)")
     records: dict[str, dict[str, Any]] = {}
     for label in labels:
-        path = workdir / label / "record.json"
-        if not path.is_file():
-            records[label] = {"label": label, "ok": False, "error": f"replay: {path} missing (the session did not run it)"}
+        record = reassemble(workdir / label)
+        if record is None:
+            records[label] = {"label": label, "ok": False, "error": f"replay: {workdir / label} holds no run (the session did not run it)", "failure_signatures": []}
             continue
-        record = json.loads(path.read_text())
         if "workdir" in record:
             record["workdir"] = str(workdir / label)
         records[label] = record

@@ -272,6 +272,43 @@ def test_replay_reads_a_finished_session_back(tmp_path: Path) -> None:
     records = replay_all(tmp_path, ["a", "job", "never-ran"])
     assert records["a"]["requests"][0]["tokens"] == [1]
     assert records["job"]["workdir"] == str(tmp_path / "job")  # a verify job's per-run records are found here
-    assert not records["never-ran"]["ok"] and "never-ran/record.json missing" in records["never-ran"]["error"]
+    assert not records["never-ran"]["ok"] and "holds no run" in records["never-ran"]["error"]
+    assert records["never-ran"]["failure_signatures"] == []  # tests read it on failed records
     with pytest.raises(ValueError, match="does not exist"):
         replay_all(tmp_path / "nowhere", ["a"])
+
+
+def test_replay_assembles_runs_again_also_those_a_time_limit_cut_off(tmp_path: Path) -> None:
+    """Review 2026-11-30: replay read record.json as written, so a signature added later (or a run
+    the session limit killed before it wrote record.json) could not be judged."""
+    from dataclasses import asdict
+
+    from dbo_runtime.harness.pool import replay_all
+
+    spec = RunSpec("ll", ["--model", "m"], dp=2)
+    run = tmp_path / "ll"
+    run.mkdir()
+    (run / "spec.json").write_text(json.dumps(asdict(spec), default=str))
+    (run / "rank0.json").write_text(json.dumps({"rank": 0, "ok": False, "error": "RuntimeError: Engine core initialization failed."}))
+    (run / "rank0.log").write_text("    assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2\n")
+    (run / "rank1.log").write_text("")
+    [record] = replay_all(tmp_path, ["ll"]).values()
+    assert not record["ok"] and record["failure_signatures"] == ["deepep_ll_qp_depth"]
+    assert record["stopped_by_session_limit"] and "rank 1 stopped before it wrote a result" in record["error"]
+
+
+def test_reassembly_keeps_the_configuration_the_run_was_launched_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify pins VLLM_USE_V2_MODEL_RUNNER=0 in its own environment, not in the spec: assembling
+    again in another process must not turn a V1 run into a V2 one."""
+    from dataclasses import asdict
+
+    from dbo_runtime.harness.launch import reassemble
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    spec = RunSpec("off", ["--model", "m"], dp=1)
+    (tmp_path / "spec.json").write_text(json.dumps(asdict(spec), default=str))
+    (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "ok": True, "requests": []}))
+    (tmp_path / "record.json").write_text(json.dumps({"label": "off", "runner": "v1", "plugin": True, "wall_s": 3.0}))
+    record = reassemble(tmp_path)
+    assert record is not None and record["runner"] == "v1" and record["wall_s"] == 3.0 and record["ok"]
+

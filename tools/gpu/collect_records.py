@@ -23,8 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dbo_runtime.harness.compare import Request, compare
-from dbo_runtime.harness.launch import RunSpec, assemble
-from dbo_runtime.harness.prompts import PromptSpec
+from dbo_runtime.harness.launch import reassemble
 
 PAIRS: dict[str, str] = {}
 """test label -> reference label, for the comparisons the tests make."""
@@ -55,41 +54,9 @@ for model, runners in (("deepseek-v32-h2048", ("v1",)), ("shared-topk-h2048", ("
             PAIRS[f"dp2-ll-dbo-{model}-{runner}-{variant}"] = f"dp2-ll-ref-{model}-{runner}"
 
 
-def _microbatched(run: Path) -> list[int | None] | None:
-    out: list[int | None] = []
-    for path in sorted(run.glob("rank*.json")):
-        r = json.loads(path.read_text())
-        a, b = r.get("stats_start"), r.get("stats_end")
-        out.append(sum(late["summary"]["microbatched_builds"] - early["summary"]["microbatched_builds"] for early, late in zip(a, b)) if a and b else None)
-    return out or None
-
-
 def load(run: Path) -> dict[str, Any] | None:
-    """The record of one run directory; rebuilt from ranks and logs when the run never finished."""
-    spec_path = run / "spec.json"
-    if (run / "record.json").exists():
-        rec = json.loads((run / "record.json").read_text())
-        if "engine_args" not in rec:  # a job record (verify / serve)
-            return rec
-    elif spec_path.exists():
-        raw = json.loads(spec_path.read_text())
-        raw["prompts"] = PromptSpec(**raw["prompts"])
-        spec = RunSpec(**raw)
-        ranks = []
-        for rank in range(spec.dp):
-            p = run / f"rank{rank}.json"
-            ranks.append(json.loads(p.read_text()) if p.exists() else {"rank": rank, "ok": False, "error": "stopped before it wrote a result (the session's time limit killed it)"})
-        logs = [p.read_text(errors="replace") for p in sorted(run.glob("rank*.log"))]
-        rec = assemble(spec, ranks, logs, wall_s=float("nan"))
-        rec["stopped_by_session_limit"] = True
-    else:
-        return None
-    steps = _microbatched(run)
-    if steps is not None and rec.get("dp", 1) > 1:
-        rec["microbatched_steps"] = steps
-    elif steps is not None:
-        rec["microbatched_steps"] = steps[0]
-    return rec
+    """The record of one run directory, assembled again from ranks and logs (``harness.launch.reassemble``)."""
+    return reassemble(run)
 
 
 def main() -> int:
