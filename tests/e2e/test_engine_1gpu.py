@@ -27,38 +27,49 @@ def _ok(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def _max_dlogprob(a: dict[str, Any], b: dict[str, Any]) -> float:
-    worst = 0.0
+def _dlogprobs(a: dict[str, Any], b: dict[str, Any]) -> list[float]:
+    """|logprob difference| of every token both runs returned in their top-k, position by position."""
+    out: list[float] = []
     for ra, rb in zip(a["requests"], b["requests"], strict=True):
         for pa, pb in zip(ra["logprobs"], rb["logprobs"], strict=True):
-            for token in set(pa) & set(pb):
-                worst = max(worst, abs(pa[token] - pb[token]))
-    return worst
+            out.extend(abs(pa[token] - pb[token]) for token in set(pa) & set(pb))
+    return out
 
 
-def _identical(a: dict[str, Any], b: dict[str, Any]) -> float:
-    """Greedy tokens identical; returns the max |logprob difference| (0.0 when bit-identical)."""
+def _identical(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
+    """Greedy tokens identical; returns (max, mean) |logprob difference| (0.0 when bit-identical)."""
     assert len(a["requests"]) == len(b["requests"]) > 0
     for ra, rb in zip(a["requests"], b["requests"], strict=True):
         assert ra["index"] == rb["index"]
         assert ra["tokens"] == rb["tokens"], f"request {ra['index']}: tokens differ"
-    return _max_dlogprob(a, b)
+    diffs = _dlogprobs(a, b)
+    return (max(diffs), sum(diffs) / len(diffs)) if diffs else (0.0, 0.0)
 
 
-def _floor(records: Records) -> float:
-    """vLLM's own run-to-run logprob noise: the same vanilla engine started twice, eager and graphs.
+CONTROL_MEAN_FACTOR = 3.0
+"""A pair's mean |Δlogprob| may be this many times its mode's vanilla-vs-vanilla control's."""
+CONTROL_MEAN_MIN = 1e-7
+"""...taking the control's as at least this (a bit-identical control would otherwise allow nothing)."""
 
-    The larger of the two controls is the floor for every pair. Why not each mode its own: on
-    2x H200 (2026-11-30, run 15) the graphs control moved logprobs by 1/512 (one bf16 step of a
-    logit) at requests 33, 38 and 39, decode positions 17, 7 and 21, and the eager-V1 plugin-vs-vanilla
-    pair moved by the same 1/512 at the same requests and positions, while the eager control happened to
-    move nothing. The noise follows vLLM's step-by-step batch composition, not the mode, so one control
-    of one mode under-reads it."""
+
+def _controls(records: Records) -> tuple[float, dict[str, float]]:
+    """vLLM's own run-to-run noise, from the same vanilla engine started twice per mode:
+    (the largest single |Δlogprob| over both controls, the mean |Δlogprob| per mode).
+
+    Why two statistics. vLLM is not repeatable run to run: on 2x H200 (2026-11-30, run 15) both
+    controls moved hundreds of the ~5700 returned logprobs. The largest move is lumpy, whole bf16
+    steps of a logit: the graphs control moved 1/512 at requests 33, 38 and 39, positions 17, 7 and 21,
+    the eager control only 2.5e-4, yet the eager-V1 plugin pairs moved 1/512 at those same requests and
+    positions. So the bound on the largest move pools both controls. The mean is stable (eager 6.5e-6,
+    graphs 1.3e-5, the 16 pairs 4.4e-6 to 1.35e-5) and is judged per mode; a plugin defect that moved
+    every logprob by even one bf16 step would raise it a hundredfold."""
     worst = 0.0
+    means: dict[str, float] = {}
     for mode in ("eager", "graphs"):
         a, b = _ok(records[f"1gpu-deepseek-v32-{mode}-v2-vanilla"]), _ok(records[f"1gpu-deepseek-v32-{mode}-v2-vanilla2"])
-        worst = max(worst, _identical(a, b))
-    return worst
+        top, means[mode] = _identical(a, b)
+        worst = max(worst, top)
+    return worst, means
 
 
 @pytest.mark.runs(
@@ -72,10 +83,18 @@ def test_plugin_is_transparent_with_dbo_off(records: Records, model: str, mode: 
     base = f"1gpu-{model}-{mode}-{runner}"
     with_plugin, vanilla = _ok(records[f"{base}-plugin"]), _ok(records[f"{base}-vanilla"])
     assert len(with_plugin["requests"]) == 48 and all(len(r["tokens"]) == 24 for r in with_plugin["requests"])
-    worst = _identical(with_plugin, vanilla)
-    floor = _floor(records)
-    records.annotate(f"{base}-plugin", tokens_identical_to=f"{base}-vanilla", max_abs_dlogprob=worst, vanilla_run_to_run_max_abs_dlogprob=floor)
-    assert worst <= max(2 * floor, 0.0), (worst, floor)
+    worst, mean = _identical(with_plugin, vanilla)
+    control_worst, control_means = _controls(records)
+    records.annotate(
+        f"{base}-plugin",
+        tokens_identical_to=f"{base}-vanilla",
+        max_abs_dlogprob=worst,
+        mean_abs_dlogprob_topk=mean,
+        vanilla_run_to_run_max_abs_dlogprob=control_worst,
+        vanilla_run_to_run_mean_abs_dlogprob_topk=control_means[mode],
+    )
+    assert worst <= 2 * control_worst, (worst, control_worst)
+    assert mean <= CONTROL_MEAN_FACTOR * max(control_means[mode], CONTROL_MEAN_MIN), (mean, control_means[mode])
     # The runner the test asked for is the one vLLM used (read from the worker itself).
     assert with_plugin["runner_seen"] == [runner]
 
@@ -85,8 +104,8 @@ def test_plugin_is_transparent_with_dbo_off(records: Records, model: str, mode: 
 def test_mtp_tokens_identical(records: Records, k: int) -> None:
     """MTP with k speculative tokens (the indexer's next_n = k + 1) runs with the plugin, same tokens."""
     with_plugin, vanilla = _ok(records[f"1gpu-mtp{k}-plugin"]), _ok(records[f"1gpu-mtp{k}-vanilla"])
-    worst = _identical(with_plugin, vanilla)
-    records.annotate(f"1gpu-mtp{k}-plugin", tokens_identical_to=f"1gpu-mtp{k}-vanilla", max_abs_dlogprob=worst)
+    worst, mean = _identical(with_plugin, vanilla)
+    records.annotate(f"1gpu-mtp{k}-plugin", tokens_identical_to=f"1gpu-mtp{k}-vanilla", max_abs_dlogprob=worst, mean_abs_dlogprob_topk=mean)
 
 
 @pytest.mark.runs(*[label for label in ALL_1GPU if label.endswith("-plugin")])
