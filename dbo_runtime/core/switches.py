@@ -26,8 +26,10 @@ ON = ("1", "true", "yes", "on")
 OFF = ("0", "false", "no", "off", "")
 SWITCHES = ("DBO_RUNTIME_DISABLE", "DBO_RUNTIME_STRICT")
 
-UNRECOGNISED_READS_AS: dict[str, bool] = {"DBO_RUNTIME_DISABLE": True, "DBO_RUNTIME_STRICT": False}
-"""How a value outside ``ON``/``OFF`` is read: the choice in which dbo_runtime does the least."""
+UNRECOGNISED_READS_AS: dict[str, bool] = {"DBO_RUNTIME_DISABLE": True, "DBO_RUNTIME_STRICT": False, "DBO_REQUIRE_GPU": True}
+"""How a value outside ``ON``/``OFF`` is read: the choice in which dbo_runtime does the least. The
+test suites' ``DBO_REQUIRE_GPU`` reads as on (a GPU test that cannot run fails, it does not pass as
+skipped); the suites refuse such a value outright (``require_gpu``)."""
 
 ALLOWED = "'1', 'true', 'yes', 'on' (on); '0', 'false', 'no', 'off', '' (off); or not set (off); any case"
 
@@ -36,6 +38,8 @@ _EFFECT = {
     ("DBO_RUNTIME_DISABLE", False): "the plugin patches vLLM",
     ("DBO_RUNTIME_STRICT", True): "an unsupported vLLM or a failed patch install raises",
     ("DBO_RUNTIME_STRICT", False): "an unsupported vLLM or a failed patch install logs one line and leaves vLLM unpatched",
+    ("DBO_REQUIRE_GPU", True): "GPU and real-engine tests that cannot run fail instead of skipping",
+    ("DBO_REQUIRE_GPU", False): "GPU and real-engine tests that cannot run are skipped",
 }
 
 
@@ -74,6 +78,17 @@ def read_switch(name: str, environ: Mapping[str, str] | None = None) -> Switch:
 def parse_switch(name: str, environ: Mapping[str, str] | None = None) -> bool:
     """``read_switch(name).on``: whether the switch is in force."""
     return read_switch(name, environ).on
+
+
+def require_gpu(environ: Mapping[str, str] | None = None) -> bool:
+    """``DBO_REQUIRE_GPU`` for the GPU and e2e test suites, which refuse a value they do not recognise.
+
+    Why refuse rather than warn: a CI job that sets ``DBO_REQUIRE_GPU=ture`` would otherwise skip every
+    GPU test and exit 0, the one outcome the switch exists to prevent."""
+    switch = read_switch("DBO_REQUIRE_GPU", environ)
+    if not switch.recognised:
+        raise ConfigError("DBO_REQUIRE_GPU", switch.raw, ALLOWED)
+    return switch.on
 
 
 def switch_problems(environ: Mapping[str, str] | None = None) -> list[str]:

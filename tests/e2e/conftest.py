@@ -30,7 +30,8 @@ from typing import Any
 
 import pytest
 
-from dbo_runtime.core.switches import parse_switch
+from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.switches import require_gpu
 from dbo_runtime.harness.machine import engine_missing
 from tests.e2e import plan
 
@@ -41,10 +42,17 @@ REPLAY = os.environ.get("DBO_E2E_REPLAY") or None
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if REPLAY is not None:
-        if not Path(REPLAY).is_dir():
-            raise pytest.UsageError(f"DBO_E2E_REPLAY={REPLAY}: not a directory (expected a session's run directory, <dir>/<label>/record.json)")
+        root = Path(REPLAY)
+        if not root.is_dir() or not any((d / "spec.json").exists() or (d / "record.json").exists() for d in root.iterdir() if d.is_dir()):
+            raise pytest.UsageError(
+                f"DBO_E2E_REPLAY={REPLAY}: {'not a directory' if not root.is_dir() else 'holds no runs'} "
+                "(expected a session's run directory: <dir>/<label>/spec.json or record.json, e.g. an extracted e2e.tgz's e2e-out)"
+            )
         return  # recorded runs are judged again: no engine, no GPU needed
-    require = parse_switch("DBO_REQUIRE_GPU")  # 1/true/yes/on, as every project switch
+    try:
+        require = require_gpu()  # 1/true/yes/on, as every project switch; anything else is refused
+    except ConfigError as exc:
+        raise pytest.UsageError(str(exc)) from None
     for item in items:
         if item.get_closest_marker("e2e_dp2") is not None:
             need = 2
@@ -68,7 +76,7 @@ _PROBLEM = pytest.StashKey[str]()
 def _fail_when_gpu_required(request: pytest.FixtureRequest) -> None:
     problem = request.node.stash.get(_PROBLEM, None)
     if problem is not None:
-        pytest.fail(f"DBO_REQUIRE_GPU=1 but {problem}")
+        pytest.fail(f"DBO_REQUIRE_GPU=1 but {problem}", pytrace=False)
 
 
 class Records:

@@ -32,9 +32,19 @@ from types import ModuleType
 import pytest
 import torch
 
-from dbo_runtime.core.switches import parse_switch
+from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.switches import require_gpu
 
-_REQUIRE = parse_switch("DBO_REQUIRE_GPU")  # the project switches' spellings (1/true/yes/on)
+_REQUIRE = False
+"""``DBO_REQUIRE_GPU`` (the project switches' spellings, 1/true/yes/on), read in ``pytest_configure``."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _REQUIRE
+    try:
+        _REQUIRE = require_gpu()
+    except ConfigError as exc:  # a typo must not turn every GPU test into a passing skip
+        raise pytest.UsageError(str(exc)) from None
 _HERE = pathlib.Path(__file__).resolve().parent
 
 

@@ -116,3 +116,13 @@ def test_doctor_reports_every_mistyped_setting(monkeypatch: pytest.MonkeyPatch, 
     assert rc == 1
     for needle in ("DBO_RUNTIME_STRICT='2'", "DBO_RUNTIME_TOPK_LAYOUT='foo'", "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH='-1'", "VLLM_PLUGINS="):
         assert any(needle in p for p in problems), (needle, problems)
+
+
+def test_require_gpu_refuses_a_value_it_does_not_know() -> None:
+    """New-user review 2026-11-30: DBO_REQUIRE_GPU=maybe skipped every GPU test and exited 0."""
+    from dbo_runtime.core.errors import ConfigError
+    from dbo_runtime.core.switches import require_gpu
+
+    assert require_gpu({"DBO_REQUIRE_GPU": "YES"}) and not require_gpu({}) and not require_gpu({"DBO_REQUIRE_GPU": "0"})
+    with pytest.raises(ConfigError, match="DBO_REQUIRE_GPU='maybe' is not allowed"):
+        require_gpu({"DBO_REQUIRE_GPU": "maybe"})
