@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing)
+
+# isort: split
 
 import torch
 

@@ -29,6 +29,9 @@ from pathlib import Path
 # A fresh JIT cache: "cold" must mean a compile, not a hit in ~/.deep_gemm from an earlier run.
 os.environ.setdefault("DG_JIT_CACHE_DIR", tempfile.mkdtemp(prefix="dg_jit_bench_"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing)
+
+# isort: split
 
 import argparse
 import json

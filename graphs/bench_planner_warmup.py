@@ -38,6 +38,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import graphs._torch  # noqa: E402, F401  (exits 2 with one line when torch is missing)
+
+# isort: split
 
 from graphs._plotting import pyplot  # noqa: E402
 

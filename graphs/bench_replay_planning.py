@@ -46,6 +46,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing)
+
+# isort: split
 
 from graphs._plotting import pyplot
 

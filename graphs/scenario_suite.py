@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing)
+
+# isort: split
 
 from dbo_runtime.sim.backends import DeepGemmBackend, real_kernels_missing
 from dbo_runtime.sim.report import environment, write_json

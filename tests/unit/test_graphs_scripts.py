@@ -196,3 +196,22 @@ def test_real_engine_bench_warms_the_machine_first_and_keeps_partial_results(mon
     assert summary["goals"]["decode_step_overhead"] == 0.0
     with pytest.raises(SystemExit):
         mod.main(["--warmup-engines", "-1", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_without_torch_one_line_and_exit_2(name: str) -> None:
+    """New-user review 2026-11-30: outside the venv these scripts died with ModuleNotFoundError (exit 1)."""
+    block = (
+        "import sys, runpy\n"
+        "class NoTorch:\n"
+        "    def find_spec(self, fullname, path=None, target=None):\n"
+        "        if fullname == 'torch' or fullname.startswith('torch.'):\n"
+        "            raise ImportError('No module named torch')\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        f"sys.argv = [{str(ROOT / 'graphs' / name)!r}]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip() == f"{name[:-3]}: needs a CUDA GPU and DeepGEMM: torch is not installed; nothing measured"
+
