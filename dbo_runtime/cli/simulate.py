@@ -249,6 +249,7 @@ def _run(args: argparse.Namespace) -> int:
         platform="cuda",
         all2all_backend="deepep_high_throughput",
         where="the simulated device" if backend.simulated else "this GPU",
+        sm_major=backend.sm_major,
     )
     config = for_backend(config, backend)
     runs = _runs(args, disabled, int(config.comm_sms))

@@ -31,6 +31,8 @@ class KernelBackend(Protocol):
     simulated: bool
     device: torch.device
     total_sms: int
+    sm_major: int
+    """Compute-capability major: DeepGEMM's SM count must be even on SM90 (``core.budget``)."""
 
     # SchedulePlanner surface (dbo_runtime.services.schedule_cache)
     def get_num_sms(self) -> int: ...
@@ -145,6 +147,7 @@ class DeepGemmBackend:
         self.adapter = adapter
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.total_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.sm_major = int(torch.cuda.get_device_capability(self.device)[0])
         self.planner = adapter.DeepGemmPlanner()
         self.jit = JitLedger()
         self.planner_launches = 0

@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 import torch
 
-from dbo_runtime.core.budget import SMBudget, compute_budget
+from dbo_runtime.core.budget import SMBudget, compute_budget, deep_gemm_compute_multiple
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.services.schedule_cache import IndexerScheduleCache, PlannerProfile
 from dbo_runtime.services.sm_control import BudgetEvent, FunctionKnob, SMControl
@@ -222,6 +222,8 @@ class Scenario:
             all2all_backend="deepep_high_throughput",
             env_comm_sms=config.comm_sms,
             device=device_index,
+            # the worker's SM90 rule (even DeepGEMM counts), so simulate and sms agree with it
+            compute_multiple=deep_gemm_compute_multiple(backend.sm_major),
         )
         self.knob = FunctionKnob("deep_gemm.set_num_sms", backend.set_num_sms)
         self.timeline: list[dict[str, Any]] = []

@@ -160,7 +160,12 @@ def test_cli_errors_name_the_flag_and_read_the_env(monkeypatch: pytest.MonkeyPat
     assert "VLLM_DBO_COMM_SMS='abc'" in capsys.readouterr().err
     monkeypatch.setenv("VLLM_DBO_COMM_SMS", "21")  # clamped to 20 by vLLM's DeepEP HT manager: allowed
     assert main(["simulate", "--backend", "cpu", "--no-contrast", "--steps", "1", "--requests", "4", "--json"]) == 0
-    assert "compute 111/132" in json.loads(capsys.readouterr().out)["budget"]
+    # the worker's SM90 rule: DeepGEMM's share rounds down to even (simulate said 111 while sms and the
+    # worker said 110 before the new-user review of 2026-11-30)
+    assert "compute 110/132" in json.loads(capsys.readouterr().out)["budget"]
+    monkeypatch.delenv("VLLM_DBO_COMM_SMS")
+    assert main(["simulate", "--backend", "cpu", "--comm-sms", "131"]) == 2  # compute 1 rounds to 0: refused, as by sms
+    assert "--comm-sms=131" in capsys.readouterr().err
 
 
 def test_simulate_runs_without_rich(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
