@@ -169,6 +169,9 @@ def split_engine_args(extra: list[str]) -> tuple[list[str], int, list[str]]:
         i += 1
     if not any(a == "--model" or a.startswith("--model=") for a in out) and not (out and not out[0].startswith("-")):
         raise ConfigError("--model", "(missing)", "the model to verify, as for `vllm serve` (--model NAME_OR_PATH)")
+    for i, arg in enumerate(out):
+        if arg == "--model" and (i + 1 == len(out) or out[i + 1].startswith("-")):
+            raise ConfigError("--model", "(no value)", "the model to verify, as for `vllm serve` (--model NAME_OR_PATH)")
     if out and not out[0].startswith("-"):
         out = ["--model", *out]  # `vllm serve MODEL ...` style: the positional model
     if dp == 1:
@@ -254,9 +257,8 @@ def check_with_vllm(engine_args: list[str]) -> None:
     try:
         parser = EngineArgs.add_cli_args(_Parser(prog="vllm"))
     except Exception as exc:  # e.g. no GPU platform: vLLM's DeviceConfig cannot infer a device
-        raise CliError(
-            f"vLLM cannot run on this machine ({type(exc).__name__}: {exc}); verify needs a GPU machine", EXIT_RUN_FAILED
-        ) from exc
+        why = "no GPU platform: vLLM cannot infer a device type" if "infer device type" in str(exc) else f"{type(exc).__name__}: {exc}"
+        raise CliError(f"vLLM cannot run on this machine ({why}); verify needs a GPU machine", EXIT_RUN_FAILED) from exc
     parser.parse_args(engine_args)
 
 
@@ -352,12 +354,6 @@ def run(args: argparse.Namespace) -> int:
     progress = _Progress()
     for note in notes:
         progress.say(f"note: {note}")
-    progress.say("checking the engine arguments with vLLM's parser")
-    check_with_vllm(engine_args)
-    visible = _visible_gpus()
-    if visible < dp:
-        raise CliError(f"needs {dp} GPU(s) for data-parallel size {dp} (one engine rank per GPU); {visible} visible", EXIT_RUN_FAILED)
-
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="dbo-verify-"))
     try:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -366,6 +362,12 @@ def run(args: argparse.Namespace) -> int:
         probe.unlink()
     except OSError as exc:
         raise ConfigError("--workdir", str(workdir), f"a directory verify can create and write ({exc.strerror or exc})") from exc
+    progress.say("checking the engine arguments with vLLM's parser")
+    check_with_vllm(engine_args)
+    visible = _visible_gpus()
+    if visible < dp:
+        raise CliError(f"needs {dp} GPU(s) for data-parallel size {dp} (one engine rank per GPU); {visible} visible", EXIT_RUN_FAILED)
+
     records: dict[str, dict[str, Any]] = {}
     plan: list[tuple[str, list[str]]] = [("dbo-off", []), ("dbo-on", ["--enable-dbo"])]
     if args.noise_floor:

@@ -66,6 +66,10 @@ def test_split_engine_args_refuses_with_the_parameter_named(argv: list[str], par
         (["--prompt-file", "/nonexistent.jsonl", "--model", "m", "-dp", "2"], "--prompt-file='/nonexistent.jsonl'"),
         (["--prompts", "x", "--model", "m"], "--prompts='x' is not allowed; allowed values: an integer"),
         (["--max-dlogprob", "big", "--model", "m", "-dp", "2"], "--max-dlogprob='big' is not allowed; allowed values: a finite number"),
+        # new-user review 2026-11-30: these reached vLLM's parser and came back as "cannot run here" (exit 3)
+        (["--prompts", "4", "--model"], "--model='(no value)'"),
+        (["--model", "-dp", "2"], "--model='(no value)'"),
+        (["--workdir", "/dev/null/sub", "--model", "m", "-dp", "2"], "--workdir='/dev/null/sub'"),
     ],
 )
 def test_bad_verify_options_are_one_line_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
