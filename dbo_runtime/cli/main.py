@@ -80,13 +80,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         # arguments it does not know; every other subcommand rejects them as argparse would.
         args, extra = parser.parse_known_args(None if argv is None else list(argv))
         if extra and not getattr(args, "_accepts_extra", False):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            where = f"{PROG} {args.command}" if args.command else PROG
+            print(f"{where}: error: unrecognized arguments: {' '.join(extra)} (see {where} --help)", file=sys.stderr)
+            return EXIT_USAGE
         args.extra_args = extra
     except SystemExit as exc:  # --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     run = getattr(args, "_run", None)
     if run is None:
-        parser.print_help(sys.stderr)
+        commands = ", ".join(m.__name__.rsplit(".", 1)[-1] for m in subcommand_modules())
+        print(f"{PROG}: error: a COMMAND is required: one of {commands} (see {PROG} --help)", file=sys.stderr)
         return EXIT_USAGE
     where = f"{PROG} {args.command}"
     try:

@@ -103,3 +103,18 @@ def test_sms_and_simulate_reject_the_same_values_in_the_same_words(
 def test_simulate_integer_flags_are_bounded_and_worded_alike(capsys: pytest.CaptureFixture[str], flag: str, value: str, allowed: str) -> None:
     line = error_line(capsys, ["simulate", "--backend", "cpu", flag, value])
     assert line.startswith(f"{flag}={value!r} is not allowed; allowed values: {allowed}"), line
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        ([], "dbo-runtime: error: a COMMAND is required: one of sms, doctor, simulate, verify (see dbo-runtime --help)"),
+        (["sms", "--bogus"], "dbo-runtime sms: error: unrecognized arguments: --bogus (see dbo-runtime sms --help)"),
+        (["--bogus"], "dbo-runtime: error: unrecognized arguments: --bogus (see dbo-runtime --help)"),
+    ],
+)
+def test_usage_errors_are_one_line_naming_the_command(argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """New-user review 2026-11-30: a bare dbo-runtime printed the whole help (exit 2, no error line), and
+    `sms --bogus` blamed the top-level command."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [line]
