@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 label=label,
                 engine_args=plan.tiny_args(model, eager=not graphs, extra=extra),
                 dp=2,
-                env={"VLLM_USE_V2_MODEL_RUNNER": "0", **(plan.LL_ENV if graphs else {}), **env},
+                env={"VLLM_USE_V2_MODEL_RUNNER": "0", **(plan.LL_ENV if backend == plan.LL else {}), **env},
                 prompts=prompts,
                 max_tokens=4,
                 bench=bench,
