@@ -196,13 +196,14 @@ class PatchSet:
     @classmethod
     def _set(cls, applied: _Applied) -> None:
         """Apply one patch, or leave its target as it was: a hook that fails after the ``setattr``
-        undoes it here, because the caller only rolls back the patches that returned."""
+        is undone here (target restored, ``on_uninstall`` run), because callers roll back only the
+        patches that returned."""
         setattr(applied.owner, applied.name, applied.replacement)
         if applied.patch.on_install is not None:
             try:
                 applied.patch.on_install()
             except BaseException:
-                cls._restore(applied)
+                cls._rollback([applied])
                 raise
 
     @staticmethod
@@ -217,6 +218,16 @@ class PatchSet:
         cls._restore(applied)
         if applied.patch.on_uninstall is not None:
             applied.patch.on_uninstall()
+
+    @classmethod
+    def _rollback(cls, applied: list[_Applied]) -> None:
+        """Undo ``applied`` newest first; one patch that cannot be undone is logged and does not stop
+        the others (half a rollback is the state the transaction exists to prevent)."""
+        for item in reversed(applied):
+            try:
+                cls._unset(item)
+            except Exception as exc:
+                logger.error("dbo_runtime: undoing patch %s failed (%r); its target may stay patched", item.patch.name, exc)
 
     def install(self) -> None:
         """Apply every patch whose module is loaded, arm the lazy rest, or change nothing at all.
@@ -246,9 +257,10 @@ class PatchSet:
                 for item in prepared:
                     self._set(item)
                     applied.append(item)
-            except Exception as exc:
-                for item in reversed(applied):
-                    self._unset(item)
+            except BaseException as exc:  # KeyboardInterrupt too: never leave unrecorded patches behind
+                self._rollback(applied)
+                if not isinstance(exc, Exception):
+                    raise
                 raise PatchError(f"patch {prepared[len(applied)].patch.name!r} failed to apply: {exc!r}; rolled back") from exc
             self._applied = applied
             self._lazy_waiting = lazy
@@ -306,9 +318,11 @@ class PatchSet:
                     for item in prepared:
                         self._set(item)
                         done.append(item)
-                except Exception as exc:  # roll back this module's patches, then the whole set below
-                    for item in reversed(done):
-                        self._unset(item)
+                except BaseException as exc:  # roll back this module's patches, then the whole set below
+                    self._rollback(done)
+                    if not isinstance(exc, Exception):
+                        self.uninstall()
+                        raise
                     failure = exc
                 else:
                     self._applied.extend(done)
@@ -341,9 +355,8 @@ class PatchSet:
                 except ValueError:
                     pass
                 self._finder = None
-            for item in reversed(self._applied):
-                self._unset(item)
-            self._applied = []
+            applied, self._applied = self._applied, []
+            self._rollback(applied)
             self._lazy_waiting = []
             self._skipped = {}
             self.installed = False

@@ -147,6 +147,44 @@ def test_failing_on_install_hook_leaves_its_own_target_untouched(target: str) ->
     assert (mod.func, mod.Klass.__dict__["method"]) == before and not ps.installed
 
 
+def test_rollback_runs_every_undo_even_when_one_fails_or_the_user_interrupts(target: str) -> None:
+    """Re-review 2026-11-30: a raising on_uninstall stopped the rollback half way; a KeyboardInterrupt
+    in a hook skipped it; a hook that registered and then raised was never told to unregister."""
+    import importlib
+
+    mod = importlib.import_module(target)
+    before = (mod.func, mod.Klass.__dict__["method"], mod.Klass.__dict__["static"])
+    calls: list[str] = []
+
+    def refuse_undo() -> None:
+        calls.append("undo f")
+        raise RuntimeError("cannot unregister")
+
+    def register_then_fail() -> None:
+        calls.append("registered")
+        raise RuntimeError("half registered")
+
+    ps = PatchSet(
+        [
+            p("f", target, "func", on_uninstall=refuse_undo),
+            p("m", target, "Klass.method"),
+            p("hooked", target, "Klass.static", on_install=register_then_fail, on_uninstall=lambda: calls.append("unregistered")),
+        ]
+    )
+    with pytest.raises(PatchError, match="rolled back"):
+        ps.install()
+    assert (mod.func, mod.Klass.__dict__["method"], mod.Klass.__dict__["static"]) == before
+    assert calls == ["registered", "unregistered", "undo f"]
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    ps = PatchSet([p("f", target, "func"), p("ctrl-c", target, "Klass.method", on_install=interrupt)])
+    with pytest.raises(KeyboardInterrupt):
+        ps.install()
+    assert (mod.func, mod.Klass.__dict__["method"]) == before[:2] and not ps.installed
+
+
 def test_failing_lazy_apply_rolls_back_the_whole_set(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A lazy module whose patch fails while being applied (not prepared) must not stay half patched."""
     import importlib
