@@ -106,7 +106,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--requests", metavar="N", default=None, help=f"requests per step, split in two microbatches (2..{MAX_REQUESTS})")
     p.add_argument("--comm-sms", metavar="N", default=None, help="comm SMs (default: $VLLM_DBO_COMM_SMS, else 20)")
     p.add_argument(
-        "--total-sms", metavar="N", default=None, help=f"SMs of the simulated device (CPU backend; 1..{MAX_SMS}; default: H200, {H200_SMS})"
+        "--total-sms", metavar="N", default=None, help=f"SMs of the simulated device, an SM90 (Hopper) GPU: DeepGEMM's share is kept even, as on the worker (CPU backend; 1..{MAX_SMS}; default: H200, {H200_SMS}). `sms --total-sms` describes a device of unknown architecture instead"
     )
     p.add_argument("--topk-layout", default="windows", choices=("windows", "copies"), help="per-microbatch top-k state layout")
     p.add_argument("--seed", metavar="N", default="0", help=f"seed of the random inputs (0..{MAX_SEED}; default 0)")

@@ -354,19 +354,22 @@ def run(args: argparse.Namespace) -> int:
     progress = _Progress()
     for note in notes:
         progress.say(f"note: {note}")
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="dbo-verify-"))
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / ".dbo-verify-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError("--workdir", str(workdir), f"a directory verify can create and write ({exc.strerror or exc})") from exc
+    if args.workdir:  # a usage error before vLLM's parser and the GPU check, which can only say "cannot run"
+        workdir = Path(args.workdir)
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+            probe = workdir / ".dbo-verify-write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError("--workdir", str(workdir), f"a directory verify can create and write ({exc.strerror or exc})") from exc
     progress.say("checking the engine arguments with vLLM's parser")
     check_with_vllm(engine_args)
     visible = _visible_gpus()
     if visible < dp:
         raise CliError(f"needs {dp} GPU(s) for data-parallel size {dp} (one engine rank per GPU); {visible} visible", EXIT_RUN_FAILED)
+    if not args.workdir:
+        workdir = Path(tempfile.mkdtemp(prefix="dbo-verify-"))  # only once the engines will start: no empty leftovers
 
     records: dict[str, dict[str, Any]] = {}
     plan: list[tuple[str, list[str]]] = [("dbo-off", []), ("dbo-on", ["--enable-dbo"])]

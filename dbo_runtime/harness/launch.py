@@ -167,8 +167,9 @@ def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None 
     root = workdir / spec.label
     root.mkdir(parents=True, exist_ok=True)
     (root / "barrier").mkdir(exist_ok=True)
-    for stale in list(root.glob("rank*.json")) + list((root / "barrier").iterdir()):
-        stale.unlink()
+    # a reused directory (verify --workdir) must not lend an old run's result, record or logs to this one
+    for stale in [*root.glob("rank*.json"), *root.glob("rank*.log"), root / "record.json", *(root / "barrier").iterdir()]:
+        stale.unlink(missing_ok=True)
     spec_path = root / "spec.json"
     spec_path.write_text(json.dumps(spec.to_json(), indent=1))
     port = free_port(PORT_BLOCK)
@@ -295,10 +296,8 @@ def _microbatched_from_stats(ranks: list[dict[str, Any]]) -> list[int | None] | 
     out: list[int | None] = []
     for rank in ranks:
         early, late = rank.get("stats_start"), rank.get("stats_end")
-        if "stats_start" not in rank and "stats_end" not in rank:
-            continue
         out.append(sum(b["summary"]["microbatched_builds"] - a["summary"]["microbatched_builds"] for a, b in zip(early, late)) if early and late else None)
-    return out or None
+    return out if any(x is not None for x in out) else None
 
 
 def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s: float) -> dict[str, Any]:

@@ -110,7 +110,7 @@ def replay_all(workdir: Path, labels: Sequence[str]) -> dict[str, dict[str, Any]
     for label in labels:
         record = reassemble(workdir / label)
         if record is None:
-            records[label] = {"label": label, "ok": False, "error": f"replay: {workdir / label} holds no run (the session did not run it)", "failure_signatures": []}
+            records[label] = {"label": label, "ok": False, "error": f"replay: {workdir / label} holds no run (not started, or a job killed before it wrote its record)", "failure_signatures": []}
             continue
         if "workdir" in record:
             record["workdir"] = str(workdir / label)

@@ -46,6 +46,9 @@ def _identical(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
     return (max(diffs), sum(diffs) / len(diffs)) if diffs else (0.0, 0.0)
 
 
+BF16_STEPS_ALLOWED = 2.0**-8
+"""The largest |Δlogprob| is always allowed this much: it moves in whole bf16 steps of a logit (2^-12
+and 2^-9 seen in run 15), and a control that happens to miss one would otherwise fail a clean pair."""
 CONTROL_MEAN_FACTOR = 3.0
 """A pair's mean |Δlogprob| may be this many times its mode's vanilla-vs-vanilla control's."""
 CONTROL_MEAN_MIN = 1e-7
@@ -93,7 +96,7 @@ def test_plugin_is_transparent_with_dbo_off(records: Records, model: str, mode: 
         vanilla_run_to_run_max_abs_dlogprob=control_worst,
         vanilla_run_to_run_mean_abs_dlogprob_topk=control_means[mode],
     )
-    assert worst <= 2 * control_worst, (worst, control_worst)
+    assert worst <= max(2 * control_worst, BF16_STEPS_ALLOWED), (worst, control_worst)
     assert mean <= CONTROL_MEAN_FACTOR * max(control_means[mode], CONTROL_MEAN_MIN), (mean, control_means[mode])
     # The runner the test asked for is the one vLLM used (read from the worker itself).
     assert with_plugin["runner_seen"] == [runner]

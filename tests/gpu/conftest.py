@@ -36,15 +36,7 @@ from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.switches import require_gpu
 
 _REQUIRE = False
-"""``DBO_REQUIRE_GPU`` (the project switches' spellings, 1/true/yes/on), read in ``pytest_configure``."""
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    global _REQUIRE
-    try:
-        _REQUIRE = require_gpu()
-    except ConfigError as exc:  # a typo must not turn every GPU test into a passing skip
-        raise pytest.UsageError(str(exc)) from None
+"""``DBO_REQUIRE_GPU`` (the project switches' spellings, 1/true/yes/on), read at collection."""
 _HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -55,7 +47,14 @@ def _unavailable(reason: str) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tag every test under tests/gpu with the ``gpu`` marker (``-m 'not gpu'`` deselects them)."""
+    """Tag every test under tests/gpu with the ``gpu`` marker (``-m 'not gpu'`` deselects them), and
+    read ``DBO_REQUIRE_GPU`` (here, not at import or configure time: a UsageError raised then is shown
+    as a collection error with a traceback)."""
+    global _REQUIRE
+    try:
+        _REQUIRE = require_gpu()
+    except ConfigError as exc:  # a typo must not turn every GPU test into a passing skip
+        raise pytest.UsageError(str(exc)) from None
     for item in items:
         if _HERE in pathlib.Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.gpu)

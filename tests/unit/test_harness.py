@@ -170,6 +170,17 @@ def test_launch_merges_ranks(tmp_path: Path, fake_runner: None) -> None:
     assert json.loads((tmp_path / "good" / "record.json").read_text())["ok"]
 
 
+def test_a_reused_run_directory_lends_nothing_to_the_next_run(tmp_path: Path, fake_runner: None) -> None:
+    """Re-review 2026-11-30: a stale rank1.log of an earlier DP-2 run was scanned for this run's
+    failure signatures (and a stale record.json re-assembled with it)."""
+    old = tmp_path / "good"
+    old.mkdir()
+    (old / "rank1.log").write_text("_schedule_meta_size == num_sms / num_kv_multicast + 1\n")
+    (old / "record.json").write_text(json.dumps({"label": "good", "ok": False}))
+    rec = launch(RunSpec("good", ["--model", "m"], dp=1, meta={"fake": {}}), tmp_path)
+    assert rec["ok"] and rec["failure_signatures"] == [] and not (old / "rank1.log").exists()
+
+
 def test_launch_kills_the_hung_peer_of_a_crashed_rank(tmp_path: Path, fake_runner: None) -> None:
     started = time.monotonic()
     rec = launch(RunSpec("crash", ["--model", "m"], dp=2, meta={"fake": {"0": "hang", "1": "crash"}}), tmp_path)

@@ -299,3 +299,14 @@ def test_noise_floor_end_to_end_with_the_fake_engine(
     assert specs["noise-floor"]["engine_args"][-2:] == ["--max-num-seqs", "2"] and "--enable-dbo" not in specs["noise-floor"]["engine_args"]
     assert specs["dbo-on"]["engine_args"][-1] == "--enable-dbo"
     assert all(s["env"] == {"VLLM_USE_V2_MODEL_RUNNER": "0"} for s in specs.values())
+
+
+def test_an_early_refusal_leaves_no_temporary_directory(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Re-review 2026-11-30: the temporary workdir was made before vLLM's parser and the GPU check,
+    so every refused run left an empty /tmp/dbo-verify-* behind."""
+    made: list[str] = []
+    monkeypatch.setattr(verify.tempfile, "mkdtemp", lambda **kw: made.append("x") or "/nonexistent")
+    monkeypatch.setattr(verify, "_visible_gpus", lambda: 0)
+    assert main(["verify", "--model", "m", "-dp", "2"]) == 3  # no GPU platform here, or no GPUs: refused
+    capsys.readouterr()
+    assert made == []
