@@ -83,24 +83,28 @@ def time_plugin(fn: Any, name: str, *, fold: bool = True) -> Any:
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
         clock = _mine()
-        now = _clock()
-        was = clock.in_plugin
-        if was:
-            clock.total_ns += now - clock.since
-        clock.in_plugin = True
-        clock.since = now
+        was = _switch(clock, True)
         clock.calls += 1
         try:
             return fn(*args, **kwargs)
         finally:
-            end = _clock()
-            clock.total_ns += end - clock.since
-            clock.in_plugin = was
-            clock.since = end
+            _switch(clock, was)
             if fold and not was:
                 _fold(clock)
 
     return timed
+
+
+def _switch(clock: _ThreadClock, in_plugin: bool) -> bool:
+    """Charge the plugin time since the last switch (if the thread was in plugin code), enter
+    ``in_plugin`` mode and return the mode it left: the one step both wrappers take on entry and exit."""
+    now = _clock()
+    was = clock.in_plugin
+    if was:
+        clock.total_ns += now - clock.since
+    clock.in_plugin = in_plugin
+    clock.since = now
+    return was
 
 
 def pause_for_original(original: Any) -> Any:
@@ -111,16 +115,11 @@ def pause_for_original(original: Any) -> Any:
     @functools.wraps(original)
     def untimed(*args: Any, **kwargs: Any) -> Any:
         clock = _mine()
-        now = _clock()
-        was = clock.in_plugin
-        if was:
-            clock.total_ns += now - clock.since
-        clock.in_plugin = False
+        was = _switch(clock, False)
         try:
             return original(*args, **kwargs)
         finally:
-            clock.in_plugin = was
-            clock.since = _clock()
+            _switch(clock, was)
 
     return untimed
 
