@@ -234,13 +234,7 @@ def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None 
     if timed_out:
         with open(logs[0], "a") as log:
             log.write(f"\n[dbo-harness launcher] timeout after {spec.timeout_s:.0f} s: killed every rank\n")
-    ranks = []
-    for rank, proc in enumerate(procs):
-        path = root / f"rank{rank}.json"
-        if path.exists():
-            ranks.append(json.loads(path.read_text()))
-        else:
-            ranks.append({"rank": rank, "ok": False, "error": f"rank {rank} wrote no result (exit code {proc.returncode})"})
+    ranks = _load_ranks(root, spec.dp, lambda rank: f"wrote no result (exit code {procs[rank].returncode})")
     record = assemble(spec, ranks, [p.read_text(errors="replace") for p in logs], wall)
     (root / "record.json").write_text(json.dumps(record, indent=1))
     if progress is not None:
@@ -266,14 +260,8 @@ def reassemble(run: Path) -> dict[str, Any] | None:
     raw = json.loads(spec_path.read_text())
     raw["prompts"] = PromptSpec(**raw["prompts"])
     spec = RunSpec(**raw)
-    ranks = []
-    for rank in range(spec.dp):
-        path = run / f"rank{rank}.json"
-        if path.exists():
-            ranks.append(json.loads(path.read_text()))
-        else:
-            why = "wrote no result" if stored is not None else "stopped before it wrote a result (the session's time limit killed it)"
-            ranks.append({"rank": rank, "ok": False, "error": f"rank {rank} {why}"})
+    why = "wrote no result" if stored is not None else "stopped before it wrote a result (the session's time limit killed it)"
+    ranks = _load_ranks(run, spec.dp, lambda rank: why)
     logs = [path.read_text(errors="replace") for path in sorted(run.glob("rank*.log"))]
     record = assemble(spec, ranks, logs, wall_s=float(stored["wall_s"]) if stored else float("nan"))
     if stored is not None:
@@ -288,6 +276,18 @@ def reassemble(run: Path) -> dict[str, Any] | None:
     if steps is not None:
         record["microbatched_steps"] = steps if spec.dp > 1 else steps[0]
     return record
+
+
+def _load_ranks(root: Path, dp: int, why_missing: Callable[[int], str]) -> list[dict[str, Any]]:
+    """Each rank's result file, or a failed placeholder saying why it is missing."""
+    ranks = []
+    for rank in range(dp):
+        path = root / f"rank{rank}.json"
+        if path.exists():
+            ranks.append(json.loads(path.read_text()))
+        else:
+            ranks.append({"rank": rank, "ok": False, "error": f"rank {rank} {why_missing(rank)}"})
+    return ranks
 
 
 def _microbatched_from_stats(ranks: list[dict[str, Any]]) -> list[int | None] | None:
