@@ -1,14 +1,18 @@
 """DBO in the real engine on two GPUs: decode throughput and step time, DBO on vs off.
 
 Configurations (shared-top-k tiny model, DP 2 + EP, MRV1; its hidden-2048 variant under DeepEP
-low-latency, whose smallest hidden size is 2048), all alive at once and timed in
-turns, interleaved (``harness.turns``): DeepEP high-throughput (eager) DBO off / on with
-dbo_runtime; DeepEP low-latency (FULL decode graphs) DBO off / on with dbo_runtime / on vanilla
-(vanilla DBO runs under LL: it reserves no comm SMs, so no crash); and HT DBO with
-``DBO_RUNTIME_SELF_TIME=1`` for the plugin's own host time per step. The tiny model shows no
-production overlap gain: the point is the plugin's cost and no regression.
+low-latency, whose smallest hidden size is 2048), in two groups run one after the other; within a
+group all engines are alive at once and timed in turns, interleaved (``harness.turns``):
 
-    python graphs/bench_dbo_engine.py [--reps 3] [--out graphs/results]
+- ``ht``: DeepEP high-throughput (eager) DBO off / on with dbo_runtime / on with
+  ``DBO_RUNTIME_SELF_TIME=1`` (the plugin's own host time per step). Vanilla DBO crashes here.
+- ``ll``: DeepEP low-latency (FULL decode graphs) DBO off / on with dbo_runtime / on vanilla
+  (it reserves no comm SMs, so no crash) / on with self-time.
+
+Each group writes ``bench_dbo_engine_<group>.{json,png}``. The tiny model shows no production
+overlap gain: the point is the plugin's cost and no regression.
+
+    python graphs/bench_dbo_engine.py [--reps 3] [--backends ht,ll] [--out graphs/results]
 """
 
 from __future__ import annotations
@@ -25,41 +29,78 @@ sys.path.insert(0, str(ROOT / "graphs"))
 
 from graphs._plotting import pyplot  # noqa: E402
 
+GROUPS = ("ht", "ll")
+
+
+def _configs(plan) -> dict[str, list[tuple[str, bool, dict[str, str]]]]:
+    """(label, DBO on, extra env) per backend group. The groups run one after the other: all seven
+    DP-2 configurations alive at once put seven engines on each H200 and the seventh ran out of GPU
+    memory in its first prefill (run 21, 2026-11-30), so side-by-side ratios are within a group."""
+    return {
+        "ht": [
+            ("ht-dbo-off", False, {}),
+            ("ht-dbo-plugin", True, {}),
+            ("ht-dbo-plugin-selftime", True, {"DBO_RUNTIME_SELF_TIME": "1"}),
+        ],
+        "ll": [
+            ("ll-dbo-off", False, {}),
+            ("ll-dbo-plugin", True, {}),
+            # vanilla DBO runs under LL: it reserves no comm SMs, so no crash
+            ("ll-dbo-vanilla", True, {"DBO_RUNTIME_DISABLE": "1"}),
+            ("ll-dbo-plugin-selftime", True, {"DBO_RUNTIME_SELF_TIME": "1"}),
+        ],
+    }
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="timed reps per configuration after one warm-up (default 3)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps per timed pass (default 64)")
     parser.add_argument("--out", default=str(ROOT / "graphs" / "results"))
+    parser.add_argument(
+        "--backends",
+        default="ht,ll",
+        help="comma-separated all2all backend groups to run, in turn: ht, ll (default ht,ll)",
+    )
     args = parser.parse_args(argv)
     if args.reps < 1 or args.steps < 2:
         parser.error("--reps must be >= 1 and --steps >= 2")
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends or not set(backends) <= set(GROUPS):
+        parser.error(f"--backends must name ht and/or ll (comma-separated), got {args.backends!r}")
     from dbo_runtime.harness.machine import refuse_without_engine
 
     refused = refuse_without_engine("bench_dbo_engine", 2)
     if refused is not None:
         return refused
 
+    from tests.e2e import plan
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    groups = _configs(plan)
+    for group in GROUPS:
+        if group in backends:
+            _run_group(args, group, groups[group], out)
+    return 0
+
+
+def _run_group(args: argparse.Namespace, group: str, configs: list[tuple[str, bool, dict[str, str]]], out: Path) -> None:
     from dbo_runtime.harness.launch import RunSpec
     from dbo_runtime.harness.prompts import PromptSpec
     from dbo_runtime.harness.turns import run_interleaved
+    from dbo_runtime.sim.report import environment
     from tests.e2e import plan
 
+    backend = plan.HT if group == "ht" else plan.LL
+    # DeepEP LL needs hidden >= 2048; HT runs eager because vLLM turns graphs off for HT with DP > 1
+    model = "shared-topk-h2048" if group == "ll" else "shared-topk"
+    graphs = group == "ll"
     prompts = PromptSpec(num=64, min_len=300, max_len=600, seed=12)
     bench = {"max_tokens": args.steps, "reps": args.reps, "warmup": 1, "coordinated": True}
-    configs = [
-        ("ht-dbo-off", plan.HT, False, True, {}),
-        ("ht-dbo-plugin", plan.HT, True, True, {}),
-        ("ll-dbo-off", plan.LL, False, True, {}),
-        ("ll-dbo-plugin", plan.LL, True, True, {}),
-        ("ll-dbo-vanilla", plan.LL, True, False, {"DBO_RUNTIME_DISABLE": "1"}),
-        ("ht-dbo-plugin-selftime", plan.HT, True, True, {"DBO_RUNTIME_SELF_TIME": "1"}),
-    ]
     specs = []
-    for label, backend, dbo, _plugin, env in configs:
-        model = "shared-topk-h2048" if backend == plan.LL else "shared-topk"
+    for label, dbo, env in configs:
         extra = ["--enable-expert-parallel", "--all2all-backend", backend, *plan.DBO_THRESHOLDS]
-        graphs = backend == plan.LL
         if graphs:
             extra += plan.FULL_DECODE + plan.LL_BATCHED_TOKENS
         if dbo:
@@ -69,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 label=label,
                 engine_args=plan.tiny_args(model, eager=not graphs, extra=extra),
                 dp=2,
-                env={"VLLM_USE_V2_MODEL_RUNNER": "0", **(plan.LL_ENV if backend == plan.LL else {}), **env},
+                env={"VLLM_USE_V2_MODEL_RUNNER": "0", **(plan.LL_ENV if graphs else {}), **env},
                 prompts=prompts,
                 max_tokens=4,
                 bench=bench,
@@ -77,50 +118,52 @@ def main(argv: list[str] | None = None) -> int:
                 meta={"model": model, "issue": 9, "what": "bench_dbo_engine"},
             )
         )
-    work = Path(args.out) / "bench_dbo_engine_runs"
+    work = out / "bench_dbo_engine_runs"
     records = run_interleaved(specs, work, args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
-    rows = {}
-    for label, rec in records.items():
-        per_rank = rec.get("bench") or []
-        timed = [[r for r in b.get("reps", []) if not r.get("warmup")] for b in per_rank]
-        # DP ranks step together: a step takes as long as the slower rank
-        # a rep where any rank's measurement is invalid (None: a loaded host) is dropped for every rank
-        both = [i for i in range(min((len(rs) for rs in timed), default=0)) if all(rs[i]["decode_step_ms"] is not None for rs in timed)]
-        steps = [max(rs[i]["decode_step_ms"] for rs in timed) for i in both]
-        tps = [sum(rs[i]["decode_tok_per_s"] for rs in timed) for i in both]
-        selfs = [r.get("plugin_self_us_per_step") for rs in timed for r in rs if r.get("plugin_self_us_per_step") is not None]
-        ub = [r.get("microbatched_builds") for rs in timed for r in rs]
-        rows[label] = {
-            "ok": rec.get("ok"),
-            "error": rec.get("error"),
-            "decode_step_ms": steps,
-            "decode_tok_per_s": tps,
-            "median_step_ms": statistics.median(steps) if steps else None,
-            "median_tok_per_s": statistics.median(tps) if tps else None,
-            "plugin_self_us_per_step": statistics.median(selfs) if selfs else None,
-            "microbatched_builds_per_timed_pass": ub,
-            "turn_order": rec.get("turn_order"),
-        }
+    rows = {label: _row(rec) for label, rec in records.items()}
 
     def ratio(a: str, b: str) -> float | None:
         x, y = rows.get(a, {}).get("median_step_ms"), rows.get(b, {}).get("median_step_ms")
         return x / y if x and y else None
 
-    summary = {
-        "ht_dbo_plugin_over_off": ratio("ht-dbo-plugin", "ht-dbo-off"),
-        "ll_dbo_plugin_over_off": ratio("ll-dbo-plugin", "ll-dbo-off"),
-        "ll_dbo_plugin_over_vanilla": ratio("ll-dbo-plugin", "ll-dbo-vanilla"),
-        "ht_plugin_self_us_per_step": rows.get("ht-dbo-plugin-selftime", {}).get("plugin_self_us_per_step"),
-    }
-    from dbo_runtime.sim.report import environment
+    if group == "ht":
+        summary = {
+            "ht_dbo_plugin_over_off": ratio("ht-dbo-plugin", "ht-dbo-off"),
+            "ht_plugin_self_us_per_step": rows.get("ht-dbo-plugin-selftime", {}).get("plugin_self_us_per_step"),
+        }
+    else:
+        summary = {
+            "ll_dbo_plugin_over_off": ratio("ll-dbo-plugin", "ll-dbo-off"),
+            "ll_dbo_plugin_over_vanilla": ratio("ll-dbo-plugin", "ll-dbo-vanilla"),
+            "ll_plugin_self_us_per_step": rows.get("ll-dbo-plugin-selftime", {}).get("plugin_self_us_per_step"),
+        }
+    doc = {"bench": "bench_dbo_engine", "group": group, "args": vars(args), "environment": environment(), "summary": summary, "configs": rows}
+    (out / f"bench_dbo_engine_{group}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    _plot(rows, summary, out / f"bench_dbo_engine_{group}.png")
+    print(json.dumps({"group": group, "summary": summary, "configs": {k: {kk: v[kk] for kk in ("ok", "median_step_ms", "median_tok_per_s")} for k, v in rows.items()}}, indent=1))
 
-    doc = {"bench": "bench_dbo_engine", "args": vars(args), "environment": environment(), "summary": summary, "configs": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_dbo_engine.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    _plot(rows, summary, out / "bench_dbo_engine.png")
-    print(json.dumps({"summary": summary, "configs": {k: {kk: v[kk] for kk in ("ok", "median_step_ms", "median_tok_per_s")} for k, v in rows.items()}}, indent=1))
-    return 0
+
+def _row(rec: dict) -> dict:
+    per_rank = rec.get("bench") or []
+    timed = [[r for r in b.get("reps", []) if not r.get("warmup")] for b in per_rank]
+    # DP ranks step together: a step takes as long as the slower rank
+    # a rep where any rank's measurement is invalid (None: a loaded host) is dropped for every rank
+    both = [i for i in range(min((len(rs) for rs in timed), default=0)) if all(rs[i]["decode_step_ms"] is not None for rs in timed)]
+    steps = [max(rs[i]["decode_step_ms"] for rs in timed) for i in both]
+    tps = [sum(rs[i]["decode_tok_per_s"] for rs in timed) for i in both]
+    selfs = [r.get("plugin_self_us_per_step") for rs in timed for r in rs if r.get("plugin_self_us_per_step") is not None]
+    ub = [r.get("microbatched_builds") for rs in timed for r in rs]
+    return {
+        "ok": rec.get("ok"),
+        "error": rec.get("error"),
+        "decode_step_ms": steps,
+        "decode_tok_per_s": tps,
+        "median_step_ms": statistics.median(steps) if steps else None,
+        "median_tok_per_s": statistics.median(tps) if tps else None,
+        "plugin_self_us_per_step": statistics.median(selfs) if selfs else None,
+        "microbatched_builds_per_timed_pass": ub,
+        "turn_order": rec.get("turn_order"),
+    }
 
 
 def _plot(rows: dict, summary: dict, path: Path) -> None:
@@ -135,12 +178,8 @@ def _plot(rows: dict, summary: dict, path: Path) -> None:
         ax.hlines(statistics.median(ys), i - 0.3, i + 0.3, color="k")
     ax.set_xticks(range(len(labels)), labels, rotation=20)
     ax.set_ylabel("decode step (ms), slower DP rank")
-    fig.suptitle(
-        "real vLLM engine, DP 2 + EP, tiny shared-top-k model: "
-        f"HT plugin/off {summary['ht_dbo_plugin_over_off'] or float('nan'):.3f}, "
-        f"LL plugin/off {summary['ll_dbo_plugin_over_off'] or float('nan'):.3f}, "
-        f"LL plugin/vanilla {summary['ll_dbo_plugin_over_vanilla'] or float('nan'):.3f}"
-    )
+    ratios = ", ".join(f"{k.replace('_over_', ' / ').replace('_', ' ')} {v:.3f}" for k, v in summary.items() if "_over_" in k and v)
+    fig.suptitle(f"real vLLM engine, DP 2 + EP, tiny shared-top-k model: {ratios or 'no ratio'}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -215,3 +215,51 @@ def test_without_torch_one_line_and_exit_2(name: str) -> None:
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip() == f"{name[:-3]}: needs a CUDA GPU and DeepGEMM: torch is not installed; nothing measured"
 
+
+
+def test_dbo_engine_bench_runs_one_backend_group_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """2x H200, 2026-11-30 (run 21): all seven DP-2 configurations alive at once put seven engines on
+    each GPU and the seventh died of CUDA OOM in its first prefill. The groups now run one after the
+    other, each side by side in turns, each into its own JSON. Engines are faked (no GPU in CI; the GPU
+    twin is the benchmark itself on the two-H200 machine, runs 22-23)."""
+    import json
+
+    from dbo_runtime.harness import machine, turns
+
+    mod = load("bench_dbo_engine.py")
+    groups: list[list[str]] = []
+
+    def fake_run_interleaved(specs: list, work: Path, reps: int, **_: object) -> dict:
+        groups.append([s.label for s in specs])
+        out = {}
+        for s in specs:
+            step = {"off": 4.0, "plugin": 6.0, "vanilla": 6.0}.get(s.label.split("-")[2], 5.0)
+            self_us = 70.0 if "SELF_TIME" in str(s.env) else None
+            ranks = [
+                {"reps": [{"warmup": True, "decode_step_ms": 99.0, "decode_tok_per_s": 1.0}]
+                 + [{"decode_step_ms": step + r, "decode_tok_per_s": 100.0, "plugin_self_us_per_step": self_us,
+                     "microbatched_builds": 62} for _ in range(reps)]}
+                for r in (0, 1)
+            ]
+            out[s.label] = {"ok": True, "bench": ranks, "turn_order": []}
+        return out
+
+    monkeypatch.setattr(machine, "refuse_without_engine", lambda name, gpus: None)
+    monkeypatch.setattr(turns, "run_interleaved", fake_run_interleaved)
+    assert mod.main(["--reps", "3", "--out", str(tmp_path)]) == 0
+    assert groups == [
+        ["ht-dbo-off", "ht-dbo-plugin", "ht-dbo-plugin-selftime"],
+        ["ll-dbo-off", "ll-dbo-plugin", "ll-dbo-vanilla", "ll-dbo-plugin-selftime"],
+    ]
+    ll = json.loads((tmp_path / "bench_dbo_engine_ll.json").read_text())
+    assert ll["configs"]["ll-dbo-off"]["decode_step_ms"] == [5.0, 5.0, 5.0]  # the slower rank, warm-up left out
+    assert ll["summary"] == {"ll_dbo_plugin_over_off": 7.0 / 5.0, "ll_dbo_plugin_over_vanilla": 1.0,
+                             "ll_plugin_self_us_per_step": 70.0}
+    ht = json.loads((tmp_path / "bench_dbo_engine_ht.json").read_text())
+    assert set(ht["summary"]) == {"ht_dbo_plugin_over_off", "ht_plugin_self_us_per_step"}
+    groups.clear()
+    assert mod.main(["--backends", "ll", "--out", str(tmp_path / "ll")]) == 0
+    assert [g[0] for g in groups] == ["ll-dbo-off"]
+    for bad in ("xx", "ht,zz", ""):
+        with pytest.raises(SystemExit):
+            mod.main(["--backends", bad, "--out", str(tmp_path)])
