@@ -25,6 +25,27 @@ def _dist_version(*names: str) -> str | None:
     return None
 
 
+def _vendored_deep_gemm() -> str | None:
+    """vLLM 0.33 wheels carry their own DeepGEMM (``vllm/third_party/deep_gemm``) and no distribution
+    of it, so a real-engine run would otherwise report ``deep_gemm: null``. Read the version from the
+    file: importing it would load its CUDA extension."""
+    import re
+    from importlib.util import find_spec
+
+    try:
+        spec = find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    init = Path(spec.origin).parent / "third_party" / "deep_gemm" / "__init__.py"
+    try:
+        found = re.search(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", init.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return f"vllm-vendored deep_gemm=={found.group(1)}" if found else None
+
+
 def environment() -> dict[str, Any]:
     import torch
 
@@ -33,7 +54,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "deep_gemm": _dist_version("tokenspeed-deepgemm", "deep-gemm", "deep_gemm", "sgl-deep-gemm"),
+        "deep_gemm": _dist_version("tokenspeed-deepgemm", "deep-gemm", "deep_gemm", "sgl-deep-gemm") or _vendored_deep_gemm(),
         "vllm": _dist_version("vllm"),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
