@@ -182,18 +182,54 @@ def split_engine_args(extra: list[str]) -> tuple[list[str], int, list[str]]:
     return out, dp, notes
 
 
-def _flag_value(engine_args: list[str], flag: str) -> int | None:
-    """The last integer given for ``flag`` (vLLM also takes underscores: ``--max_num_seqs``)."""
-    found: int | None = None
+def _flag_raw(engine_args: list[str], flag: str) -> str | None:
+    """The last text given for ``flag`` (vLLM also takes underscores: ``--max_num_seqs``)."""
+    found: str | None = None
     for i, arg in enumerate(engine_args):
         name, eq, value = arg.partition("=")
         if name.replace("_", "-") == flag:
-            raw = value if eq else (engine_args[i + 1] if i + 1 < len(engine_args) else "")
-            try:
-                found = int(raw)
-            except ValueError:
-                found = None  # vLLM's parser reports it
+            found = value if eq else (engine_args[i + 1] if i + 1 < len(engine_args) else "")
     return found
+
+
+def _flag_value(engine_args: list[str], flag: str) -> int | None:
+    """The last integer given for ``flag``; None when absent or not an integer (vLLM's parser reports it)."""
+    raw = _flag_raw(engine_args, flag)
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
+NVSHMEM_QP_DEPTH_DEFAULT = 1024
+"""NVSHMEM's default queue-pair depth, which DeepEP low-latency reads at its first dispatch."""
+
+
+def ll_qp_depth_problem(engine_args: list[str], environ: Any) -> ConfigError | None:
+    """DeepEP LL asserts ``nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2`` on its
+    first dispatch, and vLLM 0.33 sizes that dispatch by ``--max-num-batched-tokens`` (its LL default,
+    256, fits the NVSHMEM default of 1024). Every LL engine with 2048 tokens died at start-up on
+    2x H200 (run 15). Said before any engine starts, instead of after minutes of start-up."""
+    if (_flag_raw(engine_args, "--all2all-backend") or "") != "deepep_low_latency":
+        return None
+    tokens = _flag_value(engine_args, "--max-num-batched-tokens")
+    if tokens is None:
+        return None
+    need = 2 * (tokens + 1)
+    raw = environ.get("NVSHMEM_QP_DEPTH")
+    try:
+        depth = int(raw) if raw is not None else NVSHMEM_QP_DEPTH_DEFAULT
+    except ValueError:
+        return ConfigError("NVSHMEM_QP_DEPTH", raw, f"an integer >= {need} for DeepEP low-latency with --max-num-batched-tokens {tokens}")
+    if depth >= need:
+        return None
+    shown = raw if raw is not None else f"unset (NVSHMEM default {NVSHMEM_QP_DEPTH_DEFAULT})"
+    return ConfigError(
+        "NVSHMEM_QP_DEPTH",
+        shown,
+        f"an integer >= {need} = 2 x (--max-num-batched-tokens {tokens} + 1) for DeepEP low-latency, "
+        f"e.g. NVSHMEM_QP_DEPTH={max(8192, need)}; or --max-num-batched-tokens <= {depth // 2 - 1}",
+    )
 
 
 def floor_args(engine_args: list[str], per_rank: int) -> tuple[list[str], str]:
@@ -365,6 +401,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--workdir", str(workdir), f"a directory verify can create and write ({exc.strerror or exc})") from exc
     progress.say("checking the engine arguments with vLLM's parser")
     check_with_vllm(engine_args)
+    qp_problem = ll_qp_depth_problem(engine_args, os.environ)
+    if qp_problem is not None:
+        raise qp_problem
     visible = _visible_gpus()
     if visible < dp:
         raise CliError(f"needs {dp} GPU(s) for data-parallel size {dp} (one engine rank per GPU); {visible} visible", EXIT_RUN_FAILED)

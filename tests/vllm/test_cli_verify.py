@@ -310,3 +310,47 @@ def test_an_early_refusal_leaves_no_temporary_directory(monkeypatch: pytest.Monk
     assert main(["verify", "--model", "m", "-dp", "2"]) == 3  # no GPU platform here, or no GPUs: refused
     capsys.readouterr()
     assert made == []
+
+
+# -- DeepEP LL queue depth, said before any engine starts ------------------------------------------
+LL = ["--model", "m", "-dp", "2", "--enable-expert-parallel", "--all2all-backend", "deepep_low_latency"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "env", "problem"),
+    [
+        ([], {}, None),  # vLLM's LL default of 256 batched tokens fits the NVSHMEM default
+        (["--max-num-batched-tokens", "511"], {}, None),  # 2 x 512 = 1024: exactly the default depth
+        (["--max-num-batched-tokens", "512"], {}, "NVSHMEM_QP_DEPTH='unset (NVSHMEM default 1024)'"),
+        (["--max_num_batched_tokens=2048"], {}, ">= 4098"),
+        (["--max-num-batched-tokens", "2048"], {"NVSHMEM_QP_DEPTH": "8192"}, None),
+        (["--max-num-batched-tokens", "2048"], {"NVSHMEM_QP_DEPTH": "4097"}, "NVSHMEM_QP_DEPTH='4097'"),
+        (["--max-num-batched-tokens", "2048"], {"NVSHMEM_QP_DEPTH": "lots"}, "an integer >= 4098"),
+    ],
+)
+def test_ll_queue_depth_is_checked_from_the_engine_args(extra: list[str], env: dict[str, str], problem: str | None) -> None:
+    """Run 15 (2x H200): every LL engine with 2048 batched tokens died at start-up on DeepEP's
+    ``nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2``."""
+    args, _, _ = verify.split_engine_args([*LL, *extra])
+    found = verify.ll_qp_depth_problem(args, env)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and found.parameter == "NVSHMEM_QP_DEPTH" and problem in str(found), found
+
+
+def test_ll_queue_depth_ignores_other_backends() -> None:
+    args = ["--model", "m", "--all2all-backend", "deepep_high_throughput", "--max-num-batched-tokens", "8192"]
+    assert verify.ll_qp_depth_problem(args, {}) is None
+
+
+def test_ll_queue_depth_refusal_is_one_line_before_any_engine(
+    fake_cuda_device_type: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started: list[object] = []
+    monkeypatch.delenv("NVSHMEM_QP_DEPTH", raising=False)
+    monkeypatch.setattr(verify, "_visible_gpus", lambda: started.append("gpu check") or 2)
+    assert main(["verify", *LL, "--max-num-batched-tokens", "2048"]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[verify]")]
+    assert len(err) == 1 and "NVSHMEM_QP_DEPTH" in err[0] and "NVSHMEM_QP_DEPTH=8192" in err[0], err
+    assert started == []  # refused before the GPU check and any engine
