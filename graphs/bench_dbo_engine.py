@@ -1,16 +1,18 @@
 """DBO in the real engine on two GPUs: decode throughput and step time, DBO on vs off.
 
 Configurations (shared-top-k tiny model, DP 2 + EP, MRV1; its hidden-2048 variant under DeepEP
-low-latency, whose smallest hidden size is 2048), in two groups run one after the other; within a
-group all engines are alive at once and timed in turns, interleaved (``harness.turns``):
+low-latency, whose smallest hidden size is 2048), in two groups run one after the other (``--backends``,
+in the order given); within a group all engines are alive at once and timed in turns, interleaved,
+the order rotating each rep (``harness.turns``):
 
 - ``ht``: DeepEP high-throughput (eager) DBO off / on with dbo_runtime / on with
   ``DBO_RUNTIME_SELF_TIME=1`` (the plugin's own host time per step). Vanilla DBO crashes here.
 - ``ll``: DeepEP low-latency (FULL decode graphs) DBO off / on with dbo_runtime / on vanilla
   (it reserves no comm SMs, so no crash) / on with self-time.
 
-Each group writes ``bench_dbo_engine_<group>.{json,png}``. The tiny model shows no production
-overlap gain: the point is the plugin's cost and no regression.
+Each group writes ``bench_dbo_engine_<group>.{json,png}``: per configuration the slower rank's step
+per rep, and per ratio both the ratio of medians and the median/range of per-rep paired ratios. The
+tiny model shows no production overlap gain: the point is the plugin's cost and no regression.
 
     python graphs/bench_dbo_engine.py [--reps 3] [--backends ht,ll] [--out graphs/results]
 """
@@ -30,26 +32,35 @@ sys.path.insert(0, str(ROOT / "graphs"))
 from graphs._plotting import pyplot  # noqa: E402
 
 GROUPS = ("ht", "ll")
+CONFIGS: dict[str, list[tuple[str, bool, dict[str, str]]]] = {
+    "ht": [
+        ("ht-dbo-off", False, {}),
+        ("ht-dbo-plugin", True, {}),
+        ("ht-dbo-plugin-selftime", True, {"DBO_RUNTIME_SELF_TIME": "1"}),
+    ],
+    "ll": [
+        ("ll-dbo-off", False, {}),
+        ("ll-dbo-plugin", True, {}),
+        # vanilla DBO runs under LL: it reserves no comm SMs, so no crash
+        ("ll-dbo-vanilla", True, {"DBO_RUNTIME_DISABLE": "1"}),
+        ("ll-dbo-plugin-selftime", True, {"DBO_RUNTIME_SELF_TIME": "1"}),
+    ],
+}
+"""(label, DBO on, extra env) per backend group. The groups run one after the other: all seven DP-2
+configurations alive at once put seven engines on each H200, and the seventh died of CUDA OOM in a
+prefill of its first timed turn (run 21, 2026-11-30), so side-by-side ratios are within a group."""
+RATIOS = {
+    "ht": {"ht_dbo_plugin_over_off": ("ht-dbo-plugin", "ht-dbo-off")},
+    "ll": {
+        "ll_dbo_plugin_over_off": ("ll-dbo-plugin", "ll-dbo-off"),
+        "ll_dbo_plugin_over_vanilla": ("ll-dbo-plugin", "ll-dbo-vanilla"),
+    },
+}
 
 
-def _configs(plan) -> dict[str, list[tuple[str, bool, dict[str, str]]]]:
-    """(label, DBO on, extra env) per backend group. The groups run one after the other: all seven
-    DP-2 configurations alive at once put seven engines on each H200 and the seventh ran out of GPU
-    memory in its first prefill (run 21, 2026-11-30), so side-by-side ratios are within a group."""
-    return {
-        "ht": [
-            ("ht-dbo-off", False, {}),
-            ("ht-dbo-plugin", True, {}),
-            ("ht-dbo-plugin-selftime", True, {"DBO_RUNTIME_SELF_TIME": "1"}),
-        ],
-        "ll": [
-            ("ll-dbo-off", False, {}),
-            ("ll-dbo-plugin", True, {}),
-            # vanilla DBO runs under LL: it reserves no comm SMs, so no crash
-            ("ll-dbo-vanilla", True, {"DBO_RUNTIME_DISABLE": "1"}),
-            ("ll-dbo-plugin-selftime", True, {"DBO_RUNTIME_SELF_TIME": "1"}),
-        ],
-    }
+def _usage(message: str) -> int:
+    print(f"bench_dbo_engine: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,36 +71,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backends",
         default="ht,ll",
-        help="comma-separated all2all backend groups to run, in turn: ht, ll (default ht,ll)",
+        help="comma-separated all2all backend groups, run one after the other in the order given: ht, ll (default ht,ll)",
     )
     args = parser.parse_args(argv)
-    if args.reps < 1 or args.steps < 2:
-        parser.error("--reps must be >= 1 and --steps >= 2")
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if not backends or not set(backends) <= set(GROUPS):
-        parser.error(f"--backends must name ht and/or ll (comma-separated), got {args.backends!r}")
+    if args.reps < 1:
+        return _usage(f"--reps={args.reps} is not allowed; allowed values: an integer >= 1")
+    if args.steps < 2:
+        return _usage(f"--steps={args.steps} is not allowed; allowed values: an integer >= 2")
+    backends = list(dict.fromkeys(b.strip() for b in args.backends.split(",") if b.strip()))
+    unknown = [b for b in backends if b not in GROUPS]
+    if unknown or not backends:
+        shown = ", ".join(repr(b) for b in unknown) or repr(args.backends)
+        return _usage(f"--backends: unknown group {shown}; allowed values: ht, ll (comma-separated)")
     from dbo_runtime.harness.machine import refuse_without_engine
 
     refused = refuse_without_engine("bench_dbo_engine", 2)
     if refused is not None:
         return refused
+    from dbo_runtime.sim.report import environment
 
-    from tests.e2e import plan
-
+    env_facts = environment()  # before any engine: a failure here must not cost a measured group
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    groups = _configs(plan)
-    for group in GROUPS:
-        if group in backends:
-            _run_group(args, group, groups[group], out)
+    for group in backends:
+        _run_group(args, group, out, env_facts)
     return 0
 
 
-def _run_group(args: argparse.Namespace, group: str, configs: list[tuple[str, bool, dict[str, str]]], out: Path) -> None:
+def _run_group(args: argparse.Namespace, group: str, out: Path, env_facts: dict) -> None:
     from dbo_runtime.harness.launch import RunSpec
     from dbo_runtime.harness.prompts import PromptSpec
     from dbo_runtime.harness.turns import run_interleaved
-    from dbo_runtime.sim.report import environment
     from tests.e2e import plan
 
     backend = plan.HT if group == "ht" else plan.LL
@@ -99,7 +111,7 @@ def _run_group(args: argparse.Namespace, group: str, configs: list[tuple[str, bo
     prompts = PromptSpec(num=64, min_len=300, max_len=600, seed=12)
     bench = {"max_tokens": args.steps, "reps": args.reps, "warmup": 1, "coordinated": True}
     specs = []
-    for label, dbo, env in configs:
+    for label, dbo, env in CONFIGS[group]:
         extra = ["--enable-expert-parallel", "--all2all-backend", backend, *plan.DBO_THRESHOLDS]
         if graphs:
             extra += plan.FULL_DECODE + plan.LL_BATCHED_TOKENS
@@ -121,49 +133,60 @@ def _run_group(args: argparse.Namespace, group: str, configs: list[tuple[str, bo
     work = out / "bench_dbo_engine_runs"
     records = run_interleaved(specs, work, args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
     rows = {label: _row(rec) for label, rec in records.items()}
-
-    def ratio(a: str, b: str) -> float | None:
-        x, y = rows.get(a, {}).get("median_step_ms"), rows.get(b, {}).get("median_step_ms")
-        return x / y if x and y else None
-
-    if group == "ht":
-        summary = {
-            "ht_dbo_plugin_over_off": ratio("ht-dbo-plugin", "ht-dbo-off"),
-            "ht_plugin_self_us_per_step": rows.get("ht-dbo-plugin-selftime", {}).get("plugin_self_us_per_step"),
-        }
-    else:
-        summary = {
-            "ll_dbo_plugin_over_off": ratio("ll-dbo-plugin", "ll-dbo-off"),
-            "ll_dbo_plugin_over_vanilla": ratio("ll-dbo-plugin", "ll-dbo-vanilla"),
-            "ll_plugin_self_us_per_step": rows.get("ll-dbo-plugin-selftime", {}).get("plugin_self_us_per_step"),
-        }
-    doc = {"bench": "bench_dbo_engine", "group": group, "args": vars(args), "environment": environment(), "summary": summary, "configs": rows}
+    summary: dict[str, object] = {}
+    for name, (a, b) in RATIOS[group].items():
+        summary[name] = _ratio_of_medians(rows, a, b)
+        summary[f"{name}_paired"] = _paired(rows, a, b)
+    summary[f"{group}_plugin_self_us_per_step"] = rows.get(f"{group}-dbo-plugin-selftime", {}).get("plugin_self_us_per_step")
+    doc = {"bench": "bench_dbo_engine", "group": group, "args": vars(args), "environment": env_facts, "summary": summary, "configs": rows}
     (out / f"bench_dbo_engine_{group}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     _plot(rows, summary, out / f"bench_dbo_engine_{group}.png")
     print(json.dumps({"group": group, "summary": summary, "configs": {k: {kk: v[kk] for kk in ("ok", "median_step_ms", "median_tok_per_s")} for k, v in rows.items()}}, indent=1))
 
 
 def _row(rec: dict) -> dict:
+    """One configuration's timed reps. DP ranks step together, so a rep's step time is the slower
+    rank's; its tok/s is the sum of each rank's own rate (so tok/s and 64 / step need not agree). A rep
+    where any rank's measurement is invalid (None: a loaded host) is dropped for every rank and every
+    statistic; ``decode_step_ms_by_rep`` keeps its place (None) so reps pair across configurations."""
     per_rank = rec.get("bench") or []
     timed = [[r for r in b.get("reps", []) if not r.get("warmup")] for b in per_rank]
-    # DP ranks step together: a step takes as long as the slower rank
-    # a rep where any rank's measurement is invalid (None: a loaded host) is dropped for every rank
-    both = [i for i in range(min((len(rs) for rs in timed), default=0)) if all(rs[i]["decode_step_ms"] is not None for rs in timed)]
-    steps = [max(rs[i]["decode_step_ms"] for rs in timed) for i in both]
-    tps = [sum(rs[i]["decode_tok_per_s"] for rs in timed) for i in both]
-    selfs = [r.get("plugin_self_us_per_step") for rs in timed for r in rs if r.get("plugin_self_us_per_step") is not None]
-    ub = [r.get("microbatched_builds") for rs in timed for r in rs]
+    n = min((len(rs) for rs in timed), default=0)
+    kept = [i for i in range(n) if all(rs[i].get("decode_step_ms") is not None for rs in timed)]
+    by_rep: list[float | None] = [None] * n
+    for i in kept:
+        by_rep[i] = max(rs[i]["decode_step_ms"] for rs in timed)
+    steps = [by_rep[i] for i in kept]
+    tps = [sum(rs[i]["decode_tok_per_s"] for rs in timed) for i in kept]
+    selfs = [rs[i]["plugin_self_us_per_step"] for rs in timed for i in kept if rs[i].get("plugin_self_us_per_step") is not None]
     return {
         "ok": rec.get("ok"),
         "error": rec.get("error"),
         "decode_step_ms": steps,
+        "decode_step_ms_by_rep": by_rep,
         "decode_tok_per_s": tps,
         "median_step_ms": statistics.median(steps) if steps else None,
         "median_tok_per_s": statistics.median(tps) if tps else None,
         "plugin_self_us_per_step": statistics.median(selfs) if selfs else None,
-        "microbatched_builds_per_timed_pass": ub,
+        "microbatched_builds_per_timed_pass": [r.get("microbatched_builds") for rs in timed for r in rs],
         "turn_order": rec.get("turn_order"),
     }
+
+
+def _ratio_of_medians(rows: dict, a: str, b: str) -> float | None:
+    x, y = rows.get(a, {}).get("median_step_ms"), rows.get(b, {}).get("median_step_ms")
+    return x / y if x and y else None
+
+
+def _paired(rows: dict, a: str, b: str) -> dict | None:
+    """Rep i of ``a`` over rep i of ``b``: the turns interleave, so the two ran a few seconds apart on
+    the same host state. Median and range of those ratios are less exposed to host drift than a ratio
+    of medians."""
+    xs, ys = rows.get(a, {}).get("decode_step_ms_by_rep") or [], rows.get(b, {}).get("decode_step_ms_by_rep") or []
+    ratios = [x / y for x, y in zip(xs, ys, strict=False) if x and y]
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
 
 
 def _plot(rows: dict, summary: dict, path: Path) -> None:
@@ -178,7 +201,11 @@ def _plot(rows: dict, summary: dict, path: Path) -> None:
         ax.hlines(statistics.median(ys), i - 0.3, i + 0.3, color="k")
     ax.set_xticks(range(len(labels)), labels, rotation=20)
     ax.set_ylabel("decode step (ms), slower DP rank")
-    ratios = ", ".join(f"{k.replace('_over_', ' / ').replace('_', ' ')} {v:.3f}" for k, v in summary.items() if "_over_" in k and v)
+    ratios = ", ".join(
+        f"{k.replace('_over_', ' / ').replace('_', ' ')} {v:.3f}"
+        for k, v in summary.items()
+        if "_over_" in k and isinstance(v, float)
+    )
     fig.suptitle(f"real vLLM engine, DP 2 + EP, tiny shared-top-k model: {ratios or 'no ratio'}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

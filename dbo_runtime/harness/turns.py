@@ -2,8 +2,9 @@
 
 Why: comparing DBO on/off (or plugin/vanilla) needs the configurations measured under the same
 conditions. Restarting engines per rep costs a minute each; keeping every engine alive and giving
-them turns (A rep 0, B rep 0, A rep 1, ...) interleaves the reps at no start-up cost, while the
-engines that wait are idle (vLLM's engine core blocks on its input queue).
+them turns interleaves the reps at no start-up cost, while the engines that wait are idle (vLLM's
+engine core blocks on its input queue). The order rotates by one each rep (A B C, B C A, C A B, ...)
+so no configuration always runs first after the host was idle, or right after the same neighbour.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def run_interleaved(
     timeout_s: float = 1800.0,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Launch every spec (each with ``bench.coordinated``), then run turn ``rep r`` of each in order."""
+    """Launch every spec (each with ``bench.coordinated``), then run turn ``rep r`` of each, the order
+    rotated by ``r``."""
     records: dict[str, dict[str, Any]] = {}
     threads = []
     for spec in specs:
@@ -54,7 +56,8 @@ def run_interleaved(
     total = int(specs[0].bench.get("warmup", 1)) + reps if specs and specs[0].bench else 0
     order: list[tuple[int, str]] = []
     for rep in range(total):
-        for spec in specs:
+        shift = rep % len(specs)
+        for spec in [*specs[shift:], *specs[:shift]]:
             root = workdir / spec.label / "barrier"
             finished = _finished(records, spec.label)
             ready = [root / f"ready-rep{rep}.{r}" for r in range(spec.dp)]

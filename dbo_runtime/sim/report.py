@@ -28,22 +28,37 @@ def _dist_version(*names: str) -> str | None:
 def _vendored_deep_gemm() -> str | None:
     """vLLM 0.33 wheels carry their own DeepGEMM (``vllm/third_party/deep_gemm``) and no distribution
     of it, so a real-engine run would otherwise report ``deep_gemm: null``. Read the version from the
-    file: importing it would load its CUDA extension."""
+    file: importing it would load its CUDA extension. Provenance must never cost a measurement, so
+    any failure (odd finder, unreadable or undecodable file) is "unknown"."""
     import re
     from importlib.util import find_spec
 
     try:
         spec = find_spec("vllm")
-    except (ImportError, ValueError):
+        if spec is None or not spec.origin:
+            return None
+        init = Path(spec.origin).parent / "third_party" / "deep_gemm" / "__init__.py"
+        text = init.read_text(encoding="utf-8", errors="replace")
+    except Exception:
         return None
-    if spec is None or spec.origin is None:
-        return None
-    init = Path(spec.origin).parent / "third_party" / "deep_gemm" / "__init__.py"
-    try:
-        found = re.search(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", init.read_text(), re.MULTILINE)
-    except OSError:
-        return None
+    found = re.search(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", text, re.MULTILINE)
     return f"vllm-vendored deep_gemm=={found.group(1)}" if found else None
+
+
+def _revision() -> str | None:
+    """The checkout's commit (``+dirty`` with local changes), so a result names the code that made it;
+    None where there is no git checkout (a lent GPU machine gets a copy of the tree without ``.git``)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def environment() -> dict[str, Any]:
@@ -57,6 +72,7 @@ def environment() -> dict[str, Any]:
         "deep_gemm": _dist_version("tokenspeed-deepgemm", "deep-gemm", "deep_gemm", "sgl-deep-gemm") or _vendored_deep_gemm(),
         "vllm": _dist_version("vllm"),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "revision": _revision(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())

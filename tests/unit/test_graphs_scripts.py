@@ -217,49 +217,92 @@ def test_without_torch_one_line_and_exit_2(name: str) -> None:
 
 
 
-def test_dbo_engine_bench_runs_one_backend_group_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_dbo_engine_bench_runs_one_backend_group_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """2x H200, 2026-11-30 (run 21): all seven DP-2 configurations alive at once put seven engines on
-    each GPU and the seventh died of CUDA OOM in its first prefill. The groups now run one after the
-    other, each side by side in turns, each into its own JSON. Engines are faked (no GPU in CI; the GPU
-    twin is the benchmark itself on the two-H200 machine, runs 22-23)."""
+    each GPU and the seventh died of CUDA OOM. The groups now run one after the other, each side by side
+    in turns, each into its own JSON. Engines are faked (no GPU in CI; the GPU twin is the benchmark on
+    the two-H200 machine, runs 22-23)."""
     import json
 
     from dbo_runtime.harness import machine, turns
 
     mod = load("bench_dbo_engine.py")
-    groups: list[list[str]] = []
+    groups: list[list[tuple[str, list[str], dict[str, str]]]] = []
+    # per label: rank 0's and rank 1's step per timed rep (None: an invalid measurement on that rank)
+    steps = {
+        "ht-dbo-off": ([30.0, 31.0, 40.0], [32.0, 29.0, 41.0]),
+        "ht-dbo-plugin": ([70.0, 66.0, 90.0], [71.0, 65.0, 89.0]),
+        "ht-dbo-plugin-selftime": ([72.0, 67.0, 91.0], [73.0, 68.0, 92.0]),
+        "ll-dbo-off": ([4.0, 5.0, 4.5], [4.2, 4.8, 4.6]),
+        "ll-dbo-plugin": ([6.0, None, 5.0], [6.2, 5.8, 5.1]),
+        "ll-dbo-vanilla": ([5.0, 6.0, 4.0], [5.5, 6.1, 4.4]),
+        "ll-dbo-plugin-selftime": ([5.5, 5.6, 5.7], [5.4, 5.5, 5.6]),
+    }
+    selftime = {"ht-dbo-plugin-selftime": [[600.0, 500.0, 700.0], [650.0, 550.0, 750.0]],
+                "ll-dbo-plugin-selftime": [[60.0, 70.0, 80.0], [65.0, 75.0, 85.0]]}
 
     def fake_run_interleaved(specs: list, work: Path, reps: int, **_: object) -> dict:
-        groups.append([s.label for s in specs])
+        groups.append([(s.label, list(s.engine_args), dict(s.env)) for s in specs])
         out = {}
         for s in specs:
-            step = {"off": 4.0, "plugin": 6.0, "vanilla": 6.0}.get(s.label.split("-")[2], 5.0)
-            self_us = 70.0 if "SELF_TIME" in str(s.env) else None
-            ranks = [
-                {"reps": [{"warmup": True, "decode_step_ms": 99.0, "decode_tok_per_s": 1.0}]
-                 + [{"decode_step_ms": step + r, "decode_tok_per_s": 100.0, "plugin_self_us_per_step": self_us,
-                     "microbatched_builds": 62} for _ in range(reps)]}
-                for r in (0, 1)
-            ]
+            ranks = []
+            for r in (0, 1):
+                timed = [
+                    {"decode_step_ms": st, "decode_tok_per_s": 1000.0 * (r + 1) + i,
+                     "plugin_self_us_per_step": selftime.get(s.label, [[None] * 3] * 2)[r][i], "microbatched_builds": 62}
+                    for i, st in enumerate(steps[s.label][r][:reps])
+                ]
+                ranks.append({"reps": [{"warmup": True, "decode_step_ms": 999.0, "decode_tok_per_s": 1.0}, *timed]})
             out[s.label] = {"ok": True, "bench": ranks, "turn_order": []}
         return out
 
     monkeypatch.setattr(machine, "refuse_without_engine", lambda name, gpus: None)
     monkeypatch.setattr(turns, "run_interleaved", fake_run_interleaved)
     assert mod.main(["--reps", "3", "--out", str(tmp_path)]) == 0
-    assert groups == [
+    assert [[label for label, _, _ in g] for g in groups] == [
         ["ht-dbo-off", "ht-dbo-plugin", "ht-dbo-plugin-selftime"],
         ["ll-dbo-off", "ll-dbo-plugin", "ll-dbo-vanilla", "ll-dbo-plugin-selftime"],
     ]
+    for (label, args, env) in groups[0]:
+        assert "deepep_high_throughput" in args and "--enforce-eager" in args and "NVSHMEM_QP_DEPTH" not in env, label
+        assert any(a.endswith("/shared-topk") for a in args) and ("--enable-dbo" in args) == ("off" not in label)
+    for (label, args, env) in groups[1]:
+        assert "deepep_low_latency" in args and "--enforce-eager" not in args and env["NVSHMEM_QP_DEPTH"] == "8192", label
+        assert any(a.endswith("/shared-topk-h2048") for a in args) and "FULL_DECODE_ONLY" in " ".join(args)
+        assert ("--enable-dbo" in args) == ("off" not in label)
+        assert env.get("DBO_RUNTIME_DISABLE") == ("1" if label == "ll-dbo-vanilla" else None)
+
     ll = json.loads((tmp_path / "bench_dbo_engine_ll.json").read_text())
-    assert ll["configs"]["ll-dbo-off"]["decode_step_ms"] == [5.0, 5.0, 5.0]  # the slower rank, warm-up left out
-    assert ll["summary"] == {"ll_dbo_plugin_over_off": 7.0 / 5.0, "ll_dbo_plugin_over_vanilla": 1.0,
-                             "ll_plugin_self_us_per_step": 70.0}
+    rows = ll["configs"]
+    assert rows["ll-dbo-off"]["decode_step_ms"] == [4.2, 5.0, 4.6]  # the slower rank, the warm-up left out
+    assert rows["ll-dbo-plugin"]["decode_step_ms"] == [6.2, 5.1]  # rep 1 dropped: rank 0 invalid
+    assert rows["ll-dbo-plugin"]["decode_step_ms_by_rep"] == [6.2, None, 5.1]
+    assert rows["ll-dbo-plugin"]["decode_tok_per_s"] == [3000.0, 3004.0]  # both ranks' rates, kept reps
+    assert rows["ll-dbo-plugin"]["median_step_ms"] == pytest.approx(5.65)
+    assert rows["ll-dbo-vanilla"]["median_step_ms"] == 5.5
+    assert rows["ll-dbo-plugin-selftime"]["plugin_self_us_per_step"] == 72.5  # median over ranks and kept reps
+    summary = ll["summary"]
+    assert summary["ll_dbo_plugin_over_off"] == pytest.approx(5.65 / 4.6)
+    assert summary["ll_dbo_plugin_over_vanilla"] == pytest.approx(5.65 / 5.5)
+    paired = summary["ll_dbo_plugin_over_vanilla_paired"]  # reps 0 and 2 only: rep 1 of the plugin was dropped
+    assert paired["n"] == 2 and paired["min"] == pytest.approx(6.2 / 5.5) and paired["max"] == pytest.approx(5.1 / 4.4)
+    assert summary["ll_plugin_self_us_per_step"] == 72.5
     ht = json.loads((tmp_path / "bench_dbo_engine_ht.json").read_text())
-    assert set(ht["summary"]) == {"ht_dbo_plugin_over_off", "ht_plugin_self_us_per_step"}
+    assert ht["group"] == "ht" and ht["configs"]["ht-dbo-off"]["median_step_ms"] == 32.0
+    assert ht["summary"]["ht_dbo_plugin_over_off"] == pytest.approx(71.0 / 32.0)
+    assert ht["summary"]["ht_plugin_self_us_per_step"] == 625.0
+    assert set(ht["summary"]) == {"ht_dbo_plugin_over_off", "ht_dbo_plugin_over_off_paired", "ht_plugin_self_us_per_step"}
+
     groups.clear()
-    assert mod.main(["--backends", "ll", "--out", str(tmp_path / "ll")]) == 0
-    assert [g[0] for g in groups] == ["ll-dbo-off"]
-    for bad in ("xx", "ht,zz", ""):
-        with pytest.raises(SystemExit):
-            mod.main(["--backends", bad, "--out", str(tmp_path)])
+    assert mod.main(["--backends", "ll,ht,ll", "--out", str(tmp_path / "order")]) == 0  # the order given, once each
+    assert [g[0][0] for g in groups] == ["ll-dbo-off", "ht-dbo-off"]
+    capsys.readouterr()
+    for bad, needle in [("xx", "unknown group 'xx'"), ("ht,zz", "unknown group 'zz'"), (",", "unknown group ','")]:
+        assert mod.main(["--backends", bad, "--out", str(tmp_path)]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("bench_dbo_engine: --backends") and needle in line and "allowed values: ht, ll" in line
+    assert mod.main(["--reps", "0", "--out", str(tmp_path)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == "bench_dbo_engine: --reps=0 is not allowed; allowed values: an integer >= 1"

@@ -212,14 +212,15 @@ def test_pool_runs_everything_within_the_engine_budget(tmp_path: Path, fake_runn
         run_all([specs[0], specs[0]], tmp_path, max_engines=1)
 
 
-def test_interleaved_turns_run_one_engine_at_a_time_in_order(tmp_path: Path, fake_runner: None) -> None:
+def test_interleaved_turns_run_one_engine_at_a_time_in_rotating_order(tmp_path: Path, fake_runner: None) -> None:
+    """Review 2026-12-01: a fixed order put DBO off first after every idle gap in every rep (runs 19-23)."""
     from dbo_runtime.harness.turns import run_interleaved
 
     bench = {"max_tokens": 4, "reps": 2, "warmup": 1, "coordinated": True}
-    specs = [RunSpec(name, ["--model", "m"], dp=2, meta={"fake": {}}, bench=bench) for name in ("a", "b")]
+    specs = [RunSpec(name, ["--model", "m"], dp=2, meta={"fake": {}}, bench=bench) for name in ("a", "b", "c")]
     got = run_interleaved(specs, tmp_path, reps=2, timeout_s=60)
     assert all(r["ok"] for r in got.values())
-    assert got["a"]["turn_order"] == ["a", "b", "a", "b", "a", "b"]
+    assert got["a"]["turn_order"] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert [len(b["reps"]) for b in got["a"]["bench"]] == [3, 3]
     with pytest.raises(ValueError, match="coordinated"):
         run_interleaved([RunSpec("c", ["--model", "m"])], tmp_path, reps=1)

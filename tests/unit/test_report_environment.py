@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,14 +23,55 @@ def test_deep_gemm_version_falls_back_to_the_copy_vllm_vendors(monkeypatch: pyte
         return real(name)
 
     monkeypatch.setattr(metadata, "version", version)
-    init = Path(__import__("vllm").__file__).parent / "third_party" / "deep_gemm" / "__init__.py"
-    assert init.is_file(), "vLLM 0.33.0 vendors DeepGEMM"
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None
+    assert (Path(spec.origin).parent / "third_party" / "deep_gemm" / "__init__.py").is_file(), "vLLM 0.33.0 vendors DeepGEMM"
     got = report.environment()["deep_gemm"]
     assert got is not None and got.startswith("vllm-vendored deep_gemm==") and got.split("==")[1][0].isdigit()
 
 
-def test_vendored_deep_gemm_is_none_without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib.util
+def _fake_vllm(tmp_path: Path, content: bytes | None) -> SimpleNamespace:
+    pkg = tmp_path / "vllm"
+    (pkg / "third_party" / "deep_gemm").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    if content is not None:
+        (pkg / "third_party" / "deep_gemm" / "__init__.py").write_bytes(content)
+    return SimpleNamespace(origin=str(pkg / "__init__.py"))
 
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+
+@pytest.mark.parametrize(
+    ("finder", "expected"),
+    [
+        (lambda tmp: None, None),  # vLLM not installed
+        (lambda tmp: SimpleNamespace(origin=None), None),  # a namespace package
+        (lambda tmp: _fake_vllm(tmp, None), None),  # no vendored copy
+        (lambda tmp: _fake_vllm(tmp, b"# \xff\xfe not utf-8\n__version__ = '9.1'\n"), "vllm-vendored deep_gemm==9.1"),
+        (lambda tmp: _fake_vllm(tmp, b"VERSION = 3\n"), None),  # no version line
+    ],
+)
+def test_vendored_deep_gemm_on_odd_installs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, finder: object, expected: str | None) -> None:
+    """Review 2026-12-01: an undecodable file raised UnicodeDecodeError, which would have cost a benchmark
+    its JSON after the engines ran."""
+    spec = finder(tmp_path)  # type: ignore[operator]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    assert report._vendored_deep_gemm() == expected
+
+
+def test_vendored_deep_gemm_survives_a_broken_finder(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(name: str) -> None:
+        raise RuntimeError("a meta-path finder that raises")
+
+    monkeypatch.setattr(importlib.util, "find_spec", broken)
     assert report._vendored_deep_gemm() is None
+
+
+def test_revision_names_the_checkout_or_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    rev = report._revision()
+    assert rev is None or (len(rev.split("+")[0]) == 12 and all(c in "0123456789abcdef" for c in rev.split("+")[0]))
+    import subprocess
+
+    def missing(*a: object, **k: object) -> None:
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert report._revision() is None

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine, after install.sh: the real-engine benchmarks, results into $OUT/bench.tgz.
-#   tools/gpu/session-bench.sh [seconds for bench_real_engine] [seconds for bench_dbo_engine]
-# 0 seconds skips that benchmark. Each needs most of one 10-minute device command on a fresh machine
-# (bench_real_engine: one warm-up engine, then ~80 s per plugin/vanilla pair, then the self-time engine),
-# so on a lent machine run them as two commands: `session-bench.sh 560 0`, then `session-bench.sh 0 560`.
+#   tools/gpu/session-bench.sh [seconds for bench_real_engine] [seconds for bench_dbo_engine] [groups]
+# 0 seconds skips that benchmark; groups are bench_dbo_engine's --backends (default ht,ll). Each
+# benchmark needs most of one 10-minute device command on a fresh machine (bench_real_engine: one
+# warm-up engine, then ~80 s per plugin/vanilla pair, then the self-time engine; bench_dbo_engine: a
+# cold host compiles kernels in every engine), so on a lent machine run them as separate commands:
+# `session-bench.sh 560 0`, then `session-bench.sh 0 560 ll` and `session-bench.sh 0 560 ht`
+# (runs 22-23: 80 s and 180 s warm).
 set -u
 cd "$(dirname "$0")/../.."
 . tools/gpu/env.sh
@@ -14,8 +17,8 @@ if [ "${1:-560}" != 0 ]; then
   echo "bench_real_engine exit $?" | tee -a /tmp/bench/bench_real_engine.log; tail -30 /tmp/bench/bench_real_engine.log
 fi
 if [ "${2:-560}" != 0 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  timeout "${2:-560}" python3 graphs/bench_dbo_engine.py --reps 3 --out /tmp/bench > /tmp/bench/bench_dbo_engine.log 2>&1
-  echo "bench_dbo_engine exit $?" | tee -a /tmp/bench/bench_dbo_engine.log; tail -30 /tmp/bench/bench_dbo_engine.log
+  timeout "${2:-560}" python3 graphs/bench_dbo_engine.py --reps 5 --backends "${3:-ht,ll}" --out /tmp/bench > /tmp/bench/bench_dbo_engine.log 2>&1
+  echo "bench_dbo_engine exit $?" | tee -a /tmp/bench/bench_dbo_engine.log; grep -v "^rep " /tmp/bench/bench_dbo_engine.log | tail -80
 fi
 tar czf "$OUT/bench.tgz" -C /tmp bench 2>/dev/null
 ls -la "$OUT"
