@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "graphs"))
 
+from graphs._args import Parser, integer  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 GROUPS = ("ht", "ll")
@@ -64,9 +65,9 @@ def _usage(message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="timed reps per configuration after one warm-up (default 3)")
-    parser.add_argument("--steps", type=int, default=64, help="decode steps per timed pass (default 64)")
+    parser = Parser(prog="bench_dbo_engine", description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=integer(1), default=3, help="timed reps per configuration after one warm-up (default 3)")
+    parser.add_argument("--steps", type=integer(2), default=64, help="decode steps per timed pass (default 64)")
     parser.add_argument("--out", default=str(ROOT / "graphs" / "results"))
     parser.add_argument(
         "--backends",
@@ -74,10 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated all2all backend groups, run one after the other in the order given: ht, ll (default ht,ll)",
     )
     args = parser.parse_args(argv)
-    if args.reps < 1:
-        return _usage(f"--reps={args.reps} is not allowed; allowed values: an integer >= 1")
-    if args.steps < 2:
-        return _usage(f"--steps={args.steps} is not allowed; allowed values: an integer >= 2")
     backends = list(dict.fromkeys(b.strip() for b in args.backends.split(",") if b.strip()))
     unknown = [b for b in backends if b not in GROUPS]
     if unknown or not backends:

@@ -18,7 +18,6 @@ GLM-5.3 / GLM-5.1 with both top-k layouts.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -36,6 +35,7 @@ from dbo_runtime.services.topk_state import topk_memory_bytes
 from dbo_runtime.sim.backends import DeepGemmBackend, real_kernels_missing
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import GLM53, Scenario, capture_dbo_graph
+from graphs._args import Parser, integer
 from graphs._plotting import pyplot
 
 VARIANTS = {
@@ -80,10 +80,10 @@ def time_graph(graph, reps: int) -> list[float]:  # type: ignore[no-untyped-def]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--requests", type=int, default=GLM53.num_requests)
-    ap.add_argument("--max-context", type=int, default=GLM53.max_context)
+    ap = Parser(prog="bench_dbo_stack", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=integer(1), default=40, help="timed reps per variant (default 40)")
+    ap.add_argument("--requests", type=integer(2), default=GLM53.num_requests, help="decode requests, split over two microbatches")
+    ap.add_argument("--max-context", type=integer(GLM53.block_kv, multiple=GLM53.block_kv), default=GLM53.max_context, help="longest context")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
     missing = real_kernels_missing()

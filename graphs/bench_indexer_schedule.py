@@ -33,13 +33,13 @@ import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing
 
 # isort: split
 
-import argparse
 import json
 import time
 from typing import Any
 
 import torch
 
+from graphs._args import Parser, integer
 from graphs._plotting import pyplot
 
 HEADS, DIM, BLOCK = 32, 128, 64
@@ -321,13 +321,13 @@ def _plot(doc: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--layers", type=int, default=21)
-    ap.add_argument("--calls", type=int, default=200_000)
-    ap.add_argument("--dbo-sms", type=int, default=112)
-    ap.add_argument("--cold-sms", type=int, default=110)
+    ap = Parser(prog="bench_indexer_schedule", description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results", help="output folder")
+    ap.add_argument("--steps", type=integer(1), default=20, help="DBO steps per variant (default 20)")
+    ap.add_argument("--layers", type=integer(1), default=21, help="indexer layers per step (default 21)")
+    ap.add_argument("--calls", type=integer(1), default=200_000, help="host calls timed for the cache lookup (default 200000)")
+    ap.add_argument("--dbo-sms", type=integer(1), default=112, help="SM count under DBO (default 112: H200 - 20 comm SMs)")
+    ap.add_argument("--cold-sms", type=integer(1), default=110, help="an SM count never planned before, for the cold path (default 110)")
     args = ap.parse_args(argv)
     from dbo_runtime.sim.backends import real_kernels_missing
 

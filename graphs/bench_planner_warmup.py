@@ -42,6 +42,7 @@ import graphs._torch  # noqa: E402, F401  (exits 2 with one line when torch is m
 
 # isort: split
 
+from graphs._args import Parser, integer  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 BLOCK = 64
@@ -137,12 +138,12 @@ def _plot(doc: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap = Parser(prog="bench_planner_warmup", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--spec-tokens", type=int, default=3, help="speculative tokens (3: MTP, next_n 4; 0: none)")
-    ap.add_argument("--max-num-seqs", type=int, default=1024, help="vLLM max_num_seqs (H200 default 1024)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="vLLM max_num_batched_tokens")
-    ap.add_argument("--comm-sms", type=int, default=20, help="VLLM_DBO_COMM_SMS (DBO count = SMs - this)")
+    ap.add_argument("--spec-tokens", type=integer(0, 3), default=3, help="speculative tokens (3: MTP, next_n 4; 0: none)")
+    ap.add_argument("--max-num-seqs", type=integer(1), default=1024, help="vLLM max_num_seqs (H200 default 1024)")
+    ap.add_argument("--max-num-batched-tokens", type=integer(1), default=8192, help="vLLM max_num_batched_tokens")
+    ap.add_argument("--comm-sms", type=integer(0), default=20, help="VLLM_DBO_COMM_SMS (DBO count = SMs - this)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results", help="output folder")
     args = ap.parse_args(argv)
     if args.child:

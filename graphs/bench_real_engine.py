@@ -17,7 +17,6 @@ Goals: decode-step overhead <= 1 %, start-up delta <= 3 s.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -28,22 +27,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dbo_runtime.harness.machine import refuse_without_engine  # noqa: E402
+from graphs._args import Parser, integer, positive_seconds  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5, help="engine starts per variant (default 5)")
-    parser.add_argument("--decode-reps", type=int, default=2, help="timed decode reps per engine after one warm-up (default 2)")
-    parser.add_argument("--steps", type=int, default=64, help="decode steps per timed pass (default 64)")
+    parser = Parser(prog="bench_real_engine", description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=integer(1), default=5, help="engine starts per variant (default 5)")
+    parser.add_argument("--decode-reps", type=integer(1), default=2, help="timed decode reps per engine after one warm-up (default 2)")
+    parser.add_argument("--steps", type=integer(2), default=64, help="decode steps per timed pass (default 64)")
     parser.add_argument("--model", default="shared-topk", choices=["shared-topk", "deepseek-v32"])
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default: eager, the host-bound worst case)")
-    parser.add_argument("--warmup-engines", type=int, default=1, help="untimed engines started first to fill the JIT caches (default 1)")
-    parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new pairs after this many seconds")
+    parser.add_argument("--warmup-engines", type=integer(0), default=1, help="untimed engines started first to fill the JIT caches (default 1)")
+    parser.add_argument("--budget-s", type=positive_seconds, default=1e9, help="stop starting new pairs after this many seconds")
     parser.add_argument("--out", default=str(ROOT / "graphs" / "results"))
     args = parser.parse_args(argv)
-    if args.reps < 1 or args.steps < 2 or args.warmup_engines < 0:
-        parser.error("--reps must be >= 1, --steps >= 2 and --warmup-engines >= 0")
     refused = refuse_without_engine("bench_real_engine", 1)
     if refused is not None:
         return refused

@@ -37,7 +37,6 @@ Writes ``bench_replay_planning.json`` (+ ``.png`` with matplotlib) to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import statistics
@@ -50,6 +49,7 @@ import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing
 
 # isort: split
 
+from graphs._args import Parser, integer
 from graphs._plotting import pyplot
 
 VARIANTS = {"plan_at_build": {"defer_plan_ahead": False}, "deferred": {"defer_plan_ahead": True}}
@@ -250,10 +250,10 @@ def _plot(doc: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=10, help="replay steps per variant (default 10)")
-    ap.add_argument("--requests", type=int, default=16, help="decode requests, split over two microbatches")
-    ap.add_argument("--max-context", type=int, default=8192, help="longest context (multiple of 64)")
+    ap = Parser(prog="bench_replay_planning", description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--steps", type=integer(1), default=10, help="replay steps per variant (default 10)")
+    ap.add_argument("--requests", type=integer(2), default=16, help="decode requests, split over two microbatches")
+    ap.add_argument("--max-context", type=integer(64, multiple=64), default=8192, help="longest context (multiple of 64)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results", help="output folder")
     args = ap.parse_args(argv)
     try:

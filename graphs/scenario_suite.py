@@ -15,7 +15,6 @@ present) and exits non-zero when a check fails.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -29,14 +28,15 @@ import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing
 from dbo_runtime.sim.backends import DeepGemmBackend, real_kernels_missing
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import CONTRASTS, GLM53, MODES, run_scenario
+from graphs._args import Parser, integer
 from graphs._plotting import pyplot
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=GLM53.steps)
-    ap.add_argument("--requests", type=int, default=GLM53.num_requests)
-    ap.add_argument("--max-context", type=int, default=GLM53.max_context)
+    ap = Parser(prog="scenario_suite", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=integer(1), default=GLM53.steps, help=f"DBO steps per mode (default {GLM53.steps})")
+    ap.add_argument("--requests", type=integer(2), default=GLM53.num_requests, help="decode requests, split over two microbatches")
+    ap.add_argument("--max-context", type=integer(GLM53.block_kv, multiple=GLM53.block_kv), default=GLM53.max_context, help="longest context")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
     missing = real_kernels_missing()

@@ -170,7 +170,7 @@ def _blame(exc: ConfigError, kwargs: Mapping[str, Any], total: Input, comm: Inpu
         if multiple > 1:
             device += f"; DeepGEMM's share must be a multiple of {multiple} on this architecture"
         if comm.typed:
-            return ConfigError(comm.source, comm.value, f"integers in [0, {int(total.value or 0) - multiple + 1}){device}")
+            return ConfigError(comm.source, comm.value, f"integers in [0, {int(total.value or 0) - multiple}]{device}")
         if total.typed:
             return ConfigError(
                 total.source,
@@ -181,6 +181,6 @@ def _blame(exc: ConfigError, kwargs: Mapping[str, Any], total: Input, comm: Inpu
         return ConfigError(
             COMM_ENV,
             comm_value,
-            f"integers in [0, {total.value}){device}: {comm.came_from} does not fit; set {COMM_ENV} or pass --comm-sms",
+            f"integers in [0, {int(total.value or 0) - multiple}]{device}: {comm.came_from} does not fit; set {COMM_ENV} or pass --comm-sms",
         )
     return ConfigError(comm.source if comm.typed else COMM_ENV, comm_value, f"{exc.allowed}" + (f" [{where}]" if where else ""))

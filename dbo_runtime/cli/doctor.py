@@ -182,8 +182,20 @@ def _patches(vllm_installed: bool) -> list[dict[str, Any]]:
     return out
 
 
+def _vllm_import_error() -> str | None:
+    """A vLLM distribution whose package does not import (a torch ABI mismatch: ``undefined symbol``)
+    looks installed by its metadata, and every patch target then reads as "skipped": not a failure.
+    Said as the problem it is."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+    return None
+
+
 def _environment_problems() -> list[str]:
     """Every dbo_runtime switch and setting an operator can mistype, checked the way the runtime parses it."""
+    from dbo_runtime.cli._inputs import COMM_ENV, comm_input
     from dbo_runtime.core.errors import ConfigError
     from dbo_runtime.core.switches import switch_problems
     from dbo_runtime.services.schedule_cache import warm_max_batch
@@ -192,6 +204,9 @@ def _environment_problems() -> list[str]:
     problems = switch_problems()  # the plugin logs these same lines and reads the switches the same way
     checks: list[Callable[[], object]] = [lambda: parse_layout(os.environ.get(LAYOUT_ENV))]
     checks.append(lambda: warm_max_batch())
+    if os.environ.get(COMM_ENV) is not None:
+        # vLLM reads it with a bare int() at model load; dbo_runtime also refuses a negative count
+        checks.append(lambda: comm_input(None, "cuda"))
     for check in checks:
         try:
             check()
@@ -226,8 +241,11 @@ def _collect() -> dict[str, Any]:
     except ImportError as exc:  # a feature module imports vLLM at module level and vLLM is absent/broken
         patches = []
         patch_error = f"patch list unavailable: {type(exc).__name__}: {exc}"
+    import_error = _vllm_import_error() if version is not None else None
     if version is None:
         problems.append("vLLM not installed")
+    elif import_error:
+        problems.append(f"vLLM {version} is installed but does not import ({import_error}); vLLM cannot run here")
     elif not supported:
         problems.append(f"vLLM {version} is not supported (dbo_runtime supports {plugin.SUPPORTED_VLLM}.x); the plugin patches nothing")
     if not entry_point:

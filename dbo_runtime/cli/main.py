@@ -29,7 +29,7 @@ from types import ModuleType
 from typing import NoReturn
 
 from dbo_runtime import __version__
-from dbo_runtime.cli._common import EXIT_USAGE, CliError
+from dbo_runtime.cli._common import EXIT_NO_DEVICE, EXIT_USAGE, CliError
 from dbo_runtime.core.errors import ConfigError
 
 PROG = "dbo-runtime"
@@ -102,6 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{where}: {exc}", file=sys.stderr)
         _json_error(args, exc, exc.exit_code)
         return exc.exit_code
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        # pip install --no-deps dbo-runtime (the README's path next to vLLM) brings no torch of its own
+        missing = CliError("torch is not installed: this command needs torch (install vLLM 0.33.0 with its torch first)", EXIT_NO_DEVICE)
+        print(f"{where}: {missing}", file=sys.stderr)
+        _json_error(args, missing, EXIT_NO_DEVICE)
+        return EXIT_NO_DEVICE
 
 
 def _json_error(args: argparse.Namespace, exc: Exception, exit_code: int) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -106,9 +107,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--requests", metavar="N", default=None, help=f"requests per step, split in two microbatches (2..{MAX_REQUESTS})")
     p.add_argument("--comm-sms", metavar="N", default=None, help="comm SMs (default: $VLLM_DBO_COMM_SMS, else 20)")
     p.add_argument(
-        "--total-sms", metavar="N", default=None, help=f"SMs of the simulated device, an SM90 (Hopper) GPU: DeepGEMM's share is kept even, as on the worker (CPU backend; 1..{MAX_SMS}; default: H200, {H200_SMS}). `sms --total-sms` describes a device of unknown architecture instead"
+        "--total-sms", metavar="N", default=None, help=f"SMs of the simulated device, an SM90 (Hopper) GPU: DeepGEMM's share is kept even, as on the worker (CPU backend; 1..{MAX_SMS}; default: H200, {H200_SMS}). `sms --total-sms` takes 132 as the H200 (SM90) and any other count as an unknown architecture"
     )
-    p.add_argument("--topk-layout", default="windows", choices=("windows", "copies"), help="per-microbatch top-k state layout")
+    p.add_argument(
+        "--topk-layout",
+        default=None,
+        choices=("windows", "copies"),
+        help="per-microbatch top-k state layout (default: $DBO_RUNTIME_TOPK_LAYOUT, as a server reads it, else windows)",
+    )
     p.add_argument("--seed", metavar="N", default="0", help=f"seed of the random inputs (0..{MAX_SEED}; default 0)")
     p.add_argument("--no-contrast", action="store_true", help="skip the vLLM 0.33.0 comparison runs")
     p.add_argument("--json", action="store_true", help=f"machine-readable output (JSON, schema {SCHEMA})")
@@ -214,12 +220,16 @@ class _Progress:
 
 def _run(args: argparse.Namespace) -> int:
     from dbo_runtime.core.switches import parse_switch
-    from dbo_runtime.services.topk_state import index_leaders
+    from dbo_runtime.services.schedule_cache import warm_max_batch
+    from dbo_runtime.services.topk_state import LAYOUT_ENV, index_leaders, parse_layout
     from dbo_runtime.sim.backends import make_backend
     from dbo_runtime.sim.scenario import GLM53, SMALL, for_backend, run_scenario
 
     warn_switch_problems("simulate")
     disabled = parse_switch("DBO_RUNTIME_DISABLE")
+    # The environment a server would read, refused here like a bad flag (a server logs it and goes on).
+    warm_max_batch()
+    layout = args.topk_layout or parse_layout(os.environ.get(LAYOUT_ENV)).value
 
     # Every flag is checked, and the split computed, before anything runs (sms uses the same rules).
     steps = None if args.steps is None else parse_int(args.steps, "--steps", 1, MAX_STEPS)
@@ -231,7 +241,7 @@ def _run(args: argparse.Namespace) -> int:
     base = SMALL if args.preset == "small" else GLM53
     if backend.simulated and base is GLM53:
         base = dataclasses.replace(GLM53, steps=GLM53_CPU_STEPS, num_requests=GLM53_CPU_REQUESTS)
-    overrides: dict[str, Any] = {"comm_sms": comm.value, "seed": seed, "topk_layout": args.topk_layout}
+    overrides: dict[str, Any] = {"comm_sms": comm.value, "seed": seed, "topk_layout": layout}
     if steps is not None:
         overrides["steps"] = steps
     if requests is not None:

@@ -399,11 +399,11 @@ def run(args: argparse.Namespace) -> int:
             probe.unlink()
         except OSError as exc:
             raise ConfigError("--workdir", str(workdir), f"a directory verify can create and write ({exc.strerror or exc})") from exc
-    progress.say("checking the engine arguments with vLLM's parser")
-    check_with_vllm(engine_args)
-    qp_problem = ll_qp_depth_problem(engine_args, os.environ)
+    qp_problem = ll_qp_depth_problem(engine_args, os.environ)  # needs no vLLM: said on any machine
     if qp_problem is not None:
         raise qp_problem
+    progress.say("checking the engine arguments with vLLM's parser")
+    check_with_vllm(engine_args)
     visible = _visible_gpus()
     if visible < dp:
         raise CliError(f"needs {dp} GPU(s) for data-parallel size {dp} (one engine rank per GPU); {visible} visible", EXIT_RUN_FAILED)

@@ -119,9 +119,9 @@ class SMBudget:
         if self.total <= 0:
             raise ConfigError("total_sms", self.total, "a positive integer")
         if not 0 <= self.comm < self.total:
-            raise ConfigError("comm_sms", self.comm, f"integers in [0, {self.total}) (total SMs {self.total})")
+            raise ConfigError("comm_sms", self.comm, f"integers in [0, {self.total - 1}] (total SMs {self.total})")
         if not 0 <= self.idle < self.total - self.comm:
-            raise ConfigError("idle_sms", self.idle, f"integers in [0, {self.total - self.comm}) (total - comm)")
+            raise ConfigError("idle_sms", self.idle, f"integers in [0, {self.total - self.comm - 1}] (total - comm - 1)")
         if self.compute != self.total - self.comm - self.idle:
             raise ConfigError("compute_sms", self.compute, f"total - comm - idle = {self.total - self.comm - self.idle}")
         multiple = self.reason.compute_multiple
@@ -286,7 +286,7 @@ def compute_budget(
         raise ConfigError(
             "VLLM_DBO_COMM_SMS",
             env_value,
-            f"integers in [0, {total_sms}) on this device ({total_sms} SMs): the comm share must leave compute SMs",
+            f"integers in [0, {total_sms - 1}] on this device ({total_sms} SMs): the comm share must leave compute SMs",
         )
     if comm_cap is None and all2all_backend == "deepep_high_throughput":
         comm_cap = DEEPEP_HT_MANAGER_NUM_SMS

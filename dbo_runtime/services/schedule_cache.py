@@ -294,6 +294,7 @@ class IndexerScheduleCache:
         self._profiles: dict[int, list[PlannerProfile]] = {}
         self._warmed: set[tuple[Any, ...]] = set()
         self._warm_done: set[tuple[int, int, int]] = set()
+        self._sweep_warned = False
         self._subscriptions: dict[int, Subscription] = {}
         self._tls = threading.local()
         self._captures = CAPTURES
@@ -550,6 +551,19 @@ class IndexerScheduleCache:
         if sms is not None:
             self.warm(device_index, sms)
 
+    def _sweep(self) -> int | None:
+        """``warm_max_batch()``, but a bad value is logged once and read as unset: warm-up runs inside
+        the ``entered`` publish of every DBO step until a count is warm, so a raise there would log a
+        traceback per step (the SM control catches subscriber errors) and never warm anything. ``doctor``
+        and ``simulate`` refuse the same value outright."""
+        try:
+            return warm_max_batch()
+        except ConfigError as exc:
+            if not self._sweep_warned:
+                self._sweep_warned = True
+                logger.warning("dbo_runtime: %s; read as unset: planner warm-up covers exactly the shapes vLLM runs", exc)
+            return None
+
     def warm(self, device_index: int, num_sms: int) -> int:
         """Launch the planner once per distinct variant of every registered profile's shapes at ``num_sms``.
 
@@ -575,7 +589,7 @@ class IndexerScheduleCache:
         import torch
 
         launched = 0
-        sweep = warm_max_batch()
+        sweep = self._sweep()
         for profile in profiles if sweep != 0 else ():
             shapes = list(profile.shapes)
             if sweep:

@@ -53,6 +53,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         require = require_gpu()  # 1/true/yes/on, as every project switch; anything else is refused
     except ConfigError as exc:
         raise pytest.UsageError(str(exc)) from None
+    if any(item.get_closest_marker(m) is not None for item in items for m in ("e2e", "e2e_dp2")):
+        problems = plan.env_problems()
+        if problems:
+            raise pytest.UsageError("; ".join(problems))
     for item in items:
         if item.get_closest_marker("e2e_dp2") is not None:
             need = 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from dbo_runtime.harness.launch import RunSpec
@@ -52,6 +53,38 @@ WEIGHT_GAINS = os.environ.get("DBO_E2E_WEIGHT_GAINS", json.dumps({"qk_gain": 2.0
 VANILLA_CRASH_TIMEOUT_S = 300.0
 """Vanilla DBO + DeepEP HT on MRV2 hangs silently until vLLM's 5-minute RPC timeout (2026-11-30);
 the launcher stops it earlier (``hang_killed``). A healthy run here starts in <= 120 s under load."""
+
+
+LOAD_FORMATS = ("dummy", "dbo_runtime_random")
+
+
+def env_problems(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The e2e suites' own settings, checked at collection: each is read only when the engines start,
+    on the GPU machine, where a typo cost a traceback after the lease had begun (new-user review
+    2026-12-01). One line each, naming the variable and the allowed values."""
+    from dbo_runtime.core.errors import ConfigError
+    from dbo_runtime.harness.weights import parse_gains
+
+    env = os.environ if environ is None else environ
+    problems = []
+    raw = env.get("DBO_E2E_MAX_ENGINES")
+    if raw is not None:
+        try:
+            ok = int(raw.strip(), 10) >= 1
+        except ValueError:
+            ok = False
+        if not ok:
+            problems.append(str(ConfigError("DBO_E2E_MAX_ENGINES", raw, "an integer >= 1 (engines started at once; default 12)")))
+    load_format = env.get("DBO_E2E_LOAD_FORMAT", "dummy")
+    if load_format not in LOAD_FORMATS:
+        problems.append(str(ConfigError("DBO_E2E_LOAD_FORMAT", load_format, LOAD_FORMATS)))
+    gains = env.get("DBO_E2E_WEIGHT_GAINS")
+    if gains is not None:
+        try:
+            parse_gains(json.loads(gains))
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            problems.append(str(ConfigError("DBO_E2E_WEIGHT_GAINS", gains, f"a JSON object of qk_gain / mlp_gain > 0 ({exc})")))
+    return problems
 
 
 def tiny_args(model: str, *, eager: bool, extra: list[str] | None = None) -> list[str]:

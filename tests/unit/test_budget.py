@@ -79,7 +79,7 @@ def test_without_deep_gemm_no_compute_knob() -> None:
 def test_comm_at_or_above_total_is_named_error(env: int) -> None:
     with pytest.raises(ConfigError) as e:
         ht(env_comm_sms=env, expert_parallel=False)
-    assert e.value.parameter == "VLLM_DBO_COMM_SMS" and "[0, 132)" in str(e.value)
+    assert e.value.parameter == "VLLM_DBO_COMM_SMS" and "[0, 131]" in str(e.value)
 
 
 @pytest.mark.parametrize("raw", ["-4", -4, "abc", "1.5", 2.0, True])

@@ -59,9 +59,9 @@ def test_a_small_typed_total_blames_total_sms_when_nobody_set_the_comm_share(cap
 
 def test_a_typed_comm_share_is_blamed_when_it_does_not_fit(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     line = error_line(capsys, ["sms", "--total-sms", "20", "--comm-sms", "20"])
-    assert line.startswith("--comm-sms=20 is not allowed; allowed values: integers in [0, 20)")
+    assert line.startswith("--comm-sms=20 is not allowed; allowed values: integers in [0, 19]")
     monkeypatch.setenv("VLLM_DBO_COMM_SMS", "140")
-    assert error_line(capsys, ["simulate", *FAST]).startswith("VLLM_DBO_COMM_SMS=140 is not allowed; allowed values: integers in [0, 131)")  # SM90: DeepGEMM keeps 2+
+    assert error_line(capsys, ["simulate", *FAST]).startswith("VLLM_DBO_COMM_SMS=140 is not allowed; allowed values: integers in [0, 130]")  # SM90: DeepGEMM keeps 2+
 
 
 # -- item 10: one validation for both commands ---------------------------------------------------

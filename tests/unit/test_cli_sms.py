@@ -175,7 +175,7 @@ def test_odd_comm_is_fine_when_deepep_ht_is_not_used(capsys: pytest.CaptureFixtu
     [
         (["--all2all-backend", "foo"], None, "--all2all-backend='foo'", "deepep_high_throughput, deepep_low_latency, nixl_ep"),
         (["--all2all-backend", "naive"], None, "--all2all-backend='naive'", "with DBO on cuda"),
-        (["--comm-sms", "132"], None, "--comm-sms=132", "[0, 131)"),  # the H200 profile is SM90: DeepGEMM keeps an even share
+        (["--comm-sms", "132"], None, "--comm-sms=132", "[0, 130]"),  # the H200 profile is SM90: DeepGEMM keeps an even share
         (["--comm-sms", "19"], None, "--comm-sms=19", "even integers"),
         (["--comm-sms", "-4"], None, "--comm-sms='-4'", "integers >= 0"),
         (["--comm-sms", "many"], None, "--comm-sms='many'", "integers >= 0"),
@@ -184,7 +184,7 @@ def test_odd_comm_is_fine_when_deepep_ht_is_not_used(capsys: pytest.CaptureFixtu
         (["--platform", "tpu"], None, "--platform='tpu'", "'cuda', 'rocm'"),
         (["--max-sms-used", "-1"], None, "--max-sms-used='-1'", "integers >= 0, or 'none'"),
         ([], "abc", "VLLM_DBO_COMM_SMS='abc'", "integers >= 0"),
-        ([], "140", "VLLM_DBO_COMM_SMS=140", "[0, 131)"),
+        ([], "140", "VLLM_DBO_COMM_SMS=140", "[0, 130]"),
     ],
 )
 def test_bad_values_give_one_line_and_exit_2(
@@ -238,7 +238,7 @@ def test_sm90_leaves_no_compute_sm_for_an_odd_remainder(capsys: pytest.CaptureFi
     """131 comm SMs on the H200 leave 1 compute SM, which SM90's even rounding makes 0: refused, naming the range."""
     assert main(["sms", "--total-sms", "132", "--comm-sms", "131"]) == 2
     err = capsys.readouterr().err
-    assert "--comm-sms=131 is not allowed; allowed values: integers in [0, 131)" in err
+    assert "--comm-sms=131 is not allowed; allowed values: integers in [0, 130]" in err
     assert "multiple of 2 on this architecture" in err
 
 
@@ -375,7 +375,7 @@ def test_fake_nvml_mig_slice_smaller_than_comm_is_a_named_error(
     [line] = capsys.readouterr().err.strip().splitlines()
     # nobody set the comm share: the line says so instead of quoting a value as if it had been set
     assert line.startswith("dbo-runtime sms: error: VLLM_DBO_COMM_SMS=<not set: default 20> is not allowed")
-    assert "[0, 16)" in line and "device 0 MIG 0" in line and "set VLLM_DBO_COMM_SMS or pass --comm-sms" in line
+    assert "[0, 14]" in line and "device 0 MIG 0" in line and "set VLLM_DBO_COMM_SMS or pass --comm-sms" in line
     assert main(["sms", "--comm-sms", "8"]) == 0
     assert "16/8/8" in capsys.readouterr().out
 

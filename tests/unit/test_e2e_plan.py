@@ -57,3 +57,40 @@ def test_random_weights_come_with_their_gains(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.delenv("DBO_E2E_LOAD_FORMAT")
         monkeypatch.delenv("DBO_E2E_WEIGHT_GAINS")
         importlib.reload(plan)
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({}, None),
+        ({"DBO_E2E_MAX_ENGINES": "4", "DBO_E2E_LOAD_FORMAT": "dbo_runtime_random", "DBO_E2E_WEIGHT_GAINS": '{"qk_gain": 2}'}, None),
+        ({"DBO_E2E_MAX_ENGINES": "abc"}, "DBO_E2E_MAX_ENGINES='abc' is not allowed; allowed values: an integer >= 1"),
+        ({"DBO_E2E_MAX_ENGINES": "0"}, "DBO_E2E_MAX_ENGINES='0'"),
+        ({"DBO_E2E_LOAD_FORMAT": "foo"}, "DBO_E2E_LOAD_FORMAT='foo' is not allowed; allowed values: 'dummy', 'dbo_runtime_random'"),
+        ({"DBO_E2E_WEIGHT_GAINS": "{bad"}, "DBO_E2E_WEIGHT_GAINS='{bad'"),
+        ({"DBO_E2E_WEIGHT_GAINS": '{"qk_gain": -1}'}, "DBO_E2E_WEIGHT_GAINS="),
+    ],
+)
+def test_e2e_settings_are_checked_before_any_engine(env: dict[str, str], needle: str | None) -> None:
+    """New-user review 2026-12-01: these were read only when the engines started, on the GPU machine."""
+    problems = plan.env_problems(env)
+    if needle is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and needle in problems[0], problems
+
+
+def test_e2e_collection_refuses_a_bad_setting_in_one_line(tmp_path: object) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**__import__("os").environ, "DBO_E2E_MAX_ENGINES": "abc"}
+    env.pop("DBO_E2E_REPLAY", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "e2e_dp2", "--collect-only", "tests/e2e"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 4 and "DBO_E2E_MAX_ENGINES='abc' is not allowed" in proc.stderr + proc.stdout, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -367,6 +367,26 @@ def test_warm_sweep_env(monkeypatch: pytest.MonkeyPatch, raw: str | None, batche
         warm_max_batch()
 
 
+def test_a_bad_warm_sweep_env_is_logged_once_and_read_as_unset(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """New-user review 2026-12-01: ``warm`` runs inside every DBO step's ``entered`` publish until a count
+    is warm; a raise there logged a traceback per step (the SM control catches subscriber errors) and warmed
+    nothing. Now one warning, and the exact shapes are warmed as when unset."""
+    import logging
+
+    monkeypatch.setenv(WARM_MAX_BATCH_ENV, "many")
+    dg, _planner, cache = _setup()
+    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((512, 1),)))
+    control = SMControl(0, 132)
+    cache.attach(control)
+    with caplog.at_level(logging.WARNING):
+        control.announce(_dbo_budget())  # type: ignore[arg-type]
+        cache.warm(0, 100)
+    assert sorted({c[2][0] for c in dg.plan_calls}) == [512]
+    lines = [r.getMessage() for r in caplog.records if WARM_MAX_BATCH_ENV in r.getMessage()]
+    assert len(lines) == 1 and "read as unset" in lines[0], lines
+    assert control.stats.subscriber_errors == 0
+
+
 def test_aligned_buckets() -> None:
     assert aligned_buckets(1) == [32]
     assert aligned_buckets(32) == [32]

@@ -168,6 +168,25 @@ def test_cli_errors_name_the_flag_and_read_the_env(monkeypatch: pytest.MonkeyPat
     assert "--comm-sms=131" in capsys.readouterr().err
 
 
+def test_simulate_reads_the_servers_environment(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """New-user review 2026-12-01: a bad DBO_RUNTIME_PLANNER_WARM_MAX_BATCH printed a traceback and then
+    PASS; DBO_RUNTIME_TOPK_LAYOUT was ignored (windows always) and a bad one passed unnoticed."""
+    quick = ["simulate", "--backend", "cpu", "--no-contrast", "--steps", "1", "--requests", "4", "--json"]
+    monkeypatch.setenv("DBO_RUNTIME_PLANNER_WARM_MAX_BATCH", "abc")
+    assert main(quick) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH='abc' is not allowed" in err[0], err
+    monkeypatch.delenv("DBO_RUNTIME_PLANNER_WARM_MAX_BATCH")
+    monkeypatch.setenv("DBO_RUNTIME_TOPK_LAYOUT", "foo")
+    assert main(quick) == 2
+    assert "DBO_RUNTIME_TOPK_LAYOUT='foo'" in capsys.readouterr().err
+    monkeypatch.setenv("DBO_RUNTIME_TOPK_LAYOUT", "copies")
+    assert main(quick) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["config"]["topk_layout"] == "copies"
+    assert main([*quick, "--topk-layout", "windows"]) == 0  # the flag wins over the environment
+    assert json.loads(capsys.readouterr().out)["runs"][0]["config"]["topk_layout"] == "windows"
+
+
 def test_simulate_runs_without_rich(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The GPU machine or a --no-deps install may lack rich: plain output, same verdict."""
     import builtins

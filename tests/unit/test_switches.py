@@ -111,11 +111,56 @@ def test_doctor_reports_every_mistyped_setting(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setenv("DBO_RUNTIME_TOPK_LAYOUT", "foo")
     monkeypatch.setenv("DBO_RUNTIME_PLANNER_WARM_MAX_BATCH", "-1")
     monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    # new-user review 2026-12-01: these two passed doctor silently
+    monkeypatch.setenv("DBO_RUNTIME_SELF_TIME", "maybe")
+    monkeypatch.setenv("VLLM_DBO_COMM_SMS", "abc")
     rc = main(["doctor", "--json"])
     problems = json.loads(capsys.readouterr().out)["problems"]
     assert rc == 1
-    for needle in ("DBO_RUNTIME_STRICT='2'", "DBO_RUNTIME_TOPK_LAYOUT='foo'", "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH='-1'", "VLLM_PLUGINS="):
+    for needle in (
+        "DBO_RUNTIME_STRICT='2'",
+        "DBO_RUNTIME_TOPK_LAYOUT='foo'",
+        "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH='-1'",
+        "VLLM_PLUGINS=",
+        "DBO_RUNTIME_SELF_TIME='maybe' is not allowed",
+        "VLLM_DBO_COMM_SMS='abc'",
+    ):
         assert any(needle in p for p in problems), (needle, problems)
+    assert any("DBO_RUNTIME_SELF_TIME" in p and "read as off" in p for p in problems)
+    for good in ("20", "0"):
+        monkeypatch.setenv("VLLM_DBO_COMM_SMS", good)
+        main(["doctor", "--json"])
+        assert not any("VLLM_DBO_COMM_SMS" in p for p in json.loads(capsys.readouterr().out)["problems"])
+
+
+def test_doctor_says_when_installed_vllm_does_not_import(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """New-user review 2026-12-01: a vLLM whose import fails (torch ABI mismatch) passed doctor with every
+    patch target "skipped". ``sys.modules['vllm'] = None`` makes ``import vllm`` fail as such a build does."""
+    import json
+    import sys
+
+    from dbo_runtime.cli import doctor
+    from dbo_runtime.cli.main import main
+
+    assert doctor._vllm_import_error() is None  # the real vLLM 0.33.0 imports here
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert doctor._vllm_import_error() is not None
+    rc = main(["doctor", "--json"])
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert rc == 1 and any("is installed but does not import (ModuleNotFoundError" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("command", [["doctor"], ["simulate", "--steps", "1", "--no-contrast"], ["doctor", "--json"]])
+def test_without_torch_commands_say_so_in_one_line(command: list[str]) -> None:
+    """New-user review 2026-12-01: ``pip install --no-deps`` in a bare venv, then doctor or simulate,
+    ended in a ModuleNotFoundError traceback. A fresh interpreter, with torch made unimportable."""
+    import subprocess
+    import sys
+
+    code = f"import sys; sys.modules['torch'] = None; from dbo_runtime.cli.main import main; sys.exit(main({command!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"dbo-runtime {command[0]}: torch is not installed: this command needs torch (install vLLM 0.33.0 with its torch first)"
 
 
 def test_require_gpu_refuses_a_value_it_does_not_know() -> None:

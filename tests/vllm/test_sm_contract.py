@@ -104,7 +104,7 @@ def test_comm_not_below_total_both_refuse(gpu_platform: FakeGpuPlatform, clean_p
     with pytest.raises(AssertionError):
         ubatch_utils.create_sm_control_context(pc)
     clean_plugin()
-    with pytest.raises(ConfigError, match=r"VLLM_DBO_COMM_SMS=132 .*\[0, 132\)"):
+    with pytest.raises(ConfigError, match=r"VLLM_DBO_COMM_SMS=132 .*\[0, 131\]"):
         gpu_ubatch_wrapper.create_sm_control_context(pc)
 
 
