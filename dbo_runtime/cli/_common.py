@@ -80,8 +80,8 @@ def print_table(
     ``[...]`` are never parsed as rich markup. Off a terminal (and without ``$COLUMNS``) the
     width is fixed -- ``width``, else wide (220) so captured output (tests, logs) is not wrapped
     mid-number -- and the table is rendered to text first so no line carries rich's trailing
-    padding into a log or a diff. ``compact``: no borders, two spaces between columns and no
-    wrapping (``simulate`` keeps its table within 100 columns that way). ``styles``: a rich style
+    padding into a log or a diff. ``compact``: no borders and one space between columns (``simulate``
+    keeps its table within 100 columns that way); a narrower terminal folds cells instead of cutting them. ``styles``: a rich style
     per row, shown on a terminal only.
     """
     try:
@@ -106,7 +106,8 @@ def print_table(
     key_width = max([len(columns[0]), *(len(row[0]) for row in rows)]) if columns else 0
     for i, column in enumerate(columns):
         if compact:
-            table.add_column(column, no_wrap=True)
+            # folded, not cut: on an 80-column terminal no_wrap ended cells in "…" (new-user review)
+            table.add_column(column, overflow="fold")
         else:
             # the first column is the row's key (GPU label, patch name): never folded, so it stays greppable
             table.add_column(column, overflow="fold", min_width=key_width if i == 0 else None)
