@@ -59,11 +59,6 @@ RATIOS = {
 }
 
 
-def _usage(message: str) -> int:
-    print(f"bench_dbo_engine: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="bench_dbo_engine", description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=integer(1), default=3, help="timed reps per configuration after one warm-up (default 3)")
@@ -79,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [b for b in backends if b not in GROUPS]
     if unknown or not backends:
         shown = ", ".join(repr(b) for b in unknown) or repr(args.backends)
-        return _usage(f"--backends: unknown group {shown}; allowed values: ht, ll (comma-separated)")
+        parser.error(f"argument --backends: {shown} is not allowed; allowed values: ht, ll (comma-separated)")
     from dbo_runtime.harness.machine import refuse_without_engine
 
     refused = refuse_without_engine("bench_dbo_engine", 2)

@@ -21,7 +21,8 @@ EXIT_PROBLEM = 1
 EXIT_USAGE = 2
 """Bad flag or value (argparse errors and ``ConfigError``)."""
 EXIT_NO_DEVICE = 3
-"""No GPU visible through NVML or CUDA and no ``--total-sms`` given."""
+"""The command cannot run on this machine: no GPU visible through NVML or CUDA (and no ``--total-sms``),
+too few GPUs, or no torch."""
 
 
 class CliError(Exception):

@@ -198,10 +198,15 @@ def _environment_problems() -> list[str]:
     from dbo_runtime.cli._inputs import COMM_ENV, comm_input
     from dbo_runtime.core.errors import ConfigError
     from dbo_runtime.core.switches import switch_problems
-    from dbo_runtime.services.schedule_cache import warm_max_batch
-    from dbo_runtime.services.topk_state import LAYOUT_ENV, parse_layout
 
     problems = switch_problems()  # the plugin logs these same lines and reads the switches the same way
+    try:  # the services import torch at module level; without it doctor still reports the rest
+        from dbo_runtime.services.schedule_cache import warm_max_batch
+        from dbo_runtime.services.topk_state import LAYOUT_ENV, parse_layout
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        return [*problems, "torch is not installed: vLLM and the plugin cannot run here (install vLLM 0.33.0 with its torch)"]
     checks: list[Callable[[], object]] = [lambda: parse_layout(os.environ.get(LAYOUT_ENV))]
     checks.append(lambda: warm_max_batch())
     if os.environ.get(COMM_ENV) is not None:

@@ -12,7 +12,8 @@ at module level): building the parser imports all of them, and ``sms`` must run
 on the GPU machine, which has no vLLM.
 
 Exit codes (``dbo_runtime.cli._common``): 0 ok, 1 a check failed, 2 bad flag
-or value (one line naming the parameter and the allowed values), 3 no GPU.
+or value (one line naming the parameter and the allowed values), 3 cannot run here (no GPU, too few
+GPUs, no torch).
 Expected failures print one line on stderr and never a traceback (with ``--json``
 also an error document on stdout); console scripts pass ``main()``'s return
 value to ``sys.exit``.

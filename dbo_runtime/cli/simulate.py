@@ -229,7 +229,8 @@ def _run(args: argparse.Namespace) -> int:
     disabled = parse_switch("DBO_RUNTIME_DISABLE")
     # The environment a server would read, refused here like a bad flag (a server logs it and goes on).
     warm_max_batch()
-    layout = args.topk_layout or parse_layout(os.environ.get(LAYOUT_ENV)).value
+    env_layout = parse_layout(os.environ.get(LAYOUT_ENV)).value  # a bad value would stop a server: refused even with the flag
+    layout = args.topk_layout or env_layout
 
     # Every flag is checked, and the split computed, before anything runs (sms uses the same rules).
     steps = None if args.steps is None else parse_int(args.steps, "--steps", 1, MAX_STEPS)

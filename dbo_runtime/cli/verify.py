@@ -205,16 +205,35 @@ NVSHMEM_QP_DEPTH_DEFAULT = 1024
 """NVSHMEM's default queue-pair depth, which DeepEP low-latency reads at its first dispatch."""
 
 
+def _batched_tokens(engine_args: list[str]) -> int | None:
+    """``--max-num-batched-tokens`` as vLLM reads it: a human-readable integer (``2k``, ``4K``)."""
+    raw = _flag_raw(engine_args, "--max-num-batched-tokens")
+    if raw is None:
+        return None
+    try:
+        from vllm.utils.argparse_utils import human_readable_int
+
+        return int(human_readable_int(raw))
+    except ImportError:
+        return _flag_value(engine_args, "--max-num-batched-tokens")
+    except Exception:
+        return None  # vLLM's parser reports it
+
+
 def ll_qp_depth_problem(engine_args: list[str], environ: Any) -> ConfigError | None:
     """DeepEP LL asserts ``nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2`` on its
-    first dispatch, and vLLM 0.33 sizes that dispatch by ``--max-num-batched-tokens`` (its LL default,
-    256, fits the NVSHMEM default of 1024). Every LL engine with 2048 tokens died at start-up on
-    2x H200 (run 15). Said before any engine starts, instead of after minutes of start-up."""
+    first dispatch, and vLLM 0.33 sizes that dispatch by ``max_num_batched_tokens``. Every LL engine
+    with 2048 tokens died at start-up on 2x H200 (run 15). Said before any engine starts, instead of
+    after minutes of start-up. LL kernels only run with expert parallelism; left unset, vLLM takes 256
+    tokens for LL with EP (``use_batched_dp_moe``; verify always runs DP >= 2 there), doubled by
+    ``--performance-mode throughput`` (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``)."""
     if (_flag_raw(engine_args, "--all2all-backend") or "") != "deepep_low_latency":
         return None
-    tokens = _flag_value(engine_args, "--max-num-batched-tokens")
-    if tokens is None:
+    if not any(a.replace("_", "-") in ("--enable-expert-parallel", "-ep") for a in engine_args):
         return None
+    tokens = _batched_tokens(engine_args)
+    if tokens is None:
+        tokens = 256 * (2 if (_flag_raw(engine_args, "--performance-mode") or "") == "throughput" else 1)
     need = 2 * (tokens + 1)
     raw = environ.get("NVSHMEM_QP_DEPTH")
     try:

@@ -286,7 +286,8 @@ def compute_budget(
         raise ConfigError(
             "VLLM_DBO_COMM_SMS",
             env_value,
-            f"integers in [0, {total_sms - 1}] on this device ({total_sms} SMs): the comm share must leave compute SMs",
+            f"integers in [0, {total_sms - (compute_multiple if compute_knob else 1)}] on this device ({total_sms} SMs): "
+            "the comm share must leave compute SMs",
         )
     if comm_cap is None and all2all_backend == "deepep_high_throughput":
         comm_cap = DEEPEP_HT_MANAGER_NUM_SMS

@@ -40,6 +40,7 @@ REPLAY = os.environ.get("DBO_E2E_REPLAY") or None
 
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: only the selected items need the engine settings
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if REPLAY is not None:
         root = Path(REPLAY)

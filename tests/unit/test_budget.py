@@ -171,3 +171,16 @@ def test_an_odd_budget_that_turns_deep_gemm_cannot_be_built() -> None:
 def test_compute_multiple_must_be_positive_int(bad: object) -> None:
     with pytest.raises(ConfigError, match="compute_multiple"):
         ht(compute_multiple=bad)
+
+
+def test_the_refusal_bound_is_the_largest_value_accepted() -> None:
+    """Re-review 2026-12-01: with DeepGEMM's even count (SM90) the message said [0, 131] and 131 was then
+    refused with [0, 130]. The bound a refusal names must itself be accepted, and one more refused."""
+    for multiple, has_dg, bound in ((2, True, 130), (1, True, 131), (2, False, 131)):
+        kw = {"expert_parallel": True, "compute_multiple": multiple, "has_deep_gemm": has_dg}
+        with pytest.raises(ConfigError) as e:
+            ht(env_comm_sms=132, **kw)
+        assert f"[0, {bound}]" in str(e.value), (kw, str(e.value))
+        ht(env_comm_sms=bound, **kw)
+        with pytest.raises(ConfigError):
+            ht(env_comm_sms=bound + 1, **kw)

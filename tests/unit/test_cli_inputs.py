@@ -118,3 +118,11 @@ def test_usage_errors_are_one_line_naming_the_command(argv: list[str], line: str
     `sms --bogus` blamed the top-level command."""
     assert main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines() == [line]
+
+
+def test_without_deepgemm_the_bound_has_no_even_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    """Re-review 2026-12-01: --no-deep-gemm still named DeepGEMM's even count and the SM90 bound."""
+    line = error_line(capsys, ["sms", "--total-sms", "132", "--comm-sms", "132", "--no-deep-gemm"])
+    assert line.startswith("--comm-sms=132 is not allowed; allowed values: integers in [0, 131]") and "DeepGEMM" not in line
+    assert main(["sms", "--total-sms", "132", "--comm-sms", "131", "--no-deep-gemm"]) == 0
+    capsys.readouterr()

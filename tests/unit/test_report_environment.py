@@ -66,9 +66,14 @@ def test_vendored_deep_gemm_survives_a_broken_finder(monkeypatch: pytest.MonkeyP
 
 
 def test_revision_names_the_checkout_or_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    rev = report._revision()
-    assert rev is None or (len(rev.split("+")[0]) == 12 and all(c in "0123456789abcdef" for c in rev.split("+")[0]))
     import subprocess
+
+    root = Path(report.__file__).resolve().parents[2]
+    rev = report._revision()
+    if (root / ".git").exists():  # CI runs on a clone: the commit is known
+        assert rev is not None and len(rev.split("+")[0]) == 12 and all(c in "0123456789abcdef" for c in rev.split("+")[0])
+    else:
+        assert rev is None
 
     def missing(*a: object, **k: object) -> None:
         raise FileNotFoundError("git")

@@ -320,6 +320,9 @@ LL = ["--model", "m", "-dp", "2", "--enable-expert-parallel", "--all2all-backend
     ("extra", "env", "problem"),
     [
         ([], {}, None),  # vLLM's LL default of 256 batched tokens fits the NVSHMEM default
+        (["--performance-mode", "throughput"], {}, ">= 1026"),  # the default doubled: 512 tokens
+        (["--max-num-batched-tokens", "2k"], {}, ">= 4002"),  # vLLM reads human-readable integers
+        (["--max-num-batched-tokens", "2048"], {"NVSHMEM_QP_DEPTH": "4098"}, None),  # exactly the bound
         (["--max-num-batched-tokens", "511"], {}, None),  # 2 x 512 = 1024: exactly the default depth
         (["--max-num-batched-tokens", "512"], {}, "NVSHMEM_QP_DEPTH='unset (NVSHMEM default 1024)'"),
         (["--max_num_batched_tokens=2048"], {}, ">= 4098"),
@@ -339,9 +342,12 @@ def test_ll_queue_depth_is_checked_from_the_engine_args(extra: list[str], env: d
         assert found is not None and found.parameter == "NVSHMEM_QP_DEPTH" and problem in str(found), found
 
 
-def test_ll_queue_depth_ignores_other_backends() -> None:
-    args = ["--model", "m", "--all2all-backend", "deepep_high_throughput", "--max-num-batched-tokens", "8192"]
+def test_ll_queue_depth_ignores_other_backends_and_runs_without_ep() -> None:
+    args = ["--model", "m", "--all2all-backend", "deepep_high_throughput", "--enable-expert-parallel", "--max-num-batched-tokens", "8192"]
     assert verify.ll_qp_depth_problem(args, {}) is None
+    no_ep = ["--model", "m", "--all2all-backend", "deepep_low_latency", "--max-num-batched-tokens", "8192"]
+    assert verify.ll_qp_depth_problem(no_ep, {}) is None  # vLLM never builds the LL kernels without EP
+    assert verify.ll_qp_depth_problem([*no_ep, "-ep"], {}) is not None
 
 
 def test_ll_queue_depth_refusal_is_one_line_before_any_engine(

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../.."
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
 mkdir -p /tmp/bench
 if [ "${1:-560}" != 0 ]; then
-  CUDA_VISIBLE_DEVICES=0 timeout "${1:-560}" python3 graphs/bench_real_engine.py --reps 5 --budget-s $(( ${1:-560} - 150 )) --out /tmp/bench > /tmp/bench/bench_real_engine.log 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout "${1:-560}" python3 graphs/bench_real_engine.py --reps 5 --budget-s $(( ${1:-560} > 180 ? ${1:-560} - 150 : 30 )) --out /tmp/bench > /tmp/bench/bench_real_engine.log 2>&1
   echo "bench_real_engine exit $?" | tee -a /tmp/bench/bench_real_engine.log; tail -30 /tmp/bench/bench_real_engine.log
 fi
 if [ "${2:-560}" != 0 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
