@@ -123,14 +123,20 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _values(runs: list[dict], variant: str, key: str) -> list[float]:
+    """Every measured value of ``key`` over the variant's good engines; a rep a loaded host made
+    unmeasurable is None in the runner's record and left out (of the summary and the plot alike)."""
+    out: list[float] = []
+    for r in runs:
+        if r["variant"] == variant and r["ok"]:
+            v = r[key]
+            out.extend(v if isinstance(v, list) else [v])
+    return [x for x in out if isinstance(x, (int, float))]
+
+
 def _summary(runs: list[dict]) -> dict:
     def pick(variant: str, key: str) -> list[float]:
-        out: list[float] = []
-        for r in runs:
-            if r["variant"] == variant and r["ok"]:
-                v = r[key]
-                out.extend(v if isinstance(v, list) else [v])
-        return [x for x in out if isinstance(x, (int, float))]
+        return _values(runs, variant, key)
 
     s: dict = {}
     for key in ("start_s", "decode_step_ms", "decode_tok_per_s"):
@@ -164,11 +170,7 @@ def _plot(runs: list[dict], summary: dict, path: Path) -> None:
         (axes[2], "decode_tok_per_s", "decode tokens/s"),
     ):
         for i, variant in enumerate(("plugin", "vanilla")):
-            ys = []
-            for r in runs:
-                if r["variant"] == variant and r["ok"]:
-                    v = r[key]
-                    ys.extend(v if isinstance(v, list) else [v])
+            ys = _values(runs, variant, key)
             ax.scatter([i] * len(ys), ys, alpha=0.6)
             if ys:
                 ax.hlines(statistics.median(ys), i - 0.25, i + 0.25, color="k")

@@ -332,3 +332,20 @@ def test_dbo_engine_bench_runs_one_backend_group_at_a_time(
         assert line == (
             f"bench_dbo_engine: error: argument --backends: {shown} is not allowed; allowed values: ht, ll (comma-separated) (see --help)"
         )
+
+
+def test_real_engine_plot_leaves_out_unmeasured_reps(tmp_path: Path) -> None:
+    """Diff review 2026-12-01: the runner reports decode_step_ms None for a rep a loaded host made
+    unmeasurable; the summary left it out, the plot did not and raised in statistics.median."""
+    mod = load("bench_real_engine.py")
+    runs = [
+        {"variant": v, "rep": 0, "ok": True, "start_s": [16.0], "decode_step_ms": [17.0, None], "decode_tok_per_s": [1.0, None],
+         "plugin_self_us_per_step": None, "error": None}
+        for v in ("plugin", "vanilla")
+    ]
+    summary = mod._summary(runs)
+    assert summary["decode_step_ms"]["n"] == [1, 1]
+    mod._plot(runs, summary, tmp_path / "plot.png")
+    from graphs._plotting import pyplot
+
+    assert (tmp_path / "plot.png").exists() == (pyplot() is not None)
