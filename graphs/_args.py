@@ -9,14 +9,15 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
-from typing import NoReturn
+
+from dbo_runtime.cli.main import OneLineArgumentParser
 
 
-class Parser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose errors are one line (``prog: error: ... (see --help)``)."""
+class Parser(OneLineArgumentParser):
+    """The CLI's one-line parser; a script is run by path, so its hint is plain ``--help``."""
 
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+    def help_hint(self) -> str:
+        return "--help"
 
 
 def integer(low: int, high: int | None = None, *, multiple: int = 1) -> Callable[[str], int]:
@@ -34,7 +35,6 @@ def integer(low: int, high: int | None = None, *, multiple: int = 1) -> Callable
             raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed values: {allowed}")
         return value
 
-    parse.__name__ = allowed  # argparse names the type in some messages
     return parse
 
 

@@ -27,29 +27,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "graphs"))
 
 from graphs._args import Parser, integer  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
-GROUPS = ("ht", "ll")
-CONFIGS: dict[str, list[tuple[str, bool, dict[str, str]]]] = {
+GROUPS: dict[str, tuple[str, bool]] = {"ht": ("shared-topk", False), "ll": ("shared-topk-h2048", True)}
+"""(model, FULL decode graphs) per backend group. DeepEP LL needs hidden >= 2048; HT runs eager
+because vLLM turns graphs off for HT with DP > 1."""
+CONFIGS: dict[str, list[tuple[str, bool, bool, dict[str, str]]]] = {
     "ht": [
-        ("ht-dbo-off", False, {}),
-        ("ht-dbo-plugin", True, {}),
-        ("ht-dbo-plugin-selftime", True, {"DBO_RUNTIME_SELF_TIME": "1"}),
+        ("ht-dbo-off", False, True, {}),
+        ("ht-dbo-plugin", True, True, {}),
+        ("ht-dbo-plugin-selftime", True, True, {"DBO_RUNTIME_SELF_TIME": "1"}),
     ],
     "ll": [
-        ("ll-dbo-off", False, {}),
-        ("ll-dbo-plugin", True, {}),
+        ("ll-dbo-off", False, True, {}),
+        ("ll-dbo-plugin", True, True, {}),
         # vanilla DBO runs under LL: it reserves no comm SMs, so no crash
-        ("ll-dbo-vanilla", True, {"DBO_RUNTIME_DISABLE": "1"}),
-        ("ll-dbo-plugin-selftime", True, {"DBO_RUNTIME_SELF_TIME": "1"}),
+        ("ll-dbo-vanilla", True, False, {}),
+        ("ll-dbo-plugin-selftime", True, True, {"DBO_RUNTIME_SELF_TIME": "1"}),
     ],
 }
-"""(label, DBO on, extra env) per backend group. The groups run one after the other: all seven DP-2
-configurations alive at once put seven engines on each H200, and the seventh died of CUDA OOM in a
-prefill of its first timed turn (run 21, 2026-11-30), so side-by-side ratios are within a group."""
+"""(label, DBO on, dbo_runtime on, extra env) per backend group. The groups run one after the other:
+all seven DP-2 configurations alive at once put seven engines on each H200, and the seventh died of
+CUDA OOM in a prefill of its first timed turn (run 21, 2026-11-30), so side-by-side ratios are within
+a group."""
 RATIOS = {
     "ht": {"ht_dbo_plugin_over_off": ("ht-dbo-plugin", "ht-dbo-off")},
     "ll": {
@@ -91,37 +93,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_group(args: argparse.Namespace, group: str, out: Path, env_facts: dict) -> None:
-    from dbo_runtime.harness.launch import RunSpec
+    import dataclasses
+
     from dbo_runtime.harness.prompts import PromptSpec
     from dbo_runtime.harness.turns import run_interleaved
     from tests.e2e import plan
 
+    model, graphs = GROUPS[group]
     backend = plan.HT if group == "ht" else plan.LL
-    # DeepEP LL needs hidden >= 2048; HT runs eager because vLLM turns graphs off for HT with DP > 1
-    model = "shared-topk-h2048" if group == "ll" else "shared-topk"
-    graphs = group == "ll"
     prompts = PromptSpec(num=64, min_len=300, max_len=600, seed=12)
     bench = {"max_tokens": args.steps, "reps": args.reps, "warmup": 1, "coordinated": True}
-    specs = []
-    for label, dbo, env in CONFIGS[group]:
-        extra = ["--enable-expert-parallel", "--all2all-backend", backend, *plan.DBO_THRESHOLDS]
-        if graphs:
-            extra += plan.FULL_DECODE + plan.LL_BATCHED_TOKENS
-        if dbo:
-            extra.append("--enable-dbo")
-        specs.append(
-            RunSpec(
-                label=label,
-                engine_args=plan.tiny_args(model, eager=not graphs, extra=extra),
-                dp=2,
-                env={"VLLM_USE_V2_MODEL_RUNNER": "0", **(plan.LL_ENV if graphs else {}), **env},
-                prompts=prompts,
-                max_tokens=4,
-                bench=bench,
-                timeout_s=1500,
-                meta={"model": model, "issue": 9, "what": "bench_dbo_engine"},
-            )
+    specs = [
+        dataclasses.replace(
+            plan.dp_spec(label, model, backend, dbo=dbo, runner="v1", plugin=plugin, graphs=graphs, what="bench_dbo_engine", **env),
+            prompts=prompts,
+            max_tokens=4,
+            bench=bench,
+            timeout_s=1500,
         )
+        for label, dbo, plugin, env in CONFIGS[group]
+    ]
     work = out / "bench_dbo_engine_runs"
     records = run_interleaved(specs, work, args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
     rows = {label: _row(rec) for label, rec in records.items()}
@@ -132,7 +123,7 @@ def _run_group(args: argparse.Namespace, group: str, out: Path, env_facts: dict)
     summary[f"{group}_plugin_self_us_per_step"] = rows.get(f"{group}-dbo-plugin-selftime", {}).get("plugin_self_us_per_step")
     doc = {"bench": "bench_dbo_engine", "group": group, "args": vars(args), "environment": env_facts, "summary": summary, "configs": rows}
     (out / f"bench_dbo_engine_{group}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    _plot(rows, summary, out / f"bench_dbo_engine_{group}.png")
+    _plot(rows, summary, list(RATIOS[group]), out / f"bench_dbo_engine_{group}.png")
     print(json.dumps({"group": group, "summary": summary, "configs": {k: {kk: v[kk] for kk in ("ok", "median_step_ms", "median_tok_per_s")} for k, v in rows.items()}}, indent=1))
 
 
@@ -181,7 +172,7 @@ def _paired(rows: dict, a: str, b: str) -> dict | None:
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
 
 
-def _plot(rows: dict, summary: dict, path: Path) -> None:
+def _plot(rows: dict, summary: dict, ratio_names: list[str], path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -194,9 +185,7 @@ def _plot(rows: dict, summary: dict, path: Path) -> None:
     ax.set_xticks(range(len(labels)), labels, rotation=20)
     ax.set_ylabel("decode step (ms), slower DP rank")
     ratios = ", ".join(
-        f"{k.replace('_over_', ' / ').replace('_', ' ')} {v:.3f}"
-        for k, v in summary.items()
-        if "_over_" in k and isinstance(v, float)
+        f"{name.replace('_over_', ' / ').replace('_', ' ')} {summary[name]:.3f}" for name in ratio_names if summary.get(name)
     )
     fig.suptitle(f"real vLLM engine, DP 2 + EP, tiny shared-top-k model: {ratios or 'no ratio'}")
     fig.tight_layout()

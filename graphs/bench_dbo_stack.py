@@ -32,7 +32,7 @@ import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing
 import torch
 
 from dbo_runtime.services.topk_state import topk_memory_bytes
-from dbo_runtime.sim.backends import DeepGemmBackend, real_kernels_missing
+from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import GLM53, Scenario, capture_dbo_graph
 from graphs._args import Parser, integer
@@ -86,10 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-context", type=integer(GLM53.block_kv, multiple=GLM53.block_kv), default=GLM53.max_context, help="longest context")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
-    missing = real_kernels_missing()
-    if missing is not None:
-        print(f"bench_dbo_stack: needs a CUDA GPU and DeepGEMM: {missing}; nothing measured", file=sys.stderr)
-        return 2
+    refused = refuse_without_kernels("bench_dbo_stack")
+    if refused is not None:
+        return refused
     be = DeepGemmBackend()
     base = dataclasses.replace(GLM53, num_requests=args.requests, max_context=args.max_context)
     scen = {name: Scenario(dataclasses.replace(base, **kw), be) for name, kw in VARIANTS.items()}

@@ -268,28 +268,6 @@ def first_step(dg: Any, x: dict[str, torch.Tensor], warm_sms: int, cold_sms: int
     return result
 
 
-def _environment() -> dict[str, Any]:
-    import datetime
-    import platform
-    from importlib import metadata
-
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    try:
-        dg_version = metadata.version("tokenspeed-deepgemm")
-    except metadata.PackageNotFoundError:
-        dg_version = None
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "deep_gemm": f"tokenspeed-deepgemm=={dg_version}" if dg_version else None,
-        "device": props.name,
-        "sms": props.multi_processor_count,
-        "capability": f"{props.major}.{props.minor}",
-    }
-
-
 def _plot(doc: dict[str, Any], path: Path) -> bool:
     plt = pyplot()
     if plt is None:
@@ -329,18 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dbo-sms", type=integer(1), default=112, help="SM count under DBO (default 112: H200 - 20 comm SMs)")
     ap.add_argument("--cold-sms", type=integer(1), default=110, help="an SM count never planned before, for the cold path (default 110)")
     args = ap.parse_args(argv)
-    from dbo_runtime.sim.backends import real_kernels_missing
+    from dbo_runtime.sim.backends import refuse_without_kernels
 
-    missing = real_kernels_missing()
-    if missing is not None:
-        print(f"bench_indexer_schedule: needs a CUDA GPU and DeepGEMM: {missing}; nothing measured", file=sys.stderr)
-        return 2
+    refused = refuse_without_kernels("bench_indexer_schedule")
+    if refused is not None:
+        return refused
     import deep_gemm as dg
 
-    try:
-        from dbo_runtime.sim.report import environment
-    except ImportError:  # the shared provenance helper; keep the benchmark runnable without it
-        environment = _environment
+    from dbo_runtime.sim.report import environment
 
     device = torch.device("cuda", torch.cuda.current_device())
     x = _inputs(device, seed=0)

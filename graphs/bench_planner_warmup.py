@@ -149,12 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(json.loads(args.child))
         return 0
-    from dbo_runtime.sim.backends import real_kernels_missing
+    from dbo_runtime.sim.backends import refuse_without_kernels
 
-    missing = real_kernels_missing()
-    if missing is not None:
-        print(f"bench_planner_warmup: needs a CUDA GPU and DeepGEMM: {missing}; nothing measured", file=sys.stderr)
-        return 2
+    refused = refuse_without_kernels("bench_planner_warmup")
+    if refused is not None:
+        return refused
 
     import torch
 

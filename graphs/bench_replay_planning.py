@@ -67,12 +67,11 @@ HOST_KEYS = (
 def _gpu_or_exit() -> Any:
     """The DeepGEMM backend, or one clear line and exit code 2."""
 
-    from dbo_runtime.sim.backends import DeepGemmBackend, real_kernels_missing
+    from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
 
-    missing = real_kernels_missing()
-    if missing is not None:
-        print(f"bench_replay_planning: needs a CUDA GPU and DeepGEMM: {missing}; nothing measured", file=sys.stderr)
-        raise SystemExit(2)
+    refused = refuse_without_kernels("bench_replay_planning")
+    if refused is not None:
+        raise SystemExit(refused)
     try:
         return DeepGemmBackend()
     except Exception as exc:  # a wheel built for another torch

@@ -25,7 +25,7 @@ import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing
 
 # isort: split
 
-from dbo_runtime.sim.backends import DeepGemmBackend, real_kernels_missing
+from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import CONTRASTS, GLM53, MODES, run_scenario
 from graphs._args import Parser, integer
@@ -39,10 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-context", type=integer(GLM53.block_kv, multiple=GLM53.block_kv), default=GLM53.max_context, help="longest context")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
-    missing = real_kernels_missing()
-    if missing is not None:
-        print(f"scenario_suite: needs a CUDA GPU and DeepGEMM: {missing}; nothing run", file=sys.stderr)
-        return 2
+    refused = refuse_without_kernels("scenario_suite", "nothing run")
+    if refused is not None:
+        return refused
     backend = DeepGemmBackend()
     cfg = dataclasses.replace(GLM53, steps=args.steps, num_requests=args.requests, max_context=args.max_context)
     runs = []

@@ -42,7 +42,10 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse prints the whole usage block on a bad flag; operators asked for one line."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.help_hint()})\n")
+
+    def help_hint(self) -> str:
+        return f"{self.prog} --help"
 
 
 def subcommand_modules() -> list[ModuleType]:

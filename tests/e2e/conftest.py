@@ -113,7 +113,7 @@ class Records:
             self.records = run_all(
                 todo,
                 OUT,
-                max_engines=int(os.environ.get("DBO_E2E_MAX_ENGINES", "12")),
+                max_engines=plan.max_engines(),
                 gpus=gpus,
                 progress=lambda msg: print(f"[e2e] {msg}", file=sys.stderr, flush=True),
                 jobs=extra,

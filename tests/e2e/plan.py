@@ -40,7 +40,7 @@ LL_ENV = {"NVSHMEM_QP_DEPTH": "8192"}
 the dispatch by ``max_num_batched_tokens``, so 2048 tokens need a depth of at least 4098
 (2x H200, 2026-11-30: every LL engine failed its first dummy dispatch without it)."""
 
-LOAD_FORMAT = os.environ.get("DBO_E2E_LOAD_FORMAT", "dummy")
+LOAD_FORMAT = os.environ.get("DBO_E2E_LOAD_FORMAT", "dummy")  # LOAD_FORMATS[0], defined below
 """vLLM's ``dummy`` weights by default. ``DBO_E2E_LOAD_FORMAT=dbo_runtime_random`` loads random weights at
 a trained model's scale (``dbo_runtime.harness.weights``), which make greedy tokens sensitive -- and on
 2x H200 (2026-11-30) showed that the tiny models are then too sensitive to prove anything by tokens:
@@ -56,6 +56,23 @@ the launcher stops it earlier (``hang_killed``). A healthy run here starts in <=
 
 
 LOAD_FORMATS = ("dummy", "dbo_runtime_random")
+MAX_ENGINES_DEFAULT = 12
+
+
+def max_engines(environ: Mapping[str, str] | None = None) -> int:
+    """``DBO_E2E_MAX_ENGINES``: engine processes started at once (default 12)."""
+    from dbo_runtime.core.errors import ConfigError
+
+    raw = (os.environ if environ is None else environ).get("DBO_E2E_MAX_ENGINES")
+    if raw is None:
+        return MAX_ENGINES_DEFAULT
+    try:
+        value = int(raw.strip(), 10)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError("DBO_E2E_MAX_ENGINES", raw, f"an integer >= 1 (engines started at once; default {MAX_ENGINES_DEFAULT})")
+    return value
 
 
 def env_problems(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -67,15 +84,11 @@ def env_problems(environ: Mapping[str, str] | None = None) -> list[str]:
 
     env = os.environ if environ is None else environ
     problems = []
-    raw = env.get("DBO_E2E_MAX_ENGINES")
-    if raw is not None:
-        try:
-            ok = int(raw.strip(), 10) >= 1
-        except ValueError:
-            ok = False
-        if not ok:
-            problems.append(str(ConfigError("DBO_E2E_MAX_ENGINES", raw, "an integer >= 1 (engines started at once; default 12)")))
-    load_format = env.get("DBO_E2E_LOAD_FORMAT", "dummy")
+    try:
+        max_engines(env)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    load_format = env.get("DBO_E2E_LOAD_FORMAT", LOAD_FORMATS[0])
     if load_format not in LOAD_FORMATS:
         problems.append(str(ConfigError("DBO_E2E_LOAD_FORMAT", load_format, LOAD_FORMATS)))
     gains = env.get("DBO_E2E_WEIGHT_GAINS")
@@ -171,7 +184,8 @@ def one_gpu() -> dict[str, RunSpec]:
     return out
 
 
-def _dp(label: str, model: str, backend: str, *, dbo: bool, runner: str, plugin: bool, graphs: bool, what: str, **env: str) -> RunSpec:
+def dp_spec(label: str, model: str, backend: str, *, dbo: bool, runner: str, plugin: bool, graphs: bool, what: str, **env: str) -> RunSpec:
+    """One DP-2 + EP run of the plan (also the benchmark's: ``graphs/bench_dbo_engine.py``)."""
     extra = ["--enable-expert-parallel", "--all2all-backend", backend, *DBO_THRESHOLDS]
     if graphs:
         extra += FULL_DECODE
@@ -194,18 +208,18 @@ def _dp(label: str, model: str, backend: str, *, dbo: bool, runner: str, plugin:
 def two_gpu() -> dict[str, RunSpec]:
     specs = [
         # HT eager: the crash, the fix, the A/B (the shared-topk HT V1 A/B comes from the verify tests)
-        _dp("dp2-ht-ref-deepseek-v32-v1", "deepseek-v32", HT, dbo=False, runner="v1", plugin=True, graphs=False, what="reference (DBO off)"),
-        _dp("dp2-ht-dbo-deepseek-v32-v1-plugin", "deepseek-v32", HT, dbo=True, runner="v1", plugin=True, graphs=False, what="DBO, dbo_runtime (noise floor)"),
-        _dp("dp2-ht-dbo-deepseek-v32-v1-vanilla-comm0", "deepseek-v32", HT, dbo=True, runner="v1", plugin=False, graphs=False,
+        dp_spec("dp2-ht-ref-deepseek-v32-v1", "deepseek-v32", HT, dbo=False, runner="v1", plugin=True, graphs=False, what="reference (DBO off)"),
+        dp_spec("dp2-ht-dbo-deepseek-v32-v1-plugin", "deepseek-v32", HT, dbo=True, runner="v1", plugin=True, graphs=False, what="DBO, dbo_runtime (noise floor)"),
+        dp_spec("dp2-ht-dbo-deepseek-v32-v1-vanilla-comm0", "deepseek-v32", HT, dbo=True, runner="v1", plugin=False, graphs=False,
             what="DBO vanilla, VLLM_DBO_COMM_SMS=0", VLLM_DBO_COMM_SMS="0"),
-        _dp("dp2-ht-dbo-deepseek-v32-v2-plugin", "deepseek-v32", HT, dbo=True, runner="v2", plugin=True, graphs=False, what="DBO, dbo_runtime, MRV2"),
-        _dp("dp2-ht-ref-shared-topk-v2", "shared-topk", HT, dbo=False, runner="v2", plugin=True, graphs=False, what="reference (DBO off), MRV2"),
-        _dp("dp2-ht-dbo-shared-topk-v2-plugin", "shared-topk", HT, dbo=True, runner="v2", plugin=True, graphs=False, what="DBO, dbo_runtime, MRV2"),
-        _dp("dp2-ht-dbo-shared-topk-v1-vanilla", "shared-topk", HT, dbo=True, runner="v1", plugin=False, graphs=False, what="the crash, MRV1"),
-        _dp("dp2-ht-dbo-shared-topk-v2-vanilla", "shared-topk", HT, dbo=True, runner="v2", plugin=False, graphs=False, what="the crash, MRV2"),
+        dp_spec("dp2-ht-dbo-deepseek-v32-v2-plugin", "deepseek-v32", HT, dbo=True, runner="v2", plugin=True, graphs=False, what="DBO, dbo_runtime, MRV2"),
+        dp_spec("dp2-ht-ref-shared-topk-v2", "shared-topk", HT, dbo=False, runner="v2", plugin=True, graphs=False, what="reference (DBO off), MRV2"),
+        dp_spec("dp2-ht-dbo-shared-topk-v2-plugin", "shared-topk", HT, dbo=True, runner="v2", plugin=True, graphs=False, what="DBO, dbo_runtime, MRV2"),
+        dp_spec("dp2-ht-dbo-shared-topk-v1-vanilla", "shared-topk", HT, dbo=True, runner="v1", plugin=False, graphs=False, what="the crash, MRV1"),
+        dp_spec("dp2-ht-dbo-shared-topk-v2-vanilla", "shared-topk", HT, dbo=True, runner="v2", plugin=False, graphs=False, what="the crash, MRV2"),
         # MTP (one speculative token) under DBO, HT eager
-        _dp("dp2-ht-ref-mtp1-v1", "deepseek-v32-mtp", HT, dbo=False, runner="v1", plugin=True, graphs=False, what="MTP k=1 reference (DBO off)"),
-        _dp("dp2-ht-dbo-mtp1-v1-plugin", "deepseek-v32-mtp", HT, dbo=True, runner="v1", plugin=True, graphs=False, what="MTP k=1, DBO, dbo_runtime"),
+        dp_spec("dp2-ht-ref-mtp1-v1", "deepseek-v32-mtp", HT, dbo=False, runner="v1", plugin=True, graphs=False, what="MTP k=1 reference (DBO off)"),
+        dp_spec("dp2-ht-dbo-mtp1-v1-plugin", "deepseek-v32-mtp", HT, dbo=True, runner="v1", plugin=True, graphs=False, what="MTP k=1, DBO, dbo_runtime"),
     ]
     for spec in specs:
         if spec.label.endswith("-vanilla") and spec.label.startswith("dp2-ht-dbo-"):
@@ -217,9 +231,9 @@ def two_gpu() -> dict[str, RunSpec]:
     for model, runners in (("deepseek-v32-h2048", ("v1",)), ("shared-topk-h2048", ("v1", "v2"))):
         for runner in runners:
             specs += [
-                _dp(f"dp2-ll-ref-{model}-{runner}", model, LL, dbo=False, runner=runner, plugin=True, graphs=True, what="reference (DBO off)"),
-                _dp(f"dp2-ll-dbo-{model}-{runner}-plugin", model, LL, dbo=True, runner=runner, plugin=True, graphs=True, what="DBO, dbo_runtime"),
-                _dp(f"dp2-ll-dbo-{model}-{runner}-vanilla", model, LL, dbo=True, runner=runner, plugin=False, graphs=True, what="DBO vanilla"),
+                dp_spec(f"dp2-ll-ref-{model}-{runner}", model, LL, dbo=False, runner=runner, plugin=True, graphs=True, what="reference (DBO off)"),
+                dp_spec(f"dp2-ll-dbo-{model}-{runner}-plugin", model, LL, dbo=True, runner=runner, plugin=True, graphs=True, what="DBO, dbo_runtime"),
+                dp_spec(f"dp2-ll-dbo-{model}-{runner}-vanilla", model, LL, dbo=True, runner=runner, plugin=False, graphs=True, what="DBO vanilla"),
             ]
     return {s.label: s for s in specs}
 

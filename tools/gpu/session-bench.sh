@@ -11,13 +11,14 @@ set -u
 cd "$(dirname "$0")/../.."
 . tools/gpu/env.sh
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
+S1=${1:-560} S2=${2:-560} BENCH_GROUPS=${3:-ht,ll}  # not GROUPS: bash reserves it
 mkdir -p /tmp/bench
-if [ "${1:-560}" != 0 ]; then
-  CUDA_VISIBLE_DEVICES=0 timeout "${1:-560}" python3 graphs/bench_real_engine.py --reps 5 --budget-s $(( ${1:-560} > 180 ? ${1:-560} - 150 : 30 )) --out /tmp/bench > /tmp/bench/bench_real_engine.log 2>&1
+if [ "$S1" != 0 ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout "$S1" python3 graphs/bench_real_engine.py --reps 5 --budget-s $(( S1 > 180 ? S1 - 150 : 30 )) --out /tmp/bench > /tmp/bench/bench_real_engine.log 2>&1
   echo "bench_real_engine exit $?" | tee -a /tmp/bench/bench_real_engine.log; tail -30 /tmp/bench/bench_real_engine.log
 fi
-if [ "${2:-560}" != 0 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  timeout "${2:-560}" python3 graphs/bench_dbo_engine.py --reps 5 --backends "${3:-ht,ll}" --out /tmp/bench > /tmp/bench/bench_dbo_engine.log 2>&1
+if [ "$S2" != 0 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  timeout "$S2" python3 graphs/bench_dbo_engine.py --reps 5 --backends "$BENCH_GROUPS" --out /tmp/bench > /tmp/bench/bench_dbo_engine.log 2>&1
   echo "bench_dbo_engine exit $?" | tee -a /tmp/bench/bench_dbo_engine.log; grep -v "^rep " /tmp/bench/bench_dbo_engine.log | tail -80
 fi
 tar czf "$OUT/bench.tgz" -C /tmp bench 2>/dev/null
