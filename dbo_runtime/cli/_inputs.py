@@ -28,6 +28,7 @@ from dbo_runtime.core.budget import (
     SMBudget,
     compute_budget,
     deep_gemm_compute_multiple,
+    min_compute_sms,
 )
 from dbo_runtime.core.errors import ConfigError
 
@@ -163,8 +164,7 @@ def _blame(exc: ConfigError, kwargs: Mapping[str, Any], total: Input, comm: Inpu
             "DeepEP's Buffer.set_num_sms asserts an even SM count",
         )
     roomy = _valid(kwargs, total_sms=1 << 40)
-    # the even-count rule is DeepGEMM's: without it any compute share of 1+ SM runs
-    multiple = int(kwargs.get("compute_multiple", 1)) if kwargs.get("has_deep_gemm", True) else 1
+    multiple = min_compute_sms(int(kwargs["compute_multiple"]), bool(kwargs["has_deep_gemm"]))
     if roomy is not None:
         # Only the device is too small for the comm share (and, on SM90, DeepGEMM's even count).
         device = f"{on}, which has {total.value} SMs ({total.came_from})"

@@ -36,6 +36,7 @@ from typing import Any
 from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, CliError, print_json, print_table
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.harness.compare import FloorRule, Thresholds
+from dbo_runtime.harness.launch import engine_arg
 
 SCHEMA = "dbo-runtime/verify/v1"
 
@@ -182,19 +183,9 @@ def split_engine_args(extra: list[str]) -> tuple[list[str], int, list[str]]:
     return out, dp, notes
 
 
-def _flag_raw(engine_args: list[str], flag: str) -> str | None:
-    """The last text given for ``flag`` (vLLM also takes underscores: ``--max_num_seqs``)."""
-    found: str | None = None
-    for i, arg in enumerate(engine_args):
-        name, eq, value = arg.partition("=")
-        if name.replace("_", "-") == flag:
-            found = value if eq else (engine_args[i + 1] if i + 1 < len(engine_args) else "")
-    return found
-
-
 def _flag_value(engine_args: list[str], flag: str) -> int | None:
     """The last integer given for ``flag``; None when absent or not an integer (vLLM's parser reports it)."""
-    raw = _flag_raw(engine_args, flag)
+    raw = engine_arg(engine_args, flag)
     try:
         return int(raw) if raw is not None else None
     except ValueError:
@@ -207,7 +198,7 @@ NVSHMEM_QP_DEPTH_DEFAULT = 1024
 
 def _batched_tokens(engine_args: list[str]) -> int | None:
     """``--max-num-batched-tokens`` as vLLM reads it: a human-readable integer (``2k``, ``4K``)."""
-    raw = _flag_raw(engine_args, "--max-num-batched-tokens")
+    raw = engine_arg(engine_args, "--max-num-batched-tokens")
     if raw is None:
         return None
     try:
@@ -227,13 +218,13 @@ def ll_qp_depth_problem(engine_args: list[str], environ: Any) -> ConfigError | N
     after minutes of start-up. LL kernels only run with expert parallelism; left unset, vLLM takes 256
     tokens for LL with EP (``use_batched_dp_moe``; verify always runs DP >= 2 there), doubled by
     ``--performance-mode throughput`` (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``)."""
-    if (_flag_raw(engine_args, "--all2all-backend") or "") != "deepep_low_latency":
+    if (engine_arg(engine_args, "--all2all-backend") or "") != "deepep_low_latency":
         return None
     if not any(a.replace("_", "-") in ("--enable-expert-parallel", "-ep") for a in engine_args):
         return None
     tokens = _batched_tokens(engine_args)
     if tokens is None:
-        tokens = 256 * (2 if (_flag_raw(engine_args, "--performance-mode") or "") == "throughput" else 1)
+        tokens = 256 * (2 if (engine_arg(engine_args, "--performance-mode") or "") == "throughput" else 1)
     need = 2 * (tokens + 1)
     raw = environ.get("NVSHMEM_QP_DEPTH")
     try:

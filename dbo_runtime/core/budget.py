@@ -182,6 +182,13 @@ def full_budget(total: int, device: int = 0, *, note: str = "no partition") -> S
     )
 
 
+def min_compute_sms(compute_multiple: int, has_deep_gemm: bool) -> int:
+    """The fewest compute SMs a DBO split may leave: DeepGEMM's count multiple where DeepGEMM takes
+    the compute share (SM90: 2), else 1. The largest comm share is ``total - min_compute_sms``: every
+    refusal names that bound, so the value it names is itself accepted."""
+    return compute_multiple if has_deep_gemm else 1
+
+
 def parse_comm_sms(raw: object, *, parameter: str = "VLLM_DBO_COMM_SMS") -> int:
     """Validate a comm-SM value from the environment or a flag.
 
@@ -286,7 +293,7 @@ def compute_budget(
         raise ConfigError(
             "VLLM_DBO_COMM_SMS",
             env_value,
-            f"integers in [0, {total_sms - (compute_multiple if compute_knob else 1)}] on this device ({total_sms} SMs): "
+            f"integers in [0, {total_sms - min_compute_sms(compute_multiple, has_deep_gemm)}] on this device ({total_sms} SMs): "
             "the comm share must leave compute SMs",
         )
     if comm_cap is None and all2all_backend == "deepep_high_throughput":

@@ -30,12 +30,10 @@ UNRECOGNISED_READS_AS: dict[str, bool] = {
     "DBO_RUNTIME_DISABLE": True,
     "DBO_RUNTIME_STRICT": False,
     "DBO_RUNTIME_SELF_TIME": False,
-    "DBO_REQUIRE_GPU": True,
 }
 """How a value outside ``ON``/``OFF`` is read: the choice in which dbo_runtime does the least. The
 self-time counters (``DBO_RUNTIME_SELF_TIME``) read as off: timing wrappers cost a little on every
-patched call. The test suites' ``DBO_REQUIRE_GPU`` reads as on (a GPU test that cannot run fails, it does not pass as
-skipped); the suites refuse such a value outright (``require_gpu``)."""
+patched call. (The test suites' ``DBO_REQUIRE_GPU`` is not read this way: ``require_gpu`` refuses such a value.)"""
 
 ALLOWED = "'1', 'true', 'yes', 'on' (on); '0', 'false', 'no', 'off', '' (off); or not set (off); any case"
 
@@ -46,8 +44,6 @@ _EFFECT = {
     ("DBO_RUNTIME_STRICT", False): "an unsupported vLLM or a failed patch install logs one line and leaves vLLM unpatched",
     ("DBO_RUNTIME_SELF_TIME", True): "every patched call is timed (the plugin's own host time per step)",
     ("DBO_RUNTIME_SELF_TIME", False): "the plugin's own time is not measured",
-    ("DBO_REQUIRE_GPU", True): "GPU and real-engine tests that cannot run fail instead of skipping",
-    ("DBO_REQUIRE_GPU", False): "GPU and real-engine tests that cannot run are skipped",
 }
 
 

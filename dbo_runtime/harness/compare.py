@@ -5,8 +5,9 @@ that checkable token by token. After the first differing token the two runs
 continue from different contexts, so a logprob difference is only meaningful on
 the shared prefix; ``max_abs_dlogprob`` is therefore taken over every position
 up to and including the first divergence (where the reference token's logprob
-is looked up in the other run's returned top-k; if it is not there the position
-counts in ``dlogprob_missing``).
+is looked up in the other run's returned top-k; if it is not there, the lowest
+returned logprob bounds the difference from below and the position counts in
+``dlogprob_bounded``; a position without logprobs counts in ``dlogprob_missing``).
 
 * ``agreement``: fraction of reference tokens equal, position by position, to
   the other run's token (the issue's "fraction of tokens equal to the reference").

@@ -24,7 +24,7 @@ from typing import Any
 
 from dbo_runtime.core.switches import parse_switch
 from dbo_runtime.harness.prompts import PromptSpec
-from dbo_runtime.harness.runner import BARRIER_ENV
+from dbo_runtime.harness.runner import BARRIER_ENV, summary_delta
 
 RUNNER_MODULE_ENV = "DBO_HARNESS_RUNNER_MODULE"
 """Module run per rank (default ``dbo_runtime.harness.runner``); CPU tests point it at a fake engine."""
@@ -106,13 +106,15 @@ def free_port(block: int = 1) -> int:
     raise RuntimeError(f"no block of {block} free ports found")
 
 
-def _arg_value(args: list[str], name: str) -> str | None:
+def engine_arg(args: list[str], flag: str) -> str | None:
+    """The value vLLM's parser takes for ``flag``: the last one given, either ``--flag v`` or
+    ``--flag=v``, with underscores read as dashes (``--max_num_seqs``); None when absent."""
+    found: str | None = None
     for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
+        name, eq, value = arg.partition("=")
+        if name.replace("_", "-") == flag:
+            found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return found
 
 
 def describe(spec: RunSpec) -> dict[str, Any]:
@@ -127,8 +129,8 @@ def describe(spec: RunSpec) -> dict[str, Any]:
     v2 = env.get("VLLM_USE_V2_MODEL_RUNNER")
     # vLLM 0.33 picks MRV2 by default and falls back to MRV1 under DBO unless forced.
     runner = "v2" if v2 == "1" else ("v1" if v2 == "0" or dbo else "v2")
-    model = _arg_value(args, "--model") or ""
-    compilation = _arg_value(args, "--compilation-config") or _arg_value(args, "-cc") or ""
+    model = engine_arg(args, "--model") or ""
+    compilation = engine_arg(args, "--compilation-config") or engine_arg(args, "-cc") or ""
     return {
         "model": spec.meta.get("model") or Path(model).name or model,
         "dp": spec.dp,
@@ -137,7 +139,7 @@ def describe(spec: RunSpec) -> dict[str, Any]:
         "runner": runner,
         "graphs": "--enforce-eager" not in args,
         "cudagraph_mode": (json.loads(compilation).get("cudagraph_mode") if compilation.startswith("{") else None),
-        "all2all_backend": _arg_value(args, "--all2all-backend"),
+        "all2all_backend": engine_arg(args, "--all2all-backend"),
         "env": dict(spec.env),
     }
 
@@ -272,9 +274,6 @@ def reassemble(run: Path) -> dict[str, Any] | None:
             record["error"] = stored["error"]  # it names the exit codes, which only the launcher saw
     else:
         record["stopped_by_session_limit"] = True
-    steps = _microbatched_from_stats(ranks)
-    if steps is not None:
-        record["microbatched_steps"] = steps if spec.dp > 1 else steps[0]
     return record
 
 
@@ -288,16 +287,6 @@ def _load_ranks(root: Path, dp: int, why_missing: Callable[[int], str]) -> list[
         else:
             ranks.append({"rank": rank, "ok": False, "error": f"rank {rank} {why_missing(rank)}"})
     return ranks
-
-
-def _microbatched_from_stats(ranks: list[dict[str, Any]]) -> list[int | None] | None:
-    """Microbatched steps per rank from the counter snapshots around the generate (the rank's own
-    ``microbatched_builds`` was the end-minus-start delta taken the wrong way round before run 11)."""
-    out: list[int | None] = []
-    for rank in ranks:
-        early, late = rank.get("stats_start"), rank.get("stats_end")
-        out.append(sum(b["summary"]["microbatched_builds"] - a["summary"]["microbatched_builds"] for a, b in zip(early, late)) if early and late else None)
-    return out if any(x is not None for x in out) else None
 
 
 def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s: float) -> dict[str, Any]:
@@ -318,7 +307,14 @@ def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s
             error += f" | {detail}"
     requests = sorted((req for r in ranks for req in r.get("requests") or []), key=lambda q: q["index"])
     stats_end = [s for r in ranks for s in (r.get("stats_end") or [])]
-    builds = [r.get("microbatched_builds") for r in ranks]
+    # from the counter snapshots around the generate where a rank has them: a rank's own
+    # ``microbatched_builds`` was that delta taken the wrong way round before run 11 (replays re-derive it)
+    builds = [
+        summary_delta(r["stats_start"], r["stats_end"], "microbatched_builds")
+        if r.get("stats_start") and r.get("stats_end")
+        else r.get("microbatched_builds")
+        for r in ranks
+    ]
     record: dict[str, Any] = {
         "label": spec.label,
         **describe(spec),
@@ -348,4 +344,4 @@ def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s
     return record
 
 
-__all__ = ["RunSpec", "assemble", "describe", "free_port", "launch"]
+__all__ = ["RunSpec", "assemble", "describe", "engine_arg", "free_port", "launch"]

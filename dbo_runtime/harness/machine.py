@@ -16,14 +16,13 @@ def engine_missing(gpus: int) -> str | None:
         return "no CUDA device (torch.cuda.is_available() is False)"
     if torch.cuda.device_count() < gpus:
         return f"needs {gpus} GPUs, {torch.cuda.device_count()} visible"
-    from importlib import metadata
+    from dbo_runtime.integration.plugin import SUPPORTED_VLLM, version_supported, vllm_version
 
-    try:
-        version = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
+    version = vllm_version()
+    if version is None:
         return "vLLM is not installed"
-    if not version.startswith("0.33"):
-        return f"needs vLLM 0.33.x, found {version}"
+    if not version_supported(version):
+        return f"needs vLLM {SUPPORTED_VLLM}.x, found {version}"
     return None
 
 

@@ -108,14 +108,7 @@ def _versions() -> dict[str, Any]:
     return info
 
 
-def _self_time_on() -> bool:
-    """Self-time counters stay 0 unless ``DBO_RUNTIME_SELF_TIME`` is on; 0 then means 'not measured'."""
-    from dbo_runtime.core.switches import parse_switch
-
-    return parse_switch("DBO_RUNTIME_SELF_TIME")
-
-
-def _summary_delta(before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None, key: str) -> int | None:
+def summary_delta(before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None, key: str) -> int | None:
     if not before or not after:
         return None
     return sum(int(late["summary"][key]) - int(early["summary"][key]) for early, late in zip(before, after, strict=False))
@@ -157,7 +150,7 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
     result["generate_s"] = time.perf_counter() - t2
     result["requests"] = _requests(mine, outputs)
     result["stats_end"] = _stats(llm)
-    result["microbatched_builds"] = _summary_delta(result["stats_start"], result["stats_end"], "microbatched_builds")
+    result["microbatched_builds"] = summary_delta(result["stats_start"], result["stats_end"], "microbatched_builds")
     _log(f"generated {len(batch)} requests in {result['generate_s']:.2f} s")
     bench = spec.get("bench")
     if bench:
@@ -175,6 +168,10 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
     full = sampling(temperature=0.0, max_tokens=steps, ignore_eos=True, detokenize=False)
     reps = []
     coordinated = bool(bench.get("coordinated"))
+    # self-time counters stay 0 unless the switch is on; 0 then means "not measured"
+    from dbo_runtime.integration.selftime import enabled as self_time_on
+
+    self_time = self_time_on()
     for rep in range(int(bench.get("warmup", 1)) + int(bench["reps"])):
         if coordinated:
             wait_turn(f"rep{rep}", rank)
@@ -198,11 +195,11 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
             "total_s": total,
             "decode_step_ms": decode / (steps - 1) * 1e3 if valid else None,
             "decode_tok_per_s": len(batch) * (steps - 1) / decode if valid else None,
-            "microbatched_builds": _summary_delta(s1, s2, "microbatched_builds"),
+            "microbatched_builds": summary_delta(s1, s2, "microbatched_builds"),
         }
-        one_ns = _summary_delta(s0, s1, "self_time_ns")
-        full_ns = _summary_delta(s1, s2, "self_time_ns")
-        if one_ns is not None and full_ns is not None and _self_time_on():
+        one_ns = summary_delta(s0, s1, "self_time_ns")
+        full_ns = summary_delta(s1, s2, "self_time_ns")
+        if one_ns is not None and full_ns is not None and self_time:
             row["plugin_self_us_per_step"] = max(0.0, (full_ns - one_ns) / (steps - 1) / 1e3)
         reps.append(row)
         if coordinated:

@@ -51,12 +51,9 @@ def _revision() -> str | None:
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
-    if not (root / "dbo_runtime").is_dir() or not (root / ".git").exists():
-        return None  # an installed copy (site-packages) or an unpacked tree: not this checkout
+    if not (root / ".git").exists():
+        return None  # an installed copy (site-packages, maybe inside another checkout) or an unpacked tree
     try:
-        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=5)
-        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root:
-            return None
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5)
         if rev.returncode != 0:
             return None

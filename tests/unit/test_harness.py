@@ -237,12 +237,12 @@ def test_launch_fails_fast_when_a_microbatch_thread_died(tmp_path: Path, fake_ru
 
 
 def test_summary_delta_is_later_minus_earlier() -> None:
-    from dbo_runtime.harness.runner import _summary_delta
+    from dbo_runtime.harness.runner import summary_delta
 
     before = [{"summary": {"microbatched_builds": 1}}, {"summary": {"microbatched_builds": 2}}]
     after = [{"summary": {"microbatched_builds": 35}}, {"summary": {"microbatched_builds": 36}}]
-    assert _summary_delta(before, after, "microbatched_builds") == 68  # 2026-11-30 GPU run reported -34 per rank
-    assert _summary_delta(None, after, "microbatched_builds") is None
+    assert summary_delta(before, after, "microbatched_builds") == 68  # 2026-11-30 GPU run reported -34 per rank
+    assert summary_delta(None, after, "microbatched_builds") is None
 
 
 def test_bench_reports_no_step_time_when_the_host_made_it_unmeasurable(monkeypatch: pytest.MonkeyPatch) -> None:
