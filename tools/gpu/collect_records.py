@@ -54,11 +54,6 @@ for model, runners in (("deepseek-v32-h2048", ("v1",)), ("shared-topk-h2048", ("
             PAIRS[f"dp2-ll-dbo-{model}-{runner}-{variant}"] = f"dp2-ll-ref-{model}-{runner}"
 
 
-def load(run: Path) -> dict[str, Any] | None:
-    """The record of one run directory, assembled again from ranks and logs (``harness.launch.reassemble``)."""
-    return reassemble(run)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path)
@@ -71,7 +66,7 @@ def main() -> int:
     runs: dict[str, dict[str, Any]] = {}
     for spec_path in sorted(args.run_dir.glob("**/spec.json")):
         label = str(spec_path.parent.relative_to(args.run_dir))
-        rec = load(spec_path.parent)
+        rec = reassemble(spec_path.parent)  # assembled again from ranks and logs
         if rec is not None:
             runs[label] = rec
     for job in sorted(args.run_dir.glob("*/record.json")):
