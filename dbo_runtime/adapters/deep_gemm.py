@@ -40,6 +40,12 @@ def _vllm_wrapper() -> ModuleType | None:
         return None
 
 
+def next_n_of(context_lens: Any) -> int:
+    """Tokens per request the planner and logits kernel see: ``context_lens`` is ``[B, next_n]`` (native
+    decode) or one length per row (``[B]``: flattened or varlen decode, next_n 1)."""
+    return int(context_lens.shape[1]) if context_lens.dim() == 2 else 1
+
+
 def available() -> bool:
     """True when a DeepGEMM build loads here (CPU boxes usually say False)."""
     try:
@@ -122,8 +128,7 @@ def plan_paged_mqa_schedule(context_lens: Any, block_kv: int, num_sms: int, indi
     if wrapper is not None:
         return wrapper.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=indices)
     dg = importlib.import_module("deep_gemm")
-    next_n = int(context_lens.shape[1]) if context_lens.dim() == 2 else 1
-    slots = schedule_slots(num_sms, next_n)
+    slots = schedule_slots(num_sms, next_n_of(context_lens))
     if indices is None:
         return dg.get_paged_mqa_logits_metadata(context_lens, block_kv, slots)
     return dg.get_paged_mqa_logits_metadata(context_lens, block_kv, slots, indices=indices)

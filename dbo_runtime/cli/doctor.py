@@ -1,39 +1,35 @@
 """``dbo-runtime doctor``: will the plugin work with the vLLM installed here?
 
-Why: the plugin patches named vLLM attributes and refuses, with one log line,
-to patch an unsupported vLLM; an operator who upgraded vLLM learns that only
-from a log of every worker. The doctor checks the same things up front without
-installing anything: the vLLM version against ``plugin.SUPPORTED_VLLM``, that
-every patch target exists (``patching.probe_target``; lazy or optional targets
-that cannot be imported here count as ``skipped``, not failures), that the
-``vllm.general_plugins`` entry point is registered, and whether DeepGEMM and
-NVML load. vLLM and the integration package are imported inside ``run`` only,
-so ``dbo-runtime sms`` stays importable without vLLM.
+Why: an operator who upgrades vLLM learns only from engine start whether dbo_runtime's fixes are in
+force there. The doctor says it up front, installing nothing: every feature's verdict as
+``register()`` would reach it (in force, provided by vLLM, or not in force and why: a fingerprint
+that differs from vLLM 0.33.0, a missing dependency), every patch target and its fingerprint, the
+guard's targets, the entry point, every setting an operator can mistype, and whether DeepGEMM and
+NVML load. vLLM and the integration package are imported inside ``run`` only.
 
-Exit 0 when vLLM is supported, the entry point is registered and no required
-(non-optional, non-lazy) patch target is missing; 1 otherwise. DeepGEMM / NVML
-absence is reported but not a failure (CPU boxes lack both). A required lazy
-target whose module cannot be imported here is a warning: the last line then
-says WARNINGS, not OK. What vLLM and torch log while being imported is kept off
-stderr (``import_warnings``), so the doctor's own lines are the only output.
+Exit 0 when every feature is in force, the guard's targets exist and the entry point is registered;
+1 otherwise (a feature not in force means a DBO model that needs it is refused at engine start).
+DeepGEMM / NVML absence is reported but not a failure (CPU boxes lack both). A required lazy target
+whose module cannot be imported here is a warning. What vLLM and torch log while being imported is
+kept off stderr (``import_warnings``).
 
 JSON schema (``--json``)::
 
     {
-      "schema": "dbo-runtime/doctor/v1",
+      "schema": "dbo-runtime/doctor/v2",
       "ok": bool,
-      "problems": [str],                 # each one fails the run (exit 1)
-      "warnings": [str],                 # not failures: e.g. a required lazy target not importable here
+      "problems": [str], "warnings": [str],
       "dbo_runtime_version": str, "python": str,
-      "vllm": {"version": str | null, "supported": bool, "supported_series": "0.33"},
-      "plugin": {"entry_point": bool, "disabled_by_env": bool,
-                 "load_format_entry_point": bool},  # dbo_runtime_weights: the test load format (patches nothing)
-      "patches": [{"name": str, "target": str, "state": "found" | "missing" | "skipped",
-                   "lazy": bool, "optional": bool, "detail": str,
-                   "reason": str, "upstream_pr": str, "removal": str}],
+      "vllm": {"version": str | null, "verified_release": "0.33.0", "trusted_by": "fingerprints"},
+      "plugin": {"entry_point": bool, "disabled_by_env": bool, "load_format_entry_point": bool},
+      "features": [{"name": str, "summary": str, "verdict": str, "state": str, "detail": str}],
+      "guard": [{"name": str, "target": str, "state": "found" | "missing" | "skipped", "detail": str}],
+      "patches": [{"name": str, "feature": str, "target": str, "state": "found" | "missing" | "skipped",
+                   "fingerprint": "match" | "differs" | "not bound", "lazy": bool, "optional": bool,
+                   "detail": str, "reason": str, "upstream_pr": str, "removal": str}],
       "deep_gemm": {"available": bool, "detail": str},
       "nvml": {"available": bool, "detail": str},
-      "import_warnings": [str]           # what vLLM/torch logged while being imported (kept off stderr)
+      "import_warnings": [str]
     }
 """
 
@@ -53,7 +49,7 @@ from dbo_runtime import __version__
 from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, print_json, print_table
 from dbo_runtime.core.switches import parse_switch
 
-SCHEMA = "dbo-runtime/doctor/v1"
+SCHEMA = "dbo-runtime/doctor/v2"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_VALUE = "dbo_runtime.integration.plugin:register"
 WEIGHTS_ENTRY_POINT_VALUE = "dbo_runtime.harness.weights:register"
@@ -155,22 +151,34 @@ def _nvml() -> dict[str, Any]:
     return {"available": ok, "detail": detail}
 
 
+def _probe(patch: Any, vllm_installed: bool) -> tuple[str, str]:
+    from dbo_runtime.integration import patching
+
+    if not vllm_installed:
+        return ("skipped" if patch.optional or patch.lazy else "missing"), "vLLM not installed"
+    status = patching.probe_target(patch)
+    return status.state, status.detail
+
+
 def _patches(vllm_installed: bool) -> list[dict[str, Any]]:
-    from dbo_runtime.integration import patching, plugin
+    from dbo_runtime.integration import fingerprints, plugin
+    from dbo_runtime.integration.recorded_fingerprints import FINGERPRINTS
 
     out = []
     for patch in plugin.all_patches():  # a feature module may import vLLM: the caller handles ImportError
-        if vllm_installed:
-            status = patching.probe_target(patch)
-            state, detail = status.state, status.detail
+        state, detail = _probe(patch, vllm_installed)
+        anchors = patch.fingerprint_anchors
+        if not anchors:
+            print_ = "not bound"
         else:
-            state = "skipped" if patch.optional or patch.lazy else "missing"
-            detail = "vLLM not installed"
+            print_ = "match" if vllm_installed and fingerprints.fingerprint(anchors) == FINGERPRINTS.get(patch.name) else "differs"
         out.append(
             {
                 "name": patch.name,
+                "feature": patch.feature,
                 "target": patch.target,
                 "state": state,
+                "fingerprint": print_,
                 "lazy": patch.lazy,
                 "optional": patch.optional,
                 "detail": detail,
@@ -179,6 +187,30 @@ def _patches(vllm_installed: bool) -> list[dict[str, Any]]:
                 "removal": patch.removal,
             }
         )
+    return out
+
+
+def _features(vllm_installed: bool) -> list[dict[str, Any]]:
+    from dbo_runtime.integration import plugin
+
+    if not vllm_installed:
+        return [
+            {"name": f.name, "summary": f.summary, "verdict": "not installed", "state": "not installed (vLLM not installed)", "detail": ""}
+            for f in plugin.all_features()
+        ]
+    return [
+        {"name": name, "summary": s.feature.summary, "verdict": s.verdict, "state": s.describe(), "detail": s.detail}
+        for name, s in plugin.feature_states().items()
+    ]
+
+
+def _guard(vllm_installed: bool) -> list[dict[str, Any]]:
+    from dbo_runtime.integration.guard import guard_patches
+
+    out = []
+    for patch in guard_patches():
+        state, detail = _probe(patch, vllm_installed)
+        out.append({"name": patch.name, "target": patch.target, "state": state, "detail": detail})
     return out
 
 
@@ -197,16 +229,14 @@ def _environment_problems() -> list[str]:
     """Every dbo_runtime switch and setting an operator can mistype, checked the way the runtime parses it."""
     from dbo_runtime.cli._inputs import COMM_ENV, comm_input
     from dbo_runtime.core.errors import ConfigError
+    from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout, warm_max_batch
     from dbo_runtime.core.switches import switch_problems
 
     problems = switch_problems()  # the plugin logs these same lines and reads the switches the same way
-    try:  # the services import torch at module level; without it doctor still reports the rest
-        from dbo_runtime.services.schedule_cache import warm_max_batch
-        from dbo_runtime.services.topk_state import LAYOUT_ENV, parse_layout
-    except ModuleNotFoundError as exc:
-        if exc.name != "torch":
-            raise
-        return [*problems, "torch is not installed: vLLM and the plugin cannot run here (install vLLM 0.33.0 with its torch)"]
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        problems.append("torch is not installed: vLLM and the plugin cannot run here (install vLLM 0.33.0 with its torch)")
     checks: list[Callable[[], object]] = [lambda: parse_layout(os.environ.get(LAYOUT_ENV))]
     checks.append(lambda: warm_max_batch())
     if os.environ.get(COMM_ENV) is not None:
@@ -237,34 +267,41 @@ def _collect() -> dict[str, Any]:
     from dbo_runtime.integration import plugin
 
     version = plugin.vllm_version()
-    supported = plugin.version_supported(version)
     entry_point = _entry_point_registered()
-    problems = []
-    patch_error = ""
-    try:
-        patches = _patches(version is not None)
-    except ImportError as exc:  # a feature module imports vLLM at module level and vLLM is absent/broken
-        patches = []
-        patch_error = f"patch list unavailable: {type(exc).__name__}: {exc}"
+    problems: list[str] = []
     import_error = _vllm_import_error() if version is not None else None
+    usable = version is not None and not import_error
+    patch_error = ""
+    patches: list[dict[str, Any]] = []
+    features: list[dict[str, Any]] = []
+    guard: list[dict[str, Any]] = []
+    try:
+        patches = _patches(usable)
+        features = _features(usable)
+        guard = _guard(usable)
+    except ImportError as exc:  # a feature module imports vLLM at module level and vLLM is absent/broken
+        patch_error = f"patch list unavailable: {type(exc).__name__}: {exc}"
     if version is None:
         problems.append("vLLM not installed")
     elif import_error:
         problems.append(f"vLLM {version} is installed but does not import ({import_error}); vLLM cannot run here")
-    elif not supported:
-        problems.append(f"vLLM {version} is not supported (dbo_runtime supports {plugin.SUPPORTED_VLLM}.x); the plugin patches nothing")
     if not entry_point:
         problems.append(f"entry point {ENTRY_POINT_GROUP}:{ENTRY_POINT_VALUE} not registered (is dbo-runtime pip-installed?)")
     if patch_error:
         problems.append(patch_error)
-    problems.extend(f"patch target missing: {p['target']} ({p['name']}): {p['detail']}" for p in patches if p["state"] == "missing")
+    if usable:
+        problems.extend(
+            f"{f['name']} ({f['summary']}): {f['state']}; a --enable-dbo model that needs it is refused at engine start"
+            for f in features
+            if f["verdict"] not in ("verified", "provided by vLLM")
+        )
+        problems.extend(f"guard target missing: {g['target']}: {g['detail']}" for g in guard if g["state"] == "missing")
+        problems.extend(
+            f"patch target missing: {p['target']} ({p['name']}): {p['detail']}" for p in patches if p["state"] == "missing"
+        )
     problems.extend(_environment_problems())
-    # A required target the doctor could not import here is no failure (the module may only
-    # import on a GPU box), but it is not "OK" either: where vLLM does import it and the target
-    # is gone, the plugin rolls back every patch.
     warnings_ = [
-        f"required patch target not checked here: {p['target']} ({p['name']}): {p['detail']}; if it is missing "
-        "where vLLM imports that module, the plugin rolls back every patch"
+        f"required patch target not checked here: {p['target']} ({p['name']}): {p['detail']}"
         for p in patches
         if p["state"] == "skipped" and not p["optional"]
     ]
@@ -275,12 +312,14 @@ def _collect() -> dict[str, Any]:
         "warnings": warnings_,
         "dbo_runtime_version": __version__,
         "python": platform.python_version(),
-        "vllm": {"version": version, "supported": supported, "supported_series": plugin.SUPPORTED_VLLM},
+        "vllm": {"version": version, "verified_release": plugin.VERIFIED_VLLM, "trusted_by": "fingerprints"},
         "plugin": {
             "entry_point": entry_point,
             "disabled_by_env": parse_switch("DBO_RUNTIME_DISABLE"),
             "load_format_entry_point": _entry_point_registered(WEIGHTS_ENTRY_POINT_VALUE),
         },
+        "features": features,
+        "guard": guard,
         "patches": patches,
         "deep_gemm": _deep_gemm(),
         "nvml": _nvml(),
@@ -289,12 +328,17 @@ def _collect() -> dict[str, Any]:
 
 def render(doc: dict[str, Any]) -> None:
     v = doc["vllm"]
-    vllm_line = "vLLM not installed" if v["version"] is None else f"vLLM {v['version']} ({'supported' if v['supported'] else 'NOT supported'}; plugin targets {v['supported_series']}.x)"
+    if v["version"] is None:
+        vllm_line = "vLLM not installed"
+    else:
+        release = "the verified release" if v["version"] == v["verified_release"] else f"not the verified release {v['verified_release']}"
+        vllm_line = f"vLLM {v['version']} ({release}; trusted feature by feature, by fingerprint)"
     rows = [
         [
             p["name"],
             p["target"],
             p["state"] + (" (warning)" if p["state"] == "skipped" and not p["optional"] else ""),
+            p["fingerprint"],
             ("lazy " if p["lazy"] else "") + ("optional" if p["optional"] else ""),
             p["detail"],
         ]
@@ -303,8 +347,10 @@ def render(doc: dict[str, Any]) -> None:
     noise = doc["import_warnings"]
     caption = [
         f"dbo_runtime {doc['dbo_runtime_version']}, Python {doc['python']}; {vllm_line}",
+        "features: " + ("; ".join(f"{f['name']}: {f['state']}" for f in doc["features"]) or "none"),
+        "guard: " + (", ".join(f"{g['name']} {g['state']}" for g in doc["guard"]) or "not checked"),
         f"entry point {ENTRY_POINT_GROUP}: {'registered' if doc['plugin']['entry_point'] else 'MISSING'}"
-        + ("; DBO_RUNTIME_DISABLE reads as on: the plugin patches nothing" if doc["plugin"]["disabled_by_env"] else "")
+        + ("; DBO_RUNTIME_DISABLE is on: the plugin patches nothing (vLLM's own DBO behaviour)" if doc["plugin"]["disabled_by_env"] else "")
         + (
             "; load format dbo_runtime_random: registered (entry point dbo_runtime_weights, patches nothing, also under "
             "DBO_RUNTIME_DISABLE)"
@@ -325,7 +371,9 @@ def render(doc: dict[str, Any]) -> None:
         caption.append("WARNINGS (not failures): " + "; ".join(doc["warnings"]))
     else:
         caption.append("OK")
-    print_table("dbo-runtime doctor: vLLM patch targets", ["Patch", "Target", "State", "Kind", "Detail"], rows, caption)
+    print_table(
+        "dbo-runtime doctor: vLLM patch targets", ["Patch", "Target", "State", "Fingerprint", "Kind", "Detail"], rows, caption
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -212,6 +212,55 @@ def parse_comm_sms(raw: object, *, parameter: str = "VLLM_DBO_COMM_SMS") -> int:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class CommDecision:
+    """Steps 1-4 of vLLM's policy: the comm share and which knobs turn (no SM total needed)."""
+
+    env_value: int
+    comm: int
+    rocm_override: bool
+    max_sms_used: int | None
+    comm_knob: bool
+    compute_knob: bool
+
+
+def decide_comm(
+    *,
+    platform: str,
+    enable_dbo: bool,
+    expert_parallel: bool,
+    all2all_backend: str | None,
+    env_comm_sms: object | None,
+    has_all2all_manager: bool,
+    max_sms_used: int | None,
+    has_deep_gemm: bool,
+    allow_unknown_backend: bool = False,
+) -> CommDecision:
+    """The comm share and knobs, in vLLM's order (``compute_budget`` adds the checks that need the total).
+
+    ``allow_unknown_backend``: an all2all backend missing from ``ALL2ALL_BACKENDS`` (vLLM adds them) is
+    taken as it comes, with its manager's ``max_sms_used()``; the CLI keeps refusing typos."""
+    if platform not in PLATFORMS:
+        raise ConfigError("platform", platform, PLATFORMS)
+    if all2all_backend is not None and all2all_backend not in ALL2ALL_BACKENDS and not allow_unknown_backend:
+        raise ConfigError("all2all_backend", all2all_backend, ALL2ALL_BACKENDS)
+    env_value = DEFAULT_COMM_SMS[platform] if env_comm_sms is None else parse_comm_sms(env_comm_sms)  # type: ignore[index]
+    comm = env_value
+    rocm_override = platform == "rocm" and enable_dbo and all2all_backend == "deepep_high_throughput"
+    if rocm_override:
+        comm = 0
+    comm_knob = False
+    effective_max: int | None = None
+    if expert_parallel and has_all2all_manager:
+        effective_max = max_sms_used
+        if max_sms_used is not None:
+            if max_sms_used < 0:
+                raise ConfigError("all2all_manager.max_sms_used()", max_sms_used, "None or a non-negative integer")
+            comm = min(comm, max_sms_used)
+        comm_knob = comm > 0
+    return CommDecision(env_value, comm, rocm_override, effective_max, comm_knob, has_deep_gemm and comm > 0)
+
+
 def compute_budget(
     *,
     total_sms: int,
@@ -226,6 +275,7 @@ def compute_budget(
     device: int = 0,
     comm_cap: int | None = None,
     compute_multiple: int = 1,
+    allow_unknown_backend: bool = False,
 ) -> SMBudget:
     """vLLM 0.33.0 ``create_sm_control_context``, decision only.
 
@@ -268,26 +318,19 @@ def compute_budget(
         raise ConfigError("compute_multiple", compute_multiple, "a positive integer")
     if not isinstance(total_sms, int) or isinstance(total_sms, bool) or total_sms <= 0:
         raise ConfigError("total_sms", total_sms, "a positive integer")
-    if all2all_backend is not None and all2all_backend not in ALL2ALL_BACKENDS:
-        raise ConfigError("all2all_backend", all2all_backend, ALL2ALL_BACKENDS)
-
-    env_value = DEFAULT_COMM_SMS[platform] if env_comm_sms is None else parse_comm_sms(env_comm_sms)  # type: ignore[index]
-    comm = env_value
-    rocm_override = platform == "rocm" and enable_dbo and all2all_backend == "deepep_high_throughput"
-    if rocm_override:
-        comm = 0
-
-    comm_knob = False
-    effective_max: int | None = None
-    if expert_parallel and has_all2all_manager:
-        effective_max = max_sms_used
-        if max_sms_used is not None:
-            if max_sms_used < 0:
-                raise ConfigError("all2all_manager.max_sms_used()", max_sms_used, "None or a non-negative integer")
-            comm = min(comm, max_sms_used)
-        comm_knob = comm > 0
-
-    compute_knob = has_deep_gemm and comm > 0
+    decision = decide_comm(
+        platform=platform,
+        enable_dbo=enable_dbo,
+        expert_parallel=expert_parallel,
+        all2all_backend=all2all_backend,
+        env_comm_sms=env_comm_sms,
+        has_all2all_manager=has_all2all_manager,
+        max_sms_used=max_sms_used,
+        has_deep_gemm=has_deep_gemm,
+        allow_unknown_backend=allow_unknown_backend,
+    )
+    env_value, comm, comm_knob, compute_knob = decision.env_value, decision.comm, decision.comm_knob, decision.compute_knob
+    rocm_override, effective_max = decision.rocm_override, decision.max_sms_used
 
     if comm >= total_sms:
         raise ConfigError(

@@ -34,6 +34,13 @@ class UnsupportedConfiguration(DboRuntimeError):
     """A vLLM configuration that dbo_runtime refuses rather than run silently wrong."""
 
 
+class DboRefusal(UnsupportedConfiguration):
+    """A DBO configuration that needs a dbo_runtime fix which is not in force: engine start stops.
+
+    The message is one line: the architecture, the cause and the ways out.
+    """
+
+
 class MicrobatchFailure(DboRuntimeError):
     """dbo_runtime code failed on a DBO microbatch thread; raised on the main thread after the join.
 

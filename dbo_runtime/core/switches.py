@@ -1,17 +1,11 @@
 """The on/off environment switches, read one way by the plugin, ``doctor``, ``sms`` and ``simulate``.
 
-vLLM calls the plugin's ``register()`` without a ``try`` (``vllm/plugins/__init__.py``,
-``load_general_plugins``), so a switch value the plugin does not recognise must never raise:
-a typo such as ``DBO_RUNTIME_DISABLE=ture`` would stop every vLLM process at start. It must not
-pass silently either, or the operator believes a setting is in force that is not. So a value
-outside the usual spellings
-
-* is read the way in which dbo_runtime does the least: ``DBO_RUNTIME_DISABLE`` reads as on
-  (patch nothing: setting a DISABLE variable at all says "stay out"), ``DBO_RUNTIME_STRICT``
-  reads as off (raise nothing: strict mode exists to stop engine start, a typo must not); and
-* is reported in one line that names the variable, the allowed values and how it was read
-  (``Switch.problem``): a warning in the worker log, on stderr of ``sms`` / ``simulate``, and a
-  problem in ``doctor``.
+vLLM calls the plugin's ``register()`` without a ``try``, so a switch value the plugin does not
+recognise must never raise (a typo would stop every vLLM process). It must not fail open either:
+a value outside the usual spellings reads as the choice that keeps dbo_runtime's protection
+(``DBO_RUNTIME_DISABLE=ture`` leaves the plugin and its guard active: only an explicit true value
+gives vanilla vLLM, which is what the A/B runs and ``verify`` rely on), and it is reported in one
+line naming the variable, the allowed values and how it was read.
 """
 
 from __future__ import annotations
@@ -27,21 +21,21 @@ OFF = ("0", "false", "no", "off", "")
 SWITCHES = ("DBO_RUNTIME_DISABLE", "DBO_RUNTIME_STRICT", "DBO_RUNTIME_SELF_TIME")
 
 UNRECOGNISED_READS_AS: dict[str, bool] = {
-    "DBO_RUNTIME_DISABLE": True,
+    "DBO_RUNTIME_DISABLE": False,
     "DBO_RUNTIME_STRICT": False,
     "DBO_RUNTIME_SELF_TIME": False,
 }
-"""How a value outside ``ON``/``OFF`` is read: the choice in which dbo_runtime does the least. The
-self-time counters (``DBO_RUNTIME_SELF_TIME``) read as off: timing wrappers cost a little on every
-patched call. (The test suites' ``DBO_REQUIRE_GPU`` is not read this way: ``require_gpu`` refuses such a value.)"""
+"""How a value outside ``ON``/``OFF`` is read: DISABLE off (the fixes and the guard stay), STRICT off (a typo
+must not stop engine start by itself), SELF_TIME off (timing wrappers cost a little on every patched call).
+(The test suites' ``DBO_REQUIRE_GPU`` is not read this way: ``require_gpu`` refuses such a value.)"""
 
 ALLOWED = "'1', 'true', 'yes', 'on' (on); '0', 'false', 'no', 'off', '' (off); or not set (off); any case"
 
 _EFFECT = {
     ("DBO_RUNTIME_DISABLE", True): "the plugin patches nothing and vLLM runs as without dbo_runtime",
-    ("DBO_RUNTIME_DISABLE", False): "the plugin patches vLLM",
-    ("DBO_RUNTIME_STRICT", True): "an unsupported vLLM or a failed patch install raises",
-    ("DBO_RUNTIME_STRICT", False): "an unsupported vLLM or a failed patch install logs one line and leaves vLLM unpatched",
+    ("DBO_RUNTIME_DISABLE", False): "the plugin stays active: its fixes where verified, and its guard",
+    ("DBO_RUNTIME_STRICT", True): "a fix that is not in force on this vLLM, or a failed install, raises at plugin load",
+    ("DBO_RUNTIME_STRICT", False): "a fix that is not in force is logged; the guard refuses a DBO model that needs it",
     ("DBO_RUNTIME_SELF_TIME", True): "every patched call is timed (the plugin's own host time per step)",
     ("DBO_RUNTIME_SELF_TIME", False): "the plugin's own time is not measured",
 }

@@ -22,9 +22,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from dbo_runtime.core.log import ROOT, get_logger
+
+if TYPE_CHECKING:
+    from dbo_runtime.integration.features import FeatureState
+    from dbo_runtime.integration.patching import PatchSet
 
 logger = get_logger(__name__)
 
@@ -72,4 +77,32 @@ def emitted_in_this_process() -> bool:
     return _emitted_pid == os.getpid()
 
 
-__all__ = ["emitted_in_this_process", "flush", "set_summary", "vllm_logging_configured"]
+def summary_line(
+    patch_set: PatchSet, features: Mapping[str, FeatureState], version: str | None, skipped: Mapping[str, str]
+) -> str:
+    """``dbo_runtime: N patches installed for vLLM 0.33.0 (...) -- feature: patches; ...; guard: on -- not in force``."""
+    from dbo_runtime import __version__
+
+    groups: dict[str, list[str]] = {}
+    states = patch_set.status()
+    for status in states:
+        groups.setdefault(status.patch.feature, []).append(status.patch.name.partition(".")[2] or status.patch.name)
+    applied = sum(1 for s in states if s.state == "installed")
+    waiting = sum(1 for s in states if s.state == "pending")
+    broken = [s.patch.name for s in states if s.state == "broken"]
+    optional = [s.patch.name for s in states if s.state == "skipped"] + sorted(skipped)
+    listing = "; ".join(f"{feature}: {', '.join(names)}" for feature, names in groups.items())
+    others = [f"{name}: {state.describe()}" for name, state in features.items() if state.verdict != "verified"]
+    text = (
+        f"dbo_runtime: {len(patch_set.patches)} patches installed for vLLM {version} (dbo_runtime {__version__}; "
+        f"{applied} applied in this process, {waiting} apply when vLLM imports their module"
+        + (f", {len(optional)} optional skipped: {', '.join(optional)}" if optional else "")
+        + (f", BROKEN: {', '.join(broken)}" if broken else "")
+        + f") -- {listing}; guard: on"
+    )
+    if others:
+        text += " -- " + "; ".join(others)
+    return text
+
+
+__all__ = ["emitted_in_this_process", "flush", "set_summary", "summary_line", "vllm_logging_configured"]

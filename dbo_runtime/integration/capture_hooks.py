@@ -15,7 +15,10 @@ from dbo_runtime.adapters.cuda_graph import (
     counting_installed,
     counting_uninstalled,
 )
+from dbo_runtime.integration.features import Feature
 from dbo_runtime.integration.patching import Patch
+
+FEATURES = [Feature("torch", "CUDA-graph capture counter")]
 
 _COMMON = dict(
     reason=(
@@ -25,6 +28,7 @@ _COMMON = dict(
     upstream_pr="none (torch has no cheap capture-in-progress flag)",
     removal="torch exposes a cheap process-wide capture flag, or vLLM re-plans inside its own call site",
     vllm_version="0.33.0 (torch.cuda.graphs)",
+    anchors=(),  # torch's capture_begin/end are wrapped through unchanged: no vLLM code relied on
 )
 
 

@@ -1,34 +1,12 @@
-"""Indexer schedule hooks: keep DeepGEMM's paged-MQA schedule valid under DBO.
+"""Indexer schedule hooks: keep DeepGEMM's paged-MQA schedule valid under DBO (vllm#60732).
 
-Upstream behaviour that forces these patches (vLLM 0.33.0, ``docs/vllm-hook-points.md`` §2, §3):
-
-* ``DeepseekV32IndexerMetadataBuilder.build`` (``v1/attention/backends/mla/indexer.py:1744-1767``)
-  plans the schedule with ``self.num_sms`` (the whole GPU) on the main thread,
-  *before* ``SMControlContextManager`` lowers DeepGEMM to ``total - comm``; the
-  logits kernel then asserts ``rows == slots(num_sms) + 1`` (PR #60732).
-* ``update_draft_decode_metadata`` (``:1784-1836``) rewrites ``decode.seq_lens``
-  in place and re-plans into the same tensor, asserting an unchanged shape.
-* The logits call sites bound ``fp8_fp4_paged_mqa_logits`` by ``from`` import:
-  ``vllm.model_executor.layers.sparse_attn_indexer`` (custom-op path *and* the
-  DSA model's direct call both look the name up in that module's globals),
-  ``vllm.models.glm5next.nvidia.sparse_indexer`` (needs torchvision: lazy) and
-  DeepSeek-V4.1's specialized decode, whose ``_decode_rows`` re-plans a row
-  slice with ``schedule.shape[0] - 1`` as the SM count (wrong under DBO and for
-  SM90 ``next_n == 4``).
-* Runners build per-microbatch metadata in MRV1
-  ``GPUModelRunner._build_attention_metadata(ubatch_slices=...)`` and MRV2
-  ``UBatchRunner.prepare`` -- the only places that know a step is microbatched.
-
-What the patches do: the builder's planner call (its ``get_paged_mqa_logits_metadata``
-binding) reports the count it planned for, and plans for the announced DBO
-compute count while a runner builds microbatch metadata (plan-ahead) -- or,
-for such a build, launches nothing and hands ``build`` its own buffer's rows to
-fill in later (deferred plan-ahead: a FULL-graph replay re-plans inside the
-graph and never reads what the build planned); ``build`` attaches that to the
-schedule tensor; the call sites hand the schedule to
-``IndexerScheduleCache.resolve``; the builder's ``__init__`` registers the
-planner profile so the DBO count is JIT-warmed at model load. XPU and ROCm
-paths are not touched (XPU uses its own op; ROCm never reaches DeepGEMM).
+vLLM 0.33.0's ``DeepseekV32IndexerMetadataBuilder.build`` plans the schedule for the whole GPU on
+the main thread, before ``SMControlContextManager`` lowers DeepGEMM to ``total - comm``; the
+logits kernel then asserts ``rows == slots(num_sms) + 1``. The patches let the builder's planner
+report the count it planned for (and plan for the announced DBO count while a runner builds
+microbatch metadata), attach that to the schedule tensor, and hand every logits call to
+``IndexerScheduleCache``. The call sites bind ``fp8_fp4_paged_mqa_logits`` by ``from`` import, so
+each importing module is patched (the GLM-5-Next one imports torchvision: lazy).
 """
 
 from __future__ import annotations
@@ -37,11 +15,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from dbo_runtime.adapters.cuda_graph import CAPTURES as _CAPTURES
+from dbo_runtime.adapters.deep_gemm import next_n_of
+from dbo_runtime.core import coverage
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration import activation
-from dbo_runtime.integration.patching import Patch
-from dbo_runtime.integration.ubatch_guard import placeholder_logits
+from dbo_runtime.integration.features import Feature, Upstream
+from dbo_runtime.integration.patching import ArgSlots, Patch
+from dbo_runtime.integration.ubatch_guard import placeholder_logits, reserve_placeholders
 from dbo_runtime.integration.ubatch_guard import record as record_ubatch_failure
 from dbo_runtime.services import schedule_cache as _sc
 from dbo_runtime.services.runtime_stats import count_microbatched_build
@@ -54,9 +34,24 @@ INDEXER_MODULE = "vllm.v1.attention.backends.mla.indexer"
 BUILDER = "DeepseekV32IndexerMetadataBuilder"
 SPARSE_ATTN_INDEXER_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
 GLM5NEXT_MODULE = "vllm.models.glm5next.nvidia.sparse_indexer"
-V41_DECODE_MODULE = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.indexer"
 MRV1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 MRV2_UBATCH_MODULE = "vllm.v1.worker.gpu.ubatch_utils"
+DEEP_GEMM_WRAPPER = "vllm.utils.deep_gemm"
+
+FEATURES = [
+    Feature(
+        coverage.INDEXER,
+        "indexer schedule fix (vllm#60732)",
+        requires=("ubatch_guard",),
+        upstream=Upstream(
+            "vllm#60732: the decode metadata re-plans its schedule for DeepGEMM's live SM count",
+            (
+                (INDEXER_MODULE, "DeepSeekV32IndexerDecodeMetadata", "schedule_num_sms"),
+                (INDEXER_MODULE, "DeepSeekV32IndexerDecodeMetadata", "def get_schedule_metadata"),
+            ),
+        ),
+    )
+]
 
 
 # -- the builder's planner scope ----------------------------------------------------------------
@@ -84,10 +79,6 @@ def _pop(previous: _PlanScope | None) -> None:
     _tls.scope = previous
 
 
-def _next_n(context_lens: Any) -> int:
-    return int(context_lens.shape[1]) if context_lens.dim() == 2 else 1
-
-
 def _device_index(builder: Any) -> int | None:
     device = getattr(builder, "device", None)
     if device is None or getattr(device, "type", None) != "cuda":
@@ -96,24 +87,29 @@ def _device_index(builder: Any) -> int | None:
 
 
 def _make_builder_planner(original: Any) -> Any:
-    def get_paged_mqa_logits_metadata(
-        context_lens: Any, block_size: int, num_sms: int, indices: Any | None = None
-    ) -> Any:
+    slots = ArgSlots(original, ("context_lens", "block_size", "num_sms", "indices"))
+
+    def get_paged_mqa_logits_metadata(*args: Any, **kwargs: Any) -> Any:
         scope: _PlanScope | None = getattr(_tls, "scope", None)
-        if scope is not None and scope.override_sms is not None:
+        if scope is None:
+            return original(*args, **kwargs)
+        context_lens, block_size = slots.get("context_lens", args, kwargs), slots.get("block_size", args, kwargs)
+        num_sms = slots.get("num_sms", args, kwargs)
+        if scope.override_sms is not None:
             num_sms = scope.override_sms
+            args, kwargs = slots.replace("num_sms", num_sms, args, kwargs)
             if scope.defer_into is not None:
                 # build() copies what we return into the first rows of this same buffer: returning
                 # those rows makes that copy a no-op (torch skips a copy onto identical memory) and
                 # launches no planner; the first eager call site plans into them.
-                rows = schedule_cache().planner.slots(num_sms, _next_n(context_lens)) + 1
+                rows = schedule_cache().planner.slots(num_sms, next_n_of(context_lens)) + 1
                 if rows <= int(scope.defer_into.shape[0]):
-                    scope.planned = (int(num_sms), int(block_size), _next_n(context_lens))
-                    scope.deferred = (context_lens, indices)
+                    scope.planned = (int(num_sms), int(block_size), next_n_of(context_lens))
+                    scope.deferred = (context_lens, slots.get("indices", args, kwargs))
                     return scope.defer_into[:rows]
-        out = original(context_lens, block_size, num_sms, indices=indices)
-        if scope is not None:
-            scope.planned = (int(num_sms), int(block_size), _next_n(context_lens))
+        out = original(*args, **kwargs)
+        scope.planned = (int(num_sms), int(block_size), next_n_of(context_lens))
+        schedule_cache().note_plan(context_lens, int(block_size), int(num_sms), slots.get("indices", args, kwargs))
         return out
 
     return get_paged_mqa_logits_metadata
@@ -199,21 +195,28 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
     sched, parallel, compilation = config.scheduler_config, config.parallel_config, config.compilation_config
     mode = compilation.cudagraph_mode
     full_graphs = mode is not None and mode.has_full_cudagraphs()
+    speculative = int(getattr(builder, "num_speculative_tokens", 0))
+    q = 1 + speculative
+    per_token = flat or varlen
+    max_seqs, max_tokens = int(sched.max_num_seqs), int(sched.max_num_batched_tokens)
     profile = PlannerProfile(
         device=builder.device,
         block_kv=int(builder.kv_cache_spec.num_states),
         shapes=dbo_planner_shapes(
-            max_num_seqs=int(sched.max_num_seqs),
-            max_num_batched_tokens=int(sched.max_num_batched_tokens),
-            num_speculative_tokens=int(getattr(builder, "num_speculative_tokens", 0)),
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=max_tokens,
+            num_speculative_tokens=speculative,
             capture_sizes=tuple(compilation.cudagraph_capture_sizes or ()) if full_graphs else (),
             num_ubatches=int(parallel.num_ubatches) if parallel.use_ubatching else 2,
             decode_token_threshold=int(parallel.dbo_decode_token_threshold),
-            per_token_rows=flat or varlen,
+            per_token_rows=per_token,
         ),
         varlen=varlen,
+        max_rows=min(max_seqs * q, max_tokens) if per_token else min(max_seqs, max_tokens),
+        width=1 if per_token else q,
     )
-    cache.register_profile(device, profile)
+    cache.register_profile(device, profile, full_sms=int(builder.num_sms))
+    reserve_placeholders(builder.device, int(config.model_config.max_model_len))
     return profile
 
 
@@ -242,75 +245,41 @@ def _log_once(key: str, message: str, *args: Any) -> None:
 
 # -- call sites -----------------------------------------------------------------------------------
 def _make_logits(original: Any) -> Any:
-    def fp8_fp4_paged_mqa_logits(
-        q: Any,
-        kv_cache: Any,
-        weights: Any,
-        context_lens: Any,
-        block_tables: Any,
-        schedule_metadata: Any,
-        max_model_len: int,
-        indices: Any | None = None,
-    ) -> Any:
-        try:  # zero-cost in CPython 3.11 when nothing raises (no extra frame on the per-layer path)
+    slots = ArgSlots(original, ("kv_cache", "weights", "context_lens", "schedule_metadata", "max_model_len", "indices"))
+    position = slots.position["schedule_metadata"]
+
+    def fp8_fp4_paged_mqa_logits(*args: Any, **kwargs: Any) -> Any:
+        try:  # zero-cost in CPython 3.11+ when nothing raises
             cache = _sc._CACHE or schedule_cache()
-            # IndexerScheduleCache.resolve's fast path, inlined: one Python frame costs ~0.2 us on the
-            # H200 host, the whole per-layer budget. Anything unusual goes through resolve().
-            state = schedule_metadata.__dict__.get(_sc.STATE_ATTR)
-            live = cache._num_sms
-            if (
-                state is None
-                or live is None
-                or not _CAPTURES.installed
-                or _CAPTURES.active
-                or live() != state.planned_sms
-            ):
-                schedule_metadata = cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
-            return original(
-                q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len, indices=indices
-            )
+            schedule = kwargs["schedule_metadata"] if "schedule_metadata" in kwargs else args[position]
+            if not cache.fits(schedule):
+                resolved = cache.resolve(
+                    schedule,
+                    slots.get("context_lens", args, kwargs),
+                    slots.get("indices", args, kwargs),
+                    slots.get("kv_cache", args, kwargs),
+                )
+                if resolved is not schedule:
+                    args, kwargs = slots.replace("schedule_metadata", resolved, args, kwargs)
+            return original(*args, **kwargs)
         except Exception as exc:
             # On a microbatch thread nothing may raise (ubatch_guard): recorded and raised on the main
-            # thread after the join; the kernel is skipped (its schedule may be wrong) for zero logits.
+            # thread after the join; the kernel is skipped (its schedule may be wrong).
             if not record_ubatch_failure("indexer logits call site", exc):
                 raise
-            return placeholder_logits(context_lens, weights, max_model_len)
+            return placeholder_logits(
+                slots.get("context_lens", args, kwargs), slots.get("weights", args, kwargs), slots.get("max_model_len", args, kwargs)
+            )
 
     return fp8_fp4_paged_mqa_logits
 
 
-def _make_v41_planner(original: Any) -> Any:
-    def get_paged_mqa_logits_metadata(
-        context_lens: Any, block_size: int, num_sms: int, indices: Any | None = None
-    ) -> Any:
-        # _decode_rows passes ``schedule.shape[0] - 1``: an SM count inferred from rows. The slice's
-        # schedule is planned right here, so the right count is DeepGEMM's live one.
-        try:
-            cache = schedule_cache()
-            live = cache.live_num_sms()
-            out = original(context_lens, block_size, live, indices=indices)
-            cache.track_fresh(out, planned_sms=live, block_kv=block_size, next_n=_next_n(context_lens))
-            return out
-        except Exception as exc:
-            # Microbatch thread (ubatch_guard): recorded, raised after the join; vLLM's own call instead.
-            if not record_ubatch_failure("DeepSeek-V4.1 decode-rows planner", exc):
-                raise
-            return original(context_lens, block_size, num_sms, indices=indices)
-
-    return get_paged_mqa_logits_metadata
-
-
 # -- plan-ahead scopes ----------------------------------------------------------------------------
-_MRV1_UBATCH_SLICES_POS = 5
-"""``ubatch_slices`` is the 6th parameter after ``self`` of ``_build_attention_metadata`` (0.33.0)."""
-
-
 def _make_mrv1_build_attention_metadata(original: Any) -> Any:
+    slots = ArgSlots(original, ("ubatch_slices",), bound=True)
+
     def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
-        slices = kwargs.get("ubatch_slices")
-        if slices is None and len(args) > _MRV1_UBATCH_SLICES_POS:
-            slices = args[_MRV1_UBATCH_SLICES_POS]
-        if slices is None:
+        if slots.get("ubatch_slices", args, kwargs) is None:
             return original(self, *args, **kwargs)
         count_microbatched_build()
         with schedule_cache().microbatched_build():
@@ -319,14 +288,11 @@ def _make_mrv1_build_attention_metadata(original: Any) -> Any:
     return _build_attention_metadata
 
 
-_MRV2_FOR_CAPTURE_POS = 4
-"""``for_capture`` is the 5th parameter after ``self`` of ``UBatchRunner.prepare`` (0.33.0)."""
-
-
 def _make_mrv2_prepare(original: Any) -> Any:
+    slots = ArgSlots(original, ("for_capture",), bound=True)
+
     def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
-        for_capture = kwargs.get("for_capture", args[_MRV2_FOR_CAPTURE_POS] if len(args) > _MRV2_FOR_CAPTURE_POS else False)
-        count_microbatched_build(for_capture=bool(for_capture))
+        count_microbatched_build(for_capture=bool(slots.get("for_capture", args, kwargs)))
         with schedule_cache().microbatched_build():
             return original(self, *args, **kwargs)
 
@@ -357,6 +323,11 @@ def patches() -> list[Patch]:
             module=INDEXER_MODULE,
             attr="get_paged_mqa_logits_metadata",
             make=_make_builder_planner,
+            anchors=(
+                f"{DEEP_GEMM_WRAPPER}:get_paged_mqa_logits_metadata",
+                f"{INDEXER_MODULE}:{BUILDER}.build",
+                f"{INDEXER_MODULE}:{BUILDER}.update_draft_decode_metadata",
+            ),
             reason="learn the SM count build()/update_draft_decode_metadata() planned for; while a runner builds "
             "microbatch metadata, plan for the DBO count (plan-ahead: no call-site re-plan) at the first eager "
             "call site instead of in build() (a FULL-graph replay re-plans in the graph and never reads it)",
@@ -391,6 +362,7 @@ def patches() -> list[Patch]:
             module=SPARSE_ATTN_INDEXER_MODULE,
             attr="fp8_fp4_paged_mqa_logits",
             make=_make_logits,
+            anchors=(f"{DEEP_GEMM_WRAPPER}:fp8_fp4_paged_mqa_logits", f"{SPARSE_ATTN_INDEXER_MODULE}:sparse_attn_indexer"),
             reason=logits_reason + " (custom-op path and the DSA model's direct call)",
             upstream_pr=UPSTREAM_PR,
             removal=removal_cache,
@@ -401,30 +373,11 @@ def patches() -> list[Patch]:
             module=GLM5NEXT_MODULE,
             attr="fp8_fp4_paged_mqa_logits",
             make=_make_logits,
+            anchors=(f"{DEEP_GEMM_WRAPPER}:fp8_fp4_paged_mqa_logits", f"{GLM5NEXT_MODULE}:sparse_attn_indexer_kpool"),
+            architectures=("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration"),
             reason=logits_reason + " (GLM-5-Next kpool indexer)",
             upstream_pr=UPSTREAM_PR,
             removal=removal_cache,
-            lazy=True,
-        ),
-        Patch(
-            name="indexer.logits.deepseek_v41",
-            module=V41_DECODE_MODULE,
-            attr="fp8_fp4_paged_mqa_logits",
-            make=_make_logits,
-            reason=logits_reason + " (DeepSeek-V4.1 specialized decode)",
-            upstream_pr=UPSTREAM_PR,
-            removal=removal_cache,
-            lazy=True,
-        ),
-        Patch(
-            name="indexer.planner.deepseek_v41",
-            module=V41_DECODE_MODULE,
-            attr="get_paged_mqa_logits_metadata",
-            make=_make_v41_planner,
-            reason="_decode_rows re-plans a row slice with schedule.shape[0] - 1 as the SM count (inferred from "
-            "rows); plan for DeepGEMM's live count instead",
-            upstream_pr=UPSTREAM_PR,
-            removal="vLLM passes get_num_sms() in _decode_rows",
             lazy=True,
         ),
         Patch(

@@ -14,7 +14,10 @@ patching vLLM dangerous and are handled here once, not in every patch:
 
 Modules that cannot be imported everywhere (GLM-5-Next imports torchvision)
 are patched lazily: a ``sys.meta_path`` hook applies their patches when the
-module is first imported, and ``uninstall`` removes the hook.
+module is first imported, and ``uninstall`` removes the hook. A lazy module whose
+patches cannot be applied leaves the rest of the set in place (the engine may already
+be running patched) and reports the failed patches as ``broken``; the guard decides
+whether the model may run without them.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -70,10 +74,68 @@ class Patch:
     """Called right after the replacement is in place (and only then: not at prepare time)."""
     on_uninstall: Callable[[], None] | None = None
     """Called after the original is back, also on a rolled-back install."""
+    anchors: tuple[str, ...] | None = None
+    """``module:qualname`` of the vLLM code the patch relies on, fingerprinted against vLLM 0.33.0
+    (``fingerprints.py``). None: the target itself (a function or method); ``()``: not bound to vLLM code."""
+    architectures: tuple[str, ...] = ()
+    """Architectures whose fix needs this patch (empty: every architecture that needs its feature)."""
+    runs_on_ubatch_thread: bool = False
+    """The replacement runs on DBO microbatch threads: ``make`` builds it with a ``ubatch_guard`` that
+    records a failure instead of raising there (see ``ubatch_guard``)."""
 
     @property
     def target(self) -> str:
         return f"{self.module}.{self.attr}"
+
+    @property
+    def feature(self) -> str:
+        return self.name.partition(".")[0]
+
+    @property
+    def fingerprint_anchors(self) -> tuple[str, ...]:
+        if self.anchors is not None:
+            return self.anchors
+        if self.adds:  # an attribute added to a class relies on how that class uses it
+            owner, _, _ = self.attr.rpartition(".")
+            return (f"{self.module}:{owner}",) if owner else ()
+        return (f"{self.module}:{self.attr}",)
+
+
+class ArgSlots:
+    """Where named parameters of a vLLM function sit in ``(*args, **kwargs)``, read once from its signature.
+
+    Wrappers forward ``*args, **kwargs`` untouched and read or replace only the parameters they need, so a
+    keyword vLLM adds later passes through instead of raising ``TypeError`` on every call. A parameter the
+    signature lacks raises ``PatchError`` when the patch is prepared: the patch cannot install.
+    """
+
+    def __init__(self, fn: Callable[..., Any], names: Sequence[str], *, bound: bool = False) -> None:
+        params = list(inspect.signature(fn).parameters.values())
+        if bound:
+            params = params[1:]
+        by_name = {p.name: (i, p) for i, p in enumerate(params)}
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise PatchError(f"{getattr(fn, '__qualname__', fn)!r} has no parameter(s) {missing}")
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        self.position = {n: by_name[n][0] for n in names if by_name[n][1].kind in positional}
+        self.default = {
+            n: (None if by_name[n][1].default is inspect.Parameter.empty else by_name[n][1].default) for n in names
+        }
+
+    def get(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        i = self.position.get(name)
+        if i is not None and i < len(args):
+            return args[i]
+        return self.default[name]
+
+    def replace(self, name: str, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        i = self.position.get(name)
+        if name not in kwargs and i is not None and i < len(args):
+            return (*args[:i], value, *args[i + 1 :]), kwargs
+        return args, {**kwargs, name: value}
 
 
 @dataclass
@@ -124,7 +186,8 @@ def _mark(replacement: Any, patch: Patch, original: Any) -> Any:
 class PatchStatus:
     patch: Patch
     state: str
-    """``installed``, ``pending`` (lazy, module not imported yet), ``skipped`` (optional, missing), ``missing``."""
+    """``installed``, ``pending`` (lazy, module not imported yet), ``skipped`` (optional, missing),
+    ``broken`` (lazy, failed when its module was imported), ``missing``."""
     detail: str = ""
 
 
@@ -172,12 +235,15 @@ class PatchSet:
         self._applied: list[_Applied] = []
         self._lazy_waiting: list[Patch] = []
         self._skipped: dict[str, str] = {}
+        self._broken: dict[str, str] = {}
         self._finder: _LazyFinder | None = None
         self._lock = threading.RLock()
         self.installed = False
         self.lazy_listeners: list[Callable[[str], None]] = []
         """Called (module name) after a lazy module's patches were applied: the first moment a
         worker-side module is patched in a process, e.g. to log the activation line there."""
+        self.failure_listeners: list[Callable[[list[Patch], str], None]] = []
+        """Called (patches, message) when a lazy module's required patches could not be applied."""
 
     # -- install ----------------------------------------------------------------------------
     def _prepare(self, patch: Patch, module: ModuleType) -> _Applied:
@@ -288,19 +354,21 @@ class PatchSet:
         return {p.module for p in self._lazy_waiting}
 
     def _apply_lazy(self, module: ModuleType) -> None:
-        """A lazy module finished importing: patch it, or, if a required target moved, undo the whole set.
+        """A lazy module finished importing: patch it; if a required target moved, patch none of it.
 
-        Half a feature is worse than none (a follower reading microbatch 0's rows
-        with no error), so a required lazy patch that cannot be applied rolls back
-        every patch of the set and vLLM runs unpatched, with one error logged
-        (``DBO_RUNTIME_STRICT=1``: the import fails instead).
+        The module's patches go in all together or not at all. A failure does not touch the
+        rest of the set: the process may already be running with it (a model built, a step
+        run), and pulling patches out from under a running engine is worse than either state.
+        The failed patches are reported as ``broken`` to ``failure_listeners`` (the guard then
+        refuses a DBO model that needs them) and logged; ``DBO_RUNTIME_STRICT=1`` makes the
+        import fail instead.
         """
         with self._lock:
             if not self.installed:
                 return
             todo = [p for p in self._lazy_waiting if p.module == module.__name__]
             prepared: list[_Applied] = []
-            failure: Exception | None = None
+            failure: BaseException | None = None
             for patch in todo:
                 try:
                     prepared.append(self._prepare(patch, module))
@@ -311,22 +379,25 @@ class PatchSet:
                     failure = exc
                     break
             self._lazy_waiting = [p for p in self._lazy_waiting if p not in todo]
-            listeners: list[Callable[[str], None]] = []
             if failure is None:
                 done: list[_Applied] = []
                 try:
                     for item in prepared:
                         self._set(item)
                         done.append(item)
-                except BaseException as exc:  # roll back this module's patches, then the whole set below
+                except BaseException as exc:
                     self._rollback(done)
                     if not isinstance(exc, Exception):
-                        self.uninstall()
                         raise
                     failure = exc
                 else:
                     self._applied.extend(done)
-                    listeners = list(self.lazy_listeners)
+            required = [p for p in todo if not p.optional or p.name not in self._skipped]
+            if failure is not None:
+                for patch in required:
+                    self._broken[patch.name] = f"{type(failure).__name__}: {failure}"
+            listeners = list(self.lazy_listeners) if failure is None else []
+            failed = list(self.failure_listeners) if failure is not None else []
         if failure is None:
             for listener in listeners:
                 try:
@@ -334,13 +405,13 @@ class PatchSet:
                 except Exception as exc:  # a log line must never break vLLM's import
                     logger.debug("dbo_runtime: lazy listener failed: %r", exc)
             return
-        with self._lock:
-            names = ", ".join(p.name for p in todo)
-            message = (
-                f"dbo_runtime: patches for {module.__name__} ({names}) cannot be applied ({failure!r}); "
-                "the whole patch set was rolled back and vLLM runs unpatched"
-            )
-            self.uninstall()
+        names = ", ".join(p.name for p in required)
+        message = f"dbo_runtime: patches for {module.__name__} ({names}) cannot be applied ({failure!r}); none of them is installed"
+        for failed_listener in failed:
+            try:
+                failed_listener(required, message)
+            except Exception as exc:
+                logger.debug("dbo_runtime: failure listener failed: %r", exc)
         if parse_switch("DBO_RUNTIME_STRICT"):
             raise PatchError(message) from failure
         logger.error("%s", message)
@@ -359,6 +430,7 @@ class PatchSet:
             self._rollback(applied)
             self._lazy_waiting = []
             self._skipped = {}
+            self._broken = {}
             self.installed = False
 
     # -- introspection ----------------------------------------------------------------------
@@ -374,6 +446,8 @@ class PatchSet:
                     out.append(PatchStatus(patch, "pending", "module not imported yet"))
                 elif patch.name in self._skipped:
                     out.append(PatchStatus(patch, "skipped", self._skipped[patch.name]))
+                elif patch.name in self._broken:
+                    out.append(PatchStatus(patch, "broken", self._broken[patch.name]))
                 else:
                     out.append(PatchStatus(patch, "missing" if self.installed else "not installed"))
             return out
@@ -397,20 +471,3 @@ def probe_target(patch: Patch) -> PatchStatus:
         state = "skipped" if patch.optional or patch.lazy else "missing"
         return PatchStatus(patch, state, f"{type(exc).__name__}: {exc}")
     return PatchStatus(patch, "found")
-
-
-@dataclass
-class PatchRegistry:
-    """Collects the patch factories of each feature module, in a stable order."""
-
-    factories: list[Callable[[], list[Patch]]] = field(default_factory=list)
-
-    def add(self, factory: Callable[[], list[Patch]]) -> Callable[[], list[Patch]]:
-        self.factories.append(factory)
-        return factory
-
-    def build(self) -> list[Patch]:
-        out: list[Patch] = []
-        for factory in self.factories:
-            out.extend(factory())
-        return out

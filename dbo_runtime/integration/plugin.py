@@ -1,20 +1,13 @@
 """The vLLM general plugin: ``register()`` and ``uninstall()``.
 
-vLLM calls every ``vllm.general_plugins`` entry point with no arguments, once
-per process, in the API server, each engine core, each worker and the model
-inspection subprocess (``plugins/__init__.py:77-90``). So ``register`` must be
-idempotent, cheap, and must not initialise CUDA; it installs the whole patch
-set as one transaction or nothing.
-
-Environment:
-
-* ``DBO_RUNTIME_DISABLE=1`` -- patch nothing.
-* ``DBO_RUNTIME_STRICT=1`` -- an unsupported vLLM version or a failed install
-  raises instead of logging one line.
-
-A value of either that ``core.switches`` does not recognise never raises here (vLLM
-has no guard around ``register``): it is logged as one warning naming the variable
-and the allowed values, and read as DISABLE on / STRICT off.
+vLLM calls every ``vllm.general_plugins`` entry point with no arguments, once per process (API
+server, engine core, workers), without a ``try`` (``plugins/__init__.py:77-90``). So
+``register`` is idempotent, never initialises CUDA, and installs in this order: the guard
+(always, unless ``DBO_RUNTIME_DISABLE=1``), then every feature whose vLLM code matches the
+recorded fingerprints and that vLLM does not already fix itself, as one transaction. A feature
+that cannot be installed is no error by itself (vLLM without DBO needs none of them); the guard
+refuses a DBO model that needs it. ``DBO_RUNTIME_STRICT=1`` turns every such shortfall into an
+error at ``register()``.
 """
 
 from __future__ import annotations
@@ -26,30 +19,32 @@ from importlib import metadata
 from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.switches import parse_switch, switch_problems
-from dbo_runtime.integration import activation
+from dbo_runtime.integration import activation, guard
+from dbo_runtime.integration.features import REGISTRY, Feature, FeatureState, excluded_optional, verify
 from dbo_runtime.integration.patching import Patch, PatchSet
 
 logger = get_logger("dbo_runtime.plugin")
 
-SUPPORTED_VLLM = "0.33"
-"""Major.minor of the vLLM releases whose source the patch set was written against."""
+VERIFIED_VLLM = "0.33.0"
+"""The vLLM release the patches were written against and the fingerprints recorded from. Other builds are
+trusted feature by feature, by fingerprint, never by version string."""
 
 FEATURE_MODULES: tuple[str, ...] = (
+    "dbo_runtime.integration.ubatch_guard",
     "dbo_runtime.integration.capture_hooks",
     "dbo_runtime.integration.sm_hooks",
     "dbo_runtime.integration.indexer_hooks",
     "dbo_runtime.integration.topk_hooks",
-    "dbo_runtime.integration.ubatch_guard",
+    "dbo_runtime.integration.topk_v41_hooks",
+    "dbo_runtime.integration.mtp_hooks",
     "dbo_runtime.integration.worker_stats",
 )
-"""Each module exposes ``patches() -> list[Patch]``; order is install order."""
+"""Each module exposes ``FEATURES: list[Feature]`` and ``patches() -> list[Patch]``; order is install order
+(a feature's dependencies come first)."""
 
 _lock = threading.Lock()
 _patch_set: PatchSet | None = None
-
-
-def _truthy(name: str) -> bool:
-    return parse_switch(name)
+_guard_set: PatchSet | None = None
 
 
 def vllm_version() -> str | None:
@@ -59,13 +54,6 @@ def vllm_version() -> str | None:
         return None
 
 
-def version_supported(version: str | None) -> bool:
-    if version is None:
-        return False
-    parts = version.split("+")[0].split(".")
-    return ".".join(parts[:2]) == SUPPORTED_VLLM
-
-
 def all_patches() -> list[Patch]:
     out: list[Patch] = []
     for name in FEATURE_MODULES:
@@ -73,8 +61,37 @@ def all_patches() -> list[Patch]:
     return out
 
 
+def all_features() -> list[Feature]:
+    out: list[Feature] = []
+    for name in FEATURE_MODULES:
+        out.extend(importlib.import_module(name).FEATURES)
+    return out
+
+
 def installed_patch_set() -> PatchSet | None:
     return _patch_set
+
+
+def feature_states(patches: list[Patch] | None = None) -> dict[str, FeatureState]:
+    """Every feature's verdict against the vLLM on disk (what ``register`` would install; ``doctor``)."""
+    return verify(all_features(), patches if patches is not None else all_patches(), _recorded())
+
+
+def _install_guard() -> None:
+    global _guard_set
+    if _guard_set is not None and _guard_set.installed:
+        return
+    guard_set = PatchSet(guard.guard_patches())
+    try:
+        guard_set.install()
+    except Exception as exc:
+        # Without the guard a DBO model could run vanilla's silent corruption: vLLM must not start.
+        raise PatchError(
+            f"dbo_runtime cannot install its guard in this vLLM ({exc!r}); nothing is patched. Ways out: install a "
+            "vLLM build dbo_runtime verifies (vLLM 0.33.0), or set DBO_RUNTIME_DISABLE=1 to run vLLM without "
+            "dbo_runtime"
+        ) from exc
+    _guard_set = guard_set
 
 
 def register() -> None:
@@ -86,66 +103,75 @@ def register() -> None:
             return
         for problem in switch_problems():
             logger.warning("dbo_runtime: %s", problem)
-        if _truthy("DBO_RUNTIME_DISABLE"):
-            logger.info("dbo_runtime: DBO_RUNTIME_DISABLE is set; vLLM left unpatched")
+        if parse_switch("DBO_RUNTIME_DISABLE"):
+            logger.info("dbo_runtime: DBO_RUNTIME_DISABLE is set; vLLM left unpatched (vLLM's own DBO behaviour)")
             return
+        strict = parse_switch("DBO_RUNTIME_STRICT")
+        _install_guard()
         version = vllm_version()
-        if not version_supported(version):
-            msg = (
-                f"dbo_runtime supports vLLM {SUPPORTED_VLLM}.x, found {version or 'no vLLM'}; "
-                "nothing patched (DBO with DSA models keeps vLLM's own behaviour)"
-            )
-            if _truthy("DBO_RUNTIME_STRICT"):
-                raise PatchError(msg)
-            logger.warning("%s", msg)
-            return
         try:
-            # Building the list imports the feature modules; vLLM does not catch a plugin's
-            # exception, so a failure here must not stop engine start (unless strict).
-            patch_set = PatchSet(all_patches())
+            # Building the list imports the feature modules; reading the fingerprints reads vLLM's files.
+            patches = all_patches()
+            states = feature_states(patches)
+            skip = excluded_optional(patches, _recorded())
+        except Exception as exc:
+            REGISTRY.clear()
+            if strict:
+                raise
+            logger.error("dbo_runtime: could not verify this vLLM (%r); no fix is installed", exc, exc_info=True)
+            return
+        REGISTRY.set_all(states)
+        shortfall = {name: s for name, s in states.items() if not s.in_force}
+        if shortfall and strict:
+            raise PatchError(
+                "dbo_runtime (DBO_RUNTIME_STRICT=1): not in force on vLLM "
+                f"{version}: " + "; ".join(f"{n}: {s.describe()}" for n, s in shortfall.items())
+            )
+        chosen = [p for p in patches if states[p.feature].installs and p.name not in skip]
+        patch_set = PatchSet(chosen)
+        try:
             patch_set.install()
         except Exception as exc:
-            if _truthy("DBO_RUNTIME_STRICT"):
+            for name, state in states.items():
+                if state.installs:
+                    REGISTRY.mark(name, "not installed", f"install failed: {exc!r}")
+            if strict:
                 raise
             logger.error("dbo_runtime: patch set not installed (%r); vLLM left untouched", exc, exc_info=True)
             return
         _patch_set = patch_set
-        activation.set_summary(lambda: activation_line(patch_set, version))
+        guard.bind_patch_set(patch_set)
+        patch_set.failure_listeners.append(_on_lazy_failure)
         patch_set.lazy_listeners.append(_flush_activation)
+        activation.set_summary(lambda: activation.summary_line(patch_set, REGISTRY.all(), version, skip))
     # Outside the lock: the line may be pending until vLLM configures logging (see activation.py).
     activation.flush()
+
+
+def _recorded() -> dict[str, str]:
+    from dbo_runtime.integration.recorded_fingerprints import FINGERPRINTS
+
+    return FINGERPRINTS
+
+
+def _on_lazy_failure(patches: list[Patch], message: str) -> None:
+    for feature in {p.feature for p in patches}:
+        REGISTRY.mark(feature, "broken", message)
 
 
 def _flush_activation(module: str) -> None:
     activation.flush()
 
 
-def activation_line(patch_set: PatchSet, version: str | None) -> str:
-    """``dbo_runtime: N patches installed for vLLM 0.33.0 (...)``, as logged once in each process."""
-    from dbo_runtime import __version__
-
-    groups: dict[str, list[str]] = {}
-    states = patch_set.status()
-    for status in states:
-        feature, _, rest = status.patch.name.partition(".")
-        groups.setdefault(feature, []).append(rest or feature)
-    applied = sum(1 for s in states if s.state == "installed")
-    waiting = sum(1 for s in states if s.state == "pending")
-    skipped = [s.patch.name for s in states if s.state == "skipped"]
-    listing = "; ".join(f"{feature}: {', '.join(names)}" for feature, names in groups.items())
-    text = (
-        f"dbo_runtime: {len(patch_set.patches)} patches installed for vLLM {version} (dbo_runtime {__version__}; "
-        f"{applied} applied in this process, {waiting} apply when vLLM imports their module"
-        + (f", {len(skipped)} optional skipped: {', '.join(skipped)}" if skipped else "")
-        + f") -- {listing}"
-    )
-    return text
-
-
 def uninstall() -> None:
-    """Restore every original vLLM object."""
-    global _patch_set
+    """Restore every original vLLM object (the guard's too)."""
+    global _patch_set, _guard_set
     with _lock:
         if _patch_set is not None:
             _patch_set.uninstall()
+        if _guard_set is not None:
+            _guard_set.uninstall()
         _patch_set = None
+        _guard_set = None
+        guard.bind_patch_set(None)
+        REGISTRY.clear()

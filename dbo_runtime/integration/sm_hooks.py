@@ -25,15 +25,18 @@ from typing import Any
 
 from dbo_runtime.adapters.all2all import All2AllKnob
 from dbo_runtime.adapters.deep_gemm import DeepGemmKnob
-from dbo_runtime.core.budget import SMBudget, compute_budget, deep_gemm_compute_multiple
+from dbo_runtime.core.budget import ALL2ALL_BACKENDS, SMBudget, compute_budget, deep_gemm_compute_multiple
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration import activation
+from dbo_runtime.integration.features import Feature
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.services.metrics import export_to_prometheus
 from dbo_runtime.services.sm_control import FunctionKnob, SMControl, SMKnob, sm_control_for
 
 logger = get_logger(__name__)
+
+FEATURES = [Feature("sm_control", "SM budget control")]
 
 UPSTREAM_PR = "none yet (SM-control publication); crash fixed by vllm#60732"
 
@@ -117,6 +120,9 @@ def _sm_major(platform_name: str, current_platform: Any, device: int) -> int:
     return int(capability.major) if capability is not None else 0
 
 
+_unknown_logged: set[str] = set()
+
+
 def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMKnob | None]:
     """Compute the budget and knobs as vLLM 0.33.0 would, from its globals.
 
@@ -144,6 +150,17 @@ def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMK
 
     deep_gemm_present = bool(uu.has_deep_gemm())
     cap = getattr(manager, "num_sms", None) if manager is not None else None
+    backend = parallel_config.all2all_backend
+    if backend is not None and backend not in ALL2ALL_BACKENDS and backend not in _unknown_logged:
+        # vLLM adds backends; an unknown one is no reason to stop model load: its live manager's
+        # max_sms_used() is exactly what vLLM's own policy reads.
+        _unknown_logged.add(backend)
+        logger.info(
+            "dbo_runtime: all2all backend %r is new to dbo_runtime; its SM split follows vLLM's policy with the "
+            "manager's max_sms_used()=%r",
+            backend,
+            max_sms_used,
+        )
     budget = compute_budget(
         total_sms=total,
         platform=platform,
@@ -157,6 +174,7 @@ def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMK
         device=device,
         comm_cap=cap if isinstance(cap, int) and not isinstance(cap, bool) else None,
         compute_multiple=deep_gemm_compute_multiple(_sm_major(platform, uu.current_platform, device)),
+        allow_unknown_backend=True,
     )
     comm_knob: SMKnob | None = All2AllKnob(manager) if budget.comm_knob else None
     compute_knob: SMKnob | None = None
@@ -208,9 +226,22 @@ def patches() -> list[Patch]:
         # process never imports CUDA-only runner code just because the plugin loaded.
         lazy=True,
     )
+    policy = ("vllm.v1.worker.ubatch_utils:create_sm_control_context", "vllm.v1.worker.ubatch_utils:SMControlContextManager")
     return [
-        Patch(name="sm_control.mrv1", module="vllm.v1.worker.gpu_ubatch_wrapper", attr="create_sm_control_context", **common),  # type: ignore[arg-type]
-        Patch(name="sm_control.mrv2", module="vllm.v1.worker.gpu.ubatch_utils", attr="create_sm_control_context", **common),  # type: ignore[arg-type]
+        Patch(
+            name="sm_control.mrv1",
+            module="vllm.v1.worker.gpu_ubatch_wrapper",
+            attr="create_sm_control_context",
+            anchors=(*policy, "vllm.v1.worker.gpu_ubatch_wrapper:UBatchWrapper.__init__"),
+            **common,  # type: ignore[arg-type]
+        ),
+        Patch(
+            name="sm_control.mrv2",
+            module="vllm.v1.worker.gpu.ubatch_utils",
+            attr="create_sm_control_context",
+            anchors=(*policy, "vllm.v1.worker.gpu.ubatch_utils:UBatchRunner.__init__"),
+            **common,  # type: ignore[arg-type]
+        ),
     ]
 
 

@@ -1,49 +1,16 @@
 """Per-microbatch shared top-k for GLM-5.x IndexCache layers under DBO (vllm#60734).
 
-Upstream (vLLM 0.33.0) keeps the leader -> follower top-k hand-off in state with
-no microbatch dimension (``docs/vllm-hook-points.md`` §4): the model-wide
-``DeepseekV32Model.topk_indices_buffer`` and, per ``SparseMLAIndexGroup``, the
-physical workspace, valid counts and two ready events. DBO yields between
-layers, so microbatch 1's leader overwrites them before microbatch 0's followers
-read them. These patches route every access through
-``dbo_runtime.services.topk_state.UbatchTopkState``:
-
-* ``SparseMLAIndexGroupBuilder.register_layer`` -- when a group gets its first
-  follower and the model is built with DBO (``get_num_ubatches`` of the config
-  vLLM passes / the current config), attach per-microbatch state (at model
-  construction: inside vLLM's memory profile). Refuses HiSparse (its runtime
-  captures the group's stream/events by reference and stages top-k without a
-  microbatch dimension), any builder whose logical buffer is not the CUDA DSA
-  model's (the torch.compiled generic ``DeepseekV2Model`` / ``Glm4MoeLite`` path
-  passes the buffer into compiled graphs, where a Python getter is evaluated
-  once at trace time: it would be silently wrong, so it is refused), and a
-  layer without an indexer that registers on a builder with no current group.
-  The last is how models without a shared builder look: vLLM 0.33.0's ROCm DSA
-  model (``models/deepseek_v32/amd/``: ``DeepseekV32MLAAttention`` passes no
-  ``index_group_builder``, so ``SparseMLACommonImpl.__init__`` makes one per
-  layer) builds GLM-5.x followers that way; nothing links such a follower to its
-  leader, it reads the model-wide buffer the other microbatch's leader
-  overwrites, and no per-microbatch state can be attached to a group it is not
-  in. Refused rather than run silently wrong.
-* ``SparseMLAIndexGroup._convert_once`` / ``.set_logical_topk_ready`` -- run
-  vLLM's own method on the calling microbatch's view of the group (the only
-  readers of ``physical_topk_ready`` / ``logical_topk_ready`` outside HiSparse).
-* ``topk_indices_buffer`` data descriptors on ``DeepseekV32Attention`` (writers:
-  ``fused_norm_rope`` clear, ``sparse_attn_indexer``), ``DeepseekV32Indexer``,
-  ``SparseAttnIndexer``, ``DeepseekV32Model`` (getter, setter, deleter: MRV1's
-  proposer ``del``s then assigns, MRV2 assigns) and a wrapped
-  ``SharedTopkIndicesBuffer.topk_indices_buffer`` property (readers: the sparse
-  MLA impls). Values stay in the instance ``__dict__`` under the same name, so
-  uninstalling the patches leaves every live module with its plain attribute.
-
-MTP drafts never run microbatched (``docs/vllm-hook-points.md`` §4), resolve microbatch 0 and so
-see the target buffer itself.
-
-Every hook above that runs on a microbatch thread catches its own failure and
-hands it to ``ubatch_guard.record`` (vLLM does not wake the partner microbatch
-when one thread dies: the step would hang). There it continues with vLLM's own
-object (the shared buffer, the group itself) and the failure is raised on the
-main thread after the join, so the step's output is never used.
+vLLM 0.33.0 hands the leader's top-k to its followers through state with no microbatch
+dimension: the model-wide ``DeepseekV32Model.topk_indices_buffer`` and, per
+``SparseMLAIndexGroup``, the physical workspace, valid counts and two ready events. DBO yields
+between layers, so microbatch 1's leader overwrites them before microbatch 0's followers read
+them. These patches route every access through ``UbatchTopkState``: ``register_layer`` attaches
+per-microbatch state when a group gets its first follower under DBO (at model construction,
+inside vLLM's memory profile) and refuses what cannot be made safe (HiSparse, the compiled
+generic path, followers built without a shared builder); the group methods run vLLM's own code
+on the calling microbatch's view; ``topk_indices_buffer`` becomes a data descriptor on every
+writer and reader class. Every hook that runs on a microbatch thread hands a failure to
+``ubatch_guard.record`` instead of raising there.
 """
 
 from __future__ import annotations
@@ -53,8 +20,10 @@ import importlib
 import threading
 from typing import Any
 
+from dbo_runtime.core import coverage
 from dbo_runtime.core.errors import UnsupportedConfiguration
 from dbo_runtime.core.log import get_logger
+from dbo_runtime.integration.features import Feature, Upstream
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.integration.ubatch_guard import record as record_ubatch_failure
 from dbo_runtime.services.topk_state import UbatchTopkState
@@ -69,6 +38,23 @@ _V32_ATTENTION = "vllm.models.deepseek_v32.attention"
 _SPARSE_INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
 _V32_MODEL = "vllm.models.deepseek_v32.nvidia.model"
 _FA4_SPARSE = "vllm.v1.attention.backends.mla.flashattn_mla_sparse"
+
+V32_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+
+FEATURES = [
+    Feature(
+        coverage.TOPK_V32,
+        "per-microbatch top-k for shared index groups (vllm#60734)",
+        requires=("ubatch_guard",),
+        upstream=Upstream(
+            "vllm#60734: index groups keep top-k state per microbatch",
+            (
+                (_INDEX_GROUP, "SparseMLAIndexGroupBuilder.__init__", "num_ubatches"),
+                (_INDEX_GROUP, "SparseMLAIndexGroup", "def _topk_state"),
+            ),
+        ),
+    )
+]
 
 _state: UbatchTopkState | None = None
 _state_lock = threading.Lock()
@@ -110,18 +96,39 @@ def _hisparse(vllm_config: Any) -> bool:
 
 
 def _model_shares_topk(vllm_config: Any) -> bool:
-    """Whether the HF config declares follower layers (checked before HiSparse builds any state)."""
-    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    pattern = getattr(hf, "index_topk_pattern", None)
-    return int(getattr(hf, "index_topk_freq", 1) or 1) > 1 or (isinstance(pattern, str) and "S" in pattern)
+    """Whether vLLM builds layers that reuse top-k for this config (checked before HiSparse builds any state)."""
+    model = getattr(vllm_config, "model_config", None)
+    hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
+    return hf is not None and bool(coverage.shared_topk(_architecture(vllm_config), hf))
 
 
 def _refuse_hisparse() -> None:
     raise UnsupportedConfiguration(
-        "HiSparse (attention_config.hisparse_config) together with DBO (--enable-dbo) and shared "
-        "top-k layers (index_topk_freq > 1) is not supported: HiSparse stages the shared top-k "
-        "without a microbatch dimension and holds the index group's stream and events by "
-        "reference, so microbatches would read each other's selection. Disable DBO or HiSparse."
+        "dbo_runtime refuses HiSparse (attention_config.hisparse_config) with --enable-dbo and layers that reuse "
+        "an earlier layer's top-k: HiSparse stages the shared top-k without a microbatch dimension and holds the "
+        "index group's stream and events by reference, so microbatches would read each other's selection. Ways "
+        "out: start without --enable-dbo, or without HiSparse; or set DBO_RUNTIME_DISABLE=1 to accept vLLM's own "
+        "behaviour knowingly."
+    )
+
+
+def _architecture(vllm_config: Any) -> str:
+    model = getattr(vllm_config, "model_config", None)
+    arch = getattr(model, "architecture", None) if model is not None else None
+    archs = getattr(model, "architectures", None) if model is not None else None
+    return str(arch or (archs[0] if archs else "this model"))
+
+
+def _refuse(vllm_config: Any, default_reason: str) -> None:
+    """One line: the architecture, the real reason (``core.coverage``) and the ways out."""
+    arch = _architecture(vllm_config)
+    row = coverage.BY_ARCHITECTURE.get(arch)
+    reason = row.refusal if row is not None and row.refusal else default_reason
+    raise UnsupportedConfiguration(
+        f"dbo_runtime refuses {arch} with --enable-dbo: its layers reuse an earlier layer's top-k, but {reason}, "
+        "so under DBO one microbatch would read the other's selection with no error. Ways out: start without "
+        "--enable-dbo (parallel_config.enable_dbo=False); or set DBO_RUNTIME_DISABLE=1 to accept vLLM's own "
+        "behaviour knowingly."
     )
 
 
@@ -129,31 +136,16 @@ def _refuse_unsupported(builder: Any, vllm_config: Any, state: UbatchTopkState) 
     if _hisparse(vllm_config):
         _refuse_hisparse()
     if not state.is_model_buffer(builder.logical_topk_indices):
-        raise UnsupportedConfiguration(
-            "DBO (--enable-dbo) with shared top-k layers (index_topk_freq > 1) is supported only on "
-            "the CUDA DSA model (vllm.models.deepseek_v32.nvidia.model.DeepseekV32Model). This "
-            "model's index groups use a top-k buffer that the torch.compiled DeepseekV2/GLM-4-MoE-Lite "
-            "path bakes into its graph, so microbatches would share it silently. "
-            "Disable DBO for this model."
+        _refuse(
+            vllm_config,
+            "its index groups use a top-k buffer that is not the CUDA DSA model's "
+            "(the torch.compiled generic DeepseekV2 path bakes it into its graph)",
         )
-
-
-def _architecture(vllm_config: Any) -> str:
-    archs = getattr(getattr(vllm_config, "model_config", None), "architectures", None)
-    return ", ".join(str(a) for a in archs) if archs else "this model"
 
 
 def _refuse_groupless_follower(vllm_config: Any) -> None:
     """A layer without an indexer on a builder with no group: it reuses a top-k nothing ties it to."""
-    raise UnsupportedConfiguration(
-        f"DBO (--enable-dbo) is not supported for {_architecture(vllm_config)} with layers that reuse an "
-        "earlier layer's top-k (index_topk_freq > 1 or 'S' in index_topk_pattern, e.g. GLM-5.x) when the "
-        "model builds its sparse-MLA layers without a shared index-group builder, as vLLM 0.33.0's ROCm "
-        "DSA model does (vllm/models/deepseek_v32/amd/). Such a layer reads the leader's top-k from one "
-        "model-wide buffer with no microbatch dimension, so under DBO it would read the other "
-        "microbatch's selection. Start vLLM without --enable-dbo for this model "
-        "(parallel_config.enable_dbo=False)."
-    )
+    _refuse(vllm_config, "it builds its sparse MLA layers without a shared index-group builder")
 
 
 def _register_layer_patch(state: UbatchTopkState) -> Patch:
@@ -210,13 +202,19 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
         upstream_pr=UPSTREAM_PR,
         removal=REMOVAL,
         lazy=True,
+        architectures=V32_ARCHITECTURES,
     )
 
 
 def _group_method_patch(state: UbatchTopkState, method: str) -> Patch:
+    # vLLM's set_logical_topk_ready returns at once for every layer but a group's first: skip the view there.
+    first_layer_only = method == "set_logical_topk_ready"
+
     def make(original: Any) -> Any:
         @functools.wraps(original)
         def per_ubatch(self: Any, layer_index: int, *args: Any, **kwargs: Any) -> Any:
+            if first_layer_only and layer_index != 0:
+                return original(self, layer_index, *args, **kwargs)
             try:
                 view = state.group_view(self)
             except Exception as exc:
@@ -238,49 +236,70 @@ def _group_method_patch(state: UbatchTopkState, method: str) -> Patch:
         upstream_pr=UPSTREAM_PR,
         removal=REMOVAL,
         lazy=True,
+        architectures=V32_ARCHITECTURES,
+        runs_on_ubatch_thread=True,
     )
 
 
 class TopkIndicesBufferAttr:
-    """``topk_indices_buffer`` as a data descriptor that resolves the calling microbatch's buffer.
+    """A top-k buffer attribute as a data descriptor that resolves the calling microbatch's buffer.
 
-    ``nn.Module.__setattr__`` / ``__delattr__`` hand plain tensors to
-    ``object``'s, which honours class data descriptors; so assignments in
-    vLLM's ``__init__`` and the MTP proposer's ``del`` + assign land here.
+    ``nn.Module.__setattr__`` / ``__delattr__`` hand plain tensors to ``object``'s, which honours class
+    data descriptors; so assignments in vLLM's ``__init__`` and the MTP proposer's ``del`` + assign land
+    here. The value stays in the instance ``__dict__`` under the same name, so uninstalling leaves every
+    live module with its plain attribute. ``registers``: the attribute holds a model-wide buffer that
+    layers share without an index group (DeepSeek-V4.1); under DBO it gets per-microbatch views at
+    assignment, anchored on the owning module.
     """
 
-    def __init__(self, state: UbatchTopkState, *, marks_model_buffer: bool = False) -> None:
+    def __init__(self, state: UbatchTopkState, name: str = ATTR, *, marks_model_buffer: bool = False, registers: bool = False) -> None:
         self.state = state
+        self.name = name
         self.marks_model_buffer = marks_model_buffer
+        self.registers = registers
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:
             return self
         try:
-            value = obj.__dict__[ATTR]
+            value = obj.__dict__[self.name]
         except KeyError:
-            raise AttributeError(ATTR) from None
+            raise AttributeError(self.name) from None
         try:
             return self.state.logical(value)
         except Exception as exc:
             # Never raise on a microbatch thread (see ubatch_guard): recorded, raised after the join.
-            if not record_ubatch_failure("top-k logical buffer (module attribute)", exc):
+            if not record_ubatch_failure(f"top-k buffer ({type(obj).__name__}.{self.name})", exc):
                 raise
             return value
 
     def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__[ATTR] = value
+        obj.__dict__[self.name] = value
         if self.marks_model_buffer:
             self.state.mark_model_buffer(value)
+        if self.registers:
+            views = self.state.register_logical(value, _num_ubatches(_current_config()))
+            anchor = f"_dbo_runtime_views_{self.name}"
+            if views is not None:
+                obj.__dict__[anchor] = views
+            else:
+                obj.__dict__.pop(anchor, None)
 
     def __delete__(self, obj: Any) -> None:
         try:
-            del obj.__dict__[ATTR]
+            del obj.__dict__[self.name]
         except KeyError:
-            raise AttributeError(ATTR) from None
+            raise AttributeError(self.name) from None
+
+
+def _current_config() -> Any:
+    from vllm.config import get_current_vllm_config_or_none
+
+    return get_current_vllm_config_or_none()
 
 
 def _descriptor_patch(state: UbatchTopkState, module: str, cls: str, *, model: bool = False) -> Patch:
+    shared_by_v41 = module == _SPARSE_INDEXER
     return Patch(
         name=f"topk.{cls}.{ATTR}",
         module=module,
@@ -296,6 +315,9 @@ def _descriptor_patch(state: UbatchTopkState, module: str, cls: str, *, model: b
         removal=REMOVAL,
         lazy=True,
         adds=True,
+        # SparseAttnIndexer also writes DeepSeek-V4.1's shared buffer (topk_v41 relies on this patch).
+        architectures=(*V32_ARCHITECTURES, "DeepseekV41ForCausalLM") if shared_by_v41 else V32_ARCHITECTURES,
+        runs_on_ubatch_thread=True,
     )
 
 
@@ -324,6 +346,8 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
         upstream_pr=UPSTREAM_PR,
         removal=REMOVAL,
         lazy=True,
+        architectures=V32_ARCHITECTURES,
+        runs_on_ubatch_thread=True,
     )
 
 

@@ -45,9 +45,12 @@ from typing import Any
 from dbo_runtime.core.errors import MicrobatchFailure
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration import ubatch_ids
+from dbo_runtime.integration.features import Feature
 from dbo_runtime.integration.patching import Patch
 
 logger = get_logger(__name__)
+
+FEATURES = [Feature("ubatch_guard", "microbatch-thread failure guard")]
 
 MRV1_MODULE = "vllm.v1.worker.gpu_ubatch_wrapper"
 MRV2_MODULE = "vllm.v1.worker.gpu.ubatch_utils"
@@ -117,19 +120,53 @@ def record(where: str, exc: BaseException) -> bool:
         return False
 
 
-def placeholder_logits(context_lens: Any, weights: Any, max_model_len: int) -> Any:
-    """Zero logits of ``fp8_fp4_paged_mqa_logits``'s shape and dtype, without a kernel launch.
+_RESERVED: dict[tuple[str, Any], Any] = {}
+"""One zero row ``[1, max_model_len]`` per (device, dtype), allocated at model load (``reserve_placeholders``)."""
 
-    ``[B * next_n, max_model_len]`` (``context_lens`` is ``[B, next_n]``, or one
-    length per row for SM100 varlen), in the weights' dtype (bf16 on SM100,
-    fp32 elsewhere, like the kernel's output). Downstream top-k reads only
-    ``[0, context_len)`` of each row, so any values are memory-safe; they are
-    never returned from the step (see the module docstring).
+
+def reserve_placeholders(device: Any, max_model_len: int) -> None:
+    """Allocate, at model load, the zero rows ``placeholder_logits`` hands out instead of allocating.
+
+    Why ahead of time: the typical failure at the logits call site is CUDA out of memory, and then
+    allocating a full ``[rows, max_model_len]`` placeholder fails too; a second exception on a microbatch
+    thread is the hang the guard exists to prevent. The rows cost ``4 * max_model_len`` bytes per dtype.
     """
     import torch
 
-    dtype = weights.dtype if weights.is_floating_point() else torch.float32
-    return torch.zeros((int(context_lens.numel()), int(max_model_len)), dtype=dtype, device=context_lens.device)
+    for dtype in (torch.float32, torch.bfloat16):
+        key = (str(device), dtype)
+        row = _RESERVED.get(key)
+        if row is not None and int(row.shape[1]) >= max_model_len:
+            continue
+        try:
+            _RESERVED[key] = torch.zeros((1, max_model_len), dtype=dtype, device=device)
+        except Exception as exc:  # model load goes on; a failure then falls back to allocating
+            logger.warning("dbo_runtime: could not reserve the placeholder logits row (%r)", exc)
+
+
+def placeholder_logits(context_lens: Any, weights: Any, max_model_len: Any) -> Any:
+    """Logits of ``fp8_fp4_paged_mqa_logits``'s shape and dtype, without a kernel, an allocation or a raise.
+
+    ``[B * next_n, max_model_len]`` (``context_lens`` is ``[B, next_n]``, or one length per row for SM100
+    varlen) in the weights' dtype (bf16 on SM100, fp32 elsewhere): a stride-0 view of the row reserved at
+    model load, so every row reads the same valid memory and kernels that honour ``stride(0)`` (vLLM's
+    top-k and upcast kernels do) stay in bounds. The values are never used: the step raises after the join.
+    Without a reserved row it falls back to allocating zeros, then to a view of ``weights``.
+    """
+    try:
+        import torch
+
+        rows, width = int(context_lens.numel()), int(max_model_len)
+        dtype = weights.dtype if weights.is_floating_point() else torch.float32
+        row = _RESERVED.get((str(context_lens.device), dtype))
+        if row is not None and int(row.shape[1]) >= width:
+            return row[:, :width].expand(rows, width)
+        try:
+            return torch.zeros((rows, width), dtype=dtype, device=context_lens.device)
+        except Exception:
+            return weights.reshape(-1)[:1].expand(rows, width)
+    except Exception:
+        return weights
 
 
 # -- join points ------------------------------------------------------------------------------------
@@ -217,4 +254,4 @@ def patches() -> list[Patch]:
     ]
 
 
-__all__ = ["FAILURES", "UbatchFailures", "patches", "placeholder_logits", "record"]
+__all__ = ["FAILURES", "UbatchFailures", "patches", "placeholder_logits", "record", "reserve_placeholders"]

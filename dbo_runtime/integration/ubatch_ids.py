@@ -28,13 +28,18 @@ def _ubatching() -> ModuleType:
     return _module
 
 
-def current_ubatch_id() -> int:
-    """Microbatch id of the calling thread; 0 outside DBO and on the main thread."""
-    return int((_module or _ubatching())._THREAD_ID_TO_CONTEXT.get(threading.get_ident(), 0))
+_resolved = threading.local()
+"""The calling microbatch thread's ``(id, token offset)``, resolved once per thread. vLLM starts fresh
+threads for every microbatched step (``UBatchWrapper._run_ubatches`` / ``UBatchRunner.begin_capturable_run``,
+both fingerprinted by ``ubatch_guard``), and a context's offset is fixed for its life, so one lookup per
+thread is one per forward. Only a registered thread is cached: the main thread is looked up every time."""
 
 
 def current_ubatch() -> tuple[int, int]:
     """``(microbatch id, token offset in the padded batch)``; ``(0, 0)`` outside a microbatch thread."""
+    hit: tuple[int, int] | None = getattr(_resolved, "value", None)
+    if hit is not None:
+        return hit
     module = _module or _ubatching()
     table = module._THREAD_ID_TO_CONTEXT
     if not table:
@@ -44,7 +49,11 @@ def current_ubatch() -> tuple[int, int]:
         return 0, 0
     contexts = module._CURRENT_CONTEXTS
     ctx = contexts[ubatch] if ubatch < len(contexts) else None
-    return int(ubatch), int(ctx.token_offset) if ctx is not None else 0
+    if ctx is None:
+        return int(ubatch), 0
+    hit = (int(ubatch), int(ctx.token_offset))
+    _resolved.value = hit
+    return hit
 
 
 def ubatch_thread_id() -> int | None:

@@ -19,7 +19,10 @@ import os
 from typing import Any
 
 from dbo_runtime.integration import activation, selftime
+from dbo_runtime.integration.features import Feature
 from dbo_runtime.integration.patching import Patch
+
+FEATURES = [Feature("stats", "per-worker counters")]
 
 METHOD = "dbo_runtime_stats"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
@@ -109,6 +112,7 @@ def patches() -> list[Patch]:
             removal="vLLM lets a plugin register worker extension methods",
             lazy=True,
             adds=True,
+            anchors=(),  # a method added by name; collective_rpc resolves it, no vLLM code relied on
         )
     ]
 

@@ -57,15 +57,16 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dbo_runtime.adapters.cuda_graph import CAPTURES
+from dbo_runtime.adapters.deep_gemm import next_n_of
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.log import get_logger
+from dbo_runtime.core.settings import WARM_MAX_BATCH_ENV, WarmPolicy, warm_policy
 from dbo_runtime.services.sm_control import BudgetEvent, SMControl, Subscription, sm_control_for
 
 logger = get_logger(__name__)
@@ -81,9 +82,6 @@ DEFERRED = -1
 count equals it, so the call site's fast path (``live == planned_sms``) always falls through to
 ``resolve``, which plans it first."""
 
-WARM_MAX_BATCH_ENV = "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH"
-"""Unset: warm exactly the shapes vLLM will run (``dbo_planner_shapes``). ``N > 0``: also every 32-row
-bucket up to N (a longer cold start instead of a first-use compile in an eager step). ``0``: no warm-up."""
 BATCH_ALIGN = 32
 """DeepGEMM's planner is templated on the batch size aligned to 32 (``kAlignedBatchSize % 32 == 0``)."""
 
@@ -161,6 +159,11 @@ class ScheduleCacheStats:
     warm_skipped_in_capture: int = 0
     warm_failures: int = 0
     """Warm-up launches that raised (logged once; the variant is then compiled at first use)."""
+    jit_in_step: int = 0
+    """Planner variants first launched by a step instead of the warm-up: DeepGEMM JIT-compiles each one
+    there (or loads it from ``DG_JIT_CACHE_DIR``) while the DP group waits. 0 is the goal."""
+    warm_ns: int = 0
+    """Host time spent in warm-up (the load-time cost of keeping JIT out of steps)."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,20 @@ class PlannerProfile:
     shapes: tuple[tuple[int, int], ...]
     """``(rows, width)`` of the planner's ``context_lens`` per microbatch (``dbo_planner_shapes``)."""
     varlen: bool = False
+    max_rows: int = 0
+    """Planner rows of the largest decode step (``max_num_seqs``, or its tokens with per-token rows)."""
+    width: int = 1
+    """``context_lens`` width of this builder's decode steps (``1 + speculative tokens``, or 1 per token)."""
+
+    def warm_shapes(self, policy: WarmPolicy, dbo: bool) -> list[tuple[int, int]]:
+        """What to compile at load under ``policy``: at the DBO count (``dbo``) or the builder's own."""
+        if policy.mode == "off":
+            return []
+        if policy.mode == "minimal":
+            return list(self.shapes) if dbo else []
+        cap = policy.cap if policy.cap is not None else self.max_rows
+        buckets = [(rows, self.width) for rows in aligned_buckets(cap)] if cap > 0 else []
+        return (list(self.shapes) if dbo else []) + buckets
 
 
 def align_batch(rows: int, align: int = BATCH_ALIGN) -> int:
@@ -265,20 +282,6 @@ def dbo_planner_shapes(
     return tuple(sorted(shapes))
 
 
-def warm_max_batch() -> int | None:
-    """``DBO_RUNTIME_PLANNER_WARM_MAX_BATCH``: None when unset (exact shapes only), else the sweep cap (0: off)."""
-    raw = os.environ.get(WARM_MAX_BATCH_ENV)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw.strip(), 10)
-    except ValueError:
-        raise ConfigError(WARM_MAX_BATCH_ENV, raw, "a non-negative integer (0 disables planner warm-up)") from None
-    if value < 0:
-        raise ConfigError(WARM_MAX_BATCH_ENV, raw, "a non-negative integer (0 disables planner warm-up)")
-    return value
-
-
 class IndexerScheduleCache:
     """See the module docstring. One per process: ``schedule_cache()``."""
 
@@ -293,7 +296,8 @@ class IndexerScheduleCache:
         self._dbo_sms: dict[int, int] = {}
         self._profiles: dict[int, list[PlannerProfile]] = {}
         self._warmed: set[tuple[Any, ...]] = set()
-        self._warm_done: set[tuple[int, int, int]] = set()
+        self._warm_done: set[tuple[Any, ...]] = set()
+        self._full_sms: dict[int, int] = {}
         self._sweep_warned = False
         self._subscriptions: dict[int, Subscription] = {}
         self._tls = threading.local()
@@ -360,7 +364,7 @@ class IndexerScheduleCache:
         """Plan a deferred schedule into its own tensor (eager only: never inside a capture)."""
         deferred = state.deferred
         assert deferred is not None
-        plan = self.planner.plan(deferred.context_lens, state.block_kv, deferred.sms, deferred.indices)
+        plan = self._plan(deferred.context_lens, state.block_kv, deferred.sms, deferred.indices)
         state.deferred = None
         self.stats.deferred_plans += 1
         if tuple(plan.shape) == tuple(schedule.shape):
@@ -388,6 +392,41 @@ class IndexerScheduleCache:
         self.stats.invalidations += 1
 
     # -- the call site ---------------------------------------------------------------------
+    def fits(self, schedule: Any) -> bool:
+        """The call site's fast path: ``schedule`` was planned for DeepGEMM's live count and no capture is
+        underway (then ``resolve`` would return it untouched). One dict read, one counter read, one call."""
+        state = schedule.__dict__.get(STATE_ATTR)
+        live = self._num_sms
+        captures = self._captures
+        return (
+            state is not None
+            and live is not None
+            and captures.installed
+            and not captures.active
+            and live() == state.planned_sms
+        )
+
+    def _variant(self, device: Any, block_kv: int, num_sms: int, rows: int, width: int, varlen: bool) -> tuple[Any, ...]:
+        """What DeepGEMM compiles one planner for: ``(aligned batch, SPLIT_KV, slots, varlen)`` on a device."""
+        where = f"{getattr(device, 'type', device)}:{getattr(device, 'index', None) or 0}"
+        return (where, int(block_kv), self.planner.slots(int(num_sms), 1 if varlen else int(width)), align_batch(rows), varlen)
+
+    def note_plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None) -> None:
+        """A planner launched by a step (the build, a re-plan, a deferred plan): count a variant the warm-up
+        did not cover (``stats.jit_in_step``). Never raises: it only counts."""
+        try:
+            rows = int(context_lens.shape[0])
+            key = self._variant(context_lens.device, block_kv, num_sms, rows, next_n_of(context_lens), indices is not None)
+        except Exception:
+            return
+        if key not in self._warmed:
+            self._warmed.add(key)
+            self.stats.jit_in_step += 1
+
+    def _plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None) -> Any:
+        self.note_plan(context_lens, block_kv, num_sms, indices)
+        return self.planner.plan(context_lens, block_kv, num_sms, indices)
+
     def resolve(self, schedule: Any, context_lens: Any, indices: Any | None, block_source: Any) -> Any:
         """The schedule the logits kernel must get for DeepGEMM's live SM count.
 
@@ -441,12 +480,11 @@ class IndexerScheduleCache:
         if self._capturing():  # type: ignore[misc]
             return self._resolve_capturing(state, schedule, context_lens, block_kv, indices, current)
         if state is None:
-            next_n = int(context_lens.shape[1]) if context_lens.dim() == 2 else 1
-            if int(schedule.shape[0]) == planner.slots(current, next_n) + 1:
+            if int(schedule.shape[0]) == planner.slots(current, next_n_of(context_lens)) + 1:
                 # Not ours to know what it was planned for; DeepGEMM's own check passes.
                 return schedule
             self.stats.untracked_replans += 1
-            return planner.plan(context_lens, block_kv, current, indices)
+            return self._plan(context_lens, block_kv, current, indices)
         if state.deferred is not None:
             self._run_deferred(state, schedule)
         if current == state.planned_sms:
@@ -458,7 +496,7 @@ class IndexerScheduleCache:
             return schedule
         replanned = state.replans.get(current)
         if replanned is None:
-            replanned = planner.plan(context_lens, state.block_kv, current, indices)
+            replanned = self._plan(context_lens, state.block_kv, current, indices)
             state.replans[current] = replanned
             self.stats.replans += 1
         return replanned
@@ -479,13 +517,13 @@ class IndexerScheduleCache:
             if replanned is _ITSELF:
                 return schedule
             if replanned is None:
-                replanned = self.planner.plan(context_lens, state.block_kv, current, indices)
+                replanned = self._plan(context_lens, state.block_kv, current, indices)
                 state.in_graph[key] = replanned
                 self.stats.captured_replans += 1
             return replanned
         # Unknown capture identity or untracked schedule: record a planner for this call.
         self.stats.captured_replans += 1
-        return self.planner.plan(context_lens, state.block_kv if state is not None else block_kv, current, indices)
+        return self._plan(context_lens, state.block_kv if state is not None else block_kv, current, indices)
 
     # -- plan-ahead ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -541,66 +579,67 @@ class IndexerScheduleCache:
             self.warm(budget.device, budget.compute)
 
     # -- warm-up ---------------------------------------------------------------------------
-    def register_profile(self, device_index: int, profile: PlannerProfile) -> None:
-        """An indexer builder exists for ``device_index``; warm it for every announced DBO count."""
+    def register_profile(self, device_index: int, profile: PlannerProfile, *, full_sms: int | None = None) -> None:
+        """An indexer builder exists for ``device_index``: warm it for its own SM count (``full_sms``, the
+        non-DBO steps) and for every announced DBO count."""
         with self._lock:
             profiles = self._profiles.setdefault(device_index, [])
             if profile not in profiles:
                 profiles.append(profile)
+            if full_sms is not None:
+                self._full_sms[device_index] = int(full_sms)
+        if full_sms is not None:
+            self.warm(device_index, int(full_sms), dbo=False)
         sms = self._dbo_sms.get(device_index)
         if sms is not None:
             self.warm(device_index, sms)
 
-    def _sweep(self) -> int | None:
-        """``warm_max_batch()``, but a bad value is logged once and read as unset: warm-up runs inside
-        the ``entered`` publish of every DBO step until a count is warm, so a raise there would log a
-        traceback per step (the SM control catches subscriber errors) and never warm anything. ``doctor``
-        and ``simulate`` refuse the same value outright."""
+    def _policy(self) -> WarmPolicy:
+        """``warm_policy()``, but a bad value is logged once and read as unset: warm-up runs inside the
+        ``entered`` publish of every DBO step until a count is warm, so a raise there would log a traceback
+        per step and never warm anything. ``doctor`` and ``simulate`` refuse the same value outright."""
         try:
-            return warm_max_batch()
+            return warm_policy()
         except ConfigError as exc:
             if not self._sweep_warned:
                 self._sweep_warned = True
-                logger.warning("dbo_runtime: %s; read as unset: planner warm-up covers exactly the shapes vLLM runs", exc)
-            return None
+                logger.warning("dbo_runtime: %s; read as unset", exc)
+            import os
 
-    def warm(self, device_index: int, num_sms: int) -> int:
-        """Launch the planner once per distinct variant of every registered profile's shapes at ``num_sms``.
+            return warm_policy({k: v for k, v in os.environ.items() if k != WARM_MAX_BATCH_ENV})
 
-        A variant is what DeepGEMM compiles: ``(aligned batch, slots, block,
-        varlen)``; ``next_n`` is a runtime argument except through the slot count
-        (SM90 ``next_n == 4``: half). Never inside a capture (a JIT compile there
-        would be fatal): skipped and counted; the call-site path then records a
-        planner that eager warm-up runs (which precede every capture in both
-        runners) have compiled.
+    def warm(self, device_index: int, num_sms: int, *, dbo: bool = True) -> int:
+        """Launch the planner once per distinct variant of every registered profile at ``num_sms``.
+
+        A variant is what DeepGEMM compiles (``_variant``); ``next_n`` is a runtime argument except
+        through the slot count (SM90 ``next_n == 4``: half). Never inside a capture (a JIT compile there
+        would be fatal): skipped and counted; eager warm-up runs precede every capture in both runners.
         """
         profiles = self._profiles.get(device_index, [])
         if not profiles:
             return 0
         # Published on every DBO step ("entered"): once a count is warm for the current
         # profile set, return before any probe, env read or bucket walk.
-        done = (device_index, num_sms, len(profiles))
+        done = (device_index, num_sms, dbo, len(profiles))
         if done in self._warm_done:
             return 0
         planner = self.planner
         if planner.capturing():
             self.stats.warm_skipped_in_capture += 1
             return 0
+        import time
+
         import torch
 
+        started = time.perf_counter_ns()
         launched = 0
-        sweep = self._sweep()
-        for profile in profiles if sweep != 0 else ():
-            shapes = list(profile.shapes)
-            if sweep:
-                widths = sorted({width for _, width in shapes}) or [1]
-                shapes += [(batch, width) for batch in aligned_buckets(sweep) for width in widths]
-            for rows, shape_width in shapes:
+        policy = self._policy()
+        for profile in profiles:
+            for rows, shape_width in profile.warm_shapes(policy, dbo):
                 # Varlen (SM100) plans one row per token with request indices; next_n is 1 there.
                 width = 1 if profile.varlen else shape_width
                 batch = align_batch(rows)
-                # The planner kernel is templated on (aligned batch, SPLIT_KV, slots, varlen).
-                key = (device_index, profile.block_kv, planner.slots(num_sms, width), batch, profile.varlen)
+                key = self._variant(profile.device, profile.block_kv, num_sms, batch, width, profile.varlen)
                 if key in self._warmed:
                     continue
                 # A variant that fails (no JIT toolchain, OOM) is marked done too: warm-up is an
@@ -623,8 +662,18 @@ class IndexerScheduleCache:
                 launched += 1
         self._warm_done.add(done)
         self.stats.warmups += launched
+        elapsed = time.perf_counter_ns() - started
+        self.stats.warm_ns += elapsed
         if launched:
-            logger.info("dbo_runtime: warmed %d paged-MQA planners for %d SMs on device %d", launched, num_sms, device_index)
+            logger.info(
+                "dbo_runtime: warmed %d paged-MQA planners for %d SMs on device %d in %.1f s (%s; %s)",
+                launched,
+                num_sms,
+                device_index,
+                elapsed / 1e9,
+                "DBO count" if dbo else "full GPU",
+                policy.source,
+            )
         return launched
 
 

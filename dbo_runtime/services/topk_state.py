@@ -56,33 +56,15 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import torch
 
 from dbo_runtime.core.errors import ConfigError, DboRuntimeError
+from dbo_runtime.core.settings import LAYOUT_ENV, TopkLayout, parse_layout
 
 UbatchLocator = Callable[[], tuple[int, int]]
 """Returns ``(microbatch id, token offset)`` of the calling thread; ``(0, 0)`` outside DBO."""
-
-LAYOUT_ENV = "DBO_RUNTIME_TOPK_LAYOUT"
-
-
-class TopkLayout(StrEnum):
-    WINDOWS = "windows"
-    COPIES = "copies"
-
-
-def parse_layout(value: str | None) -> TopkLayout:
-    """``None``/empty -> ``WINDOWS``; anything else must name a layout."""
-    if value is None or value.strip() == "":
-        return TopkLayout.WINDOWS
-    try:
-        return TopkLayout(value.strip().lower())
-    except ValueError:
-        raise ConfigError(LAYOUT_ENV, value, [m.value for m in TopkLayout]) from None
-
 
 # -- layer pattern and memory ------------------------------------------------------------------
 def index_leaders(
@@ -338,6 +320,23 @@ class UbatchTopkState:
             setattr(group, STATE_ATTR, _GroupState(self, group, logical, self.layout, num_ubatches, make_event))
             self._groups[id(group)] = weakref.ref(group)
 
+    def register_logical(self, base: Any, num_ubatches: int) -> _LogicalState | None:
+        """Give a model-wide buffer that layers hand to each other per-microbatch views, without an index
+        group (DeepSeek-V4.1 shares top-k through its model buffers alone). The caller anchors the returned
+        state on the module that owns ``base``; the registry keeps a weak reference, as for groups."""
+        if num_ubatches < 2 or not isinstance(base, torch.Tensor):
+            return None
+        with self._lock:
+            self._prune()
+            if self.layout is None:
+                self.layout = parse_layout(os.environ.get(LAYOUT_ENV))
+            ref = self._logical.get(id(base))
+            state = ref() if ref is not None else None
+            if state is None or state.base_ref() is not base:
+                state = _LogicalState(base, self.layout, num_ubatches)
+                self._logical[id(base)] = weakref.ref(state)
+            return state
+
     def _prune(self) -> None:
         """Drop registry entries whose object is gone (caller holds the lock)."""
         for table in (self._model_buffers, self._logical, self._groups):
@@ -421,5 +420,15 @@ class UbatchTopkState:
     def extra_bytes(self) -> int:
         """Device bytes allocated for microbatches after the first (0 with ``WINDOWS``)."""
         states = self._live_group_states()
-        logical = {id(s.logical): s.logical for s in states}
+        with self._lock:
+            logical = {id(st): st for st in (ref() for ref in self._logical.values()) if st is not None}
         return sum(s.nbytes() for s in logical.values()) + sum(s.nbytes() for s in states)
+
+    def num_logical(self) -> int:
+        """Live shared logical buffers (index-group buffers and model buffers registered directly)."""
+        with self._lock:
+            self._prune()
+            return len(self._logical)
+
+
+__all__ = ["LAYOUT_ENV", "GroupView", "TopkLayout", "UbatchTopkState", "index_leaders", "parse_layout", "topk_memory_bytes"]

@@ -84,7 +84,7 @@ def test_fast_path_skips_the_capture_probe_only_when_the_counter_is_trusted(monk
     assert planner.probes >= 2 and cache.stats.captured_replans == 1
 
 
-def test_call_site_wrapper_inlines_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_call_site_wrapper_takes_the_cache_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
     from dbo_runtime.integration.indexer_hooks import _make_logits
     from dbo_runtime.services import schedule_cache as sc
 
@@ -94,13 +94,16 @@ def test_call_site_wrapper_inlines_the_fast_path(monkeypatch: pytest.MonkeyPatch
     previous = sc.set_schedule_cache_for_tests(cache)
     counter = cuda_graph.CaptureCounter()
     counter.installed = True
-    monkeypatch.setattr("dbo_runtime.integration.indexer_hooks._CAPTURES", counter)
+    monkeypatch.setattr(cache, "_captures", counter)
     try:
         lens = torch.tensor([[100], [3000]], dtype=torch.int32)
         schedule = planner.plan(lens, 64, 132)
         cache.track(schedule, planned_sms=132, block_kv=64, next_n=1)
         seen: list[object] = []
-        wrapper = _make_logits(lambda q, kv, w, cl, bt, sched, m, indices=None: seen.append(sched))
+        def original(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len, indices=None):  # type: ignore[no-untyped-def]
+            seen.append(schedule_metadata)
+
+        wrapper = _make_logits(original)
         slow: list[int] = []
         real_resolve = cache.resolve
         monkeypatch.setattr(cache, "resolve", lambda *a: (slow.append(1), real_resolve(*a))[1])

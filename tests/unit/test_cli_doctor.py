@@ -16,10 +16,10 @@ from dbo_runtime.integration import plugin
 from dbo_runtime.integration.patching import Patch
 
 DOC_KEYS = {
-    "schema", "ok", "problems", "warnings", "dbo_runtime_version", "python", "vllm", "plugin", "patches",
-    "deep_gemm", "nvml", "import_warnings",
+    "schema", "ok", "problems", "warnings", "dbo_runtime_version", "python", "vllm", "plugin", "features", "guard",
+    "patches", "deep_gemm", "nvml", "import_warnings",
 }  # fmt: skip
-PATCH_KEYS = {"name", "target", "state", "lazy", "optional", "detail", "reason", "upstream_pr", "removal"}
+PATCH_KEYS = {"name", "feature", "target", "state", "fingerprint", "lazy", "optional", "detail", "reason", "upstream_pr", "removal"}
 
 
 @pytest.fixture(autouse=True)
@@ -49,8 +49,10 @@ def bogus_patch(**kw: object) -> Patch:
 
 def test_real_vllm_every_target_found(capsys: pytest.CaptureFixture[str]) -> None:
     rc, doc = doctor_json(capsys)
-    assert set(doc) == DOC_KEYS and doc["schema"] == "dbo-runtime/doctor/v1"
-    assert doc["vllm"] == {"version": "0.33.0", "supported": True, "supported_series": "0.33"}
+    assert set(doc) == DOC_KEYS and doc["schema"] == "dbo-runtime/doctor/v2"
+    assert doc["vllm"] == {"version": "0.33.0", "verified_release": "0.33.0", "trusted_by": "fingerprints"}
+    assert {f["name"]: f["state"] for f in doc["features"]} == {f.name: "in force" for f in plugin.all_features()}
+    assert [g["state"] for g in doc["guard"]] == ["found", "found", "found"]
     assert doc["plugin"]["entry_point"] is True
     assert doc["plugin"]["load_format_entry_point"] is True  # the test load format, a separate entry point
     expected = [p.name for p in plugin.all_patches()]
@@ -60,6 +62,7 @@ def test_real_vllm_every_target_found(capsys: pytest.CaptureFixture[str]) -> Non
         assert set(p) == PATCH_KEYS
         # found, or a lazy/optional module that cannot be imported on this CPU box
         assert p["state"] == "found" or (p["state"] == "skipped" and (p["lazy"] or p["optional"])), p
+        assert p["fingerprint"] in ("match", "not bound"), p
     assert doc["problems"] == [] and doc["ok"] is True and rc == 0
     # no driver / no CUDA DeepGEMM build on this box: reported, not a failure
     assert doc["nvml"]["available"] is False and "NVML" in doc["nvml"]["detail"]
@@ -94,7 +97,7 @@ def test_missing_optional_or_lazy_target_is_skipped_not_failed(
 
 
 def test_skipped_required_target_is_a_warning_not_ok(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A required lazy target that cannot be checked here used to end the table with a plain OK."""
+    """A required lazy target that cannot be checked here ends the table with WARNINGS, not a plain OK."""
     real = plugin.all_patches
     monkeypatch.setattr(plugin, "all_patches", lambda: [*real(), bogus_patch(lazy=True, module="dbo_no_such_module_here")])
     assert main(["doctor"]) == 0  # a warning, not a failure
@@ -106,7 +109,7 @@ def test_skipped_required_target_is_a_warning_not_ok(capsys: pytest.CaptureFixtu
 
 
 def test_no_third_party_import_noise_on_stderr() -> None:
-    """vLLM's `_C` and torch's Triton warnings used to reach stderr before the doctor's first line."""
+    """vLLM's `_C` and torch's Triton warnings stay off stderr (they are kept as import_warnings)."""
     import subprocess
     import sys
 
@@ -118,12 +121,43 @@ def test_no_third_party_import_noise_on_stderr() -> None:
     assert all(isinstance(line, str) for line in doc["import_warnings"])  # kept, not dropped
 
 
-def test_unsupported_vllm_version_fails(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.34.1")
+def test_a_version_string_alone_neither_passes_nor_fails_a_build(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A development build named like a later release is trusted by its code: identical code passes,
+    code that differs from vLLM 0.33.0 in a patch's anchor fails and names the feature."""
+    from tests.fakes.vllm_build import edited_sources, replace_once
+
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.33.1rc1.dev123+g4ba787ec9")
     rc, doc = doctor_json(capsys)
+    assert rc == 0 and doc["vllm"]["version"] == "0.33.1rc1.dev123+g4ba787ec9"
+    edit = {"vllm.v1.attention.backends.mla.indexer": replace_once("self.num_sms = sm_count", "self.num_sms = int(sm_count)")}
+    with edited_sources(edit):
+        rc, doc = doctor_json(capsys)
     assert rc == 1
-    assert doc["vllm"]["supported"] is False
-    assert any("0.34.1 is not supported" in line for line in doc["problems"])
+    [indexer] = [f for f in doc["features"] if f["name"] == "indexer"]
+    assert indexer["verdict"] == "unverified" and "indexer.builder_init" in indexer["detail"]
+    assert any(line.startswith("indexer (indexer schedule fix (vllm#60732)): unverified") for line in doc["problems"])
+    assert [p["fingerprint"] for p in doc["patches"] if p["name"] == "indexer.builder_init"] == ["differs"]
+
+
+def test_an_upstream_fix_is_reported_as_provided_by_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.fakes.vllm_build import edited_sources, replace_once
+
+    upstream = {
+        "vllm.v1.attention.backends.mla.indexer": replace_once(
+            "    indices: torch.Tensor | None = None\n\n\n@dataclass\nclass DeepseekV32IndexerMetadata:",
+            "    indices: torch.Tensor | None = None\n    schedule_num_sms: int = 0\n\n\n@dataclass\nclass DeepseekV32IndexerMetadata:",
+        )
+    }
+    with edited_sources(upstream):
+        rc, doc = doctor_json(capsys)
+        assert main(["doctor"]) == 0
+        out = capsys.readouterr().out
+    assert rc == 0
+    [indexer] = [f for f in doc["features"] if f["name"] == "indexer"]
+    assert indexer["state"].startswith("provided by vLLM")
+    assert "indexer: provided by vLLM" in out
 
 
 def test_vllm_not_installed_is_reported_and_fails(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,7 +175,7 @@ def test_table_lists_every_target(capsys: pytest.CaptureFixture[str]) -> None:
     out, err = capsys.readouterr()
     for patch in plugin.all_patches():
         assert patch.name in out
-    assert "vLLM 0.33.0 (supported" in out
+    assert "vLLM 0.33.0 (the verified release" in out
     last = out.strip().splitlines()[-1]
     # OK, or -- where GLM-5-Next's module does not import (no torchvision) -- a warning naming it
     assert last == "OK" or ("WARNINGS" in out and "glm5next" in out), last

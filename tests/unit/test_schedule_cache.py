@@ -14,6 +14,7 @@ import torch
 
 from dbo_runtime.core.budget import compute_budget
 from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.settings import warm_max_batch
 from dbo_runtime.services.schedule_cache import (
     STATE_ATTR,
     WARM_MAX_BATCH_ENV,
@@ -23,7 +24,6 @@ from dbo_runtime.services.schedule_cache import (
     aligned_buckets,
     dbo_planner_shapes,
     ubatch_split,
-    warm_max_batch,
 )
 from dbo_runtime.services.sm_control import SMControl
 from tests.fakes.fake_deep_gemm import FakeDeepGemm, FakeSchedulePlanner

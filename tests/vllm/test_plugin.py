@@ -1,4 +1,4 @@
-"""The plugin inside the real vLLM 0.33.0: entry point, idempotence, version guard, transaction."""
+"""The plugin inside the real vLLM 0.33.0: entry point, idempotence, trust by fingerprint, transaction."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ from dbo_runtime.integration.patching import Patch, current_value
 
 
 def targets() -> dict[str, Any]:
-    """Every patch target's current object, resolved freshly (identity is what counts)."""
+    """Every patch target's current object (the guard's too), resolved freshly (identity is what counts)."""
+    from dbo_runtime.integration.guard import guard_patches
+
     out = {}
-    for patch in plugin.all_patches():
+    for patch in [*plugin.all_patches(), *guard_patches()]:
         module = importlib.import_module(patch.module) if not patch.lazy else importlib.sys.modules.get(patch.module)  # type: ignore[attr-defined]
         if module is None:
             continue
@@ -65,19 +67,42 @@ def test_register_twice_is_once_and_uninstall_restores_identity(unpatched: dict[
         assert after[name] is original, name
 
 
-def test_unsupported_version_patches_nothing(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+def test_a_version_string_is_not_what_is_trusted(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another version string over identical code: every feature installs (the code is what is verified)."""
+    from dbo_runtime.integration.features import REGISTRY
+
     monkeypatch.setattr(plugin, "vllm_version", lambda: "0.34.1")
     plugin.register()
-    assert plugin.installed_patch_set() is None
-    assert all(targets()[n] is o for n, o in unpatched.items())
-    assert "supports vLLM 0.33.x, found 0.34.1" in caplog.text
+    ps = plugin.installed_patch_set()
+    assert ps is not None and ps.installed
+    assert all(state.verdict == "verified" for state in REGISTRY.all().values())
+    from dbo_runtime.integration import activation
+
+    assert "patches installed for vLLM 0.34.1 " in activation._summary()  # type: ignore[misc]
 
 
-def test_strict_mode_raises_on_unsupported_version(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.32.0")
+def test_strict_mode_raises_on_an_unverified_feature(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.fakes.vllm_build import edited_sources, replace_once
+
     monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")
-    with pytest.raises(PatchError, match=r"found 0\.32\.0"):
+    moved = {"vllm.v1.attention.backends.mla.index_group": replace_once("workspace_rows = self.max_decode_rows", "workspace_rows = self.max_decode_rows + 0")}
+    with edited_sources(moved), pytest.raises(PatchError, match=r"topk: unverified \(code differs from vLLM 0\.33\.0 at topk\.builder_register_layer"):
         plugin.register()
+
+
+def test_an_unverified_feature_installs_none_of_its_patches(unpatched: dict[str, Any]) -> None:
+    """The code a topk patch relies on moved: no topk patch installs, every other feature does."""
+    from tests.fakes.vllm_build import edited_sources, replace_once
+
+    moved = {"vllm.v1.attention.backends.mla.index_group": replace_once("workspace_rows = self.max_decode_rows", "workspace_rows = self.max_decode_rows + 0")}
+    with edited_sources(moved):
+        plugin.register()
+    ps = plugin.installed_patch_set()
+    assert ps is not None
+    names = {p.name for p in ps.patches}
+    assert not any(n.startswith("topk.") for n in names)
+    assert not any(n.startswith("topk_v41.") for n in names)  # it needs topk
+    assert {"indexer.builder_build", "sm_control.mrv1", "ubatch_guard.mrv1_run"} <= names
 
 
 def test_disable_env_skips(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,34 +112,42 @@ def test_disable_env_skips(unpatched: dict[str, Any], monkeypatch: pytest.Monkey
     assert all(targets()[n] is o for n, o in unpatched.items())
 
 
-def test_failed_install_leaves_vllm_untouched(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_install_leaves_vllm_untouched_but_the_guard_in_place(
+    unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dbo_runtime.integration.features import REGISTRY
+    from dbo_runtime.integration.guard import guard_patches
+
     real = plugin.all_patches
 
     def with_broken_last() -> list[Patch]:
         broken = Patch(
-            name="broken",
+            name="sm_control.broken",
             module="vllm.v1.worker.ubatch_utils",
             attr="SMControlContextManager.no_such_method",
             make=lambda o: o,
             reason="test",
             upstream_pr="-",
             removal="-",
+            anchors=(),  # passes verification; fails when the transaction prepares it
         )
         return [*real(), broken]
 
     monkeypatch.setattr(plugin, "all_patches", with_broken_last)
     plugin.register()  # logs, does not raise
     assert plugin.installed_patch_set() is None
-    assert all(targets()[n] is o for n, o in unpatched.items())
+    guarded = {p.name for p in guard_patches()}
+    after = targets()
+    assert all(after[n] is o for n, o in unpatched.items() if n not in guarded)
+    from vllm.engine.arg_utils import EngineArgs
+
+    assert EngineArgs.create_engine_config is not unpatched["guard.engine_config"]  # the guard stays
+    assert REGISTRY.get("topk") is not None and REGISTRY.get("topk").verdict == "not installed"  # type: ignore[union-attr]
+    plugin.uninstall()
     monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")
     with pytest.raises(PatchError, match="broken"):
         plugin.register()
-    assert all(targets()[n] is o for n, o in unpatched.items())
-
-
-@pytest.mark.parametrize(("version", "ok"), [("0.33.0", True), ("0.33.2+cu130", True), ("0.3.3", False), ("0.34.0", False), (None, False)])
-def test_version_guard(version: str | None, ok: bool) -> None:
-    assert plugin.version_supported(version) is ok
+    assert all(targets()[n] is o for n, o in unpatched.items() if n not in guarded)
 
 
 def test_every_patch_documents_itself() -> None:
@@ -176,7 +209,11 @@ def test_fresh_process_patches_runner_modules_imported_after_register() -> None:
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_lazy_patch_failure_rolls_back_the_whole_set(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+def test_lazy_patch_failure_leaves_the_running_set_and_marks_its_patches_broken(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A module imported late whose required target moved: none of its patches apply, the patches already
+    in force stay (the engine may be running with them), and the failure reaches the listeners."""
     import sys
 
     from dbo_runtime.integration.patching import PatchSet
@@ -191,21 +228,28 @@ def test_lazy_patch_failure_rolls_back_the_whole_set(tmp_path: Any, monkeypatch:
         [
             Patch(name="eager", module="vllm.v1.worker.ubatch_utils", attr="create_sm_control_context",
                   make=lambda o: (lambda pc: o(pc)), reason="t", upstream_pr="-", removal="-"),
-            Patch(name="lazy-ok", module=name, attr="present", make=lambda o: o, reason="t", upstream_pr="-",
+            Patch(name="lazy.ok", module=name, attr="present", make=lambda o: (lambda: 2), reason="t", upstream_pr="-",
                   removal="-", lazy=True),
-            Patch(name="lazy-moved", module=name, attr="absent", make=lambda o: o, reason="t", upstream_pr="-",
+            Patch(name="lazy.moved", module=name, attr="absent", make=lambda o: o, reason="t", upstream_pr="-",
                   removal="-", lazy=True),
         ]
     )
+    failures: list[tuple[list[str], str]] = []
+    ps.failure_listeners.append(lambda patches, message: failures.append(([p.name for p in patches], message)))
     ps.install()
     try:
-        assert uu.create_sm_control_context is not original
-        importlib.import_module(name)
-        assert uu.create_sm_control_context is original and not ps.installed
-        assert "whole patch set was rolled back" in caplog.text
+        patched = uu.create_sm_control_context
+        assert patched is not original
+        module = importlib.import_module(name)
+        assert uu.create_sm_control_context is patched and ps.installed  # the running set is untouched
+        assert module.present() == 1  # the module's patches went in all together or not at all
+        states = {st.patch.name: st.state for st in ps.status()}
+        assert states == {"eager": "installed", "lazy.ok": "broken", "lazy.moved": "broken"}
+        assert failures and failures[0][0] == ["lazy.ok", "lazy.moved"] and "none of them is installed" in caplog.text
     finally:
         ps.uninstall()
         sys.modules.pop(name, None)
+    assert uu.create_sm_control_context is original
 
 
 def test_broken_feature_module_does_not_stop_vllm(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
@@ -214,7 +258,11 @@ def test_broken_feature_module_does_not_stop_vllm(unpatched: dict[str, Any], mon
 
     monkeypatch.setattr(plugin, "all_patches", broken)
     plugin.register()  # vLLM calls plugins without a try: this must not raise
-    assert plugin.installed_patch_set() is None and "vLLM left untouched" in caplog.text
+    assert plugin.installed_patch_set() is None and "no fix is installed" in caplog.text
+    from vllm.engine.arg_utils import EngineArgs
+
+    assert EngineArgs.create_engine_config is not unpatched["guard.engine_config"]  # the guard refuses DBO models
+    plugin.uninstall()
     monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")
     with pytest.raises(ImportError):
         plugin.register()

@@ -67,7 +67,9 @@ def boundary(monkeypatch: pytest.MonkeyPatch) -> Boundary:
     from vllm.v1.worker import ubatching
 
     b = Boundary()
-    who = ubatch_ids.current_ubatch_id
+    def who() -> int:
+        return ubatch_ids.current_ubatch()[0]
+
     b.compute = FakeStream("compute", who, b.log)
     monkeypatch.setattr(index_group, "_create_event", lambda: FakeEvent(who))
     monkeypatch.setattr(index_group, "_create_side_stream", lambda device: FakeStream("side", who, b.log))
@@ -207,7 +209,7 @@ def run_step(model: Model, boundary: Boundary, total: int, seed: int) -> StepRes
     ctxs = ubatching.make_ubatch_contexts(
         num_micro_batches=2,
         compute_stream=boundary.compute,
-        comm_stream=FakeStream("comm", ubatch_ids.current_ubatch_id, boundary.log),
+        comm_stream=FakeStream("comm", (lambda: ubatch_ids.current_ubatch()[0]), boundary.log),
         forward_contexts=fcs,
         ready_barrier=barrier,
         token_offsets=[0, n0],

@@ -17,16 +17,18 @@ from tests.vllm.test_topk_isolation import boundary, build_model, dbo_config, in
 
 @dataclass
 class FakeHfConfig:
-    """The HF-config key the HiSparse refusal reads (a real one needs a model download)."""
+    """The HF-config keys the HiSparse refusal reads (a real one needs a model download)."""
 
     index_topk_freq: int
+    num_hidden_layers: int = 8
 
 
 @dataclass
 class FakeModelConfig:
-    """vLLM's ModelConfig needs a model's HF config; the refusal only reads ``hf_config``."""
+    """vLLM's ModelConfig needs a model's HF config; the refusal only reads ``hf_config`` and the architecture."""
 
     hf_config: FakeHfConfig
+    architecture: str = "GlmMoeDsaForCausalLM"
 
 ATTR = "topk_indices_buffer"
 
@@ -148,11 +150,11 @@ def test_hisparse_with_dbo_and_followers_refuses(boundary: Any, installed: Any) 
     config = dbo_config()
     config.attention_config.hisparse_config = object()
     # Refused at the first follower ...
-    with pytest.raises(UnsupportedConfiguration, match=r"HiSparse .*DBO.*index_topk_freq > 1"):
+    with pytest.raises(UnsupportedConfiguration, match=r"refuses HiSparse .*--enable-dbo.*reuse an earlier layer.s top-k.*Ways out"):
         _register_follower(config)
     # ... and, when the HF config declares followers, before HiSparse builds the leader's caches.
     config.model_config = FakeModelConfig(hf_config=FakeHfConfig(index_topk_freq=4))
-    with pytest.raises(UnsupportedConfiguration, match=r"HiSparse .*DBO.*index_topk_freq > 1"):
+    with pytest.raises(UnsupportedConfiguration, match=r"refuses HiSparse .*--enable-dbo.*reuse an earlier layer.s top-k.*Ways out"):
         build_model(config)
 
 
@@ -173,7 +175,7 @@ def test_generic_path_with_dbo_and_followers_refuses(boundary: Any, installed: A
     builder = SparseMLAIndexGroupBuilder(torch.zeros(8, 2, dtype=torch.int32), 4)
     config = dbo_config()
     builder.register_layer(True, config)  # a leader alone is fine
-    with pytest.raises(UnsupportedConfiguration, match="only on the CUDA DSA model"):
+    with pytest.raises(UnsupportedConfiguration, match=r"refuses .* with --enable-dbo: .*not the CUDA DSA model.*Ways out"):
         builder.register_layer(False, config)
     # Without DBO the same model builds and nothing is attached.
     builder2 = SparseMLAIndexGroupBuilder(torch.zeros(8, 2, dtype=torch.int32), 4)
@@ -202,5 +204,5 @@ def test_main_thread_resolution_never_raises_while_ubatch_threads_registered(mon
     monkeypatch.setitem(ubatching._THREAD_ID_TO_CONTEXT, threading.get_ident() + 1, 1)
     with pytest.raises(KeyError):
         ubatching.dbo_current_ubatch_id()
-    assert ubatch_ids.current_ubatch_id() == 0
+    assert ubatch_ids.current_ubatch()[0] == 0
     assert ubatch_ids.current_ubatch() == (0, 0)

@@ -37,7 +37,6 @@ from tests.fakes.fake_deep_gemm import (
     FakeDeepGemm,
     FakeSchedulePlanner,
     vllm_signature_logits,
-    vllm_signature_planner,
 )
 from tests.fakes.topk_boundary import FakeStream
 from tests.vllm.test_topk_isolation import (
@@ -54,7 +53,6 @@ from tests.vllm.test_topk_isolation import (
 )
 
 SAI = "vllm.model_executor.layers.sparse_attn_indexer"
-V41 = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.indexer"
 TOTAL = 16  # padded tokens of the step (8 per microbatch: fits the physical workspace)
 HANG_S = 20.0
 LENS = torch.tensor([[5], [300], [7000]], dtype=torch.int32)  # three decode requests, next_n 1
@@ -82,8 +80,11 @@ class FailingJitPlanner(FakeSchedulePlanner):
 
     fail_on: int | None = None
     fail_live_on: int | None = None
+    oom_on: int | None = None
 
     def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
+        if self.oom_on is not None and ubatch_ids.ubatch_thread_id() == self.oom_on:
+            raise torch.OutOfMemoryError("injected CUDA out of memory in the call-site re-plan")
         if self.fail_on is not None and ubatch_ids.ubatch_thread_id() == self.fail_on:
             raise RuntimeError("injected DeepGEMM JIT failure in the call-site re-plan")
         return super().plan(context_lens, block_kv, num_sms, indices)
@@ -110,7 +111,7 @@ class Logits:
             torch.empty((3, 4), dtype=torch.float32),
             LENS,
             torch.zeros((3, 4), dtype=torch.int32),
-            self.schedules[ubatch_ids.current_ubatch_id()],
+            self.schedules[ubatch_ids.current_ubatch()[0]],
             max_model_len=8,
             indices=None,
         )
@@ -119,16 +120,15 @@ class Logits:
 class DboModel:
     """What each microbatch thread runs: the layer stack, one ``dbo_yield`` per layer (DBO's order)."""
 
-    def __init__(self, model: Model, logits: Logits | None, v41: Any = None) -> None:
-        self.model, self.logits, self.v41 = model, logits, v41
+    def __init__(self, model: Model, logits: Logits | None) -> None:
+        self.model, self.logits = model, logits
         self.done: dict[int, int] = {}
         self.logits_rows: dict[int, list[float]] = {}
-        self.v41_rows: dict[int, list[int]] = {}
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, **_: Any) -> torch.Tensor:
         from vllm.v1.worker import ubatching
 
-        u = ubatch_ids.current_ubatch_id()
+        u = ubatch_ids.current_ubatch()[0]
         n = int(input_ids.shape[0])
         meta = FakeConvertMetadata(
             req_id_per_token=torch.arange(n, dtype=torch.int32) % 3,
@@ -142,9 +142,6 @@ class DboModel:
                 layer.impl.record_logical_topk_ready()
                 if self.logits is not None:
                     self.logits_rows.setdefault(u, []).append(float(self.logits()[0, 0]))
-                if self.v41 is not None:  # DeepSeek-V4.1's _decode_rows: an SM count inferred from rows
-                    schedule = self.v41.get_paged_mqa_logits_metadata(LENS, 64, 132, indices=None)
-                    self.v41_rows.setdefault(u, []).append(int(schedule.shape[0]))
             topk = layer.impl.topk_indices_buffer[:n]
             layer.impl._convert_logical_to_physical_topk(topk, meta, block_stride_rows=None, return_valid_counts=True)
             ubatching.dbo_yield()
@@ -175,7 +172,6 @@ def env(boundary: Boundary, monkeypatch: pytest.MonkeyPatch, request: pytest.Fix
     from dbo_runtime.integration import ubatch_guard
 
     sai = importlib.import_module(SAI)
-    v41 = importlib.import_module(V41)
     monkeypatch.setattr(torch.accelerator, "set_device_index", lambda device: None)
     monkeypatch.setattr(mrv2, "current_stream", lambda: boundary.compute)
     contexts: list[Any] = []
@@ -189,14 +185,13 @@ def env(boundary: Boundary, monkeypatch: pytest.MonkeyPatch, request: pytest.Fix
     monkeypatch.setattr(mrv2, "make_ubatch_contexts", make_ubatch_contexts)
     dg = FakeDeepGemm(total_sms=132)
     monkeypatch.setattr(sai, "fp8_fp4_paged_mqa_logits", vllm_signature_logits(dg))
-    monkeypatch.setattr(v41, "get_paged_mqa_logits_metadata", vllm_signature_planner(dg))
     planner = FailingJitPlanner(dg)
     cache = IndexerScheduleCache(planner)
     previous = set_schedule_cache_for_tests(cache)
 
     locator = FailingLocator(None)
     state = UbatchTopkState(locator, TopkLayout.WINDOWS)
-    wanted = {"indexer.logits.sparse_attn_indexer", "indexer.planner.deepseek_v41"}
+    wanted = {"indexer.logits.sparse_attn_indexer"}
     patch_set = PatchSet(
         topk_hooks.patches(state)
         + [p for p in indexer_hooks.patches() if p.name in wanted]
@@ -209,7 +204,7 @@ def env(boundary: Boundary, monkeypatch: pytest.MonkeyPatch, request: pytest.Fix
         for schedule in schedules:
             cache.track(schedule, planned_sms=132, block_kv=64, next_n=1)
         dg.set_num_sms(112)  # what SMControl does for the step: every call site re-plans
-        yield Env(boundary, state, locator, model, DboModel(model, Logits(sai, dg, schedules), v41), planner, contexts)
+        yield Env(boundary, state, locator, model, DboModel(model, Logits(sai, dg, schedules)), planner, contexts)
     finally:
         patch_set.uninstall()
         set_schedule_cache_for_tests(previous)
@@ -250,7 +245,7 @@ def _mrv1(env: Env) -> tuple[Any, BaseException | None]:
     contexts = make_ubatch_contexts(
         num_micro_batches=2,
         compute_stream=env.boundary.compute,
-        comm_stream=FakeStream("comm", ubatch_ids.current_ubatch_id, env.boundary.log),
+        comm_stream=FakeStream("comm", (lambda: ubatch_ids.current_ubatch()[0]), env.boundary.log),
         forward_contexts=[FakeForwardContext(cudagraph_runtime_mode=CUDAGraphMode.NONE) for _ in range(2)],
         ready_barrier=wrapper.ready_barrier,
         token_offsets=offsets,
@@ -278,7 +273,7 @@ def _mrv2(env: Env) -> tuple[Any, BaseException | None]:
     runner.__dict__.update(
         num_ubatches=2,
         device=torch.device("cpu"),
-        comm_stream=FakeStream("comm", ubatch_ids.current_ubatch_id, env.boundary.log),
+        comm_stream=FakeStream("comm", (lambda: ubatch_ids.current_ubatch()[0]), env.boundary.log),
         capture_stream=env.boundary.compute,
         ready_barrier=threading.Barrier(3),
         _pending_finish=None,
@@ -303,11 +298,10 @@ def test_a_healthy_step_is_untouched(env: Env, runner: str) -> None:
     assert torch.equal(result, torch.arange(TOTAL).float()[:, None])
     assert env.dbo_model.done == {0: len(env.model.layers), 1: len(env.model.layers)}
     assert all(v == 113.0 for rows in env.dbo_model.logits_rows.values() for v in rows)  # re-planned for 112 SMs
-    assert {r for rows in env.dbo_model.v41_rows.values() for r in rows} == {113}  # planned for the live 112
 
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
-@pytest.mark.parametrize("fault", ["topk_resolver", "logits_replan", "v41_live_count"])
+@pytest.mark.parametrize("fault", ["topk_resolver", "logits_replan", "live_count"])
 def test_a_plugin_fault_on_a_microbatch_finishes_the_step_and_raises_on_the_main_thread(
     env: Env, runner: str, fault: str
 ) -> None:
@@ -315,7 +309,8 @@ def test_a_plugin_fault_on_a_microbatch_finishes_the_step_and_raises_on_the_main
         env.locator.ubatch = 1
         expected = "injected top-k resolver fault"
         hooks = {
-            "top-k logical buffer (module attribute)",
+            "top-k buffer (DeepseekV32Attention.topk_indices_buffer)",
+            "top-k buffer (DeepseekV32Indexer.topk_indices_buffer)",
             "top-k logical buffer (sparse MLA impl)",
             "top-k group view (_convert_once)",
             "top-k group view (set_logical_topk_ready)",
@@ -327,7 +322,7 @@ def test_a_plugin_fault_on_a_microbatch_finishes_the_step_and_raises_on_the_main
     else:
         env.planner.fail_live_on = 1
         expected = "injected DeepGEMM get_num_sms failure"
-        hooks = {"indexer logits call site", "DeepSeek-V4.1 decode-rows planner"}
+        hooks = {"indexer logits call site"}
     result, error = RUNNERS[runner](env)
 
     from dbo_runtime.core.errors import MicrobatchFailure
@@ -341,9 +336,6 @@ def test_a_plugin_fault_on_a_microbatch_finishes_the_step_and_raises_on_the_main
     if fault == "logits_replan":
         assert env.dbo_model.logits_rows[1] == [0.0] * len(env.dbo_model.logits_rows[1])  # placeholder, no kernel
         assert set(env.dbo_model.logits_rows[0]) == {113.0}
-
-    if fault == "v41_live_count":
-        assert set(env.dbo_model.v41_rows[1]) == {133}  # vLLM's own call (its row-inferred count) instead
     # The next step is clean again: nothing recorded is left over.
     env.locator.ubatch = env.planner.fail_on = env.planner.fail_live_on = None
     _, error = RUNNERS[runner](env)
@@ -406,3 +398,40 @@ def test_failures_are_counted_logged_once_per_hook_and_raised_once(
         failures.raise_pending()
     assert err.value.__cause__ is first and len(err.value.failures) == 3
     failures.raise_pending()  # taken: nothing left to raise
+
+
+@pytest.mark.parametrize("runner", list(RUNNERS))
+@pytest.mark.parametrize("reserved", [True, False], ids=["reserved-row", "nothing-reserved"])
+def test_out_of_memory_on_a_microbatch_never_hangs_and_the_handler_allocates_nothing(
+    env: Env, runner: str, reserved: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel path runs out of device memory on microbatch 1, and so does every allocation the
+    handler could try: the step still finishes on both threads and raises on the main thread."""
+    import sys
+
+    from dbo_runtime.core.errors import MicrobatchFailure
+    from dbo_runtime.integration import ubatch_guard
+
+    monkeypatch.setattr(ubatch_guard, "_RESERVED", {})
+    if reserved:
+        ubatch_guard.reserve_placeholders(torch.device("cpu"), 8)
+    handler_allocations: list[str] = []
+    real_zeros = torch.zeros
+
+    def zeros(*args: Any, **kwargs: Any) -> Any:
+        if sys._getframe(1).f_code.co_name == "placeholder_logits":
+            handler_allocations.append("zeros")
+            raise torch.OutOfMemoryError("injected: the handler's allocation is out of memory too")
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    env.planner.oom_on = 1
+    result, error = RUNNERS[runner](env)
+    assert result is None and isinstance(error, MicrobatchFailure), repr(error)
+    assert isinstance(error.__cause__, torch.OutOfMemoryError)
+    assert {where for where, _, _ in error.failures} == {"indexer logits call site"}
+    assert env.dbo_model.done == {0: len(env.model.layers), 1: len(env.model.layers)}
+    assert handler_allocations == ([] if reserved else ["zeros"] * len(env.dbo_model.logits_rows[1]))
+    env.planner.oom_on = None
+    _, error = RUNNERS[runner](env)
+    assert error is None

@@ -1,0 +1,80 @@
+"""dbo_runtime's environment settings other than the on/off switches, parsed one way everywhere.
+
+The worker, ``doctor`` and ``simulate`` must read a setting identically, and ``doctor`` must do so
+without torch (it reports a missing torch instead of failing on it); so the parsers live here, with
+no import beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal
+
+from dbo_runtime.core.errors import ConfigError
+
+LAYOUT_ENV = "DBO_RUNTIME_TOPK_LAYOUT"
+WARM_MAX_BATCH_ENV = "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH"
+VLLM_WARMUP_ENV = "VLLM_DEEP_GEMM_WARMUP"
+VLLM_WARMUP_MODES = ("skip", "full", "relax")
+
+
+class TopkLayout(StrEnum):
+    WINDOWS = "windows"
+    COPIES = "copies"
+
+
+def parse_layout(value: str | None) -> TopkLayout:
+    """``None``/empty -> ``WINDOWS``; anything else must name a layout."""
+    if value is None or value.strip() == "":
+        return TopkLayout.WINDOWS
+    try:
+        return TopkLayout(value.strip().lower())
+    except ValueError:
+        raise ConfigError(LAYOUT_ENV, value, [m.value for m in TopkLayout]) from None
+
+
+def warm_max_batch(environ: Mapping[str, str] | None = None) -> int | None:
+    """``DBO_RUNTIME_PLANNER_WARM_MAX_BATCH``: None when unset, else the bucket cap (``0``: no warm-up)."""
+    raw = (os.environ if environ is None else environ).get(WARM_MAX_BATCH_ENV)
+    if raw is None or raw.strip() == "":
+        return None
+    allowed = "a non-negative integer (0 disables planner warm-up; N warms every 32-row bucket up to N)"
+    try:
+        value = int(raw.strip(), 10)
+    except ValueError:
+        raise ConfigError(WARM_MAX_BATCH_ENV, raw, allowed) from None
+    if value < 0:
+        raise ConfigError(WARM_MAX_BATCH_ENV, raw, allowed)
+    return value
+
+
+@dataclass(frozen=True)
+class WarmPolicy:
+    """Which paged-MQA planner variants to JIT-compile at model load.
+
+    vLLM's own convention decides (``VLLM_DEEP_GEMM_WARMUP``, default ``relax``: its DeepGEMM kernels are
+    compiled at start): ``all`` every 32-row bucket a decode step of this configuration can present, at
+    the full and the DBO SM count; under ``skip`` only the exact per-microbatch shapes DBO captures or
+    saturates (``minimal``). ``DBO_RUNTIME_PLANNER_WARM_MAX_BATCH=N`` caps the sweep at N rows; ``0`` turns
+    warm-up off.
+    """
+
+    mode: Literal["all", "minimal", "off"]
+    cap: int | None = None
+    source: str = ""
+
+
+def warm_policy(environ: Mapping[str, str] | None = None) -> WarmPolicy:
+    env = os.environ if environ is None else environ
+    cap = warm_max_batch(env)
+    if cap == 0:
+        return WarmPolicy("off", None, f"{WARM_MAX_BATCH_ENV}=0")
+    if cap is not None:
+        return WarmPolicy("all", cap, f"{WARM_MAX_BATCH_ENV}={cap}")
+    vllm_mode = (env.get(VLLM_WARMUP_ENV) or "relax").strip().lower()
+    if vllm_mode == "skip":
+        return WarmPolicy("minimal", None, f"{VLLM_WARMUP_ENV}=skip")
+    return WarmPolicy("all", None, f"{VLLM_WARMUP_ENV}={vllm_mode}")

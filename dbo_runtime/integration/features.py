@@ -1,0 +1,145 @@
+"""Which of dbo_runtime's fixes are in force in this process, and why not when they are not.
+
+A feature is the set of patches that share a name prefix (``indexer.*``, ``topk.*``). Before
+anything is installed each feature gets a verdict: *provided by vLLM* when the installed vLLM
+already carries the upstream fix (a capability probe on its source: then none of the
+feature's patches install, because two owners of one piece of state fight); *unverified* when
+the code a patch relies on differs from vLLM 0.33.0 (a fingerprint mismatch); *needs X* when a
+feature it depends on is not in force; otherwise *verified*, and it installs. At run time a lazy
+module whose patches fail marks its feature *broken*. The guard (``guard.py``) reads these
+states to refuse a DBO model that needs a fix which is not in force.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dbo_runtime.integration import fingerprints
+from dbo_runtime.integration.patching import Patch
+
+Verdict = Literal["verified", "provided by vLLM", "unverified", "dependency", "not installed", "broken", "disabled"]
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """The upstream fix that retires a feature, and how to see it in vLLM's source."""
+
+    pr: str
+    probes: tuple[tuple[str, str, str], ...]
+    """``(module, qualname, needle)``: the fix is present when a probe's source mentions its needle."""
+    require_all: bool = False
+    """Every probe must match (a fix that spans several models), instead of any one."""
+
+    def present(self) -> bool:
+        hits = (fingerprints.has_member(module, qualname, needle) for module, qualname, needle in self.probes)
+        return all(hits) if self.require_all else any(hits)
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    summary: str
+    requires: tuple[str, ...] = ()
+    upstream: Upstream | None = None
+
+
+@dataclass
+class FeatureState:
+    feature: Feature
+    verdict: Verdict
+    detail: str = ""
+    patches: list[str] = field(default_factory=list)
+
+    @property
+    def installs(self) -> bool:
+        return self.verdict == "verified"
+
+    @property
+    def in_force(self) -> bool:
+        """The fix holds in this process: ours installed and intact, or vLLM's own."""
+        return self.verdict in ("verified", "provided by vLLM")
+
+    def describe(self) -> str:
+        if self.verdict == "verified":
+            return "in force"
+        return self.verdict + (f" ({self.detail})" if self.detail else "")
+
+
+def verify(
+    features: Sequence[Feature], patches: Sequence[Patch], recorded: dict[str, str]
+) -> dict[str, FeatureState]:
+    """A verdict per feature, from vLLM's source as it is on disk (nothing is imported or installed)."""
+    by_feature: dict[str, list[Patch]] = {}
+    for patch in patches:
+        by_feature.setdefault(patch.feature, []).append(patch)
+    states: dict[str, FeatureState] = {}
+    for feature in features:
+        own = by_feature.get(feature.name, [])
+        names = [p.name for p in own]
+        if feature.upstream is not None and feature.upstream.present():
+            states[feature.name] = FeatureState(feature, "provided by vLLM", feature.upstream.pr, names)
+            continue
+        mismatched = [p.name for p in own if not p.optional and _mismatch(p, recorded)]
+        if mismatched:
+            states[feature.name] = FeatureState(
+                feature, "unverified", "code differs from vLLM 0.33.0 at " + ", ".join(mismatched), names
+            )
+            continue
+        states[feature.name] = FeatureState(feature, "verified", "", names)
+    for feature in features:  # dependencies last, in declaration order (a dependency is declared first)
+        state = states[feature.name]
+        missing = [r for r in feature.requires if r in states and not states[r].installs]
+        if state.installs and missing:
+            states[feature.name] = FeatureState(feature, "dependency", "needs " + ", ".join(missing), state.patches)
+    return states
+
+
+def _mismatch(patch: Patch, recorded: dict[str, str]) -> bool:
+    anchors = patch.fingerprint_anchors
+    if not anchors:
+        return False
+    want = recorded.get(patch.name)
+    return want is None or fingerprints.fingerprint(anchors) != want
+
+
+def excluded_optional(patches: Iterable[Patch], recorded: dict[str, str]) -> dict[str, str]:
+    """Optional patches whose anchors differ: skipped alone (their feature still installs)."""
+    return {p.name: "code differs from vLLM 0.33.0" for p in patches if p.optional and _mismatch(p, recorded)}
+
+
+class FeatureRegistry:
+    """The process's feature states (the plugin fills it at ``register()``, lazy failures update it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._states: dict[str, FeatureState] = {}
+
+    def set_all(self, states: dict[str, FeatureState]) -> None:
+        with self._lock:
+            self._states = dict(states)
+
+    def mark(self, feature: str, verdict: Verdict, detail: str) -> None:
+        with self._lock:
+            state = self._states.get(feature)
+            if state is not None and state.verdict != "provided by vLLM":
+                self._states[feature] = FeatureState(state.feature, verdict, detail, state.patches)
+
+    def get(self, feature: str) -> FeatureState | None:
+        return self._states.get(feature)
+
+    def all(self) -> dict[str, FeatureState]:
+        with self._lock:
+            return dict(self._states)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._states = {}
+
+
+REGISTRY = FeatureRegistry()
+
+
+__all__ = ["REGISTRY", "Feature", "FeatureRegistry", "FeatureState", "Upstream", "excluded_optional", "verify"]

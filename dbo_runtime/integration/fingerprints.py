@@ -1,0 +1,177 @@
+"""Fingerprints of the vLLM code each patch relies on, read from source without importing it.
+
+Why: a vLLM build is trusted by what its code is, not by its version string. Development
+builds after 0.33.0 are versioned ``0.33.1rc1.dev…`` and may already carry the upstream fixes;
+a patch installed over code it was not written for gives two owners of one piece of state, or
+reads arguments that moved. So each patch names *anchors* -- the functions and classes whose
+exact code it relies on -- and installs only when their fingerprint equals the one recorded from
+vLLM 0.33.0 (``recorded_fingerprints.py``, regenerated with
+``python -m dbo_runtime.integration.fingerprints --write``).
+
+The source is read from the module's file, never imported: most targets are worker-side modules
+that the API server never imports (some cannot be imported there at all: GLM-5-Next pulls in
+torchvision), and the front-end guard must know before any worker starts. A fingerprint is the
+hash of ``ast.dump`` of the anchor's block, so comments and formatting do not count, code does.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import importlib.util
+import pathlib
+import sys
+import textwrap
+from collections.abc import Iterable, Sequence
+
+MISSING = "missing"
+"""The fingerprint of an anchor whose file, class or function does not exist."""
+
+
+@functools.lru_cache(maxsize=1)
+def _vllm_root() -> pathlib.Path | None:
+    module = sys.modules.get("vllm")
+    origin = getattr(module, "__file__", None) if module is not None else None
+    if origin is None:
+        spec = importlib.util.find_spec("vllm")
+        origin = spec.origin if spec is not None else None
+    return pathlib.Path(origin).parent if origin else None
+
+
+def module_file(module: str) -> pathlib.Path | None:
+    """The source file of a ``vllm.*`` module, found by path (importing it may be impossible here)."""
+    root = _vllm_root()
+    if root is None or not module.startswith("vllm."):
+        return None
+    base = root.joinpath(*module.split(".")[1:])
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def read_source(module: str) -> str | None:
+    """The module's source text (cached per process; tests replace this function to emulate other builds)."""
+    path = module_file(module)
+    if path is None:
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return None
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _find_block(lines: Sequence[str], start: int, stop: int, name: str, indent: int) -> tuple[int, int] | None:
+    """``(first, end)`` line indices of ``def name`` / ``class name`` at exactly ``indent`` in ``lines[start:stop]``."""
+    prefixes = (f"def {name}(", f"async def {name}(", f"class {name}(", f"class {name}:")
+    for i in range(start, stop):
+        line = lines[i]
+        if _indent(line) != indent or not line.lstrip().startswith(prefixes):
+            continue
+        end = i + 1
+        while end < stop:
+            text = lines[end]
+            stripped = text.strip()
+            # The block ends at the first code line back at (or left of) its own indentation; a closing
+            # bracket there still belongs to a multi-line signature.
+            if stripped and not stripped.startswith("#") and _indent(text) <= indent and stripped[0] not in ")]}":
+                break
+            end += 1
+        return i, end
+    return None
+
+
+def source_block(module: str, qualname: str) -> str | None:
+    """The source of ``qualname`` (``func``, ``Class`` or ``Class.method``) in ``module``, or None."""
+    text = read_source(module)
+    if text is None:
+        return None
+    lines = text.splitlines()
+    start, stop, indent = 0, len(lines), 0
+    span: tuple[int, int] | None = None
+    for part in qualname.split("."):
+        span = _find_block(lines, start, stop, part, indent)
+        if span is None:
+            return None
+        start, stop = span[0] + 1, span[1]
+        body = next((ln for ln in lines[start:stop] if ln.strip() and not ln.strip().startswith((")", "#"))), None)
+        indent = _indent(body) if body is not None else indent + 4
+    assert span is not None
+    return "\n".join(lines[span[0] : span[1]])
+
+
+def fingerprint_text(block: str | None) -> str:
+    if block is None:
+        return MISSING
+    try:
+        canonical = ast.dump(ast.parse(textwrap.dedent(block)))
+    except SyntaxError:
+        canonical = "\n".join(line.rstrip() for line in block.splitlines())
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=256)
+def anchor_fingerprint(anchor: str) -> str:
+    module, _, qualname = anchor.partition(":")
+    return fingerprint_text(source_block(module, qualname))
+
+
+def fingerprint(anchors: Iterable[str]) -> str:
+    """One hash over every ``module:qualname`` anchor (any missing anchor makes the whole print ``missing``)."""
+    parts = []
+    for anchor in anchors:
+        one = anchor_fingerprint(anchor)
+        if one == MISSING:
+            return MISSING
+        parts.append(one)
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def has_member(module: str, qualname: str, needle: str) -> bool:
+    """Whether the source of ``qualname`` mentions ``needle`` (capability probes for upstream fixes)."""
+    block = source_block(module, qualname)
+    return block is not None and needle in block
+
+
+def clear_caches() -> None:
+    read_source.cache_clear()
+    anchor_fingerprint.cache_clear()
+    _vllm_root.cache_clear()
+
+
+def _write() -> None:
+    """Regenerate ``recorded_fingerprints.py`` from the vLLM installed here (must be the release 0.33.0)."""
+    from importlib import metadata
+
+    from dbo_runtime.integration.plugin import all_patches
+
+    version = metadata.version("vllm")
+    rows = []
+    for patch in all_patches():
+        if patch.fingerprint_anchors:
+            print_ = fingerprint(patch.fingerprint_anchors)
+            if print_ == MISSING:
+                raise SystemExit(f"{patch.name}: an anchor of {patch.fingerprint_anchors} is not in vLLM {version}")
+            rows.append(f'    "{patch.name}": "{print_}",')
+    path = pathlib.Path(__file__).with_name("recorded_fingerprints.py")
+    path.write_text(
+        '"""Fingerprints of the vLLM code every patch relies on, recorded from vLLM '
+        f'{version}.\n\nGenerated by ``python -m dbo_runtime.integration.fingerprints --write``; '
+        'a test recomputes them from the installed vLLM."""\n\n'
+        f'RECORDED_FROM = "{version}"\n\nFINGERPRINTS: dict[str, str] = {{\n' + "\n".join(rows) + "\n}\n"
+    )
+    print(f"wrote {len(rows)} fingerprints to {path}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        _write()
+    else:
+        print("usage: python -m dbo_runtime.integration.fingerprints --write", file=sys.stderr)
+        raise SystemExit(2)

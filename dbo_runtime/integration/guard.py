@@ -1,0 +1,271 @@
+"""The fail-closed guard: a DBO model that needs a fix which is not in force does not start.
+
+Why: without dbo_runtime's per-microbatch top-k, vLLM 0.33.0 serves GLM-5.x under DBO with no
+error and wrong attention (GSM8K 0.93 -> 0.61); without the schedule fix DeepGEMM asserts in
+the middle of serving. Whatever keeps a fix out -- an unverified vLLM build, a failed or partial
+install, a target that moved, an architecture whose wiring dbo_runtime does not cover -- the
+operator must learn it at engine start, in one line that names the cause and the ways out.
+
+The guard is deliberately small and independent of the rest: its three patches wrap stable
+entry points (``EngineArgs.create_engine_config`` in the front-end; ``Worker.load_model`` and
+``Worker.compile_or_warm_up_model`` in every worker, where lazy patches have applied or failed)
+and read only public config fields (``parallel_config.enable_dbo``, the model's HF config and
+architecture, the all2all backend). It installs even when no other patch can, and only
+``DBO_RUNTIME_DISABLE=1`` removes it. The rule is the same at any data-parallel size.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Literal
+
+from dbo_runtime.core import coverage
+from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, decide_comm
+from dbo_runtime.core.errors import ConfigError, DboRefusal
+from dbo_runtime.core.log import get_logger
+from dbo_runtime.integration.features import REGISTRY
+from dbo_runtime.integration.patching import Patch, PatchSet
+
+logger = get_logger(__name__)
+
+Stage = Literal["config", "worker"]
+
+_PATCH_SET: PatchSet | None = None
+"""The main patch set, once installed (its statuses say which patches applied in this process)."""
+
+
+def bind_patch_set(patch_set: PatchSet | None) -> None:
+    global _PATCH_SET
+    _PATCH_SET = patch_set
+
+
+def _model(vllm_config: Any) -> tuple[str, Any]:
+    model_config = getattr(vllm_config, "model_config", None)
+    arch = getattr(model_config, "architecture", None) if model_config is not None else None
+    if not arch:
+        archs = getattr(model_config, "architectures", None) or []
+        arch = archs[0] if archs else "unknown architecture"
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    return str(arch), hf
+
+
+def _platform() -> str:
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda():
+            return "cuda"
+        if current_platform.is_rocm():
+            return "rocm"
+    except Exception:
+        pass
+    return "other"
+
+
+def _deep_gemm_present(stage: Stage) -> bool:
+    """The front-end assumes DeepGEMM (importing it there would load its CUDA library for nothing);
+    a worker asks vLLM, which is what ``create_sm_control_context`` asks."""
+    if stage == "config":
+        return True
+    try:
+        from vllm.utils.import_utils import has_deep_gemm
+
+        return bool(has_deep_gemm())
+    except Exception:
+        return True
+
+
+def partitions_deep_gemm(parallel: Any, platform: str, stage: Stage) -> bool:
+    """Whether DBO will lower DeepGEMM's SM count for this configuration (vLLM 0.33.0's policy, predicted
+    before any all2all manager exists: a backend vLLM added later counts as partitioning)."""
+    if platform not in ("cuda", "rocm"):
+        return False
+    backend = getattr(parallel, "all2all_backend", None)
+    try:
+        decision = decide_comm(
+            platform=platform,
+            enable_dbo=True,
+            expert_parallel=bool(getattr(parallel, "enable_expert_parallel", False)),
+            all2all_backend=backend,
+            env_comm_sms=os.environ.get("VLLM_DBO_COMM_SMS"),
+            has_all2all_manager=True,
+            max_sms_used=BACKEND_MAX_SMS_USED.get(str(backend)),
+            has_deep_gemm=_deep_gemm_present(stage),
+            allow_unknown_backend=True,
+        )
+    except ConfigError:
+        return True  # vLLM itself will reject the value; never assume "no partition"
+    return decision.compute_knob
+
+
+def _not_in_force(feature: str, arch: str, stage: Stage) -> str:
+    """Why ``feature``'s fix is not in force for ``arch`` in this process ("" when it is)."""
+    state = REGISTRY.get(feature)
+    if state is None:
+        return "dbo_runtime's patches are not installed in this process"
+    if state.verdict == "provided by vLLM":
+        return ""
+    if not state.in_force:
+        return f"dbo_runtime's {state.feature.summary} is {state.describe()}"
+    if _PATCH_SET is None:
+        return f"dbo_runtime's {state.feature.summary} was not installed"
+    bad = []
+    for status in _PATCH_SET.status():
+        patch = status.patch
+        if patch.feature != feature or patch.optional or (patch.architectures and arch not in patch.architectures):
+            continue
+        ok = status.state == "installed" or (stage == "config" and status.state == "pending")
+        if not ok:
+            bad.append(f"{patch.name} {status.state}" + (f" ({status.detail})" if status.detail else ""))
+    if bad:
+        return f"dbo_runtime's {state.feature.summary} is incomplete: " + "; ".join(bad)
+    return ""
+
+
+def _ways_out(*, verified_build_helps: bool) -> str:
+    ways = ["start without --enable-dbo (parallel_config.enable_dbo=False)"]
+    if verified_build_helps:
+        ways.append("install a vLLM build dbo_runtime verifies (vLLM 0.33.0, or one that ships the upstream fix)")
+    ways.append("set DBO_RUNTIME_DISABLE=1 to accept vLLM's own DBO behaviour knowingly")
+    return "Ways out: " + "; or ".join(ways) + "."
+
+
+def problem(vllm_config: Any, stage: Stage) -> str:
+    """The refusal for this configuration in this process ("" when it may start)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if parallel is None or not bool(getattr(parallel, "enable_dbo", False)):
+        return ""
+    arch, hf = _model(vllm_config)
+    if hf is None:
+        return ""
+    row = coverage.BY_ARCHITECTURE.get(arch)
+    shared = coverage.shared_topk(arch, hf)
+    platform = _platform()
+    head = f"dbo_runtime refuses {arch} with --enable-dbo"
+    if shared:
+        if row is None:
+            return (
+                f"{head}: {shared}, and dbo_runtime does not know how this architecture hands top-k between layers, "
+                "so under DBO one microbatch could read the other's selection with no error. "
+                + _ways_out(verified_build_helps=False)
+            )
+        if row.status == "refused":
+            return f"{head}: {shared}, but {row.refusal}. " + _ways_out(verified_build_helps=False)
+        if platform == "rocm" and row.refusal:
+            return f"{head} on ROCm: {shared}, but {row.refusal}. " + _ways_out(verified_build_helps=False)
+        for feature in row.needs:
+            if feature == coverage.MTP_HIDDEN:
+                continue
+            why = _not_in_force(feature, arch, stage)
+            if why:
+                return (
+                    f"{head}: {shared}, and {why}; vLLM's own DBO would let one microbatch read the other's "
+                    "top-k with no error (silently wrong tokens). " + _ways_out(verified_build_helps=True)
+                )
+    if coverage.uses_indexer(arch, hf) and platform == "cuda" and partitions_deep_gemm(parallel, platform, stage):
+        why = _not_in_force(coverage.INDEXER, arch, stage)
+        if why:
+            return (
+                f"{head}: DBO lowers DeepGEMM's SM count for the DSA indexer, and {why}; DeepGEMM would assert "
+                "'_schedule_meta_size == num_sms + 1' in the middle of serving. "
+                + _ways_out(verified_build_helps=True)
+                + " (VLLM_DBO_COMM_SMS=0 also avoids the partition.)"
+            )
+    return ""
+
+
+def check(vllm_config: Any, stage: Stage) -> None:
+    """Raise ``DboRefusal`` when ``problem`` finds one (the guard's single decision point)."""
+    message = problem(vllm_config, stage)
+    if message:
+        raise DboRefusal(message)
+    if stage == "worker":
+        _report_pending(vllm_config)
+
+
+_reported: set[int] = set()
+
+
+def pending_required() -> list[str]:
+    """Required lazy patches whose module was never imported in this process."""
+    if _PATCH_SET is None:
+        return []
+    return [s.patch.name for s in _PATCH_SET.status() if s.state == "pending" and not s.patch.optional]
+
+
+def _report_pending(vllm_config: Any) -> None:
+    pid = os.getpid()
+    if pid in _reported:
+        return
+    _reported.add(pid)
+    pending = pending_required()
+    if pending:
+        arch, _ = _model(vllm_config)
+        logger.info(
+            "dbo_runtime: %d patches never applied in this process because %s never imported their module: %s",
+            len(pending),
+            arch,
+            ", ".join(pending),
+        )
+
+
+# -- the guard's own patches --------------------------------------------------------------------
+def _after(original: Any, stage: Stage, config_of: Any) -> Any:
+    @functools.wraps(original)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        check(config_of(self, result), stage)
+        return result
+
+    return guarded
+
+
+def _before(original: Any, stage: Stage) -> Any:
+    @functools.wraps(original)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        check(getattr(self, "vllm_config", None), stage)
+        return original(self, *args, **kwargs)
+
+    return guarded
+
+
+def guard_patches() -> list[Patch]:
+    common = dict(
+        upstream_pr="none (vLLM has no plugin veto on a configuration)",
+        removal="the supported vLLM ships both DBO fixes for every DSA architecture",
+        anchors=(),
+    )
+    return [
+        Patch(
+            name="guard.engine_config",
+            module="vllm.engine.arg_utils",
+            attr="EngineArgs.create_engine_config",
+            make=lambda original: _after(original, "config", lambda self, result: result),
+            reason="refuse, before any worker starts, a DBO configuration whose model needs a dbo_runtime fix "
+            "that is not in force in this vLLM build",
+            **common,  # type: ignore[arg-type]
+        ),
+        Patch(
+            name="guard.worker_load_model",
+            module="vllm.v1.worker.gpu_worker",
+            attr="Worker.load_model",
+            make=lambda original: _after(original, "worker", lambda self, result: getattr(self, "vllm_config", None)),
+            reason="after the model is built (lazy patches applied or failed): refuse a DBO model whose fix is "
+            "not in force in this worker",
+            lazy=True,
+            **common,  # type: ignore[arg-type]
+        ),
+        Patch(
+            name="guard.worker_warm_up",
+            module="vllm.v1.worker.gpu_worker",
+            attr="Worker.compile_or_warm_up_model",
+            make=lambda original: _before(original, "worker"),
+            reason="before the first warm-up or capture step (indexer builders exist by now): the same check",
+            lazy=True,
+            **common,  # type: ignore[arg-type]
+        ),
+    ]
+
+
+__all__ = ["bind_patch_set", "check", "guard_patches", "partitions_deep_gemm", "pending_required", "problem"]

@@ -1,0 +1,102 @@
+"""The DeepSeek-V4 / V4.1 MTP hidden buffer, written per microbatch at its own rows under DBO.
+
+vLLM 0.33.0's NVIDIA V4 and V4.1 models copy the last hidden states into ``_mtp_hidden_buffer[:n]``
+from row 0 in every microbatch (``models/deepseek_v4/nvidia/model.py``,
+``models/deepseek_v41/nvidia/model.py``); the drafter reads the buffer on the main thread after
+both microbatches joined, in global token order. So microbatch 1's rows are never written and
+microbatch 0's are overwritten by microbatch 1: the drafter proposes from the wrong hidden states
+and draft acceptance drops (the verified output stays correct). The ROCm V4 model already writes
+at the microbatch's token offset; this descriptor gives the NVIDIA models the same rows: on a
+microbatch thread the buffer reads as ``buffer[token_offset:]``, everywhere else as itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dbo_runtime.core import coverage
+from dbo_runtime.integration import ubatch_ids
+from dbo_runtime.integration.features import Feature, Upstream
+from dbo_runtime.integration.patching import Patch
+from dbo_runtime.integration.ubatch_guard import record as record_ubatch_failure
+
+ATTR = "_mtp_hidden_buffer"
+V4_MODEL = "vllm.models.deepseek_v4.nvidia.model"
+V41_MODEL = "vllm.models.deepseek_v41.nvidia.model"
+UPSTREAM_PR = "none yet (the ROCm V4 model writes at dbo_current_ubatch_token_offset(); NVIDIA does not)"
+REMOVAL = "the NVIDIA V4/V4.1 models write the MTP hidden buffer at the microbatch's token offset"
+
+FEATURES = [
+    Feature(
+        coverage.MTP_HIDDEN,
+        "per-microbatch MTP hidden rows for DeepSeek-V4/V4.1",
+        requires=("ubatch_guard",),
+        upstream=Upstream(
+            "the NVIDIA models write the MTP hidden buffer at the microbatch's token offset",
+            (
+                (V4_MODEL, "DeepseekV4Model.forward", "dbo_current_ubatch_token_offset"),
+                (V41_MODEL, "DeepseekV4Model.forward", "dbo_current_ubatch_token_offset"),
+            ),
+            require_all=True,
+        ),
+    )
+]
+
+
+class TokenWindowAttr:
+    """A per-step buffer indexed by the step's token rows: a microbatch sees it from its token offset."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            value = obj.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+        if value is None:
+            return None
+        try:
+            ubatch, offset = ubatch_ids.current_ubatch()
+            return value if ubatch == 0 else value[offset:]
+        except Exception as exc:
+            if not record_ubatch_failure(f"MTP hidden buffer ({type(obj).__name__})", exc):
+                raise
+            return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.name] = value
+
+    def __delete__(self, obj: Any) -> None:
+        try:
+            del obj.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+
+def patches() -> list[Patch]:
+    return [
+        Patch(
+            name=f"mtp_hidden.{label}",
+            module=module,
+            attr=f"DeepseekV4Model.{ATTR}",
+            make=lambda original: TokenWindowAttr(ATTR),
+            reason="each microbatch writes its MTP hidden states at its own token rows, so the drafter reads "
+            "both microbatches' rows after the join",
+            upstream_pr=UPSTREAM_PR,
+            removal=REMOVAL,
+            lazy=True,
+            adds=True,
+            architectures=archs,
+            runs_on_ubatch_thread=True,
+        )
+        for label, module, archs in (
+            ("deepseek_v4", V4_MODEL, ("DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration")),
+            ("deepseek_v41", V41_MODEL, ("DeepseekV41ForCausalLM",)),
+        )
+    ]
+
+
+__all__ = ["FEATURES", "TokenWindowAttr", "patches"]
