@@ -306,3 +306,35 @@ def test_ubatch_split_matches_vllm(tokens_per_request: list[int], padded: int) -
     assert slices is not None
     expected = [(s.request_slice.stop - s.request_slice.start, s.token_slice.stop - s.token_slice.start) for s in slices]
     assert ubatch_split(tokens_per_request, padded, 2) == expected
+
+
+def test_an_all2all_backend_new_to_dbo_runtime_follows_vllms_policy(
+    gpu_platform: FakeGpuPlatform, clean_plugin: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM adds all2all backends; one missing from ``core.budget.ALL2ALL_BACKENDS`` must not stop model load.
+    Its split is vLLM's own policy with the live manager's ``max_sms_used()``, and one line says so."""
+    import importlib
+    import logging
+
+    from vllm.v1.worker import ubatch_utils
+
+    from dbo_runtime.core.budget import ALL2ALL_BACKENDS
+    from dbo_runtime.integration import sm_hooks
+
+    caplog.set_level(logging.INFO, logger="vllm.dbo_runtime")
+    sm_hooks._unknown_logged.discard("mori_ep_v3")
+    pc = parallel_config(backend="deepep_low_latency")
+    object.__setattr__(pc, "all2all_backend", "mori_ep_v3")  # a name 0.33.0 does not know
+    assert pc.all2all_backend not in ALL2ALL_BACKENDS
+    for max_used, comm in ((None, 20), (8, 8)):
+        gpu_platform.set(platform="cuda", total_sms=132, max_sms_used=max_used, deep_gemm=True)
+        expected = run_context(ubatch_utils.create_sm_control_context, pc, gpu_platform.calls)
+        clean_plugin()
+        module = importlib.import_module(RUNNER_MODULES["MRV1"])
+        got = run_context(module.create_sm_control_context, pc, gpu_platform.calls)
+        assert got == expected and got[0] == (132, comm, 132 - comm)
+        from dbo_runtime.integration import plugin
+
+        plugin.uninstall()
+    lines = [r.getMessage() for r in caplog.records if "mori_ep_v3" in r.getMessage()]
+    assert len(lines) == 1 and "new to dbo_runtime" in lines[0]

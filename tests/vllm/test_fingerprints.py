@@ -1,0 +1,45 @@
+"""The recorded fingerprints are vLLM 0.33.0's, and they see code, not comments or formatting."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from dbo_runtime.integration import fingerprints, plugin
+from dbo_runtime.integration.recorded_fingerprints import FINGERPRINTS, RECORDED_FROM
+from tests.fakes.vllm_build import edited_sources, replace_once
+
+INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
+ANCHOR = (f"{INDEX_GROUP}:SparseMLAIndexGroupBuilder.register_layer",)
+
+
+def test_recorded_from_the_installed_release() -> None:
+    assert RECORDED_FROM == metadata.version("vllm") == plugin.VERIFIED_VLLM
+    fingerprints.clear_caches()
+    computed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in plugin.all_patches() if p.fingerprint_anchors}
+    assert computed == FINGERPRINTS, "regenerate: python -m dbo_runtime.integration.fingerprints --write"
+
+
+def test_every_patch_of_vllm_code_names_what_it_relies_on() -> None:
+    unbound = [p.name for p in plugin.all_patches() if not p.fingerprint_anchors]
+    assert unbound == ["torch.capture_begin", "torch.capture_end", "stats.worker_rpc"]  # torch's, or a method added by name
+
+
+def test_comments_and_formatting_do_not_count_code_does() -> None:
+    before = fingerprints.fingerprint(ANCHOR)
+    cosmetic = replace_once("        group = self.current_group\n", "        # a comment in a dev build\n        group = (\n            self.current_group\n        )\n")
+    with edited_sources({INDEX_GROUP: cosmetic}):
+        assert fingerprints.fingerprint(ANCHOR) == before
+    semantic = replace_once("        group = self.current_group\n", "        group = self.current_group or None\n")
+    with edited_sources({INDEX_GROUP: semantic}):
+        assert fingerprints.fingerprint(ANCHOR) != before
+    assert fingerprints.fingerprint(ANCHOR) == before
+
+
+def test_a_missing_anchor_is_missing() -> None:
+    assert fingerprints.fingerprint((f"{INDEX_GROUP}:SparseMLAIndexGroupBuilder.no_such_method",)) == fingerprints.MISSING
+    assert fingerprints.fingerprint(("vllm.no_such_module:f",)) == fingerprints.MISSING
+
+
+def test_source_blocks_include_multi_line_signatures() -> None:
+    block = fingerprints.source_block(INDEX_GROUP, "SparseMLAIndexGroupBuilder.register_layer")
+    assert block is not None and block.lstrip().startswith("def register_layer(") and "return group, group_index" in block

@@ -1,0 +1,70 @@
+"""Every DSA-family architecture in vLLM 0.33.0's model registry has a row in ``core.coverage`` (and so in
+``docs/models.md``); a new one shows up here as unknown instead of silently unprotected.
+
+The registry is vLLM's own (``vllm.model_executor.models.registry._VLLM_MODELS``); an architecture counts as
+DSA-family when the source of its module (a ``vllm.models.*`` package as a whole) builds the DSA indexer,
+shares top-k between layers, or reuses the DeepSeek-V2/V3.2 layers that can. Sources are read by path:
+importing them would run CUDA-only package ``__init__`` files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import re
+
+from dbo_runtime.core import coverage
+
+INDEXER = ("DeepseekV32Indexer", "SparseAttnIndexer", "fp8_fp4_paged_mqa_logits", "DeepseekV32IndexerMetadataBuilder")
+SHARING = ("index_topk_freq", "index_topk_pattern", "indexer_types", "index_source_layer_ids", "SparseMLAIndexGroupBuilder")
+REUSE = ("DeepseekV2MLAAttention", "DeepseekV32Attention", "DeepseekV32Model", "DeepseekV2DecoderLayer", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+ROOT = pathlib.Path(importlib.util.find_spec("vllm").origin).parent  # type: ignore[arg-type]
+
+
+def _sources(module: str) -> str:
+    base = ROOT.joinpath(*module.split(".")[1:])
+    files = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
+    return "\n".join(p.read_text(errors="replace") for p in files if p.is_file())
+
+
+def dsa_family() -> dict[str, str]:
+    from vllm.model_executor.models import registry
+
+    out = {}
+    for arch, (module, _cls) in registry._VLLM_MODELS.items():
+        name = registry._resolve_module_name(module)
+        text = _sources(name)
+        if any(m in text for m in INDEXER + SHARING) or any(re.search(rf"\b{m}\b", text) for m in REUSE):
+            out[arch] = name
+    return out
+
+
+def test_every_dsa_family_architecture_has_a_row() -> None:
+    family = dsa_family()
+    assert len(family) >= 30, "the scan found almost nothing: the markers went stale"
+    missing = sorted(set(family) - set(coverage.BY_ARCHITECTURE))
+    assert not missing, f"architectures without a row in dbo_runtime/core/coverage.py: {missing}"
+
+
+def test_every_row_is_a_registered_architecture_of_its_module() -> None:
+    from vllm.model_executor.models import registry
+
+    for row in coverage.ROWS:
+        assert row.architecture in registry._VLLM_MODELS, f"{row.architecture} is not in vLLM's registry"
+        module = registry._resolve_module_name(registry._VLLM_MODELS[row.architecture][0])
+        assert module == row.module, (row.architecture, module)
+
+
+def test_rows_that_fix_or_refuse_say_how_and_why() -> None:
+    for row in coverage.ROWS:
+        if row.status == "refused":
+            assert row.refusal and row.sharing != "none", row.architecture
+        if row.status == "fixed":
+            assert row.needs and row.evidence, row.architecture
+        if row.bug_b:
+            assert row.sharing != "none", row.architecture
+
+
+def test_docs_models_md_is_generated_from_the_table() -> None:
+    committed = (pathlib.Path(__file__).parents[2] / "docs" / "models.md").read_text()
+    assert committed == coverage.render(), "regenerate: python -m dbo_runtime.core.coverage > docs/models.md"
