@@ -111,7 +111,10 @@ def _versions() -> dict[str, Any]:
 def summary_delta(before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None, key: str) -> int | None:
     if not before or not after:
         return None
-    return sum(int(late["summary"][key]) - int(early["summary"][key]) for early, late in zip(before, after, strict=False))
+    pairs = [(early["summary"].get(key), late["summary"].get(key)) for early, late in zip(before, after, strict=False)]
+    if any(a is None or b is None for a, b in pairs):
+        return None  # a counter this plugin build does not report
+    return sum(int(b) - int(a) for a, b in pairs)
 
 
 def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> dict[str, Any]:
@@ -201,10 +204,34 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
         full_ns = summary_delta(s1, s2, "self_time_ns")
         if one_ns is not None and full_ns is not None and self_time:
             row["plugin_self_us_per_step"] = max(0.0, (full_ns - one_ns) / (steps - 1) / 1e3)
+            one_calls, full_calls = summary_delta(s0, s1, "self_time_calls"), summary_delta(s1, s2, "self_time_calls")
+            if one_calls is not None and full_calls is not None:
+                row["plugin_calls_per_step"] = max(0.0, (full_calls - one_calls) / (steps - 1))
+                row["plugin_calls_per_step_by_patch"] = _per_step_by_patch(s0, s1, s2, steps)
+        row["jit_in_step"] = summary_delta(s0, s2, "jit_in_step")
         reps.append(row)
         if coordinated:
             (Path(os.environ[BARRIER_ENV]) / f"done-rep{rep}.{rank}").touch()
     return {"max_tokens": steps, "requests": len(batch), "reps": reps}
+
+
+def _per_step_by_patch(
+    s0: list[dict[str, Any]] | None, s1: list[dict[str, Any]] | None, s2: list[dict[str, Any]] | None, steps: int
+) -> dict[str, float]:
+    """Hooked calls and accesses per decode step, per patch (the T-token pass minus the 1-token pass)."""
+
+    def counts(snap: list[dict[str, Any]] | None) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for worker in snap or []:
+            for name, n in (worker.get("self_time") or {}).get("by_patch", {}).items():
+                out[name] = out.get(name, 0) + int(n)
+        return out
+
+    c0, c1, c2 = counts(s0), counts(s1), counts(s2)
+    return {
+        name: max(0.0, ((c2.get(name, 0) - c1.get(name, 0)) - (c1.get(name, 0) - c0.get(name, 0))) / (steps - 1))
+        for name in sorted(set(c2))
+    }
 
 
 def _watchdog(seconds: float) -> None:

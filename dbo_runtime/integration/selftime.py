@@ -1,18 +1,15 @@
-"""Opt-in measurement of dbo_runtime's own host time inside a real engine.
+"""Opt-in measurement of dbo_runtime's own host time inside a real engine (``DBO_RUNTIME_SELF_TIME=1``).
 
-Why: the plugin's cost per decode step is the number operators ask for, and it
-cannot be read off an A/B of whole engines (run-to-run noise of an eager step is
-larger than the plugin). With ``DBO_RUNTIME_SELF_TIME=1`` every patched
-function is wrapped at install time so that time spent *in plugin code* is
-accumulated, and time spent inside the vLLM original it calls through is
-excluded (the ``original`` handed to ``Patch.make`` is wrapped to pause the
-clock). Kernels the plugin launches itself (a re-plan) count as plugin time;
-that is the point.
-
-Off by default: the wrapping adds two ``perf_counter_ns`` pairs per call, which
-is itself measured (``overhead_ns_per_call``) and reported next to the total so
-the number is an honest upper bound. Class data descriptors (the top-k buffer
-attribute) and non-function replacements are not wrapped; ``untimed`` lists them.
+Why: the plugin's cost per decode step is the number operators ask for, and it cannot be read off an
+A/B of whole engines (the run-to-run noise of an eager step is larger than the plugin). So every
+patched object is wrapped at install time and the time spent *in plugin code* is accumulated: the
+functions, and the data descriptors and properties (the top-k buffer attributes, read about 950
+times per eager DBO step at GLM-5.3 depth), whose accesses are timed the same way. Time inside the
+vLLM original a wrapper calls through is excluded (the ``original`` handed to ``Patch.make`` pauses
+the clock); a kernel the plugin launches itself (a re-plan) counts. Every call and access is also
+counted per patch, so a report can say calls per step and per layer. The wrappers' own cost is
+measured (``overhead_ns_per_call``, ``overhead_ns_per_access``) and reported next to the totals: the
+totals are an honest upper bound.
 """
 
 from __future__ import annotations
@@ -46,6 +43,9 @@ _totals = [0, 0]
 two new microbatch threads per DBO step, so per-thread records would grow without bound."""
 _totals_lock = threading.Lock()
 _untimed: set[str] = set()
+_by_patch: dict[str, int] = {}
+"""Calls (functions) and accesses (descriptors) per patch name; incremented under the GIL, read by ``snapshot``."""
+_kinds: dict[str, str] = {}
 
 
 def enabled() -> bool:
@@ -72,19 +72,31 @@ def _fold(clock: _ThreadClock) -> None:
 
 
 def time_plugin(fn: Any, name: str, *, fold: bool = True) -> Any:
-    """Wrap a replacement so its exclusive time is accumulated (functions only).
+    """Wrap a replacement so its exclusive time is accumulated: functions, data descriptors, properties.
 
-    ``fold=False`` keeps the time in the calling thread's clock (calibration runs on a
-    throwaway thread, so it never reaches the totals)."""
+    ``fold=False`` keeps the time in the calling thread's clock (calibration runs on a throwaway thread,
+    so it never reaches the totals)."""
+    if isinstance(fn, property):
+        _kinds[name] = "property"
+        timed_get = _timed(fn.fget, name, fold) if fn.fget is not None else None
+        return property(timed_get, fn.fset, fn.fdel, fn.__doc__)
     if not isinstance(fn, types.FunctionType):
+        if hasattr(type(fn), "__get__") and hasattr(type(fn), "__set__"):
+            _kinds[name] = "descriptor"
+            return TimedDescriptor(fn, name, fold)
         _untimed.add(name)
         return fn
+    _kinds[name] = "function"
+    return _timed(fn, name, fold)
 
+
+def _timed(fn: Any, name: str, fold: bool) -> Any:
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
         clock = _mine()
         was = _switch(clock, True)
         clock.calls += 1
+        _by_patch[name] = _by_patch.get(name, 0) + 1
         try:
             return fn(*args, **kwargs)
         finally:
@@ -93,6 +105,50 @@ def time_plugin(fn: Any, name: str, *, fold: bool = True) -> Any:
                 _fold(clock)
 
     return timed
+
+
+class TimedDescriptor:
+    """A data descriptor whose ``__get__`` / ``__set__`` / ``__delete__`` are timed and counted like a call."""
+
+    def __init__(self, inner: Any, name: str, fold: bool = True) -> None:
+        self.inner = inner
+        self.name = name
+        self.fold = fold
+
+    def _enter(self) -> tuple[_ThreadClock, bool]:
+        clock = _mine()
+        was = _switch(clock, True)
+        clock.calls += 1
+        _by_patch[self.name] = _by_patch.get(self.name, 0) + 1
+        return clock, was
+
+    def _leave(self, clock: _ThreadClock, was: bool) -> None:
+        _switch(clock, was)
+        if self.fold and not was:
+            _fold(clock)
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        clock, was = self._enter()
+        try:
+            return self.inner.__get__(obj, objtype)
+        finally:
+            self._leave(clock, was)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        clock, was = self._enter()
+        try:
+            self.inner.__set__(obj, value)
+        finally:
+            self._leave(clock, was)
+
+    def __delete__(self, obj: Any) -> None:
+        clock, was = self._enter()
+        try:
+            self.inner.__delete__(obj)
+        finally:
+            self._leave(clock, was)
 
 
 def _switch(clock: _ThreadClock, in_plugin: bool) -> bool:
@@ -124,12 +180,20 @@ def pause_for_original(original: Any) -> Any:
     return untimed
 
 
-def _overhead_ns_per_call(samples: int = 2000) -> float:
-    """Measured cost of the wrapper itself around an empty function (upper-bound correction).
+class _Plain:
+    """A minimal data descriptor: the calibration's untimed baseline for an access."""
 
-    Runs on a throwaway thread with a non-folding wrapper: the calibration's calls never reach the
-    plugin totals."""
-    result: list[float] = [0.0]
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        return obj.__dict__["x"]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__["x"] = value
+
+
+def _calibrate(samples: int = 2000) -> tuple[float, float]:
+    """Measured cost of the wrappers themselves, per function call and per descriptor access (upper-bound
+    corrections). Runs on a throwaway thread with non-folding wrappers: nothing reaches the plugin totals."""
+    result = [0.0, 0.0]
 
     def empty() -> None:
         return None
@@ -143,26 +207,44 @@ def _overhead_ns_per_call(samples: int = 2000) -> float:
         start = _clock()
         for _ in range(samples):
             empty()
-        bare = _clock() - start
-        result[0] = max(0.0, (timed - bare) / samples)
+        result[0] = max(0.0, (timed - (_clock() - start)) / samples)
+
+        plain_cls = type("Plain", (), {"x": _Plain()})
+        timed_cls = type("Timed", (), {"x": TimedDescriptor(_Plain(), "calibration", fold=False)})
+        plain, timed_obj = plain_cls(), timed_cls()
+        plain.x = timed_obj.x = 1
+        start = _clock()
+        for _ in range(samples):
+            timed_obj.x  # noqa: B018
+        timed = _clock() - start
+        start = _clock()
+        for _ in range(samples):
+            plain.x  # noqa: B018
+        result[1] = max(0.0, (timed - (_clock() - start)) / samples)
 
     thread = threading.Thread(target=measure, name="dbo-runtime-selftime-calibration", daemon=True)
     thread.start()
     thread.join()
-    return result[0]
+    _by_patch.pop("calibration", None)
+    _kinds.pop("calibration", None)
+    return result[0], result[1]
 
 
 def snapshot(calibrate: bool = True) -> dict[str, Any]:
-    """Totals over every thread that ran plugin code (main and microbatch threads)."""
+    """Totals over every thread that ran plugin code (main and microbatch threads), and calls per patch."""
     with _totals_lock:
         total_ns, calls = _totals
+    per_call, per_access = _calibrate() if calibrate else (0.0, 0.0)
     return {
         "enabled": enabled(),
         "total_ns": total_ns,
         "calls": calls,
-        "overhead_ns_per_call": _overhead_ns_per_call() if calibrate else 0.0,
+        "by_patch": dict(_by_patch),
+        "kinds": dict(_kinds),
+        "overhead_ns_per_call": per_call,
+        "overhead_ns_per_access": per_access,
         "untimed": sorted(_untimed - {"calibration"}),
     }
 
 
-__all__ = ["ENV", "enabled", "pause_for_original", "snapshot", "time_plugin"]
+__all__ = ["ENV", "TimedDescriptor", "enabled", "pause_for_original", "snapshot", "time_plugin"]

@@ -67,6 +67,7 @@ def collect(worker: Any = None) -> dict[str, Any]:
     state = current_state()
     snap["topk"] = {
         "groups_attached": state.num_groups() if state is not None else 0,
+        "shared_buffers": state.num_logical() if state is not None else 0,
         "layout": str(state.layout) if state is not None and state.layout is not None else None,
         "extra_bytes": state.extra_bytes() if state is not None else 0,
     }
@@ -86,8 +87,17 @@ def collect(worker: Any = None) -> dict[str, Any]:
         "planned_ahead": cache.get("planned_ahead", 0),
         "warmups": cache.get("warmups", 0),
         "topk_groups_attached": snap["topk"]["groups_attached"],
+        "topk_shared_buffers": snap["topk"]["shared_buffers"],
         "self_time_ns": snap["self_time"]["total_ns"],
+        "self_time_calls": snap["self_time"]["calls"],
+        "jit_in_step": cache.get("jit_in_step", 0),
+        "patches_pending": sum(1 for s in statuses if s.state == "pending" and not s.patch.optional),
+        "patches_broken": sum(1 for s in statuses if s.state == "broken"),
     }
+    snap["pending_required"] = [s.patch.name for s in statuses if s.state == "pending" and not s.patch.optional]
+    from dbo_runtime.integration.features import REGISTRY
+
+    snap["features"] = {name: state.describe() for name, state in REGISTRY.all().items()}
     snap["pid"] = os.getpid()
     return snap
 

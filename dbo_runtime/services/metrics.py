@@ -52,6 +52,9 @@ class MetricsExporter:
         )
         self.planned_ahead = Counter(PREFIX + "indexer_planned_ahead", "Schedules planned for the DBO count at build", registry=reg)
         self.warmups = Counter(PREFIX + "planner_warmups", "Planner kernels launched by warm-up (JIT outside steps)", registry=reg)
+        self.jit_in_step = Counter(
+            PREFIX + "planner_jit_in_step", "Planner variants first launched inside a step (compiled there unless cached)", registry=reg
+        )
         self._cache = cache
         self._last: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -105,6 +108,7 @@ class MetricsExporter:
                 self.replans.labels(kind).inc(self._delta(f"replans.{kind}", value))
             self.planned_ahead.inc(self._delta("planned_ahead", cache.planned_ahead))
             self.warmups.inc(self._delta("warmups", cache.warmups))
+            self.jit_in_step.inc(self._delta("jit_in_step", cache.jit_in_step))
 
 
 _EXPORTER: MetricsExporter | None = None

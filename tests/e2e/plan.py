@@ -184,6 +184,65 @@ def one_gpu() -> dict[str, RunSpec]:
     return out
 
 
+EMULATE = Path(__file__).parent / "emulate"
+FAMILY_PROMPTS = PromptSpec(num=16, min_len=300, max_len=1500, seed=4)
+DBO_DP1 = ["--enable-expert-parallel", "--all2all-backend", HT, "--enable-dbo"]
+FAMILY = {
+    "glm53-geometry": {"gpu_memory_utilization": "0.2", "architecture": "GlmMoeDsaForCausalLM"},
+    "deepseek-v4": {"gpu_memory_utilization": "0.1", "architecture": "DeepseekV4ForCausalLM"},
+    "deepseek-v41": {"gpu_memory_utilization": "0.1", "architecture": "DeepseekV41ForCausalLM"},
+    "glm5next": {"gpu_memory_utilization": "0.1", "architecture": "Glm5NextForCausalLM"},
+}
+"""The DSA-family tiny models (``models/README.md``) and what each needs of a shared GPU."""
+
+
+def _with_memory(args: list[str], fraction: str) -> list[str]:
+    i = args.index("--gpu-memory-utilization")
+    return [*args[: i + 1], fraction, *args[i + 2 :]]
+
+
+def family() -> dict[str, RunSpec]:
+    """One GPU: the fail-closed guard on an emulated unverified build, and every DSA-family architecture with
+    the plugin against vanilla (DBO off, eager and graphs) and with DBO at DP 1 (the hooks armed)."""
+    out: dict[str, RunSpec] = {}
+    emulated = f"{EMULATE / 'unverified_topk'}:{os.environ.get('PYTHONPATH', '')}"
+    for label, disable in (("1gpu-guard-unverified-dbo-refused", False), ("1gpu-guard-unverified-dbo-disabled", True)):
+        env = {"PYTHONPATH": emulated, **({"DBO_RUNTIME_DISABLE": "1"} if disable else {})}
+        out[label] = RunSpec(
+            label=label,
+            engine_args=tiny_args("shared-topk", eager=True, extra=DBO_DP1),
+            env=env,
+            prompts=PromptSpec(num=4, min_len=300, max_len=600, seed=5),
+            max_tokens=4,
+            timeout_s=300,
+            meta={"model": "shared-topk", "issue": 16, "what": "guard: emulated unverified top-k code, --enable-dbo"},
+        )
+    for model, facts in FAMILY.items():
+        for mode in ("eager", "graphs"):
+            for plugin in (True, False):
+                label = f"1gpu-{model}-{mode}-{'plugin' if plugin else 'vanilla'}"
+                out[label] = RunSpec(
+                    label=label,
+                    engine_args=_with_memory(tiny_args(model, eager=mode == "eager"), facts["gpu_memory_utilization"]),
+                    env=_env(None, plugin),
+                    prompts=FAMILY_PROMPTS,
+                    max_tokens=16,
+                    timeout_s=600,
+                    meta={"model": model, "issue": 17, "what": f"{facts['architecture']}: transparency, DBO off"},
+                )
+        label = f"1gpu-{model}-dbo-dp1-plugin"
+        out[label] = RunSpec(
+            label=label,
+            engine_args=_with_memory(tiny_args(model, eager=True, extra=DBO_DP1), facts["gpu_memory_utilization"]),
+            env=_env(None, True),
+            prompts=PromptSpec(num=8, min_len=300, max_len=1500, seed=6),
+            max_tokens=8,
+            timeout_s=600,
+            meta={"model": model, "issue": 17, "what": f"{facts['architecture']}: --enable-dbo at DP 1 (hooks armed)"},
+        )
+    return out
+
+
 def dp_spec(label: str, model: str, backend: str, *, dbo: bool, runner: str, plugin: bool, graphs: bool, what: str, **env: str) -> RunSpec:
     """One DP-2 + EP run of the plan (also the benchmark's: ``graphs/bench_dbo_engine.py``)."""
     extra = ["--enable-expert-parallel", "--all2all-backend", backend, *DBO_THRESHOLDS]
@@ -239,7 +298,7 @@ def two_gpu() -> dict[str, RunSpec]:
 
 
 def all_specs() -> dict[str, RunSpec]:
-    return {**one_gpu(), **two_gpu()}
+    return {**one_gpu(), **family(), **two_gpu()}
 
 
 def verify_args(model: str) -> list[str]:

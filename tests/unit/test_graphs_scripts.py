@@ -7,6 +7,7 @@ without DeepGEMM, with or without CUDA.
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.name for p in (ROOT / "graphs").glob("*.py") if not p.name.startswith("_"))  # _plotting.py: a helper
-ENGINE = {"bench_real_engine.py": "a CUDA GPU and vLLM 0.33", "bench_dbo_engine.py": "two CUDA GPUs and vLLM 0.33"}
+ENGINE = {
+    "bench_real_engine.py": "a CUDA GPU and vLLM 0.33",
+    "bench_dbo_engine.py": "two CUDA GPUs and vLLM 0.33",
+    "bench_host_cost.py": "a CUDA GPU and vLLM 0.33",
+}
 """Real-engine benchmarks: they need vLLM and GPUs, not DeepGEMM directly."""
 KERNELS = [s for s in SCRIPTS if s not in ENGINE]
 
@@ -34,6 +39,7 @@ def test_every_script_is_covered() -> None:
     assert SCRIPTS == [
         "bench_dbo_engine.py",
         "bench_dbo_stack.py",
+        "bench_host_cost.py",
         "bench_indexer_schedule.py",
         "bench_planner_warmup.py",
         "bench_real_engine.py",
@@ -59,6 +65,7 @@ def test_without_cuda_one_line_and_exit_2(name: str, tmp_path: Path) -> None:
 BAD_VALUES = {
     "bench_dbo_engine.py": ("--reps", "0", "an integer >= 1"),
     "bench_dbo_stack.py": ("--requests", "1", "an integer >= 2"),
+    "bench_host_cost.py": ("--depths", "0", "comma-separated layer counts >= 1"),
     "bench_indexer_schedule.py": ("--dbo-sms", "x", "an integer >= 1"),
     "bench_planner_warmup.py": ("--spec-tokens", "4", "integers in [0, 3]"),
     "bench_real_engine.py": ("--budget-s", "-1", "a finite number of seconds > 0"),
@@ -350,3 +357,38 @@ def test_real_engine_plot_leaves_out_unmeasured_reps(tmp_path: Path) -> None:
     from graphs._plotting import pyplot
 
     assert (tmp_path / "plot.png").exists() == (pyplot() is not None)
+
+
+def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -> None:
+    """Engines are faked (no GPU in CI; the GPU twin is the benchmark itself on the H200)."""
+    mod = load("bench_host_cost.py")
+    configs = mod.configurations(["glm53", "v32"], [6, 61, 78], ["eager", "graphs"], ["off", "dp1"])
+    assert len(configs) == 24 and len({c["label"] for c in configs}) == 24
+    [config] = [c for c in configs if c["label"] == "glm53-78L-eager-dbo-dp1"]
+    specs = mod.specs_for(config, steps=16, reps=5)
+    assert [s.label for s in specs] == [f"glm53-78L-eager-dbo-dp1-{v}" for v in ("plugin", "vanilla", "selftime")]
+    args = specs[0].engine_args
+    overrides = json.loads(args[args.index("--hf-overrides") + 1])
+    assert overrides == {"num_hidden_layers": 78, "index_topk_freq": 4, "index_skip_topk_offset": 3}
+    assert "--enable-dbo" in args and "--enforce-eager" in args and specs[1].env == {"DBO_RUNTIME_DISABLE": "1"}
+    assert specs[2].env == {"DBO_RUNTIME_SELF_TIME": "1"} and all(s.bench["coordinated"] for s in specs)
+
+    def rec(steps: list[float], **extra: object) -> dict:
+        reps = [{"warmup": True, "decode_step_ms": 999.0}] + [{"warmup": False, "decode_step_ms": x, **extra} for x in steps]
+        return {"ok": True, "bench": [{"reps": reps}]}
+
+    records = {
+        "glm53-78L-eager-dbo-dp1-plugin": rec([201.0, 202.0, 200.0], jit_in_step=0),
+        "glm53-78L-eager-dbo-dp1-vanilla": rec([200.0, 200.0, 200.0]),
+        "glm53-78L-eager-dbo-dp1-selftime": rec(
+            [210.0] * 3, plugin_self_us_per_step=390.0, plugin_calls_per_step=780.0,
+            plugin_calls_per_step_by_patch={"topk.SparseAttnIndexer.topk_indices_buffer": 42.0}, jit_in_step=0,
+        ),
+    }  # fmt: skip
+    row = mod.summarize(config, records)
+    assert row["plugin_over_vanilla_paired"] == {"median": 1.005, "min": 1.0, "max": 1.01, "n": 3}
+    assert row["self_us_per_step"] == 390.0 and row["self_us_per_layer"] == 5.0
+    assert row["hooked_calls_per_step"] == 780.0 and row["hooked_calls_per_layer"] == 10.0
+    assert row["self_ns_per_hooked_call"] == 500.0 and abs(row["self_share_of_step"] - 390e-3 / 200.0) < 1e-12
+    assert row["calls_per_step_by_patch"] == {"topk.SparseAttnIndexer.topk_indices_buffer": 42.0}
+    assert row["jit_in_step"] == {"plugin": [0, 0, 0], "selftime": [0, 0, 0]}

@@ -1,0 +1,202 @@
+"""dbo_runtime's host cost at production depth, in the real engine on one GPU: step time, self time, hooked calls.
+
+With DeepEP high-throughput and DP > 1 vLLM runs every DBO step eager, so every hooked Python call is paid on
+every layer of every step. This measures it where operators pay it: tiny-width models at 6, 61 (DeepSeek-V3.2)
+and 78 (GLM-5.3) layers, with the GLM-5.3 layer pattern (index_topk_freq 4, offset 3: 21 leaders) or every layer
+a leader (DeepSeek-V3.2); eager and CUDA graphs; DBO off, and DBO at DP 1 (one GPU: the budget is announced, the
+top-k state attached and every hook armed, but vLLM never splits a step). Per configuration three engines are
+alive at once and timed in turns, interleaved, the order rotating each rep (``harness.turns``): dbo_runtime,
+vanilla (``DBO_RUNTIME_DISABLE=1``), and dbo_runtime with ``DBO_RUNTIME_SELF_TIME=1`` (kept out of the A/B: the
+timer costs time). Reported per configuration: the step-time ratio (median of per-rep paired ratios), the
+plugin's own host time per step and per layer, hooked calls and accesses per step and per layer (per patch, in
+the JSON), and planner JIT compilations inside steps.
+
+    python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs]
+        [--dbo off,dp1] [--reps 5] [--steps 16] [--out graphs/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from graphs._args import Parser, integer  # noqa: E402
+from graphs._plotting import pyplot  # noqa: E402
+
+MODELS = {
+    "glm53": ("shared-topk", {"index_topk_freq": 4, "index_skip_topk_offset": 3}),
+    "v32": ("deepseek-v32", {}),
+}
+"""Model name -> (e2e config, HF overrides): the GLM-5.3 layer pattern, or DeepSeek-V3.2's (every layer leads)."""
+MODES = ("eager", "graphs")
+DBO = ("off", "dp1")
+VARIANTS = (("plugin", {}), ("vanilla", {"DBO_RUNTIME_DISABLE": "1"}), ("selftime", {"DBO_RUNTIME_SELF_TIME": "1"}))
+
+
+def _choices(parser: argparse.ArgumentParser, name: str, raw: str, allowed: tuple[str, ...]) -> list[str]:
+    values = list(dict.fromkeys(v.strip() for v in raw.split(",") if v.strip()))
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        shown = ", ".join(repr(v) for v in bad) or repr(raw)
+        parser.error(f"argument --{name}: {shown} is not allowed; allowed values: {', '.join(allowed)} (comma-separated)")
+    return values
+
+
+def _depths(parser: argparse.ArgumentParser, raw: str) -> list[int]:
+    try:
+        depths = [int(v) for v in raw.split(",") if v.strip()]
+    except ValueError:
+        depths = []
+    if not depths or any(d < 1 for d in depths):
+        parser.error(f"argument --depths: {raw!r} is not allowed; allowed values: comma-separated layer counts >= 1")
+    return depths
+
+
+def configurations(models: list[str], depths: list[int], modes: list[str], dbo: list[str]) -> list[dict]:
+    """Every (model, depth, mode, DBO) the run measures, with its label."""
+    return [
+        {"label": f"{m}-{d}L-{mode}-dbo-{b}", "model": m, "depth": d, "mode": mode, "dbo": b}
+        for m in models
+        for d in depths
+        for mode in modes
+        for b in dbo
+    ]
+
+
+def specs_for(config: dict, steps: int, reps: int) -> list:
+    from dbo_runtime.harness.launch import RunSpec
+    from dbo_runtime.harness.prompts import PromptSpec
+    from tests.e2e import plan
+
+    name, overrides = MODELS[config["model"]]
+    extra = ["--hf-overrides", json.dumps({"num_hidden_layers": config["depth"], **overrides})]
+    if config["dbo"] == "dp1":
+        extra += ["--enable-expert-parallel", "--all2all-backend", plan.HT, "--enable-dbo"]
+    bench = {"max_tokens": steps, "reps": reps, "warmup": 1, "coordinated": True}
+    return [
+        RunSpec(
+            label=f"{config['label']}-{variant}",
+            engine_args=plan.tiny_args(name, eager=config["mode"] == "eager", extra=extra),
+            env=dict(env),
+            prompts=PromptSpec(num=32, min_len=300, max_len=600, seed=13),
+            max_tokens=4,
+            bench=bench,
+            timeout_s=1500,
+            meta={"model": name, "issue": 20, "what": "bench_host_cost", **config, "variant": variant},
+        )
+        for variant, env in VARIANTS
+    ]
+
+
+def _reps(rec: dict) -> list[dict]:
+    per_rank = rec.get("bench") or []
+    return [r for r in (per_rank[0].get("reps", []) if per_rank else []) if not r.get("warmup")]
+
+
+def summarize(config: dict, records: dict[str, dict]) -> dict:
+    """One configuration's row (pure: the CPU test feeds it synthetic records)."""
+    label = config["label"]
+    plugin, vanilla, selftime = (records.get(f"{label}-{v}", {}) for v, _ in VARIANTS)
+    a = [r.get("decode_step_ms") for r in _reps(plugin)]
+    b = [r.get("decode_step_ms") for r in _reps(vanilla)]
+    paired = [x / y for x, y in zip(a, b, strict=False) if x and y]
+    self_reps = _reps(selftime)
+    self_us = [r["plugin_self_us_per_step"] for r in self_reps if r.get("plugin_self_us_per_step") is not None]
+    calls = [r["plugin_calls_per_step"] for r in self_reps if r.get("plugin_calls_per_step") is not None]
+    by_patch: dict[str, list[float]] = {}
+    for r in self_reps:
+        for name, n in (r.get("plugin_calls_per_step_by_patch") or {}).items():
+            by_patch.setdefault(name, []).append(n)
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    vanilla_ms = med([x for x in b if x])
+    depth = int(config["depth"])
+    self_med = med(self_us)
+    calls_med = med(calls)
+    return {
+        **config,
+        "ok": {v: records.get(f"{label}-{v}", {}).get("ok") for v, _ in VARIANTS},
+        "errors": {v: records.get(f"{label}-{v}", {}).get("error") for v, _ in VARIANTS if not records.get(f"{label}-{v}", {}).get("ok")},
+        "plugin_step_ms": med([x for x in a if x]),
+        "vanilla_step_ms": vanilla_ms,
+        "plugin_over_vanilla_paired": {"median": med(paired), "min": min(paired) if paired else None, "max": max(paired) if paired else None, "n": len(paired)},
+        "self_us_per_step": self_med,
+        "self_us_per_layer": self_med / depth if self_med is not None else None,
+        "self_share_of_step": self_med / 1e3 / vanilla_ms if self_med is not None and vanilla_ms else None,
+        "hooked_calls_per_step": calls_med,
+        "hooked_calls_per_layer": calls_med / depth if calls_med is not None else None,
+        "self_ns_per_hooked_call": self_med * 1e3 / calls_med if self_med is not None and calls_med else None,
+        "calls_per_step_by_patch": {name: med(v) for name, v in sorted(by_patch.items())},
+        "jit_in_step": {v: [r.get("jit_in_step") for r in _reps(records.get(f"{label}-{v}", {}))] for v, _ in VARIANTS[:1] + VARIANTS[2:]},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="bench_host_cost", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="glm53,v32", help="comma-separated: glm53, v32 (default both)")
+    parser.add_argument("--depths", default="6,61,78", help="comma-separated layer counts (default 6,61,78)")
+    parser.add_argument("--modes", default="eager,graphs", help="comma-separated: eager, graphs (default both)")
+    parser.add_argument("--dbo", default="off,dp1", help="comma-separated: off, dp1 (default both)")
+    parser.add_argument("--only", default="", help="comma-separated configuration labels to keep (default: the whole matrix)")
+    parser.add_argument("--reps", type=integer(1), default=5, help="timed reps per engine after one warm-up (default 5)")
+    parser.add_argument("--steps", type=integer(2), default=16, help="decode steps per timed pass (default 16)")
+    parser.add_argument("--out", default=str(ROOT / "graphs" / "results"))
+    args = parser.parse_args(argv)
+    configs = configurations(
+        _choices(parser, "models", args.models, tuple(MODELS)),
+        _depths(parser, args.depths),
+        _choices(parser, "modes", args.modes, MODES),
+        _choices(parser, "dbo", args.dbo, DBO),
+    )
+    if args.only:
+        keep = set(_choices(parser, "only", args.only, tuple(c["label"] for c in configs)))
+        configs = [c for c in configs if c["label"] in keep]
+    from dbo_runtime.harness.machine import refuse_without_engine
+
+    refused = refuse_without_engine("bench_host_cost", 1)
+    if refused is not None:
+        return refused
+    from dbo_runtime.harness.turns import run_interleaved
+    from dbo_runtime.sim.report import environment
+
+    env_facts = environment()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    specs = [s for c in configs for s in specs_for(c, args.steps, args.reps)]
+    records = run_interleaved(specs, out / "bench_host_cost_runs", args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    rows = [summarize(c, records) for c in configs]
+    doc = {"bench": "bench_host_cost", "args": vars(args), "environment": env_facts, "configs": rows}
+    (out / "bench_host_cost.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    _plot(rows, out / "bench_host_cost.png")
+    print(json.dumps([{k: r[k] for k in ("label", "plugin_over_vanilla_paired", "self_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "jit_in_step")} for r in rows], indent=1, default=str))
+    return 0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    labels = [r["label"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    ratios = [(r["plugin_over_vanilla_paired"] or {}).get("median") or 0 for r in rows]
+    axes[0].bar(range(len(rows)), ratios)
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].set_ylabel("dbo_runtime / vanilla step (paired median)")
+    shares = [100 * (r["self_share_of_step"] or 0) for r in rows]
+    axes[1].bar(range(len(rows)), shares)
+    axes[1].set_ylabel("plugin self time, % of a vanilla step")
+    for ax in axes:
+        ax.set_xticks(range(len(rows)), labels, rotation=35, ha="right", fontsize=7)
+    fig.suptitle("dbo_runtime host cost at depth, real vLLM engine, one GPU (three engines per configuration, timed in turns)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
