@@ -18,7 +18,6 @@ the JSON), and planner JIT compilations inside steps.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys

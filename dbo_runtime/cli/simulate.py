@@ -219,8 +219,8 @@ class _Progress:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dbo_runtime.core.switches import parse_switch
     from dbo_runtime.core.settings import warm_max_batch
+    from dbo_runtime.core.switches import parse_switch
     from dbo_runtime.services.topk_state import LAYOUT_ENV, index_leaders, parse_layout
     from dbo_runtime.sim.backends import make_backend
     from dbo_runtime.sim.scenario import GLM53, SMALL, for_backend, run_scenario
