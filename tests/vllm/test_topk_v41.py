@@ -92,10 +92,8 @@ class V41Stack:
             for layer in range(LAYERS):
                 if layer in SOURCES:
                     op = self.ops[layer]
-                    if layer == SOURCES[-1]:  # the short-context path writes through the indexer itself
-                        buf = self.indexers[layer].topk_indices_buffer
-                    else:
-                        buf = op.topk_indices_buffer
+                    # the last source takes the short-context path, which writes through the indexer itself
+                    buf = self.indexers[layer].topk_indices_buffer if layer == SOURCES[-1] else op.topk_indices_buffer
                     buf[:n] = -1
                     buf[:n] = topk[(u, layer)]
                     if layer == CANDIDATE_SOURCE:
