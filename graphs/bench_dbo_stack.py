@@ -31,7 +31,7 @@ import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing
 
 import torch
 
-from dbo_runtime.services.topk_state import topk_memory_bytes
+from dbo_runtime.core.topk_memory import topk_memory_bytes
 from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import GLM53, Scenario, capture_dbo_graph

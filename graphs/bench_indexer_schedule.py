@@ -221,7 +221,8 @@ class _Knob:
 def first_step(dg: Any, x: dict[str, torch.Tensor], warm_sms: int, cold_sms: int) -> dict[str, Any]:
     from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner
     from dbo_runtime.core.budget import compute_budget
-    from dbo_runtime.services.schedule_cache import IndexerScheduleCache, PlannerProfile
+    from dbo_runtime.services.planner_warmup import PlannerProfile
+    from dbo_runtime.services.schedule_cache import IndexerScheduleCache
     from dbo_runtime.services.sm_control import SMControl
 
     total = int(dg.get_num_sms())

@@ -61,7 +61,7 @@ def capture_sizes(max_num_seqs: int, spec_tokens: int, max_graph: int = 512) -> 
 
 
 def shape_sets(max_num_seqs: int, max_tokens: int, spec_tokens: int) -> dict[str, list[list[int]]]:
-    from dbo_runtime.services.schedule_cache import aligned_buckets, dbo_planner_shapes
+    from dbo_runtime.core.planner_shapes import aligned_buckets, dbo_planner_shapes
 
     q = 1 + spec_tokens
     before = [[b, w] for w in sorted({1, q}) for b in aligned_buckets(min(max_num_seqs, OLD_CAP))]
@@ -78,7 +78,8 @@ def child(spec: dict[str, Any]) -> None:
     import torch
 
     from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner
-    from dbo_runtime.services.schedule_cache import IndexerScheduleCache, PlannerProfile
+    from dbo_runtime.services.planner_warmup import PlannerProfile
+    from dbo_runtime.services.schedule_cache import IndexerScheduleCache
 
     cache_dir = Path(os.environ["DG_JIT_CACHE_DIR"])
     device = torch.device("cuda", torch.cuda.current_device())

@@ -37,8 +37,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 from dbo_runtime.cli._common import (
@@ -51,6 +49,8 @@ from dbo_runtime.cli._common import (
     warn_switch_problems,
 )
 from dbo_runtime.cli._inputs import MAX_SMS, Input, budget_for, comm_input, parse_int
+from dbo_runtime.cli._progress import Progress, seconds
+from dbo_runtime.core.budget import H200_SMS
 from dbo_runtime.core.errors import ConfigError
 
 SCHEMA = "dbo-runtime/simulate/v1"
@@ -71,7 +71,6 @@ MAX_REQUESTS = 1024
 MAX_STEPS = 1000
 """More steps add nothing a run of 20 does not show (and 1000 on the CPU already take hours)."""
 MAX_SEED = 2**63 - 1
-H200_SMS = 132
 
 FLAG_FOR = {
     "steps": "--steps",
@@ -166,62 +165,10 @@ def estimated_seconds(config: Any, leaders: int, runs: list[Any]) -> float:
     return sum(per_step * (0.5 if c.expect == "assertion" else config.steps) for c in runs)
 
 
-def _seconds(value: float) -> str:
-    return f"{value:.0f} s" if value < 120 else f"{value / 60:.0f} min"
-
-
-class _Progress:
-    """Progress on stderr: rich's transient bar on a terminal, one plain line per step elsewhere.
-
-    Why plain lines: piped or logged, rich draws nothing, and a long CPU run looked hung with no
-    output for minutes. The lines go to stderr so stdout (the table, or ``--json``) is unchanged.
-    """
-
-    def __init__(self, runs: int, steps: int) -> None:
-        self.total = runs * steps
-        self.done = 0
-        self.started = time.perf_counter()
-        self.bar: Any = None
-        if sys.stderr.isatty():
-            try:
-                from rich.console import Console
-                from rich.progress import Progress
-            except ImportError:
-                return
-            self.bar = Progress(transient=True, console=Console(stderr=True))
-
-    def __enter__(self) -> _Progress:
-        if self.bar is not None:
-            self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-
-    def run(self, name: str, steps: int) -> Callable[[int, int], None]:
-        task = self.bar.add_task(name, total=steps) if self.bar is not None else None
-
-        def advance(done: int, total: int) -> None:
-            self.done += 1
-            if self.bar is not None:
-                self.bar.update(task, completed=done)
-                return
-            elapsed = time.perf_counter() - self.started
-            left = elapsed / self.done * max(self.total - self.done, 0)
-            print(
-                f"dbo-runtime simulate: {name}: step {done}/{total} ({_seconds(elapsed)} elapsed, about {_seconds(left)} left)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-        return advance
-
-
 def _run(args: argparse.Namespace) -> int:
-    from dbo_runtime.core.settings import warm_max_batch
+    from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout, warm_max_batch
     from dbo_runtime.core.switches import parse_switch
-    from dbo_runtime.services.topk_state import LAYOUT_ENV, index_leaders, parse_layout
+    from dbo_runtime.core.topk_memory import index_leaders
     from dbo_runtime.sim.backends import make_backend
     from dbo_runtime.sim.scenario import GLM53, SMALL, for_backend, run_scenario
 
@@ -270,14 +217,14 @@ def _run(args: argparse.Namespace) -> int:
         if expected > LONG_RUN_SECONDS:
             print(
                 f"dbo-runtime simulate: {len(runs)} runs x {config.steps} steps of {config.num_requests} requests on the "
-                f"CPU simulation: expect about {_seconds(expected)} on a 2-core CPU; progress follows on stderr",
+                f"CPU simulation: expect about {seconds(expected)} on a 2-core CPU; progress follows on stderr",
                 file=sys.stderr,
                 flush=True,
             )
     results = []
-    with _Progress(len(runs), config.steps) as progress:
+    with Progress("dbo-runtime simulate:", total_steps=len(runs) * config.steps) as progress:
         for contrast in runs:
-            advance = progress.run(contrast.name, config.steps)
+            advance = progress.steps(contrast.name, config.steps)
             res = run_scenario(dataclasses.replace(config, **contrast.overrides), backend, args.mode, progress=advance)
             results.append((contrast, res))
     verdict = all(c.as_expected(r) for c, r in results)

@@ -82,6 +82,7 @@ from dbo_runtime.core.budget import (
     BACKEND_MAX_SMS_USED,
     DBO_BACKENDS,
     DEEPEP_HT_MANAGER_NUM_SMS,
+    H200_SMS,
     PLATFORMS,
     SMBudget,
 )
@@ -91,7 +92,6 @@ from dbo_runtime.core.switches import parse_switch
 SCHEMA = "dbo-runtime/sms/v1"
 DEFAULT_BACKEND = "deepep_high_throughput"
 H200_PROFILE_NAME = "NVIDIA H200 (embedded profile)"
-H200_SMS = 132
 
 #: Backends vLLM 0.33.0 accepts together with DBO (``config/vllm.py:2180-2203``).
 DBO_BACKENDS_BY_PLATFORM: dict[str, tuple[str, ...]] = {

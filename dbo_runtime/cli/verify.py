@@ -28,12 +28,11 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, CliError, print_json, print_table
+from dbo_runtime.cli._progress import Progress
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.harness.compare import FloorRule, Thresholds
 from dbo_runtime.harness.launch import engine_arg
@@ -317,39 +316,6 @@ def _visible_gpus() -> int:
         return 0
 
 
-class _Progress:
-    """Elapsed-time progress on stderr while engines start and run (works when piped too)."""
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self.phase = ""
-        self.started = time.monotonic()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def set(self, phase: str) -> None:
-        self.phase = phase
-        self.started = time.monotonic()
-        self.say(f"{phase} ...")
-
-    def say(self, text: str) -> None:
-        if self.enabled:
-            sys.stderr.write(f"[verify] {text}\n")
-            sys.stderr.flush()
-
-    def __enter__(self) -> _Progress:
-        def tick() -> None:
-            while not self._stop.wait(15.0):
-                self.say(f"{self.phase}: {time.monotonic() - self.started:.0f} s")
-
-        self._thread = threading.Thread(target=tick, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-
-
 def _numbers(args: argparse.Namespace, max_prompts: int) -> None:
     """Numeric options arrive as text so that a non-number gets the same one line as a bad number."""
     allowed = {
@@ -397,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
         loaded = from_file(args.prompt_file)  # fail on a bad file now, not after an engine start
         if len(loaded) < dp:
             raise ConfigError("--prompt-file", args.prompt_file, f"at least {dp} prompts (one per data-parallel rank)")
-    progress = _Progress()
+    progress = Progress("[verify]")
     for note in notes:
         progress.say(f"note: {note}")
     if args.workdir:  # a usage error before vLLM's parser and the GPU check, which can only say "cannot run"

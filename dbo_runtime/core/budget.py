@@ -21,6 +21,9 @@ from dbo_runtime.core.errors import ConfigError
 Platform = Literal["cuda", "rocm"]
 PLATFORMS: tuple[Platform, ...] = ("cuda", "rocm")
 
+#: SMs of an NVIDIA H200 (SM90): the CLI's embedded device profile when no GPU is visible.
+H200_SMS = 132
+
 #: ``envs.VLLM_DBO_COMM_SMS`` defaults (``vllm/envs.py:2069-2077``).
 DEFAULT_COMM_SMS: dict[Platform, int] = {"cuda": 20, "rocm": 64}
 

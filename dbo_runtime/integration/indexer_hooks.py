@@ -18,14 +18,15 @@ from typing import Any
 from dbo_runtime.adapters.deep_gemm import next_n_of
 from dbo_runtime.core import coverage
 from dbo_runtime.core.log import get_logger
+from dbo_runtime.core.planner_shapes import dbo_planner_shapes
 from dbo_runtime.integration import activation
 from dbo_runtime.integration.features import Feature, Upstream
 from dbo_runtime.integration.patching import ArgSlots, Patch
 from dbo_runtime.integration.ubatch_guard import placeholder_logits, reserve_placeholders
-from dbo_runtime.integration.ubatch_guard import record as record_ubatch_failure
 from dbo_runtime.services import schedule_cache as _sc
+from dbo_runtime.services.planner_warmup import PlannerProfile
 from dbo_runtime.services.runtime_stats import count_microbatched_build
-from dbo_runtime.services.schedule_cache import PlannerProfile, dbo_planner_shapes, schedule_cache
+from dbo_runtime.services.schedule_cache import schedule_cache
 
 logger = get_logger(__name__)
 
@@ -249,29 +250,33 @@ def _make_logits(original: Any) -> Any:
     position = slots.position["schedule_metadata"]
 
     def fp8_fp4_paged_mqa_logits(*args: Any, **kwargs: Any) -> Any:
-        try:  # zero-cost in CPython 3.11+ when nothing raises
-            cache = _sc._CACHE or schedule_cache()
-            schedule = kwargs["schedule_metadata"] if "schedule_metadata" in kwargs else args[position]
-            if not cache.fits(schedule):
-                resolved = cache.resolve(
-                    schedule,
-                    slots.get("context_lens", args, kwargs),
-                    slots.get("indices", args, kwargs),
-                    slots.get("kv_cache", args, kwargs),
-                )
-                if resolved is not schedule:
-                    args, kwargs = slots.replace("schedule_metadata", resolved, args, kwargs)
-            return original(*args, **kwargs)
-        except Exception as exc:
-            # On a microbatch thread nothing may raise (ubatch_guard): recorded and raised on the main
-            # thread after the join; the kernel is skipped (its schedule may be wrong).
-            if not record_ubatch_failure("indexer logits call site", exc):
-                raise
-            return placeholder_logits(
-                slots.get("context_lens", args, kwargs), slots.get("weights", args, kwargs), slots.get("max_model_len", args, kwargs)
+        cache = _sc._CACHE or schedule_cache()
+        schedule = kwargs["schedule_metadata"] if "schedule_metadata" in kwargs else args[position]
+        if not cache.fits(schedule):
+            resolved = cache.resolve(
+                schedule,
+                slots.get("context_lens", args, kwargs),
+                slots.get("indices", args, kwargs),
+                slots.get("kv_cache", args, kwargs),
             )
+            if resolved is not schedule:
+                args, kwargs = slots.replace("schedule_metadata", resolved, args, kwargs)
+        return original(*args, **kwargs)
 
     return fp8_fp4_paged_mqa_logits
+
+
+def _logits_placeholder(original: Any) -> Any:
+    """The call site's fallback on a microbatch thread: logits of the kernel's shape, no kernel (its schedule may
+    be wrong), no allocation (``ubatch_guard.placeholder_logits``). Never returned: the step raises after the join."""
+    slots = ArgSlots(original, ("weights", "context_lens", "max_model_len"))
+
+    def placeholder(*args: Any, **kwargs: Any) -> Any:
+        return placeholder_logits(
+            slots.get("context_lens", args, kwargs), slots.get("weights", args, kwargs), slots.get("max_model_len", args, kwargs)
+        )
+
+    return placeholder
 
 
 # -- plan-ahead scopes ----------------------------------------------------------------------------
@@ -367,6 +372,8 @@ def patches() -> list[Patch]:
             upstream_pr=UPSTREAM_PR,
             removal=removal_cache,
             lazy=True,
+            runs_on_ubatch_thread=True,
+            fallback=_logits_placeholder,
         ),
         Patch(
             name="indexer.logits.glm5next",
@@ -379,6 +386,8 @@ def patches() -> list[Patch]:
             upstream_pr=UPSTREAM_PR,
             removal=removal_cache,
             lazy=True,
+            runs_on_ubatch_thread=True,
+            fallback=_logits_placeholder,
         ),
         Patch(
             name="indexer.plan_ahead.mrv1",

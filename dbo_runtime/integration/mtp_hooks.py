@@ -18,7 +18,7 @@ from dbo_runtime.core import coverage
 from dbo_runtime.integration import ubatch_ids
 from dbo_runtime.integration.features import Feature, Upstream
 from dbo_runtime.integration.patching import Patch
-from dbo_runtime.integration.ubatch_guard import record as record_ubatch_failure
+from dbo_runtime.integration.ubatch_failures import MicrobatchAttr
 
 ATTR = "_mtp_hidden_buffer"
 V4_MODEL = "vllm.models.deepseek_v4.nvidia.model"
@@ -43,37 +43,14 @@ FEATURES = [
 ]
 
 
-class TokenWindowAttr:
+class TokenWindowAttr(MicrobatchAttr):
     """A per-step buffer indexed by the step's token rows: a microbatch sees it from its token offset."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        if obj is None:
-            return self
-        try:
-            value = obj.__dict__[self.name]
-        except KeyError:
-            raise AttributeError(self.name) from None
+    def resolve(self, obj: Any, value: Any) -> Any:
         if value is None:
             return None
-        try:
-            ubatch, offset = ubatch_ids.current_ubatch()
-            return value if ubatch == 0 else value[offset:]
-        except Exception as exc:
-            if not record_ubatch_failure(f"MTP hidden buffer ({type(obj).__name__})", exc):
-                raise
-            return value
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__[self.name] = value
-
-    def __delete__(self, obj: Any) -> None:
-        try:
-            del obj.__dict__[self.name]
-        except KeyError:
-            raise AttributeError(self.name) from None
+        ubatch, offset = ubatch_ids.current_ubatch()
+        return value if ubatch == 0 else value[offset:]
 
 
 def patches() -> list[Patch]:

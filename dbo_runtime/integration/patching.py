@@ -32,12 +32,12 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.switches import parse_switch
-from dbo_runtime.integration import selftime
+from dbo_runtime.integration.ubatch_failures import MicrobatchAttr, shield
 
 logger = get_logger(__name__)
 
@@ -80,8 +80,11 @@ class Patch:
     architectures: tuple[str, ...] = ()
     """Architectures whose fix needs this patch (empty: every architecture that needs its feature)."""
     runs_on_ubatch_thread: bool = False
-    """The replacement runs on DBO microbatch threads: ``make`` builds it with a ``ubatch_guard`` that
-    records a failure instead of raising there (see ``ubatch_guard``)."""
+    """vLLM calls the replacement on DBO microbatch threads, where nothing may raise: ``PatchSet`` shields it
+    (``ubatch_failures.shield``; a data descriptor must be a ``MicrobatchAttr``, which shields itself)."""
+    fallback: Callable[[Any], Callable[..., Any]] | None = None
+    """With ``runs_on_ubatch_thread``: ``fallback(original)`` is called with the replacement's arguments when it
+    fails on a microbatch thread (default: the original itself, i.e. vLLM's own behaviour)."""
 
     @property
     def target(self) -> str:
@@ -182,6 +185,22 @@ def _mark(replacement: Any, patch: Patch, original: Any) -> Any:
     return replacement
 
 
+def _shielded(patch: Patch, replacement: Any, original: Any) -> Any:
+    """``replacement`` that never raises on a DBO microbatch thread (``Patch.runs_on_ubatch_thread``)."""
+    if isinstance(replacement, MicrobatchAttr):
+        replacement.where = patch.name
+        return replacement
+    if isinstance(replacement, property) and replacement.fget is not None:
+        fallback = patch.fallback(original) if patch.fallback is not None else original.fget
+        return property(shield(replacement.fget, fallback, patch.name), replacement.fset, replacement.fdel, replacement.__doc__)
+    if callable(replacement) and not isinstance(replacement, type):
+        fallback = patch.fallback(original) if patch.fallback is not None else original
+        if fallback is None:
+            raise PatchError(f"patch {patch.name!r} runs on microbatch threads but has no fallback")
+        return shield(replacement, fallback, patch.name)
+    raise PatchError(f"patch {patch.name!r} runs on microbatch threads but {type(replacement).__name__} cannot be shielded")
+
+
 @dataclass
 class PatchStatus:
     patch: Patch
@@ -223,11 +242,20 @@ class _LazyFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-class PatchSet:
-    """All-or-nothing installation of a list of ``Patch``."""
+class Instrument(Protocol):
+    """Wraps replacements at install time (``selftime``: the plugin's own host time)."""
 
-    def __init__(self, patches: Iterable[Patch]) -> None:
+    def pause_for_original(self, original: Any) -> Any: ...
+
+    def time_plugin(self, fn: Any, name: str) -> Any: ...
+
+
+class PatchSet:
+    """All-or-nothing installation of a list of ``Patch`` (``instrument``: wraps every replacement when given)."""
+
+    def __init__(self, patches: Iterable[Patch], *, instrument: Instrument | None = None) -> None:
         self.patches = list(patches)
+        self.instrument = instrument
         names = [p.name for p in self.patches]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -251,12 +279,14 @@ class PatchSet:
         current = getattr(owner, name, None) if patch.adds else getattr(owner, name)
         raw = _raw(owner, name)
         given = raw if raw is not _MISSING else current
-        timed = selftime.enabled()
-        if timed and not patch.adds:
-            given = selftime.pause_for_original(given)
+        instrument = self.instrument
+        if instrument is not None and not patch.adds:
+            given = instrument.pause_for_original(given)
         replacement = patch.make(given)
-        if timed:
-            replacement = selftime.time_plugin(replacement, patch.name)
+        if patch.runs_on_ubatch_thread:
+            replacement = _shielded(patch, replacement, given)
+        if instrument is not None:
+            replacement = instrument.time_plugin(replacement, patch.name)
         return _Applied(patch, owner, name, raw, _mark(replacement, patch, current))
 
     @classmethod

@@ -19,7 +19,7 @@ from importlib import metadata
 from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.switches import parse_switch, switch_problems
-from dbo_runtime.integration import activation, guard
+from dbo_runtime.integration import activation, guard, selftime
 from dbo_runtime.integration.features import REGISTRY, Feature, FeatureState, excluded_optional, verify
 from dbo_runtime.integration.patching import Patch, PatchSet
 
@@ -128,7 +128,7 @@ def register() -> None:
                 f"{version}: " + "; ".join(f"{n}: {s.describe()}" for n, s in shortfall.items())
             )
         chosen = [p for p in patches if states[p.feature].installs and p.name not in skip]
-        patch_set = PatchSet(chosen)
+        patch_set = PatchSet(chosen, instrument=selftime if selftime.enabled() else None)
         try:
             patch_set.install()
         except Exception as exc:

@@ -9,8 +9,8 @@ per-microbatch state when a group gets its first follower under DBO (at model co
 inside vLLM's memory profile) and refuses what cannot be made safe (HiSparse, the compiled
 generic path, followers built without a shared builder); the group methods run vLLM's own code
 on the calling microbatch's view; ``topk_indices_buffer`` becomes a data descriptor on every
-writer and reader class. Every hook that runs on a microbatch thread hands a failure to
-``ubatch_guard.record`` instead of raising there.
+writer and reader class. Every patch that runs on a microbatch thread is shielded
+(``runs_on_ubatch_thread``): a failure there continues with vLLM's own object and is raised after the join.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dbo_runtime.core.errors import UnsupportedConfiguration
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration.features import Feature, Upstream
 from dbo_runtime.integration.patching import Patch
-from dbo_runtime.integration.ubatch_guard import record as record_ubatch_failure
+from dbo_runtime.integration.ubatch_failures import MicrobatchAttr
 from dbo_runtime.services.topk_state import UbatchTopkState
 
 UPSTREAM_PR = "vllm#60734 (per-microbatch DSA shared-indexer top-k); see also vllm#56476 dbo_select_buffer"
@@ -215,13 +215,7 @@ def _group_method_patch(state: UbatchTopkState, method: str) -> Patch:
         def per_ubatch(self: Any, layer_index: int, *args: Any, **kwargs: Any) -> Any:
             if first_layer_only and layer_index != 0:
                 return original(self, layer_index, *args, **kwargs)
-            try:
-                view = state.group_view(self)
-            except Exception as exc:
-                # Never raise on a microbatch thread (see ubatch_guard): recorded, raised after the join.
-                if not record_ubatch_failure(f"top-k group view ({method})", exc):
-                    raise
-                view = None
+            view = state.group_view(self)
             return original(self if view is None else view, layer_index, *args, **kwargs)
 
         return per_ubatch
@@ -241,37 +235,22 @@ def _group_method_patch(state: UbatchTopkState, method: str) -> Patch:
     )
 
 
-class TopkIndicesBufferAttr:
-    """A top-k buffer attribute as a data descriptor that resolves the calling microbatch's buffer.
+class TopkIndicesBufferAttr(MicrobatchAttr):
+    """A top-k buffer attribute that resolves the calling microbatch's buffer (``UbatchTopkState.logical``).
 
-    ``nn.Module.__setattr__`` / ``__delattr__`` hand plain tensors to ``object``'s, which honours class
-    data descriptors; so assignments in vLLM's ``__init__`` and the MTP proposer's ``del`` + assign land
-    here. The value stays in the instance ``__dict__`` under the same name, so uninstalling leaves every
-    live module with its plain attribute. ``registers``: the attribute holds a model-wide buffer that
-    layers share without an index group (DeepSeek-V4.1); under DBO it gets per-microbatch views at
-    assignment, anchored on the owning module.
+    ``marks_model_buffer``: the attribute holds the CUDA DSA model's buffer, which ``register_layer`` accepts
+    for per-microbatch state. ``registers``: it holds a model-wide buffer that layers share without an index
+    group (DeepSeek-V4.1); under DBO it gets per-microbatch views at assignment, anchored on the owning module.
     """
 
     def __init__(self, state: UbatchTopkState, name: str = ATTR, *, marks_model_buffer: bool = False, registers: bool = False) -> None:
+        super().__init__(name)
         self.state = state
-        self.name = name
         self.marks_model_buffer = marks_model_buffer
         self.registers = registers
 
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        if obj is None:
-            return self
-        try:
-            value = obj.__dict__[self.name]
-        except KeyError:
-            raise AttributeError(self.name) from None
-        try:
-            return self.state.logical(value)
-        except Exception as exc:
-            # Never raise on a microbatch thread (see ubatch_guard): recorded, raised after the join.
-            if not record_ubatch_failure(f"top-k buffer ({type(obj).__name__}.{self.name})", exc):
-                raise
-            return value
+    def resolve(self, obj: Any, value: Any) -> Any:
+        return self.state.logical(value)
 
     def __set__(self, obj: Any, value: Any) -> None:
         obj.__dict__[self.name] = value
@@ -284,12 +263,6 @@ class TopkIndicesBufferAttr:
                 obj.__dict__[anchor] = views
             else:
                 obj.__dict__.pop(anchor, None)
-
-    def __delete__(self, obj: Any) -> None:
-        try:
-            del obj.__dict__[self.name]
-        except KeyError:
-            raise AttributeError(self.name) from None
 
 
 def _current_config() -> Any:
@@ -326,14 +299,7 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
         fget, fset, fdel = original.fget, original.fset, original.fdel
 
         def topk_indices_buffer(self: Any) -> Any:
-            value = fget(self)
-            try:
-                return state.logical(value)
-            except Exception as exc:
-                # Never raise on a microbatch thread (see ubatch_guard): recorded, raised after the join.
-                if not record_ubatch_failure("top-k logical buffer (sparse MLA impl)", exc):
-                    raise
-                return value
+            return state.logical(fget(self))
 
         return property(topk_indices_buffer, fset, fdel, original.__doc__)
 
@@ -385,6 +351,7 @@ def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:
         removal=REMOVAL,
         lazy=True,
         optional=True,
+        runs_on_ubatch_thread=True,
     )
 
 

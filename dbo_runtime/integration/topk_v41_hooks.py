@@ -57,7 +57,7 @@ def _patch(state: UbatchTopkState, module: str, cls: str, attr: str, *, register
         lazy=True,
         adds=True,
         architectures=ARCHITECTURES,
-        runs_on_ubatch_thread=not registers,
+        runs_on_ubatch_thread=True,
     )
 
 

@@ -1,52 +1,26 @@
 """No exception escapes dbo_runtime code on a DBO microbatch thread; failures are raised after the join.
 
-Why (vLLM 0.33.0): MRV1 ``UBatchWrapper._run_ubatches`` / ``_capture_ubatches``
-(``v1/worker/gpu_ubatch_wrapper.py``) and MRV2 ``UBatchRunner.begin_capturable_run``
-(``v1/worker/gpu/ubatch_utils.py``) run one thread per microbatch, and the
-threads hand the CPU to each other at every ``dbo_yield``
-(``v1/worker/ubatching.py``, ``UBatchContext._cpu_yield``). When one thread
-raises, its ``UBatchContext.__exit__`` wakes the partner once; the partner runs
-to its next yield and then waits for a hand-off that never comes. The main
-thread's ``join()`` blocks forever and the other DP ranks block in the next
-all-to-all: the DP group hangs with no traceback (MRV1 drops the thread's
-exception; MRV2 records it but reports it only after the join that never
-returns -- its own comment says so).
-
-So every dbo_runtime hook that runs on a microbatch thread (the top-k
-descriptors, property and group methods in ``topk_hooks``, the indexer
-call-site wrappers in ``indexer_hooks``, and through them ``ubatch_ids`` and
-``IndexerScheduleCache.resolve``) catches its own failure and calls
-``record(where, exc)``:
-
-* On a microbatch thread the failure is recorded and the hook returns a
-  placeholder that keeps the step moving in lock-step with the partner and the
-  other ranks: vLLM's own value (the shared buffer, the group itself) or, for
-  the logits kernel, zero logits without a launch. Placeholders may be wrong;
-  that is acceptable only because the step never returns them: the patched
-  join points below raise ``MicrobatchFailure`` on the main thread once the
-  threads are joined, and vLLM's engine core treats that like any model error
-  (fatal, with the original traceback as ``__cause__``). A plugin failure is
-  therefore never silently wrong and never a hang.
-* Off a microbatch thread (non-DBO steps, model construction, the main
-  thread) ``record`` returns False and the hook re-raises as before.
-
-A failure recorded by a microbatch thread of a spawner that is not patched
-here (vLLM 0.33.0 has exactly the three above) is raised at the next patched
-join rather than lost.
+Why (vLLM 0.33.0): MRV1 ``UBatchWrapper._run_ubatches`` / ``_capture_ubatches`` and MRV2
+``UBatchRunner.begin_capturable_run`` run one thread per microbatch, handing the CPU over at every
+``dbo_yield``. When one thread raises, its ``UBatchContext.__exit__`` wakes the partner once; the partner
+runs to its next yield and waits for a hand-off that never comes, the main thread's ``join()`` blocks and
+the other DP ranks block in the next all-to-all: the DP group hangs with no traceback. So the patches that
+run on microbatch threads are shielded (``ubatch_failures``): a failure is recorded there and the microbatch
+continues with a placeholder, and the join points patched here raise ``MicrobatchFailure`` on the main
+thread once the threads are joined. vLLM's engine core treats that like any model error (fatal, with the
+original traceback as ``__cause__``): a plugin failure is never silently wrong and never a hang.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from dbo_runtime.core.errors import MicrobatchFailure
 from dbo_runtime.core.log import get_logger
-from dbo_runtime.integration import ubatch_ids
 from dbo_runtime.integration.features import Feature
 from dbo_runtime.integration.patching import Patch
+from dbo_runtime.integration.ubatch_failures import FAILURES, UbatchFailures, record
 
 logger = get_logger(__name__)
 
@@ -56,68 +30,6 @@ MRV1_MODULE = "vllm.v1.worker.gpu_ubatch_wrapper"
 MRV2_MODULE = "vllm.v1.worker.gpu.ubatch_utils"
 UPSTREAM_PR = "none yet (vLLM does not wake the partner microbatch when one thread dies)"
 REMOVAL = "vLLM's microbatch hand-off unwinds every thread when one raises and re-raises on the main thread"
-
-
-@dataclass
-class UbatchFailures:
-    """Failures recorded on microbatch threads since the last join check (process-wide)."""
-
-    pending: list[tuple[str, int, BaseException]] = field(default_factory=list)
-    recorded_total: int = 0
-    by_where: dict[str, int] = field(default_factory=dict)
-    _logged: set[str] = field(default_factory=set)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def record(self, where: str, exc: BaseException) -> bool:
-        """Record ``exc`` if the calling thread is a DBO microbatch thread; False means "re-raise it"."""
-        ubatch = ubatch_ids.ubatch_thread_id()
-        if ubatch is None:
-            return False
-        with self._lock:
-            self.pending.append((where, ubatch, exc))
-            self.recorded_total += 1
-            self.by_where[where] = self.by_where.get(where, 0) + 1
-            first = where not in self._logged
-            self._logged.add(where)
-        try:
-            if first:
-                logger.error(
-                    "dbo_runtime: %s failed on DBO microbatch %d (%r); continuing the microbatch with a "
-                    "placeholder so no thread is left waiting, and raising on the main thread after the join",
-                    where,
-                    ubatch,
-                    exc,
-                    exc_info=exc,
-                )
-            else:
-                logger.debug("dbo_runtime: %s failed again on DBO microbatch %d: %r", where, ubatch, exc)
-        except Exception:  # a broken log handler must not undo the guarantee
-            pass
-        return True
-
-    def take(self) -> list[tuple[str, int, BaseException]]:
-        with self._lock:
-            taken, self.pending = self.pending, []
-        return taken
-
-    def raise_pending(self, also: BaseException | None = None) -> None:
-        """On the main thread after the join: raise what the microbatches recorded, if anything
-        (``also``: the error vLLM itself raised at the join, named in the message)."""
-        if self.pending:
-            taken = self.take()
-            if taken:
-                raise MicrobatchFailure(taken, also)
-
-
-FAILURES = UbatchFailures()
-
-
-def record(where: str, exc: BaseException) -> bool:
-    """``FAILURES.record``: True when recorded (microbatch thread), False when the caller must re-raise."""
-    try:
-        return FAILURES.record(where, exc)
-    except Exception:
-        return False
 
 
 _RESERVED: dict[tuple[str, Any], Any] = {}

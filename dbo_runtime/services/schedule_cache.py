@@ -55,18 +55,16 @@ No vLLM or DeepGEMM import: the kernels come through a ``SchedulePlanner``
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dbo_runtime.adapters.cuda_graph import CAPTURES
 from dbo_runtime.adapters.deep_gemm import next_n_of
-from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.log import get_logger
-from dbo_runtime.core.settings import WARM_MAX_BATCH_ENV, WarmPolicy, warm_policy
+from dbo_runtime.services.planner_warmup import PlannerProfile, PlannerWarmup
 from dbo_runtime.services.sm_control import BudgetEvent, SMControl, Subscription, sm_control_for
 
 logger = get_logger(__name__)
@@ -82,8 +80,6 @@ DEFERRED = -1
 count equals it, so the call site's fast path (``live == planned_sms``) always falls through to
 ``resolve``, which plans it first."""
 
-BATCH_ALIGN = 32
-"""DeepGEMM's planner is templated on the batch size aligned to 32 (``kAlignedBatchSize % 32 == 0``)."""
 
 
 class SchedulePlanner(Protocol):
@@ -166,122 +162,6 @@ class ScheduleCacheStats:
     """Host time spent in warm-up (the load-time cost of keeping JIT out of steps)."""
 
 
-@dataclass(frozen=True)
-class PlannerProfile:
-    """What an indexer builder will ask the planner for at the DBO count (registered at builder construction)."""
-
-    device: Any
-    block_kv: int
-    shapes: tuple[tuple[int, int], ...]
-    """``(rows, width)`` of the planner's ``context_lens`` per microbatch (``dbo_planner_shapes``)."""
-    varlen: bool = False
-    max_rows: int = 0
-    """Planner rows of the largest decode step (``max_num_seqs``, or its tokens with per-token rows)."""
-    width: int = 1
-    """``context_lens`` width of this builder's decode steps (``1 + speculative tokens``, or 1 per token)."""
-
-    def warm_shapes(self, policy: WarmPolicy, dbo: bool) -> list[tuple[int, int]]:
-        """What to compile at load under ``policy``: at the DBO count (``dbo``) or the builder's own."""
-        if policy.mode == "off":
-            return []
-        if policy.mode == "minimal":
-            return list(self.shapes) if dbo else []
-        cap = policy.cap if policy.cap is not None else self.max_rows
-        buckets = [(rows, self.width) for rows in aligned_buckets(cap)] if cap > 0 else []
-        return (list(self.shapes) if dbo else []) + buckets
-
-
-def align_batch(rows: int, align: int = BATCH_ALIGN) -> int:
-    """The aligned batch DeepGEMM templates the planner on (``kAlignedBatchSize``)."""
-    return -(-int(rows) // align) * align
-
-
-def aligned_buckets(max_batch: int, align: int = BATCH_ALIGN) -> list[int]:
-    """Batch sizes covering every aligned bucket up to ``max_batch``."""
-    if max_batch <= 0:
-        raise ConfigError("max_batch", max_batch, "a positive integer")
-    return list(range(align, align_batch(max_batch, align) + 1, align))
-
-
-def ubatch_split(tokens_per_request: Sequence[int], num_tokens_padded: int, num_ubatches: int) -> list[tuple[int, int]]:
-    """``(requests, tokens)`` of each microbatch of a step, split as vLLM 0.33.0 splits it.
-
-    ``vllm.v1.worker.ubatch_utils.maybe_create_ubatch_slices`` (both runners):
-    token split points at multiples of ``num_tokens_padded // num_ubatches``; a
-    microbatch holds every request overlapping its token range (a request cut
-    by a split point is in both); the last one runs to ``num_tokens_padded``.
-    A contract test compares this with vLLM's function.
-    """
-    cu = [0]
-    for n in tokens_per_request:
-        cu.append(cu[-1] + int(n))
-    step = int(num_tokens_padded) // num_ubatches
-    ends = [step * i for i in range(1, num_ubatches)] + [cu[-1]]
-    out: list[tuple[int, int]] = []
-    start = 0
-    for end in ends:
-        first = bisect.bisect_right(cu, start) - 1
-        stop = bisect.bisect_left(cu, end)
-        out.append((stop - first, end - start))
-        start = end
-    # vLLM pads the last microbatch's tokens out to the padded total.
-    requests, tokens = out[-1]
-    out[-1] = (requests, tokens + int(num_tokens_padded) - cu[-1])
-    return out
-
-
-def dbo_planner_shapes(
-    *,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    num_speculative_tokens: int,
-    capture_sizes: Sequence[int],
-    num_ubatches: int,
-    decode_token_threshold: int,
-    per_token_rows: bool,
-) -> tuple[tuple[int, int], ...]:
-    """The ``(rows, width)`` planner shapes vLLM 0.33.0 will present at the DBO SM count, per microbatch.
-
-    Why these and no others: DeepGEMM compiles one planner per
-    ``(align32(rows), slots)``, about 1-2 s each when cold, so a blind sweep of
-    buckets costs cold start for shapes that may never run (16 per SM count for
-    the old 512 cap) and still missed ``max_num_seqs`` above 512. vLLM
-    microbatches, and so plans at the DBO count, these uniform-decode batches of
-    ``q = 1 + num_speculative_tokens`` tokens per request:
-
-    * every FULL cudagraph capture size ``T`` with ``T >= dbo_decode_token_threshold``
-      (``check_ubatch_thresholds``; MRV1 ``_capture_cudagraphs``, MRV2
-      ``_maybe_ubatch_twin``), a multiple of ``q`` within ``max_num_seqs * q``
-      (the only sizes a uniform decode dispatches to). Their planner runs inside the
-      capture; compiling it here keeps every JIT outside it.
-    * the full batch, ``min(max_num_seqs * q, max_num_batched_tokens)`` tokens: a
-      saturated decode step, eager when above the largest capture size.
-
-    Each is split like vLLM splits it (``ubatch_split``); a microbatch's planner
-    rows are its requests (native decode, ``context_lens`` of shape ``(B, q)``) or
-    its tokens (``per_token_rows``: flattened or varlen decode, width 1).
-    Not covered, by design: eager microbatched steps with other decode counts
-    (mixed prefill-decode steps above ``dbo_prefill_token_threshold``, decode
-    batches between capture sizes and the full batch). Their first use compiles
-    once per bucket, as every bucket does in vLLM's own non-DBO path;
-    ``DBO_RUNTIME_PLANNER_WARM_MAX_BATCH=N`` adds every bucket up to N.
-    """
-    q = 1 + int(num_speculative_tokens)
-    width = 1 if per_token_rows else q
-    floor = max(int(decode_token_threshold), int(num_ubatches), 1)
-    sizes = {int(t) for t in capture_sizes if int(t) >= floor and int(t) % q == 0 and int(t) <= max_num_seqs * q}
-    full = min(int(max_num_seqs) * q, int(max_num_batched_tokens)) // q * q
-    if full >= floor:
-        sizes.add(full)
-    shapes: set[tuple[int, int]] = set()
-    for tokens in sorted(sizes):
-        for requests, ubatch_tokens in ubatch_split([q] * (tokens // q), tokens, int(num_ubatches)):
-            rows = ubatch_tokens if per_token_rows else requests
-            if rows > 0:
-                shapes.add((rows, width))
-    return tuple(sorted(shapes))
-
-
 class IndexerScheduleCache:
     """See the module docstring. One per process: ``schedule_cache()``."""
 
@@ -294,11 +174,7 @@ class IndexerScheduleCache:
         self.stats = ScheduleCacheStats()
         self._lock = threading.RLock()
         self._dbo_sms: dict[int, int] = {}
-        self._profiles: dict[int, list[PlannerProfile]] = {}
-        self._warmed: set[tuple[Any, ...]] = set()
-        self._warm_done: set[tuple[Any, ...]] = set()
-        self._full_sms: dict[int, int] = {}
-        self._sweep_warned = False
+        self.warmup = PlannerWarmup(lambda: self.planner, self.stats, self._dbo_sms.get)
         self._subscriptions: dict[int, Subscription] = {}
         self._tls = threading.local()
         self._captures = CAPTURES
@@ -406,22 +282,15 @@ class IndexerScheduleCache:
             and live() == state.planned_sms
         )
 
-    def _variant(self, device: Any, block_kv: int, num_sms: int, rows: int, width: int, varlen: bool) -> tuple[Any, ...]:
-        """What DeepGEMM compiles one planner for: ``(aligned batch, SPLIT_KV, slots, varlen)`` on a device."""
-        where = f"{getattr(device, 'type', device)}:{getattr(device, 'index', None) or 0}"
-        return (where, int(block_kv), self.planner.slots(int(num_sms), 1 if varlen else int(width)), align_batch(rows), varlen)
+    def register_profile(self, device_index: int, profile: PlannerProfile, *, full_sms: int | None = None) -> None:
+        """An indexer builder exists: warm its planners (``PlannerWarmup.register_profile``)."""
+        self.warmup.register_profile(device_index, profile, full_sms=full_sms)
+
+    def warm(self, device_index: int, num_sms: int, *, dbo: bool = True) -> int:
+        return self.warmup.warm(device_index, num_sms, dbo=dbo)
 
     def note_plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None) -> None:
-        """A planner launched by a step (the build, a re-plan, a deferred plan): count a variant the warm-up
-        did not cover (``stats.jit_in_step``). Never raises: it only counts."""
-        try:
-            rows = int(context_lens.shape[0])
-            key = self._variant(context_lens.device, block_kv, num_sms, rows, next_n_of(context_lens), indices is not None)
-        except Exception:
-            return
-        if key not in self._warmed:
-            self._warmed.add(key)
-            self.stats.jit_in_step += 1
+        self.warmup.note_plan(context_lens, block_kv, num_sms, indices)
 
     def _plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None) -> Any:
         self.note_plan(context_lens, block_kv, num_sms, indices)
@@ -455,23 +324,6 @@ class IndexerScheduleCache:
         if self._num_sms is None:
             self._bind()
         return int(self._num_sms())  # type: ignore[misc]
-
-    def track_fresh(self, schedule: Any, *, planned_sms: int, block_kv: int, next_n: int) -> ScheduleState:
-        """``track`` for a schedule planned right now on the current stream.
-
-        Inside a capture it was recorded into this graph, so later layers of the
-        same capture may reuse it instead of recording another planner.
-        """
-        state = self.track(schedule, planned_sms=planned_sms, block_kv=block_kv, next_n=next_n)
-        if self._capturing is None:
-            self._bind()
-        if self._capturing():  # type: ignore[misc]
-            capture = self.planner.capture_id()
-            if capture is not None:
-                # A marker, not the tensor: schedule -> state -> schedule would be a reference cycle
-                # that keeps graph-pool memory alive until the cyclic GC runs.
-                state.in_graph[(capture, int(planned_sms))] = _ITSELF
-        return state
 
     def _resolve_slow(
         self, state: ScheduleState | None, schedule: Any, context_lens: Any, block_kv: int, indices: Any, current: int
@@ -545,9 +397,6 @@ class IndexerScheduleCache:
             return None
         return self._dbo_sms.get(device)
 
-    def dbo_sms(self, device: int) -> int | None:
-        return self._dbo_sms.get(device)
-
     # -- SMControl subscriber --------------------------------------------------------------
     def attach(self, control: SMControl) -> None:
         """Subscribe to ``control`` once (replays budgets announced before)."""
@@ -579,104 +428,6 @@ class IndexerScheduleCache:
             self.warm(budget.device, budget.compute)
 
     # -- warm-up ---------------------------------------------------------------------------
-    def register_profile(self, device_index: int, profile: PlannerProfile, *, full_sms: int | None = None) -> None:
-        """An indexer builder exists for ``device_index``: warm it for its own SM count (``full_sms``, the
-        non-DBO steps) and for every announced DBO count."""
-        with self._lock:
-            profiles = self._profiles.setdefault(device_index, [])
-            if profile not in profiles:
-                profiles.append(profile)
-            if full_sms is not None:
-                self._full_sms[device_index] = int(full_sms)
-        if full_sms is not None:
-            self.warm(device_index, int(full_sms), dbo=False)
-        sms = self._dbo_sms.get(device_index)
-        if sms is not None:
-            self.warm(device_index, sms)
-
-    def _policy(self) -> WarmPolicy:
-        """``warm_policy()``, but a bad value is logged once and read as unset: warm-up runs inside the
-        ``entered`` publish of every DBO step until a count is warm, so a raise there would log a traceback
-        per step and never warm anything. ``doctor`` and ``simulate`` refuse the same value outright."""
-        try:
-            return warm_policy()
-        except ConfigError as exc:
-            if not self._sweep_warned:
-                self._sweep_warned = True
-                logger.warning("dbo_runtime: %s; read as unset", exc)
-            import os
-
-            return warm_policy({k: v for k, v in os.environ.items() if k != WARM_MAX_BATCH_ENV})
-
-    def warm(self, device_index: int, num_sms: int, *, dbo: bool = True) -> int:
-        """Launch the planner once per distinct variant of every registered profile at ``num_sms``.
-
-        A variant is what DeepGEMM compiles (``_variant``); ``next_n`` is a runtime argument except
-        through the slot count (SM90 ``next_n == 4``: half). Never inside a capture (a JIT compile there
-        would be fatal): skipped and counted; eager warm-up runs precede every capture in both runners.
-        """
-        profiles = self._profiles.get(device_index, [])
-        if not profiles:
-            return 0
-        # Published on every DBO step ("entered"): once a count is warm for the current
-        # profile set, return before any probe, env read or bucket walk.
-        done = (device_index, num_sms, dbo, len(profiles))
-        if done in self._warm_done:
-            return 0
-        planner = self.planner
-        if planner.capturing():
-            self.stats.warm_skipped_in_capture += 1
-            return 0
-        import time
-
-        import torch
-
-        started = time.perf_counter_ns()
-        launched = 0
-        policy = self._policy()
-        for profile in profiles:
-            for rows, shape_width in profile.warm_shapes(policy, dbo):
-                # Varlen (SM100) plans one row per token with request indices; next_n is 1 there.
-                width = 1 if profile.varlen else shape_width
-                batch = align_batch(rows)
-                key = self._variant(profile.device, profile.block_kv, num_sms, batch, width, profile.varlen)
-                if key in self._warmed:
-                    continue
-                # A variant that fails (no JIT toolchain, OOM) is marked done too: warm-up is an
-                # optimisation, and "entered" publishes on every DBO step, so a failing variant must
-                # not be retried per step. The call site compiles it on first use, as vLLM would.
-                self._warmed.add(key)
-                try:
-                    lens = torch.ones((batch, width), dtype=torch.int32, device=profile.device)
-                    indices = torch.arange(batch, dtype=torch.int32, device=profile.device) if profile.varlen else None
-                    planner.plan(lens, profile.block_kv, num_sms, indices)
-                except Exception as exc:
-                    self.stats.warm_failures += 1
-                    if self.stats.warm_failures == 1:
-                        logger.warning(
-                            "dbo_runtime: planner warm-up for %d SMs failed (%r); the variant compiles on first use",
-                            num_sms,
-                            exc,
-                        )
-                    continue
-                launched += 1
-        self._warm_done.add(done)
-        self.stats.warmups += launched
-        elapsed = time.perf_counter_ns() - started
-        self.stats.warm_ns += elapsed
-        if launched:
-            logger.info(
-                "dbo_runtime: warmed %d paged-MQA planners for %d SMs on device %d in %.1f s (%s; %s)",
-                launched,
-                num_sms,
-                device_index,
-                elapsed / 1e9,
-                "DBO count" if dbo else "full GPU",
-                policy.source,
-            )
-        return launched
-
-
 _CACHE: IndexerScheduleCache | None = None
 _CACHE_LOCK = threading.Lock()
 

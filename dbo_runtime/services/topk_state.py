@@ -54,89 +54,17 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dbo_runtime.core.errors import ConfigError, DboRuntimeError
+from dbo_runtime.core.errors import DboRuntimeError
 from dbo_runtime.core.settings import LAYOUT_ENV, TopkLayout, parse_layout
 
 UbatchLocator = Callable[[], tuple[int, int]]
 """Returns ``(microbatch id, token offset)`` of the calling thread; ``(0, 0)`` outside DBO."""
-
-# -- layer pattern and memory ------------------------------------------------------------------
-def index_leaders(
-    num_layers: int,
-    index_topk_freq: int = 1,
-    index_skip_topk_offset: int = 2,
-    index_topk_pattern: str | None = None,
-) -> list[bool]:
-    """Which layers run the indexer, by the formula of ``DeepseekV32Attention.__init__``.
-
-    (vLLM 0.33.0 ``models/deepseek_v32/attention.py:166-177``: ``skip_topk =
-    max(layer - offset + 1, 0) % freq != 0``, or ``pattern[layer] == "S"``.)
-    """
-    if index_topk_freq < 1:
-        raise ConfigError("index_topk_freq", index_topk_freq, "an integer >= 1")
-    out = []
-    for layer in range(num_layers):
-        if index_topk_pattern is not None:
-            skip = layer < len(index_topk_pattern) and index_topk_pattern[layer] == "S"
-        else:
-            skip = max(layer - index_skip_topk_offset + 1, 0) % index_topk_freq != 0
-        out.append(not skip)
-    return out
-
-
-def groups_with_followers(leaders: Sequence[bool]) -> int:
-    """Index groups (a leader and the followers after it) that have at least one follower."""
-    count = 0
-    for i, is_leader in enumerate(leaders):
-        if is_leader and i + 1 < len(leaders) and not leaders[i + 1]:
-            count += 1
-    return count
-
-
-def max_decode_rows(max_num_batched_tokens: int, max_num_seqs: int, max_decode_query_len: int = 1) -> int:
-    """vLLM's ``get_sparse_mla_index_group_max_rows`` (``index_group.py:406-411``)."""
-    return min(max_num_batched_tokens, max_num_seqs * max_decode_query_len)
-
-
-def topk_memory_bytes(
-    *,
-    num_layers: int,
-    index_topk_freq: int,
-    index_skip_topk_offset: int,
-    index_topk: int,
-    max_num_batched_tokens: int,
-    max_num_seqs: int,
-    max_decode_query_len: int = 1,
-    index_topk_pattern: str | None = None,
-    index_dtype_bytes: int = 4,
-) -> dict[str, int]:
-    """Device bytes each extra microbatch costs, for both layouts.
-
-    ``copies`` counts the logical buffer, each group's physical workspace and its
-    int32 valid counts (upstream's quoted formula omits the counts, a few KiB per
-    group); ``windows`` allocates nothing. Also returns the inputs derived on the
-    way (``groups_with_followers``, ``max_decode_rows``).
-    """
-    leaders = index_leaders(num_layers, index_topk_freq, index_skip_topk_offset, index_topk_pattern)
-    groups = groups_with_followers(leaders)
-    rows = max_decode_rows(max_num_batched_tokens, max_num_seqs, max_decode_query_len)
-    copies = 0
-    if groups:
-        copies = max_num_batched_tokens * index_topk * index_dtype_bytes
-        copies += groups * (rows + 1) * (index_topk * index_dtype_bytes + 4)
-    return {
-        "copies": copies,
-        "windows": 0,
-        "groups_with_followers": groups,
-        "max_decode_rows": rows,
-    }
-
 
 # -- per-microbatch views ------------------------------------------------------------------------
 @dataclass
@@ -431,4 +359,4 @@ class UbatchTopkState:
             return len(self._logical)
 
 
-__all__ = ["LAYOUT_ENV", "GroupView", "TopkLayout", "UbatchTopkState", "index_leaders", "parse_layout", "topk_memory_bytes"]
+__all__ = ["LAYOUT_ENV", "GroupView", "TopkLayout", "UbatchTopkState", "parse_layout"]

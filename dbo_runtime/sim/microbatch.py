@@ -11,7 +11,7 @@ i.e. between layers); a shared compute stream and a shared comm stream with
 per-microbatch done events; the main thread releases microbatch 0 and joins,
 inside ``torch.cuda.graph`` when capturing.
 
-``current_ubatch_id()`` returns 0 on any thread that is not a microbatch
+``current_ubatch()`` returns ``(0, 0)`` on any thread that is not a microbatch
 thread -- unlike vLLM's ``dbo_current_ubatch_id``, which raises on the main
 thread while microbatch threads are parked.
 """
@@ -24,10 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _THREAD_TO_UBATCH: dict[int, tuple[int, int]] = {}
-
-
-def current_ubatch_id() -> int:
-    return _THREAD_TO_UBATCH.get(threading.get_ident(), (0, 0))[0]
 
 
 def current_ubatch() -> tuple[int, int]:

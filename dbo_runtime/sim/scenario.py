@@ -44,9 +44,11 @@ import torch
 
 from dbo_runtime.core.budget import SMBudget, compute_budget, deep_gemm_compute_multiple
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.services.schedule_cache import IndexerScheduleCache, PlannerProfile
+from dbo_runtime.core.topk_memory import index_leaders
+from dbo_runtime.services.planner_warmup import PlannerProfile
+from dbo_runtime.services.schedule_cache import IndexerScheduleCache
 from dbo_runtime.services.sm_control import BudgetEvent, FunctionKnob, SMControl
-from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState, index_leaders
+from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from dbo_runtime.sim.backends import KernelBackend, ScheduleAssertion
 from dbo_runtime.sim.microbatch import MicrobatchContext, current_ubatch, start_microbatches
 

@@ -116,8 +116,8 @@ def test_every_family_geometry_is_bit_identical_under_the_dbo_count(
 def test_out_of_memory_on_a_microbatch_thread_allocates_nothing_and_never_raises(
     cuda_device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dbo_runtime.integration import ubatch_guard, ubatch_ids
-    from dbo_runtime.integration.indexer_hooks import _make_logits
+    from dbo_runtime.integration import indexer_hooks, ubatch_guard, ubatch_ids
+    from dbo_runtime.integration.patching import _shielded
 
     monkeypatch.setattr(ubatch_guard, "_RESERVED", {})
     ubatch_guard.reserve_placeholders(cuda_device, MAX_CTX)  # what register_builder does at model load
@@ -127,7 +127,8 @@ def test_out_of_memory_on_a_microbatch_thread_allocates_nothing_and_never_raises
                       max_model_len: int, indices: Any | None = None) -> Any:  # fmt: skip
         return torch.empty((1 << 45,), dtype=torch.uint8, device=cuda_device)  # 32 TiB: a real CUDA OOM
 
-    wrapped = _make_logits(out_of_memory)
+    [patch] = [p for p in indexer_hooks.patches() if p.name == "indexer.logits.sparse_attn_indexer"]
+    wrapped = _shielded(patch, patch.make(out_of_memory), out_of_memory)  # what PatchSet installs
     table = {threading.get_ident(): 1}  # this thread is DBO microbatch 1 (vLLM's thread table, absent here)
     monkeypatch.setattr(ubatch_ids, "_module", SimpleNamespace(_THREAD_ID_TO_CONTEXT=table, _CURRENT_CONTEXTS=[]))
     ubatch_guard.FAILURES.take()
@@ -136,7 +137,7 @@ def test_out_of_memory_on_a_microbatch_thread_allocates_nothing_and_never_raises
     out = _call(wrapped, c, torch.zeros((2, 2), dtype=torch.int32, device=cuda_device))
     after = torch.cuda.memory_stats(cuda_device)["allocation.all.allocated"]
     [(where, ubatch, exc)] = ubatch_guard.FAILURES.take()
-    assert where == "indexer logits call site" and ubatch == 1 and isinstance(exc, torch.OutOfMemoryError)
+    assert where == "indexer.logits.sparse_attn_indexer" and ubatch == 1 and isinstance(exc, torch.OutOfMemoryError)
     assert after == before, f"the handler allocated {after - before} blocks"
     assert tuple(out.shape) == (len(CONTEXTS), MAX_CTX) and out.stride() == (0, 1) and out.dtype == torch.float32
     assert torch.topk(out, 4, dim=1).values.abs().sum().item() == 0.0  # a downstream kernel reads it in bounds

@@ -25,7 +25,8 @@ import torch
 from dbo_runtime.adapters.cuda_graph import capture_id
 from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner, schedule_slots
 from dbo_runtime.core.budget import compute_budget
-from dbo_runtime.services.schedule_cache import IndexerScheduleCache, PlannerProfile
+from dbo_runtime.services.planner_warmup import PlannerProfile
+from dbo_runtime.services.schedule_cache import IndexerScheduleCache
 from dbo_runtime.services.sm_control import SMControl
 
 HEADS, DIM, BLOCK = 32, 128, 64
@@ -374,7 +375,8 @@ def test_announced_budget_warms_planner_outside_capture(
     )
     control.announce(budget)
     torch.cuda.synchronize()
-    assert cache.dbo_sms(control.device) == total - 20
+    with cache.microbatched_build():
+        assert cache.plan_ahead_sms(control.device) == total - 20
     distinct_slots = {schedule_slots(total - 20, 1), schedule_slots(total - 20, 4)}  # SM90: 112 and 56
     assert cache.stats.warmups == 2 * len(distinct_slots)  # batch buckets 32 and 64
 

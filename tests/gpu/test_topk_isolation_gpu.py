@@ -30,7 +30,8 @@ from typing import Any
 import pytest
 import torch
 
-from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState, index_leaders
+from dbo_runtime.core.topk_memory import index_leaders
+from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 
 NUM_LAYERS = 12  # freq 4, offset 3 -> leaders 0, 1, 2, 6, 10; groups with followers at 2, 6, 10
 TOPK = 64

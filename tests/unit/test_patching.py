@@ -262,3 +262,40 @@ def test_probe_target(target: str) -> None:
     assert probe_target(p("f", target, "func")).state == "found"
     assert probe_target(p("x", target, "nope")).state == "missing"
     assert probe_target(p("y", target, "nope", optional=True)).state == "skipped"
+
+
+def test_a_patch_that_runs_on_microbatch_threads_is_shielded_by_the_set(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``runs_on_ubatch_thread`` is applied by PatchSet, not by each hook: on a microbatch thread a failure is
+    recorded and the fallback (default: vLLM's original) answers; off one it raises as it came."""
+    import importlib
+
+    from dbo_runtime.integration import ubatch_failures, ubatch_ids
+
+    def failing(original: object) -> object:
+        def replacement(x: int) -> int:
+            raise RuntimeError("plugin bug")
+
+        return replacement
+
+    ps = PatchSet([Patch(name="t.shielded", module=target, attr="func", make=failing, reason="t", upstream_pr="-",
+                         removal="-", runs_on_ubatch_thread=True)])  # fmt: skip
+    ps.install()
+    try:
+        mod = importlib.import_module(target)
+        with pytest.raises(RuntimeError, match="plugin bug"):
+            mod.func(1)  # not a microbatch thread
+        monkeypatch.setattr(ubatch_ids, "ubatch_thread_id", lambda: 1)
+        ubatch_failures.FAILURES.take()
+        assert mod.func(1) == 2  # vLLM's original answered
+        [(where, ubatch, exc)] = ubatch_failures.FAILURES.take()
+        assert where == "t.shielded" and ubatch == 1 and str(exc) == "plugin bug"
+    finally:
+        ps.uninstall()
+
+
+def test_a_replacement_that_cannot_be_shielded_does_not_install(target: str) -> None:
+    ps = PatchSet([Patch(name="t.value", module=target, attr="func", make=lambda o: 42, reason="t", upstream_pr="-",
+                         removal="-", runs_on_ubatch_thread=True)])  # fmt: skip
+    with pytest.raises(PatchError, match="cannot be shielded"):
+        ps.install()
+    assert not ps.installed

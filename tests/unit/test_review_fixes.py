@@ -10,7 +10,8 @@ import pytest
 
 from dbo_runtime.core.budget import compute_budget
 from dbo_runtime.core.errors import MicrobatchFailure
-from dbo_runtime.services.schedule_cache import IndexerScheduleCache, PlannerProfile
+from dbo_runtime.services.planner_warmup import PlannerProfile
+from dbo_runtime.services.schedule_cache import IndexerScheduleCache
 from dbo_runtime.services.sm_control import SMControl
 from tests.fakes.fake_deep_gemm import FakeDeepGemm, FakeSchedulePlanner
 

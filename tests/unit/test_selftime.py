@@ -86,7 +86,7 @@ def test_descriptor_and_property_accesses_are_timed_and_counted(monkeypatch: pyt
     assert "test.descriptor" not in after["untimed"]
 
 
-def test_patchset_wraps_only_when_enabled_and_restores_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_patchset_wraps_only_with_the_instrument_and_restores_identity(monkeypatch: pytest.MonkeyPatch) -> None:
     module = types.ModuleType("fake_vllm_module_for_selftime")
 
     def target(x: int) -> int:
@@ -108,7 +108,7 @@ def test_patchset_wraps_only_when_enabled_and_restores_identity(monkeypatch: pyt
         )
         monkeypatch.setenv(selftime.ENV, "1")
         before = selftime.snapshot(calibrate=False)["calls"]
-        ps = PatchSet([patch])
+        ps = PatchSet([patch], instrument=selftime)
         ps.install()
         assert module.target(1) == 20  # type: ignore[attr-defined]
         assert selftime.snapshot(calibrate=False)["calls"] == before + 1

@@ -155,7 +155,8 @@ def test_body_exception_still_wins_over_a_failing_subscriber(rec: FakeKnobs) -> 
 
 def test_planner_warm_up_failing_on_entered_does_not_fail_the_step(rec: FakeKnobs) -> None:
     """The real schedule-cache subscriber: a planner JIT compile that fails on an unannounced budget."""
-    from dbo_runtime.services.schedule_cache import IndexerScheduleCache, PlannerProfile
+    from dbo_runtime.services.planner_warmup import PlannerProfile
+    from dbo_runtime.services.schedule_cache import IndexerScheduleCache
     from tests.fakes.fake_deep_gemm import FakeDeepGemm, FakeSchedulePlanner
 
     class FailingJit(FakeSchedulePlanner):

@@ -284,3 +284,19 @@ def test_log_lines_reach_vllms_handler() -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-2000:]
     assert "INFO" in out and "dbo_runtime: " in out and "patches installed for vLLM 0.33" in out, out[-2000:]
+
+
+def test_self_time_times_every_patch_descriptors_included(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The top-k descriptors used to be left untimed, so the published self-time missed their accesses."""
+    import vllm.model_executor.layers.sparse_attn_indexer  # noqa: F401  (the modules a DSA model imports)
+    import vllm.models.deepseek_v32.attention  # noqa: F401
+
+    from dbo_runtime.integration import selftime
+
+    monkeypatch.setenv("DBO_RUNTIME_SELF_TIME", "1")
+    plugin.register()
+    untimed = set(selftime.snapshot(calibrate=False)["untimed"])
+    assert not untimed & {p.name for p in plugin.all_patches()}, untimed
+    kinds = selftime.snapshot(calibrate=False)["kinds"]
+    assert kinds["topk.DeepseekV32Attention.topk_indices_buffer"] == "descriptor"
+    assert kinds["topk.SharedTopkIndicesBuffer.topk_indices_buffer"] == "property"

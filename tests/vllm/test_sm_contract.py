@@ -299,7 +299,7 @@ def test_ubatch_split_matches_vllm(tokens_per_request: list[int], padded: int) -
     import numpy as np
     from vllm.v1.worker.ubatch_utils import maybe_create_ubatch_slices
 
-    from dbo_runtime.services.schedule_cache import ubatch_split
+    from dbo_runtime.core.planner_shapes import ubatch_split
 
     reqs_padded = len(tokens_per_request)
     _, slices = maybe_create_ubatch_slices(True, np.array(tokens_per_request, dtype=np.int32), padded, reqs_padded, 2)

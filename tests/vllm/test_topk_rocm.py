@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 
 from dbo_runtime.core.errors import UnsupportedConfiguration
-from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState, index_leaders
+from dbo_runtime.core.topk_memory import index_leaders
+from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from tests.vllm.test_topk_isolation import dbo_config, installed  # noqa: F401 - fixture
 
 TOPK = 8

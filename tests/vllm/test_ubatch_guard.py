@@ -309,20 +309,20 @@ def test_a_plugin_fault_on_a_microbatch_finishes_the_step_and_raises_on_the_main
         env.locator.ubatch = 1
         expected = "injected top-k resolver fault"
         hooks = {
-            "top-k buffer (DeepseekV32Attention.topk_indices_buffer)",
-            "top-k buffer (DeepseekV32Indexer.topk_indices_buffer)",
-            "top-k logical buffer (sparse MLA impl)",
-            "top-k group view (_convert_once)",
-            "top-k group view (set_logical_topk_ready)",
+            "topk.DeepseekV32Attention.topk_indices_buffer",
+            "topk.DeepseekV32Indexer.topk_indices_buffer",
+            "topk.SharedTopkIndicesBuffer.topk_indices_buffer",
+            "topk.group_convert_once",
+            "topk.group_set_logical_topk_ready",
         }
     elif fault == "logits_replan":
         env.planner.fail_on = 1
         expected = "injected DeepGEMM JIT failure"
-        hooks = {"indexer logits call site"}
+        hooks = {"indexer.logits.sparse_attn_indexer"}
     else:
         env.planner.fail_live_on = 1
         expected = "injected DeepGEMM get_num_sms failure"
-        hooks = {"indexer logits call site"}
+        hooks = {"indexer.logits.sparse_attn_indexer"}
     result, error = RUNNERS[runner](env)
 
     from dbo_runtime.core.errors import MicrobatchFailure
@@ -429,7 +429,7 @@ def test_out_of_memory_on_a_microbatch_never_hangs_and_the_handler_allocates_not
     result, error = RUNNERS[runner](env)
     assert result is None and isinstance(error, MicrobatchFailure), repr(error)
     assert isinstance(error.__cause__, torch.OutOfMemoryError)
-    assert {where for where, _, _ in error.failures} == {"indexer logits call site"}
+    assert {where for where, _, _ in error.failures} == {"indexer.logits.sparse_attn_indexer"}
     assert env.dbo_model.done == {0: len(env.model.layers), 1: len(env.model.layers)}
     assert handler_allocations == ([] if reserved else ["zeros"] * len(env.dbo_model.logits_rows[1]))
     env.planner.oom_on = None

@@ -1,0 +1,145 @@
+"""Failures of dbo_runtime code on a DBO microbatch thread: recorded there, raised on the main thread later.
+
+vLLM 0.33.0 does not wake the partner microbatch when one thread dies (``ubatch_guard`` explains the hang), so
+no exception may leave plugin code on a microbatch thread. A patch that runs there declares
+``runs_on_ubatch_thread=True`` and ``PatchSet`` shields its replacement (``shield``): a failure is recorded
+(``FAILURES``), the call continues with the patch's fallback -- vLLM's own behaviour or a placeholder -- and the
+join points in ``ubatch_guard`` raise it after the threads are joined. Off a microbatch thread the failure is
+raised as it came. Data descriptors shield their own ``__get__`` (``MicrobatchAttr``): a wrapper there would cost
+a call on every one of the ~950 accesses of an eager GLM-5.3 step.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dbo_runtime.core.errors import MicrobatchFailure
+from dbo_runtime.core.log import get_logger
+from dbo_runtime.integration import ubatch_ids
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class UbatchFailures:
+    """Failures recorded on microbatch threads since the last join check (process-wide)."""
+
+    pending: list[tuple[str, int, BaseException]] = field(default_factory=list)
+    recorded_total: int = 0
+    by_where: dict[str, int] = field(default_factory=dict)
+    _logged: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, where: str, exc: BaseException) -> bool:
+        """Record ``exc`` if the calling thread is a DBO microbatch thread; False means "re-raise it"."""
+        ubatch = ubatch_ids.ubatch_thread_id()
+        if ubatch is None:
+            return False
+        with self._lock:
+            self.pending.append((where, ubatch, exc))
+            self.recorded_total += 1
+            self.by_where[where] = self.by_where.get(where, 0) + 1
+            first = where not in self._logged
+            self._logged.add(where)
+        try:
+            if first:
+                logger.error(
+                    "dbo_runtime: %s failed on DBO microbatch %d (%r); continuing the microbatch with a "
+                    "placeholder so no thread is left waiting, and raising on the main thread after the join",
+                    where,
+                    ubatch,
+                    exc,
+                    exc_info=exc,
+                )
+            else:
+                logger.debug("dbo_runtime: %s failed again on DBO microbatch %d: %r", where, ubatch, exc)
+        except Exception:  # a broken log handler must not undo the guarantee
+            pass
+        return True
+
+    def take(self) -> list[tuple[str, int, BaseException]]:
+        with self._lock:
+            taken, self.pending = self.pending, []
+        return taken
+
+    def raise_pending(self, also: BaseException | None = None) -> None:
+        """On the main thread after the join: raise what the microbatches recorded, if anything
+        (``also``: the error vLLM itself raised at the join, named in the message)."""
+        if self.pending:
+            taken = self.take()
+            if taken:
+                raise MicrobatchFailure(taken, also)
+
+
+FAILURES = UbatchFailures()
+
+
+def record(where: str, exc: BaseException) -> bool:
+    """``FAILURES.record``: True when recorded (microbatch thread), False when the caller must re-raise."""
+    try:
+        return FAILURES.record(where, exc)
+    except Exception:
+        return False
+
+
+def shield(fn: Callable[..., Any], fallback: Callable[..., Any], where: str) -> Callable[..., Any]:
+    """``fn`` that, on a microbatch thread, records a failure and returns ``fallback(*args, **kwargs)`` instead."""
+
+    @functools.wraps(fn)
+    def shielded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if not record(where, exc):
+                raise
+            return fallback(*args, **kwargs)
+
+    return shielded
+
+
+class MicrobatchAttr:
+    """An instance attribute, as a class data descriptor that resolves the calling microbatch's value.
+
+    The value stays in the instance ``__dict__`` under the attribute's own name, so uninstalling the
+    descriptor leaves every live object with its plain attribute. ``nn.Module.__setattr__`` hands plain tensors
+    to ``object``'s, which honours class data descriptors, so vLLM's assignments land in ``__set__``.
+    Subclasses implement ``resolve``; a failure there is shielded (``where`` is set to the patch's name).
+    """
+
+    where = "microbatch attribute"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def resolve(self, obj: Any, value: Any) -> Any:
+        return value
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            value = obj.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+        try:
+            return self.resolve(obj, value)
+        except Exception as exc:
+            if not record(self.where, exc):
+                raise
+            return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.name] = value
+
+    def __delete__(self, obj: Any) -> None:
+        try:
+            del obj.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+
+__all__ = ["FAILURES", "MicrobatchAttr", "UbatchFailures", "record", "shield"]

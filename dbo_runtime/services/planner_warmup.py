@@ -1,0 +1,176 @@
+"""JIT-compiling DeepGEMM's paged-MQA planners at model load, so no step compiles one.
+
+DeepGEMM compiles one planner per (32-aligned batch, SM slots, block, varlen), about 1-2 s each on a cold
+cache. Under DeepEP high-throughput with DP > 1 vLLM runs every step eager, so a first use inside a step
+stalls the whole DP group while one rank compiles. So, outside any capture, the warm-up compiles what a
+decode step of this configuration can present, at the builder's own SM count (steps that do not
+microbatch) and at every announced DBO count; the policy follows vLLM's ``VLLM_DEEP_GEMM_WARMUP``
+(``core.settings.warm_policy``). Planner launches by steps are checked against what was compiled, and the
+variants met first in a step are counted (``jit_in_step``: the goal is 0).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dbo_runtime.adapters.deep_gemm import next_n_of
+from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.log import get_logger
+from dbo_runtime.core.planner_shapes import align_batch, aligned_buckets
+from dbo_runtime.core.settings import WARM_MAX_BATCH_ENV, WarmPolicy, warm_policy
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PlannerProfile:
+    """What an indexer builder will ask the planner for at the DBO count (registered at builder construction)."""
+
+    device: Any
+    block_kv: int
+    shapes: tuple[tuple[int, int], ...]
+    """``(rows, width)`` of the planner's ``context_lens`` per microbatch (``dbo_planner_shapes``)."""
+    varlen: bool = False
+    max_rows: int = 0
+    """Planner rows of the largest decode step (``max_num_seqs``, or its tokens with per-token rows)."""
+    width: int = 1
+    """``context_lens`` width of this builder's decode steps (``1 + speculative tokens``, or 1 per token)."""
+
+    def warm_shapes(self, policy: WarmPolicy, dbo: bool) -> list[tuple[int, int]]:
+        """What to compile at load under ``policy``: at the DBO count (``dbo``) or the builder's own."""
+        if policy.mode == "off":
+            return []
+        if policy.mode == "minimal":
+            return list(self.shapes) if dbo else []
+        cap = policy.cap if policy.cap is not None else self.max_rows
+        buckets = [(rows, self.width) for rows in aligned_buckets(cap)] if cap > 0 else []
+        return (list(self.shapes) if dbo else []) + buckets
+
+
+class PlannerWarmup:
+    """The profiles registered per device, the variants compiled so far, and the warm-up itself."""
+
+    def __init__(self, planner: Callable[[], Any], stats: Any, dbo_sms: Callable[[int], int | None]) -> None:
+        self._planner = planner
+        self.stats = stats
+        self._dbo_sms = dbo_sms
+        self._lock = threading.RLock()
+        self._profiles: dict[int, list[PlannerProfile]] = {}
+        self._warmed: set[tuple[Any, ...]] = set()
+        self._warm_done: set[tuple[Any, ...]] = set()
+        self._sweep_warned = False
+
+    def variant(self, device: Any, block_kv: int, num_sms: int, rows: int, width: int, varlen: bool) -> tuple[Any, ...]:
+        """What DeepGEMM compiles one planner for: ``(aligned batch, SPLIT_KV, slots, varlen)`` on a device."""
+        where = f"{getattr(device, 'type', device)}:{getattr(device, 'index', None) or 0}"
+        return (where, int(block_kv), self._planner().slots(int(num_sms), 1 if varlen else int(width)), align_batch(rows), varlen)
+
+    def note_plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None) -> None:
+        """A planner launched by a step (the build, a re-plan, a deferred plan): count a variant the warm-up
+        did not cover (``stats.jit_in_step``). Never raises: it only counts."""
+        try:
+            rows = int(context_lens.shape[0])
+            key = self.variant(context_lens.device, block_kv, num_sms, rows, next_n_of(context_lens), indices is not None)
+        except Exception:
+            return
+        if key not in self._warmed:
+            self._warmed.add(key)
+            self.stats.jit_in_step += 1
+
+    def register_profile(self, device_index: int, profile: PlannerProfile, *, full_sms: int | None = None) -> None:
+        """An indexer builder exists for ``device_index``: warm it for its own SM count (``full_sms``, the
+        non-DBO steps) and for every announced DBO count."""
+        with self._lock:
+            profiles = self._profiles.setdefault(device_index, [])
+            if profile not in profiles:
+                profiles.append(profile)
+        if full_sms is not None:
+            self.warm(device_index, int(full_sms), dbo=False)
+        sms = self._dbo_sms(device_index)
+        if sms is not None:
+            self.warm(device_index, sms)
+
+    def _policy(self) -> WarmPolicy:
+        """``warm_policy()``, but a bad value is logged once and read as unset: warm-up runs inside the
+        ``entered`` publish of every DBO step until a count is warm, so a raise there would log a traceback
+        per step and never warm anything. ``doctor`` and ``simulate`` refuse the same value outright."""
+        try:
+            return warm_policy()
+        except ConfigError as exc:
+            if not self._sweep_warned:
+                self._sweep_warned = True
+                logger.warning("dbo_runtime: %s; read as unset", exc)
+            import os
+
+            return warm_policy({k: v for k, v in os.environ.items() if k != WARM_MAX_BATCH_ENV})
+
+    def warm(self, device_index: int, num_sms: int, *, dbo: bool = True) -> int:
+        """Launch the planner once per distinct variant of every registered profile at ``num_sms``.
+
+        A variant is what DeepGEMM compiles (``_variant``); ``next_n`` is a runtime argument except
+        through the slot count (SM90 ``next_n == 4``: half). Never inside a capture (a JIT compile there
+        would be fatal): skipped and counted; eager warm-up runs precede every capture in both runners.
+        """
+        profiles = self._profiles.get(device_index, [])
+        if not profiles:
+            return 0
+        # Published on every DBO step ("entered"): once a count is warm for the current
+        # profile set, return before any probe, env read or bucket walk.
+        done = (device_index, num_sms, dbo, len(profiles))
+        if done in self._warm_done:
+            return 0
+        planner = self._planner()
+        if planner.capturing():
+            self.stats.warm_skipped_in_capture += 1
+            return 0
+        import time
+
+        import torch
+
+        started = time.perf_counter_ns()
+        launched = 0
+        policy = self._policy()
+        for profile in profiles:
+            for rows, shape_width in profile.warm_shapes(policy, dbo):
+                # Varlen (SM100) plans one row per token with request indices; next_n is 1 there.
+                width = 1 if profile.varlen else shape_width
+                batch = align_batch(rows)
+                key = self.variant(profile.device, profile.block_kv, num_sms, batch, width, profile.varlen)
+                if key in self._warmed:
+                    continue
+                # A variant that fails (no JIT toolchain, OOM) is marked done too: warm-up is an
+                # optimisation, and "entered" publishes on every DBO step, so a failing variant must
+                # not be retried per step. The call site compiles it on first use, as vLLM would.
+                self._warmed.add(key)
+                try:
+                    lens = torch.ones((batch, width), dtype=torch.int32, device=profile.device)
+                    indices = torch.arange(batch, dtype=torch.int32, device=profile.device) if profile.varlen else None
+                    planner.plan(lens, profile.block_kv, num_sms, indices)
+                except Exception as exc:
+                    self.stats.warm_failures += 1
+                    if self.stats.warm_failures == 1:
+                        logger.warning(
+                            "dbo_runtime: planner warm-up for %d SMs failed (%r); the variant compiles on first use",
+                            num_sms,
+                            exc,
+                        )
+                    continue
+                launched += 1
+        self._warm_done.add(done)
+        self.stats.warmups += launched
+        elapsed = time.perf_counter_ns() - started
+        self.stats.warm_ns += elapsed
+        if launched:
+            logger.info(
+                "dbo_runtime: warmed %d paged-MQA planners for %d SMs on device %d in %.1f s (%s; %s)",
+                launched,
+                num_sms,
+                device_index,
+                elapsed / 1e9,
+                "DBO count" if dbo else "full GPU",
+                policy.source,
+            )
+        return launched

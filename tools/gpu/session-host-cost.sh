@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# On the GPU machine, after install.sh: graphs/bench_host_cost.py, results into $OUT (JSON, PNG, run logs as a tarball).
+#   tools/gpu/session-host-cost.sh [seconds] [bench_host_cost.py arguments ...]
+set -u
+: "${OUT:?set OUT (the device machine sets it)}"
+cd "$(dirname "$0")/../.."
+LIMIT=${1:-540}
+shift || true
+. tools/gpu/env.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
+mkdir -p /tmp/host-cost
+timeout "$LIMIT" python3 graphs/bench_host_cost.py --out /tmp/host-cost "$@" > /tmp/host-cost/bench.log 2>&1
+echo "exit $?" >> /tmp/host-cost/bench.log
+cp /tmp/host-cost/bench_host_cost.json /tmp/host-cost/bench_host_cost.png "$OUT/" 2>/dev/null
+tar czf "$OUT/host-cost-runs.tgz" -C /tmp/host-cost bench.log bench_host_cost_runs 2>/dev/null
+tail -40 /tmp/host-cost/bench.log
