@@ -107,7 +107,7 @@ def print_table(
     key_width = max([len(columns[0]), *(len(row[0]) for row in rows)]) if columns else 0
     for i, column in enumerate(columns):
         if compact:
-            # folded, not cut: on an 80-column terminal no_wrap ended cells in "…" (new-user review)
+            # folded, not cut: on an 80-column terminal no_wrap would end cells in "…"
             table.add_column(column, overflow="fold")
         else:
             # the first column is the row's key (GPU label, patch name): never folded, so it stays greppable

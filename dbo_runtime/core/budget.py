@@ -1,14 +1,9 @@
 """The SM budget and vLLM 0.33.0's partition policy, as a pure function.
 
-vLLM decides the compute/comm split in ``create_sm_control_context``
-(``vllm/v1/worker/ubatch_utils.py:83-126``) from the environment, the
-platform, the parallel config and the all2all manager, and then flips
-process-global library knobs. dbo_runtime needs the *decision* separately from
-the *knob turning*: subscribers (the indexer schedule cache, the planner
-warm-up, the CLI) must know the budget before any kernel runs under it, and the
-CLI must reproduce the split on a machine without a GPU. So the decision lives
-here, with no vLLM or DeepGEMM import, and is checked against vLLM's own
-function by the contract tests in ``tests/vllm``.
+vLLM decides the compute/comm split in ``create_sm_control_context`` (``v1/worker/ubatch_utils.py:83-126``)
+and turns process-global knobs in the same breath. Subscribers (the schedule cache, the warm-up, the CLI) must
+know the decision before any kernel runs under it, and the CLI must reproduce it without a GPU, so the decision
+lives here, pure, checked against vLLM's function by the contract tests.
 """
 
 from __future__ import annotations
@@ -59,15 +54,9 @@ DEEP_GEMM_COMPUTE_MULTIPLE: dict[int, int] = {9: 2}
 
 
 def deep_gemm_compute_multiple(sm_major: int) -> int:
-    """The multiple DeepGEMM's SM count must be a multiple of on a device of this major (see above).
-
-    Keyed by the major alone, not by the model's ``next_n``: vLLM creates the
-    SM-control context from the parallel config only (MRV2 does it in
-    ``initialize_kv_cache``, before any indexer builder exists), so the budget
-    cannot know whether an MTP-3 DSA indexer will run. The rounding it causes
-    only ever happens for odd compute counts, which the default split never
-    produces (132 - 20 = 112).
-    """
+    """The multiple DeepGEMM's SM count must have on a device of this major. Keyed by the major alone: vLLM
+    builds the SM-control context from the parallel config only (MRV2 before any indexer builder exists), so
+    the budget cannot know whether an MTP-3 indexer will run; the default split (132 - 20) is even anyway."""
     return DEEP_GEMM_COMPUTE_MULTIPLE.get(int(sm_major), 1)
 
 
@@ -239,10 +228,11 @@ def decide_comm(
     has_deep_gemm: bool,
     allow_unknown_backend: bool = False,
 ) -> CommDecision:
-    """The comm share and knobs, in vLLM's order (``compute_budget`` adds the checks that need the total).
-
-    ``allow_unknown_backend``: an all2all backend missing from ``ALL2ALL_BACKENDS`` (vLLM adds them) is
-    taken as it comes, with its manager's ``max_sms_used()``; the CLI keeps refusing typos."""
+    """The comm share and knobs, in vLLM's order: (1) ``comm = VLLM_DBO_COMM_SMS`` (20 CUDA / 64 ROCm); (2) ROCm +
+    DBO + DeepEP HT forces 0; (3) under EP with a manager, ``max_sms_used()`` caps it (None: no cap) and the
+    comm knob turns when ``comm > 0``; (4) DeepGEMM's knob turns when DeepGEMM loads and ``comm > 0``, also
+    without EP. ``allow_unknown_backend``: a backend missing from ``ALL2ALL_BACKENDS`` (vLLM adds them) is taken
+    as it comes, with its manager's ``max_sms_used()``; the CLI keeps refusing typos."""
     if platform not in PLATFORMS:
         raise ConfigError("platform", platform, PLATFORMS)
     if all2all_backend is not None and all2all_backend not in ALL2ALL_BACKENDS and not allow_unknown_backend:
@@ -280,40 +270,13 @@ def compute_budget(
     compute_multiple: int = 1,
     allow_unknown_backend: bool = False,
 ) -> SMBudget:
-    """vLLM 0.33.0 ``create_sm_control_context``, decision only.
-
-    Steps, in vLLM's order:
-
-    1. ``comm = VLLM_DBO_COMM_SMS`` (default 20 on CUDA, 64 on ROCm).
-    2. ROCm + ``enable_dbo`` + ``deepep_high_throughput`` forces ``comm = 0``
-       (reserving CUs there corrupts DP+EP accuracy, per vLLM's comment).
-    3. Under expert parallel with an all2all manager, ``max_sms_used()`` caps
-       ``comm`` (``None`` = no cap, ``0`` = partitioning off); the comm knob is
-       turned only when ``comm > 0``.
-    4. The compute (DeepGEMM) knob is turned when DeepGEMM is importable and
-       ``comm > 0`` -- also without expert parallel, as in vLLM.
-    5. ``comm < total`` or vLLM asserts; we raise a named error instead.
-
-    ``max_sms_used`` is only read when ``expert_parallel and has_all2all_manager``.
-    ``comm_cap`` is the all2all manager's own ceiling (vLLM's DeepEP HT manager
-    clamps every request to the ``num_sms`` its buffers were sized for, 20): the
-    even-count check of DeepEP applies to the clamped value, which is what
-    ``deep_ep.Buffer.set_num_sms`` receives.
-
-    ``compute_multiple`` (``deep_gemm_compute_multiple(sm_major)``: 2 on SM90)
-    is the one deliberate deviation from vLLM. When the compute knob is turned
-    and ``total - comm`` is not a multiple of it (an odd-SM GPU or MIG slice
-    with an even comm share, or an odd ``VLLM_DBO_COMM_SMS``), vLLM would hand
-    DeepGEMM an odd count, and the SM90 paged-MQA logits kernel at ``next_n ==
-    4`` then fails to launch (``CUDA_ERROR_INVALID_CLUSTER_SIZE``). We round
-    the compute share *down* instead of refusing: DeepGEMM's count is only the
-    number of SMs its persistent kernels spread over, so one SM fewer never
-    changes a result (the paged-MQA schedule is planned for the rounded count,
-    and for that kernel ``113 // 2 == 112 // 2`` tasks anyway); the comm side
-    keeps exactly its share, and the leftover SM stays idle. Refusing would make
-    the default ``VLLM_DBO_COMM_SMS`` unusable on every odd-SM device. Only when
-    rounding would leave no compute SM at all is the configuration refused,
-    naming ``VLLM_DBO_COMM_SMS`` and the total.
+    """vLLM 0.33.0 ``create_sm_control_context``, decision only: ``decide_comm`` (steps 1-4), then
+    ``comm < total`` (vLLM asserts; a named error here), DeepEP HT's even-count rule on the share that reaches
+    it (``comm_cap``: vLLM's HT manager clamps requests to the 20 SMs its buffers were sized for), and the one
+    deliberate deviation: where DeepGEMM's knob turns, its share is rounded *down* to ``compute_multiple`` (2 on
+    SM90, ``deep_gemm_compute_multiple``) and the leftover SM stays idle. DeepGEMM's count is only how many SMs
+    its persistent kernels spread over, so one fewer changes no result, while refusing would make the default
+    ``VLLM_DBO_COMM_SMS`` unusable on every odd-SM device; only a split that leaves no compute SM is refused.
     """
     if platform not in PLATFORMS:
         raise ConfigError("platform", platform, PLATFORMS)

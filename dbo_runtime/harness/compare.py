@@ -169,7 +169,7 @@ class Thresholds:
     reference token's logprob on the shared prefix by little; a wrong top-k moves it far, which
     ``max_dlogprob`` judges (with a lower bound where the token left the returned top-k). These
     assume a model whose next-token margins are wider than DBO's numerical noise, as a trained model's
-    are; on a random-weight model that is not so (docs/results.md, runs 11-13).
+    are; on a random-weight model that is not so (docs/results.md).
     """
 
     min_agreement: float = 0.95

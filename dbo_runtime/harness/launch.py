@@ -307,8 +307,8 @@ def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s
             error += f" | {detail}"
     requests = sorted((req for r in ranks for req in r.get("requests") or []), key=lambda q: q["index"])
     stats_end = [s for r in ranks for s in (r.get("stats_end") or [])]
-    # from the counter snapshots around the generate where a rank has them: a rank's own
-    # ``microbatched_builds`` was that delta taken the wrong way round before run 11 (replays re-derive it)
+    # from the counter snapshots around the generate where a rank has them, so a record written by an older
+    # runner (whose own ``microbatched_builds`` could be wrong) is re-derived on replay
     builds = [
         summary_delta(r["stats_start"], r["stats_end"], "microbatched_builds")
         if r.get("stats_start") and r.get("stats_end")

@@ -4,8 +4,7 @@ Why: comparing DBO on/off (or plugin/vanilla) needs the configurations measured 
 conditions. Restarting engines per rep costs a minute each; keeping every engine alive and giving
 them turns interleaves the reps at no start-up cost, while the engines that wait are idle (vLLM's
 engine core blocks on its input queue). The order rotates by one each rep (A B C, B C A, C A B, ...)
-so no configuration always runs first in a round (in runs 19-23 DBO off always did); the cyclic
-neighbours stay the same.
+so no configuration always runs first in a round; the cyclic neighbours stay the same.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ with U(-1, 1) times block scales that are themselves U(-1e-3, 1e-3) -- every ten
 from the same seed (``weight_utils.initialize_single_dummy_weight``). Each linear layer
 then scales its input down about 50x; the tiny models' next-token distribution is
 nearly flat (top logprob -8.03 against a uniform -8.32) and nearly every request
-starts with the same token. On 2x H200 (2026-11-30) the shared top-k corruption of
-vanilla DBO moved logprobs by 3.4e-4 on average and did not flip a single greedy token.
+starts with the same token: the shared top-k corruption of vanilla DBO moved logprobs by 3.4e-4 on
+average and flipped no greedy token on two H200s (docs/results.md).
 
 This format keeps everything the ``dummy`` loader does (no files, deterministic,
 fp8/online-quant handling) and then re-initialises the tensors the way a trained
@@ -34,9 +34,9 @@ Two gains shape how the network responds, set with
 * ``mlp_gain`` multiplies the MLP and MoE output projections (``down_proj``, ``w2_weight``), making
   their residual updates small.
 
-Why: with both at 1 the tiny model is chaotic. On 2x H200 (2026-11-30) DBO on vs off -- vanilla
-with ``VLLM_DBO_COMM_SMS=0`` and dbo_runtime alike, on the model without followers -- agreed on 6-11 %
-of greedy tokens: a request's first divergence came within ~4 tokens, because DBO is not
+Why: with both at 1 the tiny model is chaotic. DBO on vs off -- vanilla with ``VLLM_DBO_COMM_SMS=0``
+and dbo_runtime alike, on the model without followers -- agreed on 6-11 % of greedy tokens on two
+H200s (docs/results.md): a request's first divergence came within ~4 tokens, because DBO is not
 bit-identical (different GEMM shapes) and a random MoE router turns every near-tie into a different
 expert. A trained model is not like that. Small MLP updates keep routing flips small, and sharp
 attention keeps the model sensitive to which positions it reads -- which is exactly what a

@@ -1,21 +1,12 @@
 """vLLM's ``create_sm_control_context``, backed by SMControl.
 
-Upstream target: ``vllm.v1.worker.ubatch_utils.create_sm_control_context``
-(vLLM 0.33.0, ``v1/worker/ubatch_utils.py:83-126``), *as bound* in its two
-importers -- ``vllm.v1.worker.gpu_ubatch_wrapper`` (MRV1 ``UBatchWrapper``,
-``:25``/``:90``) and ``vllm.v1.worker.gpu.ubatch_utils`` (MRV2
-``UBatchRunner``, ``:30-35``/``:333``). Patching the defining module would not
-reach them: they imported the name.
-
-The replacement reads exactly the inputs vLLM reads, from the same module
-globals (``envs``, ``current_platform``, ``get_ep_group``, ``has_deep_gemm``,
-``num_compute_units``, ``deep_gemm_set_num_sms`` of
-``vllm.v1.worker.ubatch_utils``), feeds them to the pure policy in
-``dbo_runtime.core.budget`` and returns a context whose ``__enter__`` /
-``__exit__`` go through the device's SMControl. The knobs see the same call
-sequence as with vLLM's own context (the contract tests compare them), but the
-budget is now published to subscribers before any kernel runs under it, and
-nested or failing scopes restore the previous budget.
+vLLM 0.33.0 decides the DBO compute/comm split in ``v1/worker/ubatch_utils.py:create_sm_control_context`` and
+turns process-global knobs without telling anyone, so the indexer schedule cannot know the count it will run
+under. The replacement reads exactly vLLM's inputs from the same module globals, feeds them to the pure policy
+(``core.budget``), and returns a context that enters through the device's SMControl: the same knob calls as
+vLLM's (the contract tests compare them), but the budget is published before any kernel runs under it and a
+nested or failing scope restores the previous budget. Both runners bind the function by ``from`` import
+(``gpu_ubatch_wrapper``, ``gpu/ubatch_utils``), so each binding is patched.
 """
 
 from __future__ import annotations
@@ -124,14 +115,8 @@ _unknown_logged: set[str] = set()
 
 
 def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMKnob | None]:
-    """Compute the budget and knobs as vLLM 0.33.0 would, from its globals.
-
-    One deliberate deviation: on SM90 the compute share is rounded down to an
-    even count (``core.budget.deep_gemm_compute_multiple``), because DeepGEMM's
-    paged-MQA logits kernel at ``next_n == 4`` launches 2-CTA clusters over all
-    of DeepGEMM's SMs and fails with ``CUDA_ERROR_INVALID_CLUSTER_SIZE`` on an
-    odd count, where vLLM's own context would set ``total - comm``.
-    """
+    """The budget and knobs as vLLM 0.33.0 computes them, from its globals (on SM90 with DeepGEMM's count
+    rounded down to an even one: ``core.budget.deep_gemm_compute_multiple``)."""
     import torch
     from vllm.v1.worker import ubatch_utils as uu
 

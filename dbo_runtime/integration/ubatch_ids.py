@@ -29,18 +29,21 @@ def _ubatching() -> ModuleType:
 
 
 _resolved = threading.local()
-"""The calling microbatch thread's ``(id, token offset)``, resolved once per thread. vLLM starts fresh
-threads for every microbatched step (``UBatchWrapper._run_ubatches`` / ``UBatchRunner.begin_capturable_run``,
-both fingerprinted by ``ubatch_guard``), and a context's offset is fixed for its life, so one lookup per
-thread is one per forward. Only a registered thread is cached: the main thread is looked up every time."""
+"""The calling thread's ``(UBatchContext, (id, token offset))``, resolved once per thread and checked with one
+identity test: vLLM starts fresh threads for every microbatched step, a context's offset is fixed for its life,
+and ``UBatchContext.__exit__`` clears its ``_CURRENT_CONTEXTS`` slot, after which the entry no longer matches."""
 
 
 def current_ubatch() -> tuple[int, int]:
     """``(microbatch id, token offset in the padded batch)``; ``(0, 0)`` outside a microbatch thread."""
-    hit: tuple[int, int] | None = getattr(_resolved, "value", None)
-    if hit is not None:
-        return hit
     module = _module or _ubatching()
+    hit = getattr(_resolved, "value", None)
+    if hit is not None:
+        ctx, pair = hit
+        contexts = module._CURRENT_CONTEXTS
+        if pair[0] < len(contexts) and contexts[pair[0]] is ctx:
+            return pair  # type: ignore[no-any-return]
+        _resolved.value = None
     table = module._THREAD_ID_TO_CONTEXT
     if not table:
         return 0, 0
@@ -51,9 +54,9 @@ def current_ubatch() -> tuple[int, int]:
     ctx = contexts[ubatch] if ubatch < len(contexts) else None
     if ctx is None:
         return int(ubatch), 0
-    hit = (int(ubatch), int(ctx.token_offset))
-    _resolved.value = hit
-    return hit
+    pair = (int(ubatch), int(ctx.token_offset))
+    _resolved.value = (ctx, pair)
+    return pair
 
 
 def ubatch_thread_id() -> int | None:

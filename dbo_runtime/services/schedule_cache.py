@@ -1,56 +1,19 @@
-"""IndexerScheduleCache: DeepGEMM's paged-MQA schedule, kept valid for the SM count in force.
+"""IndexerScheduleCache: DeepGEMM's paged-MQA schedule, kept valid for the SM count in force (vllm#60732).
 
-Why this exists (vLLM PR #60732): the DSA indexer builder plans DeepGEMM's
-paged-MQA-logits schedule for the whole GPU, but under DBO the logits kernel
-runs while ``deep_gemm.set_num_sms(total - comm)`` is in force, and DeepGEMM
-asserts ``rows == slots(num_sms) + 1``. Worse, inside a FULL CUDA graph the
-assertion never runs at replay: a schedule planned for another count is read
-silently wrong (measured on an H200: 16% of valid logits).
-
-What it does, per schedule tensor (one per decode metadata object, i.e. per
-build and per microbatch -- each microbatch has its own builder):
-
-* ``track`` records the SM count, block size and ``next_n`` a schedule was
-  planned for. The count is recorded, never inferred from the row count:
-  SM90 with ``next_n == 4`` plans ``num_sms // 2 + 1`` rows.
-* ``resolve`` (the call site, once per indexer layer): when DeepGEMM's *live*
-  count equals the planned one and no capture is underway, the planned tensor
-  is returned untouched -- no kernel, no sync, no allocation. Otherwise the
-  schedule is re-planned once per count with the same inputs and reused by
-  every later layer of that forward. The live count is read every call because
-  anything may call ``deep_gemm.set_num_sms``, not only SMControl.
-* Capture: a schedule produced outside the graph may be rewritten before a
-  replay (the next ``build()`` writes the same persistent buffer, possibly for
-  another count) and DeepGEMM cannot check it at replay. So while the current
-  stream is capturing, the planner kernel is *recorded into the graph* (it reads
-  the persistent ``context_lens``), and only reused by later layers when it was
-  produced inside the same capture (same CUDA capture id) for the same count.
-* ``invalidate``: ``update_draft_decode_metadata`` rewrites ``seq_lens`` in
-  place, so every cached re-plan of that schedule is dropped.
-* Plan-ahead: when a runner builds per-microbatch metadata it knows the step is
-  microbatched; ``plan_ahead_sms`` gives the DBO compute count announced on
-  SMControl so the builder plans for it directly -- zero call-site re-plans in
-  steady state (``stats.replans`` stays flat).
-* Deferred plan-ahead (``track_deferred``): a planned-ahead schedule is only
-  ever read by an *eager* microbatched forward -- a FULL graph re-plans inside
-  itself from the persistent ``context_lens`` (see Capture), and a replay runs
-  no Python at all. The build cannot tell which one follows: MRV1 decides
-  replay / capture / eager in ``UBatchWrapper.__call__``, after the build. So
-  the build launches no planner; the schedule records its inputs, and the
-  first eager call site that needs it plans it into the same tensor (the same
-  planner kernel and copy the build would have launched, moved to where they
-  are read). A FULL-graph DBO step then launches only the graph's own planners
-  (vLLM 0.33.0 + #60732: the build's planner as well, never read).
-* Warm-up: DeepGEMM JIT-compiles one planner per (aligned batch, SM slots)
-  (about 1-2 s each, cold). On SMControl's ``announced`` event (model load) the
-  planner is compiled for the DBO count, outside any capture, for exactly the
-  per-microbatch shapes vLLM will run microbatched (``dbo_planner_shapes``: each
-  FULL cudagraph capture size DBO captures, and a full batch of ``max_num_seqs``
-  decodes), for every indexer profile registered so far (and for announced
-  counts when a profile registers later).
-
-No vLLM or DeepGEMM import: the kernels come through a ``SchedulePlanner``
-(``dbo_runtime.adapters.deep_gemm.DeepGemmPlanner`` by default, a fake on CPU).
+vLLM's DSA indexer builder plans the schedule for the whole GPU, but under DBO the logits kernel runs while
+``deep_gemm.set_num_sms(total - comm)`` is in force and DeepGEMM asserts ``rows == slots(num_sms) + 1``; inside
+a FULL CUDA graph the check never runs at replay, and a schedule planned for another count reads wrong logits
+silently. So every schedule tensor carries what it was planned for (``track``: the count is recorded, never
+inferred from the rows -- SM90 ``next_n == 4`` plans ``num_sms // 2 + 1``), and the call site resolves it for
+DeepGEMM's *live* count (anything may turn the knob): untouched when they match and no capture is underway,
+else re-planned once per count for the rest of the forward; while capturing, the planner is recorded into the
+graph (it reads the persistent ``context_lens``) and shared only within that capture. Plan-ahead: a runner
+building microbatch metadata knows the step is microbatched, so the build plans for the announced DBO count
+(zero call-site re-plans in steady state), or defers the planner to the first eager call site
+(``track_deferred``: a FULL-graph replay re-plans inside itself and never reads the build's plan).
+``update_draft_decode_metadata`` rewrites ``seq_lens`` in place, so ``invalidate`` drops the re-plans.
+The kernels come through a ``SchedulePlanner`` (DeepGEMM's by default, a fake on CPU); warm-up lives in
+``planner_warmup``.
 """
 
 from __future__ import annotations
@@ -168,7 +131,8 @@ class IndexerScheduleCache:
     def __init__(self, planner: SchedulePlanner | None = None, *, defer_plan_ahead: bool = True) -> None:
         self._planner = planner
         self.defer_plan_ahead = defer_plan_ahead
-        """Planned-ahead builds skip their planner (``track_deferred``); False: plan at build (before item 7)."""
+        """Planned-ahead builds skip their planner (``track_deferred``); False plans at build (the simulator and
+        ``graphs/bench_replay_planning.py`` measure both modes side by side)."""
         self._num_sms: Callable[[], int] | None = None
         self._capturing: Callable[[], bool] | None = None
         self.stats = ScheduleCacheStats()

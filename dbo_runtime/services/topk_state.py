@@ -1,52 +1,19 @@
-"""Per-microbatch shared top-k state for DSA IndexCache layers (GLM-5.x, vllm#60734).
+"""Per-microbatch shared top-k state for DSA layers that reuse an earlier layer's top-k (vllm#60734, #56476).
 
-Why this exists: GLM-5.x runs the sparse indexer only on "leader" layers
-(``index_topk_freq`` 4, offset 3: 21 of 78 layers); each "follower" reuses the
-top-k of the leader before it through state that has no microbatch dimension --
-the model-wide logical top-k buffer and, per index group, the converted
-(physical) indices, valid counts and the logical/physical ready events. DBO
-yields inside MoE between layers, so microbatch 1's leader overwrites all of it
-between microbatch 0's leader and its followers (GSM8K 0.93 -> 0.61).
-
-This module gives every microbatch after the first its own view of that state,
-resolved by the calling thread's microbatch id and token offset (an injected
-callable: the integration layer reads vLLM's thread table without the
-``KeyError`` that ``dbo_current_ubatch_id()`` raises on the main thread). Groups
-without followers (DeepSeek-V3.2, GLM-5.1, GLM-5.3 layers 0 and 1) are never
-attached and cost nothing.
-
-Two layouts (``TopkLayout``):
-
-* ``COPIES`` -- upstream's design: one logical buffer and, per group with
-  followers, one physical workspace + valid counts per extra microbatch.
-  ``(max_num_batched_tokens + G * (max_decode_rows + 1)) * index_topk * 4`` bytes
-  per extra microbatch (216 MiB for GLM-5.3 at 8192 tokens / 1024 seqs).
-* ``WINDOWS`` (default) -- no new tensors: microbatch *i* uses the rows of the
-  existing buffers that start at its token offset in the padded batch. Correct
-  because vLLM's ubatch slices are consecutive, disjoint and sum to the padded
-  token count (``maybe_create_ubatch_slices`` asserts it), every writer and reader
-  indexes its buffer from row 0 of its own slice (``buf[:num_tokens]``), and the
-  padded count never exceeds ``max_num_batched_tokens`` (cudagraph capture sizes
-  are clipped to it and DP padding takes a max over ranks that each obey it) --
-  the same invariant the non-DBO step already relies on for the logical buffer.
-  In FULL-graph DBO capture each microbatch thread resolves its window while
-  capturing; the split point is ``num_tokens_padded // num_ubatches`` for the
-  graph's size, so replay uses the same disjoint addresses. The physical
-  workspace has only ``max_decode_rows + 1`` rows: when a later microbatch's
-  window does not fit (``offset + rows > workspace``, only for steps larger than
-  a full decode batch), vLLM's own ``_convert_once`` sees the short view and
-  converts per layer from the (windowed, hence correct) logical buffer -- the path
-  upstream already takes for any step larger than the workspace. Copies would
-  keep the shared conversion for such mid-sized steps; windows trade that for
-  zero bytes. Events are always per microbatch (they cost no memory).
-  One edge, checked against vLLM 0.33.0 and harmless there: when an MTP request
-  is split across the two microbatches, microbatch 0's padded decode path writes
-  rows up to ``B0 * next_n``, i.e. microbatch 1's first row. Microbatches
-  alternate at every MoE layer and microbatch 1's leader rewrites that row before
-  any of its followers reads it, so no follower sees the stray write.
-
-Nothing here imports vLLM; tensors, events and streams are duck-typed so the GPU
-twin test drives the same code with real CUDA objects.
+GLM-5.x runs the indexer only on leader layers and its followers reuse the leader's top-k through state with
+no microbatch dimension (the model-wide logical buffer and, per index group, the physical indices, valid counts
+and ready events); DeepSeek-V4.1 does the same through its model buffers alone. DBO yields between layers, so
+the other microbatch overwrites that state in between (GSM8K 0.93 -> 0.61). Each microbatch after the first
+gets its own view, resolved by the calling thread's microbatch id and token offset (an injected locator).
+Groups without followers are never attached and cost nothing. Layouts (``TopkLayout``): ``COPIES`` is
+upstream's (one buffer and one workspace per extra microbatch; 216 MiB for GLM-5.3, ``docs/topk-memory.md``);
+``WINDOWS`` (default) allocates nothing: microbatch *i* uses the rows from its token offset, correct because
+vLLM's microbatch slices are consecutive and disjoint, every reader and writer indexes from row 0 of its own
+slice, and the padded total never exceeds ``max_num_batched_tokens``; a FULL graph's split point is fixed per
+graph size, so replays reuse the same disjoint rows. A window that does not fit the physical workspace makes
+vLLM's ``_convert_once`` convert per layer from the (windowed) logical buffer, as upstream does for any step
+larger than the workspace. No vLLM import: tensors, events and streams are duck-typed (the GPU twin drives the
+same code with real CUDA objects).
 """
 
 from __future__ import annotations
@@ -175,31 +142,14 @@ class _GroupState:
 
 
 class UbatchTopkState:
-    """Registry of the logical buffers and index groups that need per-microbatch state.
+    """Registry of the logical buffers and index groups that need per-microbatch state (one per process).
 
-    Process-wide (one per model runner process, like the model). Construction
-    happens on one thread at model build; the hot path (``logical``,
-    ``group_view``) only reads dicts and is safe from the microbatch threads, of
-    which vLLM runs exactly one at a time.
-
-    Lifetime (why the registry holds nothing strongly): the per-microbatch
-    state is cached views of the model's logical top-k buffer and of each
-    group's physical workspace and valid counts, the group's side stream, and
-    with ``COPIES`` whole tensors -- 64 MiB for the logical buffer plus about
-    8 MiB per group at GLM-5.3 sizes. A process-wide registry holding them would
-    keep all of it allocated after the model is gone (an offline ``LLM``
-    re-created in one process, a test suite): a view keeps its base's storage.
-    vLLM 0.33.0 has no model-teardown callback to hook, and
-    ``weakref.finalize`` on the model would run inside the garbage collector,
-    possibly on a microbatch thread in the middle of a hot-path dict read. So
-    the state is anchored to what needs it: each attached group carries its
-    ``_GroupState`` as an attribute, and that state holds the shared
-    ``_LogicalState`` of its buffer. The groups live exactly as long as the
-    model's attention impls, so when the model is dropped everything goes with
-    it by plain reference counting, on the thread that drops it. The registry
-    keeps only weak references (to groups, logical states and model buffers)
-    for lookups and introspection; dead entries are pruned at the next
-    ``attach`` or introspection call.
+    Built on one thread at model construction; the hot path (``logical``, ``group_view``) only reads dicts and
+    is safe from the microbatch threads. It holds nothing strongly: the state is anchored on what needs it (an
+    attached group carries its ``_GroupState``, which holds its buffer's ``_LogicalState``; a model buffer's
+    views hang on its module), so dropping the model frees every view and copy by reference counting, on the
+    dropping thread. vLLM has no model-teardown callback, and a ``weakref.finalize`` would run inside the
+    garbage collector, possibly on a microbatch thread mid-lookup.
     """
 
     def __init__(self, locate: UbatchLocator, layout: TopkLayout | None = None) -> None:

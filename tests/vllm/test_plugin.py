@@ -288,8 +288,8 @@ def test_log_lines_reach_vllms_handler() -> None:
 
 def test_self_time_times_every_patch_descriptors_included(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """The top-k descriptors used to be left untimed, so the published self-time missed their accesses."""
-    import vllm.model_executor.layers.attention.sparse_mla_attention  # noqa: F401  (the modules a DSA model imports)
-    import vllm.model_executor.layers.sparse_attn_indexer  # noqa: F401
+    import vllm.model_executor.layers.attention.sparse_mla_attention
+    import vllm.model_executor.layers.sparse_attn_indexer
     import vllm.models.deepseek_v32.attention  # noqa: F401
 
     from dbo_runtime.integration import selftime
