@@ -23,19 +23,41 @@ from dbo_runtime.integration.patching import Patch
 Verdict = Literal["verified", "provided by vLLM", "unverified", "dependency", "not installed", "broken", "disabled"]
 
 
-@dataclass(frozen=True)
-class Upstream:
-    """The upstream fix that retires a feature, and how to see it in vLLM's source."""
+_PROBES = {"param": fingerprints.has_param, "member": fingerprints.has_member, "call": fingerprints.calls}
 
-    pr: str
-    probes: tuple[tuple[str, str, str], ...]
-    """``(module, qualname, needle)``: the fix is present when a probe's source mentions its needle."""
-    require_all: bool = False
-    """Every probe must match (a fix that spans several models), instead of any one."""
+
+@dataclass(frozen=True)
+class Probe:
+    """One piece of an upstream fix, read from vLLM's syntax tree (names, never text: a comment, a log line or
+    a docstring that mentions the fix does not count)."""
+
+    kind: Literal["param", "member", "call"]
+    """``param``: the function takes ``name``; ``member``: the class (the module for ``""``) defines it;
+    ``call``: code there calls something named ``name``."""
+    module: str
+    qualname: str
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in _PROBES:
+            raise ValueError(f"Probe.kind must be one of {sorted(_PROBES)}, not {self.kind!r}")
 
     def present(self) -> bool:
-        hits = (fingerprints.has_member(module, qualname, needle) for module, qualname, needle in self.probes)
-        return all(hits) if self.require_all else any(hits)
+        return _PROBES[self.kind](self.module, self.qualname, self.name)
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """The upstream fix that retires a feature, and how to see it in vLLM's source: every probe must hold,
+    the producer of the fix and its consumer alike. A probe that misses a real fix errs towards refusing,
+    never towards two owners: the fix edits the code dbo_runtime fingerprints, so the feature is then
+    *unverified* and the guard refuses DBO where it is needed."""
+
+    pr: str
+    probes: tuple[Probe, ...]
+
+    def present(self) -> bool:
+        return bool(self.probes) and all(probe.present() for probe in self.probes)
 
 
 @dataclass(frozen=True)
@@ -142,4 +164,4 @@ class FeatureRegistry:
 REGISTRY = FeatureRegistry()
 
 
-__all__ = ["REGISTRY", "Feature", "FeatureRegistry", "FeatureState", "Upstream", "excluded_optional", "verify"]
+__all__ = ["REGISTRY", "Feature", "FeatureRegistry", "FeatureState", "Probe", "Upstream", "excluded_optional", "verify"]

@@ -133,10 +133,62 @@ def fingerprint(anchors: Iterable[str]) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def has_member(module: str, qualname: str, needle: str) -> bool:
-    """Whether the source of ``qualname`` mentions ``needle`` (capability probes for upstream fixes)."""
-    block = source_block(module, qualname)
-    return block is not None and needle in block
+def _node(module: str, qualname: str) -> ast.AST | None:
+    """The parsed ``qualname`` of ``module`` (the whole module for ``""``), or None."""
+    text = read_source(module) if not qualname else source_block(module, qualname)
+    if text is None:
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(text))
+    except SyntaxError:
+        return None
+    return tree.body[0] if qualname and tree.body else tree
+
+
+def _defines(body: Iterable[ast.stmt], name: str) -> bool:
+    for stmt in body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and stmt.name == name:
+            return True
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return True
+    return False
+
+
+def has_param(module: str, qualname: str, name: str) -> bool:
+    """Whether the function ``qualname`` takes a parameter ``name``."""
+    node = _node(module, qualname)
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    args = node.args
+    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+    names += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+    return name in names
+
+
+def has_member(module: str, qualname: str, name: str) -> bool:
+    """Whether the class ``qualname`` (the module for ``""``) defines ``name``: a method, a nested class or an
+    assigned or annotated attribute in its own body."""
+    node = _node(module, qualname)
+    if isinstance(node, ast.ClassDef):
+        return _defines(node.body, name)
+    if isinstance(node, ast.Module):
+        return _defines(node.body, name)
+    return False
+
+
+def calls(module: str, qualname: str, name: str) -> bool:
+    """Whether code in ``qualname`` (the module for ``""``) calls something named ``name`` (``name(...)`` or
+    ``x.name(...)``); comments, strings and docstrings never count."""
+    node = _node(module, qualname)
+    if node is None:
+        return False
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call):
+            func = sub.func
+            if (isinstance(func, ast.Name) and func.id == name) or (isinstance(func, ast.Attribute) and func.attr == name):
+                return True
+    return False
 
 
 def clear_caches() -> None:

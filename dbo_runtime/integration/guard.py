@@ -9,7 +9,7 @@ operator must learn it at engine start, in one line that names the cause and the
 The guard is deliberately small and independent of the rest: its three patches wrap stable
 entry points (``EngineArgs.create_engine_config`` in the front-end; ``Worker.load_model`` and
 ``Worker.compile_or_warm_up_model`` in every worker, where lazy patches have applied or failed)
-and read only public config fields (``parallel_config.enable_dbo``, the model's HF config and
+and read only public config fields (``enable_dbo`` / ``ubatch_size``, the model's HF config and
 architecture, the all2all backend). It installs even when no other patch can, and only
 ``DBO_RUNTIME_DISABLE=1`` removes it. The rule is the same at any data-parallel size.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any, Literal
 
 from dbo_runtime.core import coverage
@@ -76,6 +77,18 @@ def _deep_gemm_present(stage: Stage) -> bool:
         return True
 
 
+def microbatching(parallel: Any) -> bool:
+    """vLLM's ``ParallelConfig.use_ubatching``: ``--enable-dbo``, or ``--ubatch-size`` above 1, which runs the
+    same microbatch threads and SM split without DBO's name."""
+    if parallel is None:
+        return False
+    try:
+        ubatch_size = int(getattr(parallel, "ubatch_size", 1) or 1)
+    except (TypeError, ValueError):
+        ubatch_size = 2  # unreadable: assume microbatching, never the reverse
+    return bool(getattr(parallel, "enable_dbo", False)) or ubatch_size > 1
+
+
 def partitions_deep_gemm(parallel: Any, platform: str, stage: Stage) -> bool:
     """Whether DBO will lower DeepGEMM's SM count for this configuration (vLLM 0.33.0's policy, predicted
     before any all2all manager exists: a backend vLLM added later counts as partitioning)."""
@@ -85,7 +98,7 @@ def partitions_deep_gemm(parallel: Any, platform: str, stage: Stage) -> bool:
     try:
         decision = decide_comm(
             platform=platform,
-            enable_dbo=True,
+            enable_dbo=bool(getattr(parallel, "enable_dbo", False)),
             expert_parallel=bool(getattr(parallel, "enable_expert_parallel", False)),
             all2all_backend=backend,
             env_comm_sms=os.environ.get("VLLM_DBO_COMM_SMS"),
@@ -99,21 +112,45 @@ def partitions_deep_gemm(parallel: Any, platform: str, stage: Stage) -> bool:
     return decision.compute_knob
 
 
-def _not_in_force(feature: str, arch: str, stage: Stage) -> str:
-    """Why ``feature``'s fix is not in force for ``arch`` in this process ("" when it is)."""
+def _closure(feature: str) -> list[str]:
+    """``feature`` and everything it requires, transitively (a fix is in force only with its dependencies)."""
+    order: list[str] = []
+    todo = [feature]
+    while todo:
+        name = todo.pop(0)
+        if name in order:
+            continue
+        order.append(name)
+        state = REGISTRY.get(name)
+        if state is not None:
+            todo.extend(state.feature.requires)
+    return order
+
+
+def _not_in_force(feature: str, arch: str, stage: Stage, runner: str | None = None) -> str:
+    """Why ``feature``'s fix is not in force for ``arch`` in this process ("" when it is). At the worker stage
+    every required patch must have applied, except those of the model runner this worker does not run."""
     state = REGISTRY.get(feature)
     if state is None:
         return "dbo_runtime's patches are not installed in this process"
     if state.verdict == "provided by vLLM":
         return ""
-    if not state.in_force:
-        return f"dbo_runtime's {state.feature.summary} is {state.describe()}"
+    names = _closure(feature)
+    for name in names:
+        dependency = REGISTRY.get(name)
+        if dependency is None or not dependency.in_force:
+            what = dependency.feature.summary if dependency is not None else name
+            verdict = dependency.describe() if dependency is not None else "not installed"
+            needed = "" if name == feature else f", which the {state.feature.summary} needs,"
+            return f"dbo_runtime's {what}{needed} is {verdict}"
     if _PATCH_SET is None:
         return f"dbo_runtime's {state.feature.summary} was not installed"
     bad = []
     for status in _PATCH_SET.status():
         patch = status.patch
-        if patch.feature != feature or patch.optional or (patch.architectures and arch not in patch.architectures):
+        if patch.feature not in names or patch.optional or (patch.architectures and arch not in patch.architectures):
+            continue
+        if stage == "worker" and runner is not None and patch.runner not in (None, runner):
             continue
         ok = status.state == "installed" or (stage == "config" and status.state == "pending")
         if not ok:
@@ -123,91 +160,153 @@ def _not_in_force(feature: str, arch: str, stage: Stage) -> str:
     return ""
 
 
-def _ways_out(*, verified_build_helps: bool) -> str:
-    ways = ["start without --enable-dbo (parallel_config.enable_dbo=False)"]
+def ways_out(*, verified_build_helps: bool, also: str = "") -> str:
+    """The ways out of every refusal, in one place (``also``: one more, specific to the refusal)."""
+    ways = ["start without --enable-dbo or --ubatch-size (parallel_config.enable_dbo=False, ubatch_size=1)"]
+    if also:
+        ways.append(also)
     if verified_build_helps:
         ways.append("install a vLLM build dbo_runtime verifies (vLLM 0.33.0, or one that ships the upstream fix)")
     ways.append("set DBO_RUNTIME_DISABLE=1 to accept vLLM's own DBO behaviour knowingly")
     return "Ways out: " + "; or ".join(ways) + "."
 
 
-def problem(vllm_config: Any, stage: Stage) -> str:
+def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
     """The refusal for this configuration in this process ("" when it may start)."""
     parallel = getattr(vllm_config, "parallel_config", None)
-    if parallel is None or not bool(getattr(parallel, "enable_dbo", False)):
+    if not microbatching(parallel):
         return ""
+    switch = "--enable-dbo" if bool(getattr(parallel, "enable_dbo", False)) else "--ubatch-size"
     arch, hf = _model(vllm_config)
     if hf is None:
         return ""
     row = coverage.BY_ARCHITECTURE.get(arch)
     shared = coverage.shared_topk(arch, hf)
     platform = _platform()
-    head = f"dbo_runtime refuses {arch} with --enable-dbo"
+    head = f"dbo_runtime refuses {arch} with {switch}"
     if shared:
         if row is None:
             return (
                 f"{head}: {shared}, and dbo_runtime does not know how this architecture hands top-k between layers, "
                 "so under DBO one microbatch could read the other's selection with no error. "
-                + _ways_out(verified_build_helps=False)
+                + ways_out(verified_build_helps=False)
             )
         if row.status == "refused":
-            return f"{head}: {shared}, but {row.refusal}. " + _ways_out(verified_build_helps=False)
+            return f"{head}: {shared}, but {row.refusal}. " + ways_out(verified_build_helps=False)
         if platform == "rocm" and row.refusal:
-            return f"{head} on ROCm: {shared}, but {row.refusal}. " + _ways_out(verified_build_helps=False)
+            return f"{head} on ROCm: {shared}, but {row.refusal}. " + ways_out(verified_build_helps=False)
         for feature in row.needs:
             if feature == coverage.MTP_HIDDEN:
                 continue
-            why = _not_in_force(feature, arch, stage)
+            why = _not_in_force(feature, arch, stage, runner)
             if why:
                 return (
                     f"{head}: {shared}, and {why}; vLLM's own DBO would let one microbatch read the other's "
-                    "top-k with no error (silently wrong tokens). " + _ways_out(verified_build_helps=True)
+                    "top-k with no error (silently wrong tokens). " + ways_out(verified_build_helps=True)
                 )
     if coverage.uses_indexer(arch, hf) and platform == "cuda" and partitions_deep_gemm(parallel, platform, stage):
-        why = _not_in_force(coverage.INDEXER, arch, stage)
+        why = _not_in_force(coverage.INDEXER, arch, stage, runner)
         if why:
             return (
                 f"{head}: DBO lowers DeepGEMM's SM count for the DSA indexer, and {why}; DeepGEMM would assert "
                 "'_schedule_meta_size == num_sms + 1' in the middle of serving. "
-                + _ways_out(verified_build_helps=True)
+                + ways_out(verified_build_helps=True)
                 + " (VLLM_DBO_COMM_SMS=0 also avoids the partition.)"
             )
     return ""
 
 
-def check(vllm_config: Any, stage: Stage) -> None:
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+WORKER_HOOKS = ("Worker.load_model", "Worker.compile_or_warm_up_model")
+
+
+def _worker_hooks_missing() -> list[str]:
+    """The worker entry points the guard wraps that this vLLM build lacks (read from source: the front-end
+    must know before any worker imports them, because a worker where they moved would run unguarded)."""
+    from dbo_runtime.integration import fingerprints
+
+    return [name for name in WORKER_HOOKS if fingerprints.source_block(WORKER_MODULE, name) is None]
+
+
+def _guard_problem(vllm_config: Any) -> str:
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if not microbatching(parallel):
+        return ""
+    missing = _worker_hooks_missing()
+    if not missing:
+        return ""
+    arch, _ = _model(vllm_config)
+    return (
+        f"dbo_runtime refuses {arch} with microbatching: this vLLM build has no {', '.join(missing)} in "
+        f"{WORKER_MODULE}, where dbo_runtime checks in every worker that its fixes applied. "
+        + ways_out(verified_build_helps=True)
+    )
+
+
+def runner_of(worker: Any) -> str | None:
+    """The model runner a vLLM worker runs (``Worker.use_v2_model_runner``, set in its ``__init__``)."""
+    value = getattr(worker, "use_v2_model_runner", None)
+    if value is None:
+        return None
+    return "mrv2" if bool(value) else "mrv1"
+
+
+def check(vllm_config: Any, stage: Stage, runner: str | None = None) -> None:
     """Raise ``DboRefusal`` when ``problem`` finds one (the guard's single decision point)."""
-    message = problem(vllm_config, stage)
+    message = _guard_problem(vllm_config) if stage == "config" else ""
+    message = message or problem(vllm_config, stage, runner)
     if message:
         raise DboRefusal(message)
     if stage == "worker":
-        _report_pending(vllm_config)
+        _report_worker(vllm_config, runner)
 
 
 _reported: set[int] = set()
 
 
-def pending_required() -> list[str]:
-    """Required lazy patches whose module was never imported in this process."""
+def reset() -> None:
+    """Forget what this process reported (``plugin.uninstall``: a later install reports afresh)."""
+    _reported.clear()
+
+
+def pending_required(runner: str | None = None) -> list[str]:
+    """Required lazy patches whose module was never imported in this process (the other runner's excluded)."""
     if _PATCH_SET is None:
         return []
-    return [s.patch.name for s in _PATCH_SET.status() if s.state == "pending" and not s.patch.optional]
+    return [
+        s.patch.name
+        for s in _PATCH_SET.status()
+        if s.state == "pending" and not s.patch.optional and (runner is None or s.patch.runner in (None, runner))
+    ]
 
 
-def _report_pending(vllm_config: Any) -> None:
+def _report_worker(vllm_config: Any, runner: str | None) -> None:
     pid = os.getpid()
     if pid in _reported:
         return
     _reported.add(pid)
-    pending = pending_required()
+    arch, _ = _model(vllm_config)
+    pending = pending_required(runner)
     if pending:
-        arch, _ = _model(vllm_config)
         logger.info(
             "dbo_runtime: %d patches never applied in this process because %s never imported their module: %s",
             len(pending),
             arch,
             ", ".join(pending),
         )
+    row = coverage.BY_ARCHITECTURE.get(arch)
+    speculative = getattr(vllm_config, "speculative_config", None) is not None
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if speculative and row is not None and coverage.MTP_HIDDEN in row.needs and microbatching(parallel):
+        why = _not_in_force(coverage.MTP_HIDDEN, arch, "worker", runner)
+        if why:
+            logger.warning(
+                "dbo_runtime: %s with speculative decoding under microbatching: %s, so one microbatch's MTP hidden "
+                "states can overwrite the other's before the drafter reads them (tokens stay correct; draft "
+                "acceptance drops)",
+                arch,
+                why,
+            )
 
 
 # -- the guard's own patches --------------------------------------------------------------------
@@ -215,17 +314,37 @@ def _after(original: Any, stage: Stage, config_of: Any) -> Any:
     @functools.wraps(original)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        check(config_of(self, result), stage)
+        check(config_of(self, result), stage, runner_of(self) if stage == "worker" else None)
         return result
 
     return guarded
 
 
-def _before(original: Any, stage: Stage) -> Any:
+_warmed_up: list[Callable[[], None]] = []
+
+
+def after_warm_up(listener: Callable[[], None], *, remove: bool = False) -> None:
+    """Call ``listener`` whenever a worker's ``compile_or_warm_up_model`` returns: vLLM's start-up runs
+    (profiling, warm-up, capture) are over and every later step serves (the planner counts ``jit_in_step``
+    from there)."""
+    if remove:
+        while listener in _warmed_up:
+            _warmed_up.remove(listener)
+    elif listener not in _warmed_up:
+        _warmed_up.append(listener)
+
+
+def _around_warm_up(original: Any) -> Any:
     @functools.wraps(original)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        check(getattr(self, "vllm_config", None), stage)
-        return original(self, *args, **kwargs)
+        check(getattr(self, "vllm_config", None), "worker", runner_of(self))
+        result = original(self, *args, **kwargs)
+        for listener in list(_warmed_up):
+            try:
+                listener()
+            except Exception as exc:  # a counter must never stop engine start
+                logger.debug("dbo_runtime: warm-up listener failed: %r", exc)
+        return result
 
     return guarded
 
@@ -248,7 +367,7 @@ def guard_patches() -> list[Patch]:
         ),
         Patch(
             name="guard.worker_load_model",
-            module="vllm.v1.worker.gpu_worker",
+            module=WORKER_MODULE,
             attr="Worker.load_model",
             make=lambda original: _after(original, "worker", lambda self, result: getattr(self, "vllm_config", None)),
             reason="after the model is built (lazy patches applied or failed): refuse a DBO model whose fix is "
@@ -258,14 +377,25 @@ def guard_patches() -> list[Patch]:
         ),
         Patch(
             name="guard.worker_warm_up",
-            module="vllm.v1.worker.gpu_worker",
+            module=WORKER_MODULE,
             attr="Worker.compile_or_warm_up_model",
-            make=lambda original: _before(original, "worker"),
-            reason="before the first warm-up or capture step (indexer builders exist by now): the same check",
+            make=_around_warm_up,
+            reason="before vLLM's warm-up and graph capture (indexer builders and the KV cache exist by now): the "
+            "same check",
             lazy=True,
             **common,  # type: ignore[arg-type]
         ),
     ]
 
 
-__all__ = ["bind_patch_set", "check", "guard_patches", "partitions_deep_gemm", "pending_required", "problem"]
+__all__ = [
+    "bind_patch_set",
+    "check",
+    "guard_patches",
+    "microbatching",
+    "partitions_deep_gemm",
+    "pending_required",
+    "problem",
+    "runner_of",
+    "ways_out",
+]

@@ -19,8 +19,8 @@ from dbo_runtime.adapters.deep_gemm import next_n_of
 from dbo_runtime.core import coverage
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.planner_shapes import dbo_planner_shapes
-from dbo_runtime.integration import activation
-from dbo_runtime.integration.features import Feature, Upstream
+from dbo_runtime.integration import activation, guard
+from dbo_runtime.integration.features import Feature, Probe, Upstream
 from dbo_runtime.integration.patching import ArgSlots, Patch
 from dbo_runtime.integration.ubatch_guard import placeholder_logits, reserve_placeholders
 from dbo_runtime.services import schedule_cache as _sc
@@ -47,8 +47,8 @@ FEATURES = [
         upstream=Upstream(
             "vllm#60732: the decode metadata re-plans its schedule for DeepGEMM's live SM count",
             (
-                (INDEXER_MODULE, "DeepSeekV32IndexerDecodeMetadata", "schedule_num_sms"),
-                (INDEXER_MODULE, "DeepSeekV32IndexerDecodeMetadata", "def get_schedule_metadata"),
+                Probe("member", INDEXER_MODULE, "DeepSeekV32IndexerDecodeMetadata", "get_schedule_metadata"),
+                Probe("call", SPARSE_ATTN_INDEXER_MODULE, "", "get_schedule_metadata"),
             ),
         ),
     )
@@ -216,9 +216,16 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
         max_rows=min(max_seqs * q, max_tokens) if per_token else min(max_seqs, max_tokens),
         width=1 if per_token else q,
     )
+    if not parallel.use_ubatching:  # nothing microbatches: vLLM's own planning, untouched
+        cache.register_profile(device, profile, full_sms=None)
+        return profile
     cache.register_profile(device, profile, full_sms=int(builder.num_sms))
     reserve_placeholders(builder.device, int(config.model_config.max_model_len))
     return profile
+
+
+def _start_serving() -> None:
+    schedule_cache().warmup.start_serving()
 
 
 def _make_builder_init(original: Any) -> Any:
@@ -322,6 +329,8 @@ def patches() -> list[Patch]:
             upstream_pr=UPSTREAM_PR,
             removal="DeepGEMM planner compiled ahead for the DBO count upstream",
             lazy=True,
+            on_install=lambda: guard.after_warm_up(_start_serving),
+            on_uninstall=lambda: guard.after_warm_up(_start_serving, remove=True),
         ),
         Patch(
             name="indexer.builder_planner",
@@ -391,6 +400,7 @@ def patches() -> list[Patch]:
         ),
         Patch(
             name="indexer.plan_ahead.mrv1",
+            runner="mrv1",
             module=MRV1_RUNNER_MODULE,
             attr="GPUModelRunner._build_attention_metadata",
             make=_make_mrv1_build_attention_metadata,
@@ -402,6 +412,7 @@ def patches() -> list[Patch]:
         ),
         Patch(
             name="indexer.plan_ahead.mrv2",
+            runner="mrv2",
             module=MRV2_UBATCH_MODULE,
             attr="UBatchRunner.prepare",
             make=_make_mrv2_prepare,

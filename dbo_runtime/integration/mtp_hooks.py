@@ -16,7 +16,7 @@ from typing import Any
 
 from dbo_runtime.core import coverage
 from dbo_runtime.integration import ubatch_ids
-from dbo_runtime.integration.features import Feature, Upstream
+from dbo_runtime.integration.features import Feature, Probe, Upstream
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.integration.ubatch_failures import MicrobatchAttr
 
@@ -34,10 +34,9 @@ FEATURES = [
         upstream=Upstream(
             "the NVIDIA models write the MTP hidden buffer at the microbatch's token offset",
             (
-                (V4_MODEL, "DeepseekV4Model.forward", "dbo_current_ubatch_token_offset"),
-                (V41_MODEL, "DeepseekV4Model.forward", "dbo_current_ubatch_token_offset"),
+                Probe("call", V4_MODEL, "DeepseekV4Model.forward", "dbo_current_ubatch_token_offset"),
+                Probe("call", V41_MODEL, "DeepseekV4Model.forward", "dbo_current_ubatch_token_offset"),
             ),
-            require_all=True,
         ),
     )
 ]

@@ -39,6 +39,8 @@ def _cell(text: str) -> str:
 
 def _row(p: Patch) -> str:
     flags = [f for f, on in (("lazy", p.lazy), ("optional", p.optional), ("microbatch thread", p.runs_on_ubatch_thread)) if on]
+    if p.runner:
+        flags.append(f"{p.runner.upper()} only")
     name = f"`{p.name}`" + (f" ({', '.join(flags)})" if flags else "")
     anchors = "<br>".join(f"`{a}`" for a in p.fingerprint_anchors) or "none (no vLLM code relied on)"
     return (

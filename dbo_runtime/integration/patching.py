@@ -42,6 +42,7 @@ from dbo_runtime.integration.ubatch_failures import MicrobatchAttr, shield
 logger = get_logger(__name__)
 
 _MISSING = object()
+RUNNERS = (None, "mrv1", "mrv2")
 PATCH_MARK = "__dbo_runtime_patch__"
 
 
@@ -79,12 +80,19 @@ class Patch:
     (``fingerprints.py``). None: the target itself (a function or method); ``()``: not bound to vLLM code."""
     architectures: tuple[str, ...] = ()
     """Architectures whose fix needs this patch (empty: every architecture that needs its feature)."""
+    runner: str | None = None
+    """``"mrv1"`` / ``"mrv2"``: the patch serves one model runner only, so a worker running the other one never
+    imports its module (the guard does not wait for it there); None: every runner."""
     runs_on_ubatch_thread: bool = False
     """vLLM calls the replacement on DBO microbatch threads, where nothing may raise: ``PatchSet`` shields it
     (``ubatch_failures.shield``; a data descriptor must be a ``MicrobatchAttr``, which shields itself)."""
     fallback: Callable[[Any], Callable[..., Any]] | None = None
     """With ``runs_on_ubatch_thread``: ``fallback(original)`` is called with the replacement's arguments when it
     fails on a microbatch thread (default: the original itself, i.e. vLLM's own behaviour)."""
+
+    def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise PatchError(f"{self.name}: Patch.runner must be one of {RUNNERS}, not {self.runner!r}")
 
     @property
     def target(self) -> str:
@@ -253,9 +261,14 @@ class Instrument(Protocol):
 class PatchSet:
     """All-or-nothing installation of a list of ``Patch`` (``instrument``: wraps every replacement when given)."""
 
-    def __init__(self, patches: Iterable[Patch], *, instrument: Instrument | None = None) -> None:
+    def __init__(
+        self, patches: Iterable[Patch], *, instrument: Instrument | None = None, lazy_failure_raises: bool = False
+    ) -> None:
         self.patches = list(patches)
         self.instrument = instrument
+        self.lazy_failure_raises = lazy_failure_raises
+        """A lazy module whose patches cannot apply fails its import (the guard's set: a worker that cannot be
+        guarded must not run), instead of being reported ``broken``."""
         names = [p.name for p in self.patches]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -442,7 +455,7 @@ class PatchSet:
                 failed_listener(required, message)
             except Exception as exc:
                 logger.debug("dbo_runtime: failure listener failed: %r", exc)
-        if parse_switch("DBO_RUNTIME_STRICT"):
+        if self.lazy_failure_raises or parse_switch("DBO_RUNTIME_STRICT"):
             raise PatchError(message) from failure
         logger.error("%s", message)
 

@@ -81,7 +81,7 @@ def _install_guard() -> None:
     global _guard_set
     if _guard_set is not None and _guard_set.installed:
         return
-    guard_set = PatchSet(guard.guard_patches())
+    guard_set = PatchSet(guard.guard_patches(), lazy_failure_raises=True)
     try:
         guard_set.install()
     except Exception as exc:
@@ -174,4 +174,5 @@ def uninstall() -> None:
         _patch_set = None
         _guard_set = None
         guard.bind_patch_set(None)
+        guard.reset()
         REGISTRY.clear()

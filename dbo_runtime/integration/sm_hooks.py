@@ -215,6 +215,7 @@ def patches() -> list[Patch]:
     return [
         Patch(
             name="sm_control.mrv1",
+            runner="mrv1",
             module="vllm.v1.worker.gpu_ubatch_wrapper",
             attr="create_sm_control_context",
             anchors=(*policy, "vllm.v1.worker.gpu_ubatch_wrapper:UBatchWrapper.__init__"),
@@ -222,6 +223,7 @@ def patches() -> list[Patch]:
         ),
         Patch(
             name="sm_control.mrv2",
+            runner="mrv2",
             module="vllm.v1.worker.gpu.ubatch_utils",
             attr="create_sm_control_context",
             anchors=(*policy, "vllm.v1.worker.gpu.ubatch_utils:UBatchRunner.__init__"),

@@ -23,7 +23,8 @@ from typing import Any
 from dbo_runtime.core import coverage
 from dbo_runtime.core.errors import UnsupportedConfiguration
 from dbo_runtime.core.log import get_logger
-from dbo_runtime.integration.features import Feature, Upstream
+from dbo_runtime.integration import guard
+from dbo_runtime.integration.features import Feature, Probe, Upstream
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.integration.ubatch_failures import MicrobatchAttr
 from dbo_runtime.services.topk_state import UbatchTopkState
@@ -49,8 +50,9 @@ FEATURES = [
         upstream=Upstream(
             "vllm#60734: index groups keep top-k state per microbatch",
             (
-                (_INDEX_GROUP, "SparseMLAIndexGroupBuilder.__init__", "num_ubatches"),
-                (_INDEX_GROUP, "SparseMLAIndexGroup", "def _topk_state"),
+                Probe("param", _INDEX_GROUP, "SparseMLAIndexGroupBuilder.__init__", "num_ubatches"),
+                Probe("member", _INDEX_GROUP, "SparseMLAIndexGroup", "_topk_state"),
+                Probe("call", _INDEX_GROUP, "", "_topk_state"),
             ),
         ),
     )
@@ -106,9 +108,8 @@ def _refuse_hisparse() -> None:
     raise UnsupportedConfiguration(
         "dbo_runtime refuses HiSparse (attention_config.hisparse_config) with --enable-dbo and layers that reuse "
         "an earlier layer's top-k: HiSparse stages the shared top-k without a microbatch dimension and holds the "
-        "index group's stream and events by reference, so microbatches would read each other's selection. Ways "
-        "out: start without --enable-dbo, or without HiSparse; or set DBO_RUNTIME_DISABLE=1 to accept vLLM's own "
-        "behaviour knowingly."
+        "index group's stream and events by reference, so microbatches would read each other's selection. "
+        + guard.ways_out(verified_build_helps=False, also="start without HiSparse")
     )
 
 
@@ -126,9 +127,8 @@ def _refuse(vllm_config: Any, default_reason: str) -> None:
     reason = row.refusal if row is not None and row.refusal else default_reason
     raise UnsupportedConfiguration(
         f"dbo_runtime refuses {arch} with --enable-dbo: its layers reuse an earlier layer's top-k, but {reason}, "
-        "so under DBO one microbatch would read the other's selection with no error. Ways out: start without "
-        "--enable-dbo (parallel_config.enable_dbo=False); or set DBO_RUNTIME_DISABLE=1 to accept vLLM's own "
-        "behaviour knowingly."
+        "so under DBO one microbatch would read the other's selection with no error. "
+        + guard.ways_out(verified_build_helps=False)
     )
 
 

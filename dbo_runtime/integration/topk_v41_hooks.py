@@ -15,7 +15,7 @@ through ``ubatching.dbo_select_buffer``; when vLLM has that helper this feature 
 from __future__ import annotations
 
 from dbo_runtime.core import coverage
-from dbo_runtime.integration.features import Feature, Upstream
+from dbo_runtime.integration.features import Feature, Probe, Upstream
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.integration.topk_hooks import TopkIndicesBufferAttr, default_state
 from dbo_runtime.services.topk_state import UbatchTopkState
@@ -35,7 +35,10 @@ FEATURES = [
         requires=("ubatch_guard", coverage.TOPK_V32),
         upstream=Upstream(
             "vllm#56476: ubatching.dbo_select_buffer picks each microbatch's index state",
-            (("vllm.v1.worker.ubatching", "dbo_select_buffer", "def dbo_select_buffer"),),
+            (
+                Probe("member", "vllm.v1.worker.ubatching", "", "dbo_select_buffer"),
+                Probe("call", "vllm.model_executor.layers.sparse_attn_indexer", "", "dbo_select_buffer"),
+            ),
         ),
     )
 ]

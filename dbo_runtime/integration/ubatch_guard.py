@@ -63,7 +63,9 @@ def placeholder_logits(context_lens: Any, weights: Any, max_model_len: Any) -> A
     varlen) in the weights' dtype (bf16 on SM100, fp32 elsewhere): a stride-0 view of the row reserved at
     model load, so every row reads the same valid memory and kernels that honour ``stride(0)`` (vLLM's
     top-k and upcast kernels do) stay in bounds. The values are never used: the step raises after the join.
-    Without a reserved row it falls back to allocating zeros, then to a view of ``weights``.
+    Without a reserved row it falls back to allocating zeros, then to a view of ``weights``. vLLM's debug
+    top-k backend (``sparse_indexer_topk_backend="torch"``) masks out of place and allocates full logits, so
+    after an out-of-memory error it raises again in vLLM code: the guarantee holds for the production backends.
     """
     try:
         import torch
@@ -139,6 +141,7 @@ def patches() -> list[Patch]:
     return [
         Patch(
             name="ubatch_guard.mrv1_run",
+            runner="mrv1",
             module=MRV1_MODULE,
             attr="UBatchWrapper._run_ubatches",
             make=_make_mrv1_run,
@@ -148,6 +151,7 @@ def patches() -> list[Patch]:
         ),
         Patch(
             name="ubatch_guard.mrv1_capture",
+            runner="mrv1",
             module=MRV1_MODULE,
             attr="UBatchWrapper._capture_ubatches",
             make=_make_mrv1_capture,
@@ -156,6 +160,7 @@ def patches() -> list[Patch]:
         ),
         Patch(
             name="ubatch_guard.mrv2_finish",
+            runner="mrv2",
             module=MRV2_MODULE,
             attr="UBatchRunner.begin_capturable_run",
             make=_make_mrv2_begin,

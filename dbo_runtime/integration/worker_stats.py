@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dbo_runtime.integration import activation, selftime
+from dbo_runtime.integration import activation, guard, selftime
 from dbo_runtime.integration.features import Feature
 from dbo_runtime.integration.patching import Patch
 
@@ -77,6 +77,7 @@ def collect(worker: Any = None) -> dict[str, Any]:
     snap["activation_line_emitted"] = activation.emitted_in_this_process()
     snap["self_time"] = selftime.snapshot(calibrate=selftime.enabled())
     snap["worker"] = _identity(worker)
+    pending = guard.pending_required(guard.runner_of(worker) if worker is not None else None)
     cache = snap["schedule_cache"]
     snap["summary"] = {
         "microbatched_builds": snap["steps"]["microbatched_builds"],
@@ -91,10 +92,11 @@ def collect(worker: Any = None) -> dict[str, Any]:
         "self_time_ns": snap["self_time"]["total_ns"],
         "self_time_calls": snap["self_time"]["calls"],
         "jit_in_step": cache.get("jit_in_step", 0),
-        "patches_pending": sum(1 for s in statuses if s.state == "pending" and not s.patch.optional),
+        "jit_at_start": cache.get("jit_at_start", 0),
+        "patches_pending": len(pending),
         "patches_broken": sum(1 for s in statuses if s.state == "broken"),
     }
-    snap["pending_required"] = [s.patch.name for s in statuses if s.state == "pending" and not s.patch.optional]
+    snap["pending_required"] = pending
     from dbo_runtime.integration.features import REGISTRY
 
     snap["features"] = {name: state.describe() for name, state in REGISTRY.all().items()}

@@ -55,6 +55,9 @@ class MetricsExporter:
         self.jit_in_step = Counter(
             PREFIX + "planner_jit_in_step", "Planner variants first launched inside a step (compiled there unless cached)", registry=reg
         )
+        self.jit_at_start = Counter(
+            PREFIX + "planner_jit_at_start", "Planner variants first launched by vLLM's start-up runs (profile, warm-up, capture)", registry=reg
+        )
         self._cache = cache
         self._last: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -109,6 +112,7 @@ class MetricsExporter:
             self.planned_ahead.inc(self._delta("planned_ahead", cache.planned_ahead))
             self.warmups.inc(self._delta("warmups", cache.warmups))
             self.jit_in_step.inc(self._delta("jit_in_step", cache.jit_in_step))
+            self.jit_at_start.inc(self._delta("jit_at_start", cache.jit_at_start))
 
 
 _EXPORTER: MetricsExporter | None = None

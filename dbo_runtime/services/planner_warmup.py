@@ -60,8 +60,13 @@ class PlannerWarmup:
         self._lock = threading.RLock()
         self._profiles: dict[int, list[PlannerProfile]] = {}
         self._warmed: set[tuple[Any, ...]] = set()
+        self._failed: set[tuple[Any, ...]] = set()
+        """Variants whose warm-up raised: not retried (``entered`` publishes every DBO step), and counted by
+        ``note_plan`` when a step compiles them."""
         self._warm_done: set[tuple[Any, ...]] = set()
         self._sweep_warned = False
+        self.serving = False
+        """Set when vLLM's start-up (profile run, warm-up, capture) is over: later first launches are in-step."""
 
     def variant(self, device: Any, block_kv: int, num_sms: int, rows: int, width: int, varlen: bool) -> tuple[Any, ...]:
         """What DeepGEMM compiles one planner for: ``(aligned batch, SPLIT_KV, slots, varlen)`` on a device."""
@@ -78,11 +83,19 @@ class PlannerWarmup:
             return
         if key not in self._warmed:
             self._warmed.add(key)
-            self.stats.jit_in_step += 1
+            if self.serving:
+                self.stats.jit_in_step += 1
+            else:
+                self.stats.jit_at_start += 1
+
+    def start_serving(self) -> None:
+        """vLLM's start-up is over (``Worker.compile_or_warm_up_model`` returned): first launches count in-step."""
+        self.serving = True
 
     def register_profile(self, device_index: int, profile: PlannerProfile, *, full_sms: int | None = None) -> None:
         """An indexer builder exists for ``device_index``: warm it for its own SM count (``full_sms``, the
-        non-DBO steps) and for every announced DBO count."""
+        steps that do not microbatch; None when the engine never microbatches, as vanilla does nothing
+        there either) and for every announced DBO count."""
         with self._lock:
             profiles = self._profiles.setdefault(device_index, [])
             if profile not in profiles:
@@ -107,19 +120,21 @@ class PlannerWarmup:
 
             return warm_policy({k: v for k, v in os.environ.items() if k != WARM_MAX_BATCH_ENV})
 
-    def warm(self, device_index: int, num_sms: int, *, dbo: bool = True) -> int:
+    def warm(self, device_index: int, num_sms: int, *, dbo: bool = True, in_step: bool = False) -> int:
         """Launch the planner once per distinct variant of every registered profile at ``num_sms``.
 
-        A variant is what DeepGEMM compiles (``_variant``); ``next_n`` is a runtime argument except
+        A variant is what DeepGEMM compiles (``variant``); ``next_n`` is a runtime argument except
         through the slot count (SM90 ``next_n == 4``: half). Never inside a capture (a JIT compile there
         would be fatal): skipped and counted; eager warm-up runs precede every capture in both runners.
+        ``in_step``: a budget entered without an announcement, inside a live step while the DP peers wait in
+        all-to-all: only the exact per-microbatch shapes, never the sweep.
         """
         profiles = self._profiles.get(device_index, [])
         if not profiles:
             return 0
         # Published on every DBO step ("entered"): once a count is warm for the current
         # profile set, return before any probe, env read or bucket walk.
-        done = (device_index, num_sms, dbo, len(profiles))
+        done = (device_index, num_sms, dbo, in_step, len(profiles))
         if done in self._warm_done:
             return 0
         planner = self._planner()
@@ -132,33 +147,44 @@ class PlannerWarmup:
 
         started = time.perf_counter_ns()
         launched = 0
-        policy = self._policy()
+        policy = WarmPolicy("minimal", None, "in step") if in_step else self._policy()
+        todo: dict[tuple[Any, ...], tuple[PlannerProfile, int, int]] = {}
         for profile in profiles:
             for rows, shape_width in profile.warm_shapes(policy, dbo):
                 # Varlen (SM100) plans one row per token with request indices; next_n is 1 there.
                 width = 1 if profile.varlen else shape_width
                 batch = align_batch(rows)
                 key = self.variant(profile.device, profile.block_kv, num_sms, batch, width, profile.varlen)
-                if key in self._warmed:
-                    continue
-                # A variant that fails (no JIT toolchain, OOM) is marked done too: warm-up is an
-                # optimisation, and "entered" publishes on every DBO step, so a failing variant must
-                # not be retried per step. The call site compiles it on first use, as vLLM would.
-                self._warmed.add(key)
-                try:
-                    lens = torch.ones((batch, width), dtype=torch.int32, device=profile.device)
-                    indices = torch.arange(batch, dtype=torch.int32, device=profile.device) if profile.varlen else None
-                    planner.plan(lens, profile.block_kv, num_sms, indices)
-                except Exception as exc:
-                    self.stats.warm_failures += 1
-                    if self.stats.warm_failures == 1:
-                        logger.warning(
-                            "dbo_runtime: planner warm-up for %d SMs failed (%r); the variant compiles on first use",
-                            num_sms,
-                            exc,
-                        )
-                    continue
-                launched += 1
+                if key not in self._warmed and key not in self._failed:
+                    todo.setdefault(key, (profile, batch, width))
+        if todo and not in_step:
+            logger.info(
+                "dbo_runtime: compiling %d paged-MQA planner variants for %d SMs on device %d (%s; about 1-2 s each "
+                "on a cold DG_JIT_CACHE_DIR, milliseconds when cached)",
+                len(todo),
+                num_sms,
+                device_index,
+                policy.source,
+            )
+        for key, (profile, batch, width) in todo.items():
+            try:
+                lens = torch.ones((batch, width), dtype=torch.int32, device=profile.device)
+                indices = torch.arange(batch, dtype=torch.int32, device=profile.device) if profile.varlen else None
+                planner.plan(lens, profile.block_kv, num_sms, indices)
+            except Exception as exc:
+                # Warm-up is an optimisation (no JIT toolchain, OOM at load): the call site compiles the
+                # variant on first use, as vLLM would, and note_plan counts it there.
+                self._failed.add(key)
+                self.stats.warm_failures += 1
+                if self.stats.warm_failures == 1:
+                    logger.warning(
+                        "dbo_runtime: planner warm-up for %d SMs failed (%r); the variant compiles on first use",
+                        num_sms,
+                        exc,
+                    )
+                continue
+            self._warmed.add(key)
+            launched += 1
         self._warm_done.add(done)
         self.stats.warmups += launched
         elapsed = time.perf_counter_ns() - started

@@ -119,8 +119,10 @@ class ScheduleCacheStats:
     warm_failures: int = 0
     """Warm-up launches that raised (logged once; the variant is then compiled at first use)."""
     jit_in_step: int = 0
-    """Planner variants first launched by a step instead of the warm-up: DeepGEMM JIT-compiles each one
+    """Planner variants first launched by a serving step instead of the warm-up: DeepGEMM JIT-compiles each one
     there (or loads it from ``DG_JIT_CACHE_DIR``) while the DP group waits. 0 is the goal."""
+    jit_at_start: int = 0
+    """The same, met by vLLM's own start-up runs (profiling, warm-up, graph capture) before serving began."""
     warm_ns: int = 0
     """Host time spent in warm-up (the load-time cost of keeping JIT out of steps)."""
 
@@ -387,9 +389,9 @@ class IndexerScheduleCache:
         if event.kind == "announced":
             self._dbo_sms[budget.device] = budget.compute
             self.warm(budget.device, budget.compute)
-        elif event.kind == "entered":
-            # Budgets not announced (set by someone else): warm before the first kernel, if we can.
-            self.warm(budget.device, budget.compute)
+        elif event.kind == "entered" and self._dbo_sms.get(budget.device) != budget.compute:
+            # A budget nobody announced, entered inside a live step: the exact shapes only, never the sweep.
+            self.warmup.warm(budget.device, budget.compute, in_step=True)
 
     # -- warm-up ---------------------------------------------------------------------------
 _CACHE: IndexerScheduleCache | None = None

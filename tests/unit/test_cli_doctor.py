@@ -142,15 +142,9 @@ def test_a_version_string_alone_neither_passes_nor_fails_a_build(
 
 
 def test_an_upstream_fix_is_reported_as_provided_by_vllm(capsys: pytest.CaptureFixture[str]) -> None:
-    from tests.fakes.vllm_build import edited_sources, replace_once
+    from tests.fakes.vllm_build import UPSTREAM_60732, edited_sources
 
-    upstream = {
-        "vllm.v1.attention.backends.mla.indexer": replace_once(
-            "    indices: torch.Tensor | None = None\n\n\n@dataclass\nclass DeepseekV32IndexerMetadata:",
-            "    indices: torch.Tensor | None = None\n    schedule_num_sms: int = 0\n\n\n@dataclass\nclass DeepseekV32IndexerMetadata:",
-        )
-    }
-    with edited_sources(upstream):
+    with edited_sources(UPSTREAM_60732):
         rc, doc = doctor_json(capsys)
         assert main(["doctor"]) == 0
         out = capsys.readouterr().out

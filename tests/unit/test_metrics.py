@@ -38,9 +38,13 @@ def test_exporter_reports_budget_and_step_deltas() -> None:
     for step in range(3):
         cache.stats.replans += 2 if step == 0 else 0  # upstream-like first step, then plan-ahead
         cache.stats.planned_ahead += 2
+        cache.stats.jit_at_start += 1 if step == 0 else 0
+        cache.stats.jit_in_step += 1 if step == 2 else 0
         with control.partition(budget):
             pass
     assert _value(registry, "dbo_runtime_sm_partitions_total", {"device": "0"}) == 3
     assert _value(registry, "dbo_runtime_sm_knob_switches_total", {"device": "0"}) == 6
     assert _value(registry, "dbo_runtime_indexer_replans_total", {"kind": "call_site"}) == 2
     assert _value(registry, "dbo_runtime_indexer_planned_ahead_total") == 6
+    assert _value(registry, "dbo_runtime_planner_jit_at_start_total") == 1
+    assert _value(registry, "dbo_runtime_planner_jit_in_step_total") == 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from importlib import metadata
 
+import pytest
+
 from dbo_runtime.integration import fingerprints, plugin
 from dbo_runtime.integration.recorded_fingerprints import FINGERPRINTS, RECORDED_FROM
 from tests.fakes.vllm_build import edited_sources, replace_once
@@ -43,3 +45,25 @@ def test_a_missing_anchor_is_missing() -> None:
 def test_source_blocks_include_multi_line_signatures() -> None:
     block = fingerprints.source_block(INDEX_GROUP, "SparseMLAIndexGroupBuilder.register_layer")
     assert block is not None and block.lstrip().startswith("def register_layer(") and "return group, group_index" in block
+
+
+def test_capability_probes_read_names_from_the_syntax_tree() -> None:
+    from dbo_runtime.integration import fingerprints as fp
+    from dbo_runtime.integration.features import Probe
+
+    group = "vllm.v1.attention.backends.mla.index_group"
+    assert fp.has_param(group, "SparseMLAIndexGroupBuilder.__init__", "max_decode_rows")
+    assert not fp.has_param(group, "SparseMLAIndexGroupBuilder.__init__", "num_ubatches")
+    assert fp.has_member(group, "SparseMLAIndexGroup", "_convert_once")
+    assert fp.has_member(group, "SparseMLAIndexGroup", "logical_topk_indices")  # an annotated attribute
+    assert not fp.has_member(group, "SparseMLAIndexGroup", "_topk_state")
+    assert fp.has_member(group, "", "SparseMLAIndexGroupBuilder")
+    assert fp.calls("vllm.model_executor.layers.sparse_attn_indexer", "", "fp8_fp4_paged_mqa_logits")
+    mention = replace_once('    """Layers that consume one sparse-indexer result."""',
+                           '    """Layers that consume one sparse-indexer result; see _topk_state() and num_ubatches."""\n'
+                           '    # def _topk_state(self): self._topk_state()')
+    with edited_sources({group: mention}):
+        assert not fp.has_member(group, "SparseMLAIndexGroup", "_topk_state")
+        assert not fp.calls(group, "", "_topk_state")
+    with pytest.raises(ValueError, match=r"Probe\.kind"):
+        Probe("mentions", group, "", "x")  # type: ignore[arg-type]

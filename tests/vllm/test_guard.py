@@ -20,7 +20,7 @@ import pytest
 from dbo_runtime.core.errors import DboRefusal
 from dbo_runtime.integration import guard, plugin
 from dbo_runtime.integration.patching import Patch, PatchSet
-from tests.fakes.vllm_build import edited_sources, replace_once
+from tests.fakes.vllm_build import TOPK_60734_PARTS, UPSTREAM_60734, edited_sources, in_turn, replace_once
 
 MODELS = Path(__file__).resolve().parents[1] / "e2e" / "models"
 TOPK_MOVED = {
@@ -184,15 +184,32 @@ def test_a_lazy_failure_marks_the_feature_broken(fresh: None, cuda_platform: Non
 
 
 def test_an_upstream_fix_is_left_to_vllm_and_not_refused(fresh: None, cuda_platform: None) -> None:
-    upstream = {
-        "vllm.v1.attention.backends.mla.index_group": replace_once("    def _convert_once(", "    def _topk_state(self):\n        return self\n\n    def _convert_once(")
-    }
-    with edited_sources(upstream):
+    with edited_sources(UPSTREAM_60734):
         plugin.register()
     patch_set = plugin.installed_patch_set()
     assert patch_set is not None and not [p for p in patch_set.patches if p.feature in ("topk", "topk_v41")]
+    assert plugin.REGISTRY.get("topk").verdict == "provided by vLLM"  # type: ignore[union-attr]
     guard.check(shared(), "config")
     guard.check(shared(), "worker")
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(replace_once("    def _convert_once(", "    # num_ubatches, _topk_state: see vllm#60734\n    def _convert_once("), id="comment"),
+        pytest.param(TOPK_60734_PARTS[1], id="helper-without-consumer"),
+        pytest.param(in_turn(TOPK_60734_PARTS[0], TOPK_60734_PARTS[2]), id="consumer-without-helper"),
+    ],
+)
+def test_half_an_upstream_fix_or_a_mention_is_not_taken_for_the_fix(fresh: None, cuda_platform: None, edit: Any) -> None:
+    """A comment, a helper nobody calls or a call to nothing never switches dbo_runtime's fix off: the feature
+    is then unverified (the edit touched fingerprinted code) or verified, and never "provided by vLLM"."""
+    with edited_sources({"vllm.v1.attention.backends.mla.index_group": edit}):
+        plugin.register()
+        verdict = plugin.REGISTRY.get("topk").verdict  # type: ignore[union-attr]
+    assert verdict != "provided by vLLM"
+    if verdict != "verified":
+        assert "refuses" in refusal(shared())
 
 
 def test_disable_removes_the_guard_too(fresh: None, cuda_platform: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -253,3 +270,158 @@ def test_deepseek_v41_on_rocm_is_refused(fresh: None, monkeypatch: pytest.Monkey
     assert "on ROCm" in message and "per-source packed top-k cache" in message
     monkeypatch.setattr(guard, "_platform", lambda: "cuda")
     guard.check(engine_config("DeepseekV41ForCausalLM", v41), "config")  # fixed on CUDA
+
+
+def test_ubatch_size_microbatches_like_dbo_and_is_guarded_alike(fresh: None, cuda_platform: None) -> None:
+    """vLLM microbatches on ``enable_dbo or ubatch_size > 1`` (``ParallelConfig.use_ubatching``): the same threads,
+    the same shared top-k state, the same SM split."""
+    from vllm.config import ParallelConfig
+
+    with edited_sources(TOPK_MOVED):
+        plugin.register()
+    config = engine_config("GlmMoeDsaForCausalLM", hf("shared-topk"), enable_dbo=False)
+    config.parallel_config = ParallelConfig(
+        ubatch_size=2, enable_expert_parallel=True, all2all_backend="deepep_high_throughput", data_parallel_size=2
+    )
+    assert config.parallel_config.use_ubatching and not config.parallel_config.enable_dbo
+    message = refusal(config)
+    assert message.startswith("dbo_runtime refuses GlmMoeDsaForCausalLM with --ubatch-size:")
+    assert "without --enable-dbo or --ubatch-size" in message
+
+
+def _runner_patch(name: str, runner: str) -> Patch:
+    return Patch(
+        name=name, module=f"dbo_module_only_{runner}_imports", attr="f", make=lambda o: o, reason="t",
+        upstream_pr="-", removal="-", lazy=True, anchors=(), runner=runner,
+    )  # fmt: skip
+
+
+def test_a_worker_waits_only_for_the_patches_of_the_runner_it_runs(fresh: None, cuda_platform: None) -> None:
+    """An MRV2 worker never imports ``gpu_model_runner`` (``Worker._make_model_runner``): the MRV1 patches stay
+    pending there and must not refuse the model; an MRV1 worker likewise for MRV2's."""
+    plugin.register()
+    ps = PatchSet([_runner_patch("ubatch_guard.mrv1_only", "mrv1")])
+    ps.install()
+    try:
+        guard.bind_patch_set(ps)
+        guard.check(shared(), "worker", "mrv2")  # an MRV2 worker: the MRV1 module never imports there
+        assert guard.pending_required("mrv2") == []
+        with pytest.raises(DboRefusal, match=r"ubatch_guard\.mrv1_only pending"):
+            guard.check(shared(), "worker", "mrv1")
+        assert "ubatch_guard.mrv1_only pending" in refusal(shared(), "worker")  # runner unknown: every patch counts
+    finally:
+        ps.uninstall()
+        guard.bind_patch_set(plugin.installed_patch_set())
+
+
+def test_the_runner_is_read_from_the_worker() -> None:
+    from types import SimpleNamespace
+
+    assert guard.runner_of(SimpleNamespace(use_v2_model_runner=True)) == "mrv2"
+    assert guard.runner_of(SimpleNamespace(use_v2_model_runner=False)) == "mrv1"
+    assert guard.runner_of(object()) is None
+    with pytest.raises(Exception, match=r"Patch\.runner must be one of"):
+        _runner_patch("x.y", "mrv3")
+
+
+def test_the_real_runner_patches_are_tagged() -> None:
+    runners = {p.name: p.runner for p in plugin.all_patches() if p.runner}
+    assert runners == {
+        "ubatch_guard.mrv1_run": "mrv1",
+        "ubatch_guard.mrv1_capture": "mrv1",
+        "ubatch_guard.mrv2_finish": "mrv2",
+        "sm_control.mrv1": "mrv1",
+        "sm_control.mrv2": "mrv2",
+        "indexer.plan_ahead.mrv1": "mrv1",
+        "indexer.plan_ahead.mrv2": "mrv2",
+    }
+    for p in plugin.all_patches():  # every patch on a runner-only module is tagged
+        if p.module in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu_ubatch_wrapper"):
+            assert p.runner == "mrv1", p.name
+        if p.module == "vllm.v1.worker.gpu.ubatch_utils":
+            assert p.runner == "mrv2", p.name
+
+
+def test_a_broken_dependency_takes_its_dependents_out_of_force(
+    fresh: None, cuda_platform: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The microbatch-thread guard broke (its join point moved): the top-k and schedule fixes still install, but
+    their hooks would hand vLLM placeholders that nothing raises after the join. They are not in force."""
+    plugin.register()
+    patch_set = plugin.installed_patch_set()
+    assert patch_set is not None
+    [listener] = patch_set.failure_listeners
+    listener([p for p in patch_set.patches if p.name == "ubatch_guard.mrv1_run"], "dbo_runtime: patches for ... moved")
+    message = refusal(shared(), "worker")
+    assert "microbatch-thread failure guard, which the per-microbatch top-k" in message and "is broken" in message
+    monkeypatch.setattr(guard, "_deep_gemm_present", lambda stage: True)  # a GPU worker with DeepGEMM
+    assert "microbatch-thread failure guard" in refusal(leaders_only(), "worker")  # the indexer fix needs it too
+
+
+def test_deepseek_v41_needs_the_shared_topk_patch_tagged_for_it(fresh: None, cuda_platform: None) -> None:
+    """V4.1's fix also relies on ``topk.SparseAttnIndexer.topk_indices_buffer`` (feature ``topk``, tagged V4.1)."""
+    plugin.register()
+    stuck = Patch(
+        name="topk.SparseAttnIndexer.moved", module="dbo_module_vllm_no_longer_imports", attr="x", make=lambda o: o,
+        reason="t", upstream_pr="-", removal="-", lazy=True, anchors=(), architectures=("DeepseekV41ForCausalLM",),
+    )  # fmt: skip
+    ps = PatchSet([stuck])
+    ps.install()
+    try:
+        guard.bind_patch_set(ps)
+        v41 = engine_config("DeepseekV41ForCausalLM", hf("deepseek-v41"))
+        assert "topk.SparseAttnIndexer.moved pending" in refusal(v41, "worker")
+        guard.check(shared(), "worker")  # tagged for V4.1 only
+    finally:
+        ps.uninstall()
+        guard.bind_patch_set(plugin.installed_patch_set())
+
+
+def test_a_build_without_the_worker_hooks_refuses_microbatching_up_front(fresh: None, cuda_platform: None) -> None:
+    """Where the guard cannot wrap ``Worker.load_model`` no worker could check its fixes: the front-end refuses."""
+    moved = {"vllm.v1.worker.gpu_worker": replace_once("    def load_model(self", "    def load_weights_and_model(self")}
+    plugin.register()
+    with edited_sources(moved):
+        message = refusal(leaders_only())
+        assert "no Worker.load_model in vllm.v1.worker.gpu_worker" in message
+        guard.check(leaders_only(enable_dbo=False), "config")  # nothing microbatches: nothing to guard
+
+
+def test_the_guard_set_fails_loudly_when_its_worker_hook_cannot_apply() -> None:
+    """A worker the guard cannot wrap must not run: the guard's lazy failure raises (unlike a fix's, reported)."""
+    import sys
+    import types
+
+    from dbo_runtime.core.errors import PatchError
+
+    name = "dbo_guard_test_worker_module"
+    hook = Patch(
+        name="guard.test", module=name, attr="Worker.load_model", make=lambda o: o, reason="t", upstream_pr="-",
+        removal="-", lazy=True, anchors=(),
+    )  # fmt: skip
+    ps = PatchSet([hook], lazy_failure_raises=True)
+    ps.install()
+    module = types.ModuleType(name)
+    module.Worker = type("Worker", (), {})  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(PatchError, match="cannot be applied"):
+            ps._apply_lazy(module)
+    finally:
+        ps.uninstall()
+        sys.modules.pop(name, None)
+
+
+def test_speculative_decoding_without_the_mtp_fix_is_warned(
+    fresh: None, cuda_platform: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tokens stay right without the MTP hidden-buffer fix (the verifier checks every draft); acceptance drops."""
+    import logging
+
+    plugin.register()
+    plugin.REGISTRY.mark("mtp_hidden", "broken", "moved")
+    config = engine_config("DeepseekV4ForCausalLM", hf("deepseek-v4"))
+    config.speculative_config = object()  # type: ignore[assignment]
+    guard.reset()
+    with caplog.at_level(logging.WARNING, logger="dbo_runtime"):
+        guard.check(config, "worker", "mrv1")
+    assert any("draft acceptance drops" in r.getMessage() for r in caplog.records)

@@ -484,6 +484,7 @@ def test_warm_up_under_vllms_default_keeps_every_decode_batch_out_of_jit(env: En
     indexer_hooks.register_builder(builder, device_index=0)
     max_seqs = builder.vllm_config.scheduler_config.max_num_seqs
     assert env.cache.stats.warmups == 2 * -(-max_seqs // 32)  # one per bucket, at 132 and at 112 SMs
+    env.cache.warmup.start_serving()
     for batch in range(1, max_seqs + 1):
         lens = torch.ones((batch, 1), dtype=torch.int32)
         env.cache.note_plan(lens, BLOCK, 132, None)  # a step that does not microbatch
@@ -498,8 +499,62 @@ def test_minimal_warm_up_leaves_eager_decode_batches_to_jit_in_step(env: Env, mo
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
     builder = env.builder()
     builder.device = torch.device("cpu")
+    builder.vllm_config.parallel_config.enable_dbo = True
     _announce_dbo()
     indexer_hooks.register_builder(builder, device_index=0)
+    env.cache.warmup.start_serving()
     for batch in range(1, builder.vllm_config.scheduler_config.max_num_seqs + 1):
         env.cache.note_plan(torch.ones((batch, 1), dtype=torch.int32), BLOCK, 132, None)
     assert env.cache.stats.jit_in_step > 0
+
+
+def test_an_engine_that_never_microbatches_warms_nothing(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``--enable-dbo`` / ``--ubatch-size`` vLLM plans as it always does: no warm-up, no load-time cost."""
+    monkeypatch.delenv("VLLM_DEEP_GEMM_WARMUP", raising=False)
+    builder = env.builder()
+    builder.device = torch.device("cpu")
+    assert not builder.vllm_config.parallel_config.use_ubatching
+    indexer_hooks.register_builder(builder, device_index=0)
+    assert env.cache.stats.warmups == 0 and env.dg.plan_calls == []
+    builder.vllm_config.parallel_config.ubatch_size = 2  # the other way vLLM microbatches
+    indexer_hooks.register_builder(builder, device_index=0)
+    assert env.cache.stats.warmups > 0
+
+
+def test_start_up_runs_and_failed_warm_ups_are_counted_where_they_happen(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own start-up runs (profile, warm-up, capture) count as ``jit_at_start``; after
+    ``compile_or_warm_up_model`` a first launch is ``jit_in_step``, including a variant whose warm-up failed."""
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
+    builder = env.builder()
+    builder.device = torch.device("cpu")
+    builder.vllm_config.parallel_config.enable_dbo = True
+    real_plan = env.cache.planner.plan
+    monkeypatch.setattr(env.cache.planner, "plan", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("load")))
+    _announce_dbo()
+    indexer_hooks.register_builder(builder, device_index=0)
+    assert env.cache.stats.warm_failures > 0 and env.cache.stats.warmups == 0
+    monkeypatch.setattr(env.cache.planner, "plan", real_plan)
+    [(rows, width)] = env.cache.warmup._profiles[0][0].shapes[:1]
+    lens = torch.ones((rows, width), dtype=torch.int32)
+    env.cache.note_plan(torch.ones((7, 1), dtype=torch.int32), BLOCK, 132, None)
+    assert (env.cache.stats.jit_at_start, env.cache.stats.jit_in_step) == (1, 0)
+    env.cache.warmup.start_serving()
+    env.cache.note_plan(lens, BLOCK, 112, None)  # its warm-up failed: the step compiles it
+    assert env.cache.stats.jit_in_step == 1
+
+
+def test_a_budget_entered_unannounced_warms_only_the_exact_shapes(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entered inside a live step (nobody announced it) while the DP peers wait: never the sweep."""
+    monkeypatch.delenv("VLLM_DEEP_GEMM_WARMUP", raising=False)
+    builder = env.builder()
+    builder.device = torch.device("cpu")
+    builder.vllm_config.parallel_config.enable_dbo = True
+    indexer_hooks.register_builder(builder, device_index=0)
+    before = env.cache.stats.warmups
+    budget = compute_budget(
+        total_sms=132, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_high_throughput"
+    )
+    control = sm_control_for(0, 132)
+    control.exit(control.enter(budget))
+    shapes = {(-(-rows // 32) * 32, width) for rows, width in env.cache.warmup._profiles[0][0].shapes}
+    assert 0 < env.cache.stats.warmups - before <= len(shapes)
