@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from dbo_runtime.harness.launch import RunSpec
 from dbo_runtime.harness.prompts import PromptSpec
@@ -187,10 +188,15 @@ def one_gpu() -> dict[str, RunSpec]:
 EMULATE = Path(__file__).parent / "emulate"
 FAMILY_PROMPTS = PromptSpec(num=16, min_len=300, max_len=1500, seed=4)
 DBO_DP1 = ["--enable-expert-parallel", "--all2all-backend", HT, "--enable-dbo"]
-FAMILY = {
+FAMILY: dict[str, dict[str, Any]] = {
     "glm53-geometry": {"gpu_memory_utilization": "0.2", "architecture": "GlmMoeDsaForCausalLM"},
     "deepseek-v4": {"gpu_memory_utilization": "0.1", "architecture": "DeepseekV4ForCausalLM"},
-    "deepseek-v41": {"gpu_memory_utilization": "0.1", "architecture": "DeepseekV41ForCausalLM"},
+    "deepseek-v41": {
+        "gpu_memory_utilization": "0.1",
+        "architecture": "DeepseekV41ForCausalLM",
+        # its registered class is multimodal, whose processor refuses to start without a tokenizer
+        "extra": ["--limit-mm-per-prompt", '{"image": 0}'],
+    },
     "glm5next": {"gpu_memory_utilization": "0.1", "architecture": "Glm5NextForCausalLM"},
 }
 """The DSA-family tiny models (``models/README.md``) and what each needs of a shared GPU."""
@@ -223,7 +229,9 @@ def family() -> dict[str, RunSpec]:
                 label = f"1gpu-{model}-{mode}-{'plugin' if plugin else 'vanilla'}"
                 out[label] = RunSpec(
                     label=label,
-                    engine_args=_with_memory(tiny_args(model, eager=mode == "eager"), facts["gpu_memory_utilization"]),
+                    engine_args=_with_memory(
+                        tiny_args(model, eager=mode == "eager", extra=list(facts.get("extra", []))), facts["gpu_memory_utilization"]
+                    ),
                     env=_env(None, plugin),
                     prompts=FAMILY_PROMPTS,
                     max_tokens=16,
@@ -233,7 +241,9 @@ def family() -> dict[str, RunSpec]:
         label = f"1gpu-{model}-dbo-dp1-plugin"
         out[label] = RunSpec(
             label=label,
-            engine_args=_with_memory(tiny_args(model, eager=True, extra=DBO_DP1), facts["gpu_memory_utilization"]),
+            engine_args=_with_memory(
+                tiny_args(model, eager=True, extra=[*DBO_DP1, *facts.get("extra", [])]), facts["gpu_memory_utilization"]
+            ),
             env=_env(None, True),
             prompts=PromptSpec(num=8, min_len=300, max_len=1500, seed=6),
             max_tokens=8,
