@@ -1,7 +1,7 @@
 """Argument parsing for the ``graphs/`` scripts: a bad value is one line, refused before any GPU check.
 
 argparse prints its usage block before an error, and a range only checked after the "needs a GPU"
-refusal is only caught on the GPU machine (new-user review 2026-12-01). The project's rule for bad
+refusal is only caught on the GPU machine. The project's rule for bad
 input: one line naming the parameter and the allowed values, exit 2, nothing run."""
 
 from __future__ import annotations

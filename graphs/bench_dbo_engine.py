@@ -50,7 +50,7 @@ CONFIGS: dict[str, list[tuple[str, bool, bool, dict[str, str]]]] = {
 }
 """(label, DBO on, dbo_runtime on, extra env) per backend group. The groups run one after the other:
 all seven DP-2 configurations alive at once put seven engines on each H200, and the seventh died of
-CUDA OOM in a prefill of its first timed turn (run 21, 2026-11-30), so side-by-side ratios are within
+CUDA OOM in a prefill of its first timed turn (measured on 2x H200), so side-by-side ratios are within
 a group."""
 RATIOS = {
     "ht": {"ht_dbo_plugin_over_off": ("ht-dbo-plugin", "ht-dbo-off")},

@@ -1,4 +1,4 @@
-"""Cold-start cost of the paged-MQA planner warm-up: warming the shapes vLLM runs microbatched vs the old bucket sweep.
+"""Cold-start cost of the paged-MQA planner warm-up: warming the shapes vLLM runs microbatched vs a bucket sweep.
 
 DeepGEMM JIT-compiles one planner per (32-aligned batch, SM slots); dbo_runtime compiles them for
 the DBO SM count when the budget is announced at model load. Two warm-up sets for the same vLLM
@@ -6,7 +6,7 @@ configuration, each in a fresh process with an empty DeepGEMM JIT cache (``DG_JI
 after the other in one run:
 
 * ``before`` -- every 32-row bucket up to min(max_num_seqs, 512), for next_n 1 and 1 + spec tokens
-  (the warm-up of dbo_runtime before item 8);
+  (a sweep that does not know which shapes vLLM microbatches);
 * ``after``  -- exactly the per-microbatch shapes vLLM will run microbatched
   (``schedule_cache.dbo_planner_shapes``: the FULL cudagraph capture sizes DBO captures, and the full
   batch of max_num_seqs decodes).

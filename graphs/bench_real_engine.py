@@ -4,7 +4,7 @@ A = plugin, B = vanilla (``DBO_RUNTIME_DISABLE=1``); fresh engines interleaved A
 drift hits both alike; every run starts its own engine (start time) and then times decode on
 warm caches. Untimed warm-up engines go first (``--warmup-engines``, default 1): on a fresh machine
 the first engine compiles DeepGEMM/Triton kernels during its start and its first decode passes (2x
-H200, 2026-11-30: 43 s start and a 97 ms step, against 16 s and 17-20 ms once warm), which would
+H200: 43 s start and a 97 ms step, against 16 s and 17-20 ms once warm), which would
 land on whichever variant comes first. Per rep a 1-token pass and
 a T-token pass, decode step = difference / (T - 1). One more plugin run with
 ``DBO_RUNTIME_SELF_TIME=1`` measures the plugin's own host time per decode step (kept out of the

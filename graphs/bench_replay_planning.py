@@ -20,11 +20,10 @@ What is counted, per step, and where (each count names its window; nothing mixes
 * ``profiler_replay_window_per_step``: torch profiler over ``steps`` replays only. Its memcpys are
   the graph's own nodes -- the forward's per-layer output, top-k, ``masked_fill`` and ``sort``
   copies (324 per step at the defaults) -- the same in both variants. On the H200 (torch 2.11,
-  CUDA 13.0) the first version of this script counted one window over input copies + build +
-  replay + snapshot and got 9 (plan_at_build: 4 + 2 + 3, no graph memcpy reported) vs 331
-  (deferred: 4 + 0 + 3 + 324) for graphs with the same nodes; so the profiler is now started once
-  before either graph is captured, the windows are separate, and a mismatch between the variants'
-  replay windows is reported as a profiler artefact.
+  CUDA 13.0) one window over input copies + build + replay + snapshot counts 9 (plan_at_build:
+  4 + 2 + 3, no graph memcpy reported) vs 331 (deferred: 4 + 0 + 3 + 324) for graphs with the same
+  nodes; so the profiler is started once before either graph is captured, the windows are separate,
+  and a mismatch between the variants' replay windows is reported as a profiler artefact.
 
 The GPU time of build + replay (CUDA events) is measured in a loop without profiler or counter, and
 every replay of that loop is checked bit-for-bit against the unsplit full-SM reference. About 30 s

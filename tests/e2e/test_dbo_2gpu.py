@@ -1,4 +1,4 @@
-"""Issue 9: DBO in the real engine on two GPUs (data parallel 2 + expert parallel).
+"""DBO in the real engine on two GPUs (data parallel 2 + expert parallel).
 
 Reproduces both upstream bugs in vanilla vLLM 0.33.0 and shows dbo_runtime fixes them:
 the DeepGEMM schedule assertion under DeepEP high-throughput (eager), and the shared top-k
@@ -26,7 +26,7 @@ OUTSIDE = FloorRule(agreement_slack=0.05)
 """vanilla on the shared-top-k shape must fall measurably outside: agreement more than 0.05 below the floor,
 or mean |dlogprob| above 3x. Logprobs show the corruption even where greedy tokens do not flip: with vLLM's
 ``dummy`` weights (U(-1e-3, 1e-3) except norms, one seed for every tensor) no token flipped, yet the mean
-|dlogprob| was 3.4e-4 vanilla vs 3.1e-5 dbo_runtime (2026-11-30, shared-top-k HT). Random weights at a
+|dlogprob| was 3.4e-4 vanilla vs 3.1e-5 dbo_runtime (2x H200, shared-top-k HT). Random weights at a
 trained scale flip tokens, but then DBO alone (vanilla, no followers) flips them too (``plan.LOAD_FORMAT``)."""
 
 
@@ -81,7 +81,7 @@ def _verify_record(job: dict[str, Any], run: str) -> dict[str, Any]:
 @pytest.mark.runs("dp2-ht-dbo-shared-topk-v1-vanilla", "dp2-ht-dbo-shared-topk-v2-vanilla")
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_vanilla_vllm_crashes_under_dbo_with_deepep_ht(records: Records, runner: str) -> None:
-    """What vLLM 0.33.0 really does (2x H200, 2026-11-30): MRV1 raises DeepGEMM's assertion on a
+    """What vLLM 0.33.0 really does (measured on 2x H200): MRV1 raises DeepGEMM's assertion on a
     microbatch thread, the thread dies and the step hangs (no exit); MRV2 hangs until vLLM's 5-minute
     ``sample_tokens`` RPC timeout kills the engine. The launcher stops a run whose log shows a dead
     microbatch thread; either way the run must not complete."""

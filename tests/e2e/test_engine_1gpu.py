@@ -1,4 +1,4 @@
-"""Issue 8: dbo_runtime inside the real vLLM 0.33.0 engine on one GPU (DBO needs DP >= 2, so
+"""dbo_runtime inside the real vLLM 0.33.0 engine on one GPU (DBO needs DP >= 2, so
 here: activation, transparency with DBO off, MTP, counters and /metrics)."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _identical(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
 
 BF16_STEPS_ALLOWED = 2.0**-8
 """The largest |Δlogprob| is always allowed this much: it moves in whole bf16 steps of a logit (2^-12
-and 2^-9 seen in run 15), and a control that happens to miss one would otherwise fail a clean pair."""
+and 2^-9 measured on 2x H200), and a control that happens to miss one would otherwise fail a clean pair."""
 CONTROL_MEAN_FACTOR = 3.0
 """A pair's mean |Δlogprob| may be this many times its mode's vanilla-vs-vanilla control's."""
 CONTROL_MEAN_MIN = 1e-7
@@ -59,7 +59,7 @@ def _controls(records: Records) -> tuple[float, dict[str, float]]:
     """vLLM's own run-to-run noise, from the same vanilla engine started twice per mode:
     (the largest single |Δlogprob| over both controls, the mean |Δlogprob| per mode).
 
-    Why two statistics. vLLM is not repeatable run to run: on 2x H200 (2026-11-30, run 15) both
+    Why two statistics. vLLM is not repeatable run to run: measured on 2x H200, both
     controls moved hundreds of the ~5700 returned logprobs. The largest move is lumpy, whole bf16
     steps of a logit: the graphs control moved 1/512 at requests 33, 38 and 39, positions 17, 7 and 21,
     the eager control only 2.5e-4, yet the eager-V1 plugin pairs moved 1/512 at those same requests and

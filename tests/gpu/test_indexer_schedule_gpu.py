@@ -301,7 +301,7 @@ class _CountingPlanner(DeepGemmPlanner):
 
 
 def test_replay_after_deferred_build_is_correct(deep_gemm: ModuleType, cuda_device: torch.device, out_dir: Any) -> None:
-    """Issue 10 item 7: a plan-ahead build now launches no planner (``track_deferred``) and leaves the
+    """A plan-ahead build launches no planner (``track_deferred``) and leaves the
     builder buffer as it was. The graph records its own planner, so every replay is correct whatever the
     buffer holds (here: a later non-DBO build's 132-SM plan), and each FULL-graph step (build + replay)
     launches no host planner; an eager step plans the schedule before its first kernel, bit for bit."""

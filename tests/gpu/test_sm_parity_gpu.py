@@ -1,4 +1,4 @@
-"""GPU twin of the even-compute-count tests (issue 10 item 6): tests/unit/test_budget.py,
+"""GPU twin of the even-compute-count tests: tests/unit/test_budget.py,
 tests/unit/test_sm_control.py and tests/vllm/test_sm_contract.py (``sm90``).
 
 On SM90, DeepGEMM's ``fp8_fp4_paged_mqa_logits`` at ``next_n == 4`` (MTP with 3 speculative tokens)

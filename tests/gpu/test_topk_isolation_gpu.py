@@ -368,7 +368,7 @@ def _build_and_run_dropped(
     watched: list[tuple[str, Any]] = [("logical top-k buffer", weakref.ref(h.base)), ("harness", weakref.ref(h))]
     groups = {id(g): g for g, _, _ in h.layers}
     # No weak reference to a torch.cuda.Stream: with torch 2.11.0+cu130 one makes the process segfault at a later
-    # garbage collection (docs/results.md, 2026-12-01). A side stream holds no device memory and lives exactly as
+    # garbage collection (docs/results.md). A side stream holds no device memory and lives exactly as
     # long as its group, whose weak reference is watched.
     for n, group in enumerate(groups.values()):
         watched += [(f"group {n}", weakref.ref(group)), (f"physical workspace {n}", weakref.ref(group.physical_topk_indices))]

@@ -174,8 +174,8 @@ def test_compute_multiple_must_be_positive_int(bad: object) -> None:
 
 
 def test_the_refusal_bound_is_the_largest_value_accepted() -> None:
-    """Re-review 2026-12-01: with DeepGEMM's even count (SM90) the message said [0, 131] and 131 was then
-    refused with [0, 130]. The bound a refusal names must itself be accepted, and one more refused."""
+    """With DeepGEMM's even count (SM90) a message naming [0, 131] while 131 is refused with [0, 130]
+    misleads. The bound a refusal names must itself be accepted, and one more refused."""
     for multiple, has_dg, bound in ((2, True, 130), (1, True, 131), (2, False, 131)):
         kw = {"expert_parallel": True, "compute_multiple": multiple, "has_deep_gemm": has_dg}
         with pytest.raises(ConfigError) as e:

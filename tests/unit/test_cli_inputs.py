@@ -1,9 +1,9 @@
 """``sms`` and ``simulate`` read the split's inputs one way, and an error names the input that is wrong.
 
-Both commands used to validate on their own: ``sms`` accepted ``--total-sms 1000000000000``
-while ``simulate`` capped it at 1024, an empty ``VLLM_DBO_COMM_SMS`` was an error in one and
-the default in the other, and the policy's errors blamed ``VLLM_DBO_COMM_SMS=20`` when the
-wrong input was a typed ``--max-sms-used`` or ``--total-sms`` and nobody had set the variable.
+One validation serves both commands, so ``--total-sms 1000000000000`` or an empty
+``VLLM_DBO_COMM_SMS`` means the same in each, and the policy's errors blame the input that is
+wrong (a typed ``--max-sms-used`` or ``--total-sms``), not ``VLLM_DBO_COMM_SMS=20`` when nobody
+set the variable.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def error_line(capsys: pytest.CaptureFixture[str], command: list[str]) -> str:
     return line[len(prefix) :]
 
 
-# -- item 9: the error names the input that is actually wrong ------------------------------------
+# -- the error names the input that is actually wrong ---------------------------------------------
 
 
 def test_odd_max_sms_used_blames_max_sms_used_not_the_comm_share(capsys: pytest.CaptureFixture[str]) -> None:
@@ -64,7 +64,7 @@ def test_a_typed_comm_share_is_blamed_when_it_does_not_fit(capsys: pytest.Captur
     assert error_line(capsys, ["simulate", *FAST]).startswith("VLLM_DBO_COMM_SMS=140 is not allowed; allowed values: integers in [0, 130]")  # SM90: DeepGEMM keeps 2+
 
 
-# -- item 10: one validation for both commands ---------------------------------------------------
+# -- one validation for both commands ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -114,14 +114,14 @@ def test_simulate_integer_flags_are_bounded_and_worded_alike(capsys: pytest.Capt
     ],
 )
 def test_usage_errors_are_one_line_naming_the_command(argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """New-user review 2026-11-30: a bare dbo-runtime printed the whole help (exit 2, no error line), and
-    `sms --bogus` blamed the top-level command."""
+    """A bare dbo-runtime is one error line, not the whole help, and `sms --bogus` blames `sms`, not the
+    top-level command."""
     assert main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines() == [line]
 
 
 def test_without_deepgemm_the_bound_has_no_even_rule(capsys: pytest.CaptureFixture[str]) -> None:
-    """Re-review 2026-12-01: --no-deep-gemm still named DeepGEMM's even count and the SM90 bound."""
+    """With --no-deep-gemm the bound names neither DeepGEMM's even count nor the SM90 bound."""
     line = error_line(capsys, ["sms", "--total-sms", "132", "--comm-sms", "132", "--no-deep-gemm"])
     assert line.startswith("--comm-sms=132 is not allowed; allowed values: integers in [0, 131]") and "DeepGEMM" not in line
     assert main(["sms", "--total-sms", "132", "--comm-sms", "131", "--no-deep-gemm"]) == 0

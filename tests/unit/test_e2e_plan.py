@@ -1,7 +1,7 @@
 """The real-engine plan (tests/e2e/plan.py) parses with vLLM 0.33's own argument parser.
 
 CPU side of the e2e suites: a flag vLLM rejects, or a DeepEP-LL run left at vLLM's 256-token default
-(which kept MRV1 from microbatching at all on 2x H200, 2026-11-30), is caught here, not after a GPU lease.
+(with which MRV1 never microbatched on 2x H200), is caught here, before any GPU time is spent.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_every_run_parses_with_vllm(label: str) -> None:
     if "deepep_low_latency" in spec.engine_args:
         assert args.max_num_batched_tokens == int(plan.LL_BATCHED_TOKENS[1]) >= 512  # prefill steps can reach DBO's threshold
         assert "h2048" in spec.meta["model"]  # DeepEP LL's smallest hidden size
-        # deep_ep/buffer.py asserts this on the first dispatch (every LL engine died of it on 2026-11-30)
+        # deep_ep/buffer.py asserts this on the first dispatch: an LL engine without it dies there
         assert int(spec.env["NVSHMEM_QP_DEPTH"]) >= (args.max_num_batched_tokens + 1) * 2
 
 
@@ -72,7 +72,8 @@ def test_random_weights_come_with_their_gains(monkeypatch: pytest.MonkeyPatch) -
     ],
 )
 def test_e2e_settings_are_checked_before_any_engine(env: dict[str, str], needle: str | None) -> None:
-    """New-user review 2026-12-01: these were read only when the engines started, on the GPU machine."""
+    """The e2e settings are checked on the CPU side: read only when the engines start, a typo would cost a
+    traceback on the GPU machine."""
     problems = plan.env_problems(env)
     if needle is None:
         assert problems == []

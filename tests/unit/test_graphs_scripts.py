@@ -1,7 +1,7 @@
 """``graphs/`` scripts on a machine that cannot run them: one line naming what is missing, exit 2.
 
-They used to end in a ``ModuleNotFoundError`` traceback (``import deep_gemm``) on a machine
-without DeepGEMM, with or without CUDA.
+Not a ``ModuleNotFoundError`` traceback (``import deep_gemm``) on a machine without DeepGEMM,
+with or without CUDA.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ BAD_VALUES = {
 def test_a_bad_value_is_one_line_before_any_gpu_check(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """New-user review 2026-12-01: argparse printed its usage block first, and some ranges were only
-    checked after the "needs a GPU" refusal, so a bad value was caught only on the GPU machine."""
+    """No argparse usage block first, and every range is checked before the "needs a GPU" refusal, so a
+    bad value is caught on any machine, not only on the GPU machine."""
     monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "jit"))  # the kernel scripts set a default at import
     flag, value, allowed = BAD_VALUES[name]
     with pytest.raises(SystemExit) as exit_:
@@ -197,10 +197,10 @@ def test_replay_planning_flags_replay_windows_that_differ() -> None:
 
 
 def test_real_engine_bench_warms_the_machine_first_and_keeps_partial_results(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """2x H200, 2026-11-30: the first engine of a fresh machine compiled kernels during its start and
-    first decode passes (43 s start, 97 ms step vs 16 s and 17-20 ms warm), which landed on the
-    plugin; and a time limit that stopped the benchmark left no JSON. Launch is faked (no GPU in CI;
-    the GPU twin is the benchmark itself on the H200)."""
+    """The first engine of a fresh machine compiles kernels during its start and first decode passes
+    (measured on 2x H200: 43 s start, 97 ms step vs 16 s and 17-20 ms warm), which would land on the
+    variant timed first; and a time limit that stops the benchmark must still leave its JSON. Launch is
+    faked (no GPU in CI; the GPU twin is the benchmark itself on the H200)."""
     import json
 
     from dbo_runtime.harness import launch as launch_mod
@@ -233,7 +233,8 @@ def test_real_engine_bench_warms_the_machine_first_and_keeps_partial_results(mon
 
 @pytest.mark.parametrize("name", KERNELS)
 def test_without_torch_one_line_and_exit_2(name: str) -> None:
-    """New-user review 2026-11-30: outside the venv these scripts died with ModuleNotFoundError (exit 1)."""
+    """Outside the venv these scripts say what is missing in one line (exit 2), not ModuleNotFoundError
+    (exit 1)."""
     block = (
         "import sys, runpy\n"
         "class NoTorch:\n"
@@ -253,10 +254,10 @@ def test_without_torch_one_line_and_exit_2(name: str) -> None:
 def test_dbo_engine_bench_runs_one_backend_group_at_a_time(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """2x H200, 2026-11-30 (run 21): all seven DP-2 configurations alive at once put seven engines on
-    each GPU and the seventh died of CUDA OOM. The groups now run one after the other, each side by side
-    in turns, each into its own JSON. Engines are faked (no GPU in CI; the GPU twin is the benchmark on
-    the two-H200 machine, runs 22-23)."""
+    """All seven DP-2 configurations alive at once put seven engines on each GPU, and on 2x H200 the
+    seventh died of CUDA OOM. So the groups run one after the other, each side by side in turns, each into
+    its own JSON. Engines are faked (no GPU in CI; the GPU twin is the benchmark on the two-H200
+    machine)."""
     import json
 
     from dbo_runtime.harness import machine, turns
@@ -343,8 +344,8 @@ def test_dbo_engine_bench_runs_one_backend_group_at_a_time(
 
 
 def test_real_engine_plot_leaves_out_unmeasured_reps(tmp_path: Path) -> None:
-    """Diff review 2026-12-01: the runner reports decode_step_ms None for a rep a loaded host made
-    unmeasurable; the summary left it out, the plot did not and raised in statistics.median."""
+    """The runner reports decode_step_ms None for a rep a loaded host made unmeasurable; the plot leaves
+    it out as the summary does, instead of raising in statistics.median."""
     mod = load("bench_real_engine.py")
     runs = [
         {"variant": v, "rep": 0, "ok": True, "start_s": [16.0], "decode_step_ms": [17.0, None], "decode_tok_per_s": [1.0, None],

@@ -50,8 +50,8 @@ def test_missing_requests_and_missing_logprobs_are_counted() -> None:
 
 
 def test_reference_token_outside_the_top_k_counts_with_its_lower_bound() -> None:
-    """Review of 2026-11-30: a token that left the DBO run's top-5 used to be skipped (it could hide the
-    largest changes) and then became a verdict rule of its own; now it counts with its lower bound."""
+    """A reference token outside the DBO run's top-5 is neither skipped (that could hide the largest
+    changes) nor a verdict rule of its own: it counts with its lower bound."""
     ref = [req(0, [1, 2], [{1: -0.1}, {2: -0.2}])]
     other = [req(0, [1, 9], [{1: -0.1}, {9: -0.05, 8: -1.5, 7: -2.7}])]
     result = compare(ref, other)
@@ -144,7 +144,7 @@ def test_assemble_names_the_deepgemm_crash() -> None:
 
 
 def test_assemble_names_deepep_lls_queue_depth_limit() -> None:
-    """2x H200, 2026-11-30: every DeepEP-LL engine with 2048 batched tokens died on its first dispatch."""
+    """On 2x H200 a DeepEP-LL engine with 2048 batched tokens dies on its first dispatch (queue depth)."""
     from dbo_runtime.cli.verify import _known_failure
 
     spec = RunSpec("ll", ["--model", "m"], dp=2)
@@ -171,8 +171,8 @@ def test_launch_merges_ranks(tmp_path: Path, fake_runner: None) -> None:
 
 
 def test_a_reused_run_directory_lends_nothing_to_the_next_run(tmp_path: Path, fake_runner: None) -> None:
-    """Re-review 2026-11-30: a stale rank1.log of an earlier DP-2 run was scanned for this run's
-    failure signatures (and a stale record.json re-assembled with it)."""
+    """A stale rank1.log of an earlier DP-2 run must not be scanned for this run's failure signatures,
+    nor a stale record.json re-assembled with it."""
     old = tmp_path / "good"
     old.mkdir()
     (old / "rank1.log").write_text("_schedule_meta_size == num_sms / num_kv_multicast + 1\n")
@@ -195,8 +195,8 @@ def test_launch_timeout(tmp_path: Path, fake_runner: None) -> None:
 
 
 def test_a_timeout_before_every_engine_was_ready_is_not_a_hang(tmp_path: Path, fake_runner: None) -> None:
-    """Review of 2026-11-30: with 16-32 engines starting at once a healthy run can time out while
-    starting; that must not count as reproducing the vanilla DBO hang."""
+    """With 16-32 engines starting at once a healthy run can time out while starting; that must not count
+    as reproducing the vanilla DBO hang."""
     spec = RunSpec("slow-start", ["--model", "m"], dp=2, meta={"fake": {"0": "hang", "1": "start-hang"}}, timeout_s=2.0)
     rec = launch(spec, tmp_path)
     assert not rec["ok"] and "start_timeout" in rec["failure_signatures"] and "hang_killed" not in rec["failure_signatures"]
@@ -213,7 +213,8 @@ def test_pool_runs_everything_within_the_engine_budget(tmp_path: Path, fake_runn
 
 
 def test_interleaved_turns_run_one_engine_at_a_time_in_rotating_order(tmp_path: Path, fake_runner: None) -> None:
-    """Review 2026-12-01: a fixed order put DBO off first after every idle gap in every rep (runs 19-23)."""
+    """The order rotates: a fixed order would put the same configuration first after every idle gap in
+    every rep."""
     from dbo_runtime.harness.turns import run_interleaved
 
     bench = {"max_tokens": 4, "reps": 2, "warmup": 1, "coordinated": True}
@@ -241,14 +242,14 @@ def test_summary_delta_is_later_minus_earlier() -> None:
 
     before = [{"summary": {"microbatched_builds": 1}}, {"summary": {"microbatched_builds": 2}}]
     after = [{"summary": {"microbatched_builds": 35}}, {"summary": {"microbatched_builds": 36}}]
-    assert summary_delta(before, after, "microbatched_builds") == 68  # 2026-11-30 GPU run reported -34 per rank
+    assert summary_delta(before, after, "microbatched_builds") == 68  # earlier minus later would read -34 per rank
     assert summary_delta(None, after, "microbatched_builds") is None
 
 
 def test_bench_reports_no_step_time_when_the_host_made_it_unmeasurable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """2026-11-30 (14 engines on the other GPU): the 1-token pass took longer than the 64-token pass,
-    and the rep was reported as a 0.0 ms decode step. Self-time counters read 0 with
-    DBO_RUNTIME_SELF_TIME off, and were reported as 0.0 us per step instead of 'not measured'."""
+    """On a loaded host (14 engines on the other GPU) the 1-token pass can take longer than the 64-token
+    pass: that rep has no decode step time, not a 0.0 ms one. Self-time counters read 0 with
+    DBO_RUNTIME_SELF_TIME off: that is 'not measured', not 0.0 us per step."""
     import time as _time
 
     from dbo_runtime.harness import runner
@@ -291,8 +292,9 @@ def test_replay_reads_a_finished_session_back(tmp_path: Path) -> None:
 
 
 def test_replay_assembles_runs_again_also_those_a_time_limit_cut_off(tmp_path: Path) -> None:
-    """Review 2026-11-30: replay read record.json as written, so a signature added later (or a run
-    the session limit killed before it wrote record.json) could not be judged."""
+    """Replay assembles every run again from its spec, rank results and logs, not from record.json as
+    written: so a signature added later, or a run the session limit killed before it wrote record.json,
+    is judged too."""
     from dataclasses import asdict
 
     from dbo_runtime.harness.pool import replay_all

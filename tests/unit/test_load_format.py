@@ -242,7 +242,8 @@ class Moe(nn.Module):
 
 
 def test_expert_parallel_ranks_hold_the_single_gpu_models_experts() -> None:
-    """Review of 2026-11-30: seeds by parameter name gave EP rank 1 the same experts as rank 0."""
+    """Each EP rank holds the single-GPU model's experts at their global ids: a seed by parameter name alone
+    would give rank 1 the same experts as rank 0."""
     single = Moe(4, None)
     weights.initialize(single)
     rank0 = Moe(2, torch.tensor([0, 1, -1, -1]))

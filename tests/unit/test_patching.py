@@ -135,8 +135,8 @@ def _failing_hook() -> None:
 
 
 def test_failing_on_install_hook_leaves_its_own_target_untouched(target: str) -> None:
-    """Review 2026-11-30: the hook ran after the setattr, and a raising hook left its patch in place
-    (not yet in the rolled-back list) while the error said "rolled back"."""
+    """The hook runs before the setattr: a raising hook run after it would leave its patch in place (not
+    yet in the rolled-back list) while the error says "rolled back"."""
     import importlib
 
     mod = importlib.import_module(target)
@@ -148,8 +148,9 @@ def test_failing_on_install_hook_leaves_its_own_target_untouched(target: str) ->
 
 
 def test_rollback_runs_every_undo_even_when_one_fails_or_the_user_interrupts(target: str) -> None:
-    """Re-review 2026-11-30: a raising on_uninstall stopped the rollback half way; a KeyboardInterrupt
-    in a hook skipped it; a hook that registered and then raised was never told to unregister."""
+    """The rollback finishes whatever a hook does: a raising on_uninstall must not stop it half way, a
+    KeyboardInterrupt in a hook must not skip it, and a hook that registered and then raised is told to
+    unregister."""
     import importlib
 
     mod = importlib.import_module(target)

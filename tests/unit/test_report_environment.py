@@ -50,8 +50,8 @@ def _fake_vllm(tmp_path: Path, content: bytes | None) -> SimpleNamespace:
     ],
 )
 def test_vendored_deep_gemm_on_odd_installs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, finder: object, expected: str | None) -> None:
-    """Review 2026-12-01: an undecodable file raised UnicodeDecodeError, which would have cost a benchmark
-    its JSON after the engines ran."""
+    """Odd installs give an answer, never an exception: an undecodable file raising UnicodeDecodeError
+    would cost a benchmark its JSON after the engines ran."""
     spec = finder(tmp_path)  # type: ignore[operator]
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
     assert report._vendored_deep_gemm() == expected

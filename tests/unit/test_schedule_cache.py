@@ -349,9 +349,9 @@ def test_warm_sweep_env(monkeypatch: pytest.MonkeyPatch, raw: str | None, batche
 
 
 def test_a_bad_warm_sweep_env_is_logged_once_and_read_as_unset(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """New-user review 2026-12-01: ``warm`` runs inside every DBO step's ``entered`` publish until a count
-    is warm; a raise there logged a traceback per step (the SM control catches subscriber errors) and warmed
-    nothing. Now one warning, and the exact shapes are warmed as when unset."""
+    """``warm`` runs inside every DBO step's ``entered`` publish until a count is warm; a raise there would
+    log a traceback per step (the SM control catches subscriber errors) and warm nothing. So: one warning,
+    and the exact shapes are warmed as when unset."""
     import logging
 
     monkeypatch.setenv(WARM_MAX_BATCH_ENV, "many")

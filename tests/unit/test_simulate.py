@@ -47,8 +47,8 @@ def test_without_topk_isolation_followers_read_the_other_microbatch() -> None:
 
 @pytest.mark.parametrize("next_n", [1, 4])
 def test_deferred_plan_ahead_eager_steps_plan_once_per_microbatch_and_stay_bit_identical(next_n: int) -> None:
-    """Issue 10 item 7 on the scenario: eager DBO steps run the deferred plan at the first indexer layer
-    (one planner per microbatch per step, as the build did before), bit-identical to the unsplit run."""
+    """Deferred plan-ahead on the scenario: eager DBO steps run the deferred plan at the first indexer layer
+    (one planner per microbatch per step, as many as planning in the build), bit-identical to the unsplit run."""
     runs = {}
     for defer in (True, False):
         be = SimulatedDeepGemm()
@@ -160,8 +160,8 @@ def test_cli_errors_name_the_flag_and_read_the_env(monkeypatch: pytest.MonkeyPat
     assert "VLLM_DBO_COMM_SMS='abc'" in capsys.readouterr().err
     monkeypatch.setenv("VLLM_DBO_COMM_SMS", "21")  # clamped to 20 by vLLM's DeepEP HT manager: allowed
     assert main(["simulate", "--backend", "cpu", "--no-contrast", "--steps", "1", "--requests", "4", "--json"]) == 0
-    # the worker's SM90 rule: DeepGEMM's share rounds down to even (simulate said 111 while sms and the
-    # worker said 110 before the new-user review of 2026-11-30)
+    # the worker's SM90 rule: DeepGEMM's share rounds down to even, so simulate says 110 (not 111), as
+    # sms and the worker do
     assert "compute 110/132" in json.loads(capsys.readouterr().out)["budget"]
     monkeypatch.delenv("VLLM_DBO_COMM_SMS")
     assert main(["simulate", "--backend", "cpu", "--comm-sms", "131"]) == 2  # compute 1 rounds to 0: refused, as by sms
@@ -169,8 +169,9 @@ def test_cli_errors_name_the_flag_and_read_the_env(monkeypatch: pytest.MonkeyPat
 
 
 def test_simulate_reads_the_servers_environment(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """New-user review 2026-12-01: a bad DBO_RUNTIME_PLANNER_WARM_MAX_BATCH printed a traceback and then
-    PASS; DBO_RUNTIME_TOPK_LAYOUT was ignored (windows always) and a bad one passed unnoticed."""
+    """simulate reads what the server reads: a bad DBO_RUNTIME_PLANNER_WARM_MAX_BATCH is one error line,
+    not a traceback followed by PASS; DBO_RUNTIME_TOPK_LAYOUT picks the simulated layout, and a bad one is
+    refused."""
     quick = ["simulate", "--backend", "cpu", "--no-contrast", "--steps", "1", "--requests", "4", "--json"]
     monkeypatch.setenv("DBO_RUNTIME_PLANNER_WARM_MAX_BATCH", "abc")
     assert main(quick) == 2
@@ -236,7 +237,8 @@ def test_verdict_line_explains_the_red_rows(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_progress_shows_when_piped(capsys: pytest.CaptureFixture[str]) -> None:
-    """Off a terminal rich's bar draws nothing; a long run used to print nothing for minutes."""
+    """Off a terminal rich's bar draws nothing, so progress goes to stderr as lines: a long run must not
+    sit silent for minutes."""
     assert main(["simulate", "--backend", "cpu", "--steps", "2", "--requests", "4", "--no-contrast", "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["verdict"] == "PASS"  # stdout stays the JSON document

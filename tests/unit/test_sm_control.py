@@ -275,7 +275,7 @@ def test_budget_for_another_device_rejected() -> None:
 
 
 def test_rounded_sm90_budget_turns_even_and_restores_exactly(rec: FakeKnobs) -> None:
-    """Issue 10 item 6: on an odd-SM SM90 device the partition gives DeepGEMM an even count (one SM idle);
+    """On an odd-SM SM90 device the partition gives DeepGEMM an even count (one SM idle);
     nesting and exit restore the exact count in force before, never a rounded or recomputed one."""
 
     def sm90(comm: int) -> SMBudget:

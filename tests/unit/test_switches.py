@@ -35,14 +35,15 @@ def test_a_typo_never_raises_and_keeps_the_plugin_active(raw: str) -> None:
 
 
 def test_allowed_values_do_not_list_the_word_unset() -> None:
-    """`DBO_RUNTIME_DISABLE=unset` used to be refused with a list of allowed values ending in 'unset'."""
+    """A refusal of `DBO_RUNTIME_DISABLE=unset` must not offer 'unset' as an allowed value: the allowed
+    state is 'not set'."""
     line = switches.read_switch("DBO_RUNTIME_DISABLE", {"DBO_RUNTIME_DISABLE": "unset"}).problem()
     allowed = line.split("allowed values: ", 1)[1]
     assert "'unset'" not in allowed and "not set" in allowed
 
 
 def test_plugin_never_raises_on_a_mistyped_switch(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """vLLM's plugin loader has no try: a typo used to kill every vLLM process at start."""
+    """vLLM's plugin loader has no try: a raise on a typo would kill every vLLM process at start."""
     import vllm.plugins
 
     from dbo_runtime.integration import plugin
@@ -99,7 +100,7 @@ def test_every_entry_point_shows_the_plugins_line(monkeypatch: pytest.MonkeyPatc
 
 
 def test_simulate_honours_disable(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """simulate used to ignore DBO_RUNTIME_DISABLE and report PASS for a run the server would not have."""
+    """simulate must not report PASS for a run the server would not have: DBO_RUNTIME_DISABLE applies."""
     import json
 
     from dbo_runtime.cli.main import main

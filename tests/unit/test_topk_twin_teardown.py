@@ -1,12 +1,13 @@
 """The GPU teardown twin's own harness, run on a CPU with inert CUDA stand-ins.
 
+A harness can keep the model alive by itself: a ``UbatchTopkState`` built with a locator lambda that
+closes over the harness, held strongly by the registry the test keeps to inspect, keeps the whole
+"model" (top-k buffer, groups, workspaces, ``copies`` tensors) alive. Then
 ``tests/gpu/test_topk_isolation_gpu.py::test_dropping_the_model_frees_all_per_microbatch_state``
-failed on the H200 (run 9) with "the logical top-k buffer outlived the model" while the CPU twin
-(``tests/vllm/test_topk_teardown.py``) passed. The product was not at fault: the harness built its
-``UbatchTopkState`` with a locator lambda that closed over the harness itself, the registry holds its
-locator strongly, and the test keeps the registry to inspect it -- so the test kept the whole "model"
-(top-k buffer, groups, workspaces, ``copies`` tensors) alive. The leaked bytes on the H200 were
-exactly the harness's tensors (windows: 65536 + 5 x 17408 = 152576; copies: + 65536 + 3 x 17408).
+fails with "the logical top-k buffer outlived the model" while the CPU twin
+(``tests/vllm/test_topk_teardown.py``) passes, and the product is not at fault: on the H200 the
+leaked bytes were exactly the harness's tensors (windows: 65536 + 5 x 17408 = 152576; copies:
++ 65536 + 3 x 17408).
 
 Nothing in that harness needs a GPU to show the leak: streams, events and ``_sleep`` only order work.
 This test replaces them with inert objects and runs the twin's exact build/step/drop code, so a

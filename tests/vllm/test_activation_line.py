@@ -1,9 +1,9 @@
 """The activation line reaches the log of the processes where the patches work.
 
-Regression (real engine on the H200, 2026-11-30): vLLM 0.33.0 loads general
-plugins in ``EngineArgs.__post_init__`` before ``LLM`` configures logging, and
-forks the engine core with ``plugins_loaded`` already true, so the line that
-``register()`` logged was dropped and appeared in no process. This test runs
+vLLM 0.33.0 loads general plugins in ``EngineArgs.__post_init__`` before ``LLM``
+configures logging, and forks the engine core with ``plugins_loaded`` already
+true, so a line that ``register()`` logs there is dropped and appears in no
+process (seen in the real engine on the H200). This test runs
 vLLM's real order in a fresh interpreter: plugins first, logging second, then a
 fork whose child configures logging and imports a worker module (as
 ``run_engine_core`` / ``worker_main`` do).

@@ -66,7 +66,7 @@ def test_split_engine_args_refuses_with_the_parameter_named(argv: list[str], par
         (["--prompt-file", "/nonexistent.jsonl", "--model", "m", "-dp", "2"], "--prompt-file='/nonexistent.jsonl'"),
         (["--prompts", "x", "--model", "m"], "--prompts='x' is not allowed; allowed values: an integer"),
         (["--max-dlogprob", "big", "--model", "m", "-dp", "2"], "--max-dlogprob='big' is not allowed; allowed values: a finite number"),
-        # new-user review 2026-11-30: these reached vLLM's parser and came back as "cannot run here" (exit 3)
+        # caught before vLLM's parser, which would answer "cannot run here" (exit 3)
         (["--prompts", "4", "--model"], "--model='(no value)'"),
         (["--model", "-dp", "2"], "--model='(no value)'"),
         (["--workdir", "/dev/null/sub", "--model", "m", "-dp", "2"], "--workdir='/dev/null/sub'"),
@@ -188,7 +188,7 @@ def _lp_rec(shift: float, tokens: list[list[int]] | None = None) -> dict[str, An
 
 
 def test_noise_floor_judges_dbo_against_a_batch_shape_change(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The dummy-weight picture of 2026-11-30: DBO with dbo_runtime moved logprobs ~3e-5, the top-k bug
+    """The dummy-weight picture measured on 2x H200: DBO with dbo_runtime moved logprobs ~3e-5, the top-k bug
     ~3.4e-4; both pass the absolute thresholds, so only a floor can tell them apart."""
     rule = verify.FloorRule()
 
@@ -241,7 +241,7 @@ def test_floor_needs_two_sequences_per_rank() -> None:
 
 def test_every_run_gets_the_runner_dbo_would_use() -> None:
     """vLLM 0.33 runs DBO on V1 unless VLLM_USE_V2_MODEL_RUNNER is set; without pinning, DBO-off would run
-    V2 and verify would compare runners (review of 2026-11-30)."""
+    V2 and verify would compare runners."""
     assert verify.same_runner_env({}) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert verify.same_runner_env({"VLLM_USE_V2_MODEL_RUNNER": "1"}) == {}
 
@@ -302,8 +302,8 @@ def test_noise_floor_end_to_end_with_the_fake_engine(
 
 
 def test_an_early_refusal_leaves_no_temporary_directory(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """Re-review 2026-11-30: the temporary workdir was made before vLLM's parser and the GPU check,
-    so every refused run left an empty /tmp/dbo-verify-* behind."""
+    """The temporary workdir is made after vLLM's parser and the GPU check: made before them, every
+    refused run would leave an empty /tmp/dbo-verify-* behind."""
     made: list[str] = []
     monkeypatch.setattr(verify.tempfile, "mkdtemp", lambda **kw: made.append("x") or "/nonexistent")
     monkeypatch.setattr(verify, "_visible_gpus", lambda: 0)

@@ -225,7 +225,7 @@ def test_plan_ahead_in_microbatched_build_needs_no_call_site_replan(env: Env) ->
         metadata = builder.build(0, _common(SEQS))
     assert tuple(metadata.decode.schedule_metadata.shape) == (113, 2)
     assert env.cache.stats.planned_ahead == 1
-    assert len(env.dg.plan_calls) == calls  # deferred: the build launches no planner (issue 10 item 7)
+    assert len(env.dg.plan_calls) == calls  # deferred: the build launches no planner
     env.dg.set_num_sms(112)
     for _ in range(LAYERS):
         env.logits(metadata.decode)
@@ -252,7 +252,7 @@ def test_update_draft_invalidates_and_keeps_planned_count(env: Env) -> None:
     assert env.cache.stats.invalidations == 1
     assert tuple(decode.seq_lens.view(-1).tolist()) == tuple(s + 1 for s in SEQS)
     env.logits(decode)
-    assert env.cache.stats.replans == 2  # the old re-plan was for the old seq_lens
+    assert env.cache.stats.replans == 2  # the first re-plan was for the previous seq_lens
 
 
 def test_update_draft_after_plan_ahead_keeps_vllm_shape_assertion_happy(env: Env) -> None:
@@ -268,8 +268,8 @@ def test_update_draft_after_plan_ahead_keeps_vllm_shape_assertion_happy(env: Env
 
 
 def test_full_graph_dbo_step_launches_no_planner_at_build(env: Env) -> None:
-    """Issue 10 item 7, with vLLM's real builder: a FULL-graph DBO step (build, then replay) used to launch
-    the build's planner although the graph re-plans inside itself and never reads it; now it launches none.
+    """With vLLM's real builder: a FULL-graph DBO step (build, then replay) launches no planner at the
+    build, since the graph re-plans inside itself and never reads the build's plan.
     The replay-safety guarantee is untouched: the capture records its own planner, the buffer is never
     read by it, and an eager step plans the schedule before its first logits kernel."""
     builder = env.builder()

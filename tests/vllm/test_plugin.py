@@ -171,8 +171,8 @@ def test_docs_patch_table_is_generated_from_the_patches() -> None:
 def test_fresh_process_patches_runner_modules_imported_after_register() -> None:
     """In a worker the runner modules load after the plugin: every lazy patch must still land.
 
-    (A review found the SM hooks stuck 'pending' when an eager patch imported their
-    module during install; this runs the real order in a clean interpreter.)
+    (An eager patch that imports a lazy patch's module during install leaves that patch
+    stuck 'pending'; this runs the real order in a clean interpreter.)
     """
     import subprocess
     import sys
@@ -287,7 +287,7 @@ def test_log_lines_reach_vllms_handler() -> None:
 
 
 def test_self_time_times_every_patch_descriptors_included(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The top-k descriptors used to be left untimed, so the published self-time missed their accesses."""
+    """Descriptors are timed too: without them the published self-time would miss the top-k accesses."""
     import vllm.model_executor.layers.attention.sparse_mla_attention
     import vllm.model_executor.layers.sparse_attn_indexer
     import vllm.models.deepseek_v32.attention  # noqa: F401

@@ -2,7 +2,7 @@
 
 For every cell of the matrix below, vLLM's original function (still bound in
 ``vllm.v1.worker.ubatch_utils``, which dbo_runtime never patches) and the
-function each runner now sees must give the same total/comm/compute and the
+function each patched runner sees must give the same total/comm/compute and the
 same knob-call sequence on enter and on exit.
 """
 
@@ -219,7 +219,7 @@ def test_deepep_ht_comm_above_manager_ceiling(gpu_platform: FakeGpuPlatform, cle
             module.create_sm_control_context(pc)
 
 
-# -- issue 10 item 6: DeepGEMM's SM90 2-CTA-cluster kernels need an even compute count ------------------
+# -- DeepGEMM's SM90 2-CTA-cluster kernels need an even compute count -------------------------------
 
 
 @pytest.mark.parametrize("runner", sorted(RUNNER_MODULES))
@@ -288,7 +288,7 @@ def test_sm90_no_even_compute_left_is_refused(gpu_platform: FakeGpuPlatform, cle
     assert e.value.parameter == "VLLM_DBO_COMM_SMS"
 
 
-# -- issue 10 item 8: the warm-up's microbatch split is vLLM's ------------------------------------------
+# -- the warm-up's microbatch split is vLLM's ---------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""ROCm DSA + GLM-5.x shared top-k + DBO: refused at model construction (issue 10, item 2).
+"""ROCm DSA + GLM-5.x shared top-k + DBO: refused at model construction.
 
 vLLM 0.33.0's ROCm DSA model (``vllm/models/deepseek_v32/amd/``) builds its attention
 (``rocm.DeepseekV32MLAAttention``) without a shared ``SparseMLAIndexGroupBuilder``, so each

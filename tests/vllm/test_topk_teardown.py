@@ -1,4 +1,4 @@
-"""Per-microbatch top-k state does not outlive the model (issue 10, item 5).
+"""Per-microbatch top-k state does not outlive the model.
 
 An offline ``LLM`` re-created in one process, or a test suite, drops the model; nothing in
 dbo_runtime may keep its top-k buffer (64 MiB at GLM-5.3 sizes), any group's physical workspace

@@ -1,4 +1,4 @@
-"""A dbo_runtime failure on a DBO microbatch thread never hangs the step (issue 10, item 4).
+"""A dbo_runtime failure on a DBO microbatch thread never hangs the step.
 
 vLLM 0.33.0 does not wake the partner microbatch when one thread dies: the partner waits at its
 next ``dbo_yield`` forever and the main thread's ``join()`` never returns. Here the real join

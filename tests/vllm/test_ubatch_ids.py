@@ -34,7 +34,7 @@ def test_a_thread_reused_for_a_later_context_sees_the_new_offset() -> None:
         seen.append(ubatch_ids.current_ubatch())
         seen.append(ubatch_ids.current_ubatch())  # from the cache
         _exit(ubatching, first)
-        seen.append(ubatch_ids.current_ubatch())  # no longer a microbatch thread
+        seen.append(ubatch_ids.current_ubatch())  # the thread left its microbatch
         second = SimpleNamespace(id=1, token_offset=3)
         _enter(ubatching, second)
         seen.append(ubatch_ids.current_ubatch())

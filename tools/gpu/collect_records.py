@@ -1,7 +1,7 @@
 """Turn the raw run directories of a GPU session (``tests/e2e/.out`` or ``DBO_E2E_OUT``) into the
 ``docs/gpu-runs/<date>-real-engine-<label>.json`` records, also for runs a time limit stopped.
 
-    python tools/gpu/collect_records.py RUN_DIR DOCS_DIR --date 2026-11-30 [--run run11] [--session NOTE]
+    python tools/gpu/collect_records.py RUN_DIR DOCS_DIR --date YYYY-MM-DD [--run runNN] [--session NOTE]
 
 With ``--run`` the files are ``<date>-<run>-real-engine-<label>.json``, so several sessions of one day
 do not overwrite each other.
@@ -60,7 +60,7 @@ def main() -> int:
     ap.add_argument("docs_dir", type=Path)
     ap.add_argument("--date", required=True)
     ap.add_argument("--session", default="")
-    ap.add_argument("--run", default="", help="a tag for this session's files, e.g. run11")
+    ap.add_argument("--run", default="", help="a tag for this session's files, e.g. runNN")
     ap.add_argument("--repo-root", default="/work/main", help="the checkout's path on the GPU machine (made relative)")
     args = ap.parse_args()
     runs: dict[str, dict[str, Any]] = {}
