@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from dbo_runtime.core.budget import compute_budget
 from dbo_runtime.services.metrics import MetricsExporter
 from dbo_runtime.services.schedule_cache import ScheduleCacheStats
@@ -48,3 +52,21 @@ def test_exporter_reports_budget_and_step_deltas() -> None:
     assert _value(registry, "dbo_runtime_indexer_planned_ahead_total") == 6
     assert _value(registry, "dbo_runtime_planner_jit_at_start_total") == 1
     assert _value(registry, "dbo_runtime_planner_jit_in_step_total") == 1
+
+
+def test_a_failing_metrics_export_never_stops_the_sm_context(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """Prometheus export is optional: when it raises (here a vanished PROMETHEUS_MULTIPROC_DIR), vLLM still
+    gets its SM control context with the DBO split, and the log says the metrics are not exported."""
+    from dbo_runtime.integration import sm_hooks
+
+    def broken(control: Any) -> None:
+        raise FileNotFoundError("PROMETHEUS_MULTIPROC_DIR vanished")
+
+    budget = compute_budget(
+        total_sms=132, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_high_throughput",
+        env_comm_sms=None, has_all2all_manager=True, max_sms_used=20, has_deep_gemm=True, device=0,
+    )  # fmt: skip
+    monkeypatch.setattr(sm_hooks, "export_to_prometheus", broken)
+    monkeypatch.setattr(sm_hooks, "budget_from_vllm", lambda parallel_config: (budget, None, None))
+    ctx = sm_hooks.create_sm_control_context(object())
+    assert ctx.compute_sms == 112 and "Prometheus metrics not exported" in caplog.text

@@ -8,6 +8,7 @@ tests/gpu/test_indexer_schedule_gpu.py (real DeepGEMM, real CUDA graphs).
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -388,6 +389,41 @@ def test_warm_returns_at_once_when_the_count_is_already_warm() -> None:
     assert probes == []
     cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 2),)))
     assert cache.warm(0, 112) == 0 and len(probes) == 1  # new profile: walked again (already warm)
+
+
+class FailingJit(FakeSchedulePlanner):
+    """A planner whose DeepGEMM JIT compile fails on every call."""
+
+    calls = 0
+
+    def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
+        FailingJit.calls += 1
+        raise RuntimeError("DeepGEMM JIT: nvcc failed")
+
+
+def test_a_failing_warm_up_neither_raises_at_model_load_nor_retries_every_step() -> None:
+    """The warm-up is optional work at model load: a planner that fails to compile must not stop the
+    engine, and the failed variants are not tried again in every DBO step's ``entered`` publish."""
+    FailingJit.calls = 0
+
+    def budget() -> Any:
+        return compute_budget(
+            total_sms=132, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_high_throughput",
+            env_comm_sms=None, has_all2all_manager=True, max_sms_used=20, has_deep_gemm=True, device=0,
+        )  # fmt: skip
+
+    control = SMControl(0, 132)
+    cache = IndexerScheduleCache(FailingJit(FakeDeepGemm(total_sms=132)))
+    cache.attach(control)
+    control.announce(budget())
+    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=64, shapes=((32, 1), (64, 1))))  # model load: no raise
+    first = FailingJit.calls
+    assert first == 2 and cache.stats.warm_failures == 2 and cache.stats.warmups == 0
+    for _ in range(3):
+        with control.partition(budget()):
+            pass
+    assert FailingJit.calls == first  # not retried per DBO step
+    assert control.stats.subscriber_errors == 0
 
 
 # -- deferred plan-ahead ---------------------------------------------------------------

@@ -387,6 +387,28 @@ def test_builder_init_registers_profile(env: Env, monkeypatch: pytest.MonkeyPatc
     assert seen == [builder]
 
 
+def test_a_failing_profile_registration_never_stops_vllms_builder(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """Registering the planner profile is optional work inside vLLM's builder ``__init__``: when it raises,
+    the builder is still built, and the failure is logged once, not once per builder."""
+
+    def broken(builder: Any, device_index: int | None = None) -> None:
+        raise RuntimeError("warm-up exploded")
+
+    monkeypatch.setattr(indexer_hooks, "register_builder", broken)
+    monkeypatch.setattr(indexer_hooks, "_logged", set())
+    built: list[Any] = []
+
+    class Builder:
+        def __init__(self, value: int) -> None:
+            built.append(value)
+
+    Builder.__init__ = indexer_hooks._make_builder_init(Builder.__init__)  # type: ignore[method-assign]
+    Builder(1)
+    Builder(2)
+    assert built == [1, 2]
+    assert caplog.text.count("planner profile not registered") == 1
+
+
 def test_register_builder_warms_announced_dbo_count(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under ``VLLM_DEEP_GEMM_WARMUP=skip`` (vLLM compiles nothing ahead): the minimal set, DBO count only."""
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")

@@ -400,6 +400,16 @@ def test_failures_are_counted_logged_once_per_hook_and_raised_once(
     failures.raise_pending()  # taken: nothing left to raise
 
 
+def test_a_microbatch_failure_names_the_error_vllm_raised_at_the_join() -> None:
+    """When vLLM's own join raises after a plugin fault on a microbatch thread, the report names vLLM's
+    error too, and the plugin's fault stays the cause."""
+    from dbo_runtime.core.errors import MicrobatchFailure
+
+    failure = MicrobatchFailure([("indexer logits call site", 1, ValueError("plugin"))], also=RuntimeError("vLLM join failed"))
+    assert "vLLM then raised: RuntimeError('vLLM join failed')" in str(failure)
+    assert isinstance(failure.__cause__, ValueError)
+
+
 @pytest.mark.parametrize("runner", list(RUNNERS))
 @pytest.mark.parametrize("reserved", [True, False], ids=["reserved-row", "nothing-reserved"])
 def test_out_of_memory_on_a_microbatch_never_hangs_and_the_handler_allocates_nothing(
