@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, CliError, print_json, print_table
+from dbo_runtime.cli._engine import EXIT_RUN_FAILED, check_with_vllm, same_runner_env, split_engine_args, visible_gpus
 from dbo_runtime.cli._progress import Progress
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.harness.compare import FloorRule, Thresholds
@@ -39,30 +40,10 @@ from dbo_runtime.harness.launch import engine_arg
 
 SCHEMA = "dbo-runtime/verify/v1"
 
-EXIT_RUN_FAILED = 3
 EXIT_INCONCLUSIVE = 4
 
 ACCEPTS_EXTRA_ARGS = True
 """``main`` hands every argument verify does not know to it: they are vLLM's engine arguments."""
-
-DP_SIZE_FLAGS = ("--data-parallel-size", "-dp")
-UNSUPPORTED_FLAGS = (
-    "--data-parallel-size-local",
-    "-dpl",
-    "--data-parallel-address",
-    "-dpa",
-    "--data-parallel-rpc-port",
-    "-dpp",
-    "--data-parallel-start-rank",
-    "-dpr",
-    "--data-parallel-hybrid-lb",
-    "--data-parallel-external-lb",
-    "--headless",
-    "--api-server-count",
-)
-"""Multi-node / server-only DP options: verify runs offline on one node."""
-DBO_FLAGS = ("--enable-dbo", "--no-enable-dbo")
-
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
@@ -128,58 +109,6 @@ def _int_range(text: str, name: str) -> tuple[int, int]:
     if not 1 <= low <= high:
         raise ConfigError(name, text, "MIN-MAX with 1 <= MIN <= MAX")
     return low, high
-
-
-def split_engine_args(extra: list[str]) -> tuple[list[str], int, list[str]]:
-    """(engine args without DP size / DBO flags, DP size, notes). Pure: tested on CPU."""
-    args = [a for a in extra if a != "--"]
-    notes = []
-    dp = 1
-    out: list[str] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        name, eq, value = arg.partition("=")
-        if name == "--config":
-            raise ConfigError(
-                "--config", value or "(set)", "not supported by verify: pass the engine arguments on the command line "
-                "(a config file could set enable_dbo or data_parallel_size behind verify's back)"
-            )
-        if name in UNSUPPORTED_FLAGS:
-            raise ConfigError(name, value or "(set)", "not supported by verify: it runs offline on one node (leave it out)")
-        if name in DBO_FLAGS:
-            notes.append(f"{name} ignored: verify runs DBO off and on itself")
-            i += 1
-            continue
-        if name in DP_SIZE_FLAGS:
-            if not eq:
-                if i + 1 >= len(args):
-                    raise ConfigError(name, "(missing)", "a positive integer")
-                value = args[i + 1]
-                i += 1
-            try:
-                dp = int(value)
-            except ValueError as exc:
-                raise ConfigError(name, value, "a positive integer") from exc
-            if dp < 1:
-                raise ConfigError(name, value, "a positive integer")
-            i += 1
-            continue
-        out.append(arg)
-        i += 1
-    if not any(a == "--model" or a.startswith("--model=") for a in out) and not (out and not out[0].startswith("-")):
-        raise ConfigError("--model", "(missing)", "the model to verify, as for `vllm serve` (--model NAME_OR_PATH)")
-    for i, arg in enumerate(out):
-        if arg == "--model" and (i + 1 == len(out) or out[i + 1].startswith("-")):
-            raise ConfigError("--model", "(no value)", "the model to verify, as for `vllm serve` (--model NAME_OR_PATH)")
-    if out and not out[0].startswith("-"):
-        out = ["--model", *out]  # `vllm serve MODEL ...` style: the positional model
-    if dp == 1:
-        notes.append(
-            "data-parallel size 1: vLLM never microbatches without data parallelism, so DBO cannot run; "
-            "pass --data-parallel-size 2 or more"
-        )
-    return out, dp, notes
 
 
 def _flag_value(engine_args: list[str], flag: str) -> int | None:
@@ -260,13 +189,6 @@ def floor_args(engine_args: list[str], per_rank: int) -> tuple[list[str], str]:
     return [flag, str(half)], f"noise floor: DBO off with {flag} {half} (half of the {concurrent} sequences per rank the DBO-off run holds at a time)"
 
 
-def same_runner_env(environ: Any) -> dict[str, str]:
-    """vLLM 0.33 falls back to the V1 runner for DBO unless ``VLLM_USE_V2_MODEL_RUNNER`` is set
-    (``VllmConfig`` lists "dual batch overlap" as unsupported by V2 then), while a run without DBO takes
-    its default. Pin V1 for every run in that case, or verify would compare runners, not DBO."""
-    return {} if environ.get("VLLM_USE_V2_MODEL_RUNNER") is not None else {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-
-
 def _counted_steps(record: dict[str, Any]) -> list[int]:
     """Microbatched steps per rank where the plugin's counters answered (empty: no counters)."""
     steps = record.get("microbatched_steps")
@@ -285,35 +207,6 @@ def _microbatched(record: dict[str, Any]) -> bool:
     """False only when counters exist and some rank never microbatched (the inconclusive case)."""
     counted = _counted_steps(record)
     return not counted or min(counted) > 0
-
-
-def check_with_vllm(engine_args: list[str]) -> None:
-    """Parse the engine arguments with vLLM's own parser; one line on error, before any GPU work."""
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError as exc:
-        raise CliError(f"vLLM is not importable here ({exc}); verify runs the real engine", EXIT_RUN_FAILED) from exc
-
-    class _Parser(FlexibleArgumentParser):
-        def error(self, message: str) -> Any:  # argparse would print usage and exit 2
-            raise ConfigError("VLLM_ENGINE_ARGS", " ".join(engine_args), f"arguments vLLM accepts ({message})")
-
-    try:
-        parser = EngineArgs.add_cli_args(_Parser(prog="vllm"))
-    except Exception as exc:  # e.g. no GPU platform: vLLM's DeviceConfig cannot infer a device
-        why = "no GPU platform: vLLM cannot infer a device type" if "infer device type" in str(exc) else f"{type(exc).__name__}: {exc}"
-        raise CliError(f"vLLM cannot run on this machine ({why}); verify needs a GPU machine", EXIT_RUN_FAILED) from exc
-    parser.parse_args(engine_args)
-
-
-def _visible_gpus() -> int:
-    try:
-        import torch
-
-        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
-    except Exception:
-        return 0
 
 
 def _numbers(args: argparse.Namespace, max_prompts: int) -> None:
@@ -380,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         raise qp_problem
     progress.say("checking the engine arguments with vLLM's parser")
     check_with_vllm(engine_args)
-    visible = _visible_gpus()
+    visible = visible_gpus()
     if visible < dp:
         raise CliError(f"needs {dp} GPU(s) for data-parallel size {dp} (one engine rank per GPU); {visible} visible", EXIT_RUN_FAILED)
     if not args.workdir:
@@ -546,4 +439,4 @@ def _print(doc: dict[str, Any], as_json: bool) -> None:
         sys.stdout.write(f"logs and records: {doc['workdir']}\n")
 
 
-__all__ = ["add_parser", "run", "split_engine_args"]
+__all__ = ["EXIT_RUN_FAILED", "add_parser", "check_with_vllm", "run", "same_runner_env", "split_engine_args"]

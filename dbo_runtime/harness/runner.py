@@ -199,6 +199,7 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
             "decode_step_ms": decode / (steps - 1) * 1e3 if valid else None,
             "decode_tok_per_s": len(batch) * (steps - 1) / decode if valid else None,
             "microbatched_builds": summary_delta(s1, s2, "microbatched_builds"),
+            "prefill_microbatched_builds": summary_delta(s0, s1, "microbatched_builds"),
         }
         one_ns = summary_delta(s0, s1, "self_time_ns")
         full_ns = summary_delta(s1, s2, "self_time_ns")

@@ -19,6 +19,23 @@ import time
 from pathlib import Path
 
 
+def _rep(rep: int, rank: int, bench: dict) -> dict:
+    """One timed turn. ``DBO_FAKE_STEP_MS`` (JSON ``{"<VLLM_DBO_COMM_SMS>": ms}``) gives each comm-SM value its
+    step time, the same for prefill and decode, with a per-rep wobble of 1 % and rank 1 slower by 0.5 %."""
+    curve = json.loads(os.environ.get("DBO_FAKE_STEP_MS", "{}"))
+    ms = float(curve.get(os.environ.get("VLLM_DBO_COMM_SMS", ""), 1.0)) * (1 + 0.01 * (rep % 3 - 1)) * (1 + 0.005 * rank)
+    built = int(os.environ.get("DBO_FAKE_MICROBATCHED", "4"))
+    return {
+        "rep": rep,
+        "warmup": rep < int(bench.get("warmup", 1)),
+        "decode_step_ms": ms,
+        "decode_tok_per_s": 10.0,
+        "prefill_s": ms / 1e3,
+        "microbatched_builds": built,
+        "prefill_microbatched_builds": built,
+    }
+
+
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
@@ -49,7 +66,7 @@ def main() -> int:
             (root / f"ready-rep{rep}.{rank}").touch()
             while not (root / f"go-rep{rep}").exists():
                 time.sleep(0.01)
-            reps.append({"rep": rep, "warmup": rep < int(bench.get("warmup", 1)), "decode_step_ms": 1.0, "decode_tok_per_s": 10.0})
+            reps.append(_rep(rep, rank, bench))
             (root / f"done-rep{rep}.{rank}").touch()
     requests = [
         {"index": i, "tokens": [i, i + 1], "logprobs": [{str(i): -0.1}, {str(i + 1): -0.2}]}

@@ -170,7 +170,7 @@ def test_prompt_file_problems_are_one_line(tmp_path: Path, capsys: pytest.Captur
 def test_unusable_workdir_is_one_line(
     tmp_path: Path, fake_cuda_device_type: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(verify, "_visible_gpus", lambda: 2)  # FakeGpuCount: past the GPU check (no GPU in CI)
+    monkeypatch.setattr(verify, "visible_gpus", lambda: 2)  # FakeGpuCount: past the GPU check (no GPU in CI)
     afile = tmp_path / "afile"
     afile.write_text("")
     assert main(["verify", "--workdir", str(afile / "sub"), "--model", "m", "-dp", "2"]) == 2
@@ -287,7 +287,7 @@ def test_noise_floor_end_to_end_with_the_fake_engine(
 
     monkeypatch.setenv(launch_mod.RUNNER_MODULE_ENV, "tests.fakes.fake_engine_runner")
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    monkeypatch.setattr(verify, "_visible_gpus", lambda: 2)  # FakeGpuCount
+    monkeypatch.setattr(verify, "visible_gpus", lambda: 2)  # FakeGpuCount
     argv = ["verify", "--json", "--noise-floor", "--prompts", "8", "--prompt-len", "300-400", "--workdir", str(tmp_path), "--model", "m", "-dp", "2"]
     code = main(argv)
     doc = json.loads(capsys.readouterr().out)
@@ -306,7 +306,7 @@ def test_an_early_refusal_leaves_no_temporary_directory(monkeypatch: pytest.Monk
     refused run would leave an empty /tmp/dbo-verify-* behind."""
     made: list[str] = []
     monkeypatch.setattr(verify.tempfile, "mkdtemp", lambda **kw: made.append("x") or "/nonexistent")
-    monkeypatch.setattr(verify, "_visible_gpus", lambda: 0)
+    monkeypatch.setattr(verify, "visible_gpus", lambda: 0)
     assert main(["verify", "--model", "m", "-dp", "2"]) == 3  # no GPU platform here, or no GPUs: refused
     capsys.readouterr()
     assert made == []
@@ -355,7 +355,7 @@ def test_ll_queue_depth_refusal_is_one_line_before_any_engine(
 ) -> None:
     started: list[object] = []
     monkeypatch.delenv("NVSHMEM_QP_DEPTH", raising=False)
-    monkeypatch.setattr(verify, "_visible_gpus", lambda: started.append("gpu check") or 2)
+    monkeypatch.setattr(verify, "visible_gpus", lambda: started.append("gpu check") or 2)
     assert main(["verify", *LL, "--max-num-batched-tokens", "2048"]) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[verify]")]
     assert len(err) == 1 and "NVSHMEM_QP_DEPTH" in err[0] and "NVSHMEM_QP_DEPTH=8192" in err[0], err

@@ -1,0 +1,368 @@
+"""``dbo-runtime tune [options] VLLM_ENGINE_ARGS...``: which ``VLLM_DBO_COMM_SMS`` is fastest for my deployment?
+
+Under DBO with DeepEP high-throughput vLLM splits every GPU into compute SMs (DeepGEMM) and comm SMs (DeepEP),
+20 comm SMs unless ``VLLM_DBO_COMM_SMS`` says otherwise, a default no model or workload chose. ``tune`` starts
+one DBO engine per candidate value on the operator's own model and parallel configuration, keeps them all
+alive, and gives them interleaved turns at the operator's workload shape (a prefill step of N tokens per rank,
+or a decode batch of B requests per rank), so every value is measured under the same conditions. It prints the
+curve, the fastest value against today's with the ratio, and the setting to use (``core.comm_sweep`` decides,
+conservatively). Exit codes: 0 measured, 2 bad arguments, 3 could not run (too few GPUs, every engine failed),
+4 inconclusive (DBO never microbatched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dbo_runtime.cli._common import CliError, print_json, print_table
+from dbo_runtime.cli._engine import EXIT_RUN_FAILED, check_with_vllm, same_runner_env, split_engine_args, visible_gpus
+from dbo_runtime.cli._progress import Progress
+from dbo_runtime.core.comm_sweep import DEFAULT_VALUES, Measurement, Sweep, choose, measurement, plan_sweep
+from dbo_runtime.core.errors import ConfigError
+
+SCHEMA = "dbo-runtime/tune/v1"
+ACCEPTS_EXTRA_ARGS = True
+EXIT_INCONCLUSIVE = 4
+SHAPES = ("prefill", "decode")
+MEMORY_SHARE = 0.9
+"""Of each GPU's memory, what the live engines share between them when the operator sets no memory flag."""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "tune",
+        help="measure the DBO step time for each VLLM_DBO_COMM_SMS value and say which to use",
+        description=(
+            "Start one DBO engine per VLLM_DBO_COMM_SMS value on VLLM_ENGINE_ARGS (your `vllm serve` engine "
+            "arguments: --model M --data-parallel-size 2 --enable-expert-parallel --all2all-backend "
+            "deepep_high_throughput ...), time them in interleaved turns at your workload shape, and print the "
+            "curve and the setting to use. Put tune's own options first. Exit 0 measured, 2 bad arguments, 3 "
+            "could not run, 4 inconclusive (DBO never microbatched)."
+        ),
+        allow_abbrev=False,
+    )
+    parser.add_argument("--shape", default="prefill", metavar="SHAPE", help="prefill (HT's regime, default) or decode")
+    parser.add_argument("--prefill-tokens", default="8192", metavar="N", help="prefill tokens per rank per step (default 8192)")
+    parser.add_argument("--prompt-len", default="1024", metavar="N", help="tokens per prompt (default 1024)")
+    parser.add_argument("--decode-batch", default="128", metavar="B", help="decode requests per rank (default 128)")
+    parser.add_argument(
+        "--values",
+        default=",".join(str(v) for v in DEFAULT_VALUES),
+        metavar="LIST",
+        help="comm-SM values to try: a comma-separated list, or 'all' (every even count up to DeepEP HT's 20); "
+        "the value in force today is always added (default 4,8,12,16,20)",
+    )
+    parser.add_argument("--reps", default="3", metavar="N", help="measured turns per value (default 3)")
+    parser.add_argument("--warmup", default="1", metavar="N", help="unmeasured turns per value first (default 1)")
+    parser.add_argument(
+        "--min-gain", default="0.02", metavar="F", help="a value replaces today's only if this much faster (default 0.02)"
+    )
+    parser.add_argument("--timeout", default="3600", metavar="S", help="seconds for the whole sweep (default 3600)")
+    parser.add_argument("--workdir", metavar="DIR", help="keep logs and records here (default: a temporary directory)")
+    parser.add_argument("--png", metavar="PATH", help="also draw the curve here (needs matplotlib)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
+    return parser
+
+
+@dataclass(frozen=True)
+class Options:
+    shape: str
+    prefill_tokens: int
+    prompt_len: int
+    decode_batch: int
+    reps: int
+    warmup: int
+    min_gain: float
+    timeout: float
+
+
+def _int(args: argparse.Namespace, dest: str, low: int, high: int) -> int:
+    raw = getattr(args, dest)
+    flag = "--" + dest.replace("_", "-")
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(flag, raw, f"an integer in [{low}, {high}]") from None
+    if not low <= value <= high:
+        raise ConfigError(flag, raw, f"an integer in [{low}, {high}]")
+    return value
+
+
+def options(args: argparse.Namespace) -> Options:
+    """Tune's own options, each checked with one line naming it. Pure: tested on CPU."""
+    if args.shape not in SHAPES:
+        raise ConfigError("--shape", args.shape, SHAPES)
+    min_gain = _float(args.min_gain, "--min-gain", "a number in [0, 1), e.g. 0.02 for 2 %")
+    timeout = _float(args.timeout, "--timeout", "a positive number of seconds")
+    if not (math.isfinite(min_gain) and 0 <= min_gain < 1):
+        raise ConfigError("--min-gain", args.min_gain, "a number in [0, 1), e.g. 0.02 for 2 %")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ConfigError("--timeout", args.timeout, "a positive number of seconds")
+    return Options(
+        shape=args.shape,
+        prefill_tokens=_int(args, "prefill_tokens", 64, 1 << 20),
+        prompt_len=_int(args, "prompt_len", 1, 1 << 20),
+        decode_batch=_int(args, "decode_batch", 1, 65536),
+        reps=_int(args, "reps", 1, 100),
+        warmup=_int(args, "warmup", 0, 100),
+        min_gain=min_gain,
+        timeout=timeout,
+    )
+
+
+def _float(raw: Any, flag: str, allowed: str) -> float:
+    try:
+        return float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(flag, raw, allowed) from None
+
+
+def _flag(args: list[str], *names: str) -> str | None:
+    from dbo_runtime.harness.launch import engine_arg
+
+    for name in names:
+        value = engine_arg(args, name)
+        if value is not None:
+            return value
+    return None
+
+
+def _has(args: list[str], *names: str) -> bool:
+    return any(a.split("=", 1)[0] in names for a in args)
+
+
+def workload(engine_args: list[str], dp: int, opts: Options) -> tuple[list[str], Any, dict[str, Any], str, str, list[str]]:
+    """(engine args added, prompts, bench, metric, microbatch counter, notes) for the shape. Pure: tested on CPU.
+
+    Prefill: every rank prefills ``prefill_tokens`` in one step (``--max-num-batched-tokens`` of that size, no
+    prefix caching, or later turns would hit the cache and time nothing); the turn's first pass (one token per
+    prompt) is the step. Decode: ``decode_batch`` requests per rank; the decode step time comes from the difference
+    of a 1-token and a 32-token pass (``harness.runner``)."""
+    from dbo_runtime.harness.prompts import PromptSpec
+
+    added: list[str] = []
+    notes: list[str] = []
+    bench: dict[str, Any] = {"reps": opts.reps, "warmup": opts.warmup, "coordinated": True}
+    if opts.shape == "prefill":
+        if opts.prompt_len > opts.prefill_tokens:
+            raise ConfigError("--prompt-len", opts.prompt_len, f"at most --prefill-tokens ({opts.prefill_tokens})")
+        per_rank = opts.prefill_tokens // opts.prompt_len
+        given = _flag(engine_args, "--max-num-batched-tokens")
+        if given is not None and given != str(opts.prefill_tokens):
+            raise ConfigError(
+                "--max-num-batched-tokens", given, f"{opts.prefill_tokens} (= --prefill-tokens, the step tune times), or leave it out"
+            )
+        if given is None:
+            added += ["--max-num-batched-tokens", str(opts.prefill_tokens)]
+        if not _has(engine_args, "--no-enable-prefix-caching"):
+            added.append("--no-enable-prefix-caching")
+            notes.append("prefix caching off: every turn prefills the same prompts again")
+        prompts = PromptSpec(num=per_rank * dp, min_len=opts.prompt_len, max_len=opts.prompt_len, seed=0)
+        bench["max_tokens"] = 2
+        metric, counter = "prefill_s", "prefill_microbatched_builds"
+    else:
+        seqs = _flag(engine_args, "--max-num-seqs")
+        if seqs is not None and seqs.isdigit() and int(seqs) < opts.decode_batch:
+            raise ConfigError("--decode-batch", opts.decode_batch, f"at most --max-num-seqs ({seqs}): one decode step holds them all")
+        if seqs is None:
+            added += ["--max-num-seqs", str(opts.decode_batch)]
+        prompts = PromptSpec(num=opts.decode_batch * dp, min_len=opts.prompt_len, max_len=opts.prompt_len, seed=0)
+        bench["max_tokens"] = 32
+        metric, counter = "decode_step_ms", "microbatched_builds"
+    return added, prompts, bench, metric, counter, notes
+
+
+def memory_args(engine_args: list[str], engines: int) -> tuple[list[str], str | None]:
+    """Every value's engine lives for the whole sweep on the same GPUs: split the memory, or check the split."""
+    if _has(engine_args, "--kv-cache-memory-bytes"):
+        return [], None
+    given = _flag(engine_args, "--gpu-memory-utilization")
+    if given is None:
+        share = math.floor(MEMORY_SHARE / engines * 1000) / 1000
+        return ["--gpu-memory-utilization", f"{share}"], f"{engines} engines share each GPU: --gpu-memory-utilization {share} each"
+    try:
+        value = float(given)
+    except ValueError:
+        return [], None  # vLLM's parser reports it
+    limit = MEMORY_SHARE / engines
+    if value > limit + 1e-9:
+        raise ConfigError(
+            "--gpu-memory-utilization", given, f"at most {limit:.3f}: tune keeps {engines} engines (one per value) alive on the same GPUs"
+        )
+    return [], None
+
+
+def specs(engine_args: list[str], dp: int, sweep: Sweep, opts: Options, environ: Any) -> tuple[list[Any], str, str, list[str]]:
+    """One coordinated DBO run per value (``harness.turns`` gives them turns). Pure: tested on CPU."""
+    from dbo_runtime.harness.launch import RunSpec
+
+    added, prompts, bench, metric, counter, notes = workload(engine_args, dp, opts)
+    memory, note = memory_args(engine_args, len(sweep.values))
+    if note:
+        notes.append(note)
+    env = same_runner_env(environ)
+    out = [
+        RunSpec(
+            label=f"comm-{value:02d}",
+            engine_args=[*engine_args, *added, *memory, "--enable-dbo"],
+            dp=dp,
+            env={**env, "VLLM_DBO_COMM_SMS": str(value)},
+            prompts=prompts,
+            max_tokens=1,
+            bench=dict(bench),
+            timeout_s=opts.timeout,
+            meta={"comm_sms": value, "shape": opts.shape},
+        )
+        for value in sweep.values
+    ]
+    return out, metric, counter, notes
+
+
+def _to_ms(metric: str, value: float) -> float:
+    return value * 1e3 if metric == "prefill_s" else value
+
+
+def measurements(records: dict[str, dict[str, Any]], sweep: Sweep, metric: str, counter: str) -> list[Measurement]:
+    out = []
+    for value in sweep.values:
+        m = measurement(value, records.get(f"comm-{value:02d}", {}), metric, counter)
+        m.reps_ms = [_to_ms(metric, x) for x in m.reps_ms]
+        out.append(m)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from dbo_runtime.harness.turns import run_interleaved
+
+    opts = options(args)
+    engine_args, dp, notes = split_engine_args(list(getattr(args, "extra_args", []) or []), "tune")
+    if dp < 2:
+        raise ConfigError("--data-parallel-size", dp, "2 or more: vLLM microbatches only with data parallelism")
+    if not _has(engine_args, "--enable-expert-parallel", "-ep"):
+        raise ConfigError("--enable-expert-parallel", "(missing)", "set: DBO's comm SMs serve the expert-parallel all2all")
+    notes = [n for n in notes if "data-parallel size 1" not in n]
+    sweep = plan_sweep(args.values, backend=_flag(engine_args, "--all2all-backend"), platform=_platform(), environ=os.environ)
+    notes += list(sweep.notes)
+    plan, metric, counter, more = specs(engine_args, dp, sweep, opts, os.environ)
+    notes += more
+    workdir = Path(args.workdir) if args.workdir else None
+    if workdir is not None:
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("--workdir", str(workdir), f"a directory tune can create ({exc.strerror or exc})") from exc
+    progress = Progress("[tune]")
+    for note in notes:
+        progress.say(f"note: {note}")
+    progress.say("checking the engine arguments with vLLM's parser")
+    check_with_vllm(plan[0].engine_args, "tune")
+    visible = visible_gpus()
+    if visible < dp:
+        raise CliError(f"needs {dp} GPU(s) for data-parallel size {dp} (one engine rank per GPU); {visible} visible", EXIT_RUN_FAILED)
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="dbo-tune-"))
+    with progress:
+        progress.set(f"starting {len(plan)} DBO engines of {dp} ranks (one per value), then {opts.warmup + opts.reps} turns each")
+        records = run_interleaved(plan, workdir, opts.reps, timeout_s=opts.timeout, progress=progress.say)
+    doc = choose(measurements(records, sweep, metric, counter), sweep.default, min_gain=opts.min_gain)
+    doc.update(
+        schema=SCHEMA,
+        shape=opts.shape,
+        workload={"prefill_tokens_per_rank": opts.prefill_tokens} if opts.shape == "prefill" else {"decode_batch_per_rank": opts.decode_batch},
+        total_sms=sweep.total_sms,
+        notes=notes,
+        workdir=str(workdir),
+        turn_order=next(iter(records.values()), {}).get("turn_order"),
+    )
+    if args.png and doc["verdict"] == "measured":
+        doc["png"] = draw(doc, Path(args.png))
+    render(doc, args.json)
+    return exit_code(doc)
+
+
+def _platform() -> str:
+    try:
+        import torch
+
+        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    except Exception:
+        return "cuda"
+
+
+def exit_code(doc: dict[str, Any]) -> int:
+    return {"measured": 0, "inconclusive": EXIT_INCONCLUSIVE}.get(doc["verdict"], EXIT_RUN_FAILED)
+
+
+def draw(doc: dict[str, Any], path: Path) -> str | None:
+    """The curve as a PNG; None (and a note) where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        doc["notes"].append("matplotlib is not installed: no PNG (pip install matplotlib)")
+        return None
+    rows = [r for r in doc["curve"] if r["median_ms"] is not None]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = [r["comm_sms"] for r in rows]
+    ax.errorbar(
+        xs,
+        [r["median_ms"] for r in rows],
+        yerr=[[r["median_ms"] - r["min_ms"] for r in rows], [r["max_ms"] - r["median_ms"] for r in rows]],
+        marker="o",
+        capsize=3,
+    )
+    ax.axvline(doc["default"], color="grey", linestyle="--", label=f"in force today ({doc['default']})")
+    ax.set_xlabel("VLLM_DBO_COMM_SMS (comm SMs per GPU)")
+    ax.set_ylabel(f"DBO {doc['shape']} step (ms, median, min-max)")
+    ax.set_title(f"dbo-runtime tune: best {doc['best']} ({doc['best_speedup']:.3f}x vs {doc['default']})")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def render(doc: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print_json(doc)
+        return
+    rows = []
+    for r in doc["curve"]:
+        if r["median_ms"] is None or r.get("error"):
+            rows.append([str(r["comm_sms"]), f"{doc['total_sms'] - r['comm_sms']}", "-", "-", "-", str(r.get("error"))])
+            continue
+        ratio = r.get("speedup_vs_default")
+        rows.append([
+            str(r["comm_sms"]),
+            f"{doc['total_sms'] - r['comm_sms']}",
+            f"{r['median_ms']:.2f}",
+            f"{r['min_ms']:.2f}-{r['max_ms']:.2f}",
+            f"{ratio:.3f}x" if ratio else "-",
+            f"{r['microbatched_steps']} microbatched steps",
+        ])  # fmt: skip
+    print_table(
+        f"dbo-runtime tune: DBO {doc['shape']} step per comm-SM value",
+        ["comm SMs", "compute SMs", "median ms", "min-max ms", "vs today", "notes"],
+        rows,
+    )
+    out = sys.stdout
+    if doc["verdict"] == "measured":
+        out.write(f"fastest: {doc['best']} comm SMs, {doc['best_speedup']:.3f}x vs {doc['default']} (in force today)\n")
+        out.write(f"use: {doc['setting']} -- {doc['reason']}\n")
+    else:
+        out.write(f"verdict: {doc['verdict'].upper()} -- {doc.get('reason') or 'no value was measured with DBO microbatching'}\n")
+        out.write(f"logs and records: {doc['workdir']}\n")
+    for note in doc.get("notes") or []:
+        out.write(f"note: {note}\n")
+
+
+__all__ = ["add_parser", "choose", "options", "run", "specs", "workload"]

@@ -1,0 +1,262 @@
+"""``dbo-runtime tune``: argument handling, sweep planning and the choice, on CPU.
+
+The sweep itself runs through the real launcher and interleaved turns with FakeEngineRunner standing in for
+vLLM (boundary: no GPU, so no engine can start in CI; ``tests/fakes/fake_engine_runner.py``, its per-value step
+times from ``DBO_FAKE_STEP_MS``). GPU twin: the ``tune`` runs of the two-GPU plan (tests/e2e/test_dbo_2gpu.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dbo_runtime.cli import tune
+from dbo_runtime.cli.main import main
+from dbo_runtime.core.comm_sweep import Measurement, choose, measurement, plan_sweep
+from dbo_runtime.core.errors import ConfigError
+
+HT = "deepep_high_throughput"
+ENGINE = ["--model", "m", "-dp", "2", "--enable-expert-parallel", "--all2all-backend", HT]
+
+
+def _sweep(raw: str = "4,8,12,16,20", env: dict[str, str] | None = None, backend: str | None = HT, platform: str = "cuda") -> Any:
+    return plan_sweep(raw, backend=backend, platform=platform, environ=env or {})
+
+
+# -- the sweep -------------------------------------------------------------------------------------
+def test_the_default_sweep_is_even_counts_up_to_deepep_hts_ceiling_with_todays_value() -> None:
+    sweep = _sweep()
+    assert sweep.values == (4, 8, 12, 16, 20) and sweep.default == 20 and sweep.ceiling == 20
+    env = _sweep("4,8", {"VLLM_DBO_COMM_SMS": "14"})
+    assert env.values == (4, 8, 14) and env.default == 14 and "added 14" in env.notes[0]
+    assert _sweep("0,12").values == (0, 12, 20)  # 0: DBO without an SM partition
+
+
+def test_all_is_every_even_count_and_too_many_values_is_one_line() -> None:
+    with pytest.raises(ConfigError, match="at most 8 values"):
+        _sweep("all")
+    assert _sweep("2,4,6,8,10,12,14").values == (2, 4, 6, 8, 10, 12, 14, 20)
+
+
+@pytest.mark.parametrize("raw", ["3", "22", "4,x", "-2", "", "4;8"])
+def test_values_deepep_refuses_are_one_line_naming_values(raw: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _sweep(raw)
+    assert err.value.parameter == "--values" and "even integers in [2, 20]" in str(err.value)
+
+
+def test_only_the_high_throughput_backend_has_comm_sms_to_tune() -> None:
+    for backend in ("deepep_low_latency", "nixl_ep", None):
+        with pytest.raises(ConfigError) as err:
+            _sweep(backend=backend)
+        assert err.value.parameter == "--all2all-backend" and "reserve no comm SMs" in str(err.value)
+    with pytest.raises(ConfigError, match="ROCm vLLM forces 0 comm SMs"):
+        _sweep(platform="rocm")
+    with pytest.raises(ConfigError) as err:
+        _sweep(env={"VLLM_DBO_COMM_SMS": "abc"})
+    assert err.value.parameter == "VLLM_DBO_COMM_SMS"
+    with pytest.raises(ConfigError, match="besides the one in force"):
+        _sweep("20")
+
+
+# -- the choice ------------------------------------------------------------------------------------
+def _m(value: int, reps: list[float], microbatched: int = 4) -> Measurement:
+    return Measurement(value, reps, microbatched)
+
+
+def test_a_clearly_faster_value_is_chosen_with_its_ratio() -> None:
+    doc = choose([_m(12, [9.0, 9.1, 8.9]), _m(16, [9.6, 9.7, 9.5]), _m(20, [10.0, 10.1, 9.9])], 20, min_gain=0.02)
+    assert doc["verdict"] == "measured" and doc["best"] == 12 and doc["chosen"] == 12
+    assert doc["setting"] == "VLLM_DBO_COMM_SMS=12" and doc["best_speedup"] == pytest.approx(10.0 / 9.0)
+    assert {r["comm_sms"]: r["speedup_vs_default"] for r in doc["curve"]}[20] == pytest.approx(1.0)
+
+
+def test_noise_or_a_small_gain_keeps_todays_value() -> None:
+    overlapping = choose([_m(12, [9.0, 10.5, 9.2]), _m(20, [10.0, 10.1, 9.9])], 20, min_gain=0.02)
+    assert overlapping["best"] == 12 and overlapping["chosen"] == 20 and "within the noise" in overlapping["reason"]
+    small = choose([_m(16, [9.85, 9.86, 9.84]), _m(20, [10.0, 10.1, 9.9])], 20, min_gain=0.02)
+    assert small["chosen"] == 20 and small["setting"] == "VLLM_DBO_COMM_SMS=20"
+    fastest = choose([_m(12, [11.0]), _m(20, [10.0])], 20, min_gain=0.0)
+    assert fastest["chosen"] == 20 and "is the fastest" in fastest["reason"]
+
+
+def test_without_microbatching_or_measurements_there_is_no_choice() -> None:
+    never = choose([_m(12, [9.0], microbatched=0), _m(20, [10.0], microbatched=0)], 20, min_gain=0.02)
+    assert never["verdict"] == "inconclusive" and never["setting"] is None
+    assert all(r["error"] == "DBO never microbatched" for r in never["curve"])
+    failed = choose([Measurement(12, error="engine died"), Measurement(20, error="engine died")], 20, min_gain=0.02)
+    assert failed["verdict"] == "error" and tune.exit_code(failed) == 3 and tune.exit_code(never) == 4
+    missing_default = choose([_m(12, [9.0]), Measurement(20, error="engine died")], 20, min_gain=0.02)
+    assert missing_default["verdict"] == "error" and "in force today (20) was not measured" in missing_default["reason"]
+
+
+def test_a_rep_counts_its_slowest_rank_and_warm_up_turns_do_not_count() -> None:
+    record = {
+        "ok": True,
+        "bench": [
+            {"reps": [{"rep": 0, "warmup": True, "x": 50.0}, {"rep": 1, "x": 10.0, "m": 3}, {"rep": 2, "x": 11.0, "m": 3}]},
+            {"reps": [{"rep": 0, "warmup": True, "x": 60.0}, {"rep": 1, "x": 12.0, "m": 3}, {"rep": 2, "x": None, "m": 3}]},
+        ],
+    }
+    m = measurement(20, record, "x", "m")
+    assert m.reps_ms == [12.0] and m.microbatched == 12  # rep 2 has no timing on rank 1: not a DP step
+    assert measurement(20, {"ok": False, "error": "boom"}, "x", "m").error == "boom"
+
+
+# -- the plan --------------------------------------------------------------------------------------
+def _opts(**over: Any) -> Any:
+    ns = argparse.Namespace(shape="prefill", prefill_tokens="8192", prompt_len="1024", decode_batch="128", reps="3",
+                            warmup="1", min_gain="0.02", timeout="3600")  # fmt: skip
+    for key, value in over.items():
+        setattr(ns, key, value)
+    return tune.options(ns)
+
+
+@pytest.mark.parametrize(
+    ("over", "flag"),
+    [
+        ({"shape": "both"}, "--shape"),
+        ({"reps": "0"}, "--reps"),
+        ({"reps": "three"}, "--reps"),
+        ({"warmup": "-1"}, "--warmup"),
+        ({"min_gain": "1.5"}, "--min-gain"),
+        ({"min_gain": "two"}, "--min-gain"),
+        ({"timeout": "-5"}, "--timeout"),
+        ({"prefill_tokens": "8"}, "--prefill-tokens"),
+        ({"decode_batch": "0"}, "--decode-batch"),
+    ],
+)
+def test_bad_options_are_one_line_naming_the_option(over: dict[str, str], flag: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _opts(**over)
+    assert err.value.parameter == flag
+
+
+def test_the_prefill_plan_times_one_step_of_the_requested_tokens_without_prefix_caching() -> None:
+    sweep = _sweep("12,16")
+    specs, metric, counter, notes = tune.specs(["--model", "m", "--enable-expert-parallel"], 2, sweep, _opts(), {})
+    assert [s.label for s in specs] == ["comm-12", "comm-16", "comm-20"] and metric == "prefill_s"
+    assert counter == "prefill_microbatched_builds"
+    for spec, value in zip(specs, (12, 16, 20)):
+        assert spec.env == {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_DBO_COMM_SMS": str(value)}
+        args = spec.engine_args
+        assert args[-1] == "--enable-dbo" and "--no-enable-prefix-caching" in args
+        assert args[args.index("--max-num-batched-tokens") + 1] == "8192"
+        assert args[args.index("--gpu-memory-utilization") + 1] == "0.3"  # three engines share each GPU
+        assert spec.bench == {"reps": 3, "warmup": 1, "coordinated": True, "max_tokens": 2}
+        assert spec.prompts.num == 16 and spec.prompts.min_len == spec.prompts.max_len == 1024  # 8 per rank
+    assert any("prefix caching off" in n for n in notes) and any("share each GPU" in n for n in notes)
+
+
+def test_the_decode_plan_holds_the_batch_in_one_step() -> None:
+    specs, metric, counter, _ = tune.specs(["--model", "m"], 2, _sweep("12"), _opts(shape="decode", decode_batch="64"), {})
+    assert metric == "decode_step_ms" and counter == "microbatched_builds"
+    args = specs[0].engine_args
+    assert args[args.index("--max-num-seqs") + 1] == "64" and specs[0].prompts.num == 128 and specs[0].bench["max_tokens"] == 32
+    with pytest.raises(ConfigError) as err:
+        tune.specs(["--model", "m", "--max-num-seqs", "32"], 2, _sweep("12"), _opts(shape="decode", decode_batch="64"), {})
+    assert err.value.parameter == "--decode-batch"
+
+
+def test_memory_and_step_size_the_operator_set_are_checked_not_overridden() -> None:
+    ok, _, _, _ = tune.specs(["--model", "m", "--gpu-memory-utilization", "0.2"], 2, _sweep("12,16"), _opts(), {})
+    assert ok[0].engine_args.count("--gpu-memory-utilization") == 1
+    with pytest.raises(ConfigError) as err:
+        tune.specs(["--model", "m", "--gpu-memory-utilization", "0.9"], 2, _sweep("12,16"), _opts(), {})
+    assert err.value.parameter == "--gpu-memory-utilization" and "3 engines" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        tune.specs(["--model", "m", "--max-num-batched-tokens", "4096"], 2, _sweep("12"), _opts(), {})
+    assert err.value.parameter == "--max-num-batched-tokens"
+    with pytest.raises(ConfigError) as err:
+        tune.specs(["--model", "m"], 2, _sweep("12"), _opts(prompt_len="9000"), {})
+    assert err.value.parameter == "--prompt-len"
+
+
+# -- the command -----------------------------------------------------------------------------------
+def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[tune]")]
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["tune", "--model", "m", "--enable-expert-parallel", "--all2all-backend", HT], "--data-parallel-size"),
+        (["tune", "--model", "m", "-dp", "2", "--all2all-backend", HT], "--enable-expert-parallel"),
+        (["tune", "--model", "m", "-dp", "2", "--enable-expert-parallel", "--all2all-backend", "deepep_low_latency"], "--all2all-backend"),
+        (["tune", "--values", "5", *ENGINE], "--values"),
+        (["tune", "--shape", "both", *ENGINE], "--shape"),
+        (["tune", "-dp", "2"], "--model"),
+        (["tune", "--headless", *ENGINE], "--headless"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert names in _one_line(capsys)
+
+
+def test_without_gpus_it_cannot_run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(tune, "check_with_vllm", lambda args, command: None)  # vLLM's parser needs a GPU platform
+    monkeypatch.setattr(tune, "visible_gpus", lambda: 0)
+    assert main(["tune", *ENGINE]) == 3
+    assert "needs 2 GPU(s)" in _one_line(capsys)
+
+
+def _sweep_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, curve: dict[str, float], *extra: str) -> tuple[int, dict[str, Any]]:
+    from dbo_runtime.harness import launch as launch_mod
+
+    monkeypatch.setenv(launch_mod.RUNNER_MODULE_ENV, "tests.fakes.fake_engine_runner")
+    monkeypatch.setenv("DBO_FAKE_STEP_MS", json.dumps(curve))
+    monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
+    monkeypatch.setattr(tune, "check_with_vllm", lambda args, command: None)  # FakeEngineRunner takes any argument
+    monkeypatch.setattr(tune, "visible_gpus", lambda: 2)  # FakeGpuCount
+    code = main(["tune", "--json", "--values", "12,16", "--workdir", str(tmp_path), *extra, *ENGINE])
+    return code, {}
+
+
+def test_a_sweep_measures_every_value_in_interleaved_turns_and_names_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _ = _sweep_run(tmp_path, monkeypatch, {"12": 9.0, "16": 9.5, "20": 10.0})
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["schema"] == "dbo-runtime/tune/v1" and doc["verdict"] == "measured"
+    assert [r["comm_sms"] for r in doc["curve"]] == [12, 16, 20] and doc["setting"] == "VLLM_DBO_COMM_SMS=12"
+    medians = {r["comm_sms"]: r["median_ms"] for r in doc["curve"]}
+    assert medians[12] == pytest.approx(9.0 * 1.005) and medians[20] == pytest.approx(10.0 * 1.005)  # rank 1 counts
+    assert all(r["microbatched_steps"] > 0 for r in doc["curve"])
+    order = doc["turn_order"]
+    assert order[:3] == ["comm-12", "comm-16", "comm-20"] and order[3:6] == ["comm-16", "comm-20", "comm-12"]  # rotated
+
+
+def test_the_table_says_what_to_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from dbo_runtime.harness import launch as launch_mod
+
+    monkeypatch.setenv(launch_mod.RUNNER_MODULE_ENV, "tests.fakes.fake_engine_runner")
+    monkeypatch.setenv("DBO_FAKE_STEP_MS", json.dumps({"12": 10.0, "20": 10.05}))
+    monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
+    monkeypatch.setattr(tune, "check_with_vllm", lambda args, command: None)
+    monkeypatch.setattr(tune, "visible_gpus", lambda: 2)
+    png = tmp_path / "curve.png"
+    assert main(["tune", "--values", "12", "--workdir", str(tmp_path), "--png", str(png), *ENGINE]) == 0
+    out = capsys.readouterr().out
+    assert "use: VLLM_DBO_COMM_SMS=20 -- 12 measured" in out  # 0.5 %: below --min-gain, keep today's
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed: no PNG" in out and not png.exists()
+    else:
+        assert png.stat().st_size > 0
+
+
+def test_a_sweep_that_never_microbatched_is_inconclusive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DBO_FAKE_MICROBATCHED", "0")
+    code, _ = _sweep_run(tmp_path, monkeypatch, {"12": 9.0, "20": 10.0})
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 4 and doc["verdict"] == "inconclusive" and doc["setting"] is None
