@@ -13,8 +13,9 @@ from dbo_runtime.sim import report
 
 
 def test_deep_gemm_version_falls_back_to_the_copy_vllm_vendors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs 19-23 (2x H200) recorded ``deep_gemm: null``: vLLM 0.33 ships DeepGEMM inside its wheel
-    (``vllm/third_party/deep_gemm``) with no distribution of its own. Reads the real vLLM 0.33.0 here."""
+    """vLLM 0.33 ships DeepGEMM inside its wheel (``vllm/third_party/deep_gemm``) with no distribution of
+    its own, so a lookup by distribution alone reports ``deep_gemm: null`` next to a working DeepGEMM.
+    Reads the real vLLM 0.33.0 here."""
     real = metadata.version
 
     def version(name: str) -> str:

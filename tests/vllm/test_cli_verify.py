@@ -332,8 +332,8 @@ LL = ["--model", "m", "-dp", "2", "--enable-expert-parallel", "--all2all-backend
     ],
 )
 def test_ll_queue_depth_is_checked_from_the_engine_args(extra: list[str], env: dict[str, str], problem: str | None) -> None:
-    """Run 15 (2x H200): every LL engine with 2048 batched tokens died at start-up on DeepEP's
-    ``nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2``."""
+    """On 2x H200 an LL engine with 2048 batched tokens dies at start-up on DeepEP's
+    ``nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2``: verify checks it first."""
     args, _, _ = verify.split_engine_args([*LL, *extra])
     found = verify.ll_qp_depth_problem(args, env)
     if problem is None:
