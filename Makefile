@@ -11,12 +11,14 @@ setup:
 run: setup
 	@$(VENV)/bin/dbo-runtime simulate
 
-## Whole CPU test suite + lint + types (what CI runs). The GPU twins (tests/gpu) are deselected: see README.
+## Whole CPU test suite + lint + types + repository hygiene (what CI runs). The GPU twins (tests/gpu) are deselected: see README.
 test: setup
 	$(PY) -m pytest -q -m "not gpu and not e2e and not e2e_dp2"
 	$(VENV)/bin/ruff check dbo_runtime tests graphs tools
 	$(VENV)/bin/mypy dbo_runtime
+	$(PY) tools/lint_repo.py
 
 lint: setup
 	$(VENV)/bin/ruff check dbo_runtime tests graphs tools
 	$(VENV)/bin/mypy dbo_runtime
+	$(PY) tools/lint_repo.py
