@@ -68,6 +68,9 @@ class RunSpec:
     max_tokens: int = 32
     logprobs: int = 5
     bench: dict[str, Any] | None = None
+    repeat_mixed: PromptSpec | None = None
+    """A second pass after the first: every prompt again (a full prefix-cache hit leaves a one-token extend)
+    interleaved with these fresh prompts, so microbatched prefills mix short extends with long prefills."""
     gpus: list[int] | None = None
     """Physical GPUs to expose (``CUDA_VISIBLE_DEVICES``); None keeps the caller's."""
     timeout_s: float = 900.0
@@ -77,6 +80,7 @@ class RunSpec:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["prompts"] = asdict(self.prompts)
+        out["repeat_mixed"] = asdict(self.repeat_mixed) if self.repeat_mixed is not None else None
         return out
 
 
@@ -261,6 +265,8 @@ def reassemble(run: Path) -> dict[str, Any] | None:
         return stored
     raw = json.loads(spec_path.read_text())
     raw["prompts"] = PromptSpec(**raw["prompts"])
+    if raw.get("repeat_mixed"):
+        raw["repeat_mixed"] = PromptSpec(**raw["repeat_mixed"])
     spec = RunSpec(**raw)
     why = "wrote no result" if stored is not None else "stopped before it wrote a result (the session's time limit killed it)"
     ranks = _load_ranks(run, spec.dp, lambda rank: why)
@@ -339,6 +345,7 @@ def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s
         "engine_args": spec.engine_args,
         "requests": requests,
         "bench": [r.get("bench") for r in ranks if r.get("bench")] or None,
+        "repeat_mixed": [r.get("repeat_mixed") for r in ranks if r.get("repeat_mixed")] or None,
         "log_tail": text[-4000:] if not ok else None,
     }
     return record

@@ -89,6 +89,7 @@ def collect(worker: Any = None) -> dict[str, Any]:
         "warmups": cache.get("warmups", 0),
         "topk_groups_attached": snap["topk"]["groups_attached"],
         "topk_shared_buffers": snap["topk"]["shared_buffers"],
+        "topk_extra_bytes": snap["topk"]["extra_bytes"],
         "self_time_ns": snap["self_time"]["total_ns"],
         "self_time_calls": snap["self_time"]["calls"],
         "jit_in_step": cache.get("jit_in_step", 0),

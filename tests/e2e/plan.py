@@ -307,8 +307,110 @@ def two_gpu() -> dict[str, RunSpec]:
     return {s.label: s for s in specs}
 
 
+WIDTH_MODELS = ("glm53-width", "v32-width")
+"""Real attention/indexer/MoE width, few layers (``models/README.md``): 16.4 / 19.6 GB of weights per GPU at EP 2."""
+WIDTH_MEMORY = "0.3"
+WIDTH_PROMPTS = PromptSpec(num=64, min_len=300, max_len=3500, seed=18)
+FRESH_LONG = PromptSpec(num=16, min_len=2500, max_len=3500, seed=19)
+"""The fresh long prompts the reproducer's repeats are mixed with."""
+REPRODUCER_ARGS = [
+    "--enable-expert-parallel", "--all2all-backend", HT, "--enable-dbo",
+    "--dbo-prefill-token-threshold", "32", "--dbo-decode-token-threshold", "32",
+    "--kv-cache-dtype", "fp8", "--enable-prefix-caching",
+    "--hf-overrides", json.dumps({"num_hidden_layers": 4}),
+]  # fmt: skip
+"""vllm#60732's reproducer: a 4-layer GLM-5.3, DP 2 / EP 2, HT eager, DBO thresholds 32, fp8 KV, prefix caching."""
+
+
+def _width_args(model: str, *, eager: bool, extra: list[str]) -> list[str]:
+    """Width runs always load ``dbo_runtime_random`` weights: greedy tokens must vary for agreement to mean
+    anything (``harness.weights``), and vLLM's ``dummy`` weights make every token a near-tie."""
+    args = _with_memory(tiny_args(model, eager=eager, extra=extra), WIDTH_MEMORY)
+    i = args.index("--load-format")
+    args[i + 1] = "dbo_runtime_random"
+    if "--model-loader-extra-config" not in args:
+        args[i + 2 : i + 2] = ["--model-loader-extra-config", WEIGHT_GAINS]
+    return args
+
+
+def production_width() -> dict[str, RunSpec]:
+    """Two GPUs at production width (issue 18): the upstream reproducer, the accuracy A/B of both runners under
+    HT eager and LL + FULL decode graphs, the top-k memory of both layouts, and the DSA family under DBO."""
+    from tests.e2e.reproducer import PROMPTS as REPRODUCER_PROMPTS
+
+    out: dict[str, RunSpec] = {}
+    for plugin in (False, True):
+        label = f"dp2w-repro-glm53-{'plugin' if plugin else 'vanilla'}"
+        out[label] = RunSpec(
+            label=label,
+            engine_args=_width_args("glm53-width", eager=True, extra=REPRODUCER_ARGS),
+            dp=2,
+            env=_env("v1", plugin),
+            prompts=PromptSpec(file=str(REPRODUCER_PROMPTS)),
+            repeat_mixed=FRESH_LONG,
+            max_tokens=8,
+            timeout_s=900 if plugin else VANILLA_CRASH_TIMEOUT_S,
+            meta={"model": "glm53-width", "issue": 18, "what": "vllm#60732 reproducer: 64k+1 prompts, exact repeats mixed with fresh long prompts"},
+        )
+    modes = {
+        "ht": (HT, True, [*DBO_THRESHOLDS], {}),
+        "ll": (LL, False, [*FULL_DECODE, *LL_BATCHED_TOKENS, *DBO_THRESHOLDS], LL_ENV),
+    }
+    for model in WIDTH_MODELS:
+        for mode, (backend, eager, extra, env) in modes.items():
+            base = ["--enable-expert-parallel", "--all2all-backend", backend, *extra]
+            for runner in ("v1", "v2"):
+                variants = [("ref", False, True, {}), ("dbo-plugin", True, True, {})]
+                if runner == "v1":
+                    vanilla_env = {"VLLM_DBO_COMM_SMS": "0"} if backend == HT else {}  # HT vanilla crashes at any other value
+                    variants.append(("dbo-vanilla", True, False, vanilla_env))
+                for name, dbo, plugin, more in variants:
+                    label = f"dp2w-{mode}-{name}-{model}-{runner}"
+                    out[label] = RunSpec(
+                        label=label,
+                        engine_args=_width_args(model, eager=eager, extra=[*base, *(["--enable-dbo"] if dbo else [])]),
+                        dp=2,
+                        env=_env(runner, plugin, **env, **more),
+                        prompts=WIDTH_PROMPTS,
+                        max_tokens=32,
+                        meta={"model": model, "issue": 18, "what": f"accuracy A/B at production width: {mode} {name} {runner}"},
+                    )
+    for layout in ("windows", "copies"):
+        label = f"dp2w-memory-glm53-{layout}"
+        out[label] = RunSpec(
+            label=label,
+            engine_args=_width_args(
+                "glm53-width",
+                eager=True,
+                extra=["--enable-expert-parallel", "--all2all-backend", HT, "--enable-dbo", *DBO_THRESHOLDS, "--max-num-batched-tokens", "8192"],
+            ),
+            dp=2,
+            env=_env("v1", True, DBO_RUNTIME_TOPK_LAYOUT=layout),
+            prompts=PromptSpec(num=16, min_len=300, max_len=1000, seed=20),
+            max_tokens=4,
+            meta={"model": "glm53-width", "issue": 18, "what": f"top-k state bytes, {layout} layout"},
+        )
+    for model, facts in FAMILY.items():
+        if model == "glm53-geometry":
+            continue  # its width twin is glm53-width above
+        extra = ["--enable-expert-parallel", "--all2all-backend", HT, *DBO_THRESHOLDS, *facts.get("extra", [])]
+        for name, dbo, plugin in (("ref", False, True), ("dbo-plugin", True, True), ("dbo-vanilla", True, False)):
+            label = f"dp2-family-{model}-{name}"
+            out[label] = RunSpec(
+                label=label,
+                engine_args=_with_memory(tiny_args(model, eager=True, extra=[*extra, *(["--enable-dbo"] if dbo else [])]), facts["gpu_memory_utilization"]),
+                dp=2,
+                env=_env("v1", plugin),
+                prompts=TWO_GPU_PROMPTS,
+                max_tokens=32,
+                timeout_s=VANILLA_CRASH_TIMEOUT_S if not plugin else 900,
+                meta={"model": model, "issue": 18, "what": f"{facts['architecture']} under DBO, DP 2, HT eager: {name}"},
+            )
+    return out
+
+
 def all_specs() -> dict[str, RunSpec]:
-    return {**one_gpu(), **family(), **two_gpu()}
+    return {**one_gpu(), **family(), **two_gpu(), **production_width()}
 
 
 def verify_args(model: str) -> list[str]:

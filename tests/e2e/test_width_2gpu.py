@@ -1,0 +1,133 @@
+"""DBO at production width on two GPUs (data parallel 2 + expert parallel): ``plan.production_width``.
+
+The models are few layers deep but real in width (``models/README.md``: GLM-5.3 and DeepSeek-V3.2 attention,
+indexer and 256 experts, random weights at a trained scale so greedy tokens vary). Here: the upstream reproducer
+(vllm#60732's mixed prefill and one-token-extend steps), the accuracy A/B of both runners under HT eager and
+LL + FULL decode graphs against DBO's own noise floor (the V3.2 geometry, which has no follower layers), the
+top-k state bytes of both layouts against ``core.topk_memory``, and the DSA family under DBO.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dbo_runtime.harness.compare import Comparison, FloorRule, Request, compare
+from tests.e2e.conftest import Records
+
+pytestmark = pytest.mark.e2e_dp2
+
+WITHIN = FloorRule()
+OUTSIDE = FloorRule(agreement_slack=0.05)
+CRASHED = {"deepgemm_schedule_assert", "ubatch_thread_died", "rpc_timeout", "hang_killed"}
+
+
+def _ok(record: dict[str, Any]) -> dict[str, Any]:
+    assert record["ok"], f"{record['label']} failed: {record.get('error')}\n{record.get('log_tail') or ''}"
+    return record
+
+
+def _microbatched(record: dict[str, Any]) -> None:
+    steps = record["microbatched_steps"]
+    assert isinstance(steps, list) and len(steps) == 2 and all(isinstance(s, int) and s > 0 for s in steps), (
+        f"{record['label']}: microbatched steps per rank {steps}: DBO did not microbatch"
+    )
+
+
+def _cmp(records: Records, ref: str, test: str) -> Comparison:
+    a, b = _ok(records[ref]), _ok(records[test])
+    result = compare([Request.from_json(r) for r in a["requests"]], [Request.from_json(r) for r in b["requests"]])
+    records.annotate(test, **result.record_facts(ref, len(a["requests"])))
+    assert result.requests == len(a["requests"])
+    return result
+
+
+# -- 1. the upstream reproducer ----------------------------------------------------------------------
+@pytest.mark.runs("dp2w-repro-glm53-vanilla", "dp2w-repro-glm53-plugin")
+def test_the_upstream_reproducer_crashes_vanilla_and_completes_with_dbo_runtime(records: Records) -> None:
+    vanilla = records["dp2w-repro-glm53-vanilla"]
+    records.annotate("dp2w-repro-glm53-vanilla", observed=sorted(set(vanilla.get("failure_signatures") or [])))
+    assert not vanilla["ok"] and set(vanilla["failure_signatures"]) & CRASHED, vanilla.get("error")
+    plugin = _ok(records["dp2w-repro-glm53-plugin"])
+    _microbatched(plugin)
+    for rank in plugin["repeat_mixed"]:
+        assert rank["completed"] == rank["requests"] == rank["repeats"] + rank["fresh"]
+        assert rank["microbatched_builds"] > 0, rank  # the mixed pass microbatched: short extends beside prefills
+
+
+# -- 2. accuracy A/B at production width ---------------------------------------------------------------
+AB_RUNS = [
+    f"dp2w-{mode}-{name}-{model}-{runner}"
+    for mode in ("ht", "ll")
+    for name in ("ref", "dbo-plugin")
+    for model in ("v32-width", "glm53-width")
+    for runner in ("v1", "v2")
+]
+VANILLA_RUNS = [
+    f"dp2w-{mode}-{name}-{model}-v1"
+    for mode in ("ht", "ll")
+    for name, model in (("ref", "v32-width"), ("dbo-plugin", "v32-width"), ("ref", "glm53-width"), ("dbo-vanilla", "glm53-width"))
+]
+FAMILY_MODELS = ("deepseek-v4", "deepseek-v41", "glm5next")
+FAMILY_RUNS = [f"dp2-family-{model}-{name}" for model in FAMILY_MODELS for name in ("ref", "dbo-plugin", "dbo-vanilla")]
+
+
+@pytest.mark.runs(*AB_RUNS)
+@pytest.mark.parametrize(("mode", "runner"), [("ht", "v1"), ("ht", "v2"), ("ll", "v1"), ("ll", "v2")])
+def test_dbo_runtime_stays_within_dbos_noise_floor_at_production_width(records: Records, mode: str, runner: str) -> None:
+    floor = _cmp(records, f"dp2w-{mode}-ref-v32-width-{runner}", f"dp2w-{mode}-dbo-plugin-v32-width-{runner}")
+    plugin = _cmp(records, f"dp2w-{mode}-ref-glm53-width-{runner}", f"dp2w-{mode}-dbo-plugin-glm53-width-{runner}")
+    _microbatched(records[f"dp2w-{mode}-dbo-plugin-glm53-width-{runner}"])
+    records.annotate(f"width-ab-{mode}-{runner}", floor=floor.to_json(), glm53_plugin=plugin.to_json())
+    assert WITHIN.judge(plugin, floor)[0], (plugin, floor)
+
+
+
+@pytest.mark.runs(*VANILLA_RUNS)
+@pytest.mark.parametrize("mode", ["ht", "ll"])
+def test_vanilla_dbo_falls_outside_the_floor_where_layers_share_top_k(records: Records, mode: str) -> None:
+    floor = _cmp(records, f"dp2w-{mode}-ref-v32-width-v1", f"dp2w-{mode}-dbo-plugin-v32-width-v1")
+    vanilla = _cmp(records, f"dp2w-{mode}-ref-glm53-width-v1", f"dp2w-{mode}-dbo-vanilla-glm53-width-v1")
+    records.annotate(f"width-ab-{mode}-vanilla", floor=floor.to_json(), glm53_vanilla=vanilla.to_json())
+    assert not OUTSIDE.judge(vanilla, floor)[0], (vanilla, floor)
+
+
+
+# -- 5. top-k memory ------------------------------------------------------------------------------------
+@pytest.mark.runs("dp2w-memory-glm53-windows", "dp2w-memory-glm53-copies")
+def test_the_top_k_state_costs_what_the_formula_says(records: Records) -> None:
+    import json
+    from pathlib import Path
+
+    from dbo_runtime.core.topk_memory import topk_memory_bytes
+
+    config = json.loads((Path(__file__).parent / "models" / "glm53-width" / "config.json").read_text())
+    expected = topk_memory_bytes(
+        num_layers=config["num_hidden_layers"],
+        index_topk_freq=config["index_topk_freq"],
+        index_skip_topk_offset=config["index_skip_topk_offset"],
+        index_topk=config["index_topk"],
+        max_num_batched_tokens=8192,
+        max_num_seqs=64,
+    )
+    windows, copies = _ok(records["dp2w-memory-glm53-windows"]), _ok(records["dp2w-memory-glm53-copies"])
+    extra = {name: [c["topk_extra_bytes"] for c in r["counters"]] for name, r in (("windows", windows), ("copies", copies))}
+    records.annotate("dp2w-memory-glm53-copies", measured_extra_bytes=extra, formula=expected)
+    assert extra["windows"] == [0, 0]
+    assert extra["copies"] == [expected["copies"]] * 2, (extra, expected)
+
+
+# -- 6. the DSA family under DBO -------------------------------------------------------------------------
+@pytest.mark.runs(*FAMILY_RUNS)
+@pytest.mark.parametrize("model", FAMILY_MODELS)
+def test_each_family_architecture_runs_dbo_at_dp2_and_vanilla_crashes_under_ht(records: Records, model: str) -> None:
+    vanilla = records[f"dp2-family-{model}-dbo-vanilla"]
+    records.annotate(f"dp2-family-{model}-dbo-vanilla", observed=sorted(set(vanilla.get("failure_signatures") or [])))
+    assert not vanilla["ok"] and set(vanilla["failure_signatures"]) & CRASHED, vanilla.get("error")
+    result = _cmp(records, f"dp2-family-{model}-ref", f"dp2-family-{model}-dbo-plugin")
+    _microbatched(records[f"dp2-family-{model}-dbo-plugin"])
+    if model != "deepseek-v41":  # no top-k sharing: DBO's own noise is all there is
+        return
+    floor = _cmp(records, "dp2-family-deepseek-v4-ref", "dp2-family-deepseek-v4-dbo-plugin")
+    assert WITHIN.judge(result, floor)[0], (result, floor)
