@@ -108,7 +108,7 @@ def test_simulate_integer_flags_are_bounded_and_worded_alike(capsys: pytest.Capt
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
-        ([], "dbo-runtime: error: a COMMAND is required: one of sms, doctor, simulate, verify (see dbo-runtime --help)"),
+        ([], "dbo-runtime: error: a COMMAND is required: one of sms, doctor, simulate, tune, verify (see dbo-runtime --help)"),
         (["sms", "--bogus"], "dbo-runtime sms: error: unrecognized arguments: --bogus (see dbo-runtime sms --help)"),
         (["--bogus"], "dbo-runtime: error: unrecognized arguments: --bogus (see dbo-runtime --help)"),
     ],
