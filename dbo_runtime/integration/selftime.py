@@ -37,7 +37,11 @@ class _ThreadClock:
         self.calls = 0
 
 
-_tls = threading.local()
+class _Local(threading.local):
+    clock: _ThreadClock | None = None  # a class default: a missing attribute costs an AttributeError
+
+
+_tls = _Local()
 _totals = [0, 0]
 """[ns, calls] of every thread, folded in when a thread's outermost plugin call returns: vLLM starts
 two new microbatch threads per DBO step, so per-thread records would grow without bound."""
@@ -56,7 +60,7 @@ def enabled() -> bool:
 
 
 def _mine() -> _ThreadClock:
-    clock = getattr(_tls, "clock", None)
+    clock = _tls.clock
     if clock is None:
         clock = _ThreadClock()
         _tls.clock = clock

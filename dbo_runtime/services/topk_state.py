@@ -241,6 +241,10 @@ class UbatchTopkState:
 
     def _current(self, num_ubatches: int) -> tuple[int, int]:
         ubatch, offset = self.locate()
+        self._check(ubatch, offset, num_ubatches)
+        return ubatch, offset
+
+    def _check(self, ubatch: int, offset: int, num_ubatches: int) -> None:
         if ubatch >= num_ubatches:
             raise DboRuntimeError(
                 f"microbatch {ubatch} resolved top-k state built for {num_ubatches} microbatches "
@@ -251,19 +255,19 @@ class UbatchTopkState:
                 f"microbatch {ubatch} has token offset {offset}: top-k windows need vLLM's "
                 "make_ubatch_contexts(token_offsets=...) (or set DBO_RUNTIME_TOPK_LAYOUT=copies)"
             )
-        return ubatch, offset
 
     def logical(self, tensor: Any) -> Any:
         """The calling microbatch's logical top-k buffer for ``tensor`` (itself when not shared)."""
         if not self._logical:
             return tensor
+        ubatch, offset = self.locate()  # first: outside a microbatch thread nothing else is looked up
+        if ubatch == 0:
+            return tensor
         ref = self._logical.get(id(tensor))
         state = ref() if ref is not None else None
         if state is None or state.base_ref() is not tensor:
             return tensor
-        ubatch, offset = self._current(state.num_ubatches)
-        if ubatch == 0:
-            return tensor
+        self._check(ubatch, offset, state.num_ubatches)
         return state.resolve(tensor, ubatch, offset)
 
     def group_view(self, group: Any) -> GroupView | None:

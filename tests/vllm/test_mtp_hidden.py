@@ -63,6 +63,9 @@ def test_the_drafter_reads_both_microbatches_hidden_states(installed: PatchSet, 
         got, want = _step(model, sizes)
         assert torch.equal(got, want)
     assert model._mtp_hidden_buffer is model.__dict__["_mtp_hidden_buffer"]  # the main thread reads the base
+    model._mtp_hidden_buffer = torch.zeros((32, HIDDEN))  # a new buffer: the window kept for the old one goes
+    got, want = _step(model, [5, 7])
+    assert torch.equal(got, want) and not any("_dbo_runtime" in k for k in model.state_dict())
 
 
 @pytest.mark.parametrize("module", MODELS)

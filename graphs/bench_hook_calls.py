@@ -1,0 +1,203 @@
+"""What one hooked access costs, measured against the same access in vanilla vLLM, side by side in one run.
+
+Every dbo_runtime hook on vLLM's per-layer path is paid on every layer of every eager DBO step, on both
+microbatch threads: the top-k buffer descriptors (about 950 reads in an eager GLM-5.3 step), the index-group
+methods, the MTP hidden-buffer descriptor, the microbatch lookup behind them. This times each on the real vLLM
+0.33.0 classes of this machine (instances made without their CUDA ``__init__``, the attribute set as vLLM's
+``__init__`` sets it, so lookup goes through the class exactly as in a model): per case, blocks of N accesses
+alternate between the plugin installed and uninstalled (the identical originals back), R times, and the median
+ns per access of each side and their difference are reported. Main thread = outside DBO (and DBO's main thread);
+"ubatch 1" = a thread registered as microbatch 1 in vLLM's own thread table, as ``UBatchContext.__enter__`` does.
+A CPU measurement: an H200 host's cores are faster, so read the differences, not the absolute numbers.
+
+    python graphs/bench_hook_calls.py [--n 200000] [--reps 7] [--out graphs/results]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from graphs._args import Parser, integer  # noqa: E402
+from graphs._plotting import pyplot  # noqa: E402
+
+MODULES = (
+    "vllm.model_executor.layers.sparse_attn_indexer",
+    "vllm.v1.attention.backends.mla.index_group",
+    "vllm.models.deepseek_v41.nvidia.model",
+)
+
+
+def _instance(cls: type, **attrs: Any) -> Any:
+    import torch.nn as nn
+
+    obj = object.__new__(cls)
+    nn.Module.__init__(obj) if issubclass(cls, nn.Module) else None
+    for name, value in attrs.items():
+        setattr(obj, name, value)  # as vLLM's __init__ assigns it: through a descriptor where one is installed
+    return obj
+
+
+def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
+    """Each case builds, under the current install state, a zero-argument access to time."""
+    import torch
+    from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
+    from vllm.models.deepseek_v41.nvidia.model import DeepseekV4Model
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
+
+    from dbo_runtime.integration import ubatch_ids
+
+    buffer = torch.zeros((64, 8), dtype=torch.int32)
+
+    def indexer_buffer() -> Callable[[], Any]:
+        obj = _instance(SparseAttnIndexer, topk_indices_buffer=buffer)
+        return lambda: obj.topk_indices_buffer
+
+    def v41_model_buffer() -> Callable[[], Any]:
+        obj = _instance(DeepseekV4Model, topk_indices_buffer=buffer, _mtp_hidden_buffer=buffer)
+        return lambda: obj.topk_indices_buffer
+
+    def mtp_hidden() -> Callable[[], Any]:
+        obj = _instance(DeepseekV4Model, topk_indices_buffer=buffer, _mtp_hidden_buffer=buffer)
+        return lambda: obj._mtp_hidden_buffer
+
+    def ready_early_exit() -> Callable[[], Any]:
+        group = _instance(SparseMLAIndexGroup, has_indexer=True)
+        return lambda: group.set_logical_topk_ready(3)
+
+    def ubatch_lookup() -> Callable[[], Any]:
+        return ubatch_ids.current_ubatch
+
+    return {
+        "SparseAttnIndexer.topk_indices_buffer": indexer_buffer,
+        "DeepseekV4Model.topk_indices_buffer": v41_model_buffer,
+        "DeepseekV4Model._mtp_hidden_buffer": mtp_hidden,
+        "SparseMLAIndexGroup.set_logical_topk_ready (layer 3)": ready_early_exit,
+        "ubatch_ids.current_ubatch": ubatch_lookup,
+    }
+
+
+VANILLA_ONLY = {"ubatch_ids.current_ubatch"}
+"""dbo_runtime's own lookup: no vanilla counterpart (its cost is inside every resolving access above)."""
+
+
+def _time(access: Callable[[], Any], n: int) -> float:
+    started = time.perf_counter_ns()
+    for _ in range(n):
+        access()
+    return (time.perf_counter_ns() - started) / n
+
+
+def _on_thread(fn: Callable[[], float], ubatch: int | None) -> float:
+    """Run ``fn`` on a fresh thread, registered as microbatch ``ubatch`` in vLLM's thread table."""
+    from vllm.v1.worker import ubatching
+
+    out: list[float] = []
+
+    def body() -> None:
+        if ubatch is not None:
+            ubatching._THREAD_ID_TO_CONTEXT[threading.get_ident()] = ubatch
+            ubatching._CURRENT_CONTEXTS[ubatch] = SimpleNamespace(token_offset=32, id=ubatch)
+        try:
+            out.append(fn())
+        finally:
+            if ubatch is not None:
+                ubatching._CURRENT_CONTEXTS[ubatch] = None
+                del ubatching._THREAD_ID_TO_CONTEXT[threading.get_ident()]
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+def measure(n: int, reps: int) -> dict[str, Any]:
+    import importlib
+
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.v1.worker import ubatching
+
+    from dbo_runtime.integration import plugin
+
+    for module in MODULES:
+        importlib.import_module(module)
+    if len(ubatching._CURRENT_CONTEXTS) < 2:
+        ubatching._CURRENT_CONTEXTS.extend([None] * (2 - len(ubatching._CURRENT_CONTEXTS)))
+    parallel = ParallelConfig(enable_dbo=True, enable_expert_parallel=True, all2all_backend="deepep_low_latency", data_parallel_size=2)
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"), parallel_config=parallel)
+    rows = []
+    plugin.uninstall()
+    with set_current_vllm_config(config):  # V4.1's buffers register per-microbatch views under DBO
+        for name, build in cases().items():
+            for thread, ubatch in (("main", None), ("ubatch 1", 1)):
+                samples: dict[str, list[float]] = {"plugin": [], "vanilla": []}
+                for _ in range(reps):
+                    for side in ("plugin", "vanilla"):
+                        if side == "vanilla" and name in VANILLA_ONLY:
+                            continue
+                        if side == "plugin":
+                            plugin.register()
+                        access = build()
+                        access()  # first access outside the timed block (caches, views)
+                        samples[side].append(_on_thread(lambda a=access: _time(a, n), ubatch))
+                        plugin.uninstall()
+                plugin_ns = statistics.median(samples["plugin"])
+                vanilla_ns = statistics.median(samples["vanilla"]) if samples["vanilla"] else None
+                rows.append({
+                    "access": name,
+                    "thread": thread,
+                    "plugin_ns": plugin_ns,
+                    "vanilla_ns": vanilla_ns,
+                    "added_ns": plugin_ns - vanilla_ns if vanilla_ns is not None else plugin_ns,
+                    "plugin_samples_ns": samples["plugin"],
+                    "vanilla_samples_ns": samples["vanilla"],
+                })  # fmt: skip
+    return {"n": n, "reps": reps, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=integer(1000), default=200_000, help="accesses per timed block (default 200000)")
+    parser.add_argument("--reps", type=integer(1, 99), default=7, help="blocks per side, alternating (default 7)")
+    parser.add_argument("--out", default=str(ROOT / "graphs" / "results"), help="directory for the JSON and PNG")
+    args = parser.parse_args(argv)
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        print(f"bench_hook_calls needs vLLM 0.33 importable here ({exc})", file=sys.stderr)
+        return 2
+    import os
+
+    from dbo_runtime.sim.report import environment, write_json
+
+    doc = {**measure(args.n, args.reps), "environment": {**environment(), "cpus": os.cpu_count()}}
+    out = Path(args.out)
+    write_json(out / "bench_hook_calls.json", doc)
+    width = max(len(r["access"]) for r in doc["rows"])
+    print(f"{'access':<{width}}  thread    plugin ns  vanilla ns  added ns")
+    for r in doc["rows"]:
+        vanilla = f"{r['vanilla_ns']:10.0f}" if r["vanilla_ns"] is not None else f"{'-':>10}"
+        print(f"{r['access']:<{width}}  {r['thread']:<8} {r['plugin_ns']:10.0f}  {vanilla}  {r['added_ns']:8.0f}")
+    plt = pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        labels = [f"{r['access']}\n({r['thread']})" for r in doc["rows"]]
+        ax.barh(labels, [r["added_ns"] for r in doc["rows"]])
+        ax.set_xlabel("ns added per access by dbo_runtime (median of alternating blocks)")
+        ax.tick_params(axis="y", labelsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "bench_hook_calls.png", dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""``graphs/bench_hook_calls.py`` runs on the real vLLM 0.33.0 classes and leaves vLLM as it found it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_benchmark_times_every_hooked_access_against_vanilla(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "graphs" / "bench_hook_calls.py"), "--n", "1000", "--reps", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "bench_hook_calls.json").read_text())
+    accesses = {(r["access"], r["thread"]) for r in doc["rows"]}
+    assert ("SparseAttnIndexer.topk_indices_buffer", "ubatch 1") in accesses and len(accesses) == 10
+    for row in doc["rows"]:
+        assert row["plugin_ns"] > 0 and (row["vanilla_ns"] is None) == (row["access"] == "ubatch_ids.current_ubatch")
+    assert doc["environment"]["vllm"].endswith("0.33.0")
+
+
+def test_a_bad_argument_is_one_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "graphs" / "bench_hook_calls.py"), "--reps", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--reps" in proc.stderr
