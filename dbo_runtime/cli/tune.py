@@ -180,9 +180,9 @@ def workload(engine_args: list[str], dp: int, opts: Options) -> tuple[list[str],
 
 
 def memory_args(engine_args: list[str], engines: int) -> tuple[list[str], str | None]:
-    """Every value's engine lives for the whole sweep on the same GPUs: split the memory, or check the split."""
-    if _has(engine_args, "--kv-cache-memory-bytes"):
-        return [], None
+    """Every value's engine lives for the whole sweep on the same GPUs: split the memory, or check the split.
+    Also with ``--kv-cache-memory-bytes``: vLLM still requires ``gpu_memory_utilization`` x the GPU's memory
+    to be free when each engine starts (``v1/worker/utils.py:request_memory``)."""
     given = _flag(engine_args, "--gpu-memory-utilization")
     if given is None:
         share = math.floor(MEMORY_SHARE / engines * 1000) / 1000

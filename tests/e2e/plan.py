@@ -409,6 +409,13 @@ def production_width() -> dict[str, RunSpec]:
     return out
 
 
+def tune_args(model: str) -> list[str]:
+    """The engine arguments ``dbo-runtime tune`` gets on two GPUs (HT eager, DP 2): tune splits the memory."""
+    args = _width_args(model, eager=True, extra=["--data-parallel-size", "2", "--enable-expert-parallel", "--all2all-backend", HT])
+    i = args.index("--gpu-memory-utilization")
+    return args[:i] + args[i + 2 :]
+
+
 def all_specs() -> dict[str, RunSpec]:
     return {**one_gpu(), **family(), **two_gpu(), **production_width()}
 

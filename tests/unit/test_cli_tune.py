@@ -168,6 +168,8 @@ def test_memory_and_step_size_the_operator_set_are_checked_not_overridden() -> N
     with pytest.raises(ConfigError) as err:
         tune.specs(["--model", "m", "--gpu-memory-utilization", "0.9"], 2, _sweep("12,16"), _opts(), {})
     assert err.value.parameter == "--gpu-memory-utilization" and "3 engines" in str(err.value)
+    kv, _, _, _ = tune.specs(["--model", "m", "--kv-cache-memory-bytes", "2147483648"], 2, _sweep("12,16"), _opts(), {})
+    assert "--gpu-memory-utilization" in kv[0].engine_args  # vLLM still asks for utilization x memory free
     with pytest.raises(ConfigError) as err:
         tune.specs(["--model", "m", "--max-num-batched-tokens", "4096"], 2, _sweep("12"), _opts(), {})
     assert err.value.parameter == "--max-num-batched-tokens"
