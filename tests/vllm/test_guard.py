@@ -422,6 +422,27 @@ def test_speculative_decoding_without_the_mtp_fix_is_warned(
     config = engine_config("DeepseekV4ForCausalLM", hf("deepseek-v4"))
     config.speculative_config = object()  # type: ignore[assignment]
     guard.reset()
-    with caplog.at_level(logging.WARNING, logger="dbo_runtime"):
+    with caplog.at_level(logging.WARNING, logger="vllm.dbo_runtime"):
         guard.check(config, "worker", "mrv1")
     assert any("draft acceptance drops" in r.getMessage() for r in caplog.records)
+
+
+def test_the_warm_up_check_runs_before_vllms_warm_up_and_tells_listeners_after(fresh: None, cuda_platform: None) -> None:
+    from types import SimpleNamespace
+
+    order: list[str] = []
+    wrapped = guard._around_warm_up(lambda self: order.append("vllm warm-up"))
+    guard.after_warm_up(lambda: order.append("listener"))
+    guard.after_warm_up(lambda: (_ for _ in ()).throw(RuntimeError("a broken listener")))
+    try:
+        plugin.register()
+        wrapped(SimpleNamespace(vllm_config=leaders_only(enable_dbo=False), use_v2_model_runner=False))
+        assert order == ["vllm warm-up", "listener"]  # a failing listener never stops engine start
+        with pytest.raises(DboRefusal):  # refused before vLLM's warm-up runs
+            with edited_sources(TOPK_MOVED):
+                plugin.uninstall()
+                plugin.register()
+            wrapped(SimpleNamespace(vllm_config=shared(), use_v2_model_runner=False))
+        assert order == ["vllm warm-up", "listener"]
+    finally:
+        guard._warmed_up.clear()

@@ -580,3 +580,22 @@ def test_a_budget_entered_unannounced_warms_only_the_exact_shapes(env: Env, monk
     control.exit(control.enter(budget))
     shapes = {(-(-rows // 32) * 32, width) for rows, width in env.cache.warmup._profiles[0][0].shapes}
     assert 0 < env.cache.stats.warmups - before <= len(shapes)
+
+
+def test_the_end_of_start_up_says_the_warm_up_cost_once_and_starts_counting_in_step(
+    env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
+    builder = env.builder()
+    builder.device = torch.device("cpu")
+    builder.vllm_config.parallel_config.enable_dbo = True
+    _announce_dbo()
+    indexer_hooks.register_builder(builder, device_index=0)
+    with caplog.at_level(logging.INFO, logger="vllm.dbo_runtime"):
+        indexer_hooks._start_serving()
+        indexer_hooks._start_serving()  # a second compile_or_warm_up_model in the process: said once
+    lines = [r.getMessage() for r in caplog.records if "start-up cost" in r.getMessage()]
+    assert len(lines) == 1 and f"{env.cache.stats.warmups} paged-MQA planner variants compiled" in lines[0]
+    assert env.cache.warmup.serving
