@@ -165,7 +165,7 @@ def measure(n: int, reps: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="bench_hook_calls", description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=integer(1000), default=200_000, help="accesses per timed block (default 200000)")
     parser.add_argument("--reps", type=integer(1, 99), default=7, help="blocks per side, alternating (default 7)")
     parser.add_argument("--out", default=str(ROOT / "graphs" / "results"), help="directory for the JSON and PNG")

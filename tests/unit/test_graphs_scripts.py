@@ -24,7 +24,10 @@ ENGINE = {
     "bench_host_cost.py": "a CUDA GPU and vLLM 0.33",
 }
 """Real-engine benchmarks: they need vLLM and GPUs, not DeepGEMM directly."""
-KERNELS = [s for s in SCRIPTS if s not in ENGINE]
+CPU = ["bench_hook_calls.py"]
+"""CPU benchmarks on the real vLLM classes: they need vLLM, no GPU."""
+GPU = [s for s in SCRIPTS if s not in CPU]
+KERNELS = [s for s in GPU if s not in ENGINE]
 
 
 def load(name: str) -> ModuleType:
@@ -39,6 +42,7 @@ def test_every_script_is_covered() -> None:
     assert SCRIPTS == [
         "bench_dbo_engine.py",
         "bench_dbo_stack.py",
+        "bench_hook_calls.py",
         "bench_host_cost.py",
         "bench_indexer_schedule.py",
         "bench_planner_warmup.py",
@@ -48,7 +52,7 @@ def test_every_script_is_covered() -> None:
     ]
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("name", GPU)
 def test_without_cuda_one_line_and_exit_2(name: str, tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA; the no-CUDA path is exercised on the CPU box")
@@ -65,6 +69,7 @@ def test_without_cuda_one_line_and_exit_2(name: str, tmp_path: Path) -> None:
 BAD_VALUES = {
     "bench_dbo_engine.py": ("--reps", "0", "an integer >= 1"),
     "bench_dbo_stack.py": ("--requests", "1", "an integer >= 2"),
+    "bench_hook_calls.py": ("--n", "5", "an integer >= 1000"),
     "bench_host_cost.py": ("--depths", "0", "comma-separated layer counts >= 1"),
     "bench_indexer_schedule.py": ("--dbo-sms", "x", "an integer >= 1"),
     "bench_planner_warmup.py": ("--spec-tokens", "4", "integers in [0, 3]"),
@@ -102,6 +107,18 @@ def test_cuda_without_deepgemm_one_line_and_exit_2(
     [line] = err.strip().splitlines()
     assert line.startswith(f"{name[:-3]}: needs a CUDA GPU and DeepGEMM: DeepGEMM does not import (ModuleNotFoundError")
     assert out == ""
+
+
+@pytest.mark.parametrize("name", CPU)
+def test_cpu_benchmark_without_vllm_one_line_and_exit_2(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    assert load(name).main(["--out", str(tmp_path / "out")]) == 2
+    out, err = capsys.readouterr()
+    [line] = err.strip().splitlines()
+    assert line.startswith(name[:-3]) and "needs vLLM 0.33" in line and out == ""
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("name", sorted(ENGINE))
