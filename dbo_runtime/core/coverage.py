@@ -97,7 +97,7 @@ ROWS: tuple[Coverage, ...] = (
     _v32_family(
         "DeepseekV32ForCausalLM",
         "vllm.models.deepseek_v32",
-        evidence=("tests/vllm/test_topk_isolation.py", "docs/gpu-runs (runs 9-24)", _E2E),
+        evidence=("tests/vllm/test_topk_isolation.py", "docs/gpu-runs (two-GPU A/B records)", _E2E),
     ),
     _v32_family(
         "GlmMoeDsaForCausalLM",

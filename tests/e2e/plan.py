@@ -21,10 +21,10 @@ MODELS = Path(__file__).parent / "models"
 KV_CACHE_BYTES = 2 << 30
 ONE_GPU_PROMPTS = PromptSpec(num=48, min_len=300, max_len=2500, seed=1)
 TWO_GPU_PROMPTS = PromptSpec(num=64, min_len=300, max_len=2500, seed=2)
-"""As in run 9, where the shared-top-k corruption showed as 11x dbo_runtime's mean |dlogprob|. Prompts
-longer than index_topk (2048) exercise the indexer's selection, but its prefill top-k claims output
-slots with atomicAdd, so with random weights at a trained scale such prompts gave a different first
-token from run to run (2026-11-30); with ``dummy`` weights vLLM repeated itself to 1.9e-6."""
+"""The prompts under which the shared-top-k corruption showed as 11x dbo_runtime's mean |dlogprob| on two
+H200s. Prompts longer than index_topk (2048) exercise the indexer's selection, but its prefill top-k claims
+output slots with atomicAdd, so with random weights at a trained scale such prompts gave a different first
+token from run to run; with ``dummy`` weights vLLM repeated itself to 1.9e-6."""
 DBO_THRESHOLDS = ["--dbo-decode-token-threshold", "4"]
 """Microbatch every decode step of 4+ tokens per rank (vLLM's default is 32)."""
 HT = "deepep_high_throughput"
@@ -78,8 +78,8 @@ def max_engines(environ: Mapping[str, str] | None = None) -> int:
 
 def env_problems(environ: Mapping[str, str] | None = None) -> list[str]:
     """The e2e suites' own settings, checked at collection: each is read only when the engines start,
-    on the GPU machine, where a typo cost a traceback after the lease had begun (new-user review
-    2026-12-01). One line each, naming the variable and the allowed values."""
+    on the GPU machine, where a typo would cost a traceback after the engines began to start. One line
+    each, naming the variable and the allowed values."""
     from dbo_runtime.core.errors import ConfigError
     from dbo_runtime.harness.weights import parse_gains
 
