@@ -22,11 +22,15 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
 if [ -d .whl ] && [ "${TWINS:-1}" = 1 ]; then
   (
     mkdir -p /tmp/dg && python3 -m pip install -q --no-index --no-deps --target /tmp/dg .whl/tokenspeed_deepgemm*.whl $(ls /tmp/gpu-vllm/bundle/wheels/tokenspeed_deepep*.whl 2>/dev/null) >/dev/null 2>&1
+    WITH_VLLM="/tmp/dg:$PYTHONPATH"
     export PYTHONPATH=/tmp/dg:$PWD CUDA_VISIBLE_DEVICES=$(( $(nvidia-smi -L | wc -l) - 1 ))
     # The twins write one JSON per case into $OUT: keep them in the tarball, not beside it.
     export OUT="$DBO_E2E_OUT/twins"; mkdir -p "$OUT"
     DBO_REQUIRE_GPU=1 timeout "${TWIN_LIMIT:-300}" python3 -X faulthandler -m pytest tests/gpu -q -p no:cacheprovider -rfE > "$DBO_E2E_OUT/gpu-twins.log" 2>&1
     echo "exit $?" >> "$DBO_E2E_OUT/gpu-twins.log"
+    # The twins that need vLLM's own CUDA ops (the top-k backends the OOM placeholder passes through).
+    PYTHONPATH="$WITH_VLLM" DBO_REQUIRE_GPU=1 timeout 120 python3 -X faulthandler -m pytest tests/gpu/test_placeholder_topk_gpu.py -q -p no:cacheprovider -rfE > "$DBO_E2E_OUT/gpu-twins-with-vllm.log" 2>&1
+    echo "exit $?" >> "$DBO_E2E_OUT/gpu-twins-with-vllm.log"
     for b in ${TWIN_BENCHES-bench_replay_planning.py bench_planner_warmup.py}; do timeout 200 python3 "graphs/$b" --out "$DBO_E2E_OUT/twin-bench" > "$DBO_E2E_OUT/$b.log" 2>&1; echo "exit $?" >> "$DBO_E2E_OUT/$b.log"; done
   ) &
 fi
