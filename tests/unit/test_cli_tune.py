@@ -2,7 +2,8 @@
 
 The sweep itself runs through the real launcher and interleaved turns with FakeEngineRunner standing in for
 vLLM (boundary: no GPU, so no engine can start in CI; ``tests/fakes/fake_engine_runner.py``, its per-value step
-times from ``DBO_FAKE_STEP_MS``). GPU twin: the ``tune`` runs of the two-GPU plan (tests/e2e/test_dbo_2gpu.py).
+times from ``DBO_FAKE_STEP_MS``). GPU twin: ``test_tune_measures_a_curve_on_the_real_engine`` in tests/e2e/test_width_2gpu.py, and
+``tools/gpu/session-tune.sh`` for the recorded curves.
 """
 
 from __future__ import annotations
