@@ -88,17 +88,9 @@ class BudgetReason:
 
 @dataclass(frozen=True, slots=True)
 class SMBudget:
-    """An immutable SM split: ``compute + comm + idle == total`` on one device.
-
-    ``comm_knob`` / ``compute_knob`` say whether vLLM would turn the all2all
-    (DeepEP) and DeepGEMM knobs for this budget; a budget can reserve comm SMs
-    on paper (``comm > 0``) and still leave DeepGEMM untouched when DeepGEMM is
-    absent, exactly as vLLM does.
-
-    ``idle`` is 0 except where vLLM's ``total - comm`` would hand DeepGEMM a
-    count its cluster kernels cannot launch on (``compute_budget``): then the
-    compute share is rounded down and those SMs run neither side.
-    """
+    """An immutable SM split, ``compute + comm + idle == total``, and which knobs vLLM turns for it (comm SMs
+    reserved on paper leave DeepGEMM untouched where it is absent, as in vLLM). ``idle``: SMs rounded off a
+    compute share DeepGEMM's cluster kernels cannot launch on (``compute_budget``)."""
 
     total: int
     comm: int
@@ -117,9 +109,7 @@ class SMBudget:
         if self.compute != self.total - self.comm - self.idle:
             raise ConfigError("compute_sms", self.compute, f"total - comm - idle = {self.total - self.comm - self.idle}")
         multiple = self.reason.compute_multiple
-        if self.compute_knob and self.compute % multiple:
-            # The services' guarantee: no budget that turns DeepGEMM's knob to a count its
-            # 2-CTA-cluster kernels cannot launch on can even be constructed.
+        if self.compute_knob and self.compute % multiple:  # such a budget cannot even be constructed
             raise ConfigError("compute_sms", self.compute, f"multiples of {multiple} (DeepGEMM cluster kernels on this device)")
 
     @property
@@ -175,19 +165,14 @@ def full_budget(total: int, device: int = 0, *, note: str = "no partition") -> S
 
 
 def min_compute_sms(compute_multiple: int, has_deep_gemm: bool) -> int:
-    """The fewest compute SMs a DBO split may leave: DeepGEMM's count multiple where DeepGEMM takes
-    the compute share (SM90: 2), else 1. The largest comm share is ``total - min_compute_sms``: every
-    refusal names that bound, so the value it names is itself accepted."""
+    """The fewest compute SMs a split may leave (DeepGEMM's count multiple, else 1); every refusal names
+    ``total - min_compute_sms``, so the bound it names is itself accepted."""
     return compute_multiple if has_deep_gemm else 1
 
 
 def parse_comm_sms(raw: object, *, parameter: str = "VLLM_DBO_COMM_SMS") -> int:
-    """Validate a comm-SM value from the environment or a flag.
-
-    vLLM parses the variable with a bare ``int()`` and lets a negative value
-    through to DeepGEMM, which then fails far from the cause; we reject both
-    here with the parameter's name.
-    """
+    """A comm-SM value from the environment or a flag: vLLM's bare ``int()`` lets a negative value through to
+    DeepGEMM, which fails far from the cause; refused here with the parameter's name."""
     if isinstance(raw, bool):
         raise ConfigError(parameter, raw, "a non-negative integer")
     if isinstance(raw, int):

@@ -33,15 +33,9 @@ UPSTREAM_PR = "none yet (SM-control publication); crash fixed by vllm#60732"
 
 
 class DboSMControlContext:
-    """Drop-in for vLLM's ``SMControlContextManager`` that delegates to SMControl.
-
-    Keeps vLLM's public attributes (``total_sms``, ``comm_sms``,
-    ``compute_sms``, ``set_comm_sms``, ``set_compute_sms``) because code and
-    tests read them. Re-entrant per instance: MRV2 enters it from an
-    ``ExitStack`` that is closed by ``finish()`` on another code path, so the
-    token is kept on the instance; a token still outstanding at the next enter is
-    a leaked scope and is closed first.
-    """
+    """Drop-in for vLLM's ``SMControlContextManager`` (its public attributes kept), entering through SMControl.
+    MRV2 enters it from an ``ExitStack`` that ``finish()`` closes on another path, so the token lives on the
+    instance; one still outstanding at the next enter is a leaked scope, closed first."""
 
     def __init__(self, control: SMControl, budget: SMBudget, comm_knob: SMKnob | None, compute_knob: SMKnob | None) -> None:
         self.control = control
@@ -56,11 +50,7 @@ class DboSMControlContext:
         self._tokens: list[int] = []
 
     def __enter__(self) -> None:
-        if self._tokens:
-            # vLLM never nests one runner's context; an outstanding token means an earlier scope
-            # leaked (e.g. MRV2 begin_capturable_run raised after entering it). vLLM's own context
-            # would reset to all SMs on the next exit; we close the leaked scope so the budget
-            # stack cannot keep the GPU partitioned after this step.
+        if self._tokens:  # e.g. MRV2's begin_capturable_run raised after entering: never leave the GPU split
             logger.warning("dbo_runtime: closing %d leaked SM-control scope(s) of %r", len(self._tokens), self)
             while self._tokens:
                 self.control.exit(self._tokens.pop())
@@ -101,10 +91,7 @@ def _read_env_comm_sms(envs: Any) -> object:
 
 
 def _sm_major(platform_name: str, current_platform: Any, device: int) -> int:
-    """Compute-capability major of ``device`` as vLLM's platform reports it; 0 off CUDA.
-
-    ROCm reports gfx9xx as capability 9.x, so SM90 is only SM90 on CUDA.
-    """
+    """Compute-capability major of ``device``; 0 off CUDA (ROCm reports gfx9xx as 9.x)."""
     if platform_name != "cuda":
         return 0
     capability = current_platform.get_device_capability(device_id=device)
