@@ -14,6 +14,8 @@ from dbo_runtime.core.errors import ConfigError
 
 EXIT_RUN_FAILED = 3
 """An engine run failed or cannot start here (no vLLM, too few GPUs)."""
+EXIT_INCONCLUSIVE = 4
+"""DBO never microbatched, so the runs prove nothing about it."""
 
 DP_SIZE_FLAGS = ("--data-parallel-size", "-dp")
 UNSUPPORTED_FLAGS = (
@@ -123,4 +125,4 @@ def visible_gpus() -> int:
         return 0
 
 
-__all__ = ["EXIT_RUN_FAILED", "check_with_vllm", "same_runner_env", "split_engine_args", "visible_gpus"]
+__all__ = ["EXIT_INCONCLUSIVE", "EXIT_RUN_FAILED", "check_with_vllm", "same_runner_env", "split_engine_args", "visible_gpus"]

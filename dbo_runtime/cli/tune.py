@@ -22,14 +22,20 @@ from pathlib import Path
 from typing import Any
 
 from dbo_runtime.cli._common import CliError, print_json, print_table
-from dbo_runtime.cli._engine import EXIT_RUN_FAILED, check_with_vllm, same_runner_env, split_engine_args, visible_gpus
+from dbo_runtime.cli._engine import (
+    EXIT_INCONCLUSIVE,
+    EXIT_RUN_FAILED,
+    check_with_vllm,
+    same_runner_env,
+    split_engine_args,
+    visible_gpus,
+)
 from dbo_runtime.cli._progress import Progress
 from dbo_runtime.core.comm_sweep import DEFAULT_VALUES, Measurement, Sweep, choose, measurement, plan_sweep
 from dbo_runtime.core.errors import ConfigError
 
 SCHEMA = "dbo-runtime/tune/v1"
 ACCEPTS_EXTRA_ARGS = True
-EXIT_INCONCLUSIVE = 4
 SHAPES = ("prefill", "decode")
 MEMORY_SHARE = 0.9
 """Of each GPU's memory, what the live engines share between them when the operator sets no memory flag."""

@@ -32,15 +32,20 @@ from pathlib import Path
 from typing import Any
 
 from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, CliError, print_json, print_table
-from dbo_runtime.cli._engine import EXIT_RUN_FAILED, check_with_vllm, same_runner_env, split_engine_args, visible_gpus
+from dbo_runtime.cli._engine import (
+    EXIT_INCONCLUSIVE,
+    EXIT_RUN_FAILED,
+    check_with_vllm,
+    same_runner_env,
+    split_engine_args,
+    visible_gpus,
+)
 from dbo_runtime.cli._progress import Progress
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.harness.compare import FloorRule, Thresholds
 from dbo_runtime.harness.launch import engine_arg
 
 SCHEMA = "dbo-runtime/verify/v1"
-
-EXIT_INCONCLUSIVE = 4
 
 ACCEPTS_EXTRA_ARGS = True
 """``main`` hands every argument verify does not know to it: they are vLLM's engine arguments."""

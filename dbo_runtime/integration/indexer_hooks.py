@@ -326,6 +326,24 @@ def _make_mrv2_prepare(original: Any) -> Any:
     return prepare
 
 
+def _logits_patch(label: str, module: str, caller: str, reason: str, removal: str, architectures: tuple[str, ...] = ()) -> Patch:
+    """A module that binds ``fp8_fp4_paged_mqa_logits`` by ``from`` import, and the function there that calls it."""
+    return Patch(
+        name=f"indexer.logits.{label}",
+        module=module,
+        attr="fp8_fp4_paged_mqa_logits",
+        make=_make_logits,
+        anchors=(f"{DEEP_GEMM_WRAPPER}:fp8_fp4_paged_mqa_logits", f"{module}:{caller}"),
+        architectures=architectures,
+        reason=reason,
+        upstream_pr=UPSTREAM_PR,
+        removal=removal,
+        lazy=True,
+        runs_on_ubatch_thread=True,
+        fallback=_logits_placeholder,
+    )
+
+
 def patches() -> list[Patch]:
     removal_cache = "vLLM records the planned SM count on the decode metadata and re-plans at the call site (#60732)"
     logits_reason = (
@@ -386,33 +404,10 @@ def patches() -> list[Patch]:
             removal=removal_cache,
             lazy=True,
         ),
-        Patch(
-            name="indexer.logits.sparse_attn_indexer",
-            module=SPARSE_ATTN_INDEXER_MODULE,
-            attr="fp8_fp4_paged_mqa_logits",
-            make=_make_logits,
-            anchors=(f"{DEEP_GEMM_WRAPPER}:fp8_fp4_paged_mqa_logits", f"{SPARSE_ATTN_INDEXER_MODULE}:sparse_attn_indexer"),
-            reason=logits_reason + " (custom-op path and the DSA model's direct call)",
-            upstream_pr=UPSTREAM_PR,
-            removal=removal_cache,
-            lazy=True,
-            runs_on_ubatch_thread=True,
-            fallback=_logits_placeholder,
-        ),
-        Patch(
-            name="indexer.logits.glm5next",
-            module=GLM5NEXT_MODULE,
-            attr="fp8_fp4_paged_mqa_logits",
-            make=_make_logits,
-            anchors=(f"{DEEP_GEMM_WRAPPER}:fp8_fp4_paged_mqa_logits", f"{GLM5NEXT_MODULE}:sparse_attn_indexer_kpool"),
-            architectures=("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration"),
-            reason=logits_reason + " (GLM-5-Next kpool indexer)",
-            upstream_pr=UPSTREAM_PR,
-            removal=removal_cache,
-            lazy=True,
-            runs_on_ubatch_thread=True,
-            fallback=_logits_placeholder,
-        ),
+        _logits_patch("sparse_attn_indexer", SPARSE_ATTN_INDEXER_MODULE, "sparse_attn_indexer",
+                      logits_reason + " (custom-op path and the DSA model's direct call)", removal_cache),
+        _logits_patch("glm5next", GLM5NEXT_MODULE, "sparse_attn_indexer_kpool", logits_reason + " (GLM-5-Next kpool indexer)",
+                      removal_cache, architectures=("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration")),
         Patch(
             name="indexer.plan_ahead.mrv1",
             runner="mrv1",
