@@ -23,7 +23,12 @@ from dbo_runtime.integration.patching import Patch
 Verdict = Literal["verified", "provided by vLLM", "unverified", "dependency", "not installed", "broken", "disabled"]
 
 
-_PROBES = {"param": fingerprints.has_param, "member": fingerprints.has_member, "call": fingerprints.calls}
+_PROBES = {
+    "param": fingerprints.has_param,
+    "member": fingerprints.has_member,
+    "call": fingerprints.calls,
+    "uses": fingerprints.uses,
+}
 
 
 @dataclass(frozen=True)
@@ -31,9 +36,10 @@ class Probe:
     """One piece of an upstream fix, read from vLLM's syntax tree (names, never text: a comment, a log line or
     a docstring that mentions the fix does not count)."""
 
-    kind: Literal["param", "member", "call"]
-    """``param``: the function takes ``name``; ``member``: the class (the module for ``""``) defines it;
-    ``call``: code there calls something named ``name``."""
+    kind: Literal["param", "member", "call", "uses"]
+    """``param``: the function takes ``name``; ``member``: the class (the module for ``""``) defines it, in its
+    body or as ``self.name`` in ``__init__``; ``call``: code there calls something named ``name``; ``uses``:
+    code there reads it (a call, an attribute, a subscript)."""
     module: str
     qualname: str
     name: str

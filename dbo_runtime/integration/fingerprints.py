@@ -171,10 +171,29 @@ def has_member(module: str, qualname: str, name: str) -> bool:
     assigned or annotated attribute in its own body."""
     node = _node(module, qualname)
     if isinstance(node, ast.ClassDef):
-        return _defines(node.body, name)
+        return _defines(node.body, name) or any(
+            isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+            and target.attr == name
+            for stmt in node.body
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == "__init__"
+            for sub in ast.walk(stmt)
+            for target in (sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(sub, ast.AnnAssign) else [])
+        )  # fmt: skip
     if isinstance(node, ast.Module):
         return _defines(node.body, name)
     return False
+
+
+def uses(module: str, qualname: str, name: str) -> bool:
+    """Whether code in ``qualname`` (the module for ``""``) reads something named ``name``: ``name``, ``x.name``,
+    ``x.name(...)`` or ``x.name[...]``; comments, strings and docstrings never count."""
+    node = _node(module, qualname)
+    if node is None:
+        return False
+    return any(
+        (isinstance(sub, ast.Attribute) and sub.attr == name) or (isinstance(sub, ast.Name) and sub.id == name)
+        for sub in ast.walk(node)
+    )
 
 
 def calls(module: str, qualname: str, name: str) -> bool:

@@ -217,7 +217,10 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
 
 
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
-WORKER_HOOKS = ("Worker.load_model", "Worker.compile_or_warm_up_model")
+WORKER_CLASS = f"{WORKER_MODULE}.Worker"
+WORKER_HOOKS = ("load_model", "compile_or_warm_up_model")
+_WORKER_DEFINERS = ((WORKER_MODULE, "Worker"), ("vllm.v1.worker.worker_base", "WorkerBase"))
+"""Where the hooks may be defined: vLLM's GPU worker, or the base class it inherits them from."""
 
 
 def _worker_hooks_missing() -> list[str]:
@@ -225,22 +228,51 @@ def _worker_hooks_missing() -> list[str]:
     must know before any worker imports them, because a worker where they moved would run unguarded)."""
     from dbo_runtime.integration import fingerprints
 
-    return [name for name in WORKER_HOOKS if fingerprints.source_block(WORKER_MODULE, name) is None]
+    return [
+        f"Worker.{name}"
+        for name in WORKER_HOOKS
+        if all(fingerprints.source_block(module, f"{cls}.{name}") is None for module, cls in _WORKER_DEFINERS)
+    ]
+
+
+def _needs_worker_check(vllm_config: Any) -> bool:
+    """Whether the worker stage could refuse this model: it shares top-k, or runs the DSA indexer."""
+    arch, hf = _model(vllm_config)
+    return hf is not None and bool(coverage.shared_topk(arch, hf) or coverage.uses_indexer(arch, hf))
+
+
+def _custom_worker_problem(parallel: Any) -> str:
+    """A ``--worker-cls`` that is not vLLM's GPU worker (nor a subclass) never runs the worker check."""
+    name = str(getattr(parallel, "worker_cls", "auto") or "auto")
+    if name in ("auto", WORKER_CLASS):
+        return ""
+    try:
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+        from vllm.v1.worker.gpu_worker import Worker
+
+        cls = resolve_obj_by_qualname(name)
+        if isinstance(cls, type) and issubclass(cls, Worker):
+            return ""
+        why = "is not a subclass of it"
+    except Exception as exc:
+        why = f"could not be imported here ({type(exc).__name__}: {exc})"
+    return f"--worker-cls {name} {why}, and only {WORKER_CLASS} runs dbo_runtime's worker check"
 
 
 def _guard_problem(vllm_config: Any) -> str:
     parallel = getattr(vllm_config, "parallel_config", None)
-    if not microbatching(parallel):
+    if not microbatching(parallel) or not _needs_worker_check(vllm_config):
         return ""
     missing = _worker_hooks_missing()
-    if not missing:
+    why = (
+        f"this vLLM build has no {', '.join(missing)}, where dbo_runtime checks in every worker that its fixes applied"
+        if missing
+        else _custom_worker_problem(parallel)
+    )
+    if not why:
         return ""
     arch, _ = _model(vllm_config)
-    return (
-        f"dbo_runtime refuses {arch} with microbatching: this vLLM build has no {', '.join(missing)} in "
-        f"{WORKER_MODULE}, where dbo_runtime checks in every worker that its fixes applied. "
-        + ways_out(verified_build_helps=True)
-    )
+    return f"dbo_runtime refuses {arch} with microbatching: {why}. " + ways_out(verified_build_helps=True)
 
 
 def runner_of(worker: Any) -> str | None:
@@ -334,6 +366,18 @@ def after_warm_up(listener: Callable[[], None], *, remove: bool = False) -> None
         _warmed_up.append(listener)
 
 
+def on_guard_failure(patches: list[Patch], message: str) -> None:
+    """The guard's worker hooks could not be applied in this worker (the front-end check saw them in the
+    source, so something changed them at run time): it cannot check here, so no fix counts as in force."""
+    for name in REGISTRY.all():
+        REGISTRY.mark(name, "broken", "dbo_runtime's worker guard could not be installed in this process")
+    logger.error(
+        "%s: this worker cannot check that dbo_runtime's fixes applied; do not run DBO with a DSA model here, "
+        "or set DBO_RUNTIME_DISABLE=1 to run vLLM's own DBO knowingly",
+        message,
+    )
+
+
 def _around_warm_up(original: Any) -> Any:
     @functools.wraps(original)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -393,6 +437,7 @@ __all__ = [
     "check",
     "guard_patches",
     "microbatching",
+    "on_guard_failure",
     "partitions_deep_gemm",
     "pending_required",
     "problem",

@@ -69,6 +69,10 @@ class TokenWindowAttr(MicrobatchAttr):
         obj.__dict__[self.name] = value
         obj.__dict__.pop(self.window_key, None)
 
+    def __delete__(self, obj: Any) -> None:
+        obj.__dict__.pop(self.window_key, None)
+        super().__delete__(obj)
+
 
 def patches() -> list[Patch]:
     return [

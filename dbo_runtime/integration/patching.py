@@ -261,14 +261,9 @@ class Instrument(Protocol):
 class PatchSet:
     """All-or-nothing installation of a list of ``Patch`` (``instrument``: wraps every replacement when given)."""
 
-    def __init__(
-        self, patches: Iterable[Patch], *, instrument: Instrument | None = None, lazy_failure_raises: bool = False
-    ) -> None:
+    def __init__(self, patches: Iterable[Patch], *, instrument: Instrument | None = None) -> None:
         self.patches = list(patches)
         self.instrument = instrument
-        self.lazy_failure_raises = lazy_failure_raises
-        """A lazy module whose patches cannot apply fails its import (the guard's set: a worker that cannot be
-        guarded must not run), instead of being reported ``broken``."""
         names = [p.name for p in self.patches]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -455,7 +450,7 @@ class PatchSet:
                 failed_listener(required, message)
             except Exception as exc:
                 logger.debug("dbo_runtime: failure listener failed: %r", exc)
-        if self.lazy_failure_raises or parse_switch("DBO_RUNTIME_STRICT"):
+        if parse_switch("DBO_RUNTIME_STRICT"):
             raise PatchError(message) from failure
         logger.error("%s", message)
 

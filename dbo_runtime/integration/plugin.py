@@ -81,7 +81,8 @@ def _install_guard() -> None:
     global _guard_set
     if _guard_set is not None and _guard_set.installed:
         return
-    guard_set = PatchSet(guard.guard_patches(), lazy_failure_raises=True)
+    guard_set = PatchSet(guard.guard_patches())
+    guard_set.failure_listeners.append(guard.on_guard_failure)
     try:
         guard_set.install()
     except Exception as exc:
@@ -155,12 +156,31 @@ def _recorded() -> dict[str, str]:
 
 
 def _on_lazy_failure(patches: list[Patch], message: str) -> None:
-    for feature in {p.feature for p in patches}:
+    """A feature is broken where a patch every runner needs failed; a runner-only patch stays ``broken`` in the
+    patch set, where the guard judges it only in a worker that runs that runner."""
+    for feature in {p.feature for p in patches if p.runner is None}:
         REGISTRY.mark(feature, "broken", message)
 
 
 def _flush_activation(module: str) -> None:
     activation.flush()
+
+
+def _forget_runtime_state() -> None:
+    """What the hooks built at run time: the reserved placeholder rows, unraised microbatch failures, and the
+    per-microbatch top-k state attached to live index groups."""
+    import sys
+
+    guard_module = sys.modules.get("dbo_runtime.integration.ubatch_guard")
+    if guard_module is not None:
+        guard_module._RESERVED.clear()
+    failures = sys.modules.get("dbo_runtime.integration.ubatch_failures")
+    if failures is not None:
+        failures.FAILURES.take()
+    topk = sys.modules.get("dbo_runtime.integration.topk_hooks")
+    state = topk.current_state() if topk is not None else None
+    if state is not None:
+        state.clear()
 
 
 def uninstall() -> None:
@@ -176,3 +196,4 @@ def uninstall() -> None:
         guard.bind_patch_set(None)
         guard.reset()
         REGISTRY.clear()
+        _forget_runtime_state()

@@ -52,7 +52,7 @@ FEATURES = [
             (
                 Probe("param", _INDEX_GROUP, "SparseMLAIndexGroupBuilder.__init__", "num_ubatches"),
                 Probe("member", _INDEX_GROUP, "SparseMLAIndexGroup", "_topk_state"),
-                Probe("call", _INDEX_GROUP, "", "_topk_state"),
+                Probe("uses", _INDEX_GROUP, "SparseMLAIndexGroup._convert_once", "_topk_state"),
             ),
         ),
     )

@@ -120,21 +120,19 @@ class PlannerWarmup:
 
             return warm_policy({k: v for k, v in os.environ.items() if k != WARM_MAX_BATCH_ENV})
 
-    def warm(self, device_index: int, num_sms: int, *, dbo: bool = True, in_step: bool = False) -> int:
+    def warm(self, device_index: int, num_sms: int, *, dbo: bool = True) -> int:
         """Launch the planner once per distinct variant of every registered profile at ``num_sms``.
 
         A variant is what DeepGEMM compiles (``variant``); ``next_n`` is a runtime argument except
         through the slot count (SM90 ``next_n == 4``: half). Never inside a capture (a JIT compile there
         would be fatal): skipped and counted; eager warm-up runs precede every capture in both runners.
-        ``in_step``: a budget entered without an announcement, inside a live step while the DP peers wait in
-        all-to-all: only the exact per-microbatch shapes, never the sweep.
         """
         profiles = self._profiles.get(device_index, [])
         if not profiles:
             return 0
         # Published on every DBO step ("entered"): once a count is warm for the current
         # profile set, return before any probe, env read or bucket walk.
-        done = (device_index, num_sms, dbo, in_step, len(profiles))
+        done = (device_index, num_sms, dbo, len(profiles))
         if done in self._warm_done:
             return 0
         planner = self._planner()
@@ -147,7 +145,7 @@ class PlannerWarmup:
 
         started = time.perf_counter_ns()
         launched = 0
-        policy = WarmPolicy("minimal", None, "in step") if in_step else self._policy()
+        policy = self._policy()
         todo: dict[tuple[Any, ...], tuple[PlannerProfile, int, int]] = {}
         for profile in profiles:
             for rows, shape_width in profile.warm_shapes(policy, dbo):
@@ -157,7 +155,7 @@ class PlannerWarmup:
                 key = self.variant(profile.device, profile.block_kv, num_sms, batch, width, profile.varlen)
                 if key not in self._warmed and key not in self._failed:
                     todo.setdefault(key, (profile, batch, width))
-        if todo and not in_step:
+        if todo:
             logger.info(
                 "dbo_runtime: compiling %d paged-MQA planner variants for %d SMs on device %d (%s; about 1-2 s each "
                 "on a cold DG_JIT_CACHE_DIR, milliseconds when cached)",

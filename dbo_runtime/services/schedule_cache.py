@@ -389,9 +389,8 @@ class IndexerScheduleCache:
         if event.kind == "announced":
             self._dbo_sms[budget.device] = budget.compute
             self.warm(budget.device, budget.compute)
-        elif event.kind == "entered" and self._dbo_sms.get(budget.device) != budget.compute:
-            # A budget nobody announced, entered inside a live step: the exact shapes only, never the sweep.
-            self.warmup.warm(budget.device, budget.compute, in_step=True)
+        # A budget nobody announced is only met when it is entered, inside a live step while the DP peers wait in
+        # all-to-all: nothing is warmed then; the call site compiles the one variant it needs (``jit_in_step``).
 
     # -- warm-up ---------------------------------------------------------------------------
 _CACHE: IndexerScheduleCache | None = None

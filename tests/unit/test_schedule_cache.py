@@ -308,7 +308,9 @@ def test_warm_up_on_announce_and_on_late_profile() -> None:
     assert [c[0] for c in dg2.plan_calls] == [112]
 
 
-def test_warm_up_never_inside_capture_and_on_unannounced_entered_budget() -> None:
+def test_warm_up_never_inside_capture_nor_inside_a_step_for_an_unannounced_budget() -> None:
+    """Inside a capture a JIT compile would be fatal; a budget nobody announced is entered inside a live step,
+    where the DP peers wait in all-to-all: the call site compiles only what it needs there."""
     dg, planner, cache = _setup()
     control = SMControl(0, 132)
     cache.attach(control)
@@ -327,7 +329,7 @@ def test_warm_up_never_inside_capture_and_on_unannounced_entered_budget() -> Non
     )
     with control.partition(other, compute_knob=FakeKnob(dg)):
         pass
-    assert [c[0] for c in dg.plan_calls] == [110]
+    assert dg.plan_calls == []
 
 
 @pytest.mark.parametrize(("raw", "batches"), [(None, [512]), ("0", []), ("64", [32, 64, 512])])

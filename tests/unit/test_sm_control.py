@@ -153,8 +153,8 @@ def test_body_exception_still_wins_over_a_failing_subscriber(rec: FakeKnobs) -> 
     assert ctl.active.compute == 132 and rec.calls == [("compute", 112), ("compute", 132)]
 
 
-def test_planner_warm_up_failing_on_entered_does_not_fail_the_step(rec: FakeKnobs) -> None:
-    """The real schedule-cache subscriber: a planner JIT compile that fails on an unannounced budget."""
+def test_planner_warm_up_failing_at_announce_fails_neither_model_load_nor_the_step(rec: FakeKnobs) -> None:
+    """The real schedule-cache subscriber: a planner JIT compile that fails when the DBO budget is announced."""
     from dbo_runtime.services.planner_warmup import PlannerProfile
     from dbo_runtime.services.schedule_cache import IndexerScheduleCache
     from tests.fakes.fake_deep_gemm import FakeDeepGemm, FakeSchedulePlanner
@@ -167,6 +167,7 @@ def test_planner_warm_up_failing_on_entered_does_not_fail_the_step(rec: FakeKnob
     cache = IndexerScheduleCache(FailingJit(FakeDeepGemm(total_sms=132)))
     cache.attach(ctl)
     cache.register_profile(0, PlannerProfile(device="cpu", block_kv=64, shapes=((32, 1),)))
+    ctl.announce(budget(20))
     with ctl.partition(budget(20), compute_knob=rec.knob("compute")):
         pass
     assert rec.calls == [("compute", 112), ("compute", 132)]

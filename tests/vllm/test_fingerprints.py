@@ -58,6 +58,9 @@ def test_capability_probes_read_names_from_the_syntax_tree() -> None:
     assert fp.has_member(group, "SparseMLAIndexGroup", "logical_topk_indices")  # an annotated attribute
     assert not fp.has_member(group, "SparseMLAIndexGroup", "_topk_state")
     assert fp.has_member(group, "", "SparseMLAIndexGroupBuilder")
+    assert fp.has_member(group, "SparseMLAIndexGroupBuilder", "max_decode_rows")  # ``self.max_decode_rows = ...`` in __init__
+    assert fp.uses(group, "SparseMLAIndexGroup._convert_once", "physical_topk_indices")  # read, not called
+    assert not fp.calls(group, "SparseMLAIndexGroup._convert_once", "physical_topk_indices")
     assert fp.calls("vllm.model_executor.layers.sparse_attn_indexer", "", "fp8_fp4_paged_mqa_logits")
     mention = replace_once('    """Layers that consume one sparse-indexer result."""',
                            '    """Layers that consume one sparse-indexer result; see _topk_state() and num_ubatches."""\n'

@@ -345,17 +345,44 @@ def test_the_real_runner_patches_are_tagged() -> None:
 def test_a_broken_dependency_takes_its_dependents_out_of_force(
     fresh: None, cuda_platform: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The microbatch-thread guard broke (its join point moved): the top-k and schedule fixes still install, but
-    their hooks would hand vLLM placeholders that nothing raises after the join. They are not in force."""
+    """The microbatch-thread guard broke: the top-k and schedule fixes still install, but their hooks would hand
+    vLLM placeholders that nothing raises after the join. They are not in force."""
     plugin.register()
-    patch_set = plugin.installed_patch_set()
-    assert patch_set is not None
-    [listener] = patch_set.failure_listeners
-    listener([p for p in patch_set.patches if p.name == "ubatch_guard.mrv1_run"], "dbo_runtime: patches for ... moved")
+    plugin.REGISTRY.mark("ubatch_guard", "broken", "dbo_runtime: patches for ... moved")
     message = refusal(shared(), "worker")
     assert "microbatch-thread failure guard, which the per-microbatch top-k" in message and "is broken" in message
     monkeypatch.setattr(guard, "_deep_gemm_present", lambda stage: True)  # a GPU worker with DeepGEMM
     assert "microbatch-thread failure guard" in refusal(leaders_only(), "worker")  # the indexer fix needs it too
+
+
+def test_a_runner_only_patch_that_breaks_refuses_only_that_runners_workers(fresh: None, cuda_platform: None) -> None:
+    """Both runners' workers import both microbatch modules (``Worker.__init__`` imports ``elastic_execute``), so an
+    MRV1-only patch can break in an MRV2 worker: it must refuse MRV1 workers only, not take the feature down."""
+    import sys
+    import types
+
+    name = "dbo_guard_test_mrv1_module"
+    join = Patch(
+        name="ubatch_guard.test_join", module=name, attr="UBatchWrapper._run_ubatches", make=lambda o: o, reason="t",
+        upstream_pr="-", removal="-", lazy=True, anchors=(), runner="mrv1",
+    )  # fmt: skip
+    plugin.register()
+    ps = PatchSet([join])
+    ps.failure_listeners.append(plugin._on_lazy_failure)
+    ps.install()
+    module = types.ModuleType(name)
+    module.UBatchWrapper = type("UBatchWrapper", (), {})  # type: ignore[attr-defined]
+    try:
+        ps._apply_lazy(module)
+        guard.bind_patch_set(ps)
+        assert plugin.REGISTRY.get("ubatch_guard").in_force  # type: ignore[union-attr]
+        guard.check(shared(), "worker", "mrv2")
+        with pytest.raises(DboRefusal, match=r"ubatch_guard\.test_join broken"):
+            guard.check(shared(), "worker", "mrv1")
+    finally:
+        ps.uninstall()
+        guard.bind_patch_set(plugin.installed_patch_set())
+        sys.modules.pop(name, None)
 
 
 def test_deepseek_v41_needs_the_shared_topk_patch_tagged_for_it(fresh: None, cuda_platform: None) -> None:
@@ -377,35 +404,68 @@ def test_deepseek_v41_needs_the_shared_topk_patch_tagged_for_it(fresh: None, cud
         guard.bind_patch_set(plugin.installed_patch_set())
 
 
-def test_a_build_without_the_worker_hooks_refuses_microbatching_up_front(fresh: None, cuda_platform: None) -> None:
-    """Where the guard cannot wrap ``Worker.load_model`` no worker could check its fixes: the front-end refuses."""
-    moved = {"vllm.v1.worker.gpu_worker": replace_once("    def load_model(self", "    def load_weights_and_model(self")}
+def test_a_build_without_the_worker_hooks_refuses_dsa_microbatching_up_front(fresh: None, cuda_platform: None) -> None:
+    """Where the guard cannot wrap ``Worker.load_model`` (nor the base class it could inherit it from) no worker
+    could check its fixes: the front-end refuses a model that needs one, and leaves every other model alone."""
+    from types import SimpleNamespace
+
+    moved = {
+        "vllm.v1.worker.gpu_worker": replace_once("    def load_model(self", "    def load_weights_and_model(self"),
+        "vllm.v1.worker.worker_base": replace_once("    def load_model(self", "    def load_weights_and_model(self"),
+    }
     plugin.register()
     with edited_sources(moved):
         message = refusal(leaders_only())
-        assert "no Worker.load_model in vllm.v1.worker.gpu_worker" in message
+        assert "this vLLM build has no Worker.load_model, where dbo_runtime checks in every worker" in message
         guard.check(leaders_only(enable_dbo=False), "config")  # nothing microbatches: nothing to guard
+        moe = SimpleNamespace(num_hidden_layers=4, architectures=["Qwen3MoeForCausalLM"])
+        guard.check(engine_config("Qwen3MoeForCausalLM", moe), "config")  # no DSA fix needed: not refused
+    only_worker = {"vllm.v1.worker.gpu_worker": moved["vllm.v1.worker.gpu_worker"]}
+    with edited_sources(only_worker):
+        guard.check(leaders_only(), "config")  # inherited from WorkerBase: still wrapped
 
 
-def test_the_guard_set_fails_loudly_when_its_worker_hook_cannot_apply() -> None:
-    """A worker the guard cannot wrap must not run: the guard's lazy failure raises (unlike a fix's, reported)."""
+class NotVllmsWorker:
+    """A ``--worker-cls`` that does not derive from vLLM's GPU worker."""
+
+
+def test_a_worker_class_that_never_runs_the_check_is_refused(fresh: None, cuda_platform: None) -> None:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    plugin.register()
+    config = leaders_only()
+    config.parallel_config.worker_cls = f"{__name__}.NotVllmsWorker"
+    assert "is not a subclass of it, and only vllm.v1.worker.gpu_worker.Worker runs" in refusal(config)
+    config.parallel_config.worker_cls = "no_such_module.Worker"
+    assert "could not be imported here" in refusal(config)
+    globals()["VllmsWorkerSubclass"] = type("VllmsWorkerSubclass", (Worker,), {})
+    config.parallel_config.worker_cls = f"{__name__}.VllmsWorkerSubclass"
+    guard.check(config, "config")
+
+
+def test_a_guard_hook_that_fails_in_a_worker_takes_every_fix_out_of_force(fresh: None, caplog: pytest.LogCaptureFixture) -> None:
+    """Lazy failures never kill the import of vLLM's worker module (a worker without DBO needs no fix): the
+    worker logs one error naming the way out, and every fix reads as not in force there."""
+    import logging
     import sys
     import types
-
-    from dbo_runtime.core.errors import PatchError
 
     name = "dbo_guard_test_worker_module"
     hook = Patch(
         name="guard.test", module=name, attr="Worker.load_model", make=lambda o: o, reason="t", upstream_pr="-",
         removal="-", lazy=True, anchors=(),
     )  # fmt: skip
-    ps = PatchSet([hook], lazy_failure_raises=True)
+    plugin.register()
+    ps = PatchSet([hook])
+    ps.failure_listeners.append(guard.on_guard_failure)
     ps.install()
     module = types.ModuleType(name)
     module.Worker = type("Worker", (), {})  # type: ignore[attr-defined]
     try:
-        with pytest.raises(PatchError, match="cannot be applied"):
-            ps._apply_lazy(module)
+        with caplog.at_level(logging.ERROR, logger="vllm.dbo_runtime"):
+            ps._apply_lazy(module)  # no raise
+        assert all(state.verdict == "broken" for state in plugin.REGISTRY.all().values())
+        assert any("DBO_RUNTIME_DISABLE=1" in r.getMessage() for r in caplog.records)
     finally:
         ps.uninstall()
         sys.modules.pop(name, None)

@@ -565,8 +565,9 @@ def test_start_up_runs_and_failed_warm_ups_are_counted_where_they_happen(env: En
     assert env.cache.stats.jit_in_step == 1
 
 
-def test_a_budget_entered_unannounced_warms_only_the_exact_shapes(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Entered inside a live step (nobody announced it) while the DP peers wait: never the sweep."""
+def test_a_budget_entered_unannounced_warms_nothing_inside_the_step(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entered inside a live step (nobody announced it) while the DP peers wait in all-to-all: no warm-up there;
+    the call site compiles the one variant it needs and ``jit_in_step`` counts it."""
     monkeypatch.delenv("VLLM_DEEP_GEMM_WARMUP", raising=False)
     builder = env.builder()
     builder.device = torch.device("cpu")
@@ -578,8 +579,7 @@ def test_a_budget_entered_unannounced_warms_only_the_exact_shapes(env: Env, monk
     )
     control = sm_control_for(0, 132)
     control.exit(control.enter(budget))
-    shapes = {(-(-rows // 32) * 32, width) for rows, width in env.cache.warmup._profiles[0][0].shapes}
-    assert 0 < env.cache.stats.warmups - before <= len(shapes)
+    assert env.cache.stats.warmups == before
 
 
 def test_the_end_of_start_up_says_the_warm_up_cost_once_and_starts_counting_in_step(

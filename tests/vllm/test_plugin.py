@@ -301,3 +301,15 @@ def test_self_time_times_every_patch_descriptors_included(unpatched: dict[str, A
     kinds = selftime.snapshot(calibrate=False)["kinds"]
     assert kinds["topk.DeepseekV32Attention.topk_indices_buffer"] == "descriptor"
     assert kinds["topk.SharedTopkIndicesBuffer.topk_indices_buffer"] == "property"
+
+
+def test_uninstall_forgets_what_the_hooks_built_at_run_time(unpatched: dict[str, Any]) -> None:
+    import torch
+
+    from dbo_runtime.integration import ubatch_failures, ubatch_guard
+
+    plugin.register()
+    ubatch_guard.reserve_placeholders(torch.device("cpu"), 64)
+    ubatch_failures.FAILURES.pending.append(("x", 1, RuntimeError("left over")))
+    plugin.uninstall()
+    assert ubatch_guard._RESERVED == {} and ubatch_failures.FAILURES.pending == []
