@@ -65,8 +65,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="comm-SM values to try: a comma-separated list, or 'all' (every even count up to DeepEP HT's 20); "
         "the value in force today is always added (default 4,8,12,16,20)",
     )
-    parser.add_argument("--reps", default="3", metavar="N", help="measured turns per value (default 3)")
-    parser.add_argument("--warmup", default="1", metavar="N", help="unmeasured turns per value first (default 1)")
+    parser.add_argument(
+        "--reps", default="7", metavar="N", help="measured rounds (one turn per value each; default 7, what confirming a "
+        "better value against 4 others needs)"
+    )
+    parser.add_argument("--warmup", default="1", metavar="N", help="unmeasured rounds first, at least 1 (default 1)")
+    parser.add_argument("--steps", default="4", metavar="N", help="prefill steps per turn (default 4)")
     parser.add_argument(
         "--min-gain", default="0.02", metavar="F", help="a value replaces today's only if this much faster (default 0.02)"
     )
@@ -85,6 +89,7 @@ class Options:
     decode_batch: int
     reps: int
     warmup: int
+    steps: int
     min_gain: float
     timeout: float
 
@@ -117,7 +122,8 @@ def options(args: argparse.Namespace) -> Options:
         prompt_len=_int(args, "prompt_len", 1, 1 << 20),
         decode_batch=_int(args, "decode_batch", 1, 65536),
         reps=_int(args, "reps", 1, 100),
-        warmup=_int(args, "warmup", 0, 100),
+        warmup=_int(args, "warmup", 1, 100),
+        steps=_int(args, "steps", 1, 64),
         min_gain=min_gain,
         timeout=timeout,
     )
@@ -147,10 +153,12 @@ def _has(args: list[str], *names: str) -> bool:
 def workload(engine_args: list[str], dp: int, opts: Options) -> tuple[list[str], Any, dict[str, Any], str, str, list[str]]:
     """(engine args added, prompts, bench, metric, microbatch counter, notes) for the shape. Pure: tested on CPU.
 
-    Prefill: every rank prefills ``prefill_tokens`` in one step (``--max-num-batched-tokens`` of that size, no
-    prefix caching, or later turns would hit the cache and time nothing); the turn's first pass (one token per
-    prompt) is the step. Decode: ``decode_batch`` requests per rank; the decode step time comes from the difference
-    of a 1-token and a 32-token pass (``harness.runner``)."""
+    The metric is the host time of each microbatched forward, from SMControl's partition counters read around
+    the turn (``harness.runner``): only steps DBO really split count, and the DP ranks' start skew does not.
+    Prefill: every rank prefills ``steps`` x ``prefill_tokens`` in steps of ``prefill_tokens``
+    (``--max-num-batched-tokens``; no prefix caching, or later turns would time the cache) in the turn's first
+    pass (one token per prompt). Decode: ``decode_batch`` requests per rank, the 31 decode steps of a 32-token
+    pass."""
     from dbo_runtime.harness.prompts import PromptSpec
 
     added: list[str] = []
@@ -159,7 +167,7 @@ def workload(engine_args: list[str], dp: int, opts: Options) -> tuple[list[str],
     if opts.shape == "prefill":
         if opts.prompt_len > opts.prefill_tokens:
             raise ConfigError("--prompt-len", opts.prompt_len, f"at most --prefill-tokens ({opts.prefill_tokens})")
-        per_rank = opts.prefill_tokens // opts.prompt_len
+        per_rank = opts.steps * (opts.prefill_tokens // opts.prompt_len)
         given = _flag(engine_args, "--max-num-batched-tokens")
         if given is not None and given != str(opts.prefill_tokens):
             raise ConfigError(
@@ -172,7 +180,7 @@ def workload(engine_args: list[str], dp: int, opts: Options) -> tuple[list[str],
             notes.append("prefix caching off: every turn prefills the same prompts again")
         prompts = PromptSpec(num=per_rank * dp, min_len=opts.prompt_len, max_len=opts.prompt_len, seed=0)
         bench["max_tokens"] = 2
-        metric, counter = "prefill_s", "prefill_microbatched_builds"
+        metric, counter = "prefill_partition_ms", "prefill_partitions"
     else:
         seqs = _flag(engine_args, "--max-num-seqs")
         if seqs is not None and seqs.isdigit() and int(seqs) < opts.decode_batch:
@@ -181,28 +189,39 @@ def workload(engine_args: list[str], dp: int, opts: Options) -> tuple[list[str],
             added += ["--max-num-seqs", str(opts.decode_batch)]
         prompts = PromptSpec(num=opts.decode_batch * dp, min_len=opts.prompt_len, max_len=opts.prompt_len, seed=0)
         bench["max_tokens"] = 32
-        metric, counter = "decode_step_ms", "microbatched_builds"
+        metric, counter = "decode_partition_ms", "decode_partitions"
     return added, prompts, bench, metric, counter, notes
 
 
-def memory_args(engine_args: list[str], engines: int) -> tuple[list[str], str | None]:
+KV_CACHE_BYTES = 4 << 30
+"""Each engine's fixed KV cache when the operator sets none: enough for a step of the workload on a DSA model."""
+
+
+def memory_args(engine_args: list[str], engines: int) -> tuple[list[str], list[str]]:
     """Every value's engine lives for the whole sweep on the same GPUs: split the memory, or check the split.
-    Also with ``--kv-cache-memory-bytes``: vLLM still requires ``gpu_memory_utilization`` x the GPU's memory
-    to be free when each engine starts (``v1/worker/utils.py:request_memory``)."""
+    Each engine gets a fixed KV cache: vLLM sizes an unset one by profiling the device's free memory, which the
+    other engines loading at the same time change under it (``utils/mem_utils.py``). And vLLM still requires
+    ``gpu_memory_utilization`` x the GPU's memory free when each engine starts (``v1/worker/utils.py:request_memory``)."""
+    added: list[str] = []
+    notes: list[str] = []
+    if not _has(engine_args, "--kv-cache-memory-bytes"):
+        added += ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+        notes.append(f"each engine's KV cache fixed at {KV_CACHE_BYTES >> 30} GiB (--kv-cache-memory-bytes sets another)")
     given = _flag(engine_args, "--gpu-memory-utilization")
     if given is None:
         share = math.floor(MEMORY_SHARE / engines * 1000) / 1000
-        return ["--gpu-memory-utilization", f"{share}"], f"{engines} engines share each GPU: --gpu-memory-utilization {share} each"
+        notes.append(f"{engines} engines share each GPU: --gpu-memory-utilization {share} each")
+        return [*added, "--gpu-memory-utilization", f"{share}"], notes
     try:
         value = float(given)
     except ValueError:
-        return [], None  # vLLM's parser reports it
+        return added, notes  # vLLM's parser reports it
     limit = MEMORY_SHARE / engines
     if value > limit + 1e-9:
         raise ConfigError(
             "--gpu-memory-utilization", given, f"at most {limit:.3f}: tune keeps {engines} engines (one per value) alive on the same GPUs"
         )
-    return [], None
+    return added, notes
 
 
 def specs(engine_args: list[str], dp: int, sweep: Sweep, opts: Options, environ: Any) -> tuple[list[Any], str, str, list[str]]:
@@ -210,9 +229,8 @@ def specs(engine_args: list[str], dp: int, sweep: Sweep, opts: Options, environ:
     from dbo_runtime.harness.launch import RunSpec
 
     added, prompts, bench, metric, counter, notes = workload(engine_args, dp, opts)
-    memory, note = memory_args(engine_args, len(sweep.values))
-    if note:
-        notes.append(note)
+    memory, memory_notes = memory_args(engine_args, len(sweep.values))
+    notes += memory_notes
     env = same_runner_env(environ)
     out = [
         RunSpec(
@@ -231,17 +249,17 @@ def specs(engine_args: list[str], dp: int, sweep: Sweep, opts: Options, environ:
     return out, metric, counter, notes
 
 
-def _to_ms(metric: str, value: float) -> float:
-    return value * 1e3 if metric == "prefill_s" else value
-
-
 def measurements(records: dict[str, dict[str, Any]], sweep: Sweep, metric: str, counter: str) -> list[Measurement]:
-    out = []
-    for value in sweep.values:
-        m = measurement(value, records.get(f"comm-{value:02d}", {}), metric, counter)
-        m.reps_ms = [_to_ms(metric, x) for x in m.reps_ms]
-        out.append(m)
-    return out
+    return [measurement(value, records.get(f"comm-{value:02d}", {}), metric, counter) for value in sweep.values]
+
+
+def gpus_needed(engine_args: list[str], dp: int) -> int:
+    """One engine rank per DP rank, each ``tensor x pipeline`` parallel GPUs wide."""
+    sizes = []
+    for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        raw = _flag(engine_args, *names)
+        sizes.append(int(raw) if raw is not None and raw.isdigit() and int(raw) > 0 else 1)
+    return dp * sizes[0] * sizes[1]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -269,9 +287,9 @@ def run(args: argparse.Namespace) -> int:
         progress.say(f"note: {note}")
     progress.say("checking the engine arguments with vLLM's parser")
     check_with_vllm(plan[0].engine_args, "tune")
-    visible = visible_gpus()
-    if visible < dp:
-        raise CliError(f"needs {dp} GPU(s) for data-parallel size {dp} (one engine rank per GPU); {visible} visible", EXIT_RUN_FAILED)
+    visible, need = visible_gpus(), gpus_needed(engine_args, dp)
+    if visible < need:
+        raise CliError(f"needs {need} GPU(s) (data-parallel {dp} x tensor x pipeline parallel); {visible} visible", EXIT_RUN_FAILED)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="dbo-tune-"))
     with progress:
         progress.set(f"starting {len(plan)} DBO engines of {dp} ranks (one per value), then {opts.warmup + opts.reps} turns each")
@@ -280,7 +298,12 @@ def run(args: argparse.Namespace) -> int:
     doc.update(
         schema=SCHEMA,
         shape=opts.shape,
-        workload={"prefill_tokens_per_rank": opts.prefill_tokens} if opts.shape == "prefill" else {"decode_batch_per_rank": opts.decode_batch},
+        workload=(
+            {"prefill_tokens_per_step": opts.prefill_tokens, "steps_per_turn": opts.steps}
+            if opts.shape == "prefill"
+            else {"decode_batch_per_rank": opts.decode_batch}
+        ),
+        measure="host ms per microbatched forward (SMControl partition), slowest rank, per paired round",
         total_sms=sweep.total_sms,
         notes=notes,
         workdir=str(workdir),
@@ -346,26 +369,32 @@ def render(doc: dict[str, Any], as_json: bool) -> None:
         if r["median_ms"] is None or r.get("error"):
             rows.append([str(r["comm_sms"]), f"{doc['total_sms'] - r['comm_sms']}", "-", "-", "-", str(r.get("error"))])
             continue
-        ratio = r.get("speedup_vs_default")
+        ratio = r.get("paired_speedup")
+        paired = f"{ratio:.3f}x ({r['faster_rounds']}/{r['rounds']} faster)" if ratio and r["comm_sms"] != doc["default"] else "-"
         rows.append([
             str(r["comm_sms"]),
             f"{doc['total_sms'] - r['comm_sms']}",
             f"{r['median_ms']:.2f}",
             f"{r['min_ms']:.2f}-{r['max_ms']:.2f}",
-            f"{ratio:.3f}x" if ratio else "-",
+            paired,
             f"{r['microbatched_steps']} microbatched steps",
         ])  # fmt: skip
     print_table(
-        f"dbo-runtime tune: DBO {doc['shape']} step per comm-SM value",
-        ["comm SMs", "compute SMs", "median ms", "min-max ms", "vs today", "notes"],
+        f"dbo-runtime tune: host ms per microbatched DBO {doc['shape']} step, per comm-SM value",
+        ["comm SMs", "compute SMs", "median ms", "min-max ms", "vs today (paired)", "notes"],
         rows,
     )
     out = sys.stdout
     if doc["verdict"] == "measured":
-        out.write(f"fastest: {doc['best']} comm SMs, {doc['best_speedup']:.3f}x vs {doc['default']} (in force today)\n")
+        out.write(f"fastest: {doc['best']} comm SMs, {doc['best_speedup']:.3f}x vs {doc['default']} (in force today, paired median)\n")
         out.write(f"use: {doc['setting']} -- {doc['reason']}\n")
     else:
-        out.write(f"verdict: {doc['verdict'].upper()} -- {doc.get('reason') or 'no value was measured with DBO microbatching'}\n")
+        why = doc.get("reason") or (
+            "no value was measured with DBO microbatching (are dbo_runtime's counters there? `dbo-runtime doctor`; "
+            "vLLM microbatches a step only when every DP rank has enough tokens: --dbo-prefill-token-threshold, "
+            "--dbo-decode-token-threshold)"
+        )
+        out.write(f"verdict: {doc['verdict'].upper()} -- {why}\n")
         out.write(f"logs and records: {doc['workdir']}\n")
     for note in doc.get("notes") or []:
         out.write(f"note: {note}\n")

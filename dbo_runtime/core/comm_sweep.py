@@ -4,12 +4,13 @@ vLLM's default comm share (20 SMs on CUDA) is not derived from anything the oper
 accepts some values: high-throughput buffers are sized for the manager's 20 SMs (vLLM clamps larger requests to
 them) and ``Buffer.set_num_sms`` asserts an even count. Low-latency and NIXL reserve no comm SM at all
 (``max_sms_used() == 0``), and ROCm with DeepEP HT forces 0, so there is nothing to tune there. The choice is
-conservative: a value replaces the default only when it is faster by ``min_gain`` *and* its slowest measured rep
-beats the default's fastest, so noise between interleaved reps never moves an operator off vLLM's default.
+conservative (``choose``): a value replaces the default only when it beats it in every paired round, by at least
+``min_gain``, with enough rounds that noise alone does so in at most 5 % of sweeps.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -101,20 +102,25 @@ def plan_sweep(
 
 @dataclass
 class Measurement:
-    """One value's step times (ms) per measured rep, the slowest rank counting (a DP step waits for it)."""
+    """One value's time per microbatched step (ms) per measured round, the slowest rank counting (a DP step
+    waits for it); a round counts only where every rank microbatched."""
 
     value: int
-    reps_ms: list[float] = field(default_factory=list)
+    by_rep: dict[int, float] = field(default_factory=dict)
     microbatched: int = 0
     error: str | None = None
 
     @property
+    def reps_ms(self) -> list[float]:
+        return [self.by_rep[r] for r in sorted(self.by_rep)]
+
+    @property
     def median_ms(self) -> float | None:
-        return statistics.median(self.reps_ms) if self.reps_ms else None
+        return statistics.median(self.by_rep.values()) if self.by_rep else None
 
 
 def measurement(value: int, record: Mapping[str, Any], metric: str, microbatch_key: str) -> Measurement:
-    """From a harness record: per measured rep, the max of ``metric`` over the ranks (``bench`` rows)."""
+    """From a harness record: per measured round, the max of ``metric`` over the ranks (``bench`` rows)."""
     out = Measurement(value)
     if not record.get("ok"):
         out.error = str(record.get("error") or "the engine run failed")
@@ -129,66 +135,96 @@ def measurement(value: int, record: Mapping[str, Any], metric: str, microbatch_k
             if row.get("warmup"):
                 continue
             value_ms = row.get(metric)
-            if isinstance(value_ms, (int, float)):
-                by_rep.setdefault(int(row["rep"]), []).append(float(value_ms))
             built = row.get(microbatch_key)
             if isinstance(built, int):
                 out.microbatched += built
-    out.reps_ms = [max(times) for _, times in sorted(by_rep.items()) if len(times) == len(ranks)]
-    if not out.reps_ms:
-        out.error = "no rep measured on every rank"
+            if isinstance(value_ms, (int, float)) and isinstance(built, int) and built > 0:
+                by_rep.setdefault(int(row["rep"]), []).append(float(value_ms))
+    out.by_rep = {rep: max(times) for rep, times in by_rep.items() if len(times) == len(ranks)}
+    if not out.by_rep:
+        out.error = "no round where every rank microbatched" if out.microbatched else "DBO never microbatched"
     return out
 
 
-def choose(measurements: Sequence[Measurement], default: int, *, min_gain: float) -> dict[str, Any]:
-    """The verdict document: the curve, the fastest value, and the setting to use."""
-    usable = [m for m in measurements if m.median_ms is not None and m.microbatched > 0]
-    curve = [
-        {
+def rounds_needed(alternatives: int, alpha: float) -> int:
+    """Paired rounds for a sign test to move off the default at family-wise error ``alpha``: all ``n`` rounds
+    faster has probability ``0.5 ** n`` under no difference, times the alternatives (Bonferroni)."""
+    return max(1, math.ceil(math.log2(max(alternatives, 1) / alpha)))
+
+
+def choose(measurements: Sequence[Measurement], default: int, *, min_gain: float, alpha: float = 0.05) -> dict[str, Any]:
+    """The verdict document: the curve, the fastest value, and the setting to use.
+
+    Every value is compared with the default *within each round* (the turns interleave, so drift and load
+    cancel in the ratio). A value replaces the default only when its median paired gain is at least
+    ``min_gain`` and it was faster in every paired round, with enough rounds that this happens by chance in at
+    most ``alpha`` of sweeps where no value is faster (sign test, Bonferroni over the values)."""
+    usable = [m for m in measurements if m.by_rep]
+    base = next((m for m in usable if m.value == default), None)
+    curve: list[dict[str, Any]] = []
+    for m in measurements:
+        row: dict[str, Any] = {
             "comm_sms": m.value,
             "median_ms": m.median_ms,
             "min_ms": min(m.reps_ms) if m.reps_ms else None,
             "max_ms": max(m.reps_ms) if m.reps_ms else None,
             "reps_ms": m.reps_ms,
             "microbatched_steps": m.microbatched,
-            "error": m.error or (None if m.microbatched > 0 or m.median_ms is None else "DBO never microbatched"),
+            "error": m.error,
         }
-        for m in measurements
-    ]
-    doc: dict[str, Any] = {"default": default, "min_gain": min_gain, "curve": curve}
-    base = next((m for m in usable if m.value == default), None)
+        if base is not None and m.by_rep:
+            common = sorted(set(m.by_rep) & set(base.by_rep))
+            ratios = [base.by_rep[r] / m.by_rep[r] for r in common]
+            row.update(
+                rounds=len(common),
+                paired_speedup=statistics.median(ratios) if ratios else None,
+                faster_rounds=sum(1 for x in ratios if x > 1),
+            )
+        curve.append(row)
+    doc: dict[str, Any] = {"default": default, "min_gain": min_gain, "alpha": alpha, "curve": curve}
     if not usable:
-        never = any(m.median_ms is not None for m in measurements)
+        never = all(m.error == "DBO never microbatched" for m in measurements)
         doc.update(verdict="inconclusive" if never else "error", best=None, setting=None)
         return doc
     if base is None:
         doc.update(verdict="error", best=None, setting=None, reason=f"the value in force today ({default}) was not measured")
         return doc
-    for row in curve:
-        row["speedup_vs_default"] = base.median_ms / row["median_ms"] if row["median_ms"] else None  # type: ignore[operator]
-    best = min(usable, key=lambda m: (m.median_ms, abs(m.value - default)))
-    assert best.median_ms is not None and base.median_ms is not None
-    gain = base.median_ms / best.median_ms - 1.0
-    separated = max(best.reps_ms) < min(base.reps_ms)
-    if best.value != default and gain >= min_gain and separated:
-        chosen, reason = best, f"{gain:.1%} faster than {default}, every rep faster than the default's fastest"
-    elif best.value != default:
-        chosen = base
+    alternatives = [r for r in curve if r["comm_sms"] != default and r.get("paired_speedup")]
+    need = rounds_needed(len(alternatives), alpha)
+    best = max(alternatives, key=lambda r: r["paired_speedup"], default=None)
+    confirmed = [
+        r for r in alternatives
+        if r["paired_speedup"] - 1 >= min_gain and r["faster_rounds"] == r["rounds"] >= need
+    ]  # fmt: skip
+    if confirmed:
+        chosen = max(confirmed, key=lambda r: r["paired_speedup"])
         reason = (
-            f"{best.value} measured {gain:.1%} faster, within the noise between reps or below --min-gain "
-            f"{min_gain:.0%}: keep {default}"
+            f"{chosen['paired_speedup'] - 1:.1%} faster than {default} (median of {chosen['rounds']} paired rounds, "
+            f"faster in every one)"
         )
+        value = chosen["comm_sms"]
+    elif best is not None and best["paired_speedup"] > 1:
+        value = default
+        gain = best["paired_speedup"] - 1
+        if gain < min_gain:
+            reason = f"{best['comm_sms']} measured {gain:.1%} faster, below --min-gain {min_gain:.0%}: keep {default}"
+        else:
+            reason = (
+                f"{best['comm_sms']} measured {gain:.1%} faster but in {best['faster_rounds']} of {best['rounds']} "
+                f"paired rounds (confirming needs all of at least {need}, --reps {need}): keep {default}"
+            )
     else:
-        chosen, reason = base, f"{default} is the fastest value measured"
+        value, reason = default, f"{default} is the fastest value measured"
     doc.update(
         verdict="measured",
-        best=best.value,
-        best_speedup=base.median_ms / best.median_ms,
-        chosen=chosen.value,
+        best=best["comm_sms"] if best is not None and best["paired_speedup"] > 1 else default,
+        best_speedup=max(best["paired_speedup"], 1.0) if best is not None else 1.0,
+        chosen=value,
+        rounds_needed=need,
         reason=reason,
-        setting=f"VLLM_DBO_COMM_SMS={chosen.value}",
+        setting=f"VLLM_DBO_COMM_SMS={value}",
     )
     return doc
 
 
-__all__ = ["DEFAULT_VALUES", "Measurement", "Sweep", "choose", "measurement", "plan_sweep"]
+__all__ = ["DEFAULT_VALUES", "Measurement", "Sweep", "choose", "measurement", "plan_sweep", "rounds_needed"]

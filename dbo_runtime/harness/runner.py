@@ -108,13 +108,21 @@ def _versions() -> dict[str, Any]:
     return info
 
 
-def summary_delta(before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None, key: str) -> int | None:
+def summary_delta(before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None, key: str) -> Any:
+    """The change of one summary counter over this rank's workers (an int for counts, a float for seconds)."""
     if not before or not after:
         return None
     pairs = [(early["summary"].get(key), late["summary"].get(key)) for early, late in zip(before, after, strict=False)]
     if any(a is None or b is None for a, b in pairs):
         return None  # a counter this plugin build does not report
-    return sum(int(b) - int(a) for a, b in pairs)
+    return sum(b - a for a, b in pairs)
+
+
+def _per_partition_ms(seconds: Any, partitions: Any) -> float | None:
+    """Host ms per microbatched forward (SMControl's partitions); None where none ran or no counters."""
+    if not isinstance(partitions, int) or partitions <= 0 or not isinstance(seconds, (int, float)):
+        return None
+    return float(seconds) / partitions * 1e3
 
 
 def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> dict[str, Any]:
@@ -227,6 +235,14 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
             "microbatched_builds": summary_delta(s1, s2, "microbatched_builds"),
             "prefill_microbatched_builds": summary_delta(s0, s1, "microbatched_builds"),
         }
+        # Per microbatched forward, from SMControl's partition time: free of the skew between DP ranks' starts.
+        n01, n12 = summary_delta(s0, s1, "partitions"), summary_delta(s1, s2, "partitions")
+        t01, t12 = summary_delta(s0, s1, "partition_s"), summary_delta(s1, s2, "partition_s")
+        row["prefill_partitions"] = n01
+        row["prefill_partition_ms"] = _per_partition_ms(t01, n01)
+        if isinstance(n01, int) and isinstance(n12, int) and t01 is not None and t12 is not None:
+            row["decode_partitions"] = n12 - n01
+            row["decode_partition_ms"] = _per_partition_ms(t12 - t01, n12 - n01)
         one_ns = summary_delta(s0, s1, "self_time_ns")
         full_ns = summary_delta(s1, s2, "self_time_ns")
         if one_ns is not None and full_ns is not None and self_time:

@@ -82,6 +82,7 @@ def collect(worker: Any = None) -> dict[str, Any]:
     snap["summary"] = {
         "microbatched_builds": snap["steps"]["microbatched_builds"],
         "partitions": sum(c["partitions_entered"] for c in snap["sm_control"].values()),
+        "partition_s": sum(c["partition_seconds"] for c in snap["sm_control"].values()),
         "replans_call_site": cache.get("replans", 0),
         "replans_in_graph": cache.get("captured_replans", 0),
         "replans_untracked": cache.get("untracked_replans", 0),

@@ -58,6 +58,7 @@ def collect() -> dict[str, Any]:
             "announced_compute_sms": [b.compute for b in control.announced],
             "announced_comm_sms": [b.comm for b in control.announced],
             "partitions_entered": stats.partitions_entered,
+            "partition_seconds": stats.partition_seconds,
             "knob_switches": stats.switches,
             "subscriber_errors": stats.subscriber_errors,
         }

@@ -118,6 +118,10 @@ class SMControlStats:
     subscriber_errors_by_name: dict[str, int] = field(default_factory=dict)
     seconds_by_budget: dict[tuple[int, int], float] = field(default_factory=dict)
     """Wall time spent under each ``(compute, comm)`` split, the unpartitioned one included."""
+    partition_seconds: float = 0.0
+    """Host time between entering and leaving partitions: in vLLM, the microbatched forward of each DBO step on
+    the main thread (start to join), which under DeepEP HT waits for the GPU at every dispatch. Read per step
+    (with ``partitions_entered``) it is skew-free across DP ranks: ``dbo-runtime tune``'s measure."""
 
 
 @dataclass
@@ -126,6 +130,7 @@ class _Frame:
     comm_knob: SMKnob | None
     compute_knob: SMKnob | None
     token: int
+    started: float = 0.0
 
 
 class SMControl:
@@ -266,7 +271,7 @@ class SMControl:
         self._check_device(budget)
         with self._lock:
             previous = self._active
-            frame = _Frame(budget, comm_knob, compute_knob, next(self._tokens))
+            frame = _Frame(budget, comm_knob, compute_knob, next(self._tokens), self._clock())
             try:
                 self._apply(budget, comm_knob, compute_knob)
             except BaseException:
@@ -292,6 +297,7 @@ class SMControl:
             if index is None:
                 raise RuntimeError(f"SMControl: partition token {token} is not active (exited twice?)")
             frame = self._stack.pop(index)
+            self.stats.partition_seconds += self._clock() - frame.started
             if index != len(self._stack):
                 # A partition below the top exited (another thread's scope ended first):
                 # the top one stays in force, nothing to turn.

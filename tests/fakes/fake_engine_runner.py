@@ -33,6 +33,10 @@ def _rep(rep: int, rank: int, bench: dict) -> dict:
         "prefill_s": ms / 1e3,
         "microbatched_builds": built,
         "prefill_microbatched_builds": built,
+        "prefill_partitions": built,
+        "prefill_partition_ms": ms if built else None,
+        "decode_partitions": built,
+        "decode_partition_ms": ms if built else None,
     }
 
 

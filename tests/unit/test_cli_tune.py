@@ -17,7 +17,7 @@ import pytest
 
 from dbo_runtime.cli import tune
 from dbo_runtime.cli.main import main
-from dbo_runtime.core.comm_sweep import Measurement, choose, measurement, plan_sweep
+from dbo_runtime.core.comm_sweep import Measurement, choose, measurement, plan_sweep, rounds_needed
 from dbo_runtime.core.errors import ConfigError
 
 HT = "deepep_high_throughput"
@@ -66,52 +66,75 @@ def test_only_the_high_throughput_backend_has_comm_sms_to_tune() -> None:
 
 # -- the choice ------------------------------------------------------------------------------------
 def _m(value: int, reps: list[float], microbatched: int = 4) -> Measurement:
-    return Measurement(value, reps, microbatched)
+    return Measurement(value, dict(enumerate(reps, 1)), microbatched)
 
 
-def test_a_clearly_faster_value_is_chosen_with_its_ratio() -> None:
-    doc = choose([_m(12, [9.0, 9.1, 8.9]), _m(16, [9.6, 9.7, 9.5]), _m(20, [10.0, 10.1, 9.9])], 20, min_gain=0.02)
+SEVEN = [10.0, 10.1, 9.9, 10.05, 9.95, 10.0, 10.02]
+
+
+def test_a_value_faster_in_every_paired_round_is_chosen_with_its_ratio() -> None:
+    doc = choose([_m(12, [x * 0.9 for x in SEVEN]), _m(16, [x * 0.96 for x in SEVEN]), _m(20, SEVEN)], 20, min_gain=0.02)
     assert doc["verdict"] == "measured" and doc["best"] == 12 and doc["chosen"] == 12
-    assert doc["setting"] == "VLLM_DBO_COMM_SMS=12" and doc["best_speedup"] == pytest.approx(10.0 / 9.0)
-    assert {r["comm_sms"]: r["speedup_vs_default"] for r in doc["curve"]}[20] == pytest.approx(1.0)
+    assert doc["setting"] == "VLLM_DBO_COMM_SMS=12" and doc["best_speedup"] == pytest.approx(1 / 0.9)
+    rows = {r["comm_sms"]: r for r in doc["curve"]}
+    assert rows[12]["faster_rounds"] == rows[12]["rounds"] == 7 and rows[20]["paired_speedup"] == pytest.approx(1.0)
+    assert "faster in every one" in doc["reason"]
 
 
-def test_noise_or_a_small_gain_keeps_todays_value() -> None:
-    overlapping = choose([_m(12, [9.0, 10.5, 9.2]), _m(20, [10.0, 10.1, 9.9])], 20, min_gain=0.02)
-    assert overlapping["best"] == 12 and overlapping["chosen"] == 20 and "within the noise" in overlapping["reason"]
-    small = choose([_m(16, [9.85, 9.86, 9.84]), _m(20, [10.0, 10.1, 9.9])], 20, min_gain=0.02)
-    assert small["chosen"] == 20 and small["setting"] == "VLLM_DBO_COMM_SMS=20"
-    fastest = choose([_m(12, [11.0]), _m(20, [10.0])], 20, min_gain=0.0)
-    assert fastest["chosen"] == 20 and "is the fastest" in fastest["reason"]
+def test_too_few_rounds_a_lost_round_or_a_small_gain_keep_todays_value() -> None:
+    few = choose([_m(12, [9.0, 9.1, 8.9]), _m(20, [10.0, 10.1, 9.9])], 20, min_gain=0.02)
+    assert few["chosen"] == 20 and "confirming needs all of at least 5" in few["reason"] and few["best"] == 12
+    one_lost = choose([_m(12, [x * 0.95 for x in SEVEN[:3]] + [10.5] + [x * 0.95 for x in SEVEN[4:]]), _m(20, SEVEN)], 20, min_gain=0.02)
+    assert one_lost["chosen"] == 20 and "in 6 of 7" in one_lost["reason"]
+    small = choose([_m(16, [x * 0.99 for x in SEVEN]), _m(20, SEVEN)], 20, min_gain=0.02)
+    assert small["chosen"] == 20 and "below --min-gain" in small["reason"]
+    fastest = choose([_m(12, [x * 1.1 for x in SEVEN]), _m(20, SEVEN)], 20, min_gain=0.0)
+    assert fastest["chosen"] == 20 and "is the fastest" in fastest["reason"] and fastest["best"] == 20
+
+
+def test_noise_alone_moves_off_the_default_in_at_most_alpha_of_sweeps() -> None:
+    """Every value equally fast, 3 % noise per measurement, 4 alternatives, the default 7 rounds."""
+    import random
+
+    rng = random.Random(0)
+    switched = 0
+    for _ in range(2000):
+        sweep = [_m(v, [10.0 * (1 + rng.gauss(0, 0.03)) for _ in range(7)]) for v in (4, 8, 12, 16, 20)]
+        switched += choose(sweep, 20, min_gain=0.02)["chosen"] != 20
+    assert switched / 2000 <= 0.05
 
 
 def test_without_microbatching_or_measurements_there_is_no_choice() -> None:
-    never = choose([_m(12, [9.0], microbatched=0), _m(20, [10.0], microbatched=0)], 20, min_gain=0.02)
+    never = choose([Measurement(12, error="DBO never microbatched"), Measurement(20, error="DBO never microbatched")], 20, min_gain=0.02)
     assert never["verdict"] == "inconclusive" and never["setting"] is None
-    assert all(r["error"] == "DBO never microbatched" for r in never["curve"])
     failed = choose([Measurement(12, error="engine died"), Measurement(20, error="engine died")], 20, min_gain=0.02)
     assert failed["verdict"] == "error" and tune.exit_code(failed) == 3 and tune.exit_code(never) == 4
     missing_default = choose([_m(12, [9.0]), Measurement(20, error="engine died")], 20, min_gain=0.02)
     assert missing_default["verdict"] == "error" and "in force today (20) was not measured" in missing_default["reason"]
+    assert rounds_needed(4, 0.05) == 7 and rounds_needed(1, 0.05) == 5
 
 
-def test_a_rep_counts_its_slowest_rank_and_warm_up_turns_do_not_count() -> None:
+def test_a_round_counts_its_slowest_rank_only_where_every_rank_microbatched() -> None:
     record = {
         "ok": True,
         "bench": [
-            {"reps": [{"rep": 0, "warmup": True, "x": 50.0}, {"rep": 1, "x": 10.0, "m": 3}, {"rep": 2, "x": 11.0, "m": 3}]},
-            {"reps": [{"rep": 0, "warmup": True, "x": 60.0}, {"rep": 1, "x": 12.0, "m": 3}, {"rep": 2, "x": None, "m": 3}]},
+            {"reps": [{"rep": 0, "warmup": True, "x": 50.0, "m": 3}, {"rep": 1, "x": 10.0, "m": 3}, {"rep": 2, "x": 11.0, "m": 3},
+                      {"rep": 3, "x": 9.0, "m": 3}]},
+            {"reps": [{"rep": 0, "warmup": True, "x": 60.0, "m": 3}, {"rep": 1, "x": 12.0, "m": 3}, {"rep": 2, "x": None, "m": 3},
+                      {"rep": 3, "x": 9.5, "m": 0}]},
         ],
-    }
+    }  # fmt: skip
     m = measurement(20, record, "x", "m")
-    assert m.reps_ms == [12.0] and m.microbatched == 12  # rep 2 has no timing on rank 1: not a DP step
+    assert m.reps_ms == [12.0] and m.microbatched == 15  # rep 2: no timing on rank 1; rep 3: rank 1 never split
     assert measurement(20, {"ok": False, "error": "boom"}, "x", "m").error == "boom"
+    idle = {"ok": True, "bench": [{"reps": [{"rep": 1, "x": None, "m": 0}]}]}
+    assert measurement(20, idle, "x", "m").error == "DBO never microbatched"
 
 
 # -- the plan --------------------------------------------------------------------------------------
 def _opts(**over: Any) -> Any:
-    ns = argparse.Namespace(shape="prefill", prefill_tokens="8192", prompt_len="1024", decode_batch="128", reps="3",
-                            warmup="1", min_gain="0.02", timeout="3600")  # fmt: skip
+    ns = argparse.Namespace(shape="prefill", prefill_tokens="8192", prompt_len="1024", decode_batch="128", reps="7",
+                            warmup="1", steps="4", min_gain="0.02", timeout="3600")  # fmt: skip
     for key, value in over.items():
         setattr(ns, key, value)
     return tune.options(ns)
@@ -123,7 +146,8 @@ def _opts(**over: Any) -> Any:
         ({"shape": "both"}, "--shape"),
         ({"reps": "0"}, "--reps"),
         ({"reps": "three"}, "--reps"),
-        ({"warmup": "-1"}, "--warmup"),
+        ({"warmup": "0"}, "--warmup"),
+        ({"steps": "0"}, "--steps"),
         ({"min_gain": "1.5"}, "--min-gain"),
         ({"min_gain": "two"}, "--min-gain"),
         ({"timeout": "-5"}, "--timeout"),
@@ -140,22 +164,23 @@ def test_bad_options_are_one_line_naming_the_option(over: dict[str, str], flag: 
 def test_the_prefill_plan_times_one_step_of_the_requested_tokens_without_prefix_caching() -> None:
     sweep = _sweep("12,16")
     specs, metric, counter, notes = tune.specs(["--model", "m", "--enable-expert-parallel"], 2, sweep, _opts(), {})
-    assert [s.label for s in specs] == ["comm-12", "comm-16", "comm-20"] and metric == "prefill_s"
-    assert counter == "prefill_microbatched_builds"
+    assert [s.label for s in specs] == ["comm-12", "comm-16", "comm-20"] and metric == "prefill_partition_ms"
+    assert counter == "prefill_partitions"
     for spec, value in zip(specs, (12, 16, 20)):
         assert spec.env == {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_DBO_COMM_SMS": str(value)}
         args = spec.engine_args
         assert args[-1] == "--enable-dbo" and "--no-enable-prefix-caching" in args
         assert args[args.index("--max-num-batched-tokens") + 1] == "8192"
         assert args[args.index("--gpu-memory-utilization") + 1] == "0.3"  # three engines share each GPU
-        assert spec.bench == {"reps": 3, "warmup": 1, "coordinated": True, "max_tokens": 2}
-        assert spec.prompts.num == 16 and spec.prompts.min_len == spec.prompts.max_len == 1024  # 8 per rank
+        assert args[args.index("--kv-cache-memory-bytes") + 1] == str(4 << 30)  # no profiling against the others
+        assert spec.bench == {"reps": 7, "warmup": 1, "coordinated": True, "max_tokens": 2}
+        assert spec.prompts.num == 64 and spec.prompts.min_len == spec.prompts.max_len == 1024  # 4 steps of 8 per rank
     assert any("prefix caching off" in n for n in notes) and any("share each GPU" in n for n in notes)
 
 
 def test_the_decode_plan_holds_the_batch_in_one_step() -> None:
     specs, metric, counter, _ = tune.specs(["--model", "m"], 2, _sweep("12"), _opts(shape="decode", decode_batch="64"), {})
-    assert metric == "decode_step_ms" and counter == "microbatched_builds"
+    assert metric == "decode_partition_ms" and counter == "decode_partitions"
     args = specs[0].engine_args
     assert args[args.index("--max-num-seqs") + 1] == "64" and specs[0].prompts.num == 128 and specs[0].bench["max_tokens"] == 32
     with pytest.raises(ConfigError) as err:
@@ -171,6 +196,7 @@ def test_memory_and_step_size_the_operator_set_are_checked_not_overridden() -> N
     assert err.value.parameter == "--gpu-memory-utilization" and "3 engines" in str(err.value)
     kv, _, _, _ = tune.specs(["--model", "m", "--kv-cache-memory-bytes", "2147483648"], 2, _sweep("12,16"), _opts(), {})
     assert "--gpu-memory-utilization" in kv[0].engine_args  # vLLM still asks for utilization x memory free
+    assert kv[0].engine_args.count("--kv-cache-memory-bytes") == 1
     with pytest.raises(ConfigError) as err:
         tune.specs(["--model", "m", "--max-num-batched-tokens", "4096"], 2, _sweep("12"), _opts(), {})
     assert err.value.parameter == "--max-num-batched-tokens"
@@ -201,6 +227,11 @@ def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
 def test_bad_arguments_exit_2_with_one_line(argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert names in _one_line(capsys)
+
+
+def test_the_gpus_needed_count_tensor_and_pipeline_parallel_ranks() -> None:
+    assert tune.gpus_needed(["--model", "m"], 2) == 2
+    assert tune.gpus_needed(["--model", "m", "-tp", "2", "--pipeline-parallel-size", "2"], 2) == 8
 
 
 def test_without_gpus_it_cannot_run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

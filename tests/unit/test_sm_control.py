@@ -295,3 +295,26 @@ def test_rounded_sm90_budget_turns_even_and_restores_exactly(rec: FakeKnobs) -> 
     assert rec.calls[-2:] == [("comm", 131), ("compute", 131)]
     assert ctl.active.compute == 131 and ctl.depth == 0
     assert all(n % 2 == 0 for name, n in rec.calls[:-1] if name == "compute")
+
+
+def test_partition_seconds_add_up_the_time_inside_partitions_only() -> None:
+    """``dbo-runtime tune``'s measure: host time per microbatched forward, nested scopes counted once each."""
+    now = [0.0]
+    ctl = SMControl(0, 132, clock=lambda: now[0])
+    now[0] = 5.0  # outside any partition: not counted
+    with ctl.partition(budget(20)):
+        now[0] += 0.25
+    now[0] += 3.0
+    with ctl.partition(budget(20)):
+        now[0] += 0.5
+    assert ctl.stats.partitions_entered == 2 and ctl.stats.partition_seconds == pytest.approx(0.75)
+
+
+def test_the_runner_reads_ms_per_microbatched_forward_from_the_counters() -> None:
+    from dbo_runtime.harness.runner import _per_partition_ms, summary_delta
+
+    before = [{"summary": {"partitions": 3, "partition_s": 1.0}}]
+    after = [{"summary": {"partitions": 7, "partition_s": 1.2}}]
+    assert summary_delta(before, after, "partition_s") == pytest.approx(0.2)
+    assert _per_partition_ms(summary_delta(before, after, "partition_s"), summary_delta(before, after, "partitions")) == pytest.approx(50.0)
+    assert _per_partition_ms(0.0, 0) is None and _per_partition_ms(None, 3) is None
