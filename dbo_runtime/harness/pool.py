@@ -34,6 +34,30 @@ def assign_gpus(specs: Sequence[RunSpec], gpus: Sequence[int] | None) -> list[Ru
     return out
 
 
+MEMORY_BUDGET = 0.95
+"""Of each GPU's memory, what the runs admitted at once may ask for together (their ``--gpu-memory-utilization``):
+vLLM requires that share free when each engine starts (``v1/worker/utils.py:request_memory``)."""
+DEFAULT_UTILIZATION = 0.92
+"""vLLM 0.33.0's ``gpu_memory_utilization`` when a run does not set it."""
+
+
+def memory_share(spec: RunSpec) -> float:
+    from dbo_runtime.harness.launch import engine_arg
+
+    raw = engine_arg(spec.engine_args, "--gpu-memory-utilization")
+    try:
+        return float(raw) if raw is not None else DEFAULT_UTILIZATION
+    except ValueError:
+        return DEFAULT_UTILIZATION
+
+
+def gpus_of(spec: RunSpec, visible: Sequence[int] | None) -> list[int]:
+    """The GPUs a run's ranks use: its assigned ones, or rank r on GPU r (vLLM's offline DP)."""
+    if spec.gpus is not None:
+        return list(spec.gpus)
+    return list(range(spec.dp)) if visible is None else list(visible[: spec.dp])
+
+
 Job = tuple[str, int, Callable[[], dict[str, Any]]]
 """(label, engines it runs at once, function returning its record): work that is not one RunSpec,
 e.g. a ``dbo-runtime verify`` invocation or a ``vllm serve`` session."""
@@ -48,7 +72,8 @@ def run_all(
     progress: Callable[[str], None] | None = None,
     jobs: Sequence[Job] = (),
 ) -> dict[str, dict[str, Any]]:
-    """Records by label. A run needs ``dp`` engine slots; runs start in the given order as slots free up."""
+    """Records by label. A run needs ``dp`` engine slots and its ``--gpu-memory-utilization`` share on each GPU it
+    uses; runs start in the given order as both free up (``MEMORY_BUDGET`` per GPU)."""
     if max_engines < 1:
         raise ValueError("max_engines must be >= 1")
     labels = [s.label for s in specs] + [j[0] for j in jobs]
@@ -56,13 +81,21 @@ def run_all(
         raise ValueError(f"duplicate run labels: {sorted({x for x in labels if labels.count(x) > 1})}")
     todo = assign_gpus(specs, gpus)
     free = [max_engines]
+    committed: dict[int, float] = {}
     cond = threading.Condition()
     records: dict[str, dict[str, Any]] = {}
 
+    def fits(devices: list[int], share: float) -> bool:
+        # A run alone always starts (a share above the budget is its own engine's problem, not the pool's).
+        return all(committed.get(d, 0.0) == 0.0 or committed.get(d, 0.0) + share <= MEMORY_BUDGET + 1e-9 for d in devices)
+
     def one(item: RunSpec | Job) -> None:
+        devices: list[int] = []
+        share = 0.0
         if isinstance(item, RunSpec):
             label, engines = item.label, item.dp
             spec = item
+            devices, share = gpus_of(spec, gpus), memory_share(spec)
 
             def work() -> dict[str, Any]:
                 return launch(spec, workdir, progress)
@@ -70,8 +103,10 @@ def run_all(
             label, engines, work = item
         need = min(engines, max_engines)
         with cond:
-            cond.wait_for(lambda: free[0] >= need)
+            cond.wait_for(lambda: free[0] >= need and fits(devices, share))
             free[0] -= need
+            for d in devices:
+                committed[d] = committed.get(d, 0.0) + share
         try:
             records[label] = work()
             if not isinstance(item, RunSpec):  # a RunSpec's record is on disk already (launch)
@@ -85,6 +120,8 @@ def run_all(
         finally:
             with cond:
                 free[0] += need
+                for d in devices:
+                    committed[d] = max(0.0, committed.get(d, 0.0) - share)
                 cond.notify_all()
 
     # Threads only wait on child processes; jobs (the longest: two runs each) go first.
@@ -118,4 +155,4 @@ def replay_all(workdir: Path, labels: Sequence[str]) -> dict[str, dict[str, Any]
     return records
 
 
-__all__ = ["assign_gpus", "replay_all", "run_all"]
+__all__ = ["MEMORY_BUDGET", "assign_gpus", "gpus_of", "memory_share", "replay_all", "run_all"]

@@ -178,14 +178,20 @@ def _repeat_mixed(llm: Any, params: Any, batch: list[Any], fresh_spec: PromptSpe
     fresh_all = load(fresh_spec, vocab)
     fresh = [fresh_all[i] for i in for_rank(fresh_all, rank, size)]
     mixed: list[Any] = []
+    is_repeat: list[bool] = []
     for i in range(max(len(batch), len(fresh))):
-        mixed += [p[i] for p in (batch, fresh) if i < len(p)]
+        for group, repeat in ((batch, True), (fresh, False)):
+            if i < len(group):
+                mixed.append(group[i])
+                is_repeat.append(repeat)
     s0 = _stats(llm)
     barrier("repeat-mixed", rank, size)
     t = time.perf_counter()
     outputs = llm.generate(mixed, params, use_tqdm=False)
     elapsed = time.perf_counter() - t
     s1 = _stats(llm)
+    cached = [getattr(o, "num_cached_tokens", None) for o in outputs]
+    lengths = [len(p["prompt_token_ids"]) if isinstance(p, dict) and "prompt_token_ids" in p else None for p in mixed]
     return {
         "requests": len(mixed),
         "repeats": len(batch),
@@ -193,6 +199,9 @@ def _repeat_mixed(llm: Any, params: Any, batch: list[Any], fresh_spec: PromptSpe
         "completed": sum(1 for o in outputs if o.outputs and o.outputs[0].token_ids),
         "generate_s": elapsed,
         "microbatched_builds": summary_delta(s0, s1, "microbatched_builds"),
+        # the premise: every repeat hits the prefix cache for all but its last token, no fresh prompt does
+        "repeat_cached_short_by": [n - c for n, c, r in zip(lengths, cached, is_repeat) if r and n is not None and c is not None],
+        "fresh_cached": [c for c, r in zip(cached, is_repeat) if not r],
     }
 
 

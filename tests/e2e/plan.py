@@ -309,7 +309,9 @@ def two_gpu() -> dict[str, RunSpec]:
 
 WIDTH_MODELS = ("glm53-width", "v32-width")
 """Real attention/indexer/MoE width, few layers (``models/README.md``): 16.4 / 19.6 GB of weights per GPU at EP 2."""
-WIDTH_MEMORY = "0.3"
+WIDTH_MEMORY = {"ht": "0.3", "ll": "0.45"}
+"""Per-GPU shares (the pool admits runs by them): 16.4 / 19.6 GB of weights, 2 GiB of KV, DeepEP's buffers (HT
+about 1 GiB; LL's RDMA buffer 24-28 GiB at hidden 6144 / 7168 for 2048 batched tokens) and activations."""
 WIDTH_PROMPTS = PromptSpec(num=64, min_len=300, max_len=3500, seed=18)
 FRESH_LONG = PromptSpec(num=16, min_len=2500, max_len=3500, seed=19)
 """The fresh long prompts the reproducer's repeats are mixed with."""
@@ -322,10 +324,10 @@ REPRODUCER_ARGS = [
 """vllm#60732's reproducer: a 4-layer GLM-5.3, DP 2 / EP 2, HT eager, DBO thresholds 32, fp8 KV, prefix caching."""
 
 
-def _width_args(model: str, *, eager: bool, extra: list[str]) -> list[str]:
+def _width_args(model: str, *, eager: bool, extra: list[str], memory: str = WIDTH_MEMORY["ht"]) -> list[str]:
     """Width runs always load ``dbo_runtime_random`` weights: greedy tokens must vary for agreement to mean
     anything (``harness.weights``), and vLLM's ``dummy`` weights make every token a near-tie."""
-    args = _with_memory(tiny_args(model, eager=eager, extra=extra), WIDTH_MEMORY)
+    args = _with_memory(tiny_args(model, eager=eager, extra=extra), memory)
     i = args.index("--load-format")
     args[i + 1] = "dbo_runtime_random"
     if "--model-loader-extra-config" not in args:
@@ -368,7 +370,9 @@ def production_width() -> dict[str, RunSpec]:
                     label = f"dp2w-{mode}-{name}-{model}-{runner}"
                     out[label] = RunSpec(
                         label=label,
-                        engine_args=_width_args(model, eager=eager, extra=[*base, *(["--enable-dbo"] if dbo else [])]),
+                        engine_args=_width_args(
+                            model, eager=eager, extra=[*base, *(["--enable-dbo"] if dbo else [])], memory=WIDTH_MEMORY[mode]
+                        ),
                         dp=2,
                         env=_env(runner, plugin, **env, **more),
                         prompts=WIDTH_PROMPTS,

@@ -53,6 +53,9 @@ def test_the_upstream_reproducer_crashes_vanilla_and_completes_with_dbo_runtime(
     _microbatched(plugin)
     for rank in plugin["repeat_mixed"]:
         assert rank["completed"] == rank["requests"] == rank["repeats"] + rank["fresh"]
+        # the premise: each repeat left a one-token extend (block size 64, 64k+1 tokens), fresh prompts none
+        assert rank["repeat_cached_short_by"] == [1] * rank["repeats"], rank
+        assert not any(rank["fresh_cached"]), rank
         assert rank["microbatched_builds"] > 0, rank  # the mixed pass microbatched: short extends beside prefills
 
 

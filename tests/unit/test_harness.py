@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -326,3 +327,34 @@ def test_reassembly_keeps_the_configuration_the_run_was_launched_with(tmp_path: 
     record = reassemble(tmp_path)
     assert record is not None and record["runner"] == "v1" and record["wall_s"] == 3.0 and record["ok"]
 
+
+
+def test_pool_admits_runs_by_their_memory_share_on_each_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM asks for ``gpu_memory_utilization`` x the GPU free at each engine's start: runs whose shares do not
+    fit beside each other wait, whatever the engine budget allows (the launcher is a recording stand-in)."""
+    import threading
+
+    from dbo_runtime.harness import pool
+
+    lock = threading.Lock()
+    live: dict[str, float] = {}
+    peaks: list[float] = []
+
+    def fake_launch(spec: RunSpec, workdir: Path, progress: Any = None) -> dict[str, Any]:
+        share = pool.memory_share(spec)
+        with lock:
+            live[spec.label] = share
+            peaks.append(sum(live.values()))
+        time.sleep(0.05)
+        with lock:
+            del live[spec.label]
+        return {"label": spec.label, "ok": True}
+
+    monkeypatch.setattr(pool, "launch", fake_launch)
+    wide = [RunSpec(f"w{i}", ["--model", "m", "--gpu-memory-utilization", "0.45"], dp=2) for i in range(4)]
+    small = [RunSpec(f"s{i}", ["--model", "m", "--gpu-memory-utilization", "0.06"], dp=2) for i in range(4)]
+    got = run_all([*wide, *small], tmp_path, max_engines=16, gpus=[0, 1])
+    assert all(r["ok"] for r in got.values())
+    assert max(peaks) <= pool.MEMORY_BUDGET + 1e-9  # at most two wide runs and the small ones beside them
+    assert pool.memory_share(RunSpec("d", ["--model", "m"])) == pool.DEFAULT_UTILIZATION
+    assert pool.gpus_of(RunSpec("one", ["--model", "m"], gpus=[1]), [0, 1]) == [1]

@@ -28,7 +28,10 @@ class RecordingLLM:
     def generate(self, prompts: list[Any], params: Any, use_tqdm: bool = False) -> list[Any]:
         self.batches.append(prompts)
         self.builds += 3
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1])]) for _ in prompts]
+        return [
+            SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1])], num_cached_tokens=len(p["prompt_token_ids"]) - 1 if len(p["prompt_token_ids"]) > 10 else 0)
+            for p in prompts
+        ]
 
     def collective_rpc(self, method: str, timeout: float = 0) -> list[dict[str, Any]]:
         return [{"summary": {"microbatched_builds": self.builds}}]
@@ -46,3 +49,4 @@ def test_the_repeat_pass_interleaves_every_prompt_with_fresh_ones(monkeypatch: A
     assert mixed[0] == first[0] and mixed[2] == first[1] and mixed[4] == first[2]  # repeats at the head of each pair
     assert len(mixed) == 5 and all(len(p["prompt_token_ids"]) == 10 for p in (mixed[1], mixed[3]))  # rank 0's fresh half
     assert out["repeats"] == 3 and out["fresh"] == 2 and out["completed"] == 5 and out["microbatched_builds"] == 3
+    assert out["repeat_cached_short_by"] == [1, 1, 1] and out["fresh_cached"] == [0, 0]
