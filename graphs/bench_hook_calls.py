@@ -175,12 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(f"bench_hook_calls needs vLLM 0.33 importable here ({exc})", file=sys.stderr)
         return 2
+    out = Path(args.out)
+    try:  # before 20 s of measuring: a directory that cannot be written is one line, now
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".bench_hook_calls-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        print(f"bench_hook_calls: --out {out} is not a directory it can write ({exc.strerror or exc})", file=sys.stderr)
+        return 2
     import os
 
     from dbo_runtime.sim.report import environment, write_json
 
     doc = {**measure(args.n, args.reps), "environment": {**environment(), "cpus": os.cpu_count()}}
-    out = Path(args.out)
     write_json(out / "bench_hook_calls.json", doc)
     width = max(len(r["access"]) for r in doc["rows"])
     print(f"{'access':<{width}}  thread    plugin ns  vanilla ns  added ns")
@@ -188,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         vanilla = f"{r['vanilla_ns']:10.0f}" if r["vanilla_ns"] is not None else f"{'-':>10}"
         print(f"{r['access']:<{width}}  {r['thread']:<8} {r['plugin_ns']:10.0f}  {vanilla}  {r['added_ns']:8.0f}")
     plt = pyplot()
-    if plt is not None:
+    if plt is None:
+        print("note: matplotlib is not installed: no PNG (the JSON has every number)")
+    else:
         fig, ax = plt.subplots(figsize=(8, 4))
         labels = [f"{r['access']}\n({r['thread']})" for r in doc["rows"]]
         ax.barh(labels, [r["added_ns"] for r in doc["rows"]])

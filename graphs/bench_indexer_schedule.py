@@ -26,8 +26,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-# A fresh JIT cache: "cold" must mean a compile, not a hit in ~/.deep_gemm from an earlier run.
-os.environ.setdefault("DG_JIT_CACHE_DIR", tempfile.mkdtemp(prefix="dg_jit_bench_"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing)
 
@@ -310,9 +308,25 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from dbo_runtime.sim.backends import refuse_without_kernels
 
-    refused = refuse_without_kernels("bench_indexer_schedule")
-    if refused is not None:
-        return refused
+    # A fresh JIT cache, made only where the kernels can run: "cold" must mean a compile, not a hit in
+    # ~/.deep_gemm from an earlier run. DeepGEMM reads the variable when it is imported (just below).
+    made = None
+    if torch.cuda.is_available() and "DG_JIT_CACHE_DIR" not in os.environ:
+        made = os.environ["DG_JIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="dg_jit_bench_")
+    try:
+        refused = refuse_without_kernels("bench_indexer_schedule")
+        if refused is not None:
+            return refused
+        return _run(args)
+    finally:
+        if made is not None:
+            import shutil
+
+            shutil.rmtree(made, ignore_errors=True)
+            os.environ.pop("DG_JIT_CACHE_DIR", None)
+
+
+def _run(args: Any) -> int:
     import deep_gemm as dg
 
     from dbo_runtime.sim.report import environment

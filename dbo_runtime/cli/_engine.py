@@ -89,6 +89,71 @@ def split_engine_args(extra: list[str], command: str = "verify") -> tuple[list[s
     return out, dp, notes
 
 
+def flag_set(engine_args: list[str], on: str, off: str) -> bool:
+    """vLLM's reading of a boolean flag pair: the last of ``on`` / ``off`` given wins (absent: off)."""
+    last = None
+    for arg in engine_args:
+        name = arg.split("=", 1)[0].replace("_", "-")
+        if name in (on, off):
+            last = name
+    return last == on
+
+
+def require_dbo_parallelism(engine_args: list[str], dp: int, command: str, *, expert_parallel: bool = True) -> None:
+    """DBO microbatches only with data parallelism, and its comm SMs serve the expert-parallel all2all: a run
+    without them would prove nothing about DBO (vLLM never splits a step)."""
+    if dp < 2:
+        raise ConfigError("--data-parallel-size", dp, f"2 or more: vLLM microbatches only with data parallelism ({command} needs DBO to run)")
+    if expert_parallel and not (flag_set(engine_args, "--enable-expert-parallel", "--no-enable-expert-parallel") or "-ep" in engine_args):
+        raise ConfigError("--enable-expert-parallel", "(missing)", "set: DBO overlaps the expert-parallel all2all")
+
+
+def comm_sms_problem(engine_args: list[str], environ: Any) -> ConfigError | None:
+    """``VLLM_DBO_COMM_SMS`` as the engines will read it, checked before any starts (vLLM would fail in the
+    middle of the DBO run, after the DBO-off one): vLLM 0.33.0's policy on this GPU, or an H200 without one."""
+    raw = environ.get("VLLM_DBO_COMM_SMS")
+    if raw is None:
+        return None
+    from dbo_runtime.core.budget import ALL2ALL_BACKENDS, H200_SMS, compute_budget
+    from dbo_runtime.harness.launch import engine_arg
+
+    backend = engine_arg(engine_args, "--all2all-backend")
+    total = H200_SMS
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            total = int(torch.cuda.get_device_properties(0).multi_processor_count)
+    except Exception:
+        pass
+    try:
+        compute_budget(
+            total_sms=total,
+            platform="cuda",
+            enable_dbo=True,
+            expert_parallel=True,
+            all2all_backend=backend if backend in ALL2ALL_BACKENDS else None,
+            env_comm_sms=raw,
+            compute_multiple=2,
+        )
+    except ConfigError as exc:
+        return exc
+    return None
+
+
+def switch_notes() -> list[str]:
+    """The plugin's own switches as the engines will read them (a typo warns; ``DISABLE=1`` runs vanilla)."""
+    from dbo_runtime.core.switches import parse_switch, switch_problems
+
+    notes = list(switch_problems())
+    try:
+        if parse_switch("DBO_RUNTIME_DISABLE"):
+            notes.append("DBO_RUNTIME_DISABLE is set: the engines run vLLM's own DBO, without dbo_runtime")
+    except Exception:
+        pass
+    return notes
+
+
 def same_runner_env(environ: Any) -> dict[str, str]:
     """vLLM 0.33 falls back to the V1 runner for DBO unless ``VLLM_USE_V2_MODEL_RUNNER`` is set
     (``VllmConfig`` lists "dual batch overlap" as unsupported by V2 then), while a run without DBO takes
@@ -125,4 +190,15 @@ def visible_gpus() -> int:
         return 0
 
 
-__all__ = ["EXIT_INCONCLUSIVE", "EXIT_RUN_FAILED", "check_with_vllm", "same_runner_env", "split_engine_args", "visible_gpus"]
+__all__ = [
+    "EXIT_INCONCLUSIVE",
+    "EXIT_RUN_FAILED",
+    "check_with_vllm",
+    "comm_sms_problem",
+    "flag_set",
+    "require_dbo_parallelism",
+    "same_runner_env",
+    "split_engine_args",
+    "switch_notes",
+    "visible_gpus",
+]

@@ -198,8 +198,15 @@ def _features(vllm_installed: bool) -> list[dict[str, Any]]:
             {"name": f.name, "summary": f.summary, "verdict": "not installed", "state": "not installed (vLLM not installed)", "detail": ""}
             for f in plugin.all_features()
         ]
+    disabled = parse_switch("DBO_RUNTIME_DISABLE")
     return [
-        {"name": name, "summary": s.feature.summary, "verdict": s.verdict, "state": s.describe(), "detail": s.detail}
+        {
+            "name": name,
+            "summary": s.feature.summary,
+            "verdict": "disabled" if disabled else s.verdict,
+            "state": f"disabled by DBO_RUNTIME_DISABLE (here it would be {s.describe()})" if disabled else s.describe(),
+            "detail": s.detail,
+        }
         for name, s in plugin.feature_states().items()
     ]
 
@@ -316,6 +323,7 @@ def _collect() -> dict[str, Any]:
         "plugin": {
             "entry_point": entry_point,
             "disabled_by_env": parse_switch("DBO_RUNTIME_DISABLE"),
+            "strict": parse_switch("DBO_RUNTIME_STRICT"),
             "load_format_entry_point": _entry_point_registered(WEIGHTS_ENTRY_POINT_VALUE),
         },
         "features": features,
@@ -351,6 +359,7 @@ def render(doc: dict[str, Any]) -> None:
         "guard: " + (", ".join(f"{g['name']} {g['state']}" for g in doc["guard"]) or "not checked"),
         f"entry point {ENTRY_POINT_GROUP}: {'registered' if doc['plugin']['entry_point'] else 'MISSING'}"
         + ("; DBO_RUNTIME_DISABLE is on: the plugin patches nothing (vLLM's own DBO behaviour)" if doc["plugin"]["disabled_by_env"] else "")
+        + ("; DBO_RUNTIME_STRICT is on: a fix not in force stops every engine at plugin load" if doc["plugin"].get("strict") else "")
         + (
             "; load format dbo_runtime_random: registered (entry point dbo_runtime_weights, patches nothing, also under "
             "DBO_RUNTIME_DISABLE)"

@@ -26,8 +26,10 @@ from dbo_runtime.cli._engine import (
     EXIT_INCONCLUSIVE,
     EXIT_RUN_FAILED,
     check_with_vllm,
+    require_dbo_parallelism,
     same_runner_env,
     split_engine_args,
+    switch_notes,
     visible_gpus,
 )
 from dbo_runtime.cli._progress import Progress
@@ -267,11 +269,8 @@ def run(args: argparse.Namespace) -> int:
 
     opts = options(args)
     engine_args, dp, notes = split_engine_args(list(getattr(args, "extra_args", []) or []), "tune")
-    if dp < 2:
-        raise ConfigError("--data-parallel-size", dp, "2 or more: vLLM microbatches only with data parallelism")
-    if not _has(engine_args, "--enable-expert-parallel", "-ep"):
-        raise ConfigError("--enable-expert-parallel", "(missing)", "set: DBO's comm SMs serve the expert-parallel all2all")
-    notes = [n for n in notes if "data-parallel size 1" not in n]
+    require_dbo_parallelism(engine_args, dp, "tune")
+    notes = [*switch_notes(), *(n for n in notes if "data-parallel size 1" not in n)]
     sweep = plan_sweep(args.values, backend=_flag(engine_args, "--all2all-backend"), platform=_platform(), environ=os.environ)
     notes += list(sweep.notes)
     plan, metric, counter, more = specs(engine_args, dp, sweep, opts, os.environ)

@@ -36,8 +36,11 @@ from dbo_runtime.cli._engine import (
     EXIT_INCONCLUSIVE,
     EXIT_RUN_FAILED,
     check_with_vllm,
+    comm_sms_problem,
+    require_dbo_parallelism,
     same_runner_env,
     split_engine_args,
+    switch_notes,
     visible_gpus,
 )
 from dbo_runtime.cli._progress import Progress
@@ -240,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
 
     extra = list(getattr(args, "extra_args", []) or [])
     engine_args, dp, notes = split_engine_args(extra)
+    require_dbo_parallelism(engine_args, dp, "verify", expert_parallel=False)
+    notes = [*switch_notes(), *(n for n in notes if "data-parallel size 1" not in n)]
     _numbers(args, MAX_PROMPTS)
     low, high = _int_range(args.prompt_len, "--prompt-len")
     if not 1 <= args.prompts <= MAX_PROMPTS:
@@ -273,9 +278,9 @@ def run(args: argparse.Namespace) -> int:
             probe.unlink()
         except OSError as exc:
             raise ConfigError("--workdir", str(workdir), f"a directory verify can create and write ({exc.strerror or exc})") from exc
-    qp_problem = ll_qp_depth_problem(engine_args, os.environ)  # needs no vLLM: said on any machine
-    if qp_problem is not None:
-        raise qp_problem
+    for problem in (ll_qp_depth_problem(engine_args, os.environ), comm_sms_problem(engine_args, os.environ)):
+        if problem is not None:  # needs no vLLM: said on any machine, before any engine starts
+            raise problem
     progress.say("checking the engine arguments with vLLM's parser")
     check_with_vllm(engine_args)
     visible = visible_gpus()

@@ -174,3 +174,14 @@ def test_table_lists_every_target(capsys: pytest.CaptureFixture[str]) -> None:
     # OK, or -- where GLM-5-Next's module does not import (no torchvision) -- a warning naming it
     assert last == "OK" or ("WARNINGS" in out and "glm5next" in out), last
     assert "Traceback" not in err
+
+
+def test_disabled_and_strict_say_so_for_every_fix(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "1")
+    monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")
+    _rc, doc = doctor_json(capsys)
+    assert doc["plugin"]["strict"] is True
+    assert all(f["verdict"] == "disabled" and f["state"].startswith("disabled by DBO_RUNTIME_DISABLE") for f in doc["features"])
+    main(["doctor"])
+    out = capsys.readouterr().out
+    assert "DBO_RUNTIME_STRICT is on" in out and "DBO_RUNTIME_DISABLE is on" in out

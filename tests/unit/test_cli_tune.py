@@ -37,10 +37,9 @@ def test_the_default_sweep_is_even_counts_up_to_deepep_hts_ceiling_with_todays_v
     assert _sweep("0,12").values == (0, 12, 20)  # 0: DBO without an SM partition
 
 
-def test_all_is_every_even_count_and_too_many_values_is_one_line() -> None:
-    with pytest.raises(ConfigError, match="at most 8 values"):
-        _sweep("all")
-    assert _sweep("2,4,6,8,10,12,14").values == (2, 4, 6, 8, 10, 12, 14, 20)
+def test_all_is_every_even_count_deepep_accepts() -> None:
+    assert _sweep("all").values == tuple(range(2, 21, 2))
+    assert _sweep("0,2,4,6,8,10,12,14,16,18").values == (0, *range(2, 21, 2))  # eleven engines: the most there can be
 
 
 @pytest.mark.parametrize("raw", ["3", "22", "4,x", "-2", "", "4;8"])
@@ -222,6 +221,7 @@ def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
         (["tune", "--shape", "both", *ENGINE], "--shape"),
         (["tune", "-dp", "2"], "--model"),
         (["tune", "--headless", *ENGINE], "--headless"),
+        (["tune", *ENGINE, "--no-enable-expert-parallel"], "--enable-expert-parallel"),  # the last one wins, as in vLLM
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -64,7 +64,8 @@ def test_split_engine_args_refuses_with_the_parameter_named(argv: list[str], par
         (["--min-agreement", "1.5", "--model", "m", "-dp", "2"], "--min-agreement=1.5"),
         (["--timeout", "-1", "--model", "m", "-dp", "2"], "--timeout=-1.0"),
         (["--prompt-file", "/nonexistent.jsonl", "--model", "m", "-dp", "2"], "--prompt-file='/nonexistent.jsonl'"),
-        (["--prompts", "x", "--model", "m"], "--prompts='x' is not allowed; allowed values: an integer"),
+        (["--prompts", "x", "--model", "m", "-dp", "2"], "--prompts='x' is not allowed; allowed values: an integer"),
+        (["--model", "m"], "--data-parallel-size=1 is not allowed; allowed values: 2 or more"),
         (["--max-dlogprob", "big", "--model", "m", "-dp", "2"], "--max-dlogprob='big' is not allowed; allowed values: a finite number"),
         # caught before vLLM's parser, which would answer "cannot run here" (exit 3)
         (["--prompts", "4", "--model"], "--model='(no value)'"),
@@ -360,3 +361,25 @@ def test_ll_queue_depth_refusal_is_one_line_before_any_engine(
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[verify]")]
     assert len(err) == 1 and "NVSHMEM_QP_DEPTH" in err[0] and "NVSHMEM_QP_DEPTH=8192" in err[0], err
     assert started == []  # refused before the GPU check and any engine
+
+
+@pytest.mark.parametrize("value", ["19", "-3", "abc", "131"])
+def test_a_comm_sms_value_vllm_would_fail_on_is_refused_before_any_engine(
+    value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An odd count reaching DeepEP HT would fail in the middle of the DBO run, after the whole DBO-off one."""
+    monkeypatch.setenv("VLLM_DBO_COMM_SMS", value)
+    argv = ["verify", "--model", "m", "-dp", "2", "--enable-expert-parallel", "--all2all-backend", "deepep_high_throughput"]
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[verify]")]
+    assert len(err) == 1 and "VLLM_DBO_COMM_SMS" in err[0], err
+
+
+def test_the_plugins_switches_are_said_before_the_engines_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "ture")
+    monkeypatch.setattr(verify, "check_with_vllm", lambda args, command="verify": None)
+    monkeypatch.setattr(verify, "visible_gpus", lambda: 0)
+    assert main(["verify", "--model", "m", "-dp", "2"]) == 3
+    assert "DBO_RUNTIME_DISABLE" in capsys.readouterr().err
