@@ -11,7 +11,8 @@ vLLM 0.33.0 (``recorded_fingerprints.py``, regenerated with
 The source is read from the module's file, never imported: most targets are worker-side modules
 that the API server never imports (some cannot be imported there at all: GLM-5-Next pulls in
 torchvision), and the front-end guard must know before any worker starts. A fingerprint is the
-hash of ``ast.dump`` of the anchor's block, so comments and formatting do not count, code does.
+hash of the anchor's syntax tree (``canonical_dump``: the same on every Python vLLM supports), so comments
+and formatting do not count, code does.
 """
 
 from __future__ import annotations
@@ -106,11 +107,31 @@ def source_block(module: str, qualname: str) -> str | None:
     return "\n".join(lines[span[0] : span[1]])
 
 
+_VERSION_FIELDS = frozenset({"type_params", "type_comment", "kind"})
+"""AST fields that depend on the Python version parsing the code, not on the code: 3.12 added ``type_params``
+to every function and class, and ``ast.dump`` itself prints empty fields or not depending on the version."""
+
+
+def canonical_dump(node: object) -> str:
+    """``ast.dump`` that every Python vLLM supports (3.10-3.13) renders the same for the same code: fields that
+    are empty, None, or only exist in some versions are left out."""
+    if isinstance(node, ast.AST):
+        parts = []
+        for name, value in ast.iter_fields(node):
+            if name in _VERSION_FIELDS or value is None or value == []:
+                continue
+            parts.append(f"{name}={canonical_dump(value)}")
+        return f"{type(node).__name__}({', '.join(parts)})"
+    if isinstance(node, list):
+        return "[" + ", ".join(canonical_dump(item) for item in node) + "]"
+    return repr(node)
+
+
 def fingerprint_text(block: str | None) -> str:
     if block is None:
         return MISSING
     try:
-        canonical = ast.dump(ast.parse(textwrap.dedent(block)))
+        canonical = canonical_dump(ast.parse(textwrap.dedent(block)))
     except SyntaxError:
         canonical = "\n".join(line.rstrip() for line in block.splitlines())
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]

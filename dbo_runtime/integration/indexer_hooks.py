@@ -220,7 +220,8 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
         cache.register_profile(device, profile, full_sms=None)
         return profile
     cache.register_profile(device, profile, full_sms=int(builder.num_sms))
-    reserve_placeholders(builder.device, int(config.model_config.max_model_len))
+    # the logits of one call: a row per decode token (B x next_n), at most a full step's
+    reserve_placeholders(builder.device, int(config.model_config.max_model_len), min(max_seqs * q, max_tokens))
     return profile
 
 

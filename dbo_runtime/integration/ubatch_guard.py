@@ -32,49 +32,56 @@ UPSTREAM_PR = "none yet (vLLM does not wake the partner microbatch when one thre
 REMOVAL = "vLLM's microbatch hand-off unwinds every thread when one raises and re-raises on the main thread"
 
 
+ROW_STRIDE = 64
+"""Elements between the placeholder's rows: never 0 (vLLM's persistent top-k divides by the row stride on the host
+and dies of SIGFPE on a stride-0 view, measured on an H200), a multiple of 4 (cooperative top-k's check) and 256
+bytes in fp32, what DeepSelect's alignment needs."""
+
 _RESERVED: dict[tuple[str, Any], Any] = {}
-"""One zero row ``[1, max_model_len]`` per (device, dtype), allocated at model load (``reserve_placeholders``)."""
+"""One zero buffer per (device, dtype), allocated at model load (``reserve_placeholders``)."""
 
 
-def reserve_placeholders(device: Any, max_model_len: int) -> None:
-    """Allocate, at model load, the zero rows ``placeholder_logits`` hands out instead of allocating.
+def reserve_placeholders(device: Any, max_model_len: int, max_rows: int = 1) -> None:
+    """Allocate, at model load, the zeros ``placeholder_logits`` hands out instead of allocating.
 
     Why ahead of time: the typical failure at the logits call site is CUDA out of memory, and then
     allocating a full ``[rows, max_model_len]`` placeholder fails too; a second exception on a microbatch
-    thread is the hang the guard exists to prevent. The rows cost ``4 * max_model_len`` bytes per dtype.
+    thread is the hang the guard exists to prevent. Rows overlap (``ROW_STRIDE``), so the buffer is
+    ``max_model_len + ROW_STRIDE * max_rows`` elements, not ``rows x max_model_len``.
     """
     import torch
 
+    need = int(max_model_len) + ROW_STRIDE * max(int(max_rows), 1)
     for dtype in (torch.float32, torch.bfloat16):
         key = (str(device), dtype)
-        row = _RESERVED.get(key)
-        if row is not None and int(row.shape[1]) >= max_model_len:
+        buf = _RESERVED.get(key)
+        if buf is not None and int(buf.numel()) >= need:
             continue
         try:
-            _RESERVED[key] = torch.zeros((1, max_model_len), dtype=dtype, device=device)
+            _RESERVED[key] = torch.zeros((need,), dtype=dtype, device=device)
         except Exception as exc:  # model load goes on; a failure then falls back to allocating
-            logger.warning("dbo_runtime: could not reserve the placeholder logits row (%r)", exc)
+            logger.warning("dbo_runtime: could not reserve the placeholder logits (%r)", exc)
 
 
 def placeholder_logits(context_lens: Any, weights: Any, max_model_len: Any) -> Any:
     """Logits of ``fp8_fp4_paged_mqa_logits``'s shape and dtype, without a kernel, an allocation or a raise.
 
     ``[B * next_n, max_model_len]`` (``context_lens`` is ``[B, next_n]``, or one length per row for SM100
-    varlen) in the weights' dtype (bf16 on SM100, fp32 elsewhere): a stride-0 view of the row reserved at
-    model load, so every row reads the same valid memory and kernels that honour ``stride(0)`` (vLLM's
-    top-k and upcast kernels do) stay in bounds. The values are never used: the step raises after the join.
-    Without a reserved row it falls back to allocating zeros, then to a view of ``weights``. vLLM's debug
-    top-k backend (``sparse_indexer_topk_backend="torch"``) masks out of place and allocates full logits, so
-    after an out-of-memory error it raises again in vLLM code: the guarantee holds for the production backends.
+    varlen) in the weights' dtype (bf16 on SM100, fp32 elsewhere): a view of the zeros reserved at model load
+    whose rows overlap (``ROW_STRIDE`` apart), so every row reads valid memory. The values are never used: the
+    step raises after the join. Without enough reserved zeros it falls back to allocating, then to ``weights``.
+    vLLM's debug top-k backend (``sparse_indexer_topk_backend="torch"``) masks out of place and allocates full
+    logits, so after an out-of-memory error it raises again in vLLM code: the guarantee holds for the production
+    backends.
     """
     try:
         import torch
 
         rows, width = int(context_lens.numel()), int(max_model_len)
         dtype = weights.dtype if weights.is_floating_point() else torch.float32
-        row = _RESERVED.get((str(context_lens.device), dtype))
-        if row is not None and int(row.shape[1]) >= width:
-            return row[:, :width].expand(rows, width)
+        buf = _RESERVED.get((str(context_lens.device), dtype))
+        if buf is not None and int(buf.numel()) >= width + ROW_STRIDE * max(rows - 1, 0):
+            return buf.as_strided((rows, width), (ROW_STRIDE, 1))
         try:
             return torch.zeros((rows, width), dtype=dtype, device=context_lens.device)
         except Exception:

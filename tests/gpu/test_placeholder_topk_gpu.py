@@ -1,10 +1,11 @@
 """GPU twin: the out-of-memory placeholder logits pass through every vLLM decode top-k backend in bounds.
 
-``ubatch_guard.placeholder_logits`` hands vLLM a stride-0 view of one reserved zero row instead of allocating
-``[rows, max_model_len]`` (tests/vllm/test_ubatch_guard.py on CPU; tests/gpu/test_call_site_gpu.py for the
-no-allocation half). The top-k that follows in ``sparse_attn_indexer`` must read it without faulting and write
-indices inside each row's length. vLLM's kernels check only ``stride(0) % 4`` and alignment in Python, which
-0 passes, so this runs them: per_row, persistent and cooperative on SM90 (deep_select needs SM100). The
+``ubatch_guard.placeholder_logits`` hands vLLM a view of zeros reserved at model load, rows overlapping
+``ROW_STRIDE`` elements apart, instead of allocating ``[rows, max_model_len]`` (tests/vllm/test_ubatch_guard.py on
+CPU; tests/gpu/test_call_site_gpu.py for the no-allocation half). The top-k that follows in ``sparse_attn_indexer``
+must read it without faulting and write indices inside each row's length; a stride-0 view killed the process in
+the persistent backend (SIGFPE on the H200). So this runs per_row, persistent and cooperative on SM90
+(deep_select needs SM100). The
 ``torch`` backend is vLLM's debug reference: its ``masked_fill`` is out of place and allocates the full logits,
 so after an out-of-memory error it raises again; it is run here for its result, and named in
 ``docs/troubleshooting.md``. Needs vLLM's CUDA ops, so it runs where the e2e bundle installs vLLM.
@@ -47,11 +48,11 @@ def test_the_placeholder_row_reads_in_bounds_through_every_topk_backend(
     from dbo_runtime.integration import ubatch_guard
 
     monkeypatch.setattr(ubatch_guard, "_RESERVED", {})
-    ubatch_guard.reserve_placeholders(cuda_device, MAX_CTX)
+    ubatch_guard.reserve_placeholders(cuda_device, MAX_CTX, len(LENS))
     seq_lens = torch.tensor(LENS, dtype=torch.int32, device=cuda_device)
     weights = torch.zeros((len(LENS), 8), dtype=torch.float32, device=cuda_device)
     logits = ubatch_guard.placeholder_logits(seq_lens.view(-1, 1), weights, MAX_CTX)
-    assert logits.stride() == (0, 1) and tuple(logits.shape) == (len(LENS), MAX_CTX)
+    assert logits.stride() == (ubatch_guard.ROW_STRIDE, 1) and tuple(logits.shape) == (len(LENS), MAX_CTX)
     topk = indexer_topk.get_indexer_topk(backend)
     try:
         chosen = topk.resolve_backend(logits, TOPK, len(LENS))

@@ -424,7 +424,7 @@ def test_out_of_memory_on_a_microbatch_never_hangs_and_the_handler_allocates_not
 
     monkeypatch.setattr(ubatch_guard, "_RESERVED", {})
     if reserved:
-        ubatch_guard.reserve_placeholders(torch.device("cpu"), 8)
+        ubatch_guard.reserve_placeholders(torch.device("cpu"), 8, max_rows=64)
     handler_allocations: list[str] = []
     real_zeros = torch.zeros
 
@@ -445,3 +445,18 @@ def test_out_of_memory_on_a_microbatch_never_hangs_and_the_handler_allocates_not
     env.planner.oom_on = None
     _, error = RUNNERS[runner](env)
     assert error is None
+
+
+def test_the_placeholder_has_a_row_stride_kernels_can_divide_by_and_stays_in_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's persistent top-k divides by ``stride(0)`` on the host: a stride-0 view died of SIGFPE on the H200."""
+    from dbo_runtime.integration import ubatch_guard
+
+    monkeypatch.setattr(ubatch_guard, "_RESERVED", {})
+    ubatch_guard.reserve_placeholders(torch.device("cpu"), 4096, max_rows=256)
+    buf = ubatch_guard._RESERVED[("cpu", torch.float32)]
+    assert buf.numel() == 4096 + ubatch_guard.ROW_STRIDE * 256  # not 256 x 4096
+    out = ubatch_guard.placeholder_logits(torch.ones((128, 2), dtype=torch.int32), torch.zeros((256, 8)), 4096)
+    assert tuple(out.shape) == (256, 4096) and out.stride() == (ubatch_guard.ROW_STRIDE, 1) and out.stride(0) % 4 == 0
+    assert out.data_ptr() == buf.data_ptr() and float(out.abs().sum()) == 0.0  # every row reads reserved zeros
+    too_many = ubatch_guard.placeholder_logits(torch.ones((300, 1), dtype=torch.int32), torch.zeros((300, 8)), 4096)
+    assert too_many.stride() == (4096, 1)  # beyond the reserve: allocated, as vLLM would
