@@ -70,3 +70,47 @@ def test_capability_probes_read_names_from_the_syntax_tree() -> None:
         assert not fp.calls(group, "", "_topk_state")
     with pytest.raises(ValueError, match=r"Probe\.kind"):
         Probe("mentions", group, "", "x")  # type: ignore[arg-type]
+
+
+def test_the_canonical_dump_leaves_out_what_only_some_pythons_have() -> None:
+    """Python 3.12 added ``type_params`` to every function and class node, and ``ast.dump`` prints empty fields
+    in some versions only: recorded on one Python, a fingerprint must match on every Python vLLM runs on."""
+    import ast
+
+    class FunctionDef312(ast.FunctionDef):
+        _fields = (*ast.FunctionDef._fields, "type_params")
+
+    tree = ast.parse("def f(x):\n    return x + 1\n")
+    plain = tree.body[0]
+    newer = FunctionDef312(**{f: getattr(plain, f) for f in ast.FunctionDef._fields}, type_params=[])
+    assert fingerprints.canonical_dump(newer).replace("FunctionDef312", "FunctionDef") == fingerprints.canonical_dump(plain)
+    assert "type_params" not in fingerprints.canonical_dump(newer) and "None" not in fingerprints.canonical_dump(plain)
+
+
+def test_the_recorded_fingerprints_match_on_every_python_on_this_machine(tmp_path: pytest.TempPathFactory) -> None:
+    """The same check as ``test_recorded_from_the_installed_release``, run by every other CPython found here
+    (pyenv's, /usr/bin's) over the same vLLM source: the fingerprints module needs no import of vLLM."""
+    import glob
+    import json
+    import subprocess
+    import sys
+
+    pythons = sorted({*glob.glob("/root/.pyenv/versions/3.1[0-9]*/bin/python3"), *glob.glob("/usr/bin/python3.1[0-9]")})
+    anchors = {p.name: list(p.fingerprint_anchors) for p in plugin.all_patches() if p.fingerprint_anchors}
+    root = fingerprints._vllm_root()
+    script = (
+        "import importlib.util, json, pathlib, sys\\n"
+        "spec = importlib.util.spec_from_file_location('fp', sys.argv[1]); fp = importlib.util.module_from_spec(spec)\\n"
+        "spec.loader.exec_module(fp); fp._vllm_root = lambda: pathlib.Path(sys.argv[2])\\n"
+        "anchors = json.loads(sys.argv[3]); print(json.dumps({n: fp.fingerprint(a) for n, a in anchors.items()}))\\n"
+    )
+    checked = [sys.version.split()[0]]
+    for python in pythons:
+        out = subprocess.run(
+            [python, "-c", script, fingerprints.__file__, str(root), json.dumps(anchors)], capture_output=True, text=True, timeout=120
+        )
+        if out.returncode != 0:
+            continue  # an interpreter too old for this module's syntax (not one vLLM 0.33 supports)
+        assert json.loads(out.stdout) == FINGERPRINTS, python
+        checked.append(python)
+    assert checked  # at least the running interpreter (test_recorded_from_the_installed_release)
