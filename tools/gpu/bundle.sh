@@ -14,7 +14,8 @@
 #    the GPU image's torch 2.11 (checked: every torch symbol they import is exported by 2.11).
 #  * gpu-extra-lock.txt: the Python packages vLLM imports that the GPU image lacks, DeepEP
 #    (tokenspeed-deepep 1.2.1, v1 API), the CuTe DSL + quack kernels the DSA attention imports,
-#    and llguidance (imported for a type annotation).
+#    llguidance (imported for a type annotation), and tilelang with its dependencies (DeepSeek-V4 / V4.1's
+#    mHC kernels: without it vLLM 0.33.0 cannot start those models).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 out=${1:-.gpu-vllm}
