@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -71,6 +72,11 @@ class RunSpec:
     repeat_mixed: PromptSpec | None = None
     """A second pass after the first: every prompt again (a full prefix-cache hit leaves a one-token extend)
     interleaved with these fresh prompts, so microbatched prefills mix short extends with long prefills."""
+    stagger_max_tokens: bool = False
+    """Request i asks for ``max_tokens + i`` tokens: as they finish one per step, the decode batch takes every
+    size from the number of requests down to 1 (the planner-shape sweep)."""
+    cold_jit_cache: bool = False
+    """Start with an empty ``DG_JIT_CACHE_DIR`` of the run's own, so nothing compiled before is found."""
     gpus: list[int] | None = None
     """Physical GPUs to expose (``CUDA_VISIBLE_DEVICES``); None keeps the caller's."""
     timeout_s: float = 900.0
@@ -176,6 +182,8 @@ def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None 
     # a reused directory (verify --workdir) must not lend an old run's result, record or logs to this one
     for stale in [*root.glob("rank*.json"), *root.glob("rank*.log"), root / "record.json", *(root / "barrier").iterdir()]:
         stale.unlink(missing_ok=True)
+    if spec.cold_jit_cache:
+        shutil.rmtree(root / "dg-jit-cold", ignore_errors=True)
     spec_path = root / "spec.json"
     spec_path.write_text(json.dumps(spec.to_json(), indent=1))
     port = free_port(PORT_BLOCK)
@@ -193,6 +201,8 @@ def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None 
                 VLLM_DP_MASTER_IP="127.0.0.1",
                 VLLM_DP_MASTER_PORT=str(port),
             )
+        if spec.cold_jit_cache:
+            env["DG_JIT_CACHE_DIR"] = str(root / "dg-jit-cold")
         if spec.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
         log_path = root / f"rank{rank}.log"

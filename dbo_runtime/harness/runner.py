@@ -154,10 +154,11 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
         logprobs=int(spec.get("logprobs", 5)),
         detokenize=False,
     )
+    first_params = staggered(params, len(batch)) if spec.get("stagger_max_tokens") else params
     result["stats_start"] = _stats(llm)
     barrier("generate", rank, size)
     t2 = time.perf_counter()
-    outputs = llm.generate(batch, params, use_tqdm=False)
+    outputs = llm.generate(batch, first_params, use_tqdm=False)
     result["generate_s"] = time.perf_counter() - t2
     result["requests"] = _requests(mine, outputs)
     result["stats_end"] = _stats(llm)
@@ -170,6 +171,14 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
         result["bench"] = _bench(llm, SamplingParams, batch, bench, rank, size)
     result["ok"] = True
     return result
+
+
+def staggered(params: Any, n: int) -> list[Any]:
+    """One copy of ``params`` per request, request i asking for ``i`` more tokens than request 0."""
+    out = [params.clone() for _ in range(n)]
+    for i, p in enumerate(out):
+        p.max_tokens = params.max_tokens + i
+    return out
 
 
 def _repeat_mixed(llm: Any, params: Any, batch: list[Any], fresh_spec: PromptSpec, vocab: int, rank: int, size: int) -> dict[str, Any]:

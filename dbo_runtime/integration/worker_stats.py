@@ -88,6 +88,8 @@ def collect(worker: Any = None) -> dict[str, Any]:
         "replans_untracked": cache.get("untracked_replans", 0),
         "planned_ahead": cache.get("planned_ahead", 0),
         "warmups": cache.get("warmups", 0),
+        "warm_failures": cache.get("warm_failures", 0),
+        "warm_s": cache.get("warm_ns", 0) / 1e9,
         "topk_groups_attached": snap["topk"]["groups_attached"],
         "topk_shared_buffers": snap["topk"]["shared_buffers"],
         "topk_extra_bytes": snap["topk"]["extra_bytes"],

@@ -250,6 +250,37 @@ def family() -> dict[str, RunSpec]:
             timeout_s=600,
             meta={"model": model, "issue": 17, "what": f"{facts['architecture']}: --enable-dbo at DP 1 (hooks armed)"},
         )
+    out.update(jit_sweep())
+    return out
+
+
+JIT_SWEEP_PROMPTS = PromptSpec(num=64, min_len=300, max_len=600, seed=21)
+"""As many prompts as ``--max-num-seqs``: with staggered lengths the decode batch takes every size 64..1."""
+
+
+def jit_sweep() -> dict[str, RunSpec]:
+    """Issue 20: no planner compiles inside a step. ``--enable-dbo`` at DP 1 announces the DBO budget, HT eager
+    gives ``register_builder`` no capture sizes, graphs give it vLLM's; MTP-1 adds next_n 2. Each starts on an
+    empty DeepGEMM JIT cache and decodes every batch size from 64 down to 1."""
+    out: dict[str, RunSpec] = {}
+    for name, model, eager, extra in (
+        ("eager", "shared-topk", True, []),
+        ("graphs", "shared-topk", False, []),
+        ("mtp1-eager", "deepseek-v32-mtp", True, ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]),
+    ):
+        label = f"1gpu-jit-sweep-{name}-dbo-dp1"
+        out[label] = RunSpec(
+            label=label,
+            engine_args=tiny_args(model, eager=eager, extra=[*DBO_DP1, *extra]),
+            env=_env(None, True),
+            prompts=JIT_SWEEP_PROMPTS,
+            max_tokens=2,
+            logprobs=0,
+            stagger_max_tokens=True,
+            cold_jit_cache=True,
+            timeout_s=600,
+            meta={"model": model, "issue": 20, "what": f"planner JIT in steps, cold DG_JIT_CACHE_DIR, decode batch 64..1: {name}"},
+        )
     return out
 
 

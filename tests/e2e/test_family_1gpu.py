@@ -44,6 +44,8 @@ def test_family_plugin_is_transparent_with_dbo_off(records: Records, model: str,
     records.annotate(f"{base}-plugin", tokens_identical_to=f"{base}-vanilla", max_abs_dlogprob=worst, mean_abs_dlogprob_topk=mean)
     lines = [line for line in with_plugin["plugin_log_lines"] if "patches installed for vLLM 0.33" in line]
     assert lines and "-- " in lines[0]
+    # every fix in force: no broken patch, and no feature reported as anything but verified after "guard: on"
+    assert "BROKEN" not in lines[0] and lines[0].rstrip().endswith("guard: on"), lines[0]
 
 
 @pytest.mark.runs(*[f"1gpu-{m}-dbo-dp1-plugin" for m in FAMILY])

@@ -62,6 +62,9 @@ def main() -> int:
             flush=True,
         )
         return 1
+    cache = os.environ.get("DG_JIT_CACHE_DIR")
+    if cache is not None:  # what a cold-cache run finds there
+        print(f"DG_JIT_CACHE_DIR={cache} entries={len(os.listdir(cache)) if os.path.isdir(cache) else 0}", flush=True)
     bench = spec.get("bench") or {}
     reps = []
     if bench.get("coordinated"):

@@ -182,6 +182,28 @@ def test_a_reused_run_directory_lends_nothing_to_the_next_run(tmp_path: Path, fa
     assert rec["ok"] and rec["failure_signatures"] == [] and not (old / "rank1.log").exists()
 
 
+def test_a_cold_jit_cache_run_gets_an_empty_cache_of_its_own(tmp_path: Path, fake_runner: None) -> None:
+    stale = tmp_path / "cold" / "dg-jit-cold"
+    stale.mkdir(parents=True)
+    (stale / "kernel.so").write_text("compiled by an earlier run")
+    assert launch(RunSpec("cold", ["--model", "m"], cold_jit_cache=True, meta={"fake": {}}), tmp_path)["ok"]
+    assert f"DG_JIT_CACHE_DIR={stale} entries=0" in (tmp_path / "cold" / "rank0.log").read_text()
+    stale.mkdir(exist_ok=True)
+    (stale / "kernel.so").write_text("compiled by the cold run")
+    assert launch(RunSpec("warm", ["--model", "m"], env={"DG_JIT_CACHE_DIR": str(stale)}, meta={"fake": {}}), tmp_path)["ok"]
+    assert f"DG_JIT_CACHE_DIR={stale} entries=1" in (tmp_path / "warm" / "rank0.log").read_text()  # a warm run keeps it
+
+
+def test_staggered_requests_shrink_the_decode_batch_one_by_one() -> None:
+    from vllm import SamplingParams
+
+    from dbo_runtime.harness.runner import staggered
+
+    base = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    assert [p.max_tokens for p in staggered(base, 4)] == [2, 3, 4, 5] and base.max_tokens == 2
+    assert all(p.ignore_eos and p.temperature == 0.0 for p in staggered(base, 4))
+
+
 def test_launch_kills_the_hung_peer_of_a_crashed_rank(tmp_path: Path, fake_runner: None) -> None:
     started = time.monotonic()
     rec = launch(RunSpec("crash", ["--model", "m"], dp=2, meta={"fake": {"0": "hang", "1": "crash"}}), tmp_path)
