@@ -252,8 +252,12 @@ def _custom_worker_problem(parallel: Any) -> str:
 
         cls = resolve_obj_by_qualname(name)
         if isinstance(cls, type) and issubclass(cls, Worker):
-            return ""
-        why = "is not a subclass of it"
+            overridden = [hook for hook in WORKER_HOOKS if getattr(cls, hook, None) is not getattr(Worker, hook, None)]
+            if not overridden:
+                return ""
+            why = f"overrides {', '.join(f'Worker.{h}' for h in overridden)}, where the check runs"
+        else:
+            why = "is not a subclass of it"
     except Exception as exc:
         why = f"could not be imported here ({type(exc).__name__}: {exc})"
     return f"--worker-cls {name} {why}, and only {WORKER_CLASS} runs dbo_runtime's worker check"
@@ -299,6 +303,7 @@ _reported: set[int] = set()
 def reset() -> None:
     """Forget what this process reported (``plugin.uninstall``: a later install reports afresh)."""
     _reported.clear()
+    _hooks_failed.clear()
 
 
 def pending_required(runner: str | None = None) -> list[str]:
@@ -366,15 +371,42 @@ def after_warm_up(listener: Callable[[], None], *, remove: bool = False) -> None
         _warmed_up.append(listener)
 
 
+_hooks_failed: list[str] = []
+"""Why the guard's worker hooks are missing in this process (``on_guard_failure``); empty while they are in place."""
+
+
 def on_guard_failure(patches: list[Patch], message: str) -> None:
     """The guard's worker hooks could not be applied in this worker (the front-end check saw them in the
-    source, so something changed them at run time): it cannot check here, so no fix counts as in force."""
+    source, so something changed them at run time): it cannot check here, so no fix counts as in force, and
+    ``check_without_worker_hooks`` refuses where DBO builds its SM control."""
+    _hooks_failed.append(message)
     for name in REGISTRY.all():
         REGISTRY.mark(name, "broken", "dbo_runtime's worker guard could not be installed in this process")
     logger.error(
         "%s: this worker cannot check that dbo_runtime's fixes applied; do not run DBO with a DSA model here, "
         "or set DBO_RUNTIME_DISABLE=1 to run vLLM's own DBO knowingly",
         message,
+    )
+
+
+def check_without_worker_hooks() -> None:
+    """The second veto, where every DBO worker builds its SM control (``create_sm_control_context``, main thread,
+    model load, both runners). It acts only when the guard's own worker hooks failed in this process, which
+    would otherwise leave a DSA model under DBO unchecked; the configuration is vLLM's current one."""
+    if not _hooks_failed:
+        return
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+    except Exception:
+        config = None
+    if config is not None and not _needs_worker_check(config):
+        return
+    arch = _model(config)[0] if config is not None else "this model"
+    raise DboRefusal(
+        f"dbo_runtime refuses {arch} with microbatching: {_hooks_failed[0]}, so this worker cannot check that "
+        "dbo_runtime's fixes applied. " + ways_out(verified_build_helps=True)
     )
 
 

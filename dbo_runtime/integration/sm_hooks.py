@@ -158,6 +158,9 @@ def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMK
 
 def create_sm_control_context(parallel_config: Any) -> DboSMControlContext:
     """What vLLM's ``create_sm_control_context`` computes, published through SMControl."""
+    from dbo_runtime.integration import guard
+
+    guard.check_without_worker_hooks()
     budget, comm_knob, compute_knob = budget_from_vllm(parallel_config)
     control = sm_control_for(budget.device, budget.total)
     # Runs inside UBatchWrapper / UBatchRunner construction (model load): exporting metrics is

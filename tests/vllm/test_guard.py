@@ -441,6 +441,10 @@ def test_a_worker_class_that_never_runs_the_check_is_refused(fresh: None, cuda_p
     globals()["VllmsWorkerSubclass"] = type("VllmsWorkerSubclass", (Worker,), {})
     config.parallel_config.worker_cls = f"{__name__}.VllmsWorkerSubclass"
     guard.check(config, "config")
+    # a subclass whose load_model may never call Worker's: the check that runs there may never run
+    globals()["OverridingWorker"] = type("OverridingWorker", (Worker,), {"load_model": lambda self, **kw: None})
+    config.parallel_config.worker_cls = f"{__name__}.OverridingWorker"
+    assert "overrides Worker.load_model, where the check runs" in refusal(config)
 
 
 def test_a_guard_hook_that_fails_in_a_worker_takes_every_fix_out_of_force(fresh: None, caplog: pytest.LogCaptureFixture) -> None:
@@ -469,6 +473,30 @@ def test_a_guard_hook_that_fails_in_a_worker_takes_every_fix_out_of_force(fresh:
     finally:
         ps.uninstall()
         sys.modules.pop(name, None)
+
+
+def test_without_its_worker_hooks_the_guard_refuses_where_dbo_builds_its_sm_control(fresh: None, cuda_platform: None) -> None:
+    """The second veto: ``create_sm_control_context`` (patched, every DBO worker, model load) refuses a DSA model
+    once the guard's worker hooks failed in the process, and lets a model that needs no fix through."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+
+    from dbo_runtime.core.errors import DboRefusal
+    from dbo_runtime.integration import sm_hooks
+
+    plugin.register()
+    guard.check_without_worker_hooks()  # hooks in place: nothing to do
+    guard.on_guard_failure([], "the guard's hook guard.worker_load_model failed to apply")
+    with set_current_vllm_config(leaders_only()), pytest.raises(DboRefusal) as refused:
+        sm_hooks.create_sm_control_context(leaders_only().parallel_config)
+    assert "guard.worker_load_model failed to apply, so this worker cannot check" in str(refused.value)
+    assert "DBO_RUNTIME_DISABLE=1" in str(refused.value)
+    moe = SimpleNamespace(num_hidden_layers=4, architectures=["Qwen3MoeForCausalLM"])
+    with set_current_vllm_config(engine_config("Qwen3MoeForCausalLM", moe)):
+        guard.check_without_worker_hooks()  # no DSA fix needed: not refused
+    guard.reset()
+    guard.check_without_worker_hooks()
 
 
 def test_speculative_decoding_without_the_mtp_fix_is_warned(
