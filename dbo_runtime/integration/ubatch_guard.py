@@ -32,10 +32,10 @@ UPSTREAM_PR = "none yet (vLLM does not wake the partner microbatch when one thre
 REMOVAL = "vLLM's microbatch hand-off unwinds every thread when one raises and re-raises on the main thread"
 
 
-ROW_STRIDE = 64
+ROW_STRIDE = 512
 """Elements between the placeholder's rows: never 0 (vLLM's persistent top-k divides by the row stride on the host
-and dies of SIGFPE on a stride-0 view, measured on an H200), a multiple of 4 (cooperative top-k's check) and 256
-bytes in fp32, what DeepSelect's alignment needs."""
+and dies of SIGFPE on a stride-0 view, measured on an H200), a multiple of 4 (cooperative top-k's check), and
+1024 bytes even in bf16, the row pitch DeepSelect requires (``indexer_topk.py``'s alignment check on SM100)."""
 
 _RESERVED: dict[tuple[str, Any], Any] = {}
 """One zero buffer per (device, dtype), allocated at model load (``reserve_placeholders``)."""
@@ -60,7 +60,12 @@ def reserve_placeholders(device: Any, max_model_len: int, max_rows: int = 1) -> 
         try:
             _RESERVED[key] = torch.zeros((need,), dtype=dtype, device=device)
         except Exception as exc:  # model load goes on; a failure then falls back to allocating
-            logger.warning("dbo_runtime: could not reserve the placeholder logits (%r)", exc)
+            logger.error(
+                "dbo_runtime: could not reserve the placeholder logits (%r): an out-of-memory error at the indexer "
+                "call site on a microbatch thread must then allocate its placeholder, and if that fails too the "
+                "step can hang instead of raising",
+                exc,
+            )
 
 
 def placeholder_logits(context_lens: Any, weights: Any, max_model_len: Any) -> Any:
@@ -69,7 +74,8 @@ def placeholder_logits(context_lens: Any, weights: Any, max_model_len: Any) -> A
     ``[B * next_n, max_model_len]`` (``context_lens`` is ``[B, next_n]``, or one length per row for SM100
     varlen) in the weights' dtype (bf16 on SM100, fp32 elsewhere): a view of the zeros reserved at model load
     whose rows overlap (``ROW_STRIDE`` apart), so every row reads valid memory. The values are never used: the
-    step raises after the join. Without enough reserved zeros it falls back to allocating, then to ``weights``.
+    step raises after the join. Without enough reserved zeros it falls back to allocating, then to ``weights``
+    (never to a stride-0 view, which the persistent top-k cannot take).
     vLLM's debug top-k backend (``sparse_indexer_topk_backend="torch"``) masks out of place and allocates full
     logits, so after an out-of-memory error it raises again in vLLM code: the guarantee holds for the production
     backends.
@@ -82,10 +88,7 @@ def placeholder_logits(context_lens: Any, weights: Any, max_model_len: Any) -> A
         buf = _RESERVED.get((str(context_lens.device), dtype))
         if buf is not None and int(buf.numel()) >= width + ROW_STRIDE * max(rows - 1, 0):
             return buf.as_strided((rows, width), (ROW_STRIDE, 1))
-        try:
-            return torch.zeros((rows, width), dtype=dtype, device=context_lens.device)
-        except Exception:
-            return weights.reshape(-1)[:1].expand(rows, width)
+        return torch.zeros((rows, width), dtype=dtype, device=context_lens.device)
     except Exception:
         return weights
 

@@ -120,8 +120,9 @@ def test_out_of_memory_on_a_microbatch_thread_allocates_nothing_and_never_raises
     from dbo_runtime.integration.patching import _shielded
 
     monkeypatch.setattr(ubatch_guard, "_RESERVED", {})
-    ubatch_guard.reserve_placeholders(cuda_device, MAX_CTX)  # what register_builder does at model load
     c = _case(32, 128, 1, cuda_device)
+    # what register_builder does at model load: a row per decode token of the largest step
+    ubatch_guard.reserve_placeholders(cuda_device, MAX_CTX, int(c["context_lens"].numel()))
 
     def out_of_memory(q: Any, kv_cache: Any, weights: Any, context_lens: Any, block_tables: Any, schedule_metadata: Any,
                       max_model_len: int, indices: Any | None = None) -> Any:  # fmt: skip

@@ -2,13 +2,15 @@
 
 ``ubatch_guard.placeholder_logits`` hands vLLM a view of zeros reserved at model load, rows overlapping
 ``ROW_STRIDE`` elements apart, instead of allocating ``[rows, max_model_len]`` (tests/vllm/test_ubatch_guard.py on
-CPU; tests/gpu/test_call_site_gpu.py for the no-allocation half). The top-k that follows in ``sparse_attn_indexer``
-must read it without faulting and write indices inside each row's length; a stride-0 view killed the process in
-the persistent backend (SIGFPE on the H200). So this runs per_row, persistent and cooperative on SM90
-(deep_select needs SM100). The
-``torch`` backend is vLLM's debug reference: its ``masked_fill`` is out of place and allocates the full logits,
-so after an out-of-memory error it raises again; it is run here for its result, and named in
-``docs/troubleshooting.md``. Needs vLLM's CUDA ops, so it runs where the e2e bundle installs vLLM.
+CPU; tests/gpu/test_call_site_gpu.py for the no-allocation half). The step raises after the join, so the top-k
+values are never used: what must hold is that the top-k that follows in ``sparse_attn_indexer`` completes without
+a fault or a raise, and that every index it writes is -1 or inside its row's length (the sparse attention kernel
+gathers KV with them). Rows up to 64k tokens reach the backends' long-row paths, whose CTA geometry comes from the
+row stride. A stride-0 view killed the process in the persistent backend (SIGFPE on the H200). per_row, persistent
+and cooperative run on SM90 (deep_select needs SM100). The ``torch`` backend is vLLM's debug reference: its
+``masked_fill`` is out of place and allocates the full logits, so after an out-of-memory error it raises again; it
+is run here for its result, and named in ``docs/troubleshooting.md``. How many indices each row got is recorded in
+``$OUT``, not asserted. Needs vLLM's CUDA ops, so it runs where the e2e bundle installs vLLM.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import torch
 
 from tests.gpu.conftest import _unavailable
 
-MAX_CTX = 8192
+MAX_CTX = 65536
 TOPK = 2048
-LENS = [1, 63, 2047, 2048, 2049, 4097, 8192]
+LENS = [1, 63, 2047, 2048, 2049, 4097, 8192, 32769, 65536]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +45,10 @@ def indexer_topk(cuda_device: torch.device) -> Any:
 
 @pytest.mark.parametrize("backend", ["per_row", "persistent", "cooperative", "torch"])
 def test_the_placeholder_row_reads_in_bounds_through_every_topk_backend(
-    cuda_device: torch.device, indexer_topk: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+    cuda_device: torch.device, indexer_topk: Any, backend: str, monkeypatch: pytest.MonkeyPatch, out_dir: Any
 ) -> None:
+    import json
+
     from dbo_runtime.integration import ubatch_guard
 
     monkeypatch.setattr(ubatch_guard, "_RESERVED", {})
@@ -62,9 +66,13 @@ def test_the_placeholder_row_reads_in_bounds_through_every_topk_backend(
     out = torch.full((len(LENS), TOPK), -7, dtype=torch.int32, device=cuda_device)
     topk(logits, seq_lens, 1, out, TOPK, MAX_CTX)
     torch.cuda.synchronize()
+    selected = []
     for row, length in enumerate(LENS):
         got = out[row].cpu()
-        valid = got[got >= 0]
         assert int((got == -7).sum()) == 0, f"{backend}: row {row} left unwritten"
-        assert int(valid.max(initial=-1)) < length, f"{backend}: row {row} selected past its length {length}"
-        assert len(valid) == min(length, TOPK), f"{backend}: row {row} selected {len(valid)} of {min(length, TOPK)}"
+        assert int(got.min()) >= -1 and int(got.max()) < length, f"{backend}: row {row} indices outside [-1, {length})"
+        selected.append(int((got >= 0).sum()))
+    if out_dir is not None:
+        (out_dir / f"placeholder_topk_{backend}.json").write_text(
+            json.dumps({"backend": backend, "row_stride": ubatch_guard.ROW_STRIDE, "lens": LENS, "selected": selected})
+        )

@@ -460,3 +460,19 @@ def test_the_placeholder_has_a_row_stride_kernels_can_divide_by_and_stays_in_bou
     assert out.data_ptr() == buf.data_ptr() and float(out.abs().sum()) == 0.0  # every row reads reserved zeros
     too_many = ubatch_guard.placeholder_logits(torch.ones((300, 1), dtype=torch.int32), torch.zeros((300, 8)), 4096)
     assert too_many.stride() == (4096, 1)  # beyond the reserve: allocated, as vLLM would
+    # DeepSelect (SM100) requires a row pitch that is a multiple of 1024 bytes, bf16 logits included
+    assert ubatch_guard.ROW_STRIDE * torch.finfo(torch.bfloat16).bits // 8 % 1024 == 0
+
+
+def test_without_a_reserve_or_memory_the_placeholder_is_never_a_stride_0_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dbo_runtime.integration import ubatch_guard
+
+    monkeypatch.setattr(ubatch_guard, "_RESERVED", {})
+
+    def no_memory(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(torch, "zeros", no_memory)
+    weights = torch.ones((6, 8))
+    out = ubatch_guard.placeholder_logits(torch.ones((6, 1), dtype=torch.int32), weights, 4096)
+    assert out is weights and 0 not in out.stride()
