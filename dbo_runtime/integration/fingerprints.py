@@ -112,12 +112,30 @@ _VERSION_FIELDS = frozenset({"type_params", "type_comment", "kind"})
 to every function and class, and ``ast.dump`` itself prints empty fields or not depending on the version."""
 
 
+def _joined_values(values: list[object]) -> list[object]:
+    """An f-string's parts without empty string constants, adjacent constants merged: CPython 3.12.1 ends a format
+    spec such as ``{x:>{w}}`` with ``Constant('')`` where 3.11 and 3.13 do not."""
+    out: list[object] = []
+    for value in values:
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            if not value.value:
+                continue
+            last = out[-1] if out else None
+            if isinstance(last, ast.Constant) and isinstance(last.value, str):
+                out[-1] = ast.Constant(value=last.value + value.value)
+                continue
+        out.append(value)
+    return out
+
+
 def canonical_dump(node: object) -> str:
-    """``ast.dump`` that every Python vLLM supports (3.10-3.13) renders the same for the same code: fields that
-    are empty, None, or only exist in some versions are left out."""
+    """``ast.dump`` that every Python vLLM 0.33 supports (3.11-3.14; 3.10 too) renders the same for the same code:
+    fields that are empty, None, or only exist in some versions are left out, and f-string parts normalised."""
     if isinstance(node, ast.AST):
         parts = []
         for name, value in ast.iter_fields(node):
+            if isinstance(node, ast.JoinedStr) and name == "values":
+                value = _joined_values(value)
             if name in _VERSION_FIELDS or value is None or value == []:
                 continue
             parts.append(f"{name}={canonical_dump(value)}")
