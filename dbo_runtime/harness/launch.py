@@ -356,6 +356,7 @@ def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s
         "requests": requests,
         "bench": [r.get("bench") for r in ranks if r.get("bench")] or None,
         "repeat_mixed": [r.get("repeat_mixed") for r in ranks if r.get("repeat_mixed")] or None,
+        "jit_cache": [r.get("jit_cache") for r in ranks if r.get("jit_cache")] or None,
         "log_tail": text[-4000:] if not ok else None,
     }
     return record

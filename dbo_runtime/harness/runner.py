@@ -154,7 +154,13 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
         logprobs=int(spec.get("logprobs", 5)),
         detokenize=False,
     )
-    first_params = staggered(params, len(batch)) if spec.get("stagger_max_tokens") else params
+    first_params = params
+    if spec.get("stagger_max_tokens"):
+        # prefill everything first: the staggered pass then starts as a 1-token extend per request (prefix
+        # cache), and from there its decode batch shrinks by about one request per step
+        llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False), use_tqdm=False)
+        first_params = staggered(params, len(batch))
+    cache_at_ready = jit_cache_kernels() if spec.get("cold_jit_cache") else None
     result["stats_start"] = _stats(llm)
     barrier("generate", rank, size)
     t2 = time.perf_counter()
@@ -163,6 +169,8 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
     result["requests"] = _requests(mine, outputs)
     result["stats_end"] = _stats(llm)
     result["microbatched_builds"] = summary_delta(result["stats_start"], result["stats_end"], "microbatched_builds")
+    if cache_at_ready is not None:
+        result["jit_cache"] = {"at_ready": sorted(cache_at_ready), "new_in_serving": sorted(jit_cache_kernels() - cache_at_ready)}
     _log(f"generated {len(batch)} requests in {result['generate_s']:.2f} s")
     if spec.get("repeat_mixed"):
         result["repeat_mixed"] = _repeat_mixed(llm, params, batch, PromptSpec(**spec["repeat_mixed"]), vocab, rank, size)
@@ -171,6 +179,16 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
         result["bench"] = _bench(llm, SamplingParams, batch, bench, rank, size)
     result["ok"] = True
     return result
+
+
+def jit_cache_kernels(root: str | None = None) -> set[str]:
+    """The kernels DeepGEMM has compiled into ``DG_JIT_CACHE_DIR`` (each a directory holding ``kernel.cubin``), by
+    path relative to the cache: a run's own cold cache, listed when serving starts and after it, shows every
+    compile inside a step, whatever the plugin's own counters think DeepGEMM keys its kernels by."""
+    base = root if root is not None else os.environ.get("DG_JIT_CACHE_DIR")
+    if not base or not os.path.isdir(base):
+        return set()
+    return {os.path.relpath(d, base) for d, _, files in os.walk(base) if "kernel.cubin" in files}
 
 
 def staggered(params: Any, n: int) -> list[Any]:

@@ -258,23 +258,31 @@ JIT_SWEEP_PROMPTS = PromptSpec(num=64, min_len=300, max_len=600, seed=21)
 """As many prompts as ``--max-num-seqs``: with staggered lengths the decode batch takes every size 64..1."""
 
 
+JIT_SWEEP_WARMUP = {"VLLM_DEEP_GEMM_WARMUP": "relax"}
+"""vLLM's default, which the GPU session's ``skip`` (set to keep vLLM's own 3400-kernel warm-up out of every start)
+would turn into the plugin's minimal warm-up. Eager engines skip vLLM's DeepGEMM warm-up anyway
+(``enable_jit_warmup`` is off with ``--enforce-eager``); the graphs run keeps ``skip`` and the plugin's capped sweep."""
+
+
 def jit_sweep() -> dict[str, RunSpec]:
-    """Issue 20: no planner compiles inside a step. ``--enable-dbo`` at DP 1 announces the DBO budget, HT eager
-    gives ``register_builder`` no capture sizes, graphs give it vLLM's; MTP-1 adds next_n 2. Each starts on an
-    empty DeepGEMM JIT cache and decodes every batch size from 64 down to 1."""
+    """Issue 20: no planner compiles inside a step. ``--enable-dbo`` at DP 1 announces the DBO budget (vLLM never
+    microbatches there, so steps plan at the full SM count: the DBO count in steps needs DP 2, ``dp2-jit-sweep``),
+    HT eager gives ``register_builder`` no capture sizes, graphs give it vLLM's; MTP-1 adds next_n 2. Each starts
+    on an empty DeepGEMM JIT cache, prefills all 64 prompts, then decodes while they finish one by one."""
     out: dict[str, RunSpec] = {}
-    for name, model, eager, extra in (
-        ("eager", "shared-topk", True, []),
-        ("graphs", "shared-topk", False, []),
-        ("mtp1-eager", "deepseek-v32-mtp", True, ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]),
+    mtp = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
+    for name, model, eager, extra, env in (
+        ("eager", "shared-topk", True, [], JIT_SWEEP_WARMUP),
+        ("graphs", "shared-topk", False, [], {"DBO_RUNTIME_PLANNER_WARM_MAX_BATCH": "64"}),
+        ("mtp1-eager", "deepseek-v32-mtp", True, mtp, JIT_SWEEP_WARMUP),
     ):
         label = f"1gpu-jit-sweep-{name}-dbo-dp1"
         out[label] = RunSpec(
             label=label,
             engine_args=tiny_args(model, eager=eager, extra=[*DBO_DP1, *extra]),
-            env=_env(None, True),
+            env=_env(None, True, **env),
             prompts=JIT_SWEEP_PROMPTS,
-            max_tokens=2,
+            max_tokens=8,
             logprobs=0,
             stagger_max_tokens=True,
             cold_jit_cache=True,
@@ -335,6 +343,21 @@ def two_gpu() -> dict[str, RunSpec]:
                 dp_spec(f"dp2-ll-dbo-{model}-{runner}-plugin", model, LL, dbo=True, runner=runner, plugin=True, graphs=True, what="DBO, dbo_runtime"),
                 dp_spec(f"dp2-ll-dbo-{model}-{runner}-vanilla", model, LL, dbo=True, runner=runner, plugin=False, graphs=True, what="DBO vanilla"),
             ]
+    sweep = RunSpec(
+        label="dp2-jit-sweep-ht-dbo-shared-topk",
+        engine_args=tiny_args(
+            "shared-topk", eager=True, extra=["--enable-expert-parallel", "--all2all-backend", HT, "--enable-dbo", "--dbo-decode-token-threshold", "2"]
+        ),
+        dp=2,
+        env=_env("v1", True, **JIT_SWEEP_WARMUP),
+        prompts=PromptSpec(num=128, min_len=300, max_len=600, seed=22),
+        max_tokens=8,
+        logprobs=0,
+        stagger_max_tokens=True,
+        cold_jit_cache=True,
+        meta={"model": "shared-topk", "issue": 20, "what": "planner JIT in microbatched steps (DBO count), cold cache, decode 64..1 per rank"},
+    )
+    specs.append(sweep)
     return {s.label: s for s in specs}
 
 

@@ -178,3 +178,18 @@ def test_verify_cli(records: Records, label: str) -> None:
         assert "deepgemm_schedule_assert" in doc["runs"]["dbo-on"]["failure_signatures"]  # MRV1: printed, then hangs
     # progress was shown while the engines started and ran
     assert "[verify] dbo-off: starting" in job["stderr_tail"] or "[verify] dbo-on" in job["stderr_tail"]
+
+
+@pytest.mark.runs("dp2-jit-sweep-ht-dbo-shared-topk")
+def test_no_planner_jit_inside_a_microbatched_step_on_a_cold_cache(records: Records) -> None:
+    """Issue 20's DBO half: HT eager at DP 2 microbatches every decode step of 2+ tokens per rank, so the planner
+    runs at the DBO count inside the steps, and none compiles there (counter and cold DeepGEMM cache)."""
+    from tests.e2e import plan
+    from tests.e2e.test_engine_1gpu import _ok
+    from tests.e2e.test_planner_jit_1gpu import judge_sweep
+
+    label = "dp2-jit-sweep-ht-dbo-shared-topk"
+    record = _ok(records[label])
+    spec = plan.two_gpu()[label]
+    assert all(n > 0 for n in record["microbatched_steps"]), record["microbatched_steps"]
+    records.annotate(label, **judge_sweep(record, spec.prompts.num // spec.dp, spec.max_tokens))

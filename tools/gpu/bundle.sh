@@ -31,7 +31,7 @@ mkdir -p "$work/bundle/wheels"
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/bundle/wheels" -r "$here/gpu-extra-lock.txt"
 mkdir -p "$work/tree" && (cd "$work/tree" && python3 -m zipfile -e "$work"/dl/vllm-0.33.0-*.whl .)
 rm -rf "$work/tree/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$work/tree/vllm/vllm-rs" \
-       "$work/tree/vllm/_flashkda_C.abi3.so" "$work/tree/vllm/_qutlass_C.abi3.so" "$work/tree/vllm/third_party/fmha_sm100"
+       "$work/tree/vllm/_qutlass_C.abi3.so" "$work/tree/vllm/third_party/fmha_sm100"
 echo "packing (xz) ..."
 tar -C "$work/tree" -cf - . | xz -T0 -6 > "$work/bundle/vllm-tree.tar.xz"
 tar -C "$work" -cf "$work/bundle.tar" bundle
