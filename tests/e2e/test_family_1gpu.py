@@ -32,9 +32,14 @@ def test_an_unverified_build_refuses_a_shared_topk_model_and_disable_starts_it(r
     records.annotate("1gpu-guard-unverified-dbo-refused", refusal=error[-1500:])
 
 
-@pytest.mark.runs(*[f"1gpu-{m}-{mode}-{p}" for m in FAMILY for mode in ("eager", "graphs") for p in ("plugin", "vanilla")])
-@pytest.mark.parametrize("mode", ["eager", "graphs"])
-@pytest.mark.parametrize("model", FAMILY)
+@pytest.mark.parametrize(
+    ("model", "mode"),
+    [
+        pytest.param(m, mode, id=f"{m}-{mode}", marks=pytest.mark.runs(f"1gpu-{m}-{mode}-plugin", f"1gpu-{m}-{mode}-vanilla"))
+        for m in FAMILY
+        for mode in ("eager", "graphs")
+    ],
+)
 def test_family_plugin_is_transparent_with_dbo_off(records: Records, model: str, mode: str) -> None:
     base = f"1gpu-{model}-{mode}"
     with_plugin, vanilla = records[f"{base}-plugin"], records[f"{base}-vanilla"]
@@ -48,8 +53,7 @@ def test_family_plugin_is_transparent_with_dbo_off(records: Records, model: str,
     assert "BROKEN" not in lines[0] and lines[0].rstrip().endswith("guard: on"), lines[0]
 
 
-@pytest.mark.runs(*[f"1gpu-{m}-dbo-dp1-plugin" for m in FAMILY])
-@pytest.mark.parametrize("model", FAMILY)
+@pytest.mark.parametrize("model", [pytest.param(m, id=m, marks=pytest.mark.runs(f"1gpu-{m}-dbo-dp1-plugin")) for m in FAMILY])
 def test_family_enable_dbo_at_dp1_arms_the_hooks(records: Records, model: str) -> None:
     record = _ok(records[f"1gpu-{model}-dbo-dp1-plugin"])
     counters: dict[str, Any] = record["counters"][0]

@@ -35,8 +35,7 @@ def judge_sweep(record: dict[str, Any], requests: int, max_tokens: int) -> dict[
     return {"counters": record["counters"], "jit_cache": caches}
 
 
-@pytest.mark.runs(*SWEEP)
-@pytest.mark.parametrize("label", SWEEP)
+@pytest.mark.parametrize("label", [pytest.param(label, id=label, marks=pytest.mark.runs(label)) for label in SWEEP])
 def test_no_planner_jit_inside_a_step_on_a_cold_cache(records: Records, label: str) -> None:
     record = _ok(records[label])
     spec = plan.jit_sweep()[label]

@@ -7,6 +7,7 @@ CPU side of the e2e suites: a flag vLLM rejects, or a DeepEP-LL run left at vLLM
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,27 @@ def test_e2e_collection_refuses_a_bad_setting_in_one_line(tmp_path: object) -> N
     )
     assert proc.returncode == 4 and "DBO_E2E_MAX_ENGINES='abc' is not allowed" in proc.stderr + proc.stdout, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_k_selection_starts_only_the_runs_of_the_cases_it_selects(tmp_path: Path) -> None:
+    """The session starts every run its selected tests name: a parametrized case names its own runs, so
+    ``-k v4-graphs`` starts two engines, not the whole family's."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "collect.py"
+    script.write_text(
+        "import sys, pytest\n"
+        "class P:\n"
+        "    def pytest_collection_finish(self, session):\n"
+        "        labels = sorted({a for i in session.items for m in i.iter_markers('runs') for a in m.args})\n"
+        "        print('LABELS', ','.join(labels))\n"
+        "pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests/e2e', '-m', 'e2e', '-k', sys.argv[1]], plugins=[P()])\n"
+    )
+    out = subprocess.run([sys.executable, str(script), "v4-graphs or jit-sweep-eager"], capture_output=True, text=True, timeout=120)
+    [line] = [ln for ln in out.stdout.splitlines() if ln.startswith("LABELS")]
+    assert line.split(" ", 1)[1].split(",") == [
+        "1gpu-deepseek-v4-graphs-plugin",
+        "1gpu-deepseek-v4-graphs-vanilla",
+        "1gpu-jit-sweep-eager-dbo-dp1",
+    ]
