@@ -2,15 +2,29 @@
 
 argparse prints its usage block before an error, and a range only checked after the "needs a GPU"
 refusal is only caught on the GPU machine. The project's rule for bad
-input: one line naming the parameter and the allowed values, exit 2, nothing run."""
+input: one line naming the parameter and the allowed values, exit 2, nothing run. A machine that cannot
+run a script (no CUDA, no DeepGEMM, no vLLM, too few GPUs) is exit 3, as for every ``dbo-runtime`` command.
+
+Output goes to ``graphs/results/local/`` unless ``--out`` says otherwise: that folder is git-ignored, so
+trying a script never rewrites the committed results in ``graphs/results/`` that ``docs/results.md``
+cites; updating those takes an explicit ``--out graphs/results``."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 
+from dbo_runtime.cli._common import EXIT_NO_DEVICE
 from dbo_runtime.cli.main import OneLineArgumentParser
+
+RESULTS = Path(__file__).resolve().parent / "results"
+"""The committed results (``docs/results.md`` cites them)."""
+SCRATCH = RESULTS / "local"
+"""The default output folder: git-ignored."""
+
+__all__ = ["EXIT_NO_DEVICE", "RESULTS", "SCRATCH", "Parser", "add_out", "integer", "positive_seconds"]
 
 
 class Parser(OneLineArgumentParser):
@@ -47,3 +61,13 @@ def positive_seconds(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed values: a finite number of seconds > 0")
     return value
+
+
+def add_out(parser: argparse.ArgumentParser) -> None:
+    """``--out``: the output folder, ``graphs/results/local/`` (git-ignored) unless given."""
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=SCRATCH,
+        help="output folder (default graphs/results/local/, git-ignored; --out graphs/results updates the committed results)",
+    )

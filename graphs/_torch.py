@@ -1,4 +1,4 @@
-"""Imported first by the kernel scripts: without torch, exit 2 with one line.
+"""Imported first by the kernel scripts: without torch, exit 3 (cannot run here) with one line.
 
 The scripts import torch (directly or through ``dbo_runtime.sim``) at module level, so without it
 Python would print a traceback before their own one-line refusals (no CUDA, no DeepGEMM) run. The
@@ -9,14 +9,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from dbo_runtime.cli._common import EXIT_NO_DEVICE
+
 
 def exit_without_torch(script: str) -> None:
-    """Exit with status 2 and one line when torch is not installed (worded like the engine scripts')."""
+    """Exit with status 3 (cannot run here) and one line when torch is not installed (worded like the engine scripts')."""
     try:
         import torch  # noqa: F401  (the scripts import it next anyway)
     except ImportError:
         print(f"{script}: needs a CUDA GPU and DeepGEMM: torch is not installed; nothing measured", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_NO_DEVICE) from None
 
 
 exit_without_torch(Path(sys.argv[0]).stem or "graphs")

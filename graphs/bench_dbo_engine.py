@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import Parser, integer  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 GROUPS: dict[str, tuple[str, bool]] = {"ht": ("shared-topk", False), "ll": ("shared-topk-h2048", True)}
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="bench_dbo_engine", description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=integer(1), default=3, help="timed reps per configuration after one warm-up (default 3)")
     parser.add_argument("--steps", type=integer(2), default=64, help="decode steps per timed pass (default 64)")
-    parser.add_argument("--out", default=str(ROOT / "graphs" / "results"))
+    add_out(parser)
     parser.add_argument(
         "--backends",
         default="ht,ll",
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     refused = refuse_without_engine("bench_dbo_engine", 2)
     if refused is not None:
-        return refused
+        return EXIT_NO_DEVICE
     from dbo_runtime.sim.report import environment
 
     env_facts = environment()  # before any engine: a failure here must not cost a measured group

@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import Parser, integer  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 MODULES = (
@@ -168,13 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="bench_hook_calls", description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=integer(1000), default=200_000, help="accesses per timed block (default 200000)")
     parser.add_argument("--reps", type=integer(1, 99), default=7, help="blocks per side, alternating (default 7)")
-    parser.add_argument("--out", default=str(ROOT / "graphs" / "results"), help="directory for the JSON and PNG")
+    add_out(parser)
     args = parser.parse_args(argv)
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
         print(f"bench_hook_calls needs vLLM 0.33 importable here ({exc})", file=sys.stderr)
-        return 2
+        return EXIT_NO_DEVICE
     out = Path(args.out)
     try:  # before 20 s of measuring: a directory that cannot be written is one line, now
         out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import Parser, integer  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 MODELS = {
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated configuration labels to keep (default: the whole matrix)")
     parser.add_argument("--reps", type=integer(1), default=5, help="timed reps per engine after one warm-up (default 5)")
     parser.add_argument("--steps", type=integer(2), default=16, help="decode steps per timed pass (default 16)")
-    parser.add_argument("--out", default=str(ROOT / "graphs" / "results"))
+    add_out(parser)
     args = parser.parse_args(argv)
     configs = configurations(
         _choices(parser, "models", args.models, tuple(MODELS)),
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     refused = refuse_without_engine("bench_host_cost", 1)
     if refused is not None:
-        return refused
+        return EXIT_NO_DEVICE
     from dbo_runtime.harness.turns import run_interleaved
     from dbo_runtime.sim.report import environment
 

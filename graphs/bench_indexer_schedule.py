@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing)
+import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing)
 
 # isort: split
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from graphs._args import Parser, integer
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer
 from graphs._plotting import pyplot
 
 HEADS, DIM, BLOCK = 32, 128, 64
@@ -299,7 +299,7 @@ def _plot(doc: dict[str, Any], path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="bench_indexer_schedule", description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results", help="output folder")
+    add_out(ap)
     ap.add_argument("--steps", type=integer(1), default=20, help="DBO steps per variant (default 20)")
     ap.add_argument("--layers", type=integer(1), default=21, help="indexer layers per step (default 21)")
     ap.add_argument("--calls", type=integer(1), default=200_000, help="host calls timed for the cache lookup (default 200000)")
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         refused = refuse_without_kernels("bench_indexer_schedule")
         if refused is not None:
-            return refused
+            return EXIT_NO_DEVICE
         return _run(args)
     finally:
         if made is not None:

@@ -38,11 +38,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import graphs._torch  # noqa: E402, F401  (exits 2 with one line when torch is missing)
+import graphs._torch  # noqa: E402, F401  (exits 3 with one line when torch is missing)
 
 # isort: split
 
-from graphs._args import Parser, integer  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 BLOCK = 64
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=integer(1), default=1024, help="vLLM max_num_seqs (H200 default 1024)")
     ap.add_argument("--max-num-batched-tokens", type=integer(1), default=8192, help="vLLM max_num_batched_tokens")
     ap.add_argument("--comm-sms", type=integer(0), default=20, help="VLLM_DBO_COMM_SMS (DBO count = SMs - this)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results", help="output folder")
+    add_out(ap)
     args = ap.parse_args(argv)
     if args.child:
         child(json.loads(args.child))
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     refused = refuse_without_kernels("bench_planner_warmup")
     if refused is not None:
-        return refused
+        return EXIT_NO_DEVICE
 
     import torch
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dbo_runtime.harness.machine import refuse_without_engine  # noqa: E402
-from graphs._args import Parser, integer, positive_seconds  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, positive_seconds  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 
@@ -40,11 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default: eager, the host-bound worst case)")
     parser.add_argument("--warmup-engines", type=integer(0), default=1, help="untimed engines started first to fill the JIT caches (default 1)")
     parser.add_argument("--budget-s", type=positive_seconds, default=1e9, help="stop starting new pairs after this many seconds")
-    parser.add_argument("--out", default=str(ROOT / "graphs" / "results"))
+    add_out(parser)
     args = parser.parse_args(argv)
     refused = refuse_without_engine("bench_real_engine", 1)
     if refused is not None:
-        return refused
+        return EXIT_NO_DEVICE
 
     from dbo_runtime.harness.launch import RunSpec, launch
     from dbo_runtime.harness.prompts import PromptSpec

@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing)
+import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing)
 
 # isort: split
 
-from graphs._args import Parser, integer
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer
 from graphs._plotting import pyplot
 
 VARIANTS = {"plan_at_build": {"defer_plan_ahead": False}, "deferred": {"defer_plan_ahead": True}}
@@ -64,18 +64,18 @@ HOST_KEYS = (
 
 
 def _gpu_or_exit() -> Any:
-    """The DeepGEMM backend, or one clear line and exit code 2."""
+    """The DeepGEMM backend, or one clear line and exit code 3 (cannot run here)."""
 
     from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
 
     refused = refuse_without_kernels("bench_replay_planning")
     if refused is not None:
-        raise SystemExit(refused)
+        raise SystemExit(EXIT_NO_DEVICE)
     try:
         return DeepGemmBackend()
     except Exception as exc:  # a wheel built for another torch
         print(f"bench_replay_planning: needs a CUDA GPU and DeepGEMM: DeepGEMM does not load ({type(exc).__name__}: {exc}); nothing measured", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_NO_DEVICE) from None
 
 
 def _count(events: Any, steps: int) -> dict[str, Any]:
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=integer(1), default=10, help="replay steps per variant (default 10)")
     ap.add_argument("--requests", type=integer(2), default=16, help="decode requests, split over two microbatches")
     ap.add_argument("--max-context", type=integer(64, multiple=64), default=8192, help="longest context (multiple of 64)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results", help="output folder")
+    add_out(ap)
     args = ap.parse_args(argv)
     try:
         be = _gpu_or_exit()

@@ -21,14 +21,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import graphs._torch  # noqa: F401  (exits 2 with one line when torch is missing)
+import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing)
 
 # isort: split
 
 from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import CONTRASTS, GLM53, MODES, run_scenario
-from graphs._args import Parser, integer
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer
 from graphs._plotting import pyplot
 
 
@@ -37,11 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=integer(1), default=GLM53.steps, help=f"DBO steps per mode (default {GLM53.steps})")
     ap.add_argument("--requests", type=integer(2), default=GLM53.num_requests, help="decode requests, split over two microbatches")
     ap.add_argument("--max-context", type=integer(GLM53.block_kv, multiple=GLM53.block_kv), default=GLM53.max_context, help="longest context")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    add_out(ap)
     args = ap.parse_args(argv)
     refused = refuse_without_kernels("scenario_suite", "nothing run")
     if refused is not None:
-        return refused
+        return EXIT_NO_DEVICE
     backend = DeepGemmBackend()
     cfg = dataclasses.replace(GLM53, steps=args.steps, num_requests=args.requests, max_context=args.max_context)
     runs = []

@@ -22,7 +22,9 @@ EXIT_USAGE = 2
 """Bad flag or value (argparse errors and ``ConfigError``)."""
 EXIT_NO_DEVICE = 3
 """The command cannot run on this machine: no GPU visible through NVML or CUDA (and no ``--total-sms``),
-too few GPUs, or no torch."""
+no CUDA or DeepGEMM where real kernels or CUDA graphs were asked for, too few GPUs, no vLLM or torch.
+A bad argument is ``EXIT_USAGE`` even where the machine could not run it anyway, so a script can tell the
+two apart: fix the command line, or move to another machine."""
 
 
 class CliError(Exception):

@@ -11,6 +11,7 @@ from typing import Any
 
 from dbo_runtime.cli._common import CliError
 from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.settings import StateError
 
 EXIT_RUN_FAILED = 3
 """An engine run failed or cannot start here (no vLLM, too few GPUs)."""
@@ -36,9 +37,40 @@ UNSUPPORTED_FLAGS = (
 DBO_FLAGS = ("--enable-dbo", "--no-enable-dbo")
 
 
+def normal_arg(arg: str) -> str:
+    """One command-line token as vLLM's ``FlexibleArgumentParser`` reads it: in a ``--`` option's name
+    (up to the first ``.``, the nested-key separator) underscores are dashes, so ``--data_parallel_size``
+    is ``--data-parallel-size``; values and short options are left alone. Every place the CLI inspects the
+    engine arguments reads them through this, or an underscore spelling would slip past its checks."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    head, dot, rest = name[2:].partition(".")
+    return f"--{head.replace('_', '-')}{dot}{rest}{eq}{value}"
+
+
+def engine_arg(args: list[str], flag: str) -> str | None:
+    """The value vLLM takes for ``flag``: the last one given, ``--flag v`` or ``--flag=v``, in any spelling
+    ``normal_arg`` accepts; None when absent."""
+    found: str | None = None
+    for i, arg in enumerate(args):
+        name, eq, value = normal_arg(arg).partition("=")
+        if name == flag:
+            found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return found
+
+
+def has_flag(args: list[str], *names: str) -> bool:
+    """Whether any of ``names`` is given, in any spelling ``normal_arg`` accepts."""
+    return any(normal_arg(a).split("=", 1)[0] in names for a in args)
+
+
 def split_engine_args(extra: list[str], command: str = "verify") -> tuple[list[str], int, list[str]]:
-    """(engine args without DP size / DBO flags, DP size, notes). Pure: tested on CPU."""
-    args = [a for a in extra if a != "--"]
+    """(engine args without DP size / DBO flags, DP size, notes). Pure: tested on CPU.
+
+    The arguments come back in vLLM's own spelling (``normal_arg``), which vLLM parses exactly as the
+    operator's, so every later check sees one spelling."""
+    args = [normal_arg(a) for a in extra if a != "--"]
     notes = []
     dp = 1
     out: list[str] = []
@@ -47,12 +79,12 @@ def split_engine_args(extra: list[str], command: str = "verify") -> tuple[list[s
         arg = args[i]
         name, eq, value = arg.partition("=")
         if name == "--config":
-            raise ConfigError(
-                "--config", value or "(set)", f"not supported by {command}: pass the engine arguments on the command "
-                f"line (a config file could set enable_dbo or data_parallel_size behind {command}'s back)"
+            raise StateError(
+                "--config", "given", f"left out ({command} takes the engine arguments on the command line only: "
+                f"a config file could set enable_dbo or data_parallel_size behind {command}'s back)"
             )
         if name in UNSUPPORTED_FLAGS:
-            raise ConfigError(name, value or "(set)", f"not supported by {command}: it runs offline on one node (leave it out)")
+            raise StateError(name, "given", f"left out ({command} runs offline on one node)")
         if name in DBO_FLAGS:
             notes.append(f"{name} ignored: {command} sets DBO itself")
             i += 1
@@ -60,7 +92,7 @@ def split_engine_args(extra: list[str], command: str = "verify") -> tuple[list[s
         if name in DP_SIZE_FLAGS:
             if not eq:
                 if i + 1 >= len(args):
-                    raise ConfigError(name, "(missing)", "a positive integer")
+                    raise StateError(name, "given without a value", "a positive integer")
                 value = args[i + 1]
                 i += 1
             try:
@@ -75,10 +107,10 @@ def split_engine_args(extra: list[str], command: str = "verify") -> tuple[list[s
         i += 1
     what = f"the model to {command}, as for `vllm serve` (--model NAME_OR_PATH)"
     if not any(a == "--model" or a.startswith("--model=") for a in out) and not (out and not out[0].startswith("-")):
-        raise ConfigError("--model", "(missing)", what)
+        raise StateError("--model", "missing", what)
     for i, arg in enumerate(out):
         if arg == "--model" and (i + 1 == len(out) or out[i + 1].startswith("-")):
-            raise ConfigError("--model", "(no value)", what)
+            raise StateError("--model", "given without a value", what)
     if out and not out[0].startswith("-"):
         out = ["--model", *out]  # `vllm serve MODEL ...` style: the positional model
     if dp == 1:
@@ -93,7 +125,7 @@ def flag_set(engine_args: list[str], on: str, off: str) -> bool:
     """vLLM's reading of a boolean flag pair: the last of ``on`` / ``off`` given wins (absent: off)."""
     last = None
     for arg in engine_args:
-        name = arg.split("=", 1)[0].replace("_", "-")
+        name = normal_arg(arg).split("=", 1)[0]
         if name in (on, off):
             last = name
     return last == on
@@ -105,36 +137,39 @@ def require_dbo_parallelism(engine_args: list[str], dp: int, command: str, *, ex
     if dp < 2:
         raise ConfigError("--data-parallel-size", dp, f"2 or more: vLLM microbatches only with data parallelism ({command} needs DBO to run)")
     if expert_parallel and not (flag_set(engine_args, "--enable-expert-parallel", "--no-enable-expert-parallel") or "-ep" in engine_args):
-        raise ConfigError("--enable-expert-parallel", "(missing)", "set: DBO overlaps the expert-parallel all2all")
+        raise StateError("--enable-expert-parallel", "missing", "given (DBO overlaps the expert-parallel all2all)")
 
 
-def comm_sms_problem(engine_args: list[str], environ: Any) -> ConfigError | None:
+def comm_sms_problem(engine_args: list[str], environ: Any, *, backend: str | None = None) -> ConfigError | None:
     """``VLLM_DBO_COMM_SMS`` as the engines will read it, checked before any starts (vLLM would fail in the
-    middle of the DBO run, after the DBO-off one): vLLM 0.33.0's policy on this GPU, or an H200 without one."""
-    raw = environ.get("VLLM_DBO_COMM_SMS")
-    if raw is None:
-        return None
-    from dbo_runtime.core.budget import ALL2ALL_BACKENDS, H200_SMS, compute_budget
-    from dbo_runtime.harness.launch import engine_arg
+    middle of the DBO run, after the DBO-off one): the split ``sms`` computes (``_inputs.budget_for``, so the
+    same value gets the same words everywhere) on this GPU, or on the H200 profile where none is visible.
+    ``backend``: the all2all backend when the engine arguments name none (``doctor``: the default HT)."""
+    from dbo_runtime.cli._inputs import COMM_ENV, Input, budget_for, comm_input
+    from dbo_runtime.core.budget import ALL2ALL_BACKENDS, BACKEND_MAX_SMS_USED, H200_SMS
 
-    backend = engine_arg(engine_args, "--all2all-backend")
-    total = H200_SMS
+    if environ.get(COMM_ENV) is None:
+        return None
+    chosen = engine_arg(engine_args, "--all2all-backend") or backend
+    total = Input(H200_SMS, "default", "the H200 profile: no GPU visible here")
+    major = 9
     try:
         import torch
 
         if torch.cuda.is_available():
-            total = int(torch.cuda.get_device_properties(0).multi_processor_count)
+            props = torch.cuda.get_device_properties(0)
+            total, major = Input(int(props.multi_processor_count), "hardware", "CUDA"), int(props.major)
     except Exception:
         pass
     try:
-        compute_budget(
-            total_sms=total,
+        budget_for(
+            total=total,
+            comm=comm_input(None, "cuda", environ),
+            max_sms_used=Input(BACKEND_MAX_SMS_USED.get(chosen or ""), "vllm-0.33.0-manager"),
             platform="cuda",
-            enable_dbo=True,
-            expert_parallel=True,
-            all2all_backend=backend if backend in ALL2ALL_BACKENDS else None,
-            env_comm_sms=raw,
-            compute_multiple=2,
+            all2all_backend=chosen if chosen in ALL2ALL_BACKENDS else None,
+            where="the engines' GPU",
+            sm_major=major,
         )
     except ConfigError as exc:
         return exc
@@ -162,7 +197,10 @@ def same_runner_env(environ: Any) -> dict[str, str]:
 
 
 def check_with_vllm(engine_args: list[str], command: str = "verify") -> None:
-    """Parse the engine arguments with vLLM's own parser; one line on error, before any GPU work."""
+    """Parse the engine arguments with vLLM's own parser; one line on error, before any GPU work.
+
+    Without a GPU platform vLLM cannot build the parser at all: that is said as what it is (nothing was
+    checked, exit 3), so the caller reports a check only after this returns."""
     try:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -177,7 +215,10 @@ def check_with_vllm(engine_args: list[str], command: str = "verify") -> None:
         parser = EngineArgs.add_cli_args(_Parser(prog="vllm"))
     except Exception as exc:  # e.g. no GPU platform: vLLM's DeviceConfig cannot infer a device
         why = "no GPU platform: vLLM cannot infer a device type" if "infer device type" in str(exc) else f"{type(exc).__name__}: {exc}"
-        raise CliError(f"vLLM cannot run on this machine ({why}); {command} needs a GPU machine", EXIT_RUN_FAILED) from exc
+        raise CliError(
+            f"engine arguments not checked: vLLM cannot build its parser here ({why}); {command} needs a GPU machine",
+            EXIT_RUN_FAILED,
+        ) from exc
     parser.parse_args(engine_args)
 
 
@@ -195,7 +236,10 @@ __all__ = [
     "EXIT_RUN_FAILED",
     "check_with_vllm",
     "comm_sms_problem",
+    "engine_arg",
     "flag_set",
+    "has_flag",
+    "normal_arg",
     "require_dbo_parallelism",
     "same_runner_env",
     "split_engine_args",

@@ -18,7 +18,7 @@ input whose change makes the split valid, with the values that input may take.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,61 @@ def parse_int(raw: object, parameter: str, lo: int, hi: int | None = None, *, al
     if value < lo or (hi is not None and value > hi):
         raise ConfigError(parameter, raw, allowed)
     return value
+
+
+def parse_total(raw: object, split_at: Callable[[int], object]) -> int:
+    """``--total-sms``: an integer in ``[1, MAX_SMS]`` that the split also accepts.
+
+    A refused value gets the range that really applies: ``split_at(1)`` computes the split for a 1-SM device
+    with the other inputs as given, and where that blames ``--total-sms`` its range (above the comm share) is
+    the one named; so ``0`` and ``1`` get the same bound, not ``[1, 1024]`` for one and ``[21, 1024]`` for the other."""
+    try:
+        return parse_int(raw, "--total-sms", 1, MAX_SMS)
+    except ConfigError as exc:
+        try:
+            split_at(1)
+        except ConfigError as bound:
+            if bound.parameter == "--total-sms":
+                raise ConfigError("--total-sms", exc.value, bound.allowed) from None
+        raise
+
+
+def split_warnings(budget: SMBudget) -> list[str]:
+    """What makes a valid split a poor one; shown by ``sms`` and ``simulate`` alike, never refused (vLLM runs it
+    as asked): compute below the comm share, comm SMs vLLM's DeepEP HT manager leaves idle, and the SM DeepGEMM's
+    even rounding leaves idle."""
+    out = []
+    if budget.partitioned and budget.compute < budget.comm:
+        out.append(
+            f"compute {budget.compute} of {budget.total} SMs is less than the comm share {budget.comm}: the "
+            "compute kernels lose more than DBO's overlap can win back (lower VLLM_DBO_COMM_SMS / --comm-sms)"
+        )
+    used = deepep_sms(budget)
+    if used is not None and budget.comm > used:
+        out.append(
+            f"{budget.comm - used} of the {budget.comm} comm SMs stay idle: vLLM's DeepEP high-throughput manager "
+            f"clamps set_num_sms({budget.comm}) to {used}, the SM count its buffers were sized for"
+        )
+    if budget.idle:
+        out.append(
+            f"{budget.idle} SM idle: DeepGEMM's count rounded down to {budget.compute} of {budget.total - budget.comm}, "
+            f"a multiple of {budget.reason.compute_multiple} (SM90 paged-MQA logits at next_n 4 launches 2-CTA clusters)"
+        )
+    return out
+
+
+def deepep_sms(budget: SMBudget) -> int | None:
+    """The SM count DeepEP really gets: vLLM's HT manager clamps ``set_num_sms`` to its buffers' 20.
+
+    ``all2all_manager.set_num_sms(comm)`` is what vLLM calls, but ``DeepEPHTAll2AllManager``
+    (``all2all.py:303-311``) lowers any request above ``num_sms`` (20) before
+    ``deep_ep.Buffer.set_num_sms``; every other manager's ``set_num_sms`` does nothing. So with
+    ``--comm-sms 32`` DeepGEMM loses 32 SMs and DeepEP uses 20. None when no DeepEP knob turns.
+    """
+    r = budget.reason
+    if not budget.comm_knob or r.all2all_backend != "deepep_high_throughput":
+        return None
+    return min(budget.comm, DEEPEP_HT_MANAGER_NUM_SMS)
 
 
 class _Unset:
@@ -117,7 +172,7 @@ def budget_for(
     comm: Input,
     max_sms_used: Input,
     platform: str,
-    all2all_backend: str,
+    all2all_backend: str | None,
     expert_parallel: bool = True,
     deep_gemm: bool = True,
     device: int = 0,

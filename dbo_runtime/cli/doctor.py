@@ -9,6 +9,7 @@ NVML load. vLLM and the integration package are imported inside ``run`` only.
 
 Exit 0 when every feature is in force, the guard's targets exist and the entry point is registered;
 1 otherwise (a feature not in force means a DBO model that needs it is refused at engine start).
+``DBO_RUNTIME_DISABLE=1`` is a deliberate choice, not a failure: one warning says what it means, exit 0.
 DeepGEMM / NVML absence is reported but not a failure (CPU boxes lack both). A required lazy target
 whose module cannot be imported here is a warning. What vLLM and torch log while being imported is
 kept off stderr (``import_warnings``).
@@ -53,6 +54,12 @@ SCHEMA = "dbo-runtime/doctor/v2"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_VALUE = "dbo_runtime.integration.plugin:register"
 WEIGHTS_ENTRY_POINT_VALUE = "dbo_runtime.harness.weights:register"
+DISABLED_WARNING = (
+    "DBO_RUNTIME_DISABLE=1: nothing patched, nothing refused; --enable-dbo runs vLLM's own DBO "
+    "(the DeepGEMM schedule crash / wrong top-k on DSA models)"
+)
+"""The whole verdict under the deliberate switch: a warning, not a problem (exit 0), and one line, where
+every feature's own state would claim refusals that the disabled plugin never makes."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -233,10 +240,15 @@ def _vllm_import_error() -> str | None:
 
 
 def _environment_problems() -> list[str]:
-    """Every dbo_runtime switch and setting an operator can mistype, checked the way the runtime parses it."""
-    from dbo_runtime.cli._inputs import COMM_ENV, comm_input
+    """Every dbo_runtime switch and setting an operator can mistype, checked the way the runtime parses it.
+
+    ``VLLM_DBO_COMM_SMS`` is checked by the function ``verify`` and ``tune`` run before their engines start
+    (``_engine.comm_sms_problem``: this GPU, else the H200 profile, with DeepEP high-throughput, vLLM's DBO
+    backend of choice), so a value every engine would refuse (an odd ``19``) is a problem here too;
+    ``VLLM_DEEP_GEMM_WARMUP`` by vLLM's own choices, which the plugin's planner warm-up follows."""
+    from dbo_runtime.cli._engine import comm_sms_problem
     from dbo_runtime.core.errors import ConfigError
-    from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout, warm_max_batch
+    from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout, vllm_warmup_mode, warm_max_batch
     from dbo_runtime.core.switches import switch_problems
 
     problems = switch_problems()  # the plugin logs these same lines and reads the switches the same way
@@ -246,14 +258,15 @@ def _environment_problems() -> list[str]:
         problems.append("torch is not installed: vLLM and the plugin cannot run here (install vLLM 0.33.0 with its torch)")
     checks: list[Callable[[], object]] = [lambda: parse_layout(os.environ.get(LAYOUT_ENV))]
     checks.append(lambda: warm_max_batch())
-    if os.environ.get(COMM_ENV) is not None:
-        # vLLM reads it with a bare int() at model load; dbo_runtime also refuses a negative count
-        checks.append(lambda: comm_input(None, "cuda"))
+    checks.append(lambda: vllm_warmup_mode())
     for check in checks:
         try:
             check()
         except ConfigError as exc:
             problems.append(str(exc))
+    comm = comm_sms_problem([], os.environ, backend="deepep_high_throughput")
+    if comm is not None:
+        problems.append(str(comm))
     plugins = os.environ.get("VLLM_PLUGINS")
     if plugins is not None and "dbo_runtime" not in [p.strip() for p in plugins.split(",")]:
         problems.append(f"VLLM_PLUGINS={plugins!r} does not list dbo_runtime: vLLM will not load the plugin")
@@ -296,7 +309,8 @@ def _collect() -> dict[str, Any]:
         problems.append(f"entry point {ENTRY_POINT_GROUP}:{ENTRY_POINT_VALUE} not registered (is dbo-runtime pip-installed?)")
     if patch_error:
         problems.append(patch_error)
-    if usable:
+    disabled = parse_switch("DBO_RUNTIME_DISABLE")
+    if usable and not disabled:
         problems.extend(
             f"{f['name']} ({f['summary']}): {f['state']}; a --enable-dbo model that needs it is refused at engine start"
             for f in features
@@ -307,7 +321,8 @@ def _collect() -> dict[str, Any]:
             f"patch target missing: {p['target']} ({p['name']}): {p['detail']}" for p in patches if p["state"] == "missing"
         )
     problems.extend(_environment_problems())
-    warnings_ = [
+    warnings_ = [DISABLED_WARNING] if disabled else []
+    warnings_ += [
         f"required patch target not checked here: {p['target']} ({p['name']}): {p['detail']}"
         for p in patches
         if p["state"] == "skipped" and not p["optional"]
@@ -355,10 +370,13 @@ def render(doc: dict[str, Any]) -> None:
     noise = doc["import_warnings"]
     caption = [
         f"dbo_runtime {doc['dbo_runtime_version']}, Python {doc['python']}; {vllm_line}",
-        "features: " + ("; ".join(f"{f['name']}: {f['state']}" for f in doc["features"]) or "none"),
+        (
+            f"features: none in force, {len(doc['features'])} disabled by DBO_RUNTIME_DISABLE (--json: what each would be)"
+            if doc["plugin"]["disabled_by_env"]
+            else "features: " + ("; ".join(f"{f['name']}: {f['state']}" for f in doc["features"]) or "none")
+        ),
         "guard: " + (", ".join(f"{g['name']} {g['state']}" for g in doc["guard"]) or "not checked"),
         f"entry point {ENTRY_POINT_GROUP}: {'registered' if doc['plugin']['entry_point'] else 'MISSING'}"
-        + ("; DBO_RUNTIME_DISABLE is on: the plugin patches nothing (vLLM's own DBO behaviour)" if doc["plugin"]["disabled_by_env"] else "")
         + ("; DBO_RUNTIME_STRICT is on: a fix not in force stops every engine at plugin load" if doc["plugin"].get("strict") else "")
         + (
             "; load format dbo_runtime_random: registered (entry point dbo_runtime_weights, patches nothing, also under "
@@ -374,11 +392,11 @@ def render(doc: dict[str, Any]) -> None:
             f"{len(noise)} import warning(s) from vLLM/torch (expected where vLLM's compiled kernels or Triton are "
             "absent; listed under import_warnings in --json)"
         )
-    if not doc["ok"]:
+    if doc["problems"]:
         caption.append("PROBLEMS: " + "; ".join(doc["problems"]))
-    elif doc["warnings"]:
+    if doc["warnings"]:
         caption.append("WARNINGS (not failures): " + "; ".join(doc["warnings"]))
-    else:
+    if doc["ok"] and not doc["warnings"]:
         caption.append("OK")
     print_table(
         "dbo-runtime doctor: vLLM patch targets", ["Patch", "Target", "State", "Fingerprint", "Kind", "Detail"], rows, caption

@@ -40,6 +40,7 @@ import sys
 from typing import Any
 
 from dbo_runtime.cli._common import (
+    EXIT_NO_DEVICE,
     EXIT_OK,
     EXIT_PROBLEM,
     EXIT_USAGE,
@@ -48,7 +49,7 @@ from dbo_runtime.cli._common import (
     print_table,
     warn_switch_problems,
 )
-from dbo_runtime.cli._inputs import MAX_SMS, Input, budget_for, comm_input, parse_int
+from dbo_runtime.cli._inputs import MAX_SMS, Input, budget_for, comm_input, parse_int, parse_total, split_warnings
 from dbo_runtime.cli._progress import Progress, seconds
 from dbo_runtime.core.budget import H200_SMS
 from dbo_runtime.core.errors import ConfigError
@@ -176,16 +177,24 @@ def _run(args: argparse.Namespace) -> int:
     disabled = parse_switch("DBO_RUNTIME_DISABLE")
     # The environment a server would read, refused here like a bad flag (a server logs it and goes on).
     warm_max_batch()
-    env_layout = parse_layout(os.environ.get(LAYOUT_ENV)).value  # a bad value would stop a server: refused even with the flag
+    try:
+        env_layout = parse_layout(os.environ.get(LAYOUT_ENV)).value
+    except ConfigError as exc:  # a bad value would stop a server: refused even with the flag, and said why
+        raise ConfigError(
+            exc.parameter,
+            exc.value,
+            f"{exc.allowed} (set in the environment: a server would read it and stop; unset it, --topk-layout "
+            "does not override it)",
+        ) from None
     layout = args.topk_layout or env_layout
 
     # Every flag is checked, and the split computed, before anything runs (sms uses the same rules).
     steps = None if args.steps is None else parse_int(args.steps, "--steps", 1, MAX_STEPS)
     requests = None if args.requests is None else parse_int(args.requests, "--requests", 2, MAX_REQUESTS)
-    total_sms = H200_SMS if args.total_sms is None else parse_int(args.total_sms, "--total-sms", 1, MAX_SMS)
-    seed = parse_int(args.seed, "--seed", 0, MAX_SEED)
     comm = comm_input(args.comm_sms, "cuda")
-    backend = make_backend(args.backend, total_sms=total_sms)
+    total_sms = H200_SMS if args.total_sms is None else parse_total(args.total_sms, lambda sms: _split(Input(sms, "--total-sms"), comm, 9))
+    seed = parse_int(args.seed, "--seed", 0, MAX_SEED)
+    backend = _backend(args.backend, args.mode, total_sms, make_backend)
     base = SMALL if args.preset == "small" else GLM53
     if backend.simulated and base is GLM53:
         base = dataclasses.replace(GLM53, steps=GLM53_CPU_STEPS, num_requests=GLM53_CPU_REQUESTS)
@@ -200,15 +209,9 @@ def _run(args: argparse.Namespace) -> int:
         total = Input(total_sms, "--total-sms" if args.total_sms is not None else "default", "the H200 profile")
     else:
         total = Input(backend.total_sms, "hardware", f"{backend.name} on this GPU")
-    budget_for(
-        total=total,
-        comm=comm,
-        max_sms_used=Input(None, "vllm-0.33.0-manager"),
-        platform="cuda",
-        all2all_backend="deepep_high_throughput",
-        where="the simulated device" if backend.simulated else "this GPU",
-        sm_major=backend.sm_major,
-    )
+    budget = _split(total, comm, backend.sm_major, "the simulated device" if backend.simulated else "this GPU")
+    for warning in split_warnings(budget):  # the lines `sms` shows for the same split
+        print(f"dbo-runtime simulate: warning: {warning}", file=sys.stderr)
     config = for_backend(config, backend)
     runs = _runs(args, disabled, int(config.comm_sms))
     if backend.simulated:
@@ -248,6 +251,42 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_OK if verdict else EXIT_PROBLEM
     _print_human(backend, args, head, results, verdict, disabled)
     return EXIT_OK if verdict else EXIT_PROBLEM
+
+
+def _split(total: Input, comm: Input, sm_major: int | None, where: str = "the simulated device") -> Any:
+    """The split the scenario runs under: vLLM's for DeepEP HT, through the rules ``sms`` uses."""
+    return budget_for(
+        total=total,
+        comm=comm,
+        max_sms_used=Input(None, "vllm-0.33.0-manager"),
+        platform="cuda",
+        all2all_backend="deepep_high_throughput",
+        where=where,
+        sm_major=sm_major,
+    )
+
+
+def _backend(kind: str, mode: str, total_sms: int, make_backend: Any) -> Any:
+    """The kernel backend, or one line with exit 3 where this machine cannot run what was asked: real DeepGEMM,
+    or a CUDA-graph mode, without a CUDA device is the machine's limit, not a bad argument."""
+    from dbo_runtime.sim.backends import real_kernels_missing
+
+    if kind == "deep_gemm":
+        missing = real_kernels_missing()
+        if missing is not None:
+            raise CliError(f"--backend deep_gemm needs a CUDA GPU and DeepGEMM: {missing}; --backend cpu runs the CPU simulation", EXIT_NO_DEVICE)
+    backend = make_backend(kind, total_sms=total_sms)
+    if mode != "eager" and backend.device.type != "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError(
+                f"--mode {mode} needs a CUDA GPU (FULL CUDA-graph capture): no CUDA device "
+                "(torch.cuda.is_available() is False); --mode eager runs here",
+                EXIT_NO_DEVICE,
+            )
+        raise ConfigError("--mode", mode, f"eager with --backend {kind} (CUDA graphs capture the real kernels: --backend auto)")
+    return backend
 
 
 def _outcome(r: Any) -> str:

@@ -72,16 +72,24 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dbo_runtime.cli._common import EXIT_NO_DEVICE, EXIT_OK, CliError, print_json, print_table, warn_switch_problems
-from dbo_runtime.cli._inputs import COMM_ENV, MAX_SMS, Input, budget_for, comm_input, parse_int
+from dbo_runtime.cli._inputs import (
+    COMM_ENV,
+    Input,
+    budget_for,
+    comm_input,
+    deepep_sms,
+    parse_int,
+    parse_total,
+    split_warnings,
+)
 from dbo_runtime.core.budget import (
     ALL2ALL_BACKENDS,
     BACKEND_MAX_SMS_USED,
     DBO_BACKENDS,
-    DEEPEP_HT_MANAGER_NUM_SMS,
     H200_SMS,
     PLATFORMS,
     SMBudget,
@@ -171,8 +179,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     backend = args.all2all_backend
     allowed_backends = DBO_BACKENDS_BY_PLATFORM[platform]
     if backend not in allowed_backends:
-        known = "" if backend in ALL2ALL_BACKENDS else "unknown backend; "
-        raise ConfigError("--all2all-backend", backend, f"{known}with DBO on {platform}: {', '.join(allowed_backends)}")
+        known = "a vLLM backend without DBO support" if backend in ALL2ALL_BACKENDS else "not a vLLM backend"
+        raise ConfigError(
+            "--all2all-backend", backend, f"{', '.join(allowed_backends)} (the backends vLLM allows with DBO on {platform}; {backend!r} is {known})"
+        )
     comm = comm_input(args.comm_sms, platform)
     if args.max_sms_used is None:
         max_sms, max_source = BACKEND_MAX_SMS_USED.get(backend), "vllm-0.33.0-manager"
@@ -181,8 +191,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     else:
         max_sms = parse_int(args.max_sms_used, "--max-sms-used", 0, also="'none'")
         max_source = "--max-sms-used"
-    total = None if args.total_sms is None else parse_int(args.total_sms, "--total-sms", 1, MAX_SMS)
-    return Settings(
+    settings = Settings(
         platform=platform,
         all2all_backend=backend,
         expert_parallel=not args.no_expert_parallel,
@@ -191,8 +200,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_sms_used=max_sms,
         max_sms_used_source=max_source,
         deep_gemm=not args.no_deep_gemm,
-        total_sms=total,
+        total_sms=None,
     )
+    if args.total_sms is None:
+        return settings
+    total = parse_total(args.total_sms, lambda sms: _apply_budget(_profile_rows(sms)[0], settings))
+    return replace(settings, total_sms=total)
 
 
 def budget_json(budget: SMBudget) -> dict[str, Any]:
@@ -211,37 +224,6 @@ def budget_json(budget: SMBudget) -> dict[str, Any]:
         "describe": budget.describe(),
         "deepep_sms": deepep_sms(budget),
     }
-
-
-def deepep_sms(budget: SMBudget) -> int | None:
-    """The SM count DeepEP really gets: vLLM's HT manager clamps ``set_num_sms`` to its buffers' 20.
-
-    ``all2all_manager.set_num_sms(comm)`` is what vLLM calls, but ``DeepEPHTAll2AllManager``
-    (``all2all.py:303-311``) lowers any request above ``num_sms`` (20) before
-    ``deep_ep.Buffer.set_num_sms``; every other manager's ``set_num_sms`` does nothing. So with
-    ``--comm-sms 32`` DeepGEMM loses 32 SMs and DeepEP uses 20. None when no DeepEP knob turns.
-    """
-    r = budget.reason
-    if not budget.comm_knob or r.all2all_backend != "deepep_high_throughput":
-        return None
-    return min(budget.comm, DEEPEP_HT_MANAGER_NUM_SMS)
-
-
-def split_warnings(budget: SMBudget) -> list[str]:
-    """What makes a valid split a poor one; shown, never refused (vLLM runs it as asked)."""
-    out = []
-    if budget.partitioned and budget.compute < budget.comm:
-        out.append(
-            f"compute {budget.compute} of {budget.total} SMs is less than the comm share {budget.comm}: the "
-            "compute kernels lose more than DBO's overlap can win back (lower VLLM_DBO_COMM_SMS / --comm-sms)"
-        )
-    used = deepep_sms(budget)
-    if used is not None and budget.comm > used:
-        out.append(
-            f"{budget.comm - used} of the {budget.comm} comm SMs stay idle: vLLM's DeepEP high-throughput manager "
-            f"clamps set_num_sms({budget.comm}) to {used}, the SM count its buffers were sized for"
-        )
-    return out
 
 
 def _apply_budget(row: DeviceRow, s: Settings) -> None:

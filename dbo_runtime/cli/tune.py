@@ -26,15 +26,29 @@ from dbo_runtime.cli._engine import (
     EXIT_INCONCLUSIVE,
     EXIT_RUN_FAILED,
     check_with_vllm,
+    comm_sms_problem,
+    engine_arg,
+    has_flag,
     require_dbo_parallelism,
     same_runner_env,
     split_engine_args,
     switch_notes,
     visible_gpus,
 )
+from dbo_runtime.cli._paths import check_dir, check_png, make_dir
 from dbo_runtime.cli._progress import Progress
-from dbo_runtime.core.comm_sweep import DEFAULT_VALUES, Measurement, Sweep, choose, measurement, plan_sweep
+from dbo_runtime.core.comm_sweep import (
+    ALPHA,
+    DEFAULT_VALUES,
+    Measurement,
+    Sweep,
+    choose,
+    measurement,
+    plan_sweep,
+    rounds_needed,
+)
 from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.settings import setting_problems
 
 SCHEMA = "dbo-runtime/tune/v1"
 ACCEPTS_EXTRA_ARGS = True
@@ -57,9 +71,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--shape", default="prefill", metavar="SHAPE", help="prefill (HT's regime, default) or decode")
-    parser.add_argument("--prefill-tokens", default="8192", metavar="N", help="prefill tokens per rank per step (default 8192)")
+    parser.add_argument(
+        "--prefill-tokens", default=None, metavar="N", help="prefill tokens per rank per step (default 8192; --shape prefill only)"
+    )
     parser.add_argument("--prompt-len", default="1024", metavar="N", help="tokens per prompt (default 1024)")
-    parser.add_argument("--decode-batch", default="128", metavar="B", help="decode requests per rank (default 128)")
+    parser.add_argument("--decode-batch", default=None, metavar="B", help="decode requests per rank (default 128; --shape decode only)")
     parser.add_argument(
         "--values",
         default=",".join(str(v) for v in DEFAULT_VALUES),
@@ -69,10 +85,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--reps", default="7", metavar="N", help="measured rounds (one turn per value each; default 7, what confirming a "
-        "better value against 4 others needs)"
+        "better value against 4 others needs; more values need more, e.g. 8 for --values all)"
     )
     parser.add_argument("--warmup", default="1", metavar="N", help="unmeasured rounds first, at least 1 (default 1)")
-    parser.add_argument("--steps", default="4", metavar="N", help="prefill steps per turn (default 4)")
+    parser.add_argument("--steps", default=None, metavar="N", help="prefill steps per turn (default 4; --shape prefill only)")
     parser.add_argument(
         "--min-gain", default="0.02", metavar="F", help="a value replaces today's only if this much faster (default 0.02)"
     )
@@ -108,10 +124,24 @@ def _int(args: argparse.Namespace, dest: str, low: int, high: int) -> int:
     return value
 
 
+SHAPE_OPTIONS = {"prefill_tokens": ("prefill", "8192"), "steps": ("prefill", "4"), "decode_batch": ("decode", "128")}
+"""tune's options that only one shape reads, with their defaults (the parser's default is None: not given)."""
+
+
 def options(args: argparse.Namespace) -> Options:
-    """Tune's own options, each checked with one line naming it. Pure: tested on CPU."""
+    """Tune's own options, each checked with one line naming it. Pure: tested on CPU.
+
+    An option the chosen shape does not read is refused: a sweep that silently ignored ``--prefill-tokens``
+    under ``--shape decode`` would time a workload other than the one asked for."""
     if args.shape not in SHAPES:
         raise ConfigError("--shape", args.shape, SHAPES)
+    args = argparse.Namespace(**vars(args))
+    for dest, (shape, default) in SHAPE_OPTIONS.items():
+        raw = getattr(args, dest, None)
+        if raw is not None and args.shape != shape:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(flag, raw, f"left out with --shape {args.shape} (it sets the {shape} workload only)")
+        setattr(args, dest, default if raw is None else raw)
     min_gain = _float(args.min_gain, "--min-gain", "a number in [0, 1), e.g. 0.02 for 2 %")
     timeout = _float(args.timeout, "--timeout", "a positive number of seconds")
     if not (math.isfinite(min_gain) and 0 <= min_gain < 1):
@@ -139,8 +169,6 @@ def _float(raw: Any, flag: str, allowed: str) -> float:
 
 
 def _flag(args: list[str], *names: str) -> str | None:
-    from dbo_runtime.harness.launch import engine_arg
-
     for name in names:
         value = engine_arg(args, name)
         if value is not None:
@@ -148,8 +176,19 @@ def _flag(args: list[str], *names: str) -> str | None:
     return None
 
 
-def _has(args: list[str], *names: str) -> bool:
-    return any(a.split("=", 1)[0] in names for a in args)
+_has = has_flag
+
+
+def decode_needs_eager(engine_args: list[str], dp: int) -> bool:
+    """Whether a decode turn must run eager to be measured at all.
+
+    vLLM captures uniform decode as FULL CUDA graphs, and a FULL-graph replay (MRV1's ``UBatchWrapper``
+    replay branch, MRV2's ``run_fullgraph``) never enters SMControl's partition, so the counters tune
+    times would read zero. vLLM keeps graphs unless they are off already: ``--enforce-eager``, or DeepEP
+    high-throughput with data parallelism, for which it sets ``cudagraph_mode`` to NONE itself."""
+    if _has(engine_args, "--enforce-eager"):
+        return False
+    return not (_flag(engine_args, "--all2all-backend") == "deepep_high_throughput" and dp > 1)
 
 
 def workload(engine_args: list[str], dp: int, opts: Options) -> tuple[list[str], Any, dict[str, Any], str, str, list[str]]:
@@ -184,6 +223,12 @@ def workload(engine_args: list[str], dp: int, opts: Options) -> tuple[list[str],
         bench["max_tokens"] = 2
         metric, counter = "prefill_partition_ms", "prefill_partitions"
     else:
+        if decode_needs_eager(engine_args, dp):
+            added.append("--enforce-eager")
+            notes.append(
+                "--enforce-eager added: a FULL CUDA-graph replay never enters the SM partition, so decode is timed "
+                "eager (the measure is the host time per microbatched forward)"
+            )
         seqs = _flag(engine_args, "--max-num-seqs")
         if seqs is not None and seqs.isdigit() and int(seqs) < opts.decode_batch:
             raise ConfigError("--decode-batch", opts.decode_batch, f"at most --max-num-seqs ({seqs}): one decode step holds them all")
@@ -264,6 +309,21 @@ def gpus_needed(engine_args: list[str], dp: int) -> int:
     return dp * sizes[0] * sizes[1]
 
 
+def check_reps(opts: Options, sweep: Sweep) -> None:
+    """Refuse a sweep that cannot confirm any value before it starts: with ``k`` values besides today's, the
+    all-faster sign test needs ``rounds_needed(k, ALPHA)`` rounds (``core.comm_sweep.choose``), and fewer
+    could only ever say "keep today's" after the whole sweep ran."""
+    others = len(sweep.values) - 1
+    need = rounds_needed(others, ALPHA)
+    if opts.reps < need:
+        raise ConfigError(
+            "--reps",
+            opts.reps,
+            f">= {need} for {len(sweep.values)} values: confirming one against the {others} others at {ALPHA:.0%} "
+            f"needs {need} rounds all faster ({others} x 2^-{need} <= {ALPHA}); or fewer --values",
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from dbo_runtime.harness.turns import run_interleaved
 
@@ -271,25 +331,29 @@ def run(args: argparse.Namespace) -> int:
     engine_args, dp, notes = split_engine_args(list(getattr(args, "extra_args", []) or []), "tune")
     require_dbo_parallelism(engine_args, dp, "tune")
     notes = [*switch_notes(), *(n for n in notes if "data-parallel size 1" not in n)]
+    problem = comm_sms_problem(engine_args, os.environ)
+    if problem is not None:  # the same words as verify and sms for the same value
+        raise problem
+    for setting in setting_problems():  # read by the engines only at model load
+        raise setting
     sweep = plan_sweep(args.values, backend=_flag(engine_args, "--all2all-backend"), platform=_platform(), environ=os.environ)
+    check_reps(opts, sweep)
     notes += list(sweep.notes)
     plan, metric, counter, more = specs(engine_args, dp, sweep, opts, os.environ)
     notes += more
-    workdir = Path(args.workdir) if args.workdir else None
-    if workdir is not None:
-        try:
-            workdir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError("--workdir", str(workdir), f"a directory tune can create ({exc.strerror or exc})") from exc
+    # usage errors before vLLM's parser and the GPU check, which can only say "cannot run"; nothing is created yet
+    workdir = check_dir(args.workdir, "--workdir", "tune") if args.workdir else None
+    png = check_png(args.png, "tune") if args.png else None
     progress = Progress("[tune]")
     for note in notes:
         progress.say(f"note: {note}")
-    progress.say("checking the engine arguments with vLLM's parser")
     check_with_vllm(plan[0].engine_args, "tune")
+    progress.say("engine arguments checked with vLLM's parser")
     visible, need = visible_gpus(), gpus_needed(engine_args, dp)
     if visible < need:
         raise CliError(f"needs {need} GPU(s) (data-parallel {dp} x tensor x pipeline parallel); {visible} visible", EXIT_RUN_FAILED)
-    workdir = workdir or Path(tempfile.mkdtemp(prefix="dbo-tune-"))
+    # only once the engines will start: a refused run leaves nothing behind
+    workdir = make_dir(workdir, "--workdir", "tune") if workdir is not None else Path(tempfile.mkdtemp(prefix="dbo-tune-"))
     with progress:
         progress.set(f"starting {len(plan)} DBO engines of {dp} ranks (one per value), then {opts.warmup + opts.reps} turns each")
         records = run_interleaved(plan, workdir, opts.reps, timeout_s=opts.timeout, progress=progress.say)
@@ -308,9 +372,14 @@ def run(args: argparse.Namespace) -> int:
         workdir=str(workdir),
         turn_order=next(iter(records.values()), {}).get("turn_order"),
     )
-    if args.png and doc["verdict"] == "measured":
-        doc["png"] = draw(doc, Path(args.png))
-    render(doc, args.json)
+    render(doc, args.json)  # the result first: nothing the drawing does can hide it
+    if png is not None and doc["verdict"] == "measured":
+        drawn = draw(doc, png)
+        line = f"curve drawn: {drawn}" if drawn else f"note: {doc['notes'][-1]}"
+        if args.json:
+            progress.say(line)
+        else:
+            sys.stdout.write(line + "\n")
     return exit_code(doc)
 
 
@@ -328,7 +397,8 @@ def exit_code(doc: dict[str, Any]) -> int:
 
 
 def draw(doc: dict[str, Any], path: Path) -> str | None:
-    """The curve as a PNG; None (and a note) where matplotlib is not installed."""
+    """The curve as a PNG; None, and a note in ``doc``, where it cannot be drawn (matplotlib missing, the
+    file system refusing the file): the measured result is already printed, and a drawing never hides it."""
     try:
         import matplotlib
 
@@ -337,6 +407,14 @@ def draw(doc: dict[str, Any], path: Path) -> str | None:
     except ImportError:
         doc["notes"].append("matplotlib is not installed: no PNG (pip install matplotlib)")
         return None
+    try:
+        return _savefig(plt, doc, path)
+    except (OSError, ValueError) as exc:  # ValueError: a file name suffix matplotlib has no writer for
+        doc["notes"].append(f"no PNG: --png {path} could not be written ({exc})")
+        return None
+
+
+def _savefig(plt: Any, doc: dict[str, Any], path: Path) -> str:
     rows = [r for r in doc["curve"] if r["median_ms"] is not None]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = [r["comm_sms"] for r in rows]
@@ -350,12 +428,14 @@ def draw(doc: dict[str, Any], path: Path) -> str | None:
     ax.axvline(doc["default"], color="grey", linestyle="--", label=f"in force today ({doc['default']})")
     ax.set_xlabel("VLLM_DBO_COMM_SMS (comm SMs per GPU)")
     ax.set_ylabel(f"DBO {doc['shape']} step (ms, median, min-max)")
-    ax.set_title(f"dbo-runtime tune: best {doc['best']} ({doc['best_speedup']:.3f}x vs {doc['default']})")
+    ax.set_title(f"dbo-runtime tune: fastest {doc['best']} ({doc['best_paired_speedup']:.3f}x vs {doc['default']}), use {doc['chosen']}")
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
     return str(path)
 
 
@@ -385,7 +465,9 @@ def render(doc: dict[str, Any], as_json: bool) -> None:
     )
     out = sys.stdout
     if doc["verdict"] == "measured":
-        out.write(f"fastest: {doc['best']} comm SMs, {doc['best_speedup']:.3f}x vs {doc['default']} (in force today, paired median)\n")
+        out.write(
+            f"fastest: {doc['best']} comm SMs, {doc['best_paired_speedup']:.3f}x vs {doc['default']} (in force today, paired median)\n"
+        )
         out.write(f"use: {doc['setting']} -- {doc['reason']}\n")
     else:
         why = doc.get("reason") or (

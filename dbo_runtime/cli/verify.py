@@ -37,16 +37,19 @@ from dbo_runtime.cli._engine import (
     EXIT_RUN_FAILED,
     check_with_vllm,
     comm_sms_problem,
+    engine_arg,
+    has_flag,
     require_dbo_parallelism,
     same_runner_env,
     split_engine_args,
     switch_notes,
     visible_gpus,
 )
+from dbo_runtime.cli._paths import check_dir, make_dir
 from dbo_runtime.cli._progress import Progress
 from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.settings import StateError, setting_problems
 from dbo_runtime.harness.compare import FloorRule, Thresholds
-from dbo_runtime.harness.launch import engine_arg
 
 SCHEMA = "dbo-runtime/verify/v1"
 
@@ -156,7 +159,7 @@ def ll_qp_depth_problem(engine_args: list[str], environ: Any) -> ConfigError | N
     ``--performance-mode throughput`` (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``)."""
     if (engine_arg(engine_args, "--all2all-backend") or "") != "deepep_low_latency":
         return None
-    if not any(a.replace("_", "-") in ("--enable-expert-parallel", "-ep") for a in engine_args):
+    if not has_flag(engine_args, "--enable-expert-parallel", "-ep"):
         return None
     tokens = _batched_tokens(engine_args)
     if tokens is None:
@@ -169,13 +172,13 @@ def ll_qp_depth_problem(engine_args: list[str], environ: Any) -> ConfigError | N
         return ConfigError("NVSHMEM_QP_DEPTH", raw, f"an integer >= {need} for DeepEP low-latency with --max-num-batched-tokens {tokens}")
     if depth >= need:
         return None
-    shown = raw if raw is not None else f"unset (NVSHMEM default {NVSHMEM_QP_DEPTH_DEFAULT})"
-    return ConfigError(
-        "NVSHMEM_QP_DEPTH",
-        shown,
+    allowed = (
         f"an integer >= {need} = 2 x (--max-num-batched-tokens {tokens} + 1) for DeepEP low-latency, "
-        f"e.g. NVSHMEM_QP_DEPTH={max(8192, need)}; or --max-num-batched-tokens <= {depth // 2 - 1}",
+        f"e.g. NVSHMEM_QP_DEPTH={max(8192, need)}; or --max-num-batched-tokens <= {depth // 2 - 1}"
     )
+    if raw is None:
+        return StateError("NVSHMEM_QP_DEPTH", f"unset (NVSHMEM default {NVSHMEM_QP_DEPTH_DEFAULT})", allowed)
+    return ConfigError("NVSHMEM_QP_DEPTH", raw, allowed)
 
 
 def floor_args(engine_args: list[str], per_rank: int) -> tuple[list[str], str]:
@@ -266,36 +269,29 @@ def run(args: argparse.Namespace) -> int:
         loaded = from_file(args.prompt_file)  # fail on a bad file now, not after an engine start
         if len(loaded) < dp:
             raise ConfigError("--prompt-file", args.prompt_file, f"at least {dp} prompts (one per data-parallel rank)")
-    progress = Progress("[verify]")
-    for note in notes:
-        progress.say(f"note: {note}")
-    if args.workdir:  # a usage error before vLLM's parser and the GPU check, which can only say "cannot run"
-        workdir = Path(args.workdir)
-        try:
-            workdir.mkdir(parents=True, exist_ok=True)
-            probe = workdir / ".dbo-verify-write-test"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as exc:
-            raise ConfigError("--workdir", str(workdir), f"a directory verify can create and write ({exc.strerror or exc})") from exc
-    for problem in (ll_qp_depth_problem(engine_args, os.environ), comm_sms_problem(engine_args, os.environ)):
+    # usage errors before vLLM's parser and the GPU check, which can only say "cannot run"; nothing is created yet
+    workdir = check_dir(args.workdir, "--workdir", "verify") if args.workdir else None
+    for problem in (ll_qp_depth_problem(engine_args, os.environ), comm_sms_problem(engine_args, os.environ), *setting_problems()):
         if problem is not None:  # needs no vLLM: said on any machine, before any engine starts
             raise problem
-    progress.say("checking the engine arguments with vLLM's parser")
-    check_with_vllm(engine_args)
-    visible = visible_gpus()
-    if visible < dp:
-        raise CliError(f"needs {dp} GPU(s) for data-parallel size {dp} (one engine rank per GPU); {visible} visible", EXIT_RUN_FAILED)
-    if not args.workdir:
-        workdir = Path(tempfile.mkdtemp(prefix="dbo-verify-"))  # only once the engines will start: no empty leftovers
-
-    records: dict[str, dict[str, Any]] = {}
     plan: list[tuple[str, list[str]]] = [("dbo-off", []), ("dbo-on", ["--enable-dbo"])]
     if args.noise_floor:
         per_rank = -(-(len(loaded) if args.prompt_file is not None else args.prompts) // dp)
         added, note = floor_args(engine_args, per_rank)
         plan.append(("noise-floor", added))
         notes.append(note)
+    progress = Progress("[verify]")
+    for note in notes:
+        progress.say(f"note: {note}")
+    check_with_vllm(engine_args)
+    progress.say("engine arguments checked with vLLM's parser")
+    visible = visible_gpus()
+    if visible < dp:
+        raise CliError(f"needs {dp} GPU(s) for data-parallel size {dp} (one engine rank per GPU); {visible} visible", EXIT_RUN_FAILED)
+    # only once the engines will start: a refused run leaves nothing behind
+    workdir = make_dir(workdir, "--workdir", "verify") if workdir is not None else Path(tempfile.mkdtemp(prefix="dbo-verify-"))
+
+    records: dict[str, dict[str, Any]] = {}
     env = same_runner_env(os.environ)
     if env:
         notes.append(

@@ -24,9 +24,12 @@ from dbo_runtime.core.budget import (
     parse_comm_sms,
 )
 from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.settings import StateError
 
 TUNABLE_BACKEND = "deepep_high_throughput"
 DEFAULT_VALUES = (4, 8, 12, 16, 20)
+ALPHA = 0.05
+"""Family-wise error of moving off today's value: at most 5 % of sweeps where no value is faster do so."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,9 @@ def plan_sweep(
             "deepep_high_throughput: vLLM allows DBO with deepep_high_throughput, deepep_low_latency and nixl_ep, and "
             "the last two reserve no comm SMs (max_sms_used() is 0)"
         )
-        raise ConfigError("--all2all-backend", backend or "(unset)", why)
+        if backend is None:
+            raise StateError("--all2all-backend", "not given", why)
+        raise ConfigError("--all2all-backend", backend, why)
     ceiling = DEEPEP_HT_MANAGER_NUM_SMS
     env_raw = environ.get("VLLM_DBO_COMM_SMS")
     default = parse_comm_sms(env_raw) if env_raw is not None else DEFAULT_COMM_SMS["cuda"]
@@ -148,13 +153,23 @@ def rounds_needed(alternatives: int, alpha: float) -> int:
     return max(1, math.ceil(math.log2(max(alternatives, 1) / alpha)))
 
 
-def choose(measurements: Sequence[Measurement], default: int, *, min_gain: float, alpha: float = 0.05) -> dict[str, Any]:
+def sign_test_p(faster: int, rounds: int, alternatives: int) -> float:
+    """One-sided sign test, Bonferroni over ``alternatives``: ``k * P(X >= faster)`` for X ~ Binomial(rounds, 1/2),
+    capped at 1; for a value faster in every round it is ``k * 2^-n``, the bound ``rounds_needed`` keeps under alpha."""
+    tail = sum(math.comb(rounds, i) for i in range(faster, rounds + 1)) / 2**rounds
+    return min(1.0, max(alternatives, 1) * tail)
+
+
+def choose(measurements: Sequence[Measurement], default: int, *, min_gain: float, alpha: float = ALPHA) -> dict[str, Any]:
     """The verdict document: the curve, the fastest value, and the setting to use.
 
     Every value is compared with the default *within each round* (the turns interleave, so drift and load
     cancel in the ratio). A value replaces the default only when its median paired gain is at least
     ``min_gain`` and it was faster in every paired round, with enough rounds that this happens by chance in at
-    most ``alpha`` of sweeps where no value is faster (sign test, Bonferroni over the values)."""
+    most ``alpha`` of sweeps where no value is faster (sign test, Bonferroni over the values). Each row carries
+    its ``p_value``; ``best`` is the fastest value measured (``best_paired_speedup``), ``chosen`` the one to
+    set (``chosen_speedup``, 1.0 when today's is kept), and the two differ when the fastest is not confirmed;
+    the document's ``p_value`` is the chosen value's where it replaced today's, else the fastest one's."""
     usable = [m for m in measurements if m.by_rep]
     base = next((m for m in usable if m.value == default), None)
     curve: list[dict[str, Any]] = []
@@ -187,6 +202,8 @@ def choose(measurements: Sequence[Measurement], default: int, *, min_gain: float
         return doc
     alternatives = [r for r in curve if r["comm_sms"] != default and r.get("paired_speedup")]
     need = rounds_needed(len(alternatives), alpha)
+    for r in alternatives:
+        r["p_value"] = sign_test_p(r["faster_rounds"], r["rounds"], len(alternatives))
     best = max(alternatives, key=lambda r: r["paired_speedup"], default=None)
     confirmed = [
         r for r in alternatives
@@ -196,11 +213,11 @@ def choose(measurements: Sequence[Measurement], default: int, *, min_gain: float
         chosen = max(confirmed, key=lambda r: r["paired_speedup"])
         reason = (
             f"{chosen['paired_speedup'] - 1:.1%} faster than {default} (median of {chosen['rounds']} paired rounds, "
-            f"faster in every one)"
+            f"faster in every one; p = {chosen['p_value']:.3g})"
         )
-        value = chosen["comm_sms"]
+        value, chosen_speedup, p_value = chosen["comm_sms"], chosen["paired_speedup"], chosen["p_value"]
     elif best is not None and best["paired_speedup"] > 1:
-        value = default
+        value, chosen_speedup, p_value = default, 1.0, best["p_value"]
         gain = best["paired_speedup"] - 1
         if gain < min_gain:
             reason = f"{best['comm_sms']} measured {gain:.1%} faster, below --min-gain {min_gain:.0%}: keep {default}"
@@ -210,12 +227,14 @@ def choose(measurements: Sequence[Measurement], default: int, *, min_gain: float
                 f"paired rounds (confirming needs all of at least {need}, --reps {need}): keep {default}"
             )
     else:
-        value, reason = default, f"{default} is the fastest value measured"
+        value, reason, chosen_speedup, p_value = default, f"{default} is the fastest value measured", 1.0, None
     doc.update(
         verdict="measured",
         best=best["comm_sms"] if best is not None and best["paired_speedup"] > 1 else default,
-        best_speedup=max(best["paired_speedup"], 1.0) if best is not None else 1.0,
+        best_paired_speedup=max(best["paired_speedup"], 1.0) if best is not None else 1.0,
         chosen=value,
+        chosen_speedup=chosen_speedup,
+        p_value=p_value,
         rounds_needed=need,
         reason=reason,
         setting=f"VLLM_DBO_COMM_SMS={value}",
@@ -223,4 +242,4 @@ def choose(measurements: Sequence[Measurement], default: int, *, min_gain: float
     return doc
 
 
-__all__ = ["DEFAULT_VALUES", "Measurement", "Sweep", "choose", "measurement", "plan_sweep", "rounds_needed"]
+__all__ = ["ALPHA", "DEFAULT_VALUES", "Measurement", "Sweep", "choose", "measurement", "plan_sweep", "rounds_needed", "sign_test_p"]

@@ -21,6 +21,29 @@ VLLM_WARMUP_ENV = "VLLM_DEEP_GEMM_WARMUP"
 VLLM_WARMUP_MODES = ("skip", "full", "relax")
 
 
+class StateError(ConfigError):
+    """A parameter refused for its state, not a value: left out, given without a value, unset, or given at all.
+
+    ``ConfigError`` quotes the value it was given, and a placeholder such as ``'(missing)'`` read as if
+    the operator had typed it; so the line says "--model is missing" and keeps the parameter, the state
+    and the allowed values as attributes (``--json`` error documents read them)."""
+
+    def __init__(self, parameter: str, state: str, allowed: str) -> None:
+        super().__init__(parameter, state, allowed)
+        self.args = (f"{parameter} is {state}; allowed values: {allowed}",)
+
+
+def vllm_warmup_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``VLLM_DEEP_GEMM_WARMUP`` as vLLM 0.33 reads it (``env_with_choices``: exact, case-sensitive; unset:
+    ``relax``). A value it refuses is a ``ConfigError`` here, as vLLM raises on it at DeepGEMM warm-up."""
+    raw = (os.environ if environ is None else environ).get(VLLM_WARMUP_ENV)
+    if raw is None:
+        return "relax"
+    if raw not in VLLM_WARMUP_MODES:
+        raise ConfigError(VLLM_WARMUP_ENV, raw, "'skip', 'full' or 'relax' (exact, lower case), or not set (relax)")
+    return raw
+
+
 class TopkLayout(StrEnum):
     WINDOWS = "windows"
     COPIES = "copies"
@@ -51,6 +74,22 @@ def warm_max_batch(environ: Mapping[str, str] | None = None) -> int | None:
     return value
 
 
+def setting_problems(environ: Mapping[str, str] | None = None) -> list[ConfigError]:
+    """The plugin's own settings a DBO engine reads only at model load, where a bad value would stop the server
+    mid-start (the top-k layout) or be read as unset (the warm-up cap): checked before any engine starts."""
+    env = os.environ if environ is None else environ
+    problems = []
+    try:
+        parse_layout(env.get(LAYOUT_ENV))
+    except ConfigError as exc:
+        problems.append(exc)
+    try:
+        warm_max_batch(env)
+    except ConfigError as exc:
+        problems.append(exc)
+    return problems
+
+
 @dataclass(frozen=True)
 class WarmPolicy:
     """Which paged-MQA planner variants to JIT-compile at model load.
@@ -74,7 +113,10 @@ def warm_policy(environ: Mapping[str, str] | None = None) -> WarmPolicy:
         return WarmPolicy("off", None, f"{WARM_MAX_BATCH_ENV}=0")
     if cap is not None:
         return WarmPolicy("all", cap, f"{WARM_MAX_BATCH_ENV}={cap}")
-    vllm_mode = (env.get(VLLM_WARMUP_ENV) or "relax").strip().lower()
+    try:
+        vllm_mode = vllm_warmup_mode(env)
+    except ConfigError:  # vLLM itself refuses the value where it reads it; the plan warms everything
+        vllm_mode = "relax"
     if vllm_mode == "skip":
         return WarmPolicy("minimal", None, f"{VLLM_WARMUP_ENV}=skip")
     return WarmPolicy("all", None, f"{VLLM_WARMUP_ENV}={vllm_mode}")

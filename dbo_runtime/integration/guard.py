@@ -25,6 +25,7 @@ from dbo_runtime.core import coverage
 from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, decide_comm
 from dbo_runtime.core.errors import ConfigError, DboRefusal
 from dbo_runtime.core.log import get_logger
+from dbo_runtime.core.settings import setting_problems
 from dbo_runtime.integration.features import REGISTRY
 from dbo_runtime.integration.patching import Patch, PatchSet
 
@@ -293,6 +294,9 @@ def check(vllm_config: Any, stage: Stage, runner: str | None = None) -> None:
     message = message or problem(vllm_config, stage, runner)
     if message:
         raise DboRefusal(message)
+    if stage == "config" and microbatching(getattr(vllm_config, "parallel_config", None)) and _needs_worker_check(vllm_config):
+        for setting in setting_problems():  # read only at model load, in every worker: refused here in one line
+            raise setting
     if stage == "worker":
         _report_worker(vllm_config, runner)
 

@@ -176,12 +176,47 @@ def test_table_lists_every_target(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Traceback" not in err
 
 
-def test_disabled_and_strict_say_so_for_every_fix(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disabled_is_one_warning_not_a_problem_per_fix(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """DBO_RUNTIME_DISABLE=1 patches nothing and refuses nothing (README): the doctor says that in one line and
+    exits 0, instead of one "refused at engine start" problem per feature, which the disabled plugin never does."""
+    from dbo_runtime.cli.doctor import DISABLED_WARNING
+
     monkeypatch.setenv("DBO_RUNTIME_DISABLE", "1")
     monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")
-    _rc, doc = doctor_json(capsys)
+    rc, doc = doctor_json(capsys)
     assert doc["plugin"]["strict"] is True
     assert all(f["verdict"] == "disabled" and f["state"].startswith("disabled by DBO_RUNTIME_DISABLE") for f in doc["features"])
-    main(["doctor"])
+    assert rc == 0 and doc["ok"] and doc["problems"] == [] and doc["warnings"][0] == DISABLED_WARNING
+    assert "nothing patched, nothing refused" in DISABLED_WARNING and "vLLM's own DBO" in DISABLED_WARNING
+    assert main(["doctor"]) == 0
     out = capsys.readouterr().out
-    assert "DBO_RUNTIME_STRICT is on" in out and "DBO_RUNTIME_DISABLE is on" in out
+    assert "DBO_RUNTIME_STRICT is on" in out and out.count(DISABLED_WARNING) == 1 and "refused at engine start" not in out
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "needle"),
+    [
+        ("VLLM_DBO_COMM_SMS", "19", "VLLM_DBO_COMM_SMS=19 is not allowed; allowed values: even integers"),  # DeepEP HT's even rule
+        ("VLLM_DBO_COMM_SMS", "abc", "VLLM_DBO_COMM_SMS='abc' is not allowed; allowed values: integers >= 0, or not set"),
+        ("VLLM_DEEP_GEMM_WARMUP", "bogus", "VLLM_DEEP_GEMM_WARMUP='bogus' is not allowed; allowed values: 'skip', 'full' or 'relax'"),
+    ],
+)
+def test_a_setting_the_engines_refuse_is_a_problem(
+    name: str, value: str, needle: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The doctor runs verify's own pre-check for the comm share (one rule), and vLLM's choices for the warm-up."""
+    from dbo_runtime.cli._engine import comm_sms_problem
+
+    monkeypatch.setenv(name, value)
+    rc, doc = doctor_json(capsys)
+    assert rc == 1 and any(p.startswith(needle) for p in doc["problems"]), doc["problems"]
+    if name == "VLLM_DBO_COMM_SMS":
+        same = comm_sms_problem(["--all2all-backend", "deepep_high_throughput"], {name: value})
+        assert same is not None and str(same) in doc["problems"]
+
+
+@pytest.mark.parametrize(("name", "value"), [("VLLM_DBO_COMM_SMS", "18"), ("VLLM_DEEP_GEMM_WARMUP", "skip")])
+def test_a_setting_the_engines_take_is_no_problem(name: str, value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(name, value)
+    _rc, doc = doctor_json(capsys)
+    assert not any(name in p for p in doc["problems"]), doc["problems"]

@@ -70,13 +70,11 @@ def test_a_typed_comm_share_is_blamed_when_it_does_not_fit(capsys: pytest.Captur
 @pytest.mark.parametrize(
     ("args", "env", "expected"),
     [
-        (["--total-sms", "1000000000000"], None, "--total-sms='1000000000000' is not allowed; allowed values: integers in [1, 1024]"),
-        (["--total-sms", "abc"], None, "--total-sms='abc' is not allowed; allowed values: integers in [1, 1024]"),
-        (["--total-sms", "0"], None, "--total-sms='0' is not allowed; allowed values: integers in [1, 1024]"),
         (["--comm-sms", "x"], None, "--comm-sms='x' is not allowed; allowed values: integers >= 0"),
         (["--comm-sms", "-2"], None, "--comm-sms='-2' is not allowed; allowed values: integers >= 0"),
         ([], "", "VLLM_DBO_COMM_SMS='' is not allowed; allowed values: integers >= 0, or not set"),
         ([], "many", "VLLM_DBO_COMM_SMS='many' is not allowed; allowed values: integers >= 0, or not set"),
+        ([], "19", "VLLM_DBO_COMM_SMS=19 is not allowed; allowed values: even integers up to the DeepEP manager's 20-SM"),
     ],
 )
 def test_sms_and_simulate_reject_the_same_values_in_the_same_words(
@@ -84,11 +82,33 @@ def test_sms_and_simulate_reject_the_same_values_in_the_same_words(
 ) -> None:
     if env is not None:
         monkeypatch.setenv("VLLM_DBO_COMM_SMS", env)
-    base = [] if "--total-sms" in args else ["--total-sms", "132"]
+    base = ["--total-sms", "132"]
     sms = error_line(capsys, ["sms", *base, *args])
     simulate = error_line(capsys, ["simulate", *FAST, *base, *args])
     assert sms.startswith(expected), sms
-    assert simulate == sms
+    assert simulate.split(" [")[0] == sms.split(" [")[0]  # each names its own device in brackets
+
+
+@pytest.mark.parametrize("env", ["abc", "19", "200"])
+def test_verify_and_tune_word_a_bad_comm_share_as_sms_does(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, env: str) -> None:
+    """One allowed-values text for VLLM_DBO_COMM_SMS: verify and tune check it with the rules sms uses."""
+    monkeypatch.setenv("VLLM_DBO_COMM_SMS", env)
+    sms = error_line(capsys, ["sms", "--total-sms", "132"])
+    engine = ["--model", "m", "-dp", "2", "--enable-expert-parallel", "--all2all-backend", "deepep_high_throughput"]
+    for command in ("verify", "tune"):
+        line = error_line(capsys, [command, *engine])
+        assert line.split("; allowed values: ")[0] == sms.split("; allowed values: ")[0], (command, line, sms)
+        head = sms.split(" on device profile")[0].split(" [")[0]  # sms names its device, the engine commands theirs
+        assert line.startswith(head), (command, line, sms)
+
+
+@pytest.mark.parametrize(("value", "shown"), [("0", "'0'"), ("1", "1"), ("abc", "'abc'"), ("1000000000000", "'1000000000000'")])
+def test_a_refused_total_names_the_range_that_applies(capsys: pytest.CaptureFixture[str], value: str, shown: str) -> None:
+    """0 and 1 get the same bound: above the default comm share, not [1, 1024] for one and [21, 1024] for the other."""
+    sms = error_line(capsys, ["sms", "--total-sms", value])
+    assert sms.startswith(f"--total-sms={shown} is not allowed; allowed values: integers in [21, 1024], above the comm share 20"), sms
+    simulate = error_line(capsys, ["simulate", *FAST, "--total-sms", value])
+    assert simulate.startswith(f"--total-sms={shown} is not allowed; allowed values: integers in [22, 1024]"), simulate  # SM90: 2+ compute
 
 
 @pytest.mark.parametrize(
@@ -126,3 +146,18 @@ def test_without_deepgemm_the_bound_has_no_even_rule(capsys: pytest.CaptureFixtu
     assert line.startswith("--comm-sms=132 is not allowed; allowed values: integers in [0, 131]") and "DeepGEMM" not in line
     assert main(["sms", "--total-sms", "132", "--comm-sms", "131", "--no-deep-gemm"]) == 0
     capsys.readouterr()
+
+
+def test_sms_and_simulate_warn_about_the_same_split_in_the_same_words(capsys: pytest.CaptureFixture[str]) -> None:
+    """21 comm SMs on the SM90 profile: DeepEP HT's clamp leaves one comm SM idle and DeepGEMM's even rounding one
+    compute SM; both commands say both, from one function."""
+    assert main(["sms", "--total-sms", "132", "--comm-sms", "21"]) == 0
+    out = capsys.readouterr().out
+    sms = sorted(line.split(": ", 2)[2] for line in out.splitlines() if line.startswith("warning: device profile: "))
+    assert len(sms) == 2 and any("clamps set_num_sms(21) to 20" in w for w in sms) and any("1 SM idle" in w for w in sms)
+    main(["simulate", *FAST, "--comm-sms", "21"])
+    err = capsys.readouterr().err
+    prefix = "dbo-runtime simulate: warning: "
+    assert sorted(line[len(prefix) :] for line in err.splitlines() if line.startswith(prefix)) == sms
+    assert main(["sms", "--total-sms", "132", "--comm-sms", "3", "--no-expert-parallel"]) == 0
+    assert "warning: device profile: 1 SM idle" in capsys.readouterr().out  # 129 compute SMs rounded down to 128

@@ -179,8 +179,8 @@ def test_odd_comm_is_fine_when_deepep_ht_is_not_used(capsys: pytest.CaptureFixtu
         (["--comm-sms", "19"], None, "--comm-sms=19", "even integers"),
         (["--comm-sms", "-4"], None, "--comm-sms='-4'", "integers >= 0"),
         (["--comm-sms", "many"], None, "--comm-sms='many'", "integers >= 0"),
-        (["--total-sms", "0"], None, "--total-sms='0'", "integers in [1, 1024]"),
-        (["--total-sms", "abc"], None, "--total-sms='abc'", "integers in [1, 1024]"),
+        (["--total-sms", "0"], None, "--total-sms='0'", "integers in [21, 1024], above the comm share 20"),
+        (["--total-sms", "abc"], None, "--total-sms='abc'", "integers in [21, 1024], above the comm share 20"),
         (["--platform", "tpu"], None, "--platform='tpu'", "'cuda', 'rocm'"),
         (["--max-sms-used", "-1"], None, "--max-sms-used='-1'", "integers >= 0, or 'none'"),
         ([], "abc", "VLLM_DBO_COMM_SMS='abc'", "integers >= 0"),
@@ -252,7 +252,7 @@ def test_json_errors_are_json_on_stdout(capsys: pytest.CaptureFixture[str]) -> N
     assert "no GPU visible" in err
     assert main(["sms", "--json", "--total-sms", "x"]) == 2
     doc = json.loads(capsys.readouterr().out)
-    assert doc["error"]["parameter"] == "--total-sms" and doc["error"]["allowed"] == "integers in [1, 1024]"
+    assert doc["error"]["parameter"] == "--total-sms" and doc["error"]["allowed"].startswith("integers in [21, 1024]")
 
 
 def test_unknown_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -74,7 +74,8 @@ SEVEN = [10.0, 10.1, 9.9, 10.05, 9.95, 10.0, 10.02]
 def test_a_value_faster_in_every_paired_round_is_chosen_with_its_ratio() -> None:
     doc = choose([_m(12, [x * 0.9 for x in SEVEN]), _m(16, [x * 0.96 for x in SEVEN]), _m(20, SEVEN)], 20, min_gain=0.02)
     assert doc["verdict"] == "measured" and doc["best"] == 12 and doc["chosen"] == 12
-    assert doc["setting"] == "VLLM_DBO_COMM_SMS=12" and doc["best_speedup"] == pytest.approx(1 / 0.9)
+    assert doc["setting"] == "VLLM_DBO_COMM_SMS=12" and doc["best_paired_speedup"] == pytest.approx(1 / 0.9)
+    assert doc["chosen_speedup"] == pytest.approx(1 / 0.9) and doc["p_value"] == pytest.approx(2 * 2**-7)  # k x 2^-n
     rows = {r["comm_sms"]: r for r in doc["curve"]}
     assert rows[12]["faster_rounds"] == rows[12]["rounds"] == 7 and rows[20]["paired_speedup"] == pytest.approx(1.0)
     assert "faster in every one" in doc["reason"]
@@ -132,8 +133,8 @@ def test_a_round_counts_its_slowest_rank_only_where_every_rank_microbatched() ->
 
 # -- the plan --------------------------------------------------------------------------------------
 def _opts(**over: Any) -> Any:
-    ns = argparse.Namespace(shape="prefill", prefill_tokens="8192", prompt_len="1024", decode_batch="128", reps="7",
-                            warmup="1", steps="4", min_gain="0.02", timeout="3600")  # fmt: skip
+    ns = argparse.Namespace(shape="prefill", prefill_tokens=None, prompt_len="1024", decode_batch=None, reps="7",
+                            warmup="1", steps=None, min_gain="0.02", timeout="3600")  # fmt: skip
     for key, value in over.items():
         setattr(ns, key, value)
     return tune.options(ns)
@@ -275,16 +276,9 @@ def test_the_table_says_what_to_set(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
     monkeypatch.setattr(tune, "check_with_vllm", lambda args, command: None)
     monkeypatch.setattr(tune, "visible_gpus", lambda: 2)
-    png = tmp_path / "curve.png"
-    assert main(["tune", "--values", "12", "--workdir", str(tmp_path), "--png", str(png), *ENGINE]) == 0
+    assert main(["tune", "--values", "12", "--workdir", str(tmp_path), *ENGINE]) == 0
     out = capsys.readouterr().out
     assert "use: VLLM_DBO_COMM_SMS=20 -- 12 measured" in out  # 0.5 %: below --min-gain, keep today's
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert "matplotlib is not installed: no PNG" in out and not png.exists()
-    else:
-        assert png.stat().st_size > 0
 
 
 def test_a_sweep_that_never_microbatched_is_inconclusive(
@@ -294,3 +288,144 @@ def test_a_sweep_that_never_microbatched_is_inconclusive(
     code, _ = _sweep_run(tmp_path, monkeypatch, {"12": 9.0, "20": 10.0})
     doc = json.loads(capsys.readouterr().out)
     assert code == 4 and doc["verdict"] == "inconclusive" and doc["setting"] is None
+
+
+def _fake_engines(monkeypatch: pytest.MonkeyPatch, curve: dict[str, float]) -> None:
+    from dbo_runtime.harness import launch as launch_mod
+
+    monkeypatch.setenv(launch_mod.RUNNER_MODULE_ENV, "tests.fakes.fake_engine_runner")
+    monkeypatch.setenv("DBO_FAKE_STEP_MS", json.dumps(curve))
+    monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
+    monkeypatch.setattr(tune, "check_with_vllm", lambda args, command: None)  # FakeEngineRunner takes any argument
+    monkeypatch.setattr(tune, "visible_gpus", lambda: 2)  # FakeGpuCount
+
+
+def _no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails the test if tune gets as far as vLLM's parser (the last step before engines start)."""
+
+    def reached(args: list[str], command: str) -> None:
+        raise AssertionError("tune reached vLLM's parser: the refusal came too late")
+
+    monkeypatch.setattr(tune, "check_with_vllm", reached)
+
+
+# -- --png: checked before any engine, drawn after the result --------------------------------------
+@pytest.mark.parametrize("where", ["under_a_file", "proc", "a_folder", "no_matplotlib"])
+def test_a_png_that_cannot_be_drawn_is_refused_before_any_engine(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dbo_runtime.cli import _paths
+
+    _no_engine(monkeypatch)
+    monkeypatch.setattr(_paths, "matplotlib_installed", lambda: where != "no_matplotlib")  # FakeMatplotlib: not in the venv
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    png = {"under_a_file": afile / "c.png", "proc": Path("/proc/x/y.png"), "a_folder": tmp_path, "no_matplotlib": tmp_path / "c.png"}[where]
+    assert main(["tune", "--png", str(png), *ENGINE]) == 2
+    line = _one_line(capsys)
+    assert line.startswith(f"dbo-runtime tune: error: --png='{png}' is not allowed; allowed values: a file path whose folder"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_drawing_that_fails_is_a_note_after_the_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The result is printed before the curve is drawn, and a file system that refuses the PNG (ENOSPC, a folder
+    removed meanwhile) gives a note, never a traceback that hides an hour of measuring."""
+    import sys
+    import types
+
+    from dbo_runtime.cli import _paths
+
+    _fake_engines(monkeypatch, {"12": 9.0, "20": 10.0})
+    fake = types.ModuleType("matplotlib")  # FakeMatplotlib: the venv has none; only the file write is exercised
+    fake.use = lambda backend: None  # type: ignore[attr-defined]
+    fake.pyplot = types.ModuleType("matplotlib.pyplot")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "matplotlib", fake)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", fake.pyplot)  # type: ignore[attr-defined]
+    monkeypatch.setattr(_paths, "matplotlib_installed", lambda: True)
+
+    def no_space(plt: Any, doc: dict[str, Any], path: Path) -> str:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tune, "_savefig", no_space)
+    code = main(["tune", "--values", "12", "--workdir", str(tmp_path / "w"), "--png", str(tmp_path / "c.png"), *ENGINE])
+    out = capsys.readouterr().out
+    assert code == 0 and "Traceback" not in out
+    use, note = out.index("use: VLLM_DBO_COMM_SMS="), out.index("note: no PNG: --png")
+    assert use < note and "No space left on device" in out[note:]
+
+
+# -- --workdir: nothing on disk before a refusal ---------------------------------------------------
+def test_a_refused_sweep_creates_no_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(tune, "check_with_vllm", lambda args, command: None)  # vLLM's parser needs a GPU platform
+    monkeypatch.setattr(tune, "visible_gpus", lambda: 0)
+    new = tmp_path / "new" / "sub"
+    assert main(["tune", "--workdir", str(new), *ENGINE]) == 3  # no GPUs
+    assert "needs 2 GPU(s)" in _one_line(capsys) and not (tmp_path / "new").exists()
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    _no_engine(monkeypatch)
+    assert main(["tune", "--workdir", str(afile / "sub"), *ENGINE]) == 2
+    line = _one_line(capsys)
+    assert "--workdir=" in line and f"({afile} is a file, not a folder)" in line
+
+
+def test_a_sweep_creates_its_workdir_when_the_engines_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _fake_engines(monkeypatch, {"12": 9.0, "20": 10.0})
+    work = tmp_path / "new" / "sub"
+    assert main(["tune", "--json", "--values", "12", "--workdir", str(work), *ENGINE]) == 0
+    assert json.loads(capsys.readouterr().out)["workdir"] == str(work) and work.is_dir()
+
+
+# -- underscore spellings, options the shape does not read, too few rounds ----------------------------
+def test_underscore_spellings_of_engine_flags_read_as_dashes(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's parser takes --data_parallel_size as --data-parallel-size; so does every check tune and verify make."""
+    from dbo_runtime.cli._engine import engine_arg, has_flag, normal_arg, split_engine_args
+
+    args, dp, _ = split_engine_args(
+        ["--model", "m", "--data_parallel_size", "2", "--enable_expert_parallel", "--all2all_backend=" + HT, "--enable_dbo",
+         "--compilation_config.cudagraph_mode", "NONE", "--hf-overrides", '{"num_hidden_layers": 4}'], "tune"
+    )  # fmt: skip
+    assert dp == 2 and "--enable-dbo" not in args and "--enable_dbo" not in args
+    assert has_flag(args, "--enable-expert-parallel") and engine_arg(args, "--all2all-backend") == HT
+    assert "--compilation-config.cudagraph_mode" in args  # only the name before the first "." is vLLM's to rewrite
+    assert normal_arg("-dp") == "-dp" and normal_arg("--max_num_seqs=4") == "--max-num-seqs=4"
+    assert tune.decode_needs_eager(["--enforce_eager"], 2) is False
+    _no_engine(monkeypatch)
+    assert main(["tune", "--png", "/proc/x/y.png", "--model", "m", "--data_parallel_size", "2", "--enable_expert_parallel",
+                 "--all2all_backend", HT]) == 2  # fmt: skip
+    assert "--png=" in _one_line(capsys)  # past the DP, EP and backend checks
+
+
+@pytest.mark.parametrize(("argv", "flag"), [(["--shape", "decode", "--prefill-tokens", "100"], "--prefill-tokens"),
+                                             (["--shape", "decode", "--steps", "2"], "--steps"),
+                                             (["--decode-batch", "64"], "--decode-batch")])  # fmt: skip
+def test_an_option_the_shape_does_not_read_is_refused(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", *argv, *ENGINE]) == 2
+    line = _one_line(capsys)
+    assert f"error: {flag}=" in line and "left out with --shape" in line
+
+
+def test_too_few_rounds_for_the_values_are_refused_before_any_engine(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--values all is 10 values: confirming one against the 9 others at 5 % needs 8 rounds all faster, so the
+    default 7 could only ever say "keep today's" after the whole sweep."""
+    _no_engine(monkeypatch)
+    monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
+    assert rounds_needed(9, 0.05) == 8
+    assert main(["tune", "--values", "all", *ENGINE]) == 2
+    assert "error: --reps=7 is not allowed; allowed values: >= 8 for 10 values" in _one_line(capsys)
+
+
+def test_decode_with_cuda_graphs_is_timed_eager() -> None:
+    """A FULL CUDA-graph replay never enters SMControl's partition, so a graphed decode step is never measured:
+    where vLLM keeps graphs, tune adds --enforce-eager and says so; where they are off already it adds nothing."""
+    decode = _opts(shape="decode")
+    added, _, _, _, _, notes = tune.workload(["--model", "m", "--all2all-backend", "deepep_low_latency"], 2, decode)
+    assert "--enforce-eager" in added and any("FULL CUDA-graph replay never enters the SM partition" in n for n in notes)
+    for args, dp in ((["--model", "m", "--all2all-backend", HT], 2), (["--model", "m", "--enforce-eager"], 2)):
+        added, _, _, _, _, notes = tune.workload(args, dp, decode)
+        assert "--enforce-eager" not in added and not any("CUDA-graph" in n for n in notes)
+    assert tune.decode_needs_eager(["--model", "m", "--all2all-backend", HT], 1)  # DP 1: vLLM keeps graphs even with HT
+    added, *_ = tune.workload(["--model", "m", "--all2all-backend", "deepep_low_latency"], 2, _opts())
+    assert "--enforce-eager" not in added  # prefill is not captured

@@ -1,4 +1,5 @@
-"""``graphs/`` scripts on a machine that cannot run them: one line naming what is missing, exit 2.
+"""``graphs/`` scripts on a machine that cannot run them: one line naming what is missing, exit 3 (as every
+``dbo-runtime`` command that cannot run here); a bad value is exit 2.
 
 Not a ``ModuleNotFoundError`` traceback (``import deep_gemm``) on a machine without DeepGEMM,
 with or without CUDA.
@@ -53,13 +54,13 @@ def test_every_script_is_covered() -> None:
 
 
 @pytest.mark.parametrize("name", GPU)
-def test_without_cuda_one_line_and_exit_2(name: str, tmp_path: Path) -> None:
+def test_without_cuda_one_line_and_exit_3(name: str, tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA; the no-CUDA path is exercised on the CPU box")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "graphs" / name), "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
     )
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.returncode == 3, proc.stderr[-2000:]
     [line] = proc.stderr.strip().splitlines()
     need = ENGINE.get(name, "a CUDA GPU and DeepGEMM")
     assert line.startswith(f"{name[:-3]}: needs {need}: no CUDA device") and "Traceback" not in proc.stderr
@@ -96,13 +97,13 @@ def test_a_bad_value_is_one_line_before_any_gpu_check(
 
 
 @pytest.mark.parametrize("name", KERNELS)
-def test_cuda_without_deepgemm_one_line_and_exit_2(
+def test_cuda_without_deepgemm_one_line_and_exit_3(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "jit"))  # the benchmark sets a default at import
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # `import deep_gemm` raises ImportError
-    assert load(name).main(["--out", str(tmp_path / "out")]) == 2
+    assert load(name).main(["--out", str(tmp_path / "out")]) == 3
     out, err = capsys.readouterr()
     [line] = err.strip().splitlines()
     assert line.startswith(f"{name[:-3]}: needs a CUDA GPU and DeepGEMM: DeepGEMM does not import (ModuleNotFoundError")
@@ -110,11 +111,11 @@ def test_cuda_without_deepgemm_one_line_and_exit_2(
 
 
 @pytest.mark.parametrize("name", CPU)
-def test_cpu_benchmark_without_vllm_one_line_and_exit_2(
+def test_cpu_benchmark_without_vllm_one_line_and_exit_3(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
-    assert load(name).main(["--out", str(tmp_path / "out")]) == 2
+    assert load(name).main(["--out", str(tmp_path / "out")]) == 3
     out, err = capsys.readouterr()
     [line] = err.strip().splitlines()
     assert line.startswith(name[:-3]) and "needs vLLM 0.33" in line and out == ""
@@ -122,7 +123,7 @@ def test_cpu_benchmark_without_vllm_one_line_and_exit_2(
 
 
 @pytest.mark.parametrize("name", sorted(ENGINE))
-def test_gpus_without_vllm_one_line_and_exit_2(
+def test_gpus_without_vllm_one_line_and_exit_3(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from importlib import metadata
@@ -137,10 +138,37 @@ def test_gpus_without_vllm_one_line_and_exit_2(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(metadata, "version", version)
-    assert load(name).main(["--out", str(tmp_path / "out")]) == 2
+    assert load(name).main(["--out", str(tmp_path / "out")]) == 3
     out, err = capsys.readouterr()
     [line] = err.strip().splitlines()
     assert line.startswith(f"{name[:-3]}: needs {ENGINE[name]}: vLLM is not installed") and out == ""
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_without_out_nothing_committed_is_written(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script run without --out writes into graphs/results/local/, which git ignores, so trying one never
+    rewrites the committed graphs/results/*.json that docs/results.md cites; those take --out graphs/results."""
+    import argparse
+
+    from graphs._args import RESULTS, SCRATCH
+
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "jit"))  # the kernel scripts set a default at import
+    seen: dict[str, object] = {}
+
+    def stop(self: argparse.ArgumentParser, args: object = None, namespace: object = None) -> argparse.Namespace:
+        seen["out"] = vars(real_parse(self, []))["out"]
+        raise SystemExit(0)
+
+    real_parse = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    with pytest.raises(SystemExit):
+        load(name).main([])
+    assert Path(str(seen["out"])) == SCRATCH and SCRATCH.parent == RESULTS
+    probe = "graphs/results/local/bench_hook_calls.json"
+    ignored = subprocess.run(["git", "check-ignore", "-q", probe], cwd=ROOT, capture_output=True)
+    assert ignored.returncode == 0, f"{probe} is not git-ignored"
+    committed = subprocess.run(["git", "check-ignore", "-q", "graphs/results/bench_hook_calls.json"], cwd=ROOT, capture_output=True)
+    assert committed.returncode == 1
 
 
 # -- bench_replay_planning: what it counts, on a CPU (the H200 run printed 9 vs 331 "dtod copies/step") ---------
@@ -249,8 +277,8 @@ def test_real_engine_bench_warms_the_machine_first_and_keeps_partial_results(mon
 
 
 @pytest.mark.parametrize("name", KERNELS)
-def test_without_torch_one_line_and_exit_2(name: str) -> None:
-    """Outside the venv these scripts say what is missing in one line (exit 2), not ModuleNotFoundError
+def test_without_torch_one_line_and_exit_3(name: str) -> None:
+    """Outside the venv these scripts say what is missing in one line (exit 3), not ModuleNotFoundError
     (exit 1)."""
     block = (
         "import sys, runpy\n"
@@ -263,7 +291,7 @@ def test_without_torch_one_line_and_exit_2(name: str) -> None:
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
     proc = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.returncode == 3, proc.stderr[-2000:]
     assert proc.stderr.strip() == f"{name[:-3]}: needs a CUDA GPU and DeepGEMM: torch is not installed; nothing measured"
 
 

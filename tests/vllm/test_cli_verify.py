@@ -68,8 +68,8 @@ def test_split_engine_args_refuses_with_the_parameter_named(argv: list[str], par
         (["--model", "m"], "--data-parallel-size=1 is not allowed; allowed values: 2 or more"),
         (["--max-dlogprob", "big", "--model", "m", "-dp", "2"], "--max-dlogprob='big' is not allowed; allowed values: a finite number"),
         # caught before vLLM's parser, which would answer "cannot run here" (exit 3)
-        (["--prompts", "4", "--model"], "--model='(no value)'"),
-        (["--model", "-dp", "2"], "--model='(no value)'"),
+        (["--prompts", "4", "--model"], "--model is given without a value"),
+        (["--model", "-dp", "2"], "--model is given without a value"),
         (["--workdir", "/dev/null/sub", "--model", "m", "-dp", "2"], "--workdir='/dev/null/sub'"),
     ],
 )
@@ -325,7 +325,7 @@ LL = ["--model", "m", "-dp", "2", "--enable-expert-parallel", "--all2all-backend
         (["--max-num-batched-tokens", "2k"], {}, ">= 4002"),  # vLLM reads human-readable integers
         (["--max-num-batched-tokens", "2048"], {"NVSHMEM_QP_DEPTH": "4098"}, None),  # exactly the bound
         (["--max-num-batched-tokens", "511"], {}, None),  # 2 x 512 = 1024: exactly the default depth
-        (["--max-num-batched-tokens", "512"], {}, "NVSHMEM_QP_DEPTH='unset (NVSHMEM default 1024)'"),
+        (["--max-num-batched-tokens", "512"], {}, "NVSHMEM_QP_DEPTH is unset (NVSHMEM default 1024)"),
         (["--max_num_batched_tokens=2048"], {}, ">= 4098"),
         (["--max-num-batched-tokens", "2048"], {"NVSHMEM_QP_DEPTH": "8192"}, None),
         (["--max-num-batched-tokens", "2048"], {"NVSHMEM_QP_DEPTH": "4097"}, "NVSHMEM_QP_DEPTH='4097'"),

@@ -499,6 +499,23 @@ def test_without_its_worker_hooks_the_guard_refuses_where_dbo_builds_its_sm_cont
     guard.check_without_worker_hooks()
 
 
+def test_a_bad_plugin_setting_is_refused_before_any_worker_for_a_dbo_dsa_model(
+    fresh: None, cuda_platform: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The top-k layout is read at model load in every worker: a typo there would stop the server mid-start."""
+    from types import SimpleNamespace
+
+    from dbo_runtime.core.errors import ConfigError
+
+    plugin.register()
+    monkeypatch.setenv("DBO_RUNTIME_TOPK_LAYOUT", "windowz")
+    with pytest.raises(ConfigError, match=r"DBO_RUNTIME_TOPK_LAYOUT='windowz' is not allowed; allowed values: 'windows', 'copies'"):
+        guard.check(leaders_only(), "config")
+    guard.check(leaders_only(enable_dbo=False), "config")  # nothing microbatches: the setting is never read
+    moe = SimpleNamespace(num_hidden_layers=4, architectures=["Qwen3MoeForCausalLM"])
+    guard.check(engine_config("Qwen3MoeForCausalLM", moe), "config")  # no DSA model: never read either
+
+
 def test_speculative_decoding_without_the_mtp_fix_is_warned(
     fresh: None, cuda_platform: None, caplog: pytest.LogCaptureFixture
 ) -> None:

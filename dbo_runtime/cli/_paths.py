@@ -1,0 +1,78 @@
+"""Output paths of the real-engine commands (``verify --workdir``, ``tune --workdir`` / ``--png``), checked
+before any engine starts and created only when one is about to.
+
+Why checked early: a path that cannot be written would otherwise fail after the whole run, when the result
+is already measured. Why created late: a run refused for another reason (a bad ``VLLM_DBO_COMM_SMS``, no
+GPU) must leave nothing on disk. So the check creates nothing that outlives it: it looks for the nearest
+existing folder on the way to the path and makes and removes one unnamed file there (root passes every
+permission test, so only a real write says whether the file system takes one).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+
+from dbo_runtime.core.errors import ConfigError
+
+
+def _nearest_existing(path: Path) -> Path:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return Path(os.sep)
+
+
+def _writable_folder_problem(folder: Path) -> str | None:
+    """Why ``folder`` (or the folders that would be made on the way to it) cannot hold a new file; None when it can."""
+    existing = _nearest_existing(folder)
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        return f"{existing} cannot be written: {exc.strerror or exc}"
+    return None
+
+
+def check_dir(raw: str, parameter: str, command: str) -> Path:
+    """``raw`` as a folder ``command`` can create (with its parents) and write; nothing is created."""
+    path = Path(raw)
+    problem = _writable_folder_problem(path)
+    if problem is not None:
+        raise ConfigError(parameter, raw, f"a folder {command} can create and write ({problem})")
+    return path
+
+
+def matplotlib_installed() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def check_png(raw: str, command: str) -> Path:
+    """``raw`` as a file a curve can be drawn into: its folder creatable and writable, not a folder itself,
+    and matplotlib importable. Nothing is created."""
+    path = Path(raw)
+    allowed = f"a file path whose folder {command} can create and write, with matplotlib installed"
+    if path.is_dir():
+        raise ConfigError("--png", raw, f"{allowed} ({path} is a folder)")
+    problem = _writable_folder_problem(path.parent)
+    if problem is not None:
+        raise ConfigError("--png", raw, f"{allowed} ({problem})")
+    if not matplotlib_installed():
+        raise ConfigError("--png", raw, f"{allowed} (matplotlib is not installed: pip install matplotlib, or leave --png out)")
+    return path
+
+
+def make_dir(path: Path, parameter: str, command: str) -> Path:
+    """Create the checked folder, right before the first engine starts."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # changed since the check
+        raise ConfigError(parameter, str(path), f"a folder {command} can create and write ({exc.strerror or exc})") from exc
+    return path
+
+
+__all__ = ["check_dir", "check_png", "make_dir"]

@@ -1,0 +1,49 @@
+"""``dbo-runtime simulate`` refusals: a machine that cannot run what was asked is exit 3, as in every command
+(README's exit-code table), and a bad environment value says that the environment is where to fix it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dbo_runtime.cli.main import main
+
+FAST = ["--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("VLLM_DBO_COMM_SMS", "DBO_RUNTIME_DISABLE", "DBO_RUNTIME_TOPK_LAYOUT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    out, err = capsys.readouterr()
+    [line] = err.strip().splitlines()
+    assert "Traceback" not in err and out == ""
+    return line
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--mode", "mrv1"], "dbo-runtime simulate: --mode mrv1 needs a CUDA GPU (FULL CUDA-graph capture): no CUDA device"),
+        (["--mode", "mrv2", "--backend", "cpu"], "dbo-runtime simulate: --mode mrv2 needs a CUDA GPU"),
+        (["--backend", "deep_gemm"], "dbo-runtime simulate: --backend deep_gemm needs a CUDA GPU and DeepGEMM: no CUDA device"),
+    ],
+)
+def test_what_needs_a_gpu_exits_3_on_a_machine_without_one(argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the no-CUDA path is exercised on the CPU box")
+    assert main(["simulate", *argv]) == 3
+    assert _one_line(capsys).startswith(line)
+
+
+def test_a_bad_layout_in_the_environment_says_the_flag_does_not_override_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DBO_RUNTIME_TOPK_LAYOUT", "bad")
+    assert main(["simulate", *FAST, "--topk-layout", "windows"]) == 2
+    line = _one_line(capsys)
+    assert line.startswith("dbo-runtime simulate: error: DBO_RUNTIME_TOPK_LAYOUT='bad' is not allowed; allowed values: 'windows', 'copies'")
+    assert "set in the environment: a server would read it and stop; unset it, --topk-layout does not override it" in line

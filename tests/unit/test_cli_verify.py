@@ -1,0 +1,110 @@
+"""``dbo-runtime verify`` before any engine starts: what it refuses, what it leaves on disk, what it claims to
+have checked, on CPU with the real vLLM 0.33.0 (its argument parser needs a GPU platform, so a run here stops
+at that point at the latest). The verdict logic and the fake-engine runs are in tests/vllm/test_cli_verify.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dbo_runtime.cli import verify
+from dbo_runtime.cli.main import main
+
+HT = ["--model", "m", "-dp", "2", "--enable-expert-parallel", "--all2all-backend", "deepep_high_throughput"]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("VLLM_DBO_COMM_SMS", "NVSHMEM_QP_DEPTH", "DBO_RUNTIME_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails the test if verify gets as far as vLLM's parser (the last step before engines start)."""
+
+    def reached(args: list[str], command: str = "verify") -> None:
+        raise AssertionError("verify reached vLLM's parser: the refusal came too late")
+
+    monkeypatch.setattr(verify, "check_with_vllm", reached)
+
+
+def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[verify]")]
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    ("env", "engine", "needle"),
+    [
+        ({"VLLM_DBO_COMM_SMS": "19"}, HT, "VLLM_DBO_COMM_SMS=19 is not allowed"),
+        ({}, ["--model", "m", "-dp", "2", "--enable-expert-parallel", "--all2all-backend", "deepep_low_latency",
+              "--max-num-batched-tokens", "2048"], "NVSHMEM_QP_DEPTH is unset (NVSHMEM default 1024); allowed values: an integer >= 4098"),
+        ({"DBO_RUNTIME_TOPK_LAYOUT": "bad"}, HT, "DBO_RUNTIME_TOPK_LAYOUT='bad' is not allowed; allowed values: 'windows', 'copies'"),
+        ({"DBO_RUNTIME_PLANNER_WARM_MAX_BATCH": "x"}, HT, "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH='x' is not allowed"),
+    ],
+)  # fmt: skip
+def test_a_refusal_creates_no_workdir(
+    env: dict[str, str], engine: list[str], needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], no_engine: None,
+) -> None:  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    work = tmp_path / "new" / "sub"
+    assert main(["verify", "--workdir", str(work), *engine]) == 2
+    assert needle in _one_line(capsys) and not (tmp_path / "new").exists()
+
+
+def test_no_gpu_creates_no_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(verify, "check_with_vllm", lambda args, command="verify": None)  # vLLM's parser needs a GPU platform
+    monkeypatch.setattr(verify, "visible_gpus", lambda: 0)
+    assert main(["verify", "--workdir", str(tmp_path / "new" / "sub"), *HT]) == 3
+    assert "needs 2 GPU(s)" in _one_line(capsys) and not (tmp_path / "new").exists()
+
+
+def test_a_workdir_under_a_file_is_refused_early(tmp_path: Path, capsys: pytest.CaptureFixture[str], no_engine: None) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["verify", "--workdir", str(afile / "sub"), *HT]) == 2
+    assert f"({afile} is a file, not a folder)" in _one_line(capsys)
+
+
+def test_underscore_spellings_read_as_dashes(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, no_engine: None) -> None:
+    """--data_parallel_size 2 is DP 2 for vLLM, so for verify too (not "--data-parallel-size=1 is not allowed")."""
+    monkeypatch.setenv("VLLM_DBO_COMM_SMS", "19")  # a refusal that comes after the DP check and before vLLM's parser
+    assert main(["verify", "--model", "m", "--data_parallel_size", "2", "--enable_expert_parallel", "--all2all_backend",
+                 "deepep_high_throughput"]) == 2  # fmt: skip
+    assert "VLLM_DBO_COMM_SMS=19" in _one_line(capsys)
+    monkeypatch.delenv("VLLM_DBO_COMM_SMS")
+    assert main(["verify", "--model", "m", "--data_parallel_size", "2", "--enable_dbo", "--all2all_backend", "deepep_low_latency",
+                 "--enable_expert_parallel", "--max_num_batched_tokens", "2048"]) == 2  # fmt: skip
+    assert "NVSHMEM_QP_DEPTH" in _one_line(capsys)
+
+
+def test_a_missing_model_reads_as_missing(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "-dp", "2"]) == 2
+    assert _one_line(capsys).startswith("dbo-runtime verify: error: --model is missing; allowed values: the model to verify")
+
+
+def test_checks_that_need_no_vllm_come_before_the_gpu_check(capsys: pytest.CaptureFixture[str], no_engine: None) -> None:
+    """--noise-floor with one sequence per rank cannot halve it: a usage error on any machine, not "needs a GPU"."""
+    assert main(["verify", "--noise-floor", "--prompts", "2", *HT, "--max-num-seqs", "1"]) == 2
+    assert "--noise-floor=" in _one_line(capsys)
+
+
+def test_without_a_gpu_it_says_the_arguments_were_not_checked() -> None:
+    """vLLM cannot build its parser without a GPU platform: verify must not claim it checked the arguments."""
+    # a fresh interpreter: vLLM caches its parser's defaults, so an in-process fake platform would leak in
+    proc = subprocess.run([sys.executable, "-m", "dbo_runtime", "verify", *HT, "--bogus-engine-arg", "3"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    if "needs 2 GPU(s)" in proc.stderr:
+        pytest.skip("this machine has a GPU platform: vLLM's parser builds here")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "checking the engine arguments" not in proc.stderr and "checked with vLLM's parser" not in proc.stderr
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("dbo-runtime verify")]
+    assert line.startswith("dbo-runtime verify: engine arguments not checked: vLLM cannot build its parser here (no GPU platform")
+    assert line.endswith("verify needs a GPU machine")
