@@ -138,15 +138,16 @@ def test_each_family_architecture_runs_dbo_at_dp2_and_vanilla_crashes_under_ht(r
 
 # -- 4. dbo-runtime tune --------------------------------------------------------------------------------
 def test_tune_measures_a_curve_on_the_real_engine(tmp_path: Any) -> None:
-    """The GPU twin of tests/unit/test_cli_tune.py: two values and today's, one turn each after a warm-up
-    turn, at the HT prefill shape of the V3.2 width model; every value microbatched and measured."""
+    """The GPU twin of tests/unit/test_cli_tune.py: two values and today's, six paired rounds after a warm-up
+    turn (the fewest that can confirm a value among three at alpha 0.05), at the HT prefill shape of the V3.2 width
+    model; every value microbatched and measured."""
     import json
     import subprocess
     import sys
 
     from tests.e2e import plan
 
-    argv = [sys.executable, "-m", "dbo_runtime", "tune", "--json", "--values", "12,16", "--reps", "1", "--warmup", "1",
+    argv = [sys.executable, "-m", "dbo_runtime", "tune", "--json", "--values", "12,16", "--reps", "6", "--warmup", "1",
             "--prefill-tokens", "4096", "--timeout", "1500", "--workdir", str(tmp_path), *plan.tune_args("v32-width")]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     doc = json.loads(proc.stdout)

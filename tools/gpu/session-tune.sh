@@ -13,7 +13,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
 mapfile -t ARGS < <(python3 -c "from tests.e2e import plan; print('\n'.join(plan.tune_args('$MODEL')))")
 timeout "$LIMIT" python3 -m dbo_runtime tune --json --shape prefill --prefill-tokens 8192 --values "$VALUES" \
-  --reps 3 --warmup 1 --timeout $((LIMIT - 30)) --workdir "/tmp/tune-$MODEL" --png "$OUT/tune-$MODEL.png" \
+  --reps 6 --warmup 1 --timeout $((LIMIT - 30)) --workdir "/tmp/tune-$MODEL" --png "$OUT/tune-$MODEL.png" \
   "${ARGS[@]}" > "$OUT/tune-$MODEL.json" 2> "$OUT/tune-$MODEL.log"
 echo "exit $?" >> "$OUT/tune-$MODEL.log"
 tar czf "$OUT/tune-$MODEL-runs.tgz" -C /tmp "tune-$MODEL" --exclude='*.whl' 2>/dev/null
