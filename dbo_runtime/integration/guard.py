@@ -409,7 +409,8 @@ def check_without_worker_hooks() -> None:
         return
     arch = _model(config)[0] if config is not None else "this model"
     raise DboRefusal(
-        f"dbo_runtime refuses {arch} with microbatching: {_hooks_failed[0]}, so this worker cannot check that "
+        f"dbo_runtime refuses {arch} with microbatching: {_hooks_failed[0].removeprefix('dbo_runtime: ')}, so this "
+        "worker cannot check that "
         "dbo_runtime's fixes applied. " + ways_out(verified_build_helps=True)
     )
 

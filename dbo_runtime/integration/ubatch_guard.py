@@ -18,7 +18,7 @@ from typing import Any
 
 from dbo_runtime.core.errors import MicrobatchFailure
 from dbo_runtime.core.log import get_logger
-from dbo_runtime.integration.features import Feature
+from dbo_runtime.integration.features import REGISTRY, Feature
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.integration.ubatch_failures import FAILURES, UbatchFailures, record
 
@@ -59,11 +59,11 @@ def reserve_placeholders(device: Any, max_model_len: int, max_rows: int = 1) -> 
             continue
         try:
             _RESERVED[key] = torch.zeros((need,), dtype=dtype, device=device)
-        except Exception as exc:  # model load goes on; a failure then falls back to allocating
+        except Exception as exc:  # model load goes on: the guard's worker check refuses DBO before warm-up
+            REGISTRY.mark("ubatch_guard", "broken", f"the placeholder logits could not be reserved at model load ({exc!r})")
             logger.error(
-                "dbo_runtime: could not reserve the placeholder logits (%r): an out-of-memory error at the indexer "
-                "call site on a microbatch thread must then allocate its placeholder, and if that fails too the "
-                "step can hang instead of raising",
+                "dbo_runtime: could not reserve the placeholder logits (%r): without them an out-of-memory error at "
+                "the indexer call site on a microbatch thread can hang the step, so DBO is refused for DSA models",
                 exc,
             )
 

@@ -20,6 +20,13 @@ pytestmark = pytest.mark.e2e
 SWEEP = list(plan.jit_sweep())
 
 
+def is_planner_kernel(path: str) -> bool:
+    """A compiled paged-MQA planner in DeepGEMM's cache (``<kernel name>.<hash>``), not the sparse or prefill
+    metadata kernels, nor a folder DeepGEMM still writes before it renames it into place."""
+    parts = path.split("/")
+    return "paged_mqa_logits_metadata" in path and "sparse" not in path and not any(p.startswith("tmp") for p in parts)
+
+
 def judge_sweep(record: dict[str, Any], requests: int, max_tokens: int) -> dict[str, Any]:
     """The assertions both sweeps share; returns the counters (one worker's, or every DP rank's)."""
     lengths = sorted(len(r["tokens"]) for r in record["requests"])
@@ -27,11 +34,12 @@ def judge_sweep(record: dict[str, Any], requests: int, max_tokens: int) -> dict[
     for counters in record["counters"]:
         assert counters["warmups"] > 0 and counters["warm_failures"] == 0, counters
         assert counters["jit_in_step"] == 0, counters
-    [*caches] = record["jit_cache"]
+    caches = record.get("jit_cache") or []
+    assert len(caches) == (record.get("dp") or 1), f"a rank wrote no listing of its cold DeepGEMM cache: {caches}"
     for cache in caches:
-        planners = [k for k in cache["at_ready"] if "metadata" in k]
+        planners = [k for k in cache["at_ready"] if is_planner_kernel(k)]
         assert planners, f"no planner kernel named in the cold cache at start, so the listing proves nothing: {cache['at_ready']}"
-        assert not [k for k in cache["new_in_serving"] if "metadata" in k], cache["new_in_serving"]
+        assert not [k for k in cache["new_in_serving"] if is_planner_kernel(k)], cache["new_in_serving"]
     return {"counters": record["counters"], "jit_cache": caches}
 
 

@@ -121,3 +121,34 @@ def test_a_k_selection_starts_only_the_runs_of_the_cases_it_selects(tmp_path: Pa
         "1gpu-deepseek-v4-graphs-vanilla",
         "1gpu-jit-sweep-eager-dbo-dp1",
     ]
+
+
+def test_the_jit_sweep_judge_reads_deepgemms_cache_and_the_counters() -> None:
+    """``judge_sweep`` on synthetic records (its GPU twin is the sweep itself): a planner kernel new in serving
+    fails it, a listing without any planner kernel proves nothing and fails it, sparse or temporary folders are
+    not planners."""
+    from tests.e2e.test_planner_jit_1gpu import is_planner_kernel, judge_sweep
+
+    assert is_planner_kernel("cache/kernel.sm90_paged_mqa_logits_metadata.1a2b")
+    assert not is_planner_kernel("cache/kernel.sm100_paged_sparse_mqa_logits_metadata.1a2b")
+    assert not is_planner_kernel("tmp/abc/kernel.sm90_paged_mqa_logits_metadata.1a2b")
+    counters = {"warmups": 3, "warm_failures": 0, "jit_in_step": 0}
+    ready = ["cache/kernel.sm90_paged_mqa_logits_metadata.1", "cache/kernel.sm90_fp8_paged_mqa_logits.2"]
+
+    def record(new: list[str], at_ready: list[str] = ready, **more: int) -> dict:
+        return {
+            "dp": 1,
+            "requests": [{"tokens": [0] * (8 + i)} for i in range(4)],
+            "counters": [{**counters, **more}],
+            "jit_cache": [{"at_ready": at_ready, "new_in_serving": new}],
+        }
+
+    judge_sweep(record(["cache/kernel.sm90_fp8_paged_mqa_logits.3"]), 4, 8)  # a logits kernel may be new: not a planner
+    with pytest.raises(AssertionError):
+        judge_sweep(record(["cache/kernel.sm90_paged_mqa_logits_metadata.9"]), 4, 8)
+    with pytest.raises(AssertionError, match="proves nothing"):
+        judge_sweep(record([], at_ready=["cache/kernel.sm90_fp8_paged_mqa_logits.2"]), 4, 8)
+    with pytest.raises(AssertionError):
+        judge_sweep(record([], jit_in_step=1), 4, 8)
+    with pytest.raises(AssertionError, match="wrote no listing"):
+        judge_sweep({**record([]), "jit_cache": None}, 4, 8)

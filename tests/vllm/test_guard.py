@@ -499,6 +499,31 @@ def test_without_its_worker_hooks_the_guard_refuses_where_dbo_builds_its_sm_cont
     guard.check_without_worker_hooks()
 
 
+def test_placeholders_that_could_not_be_reserved_refuse_dbo_before_warm_up(
+    fresh: None, cuda_platform: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the reserved placeholder logits an out-of-memory error on a microbatch thread can hang the step:
+    the worker check (before vLLM's warm-up) refuses a DSA model under DBO instead."""
+    import torch
+
+    from dbo_runtime.core.errors import DboRefusal
+    from dbo_runtime.integration import ubatch_guard
+
+    plugin.register()
+    monkeypatch.setattr(ubatch_guard, "_RESERVED", {})
+
+    def no_memory(*args: object, **kwargs: object) -> object:
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(torch, "zeros", no_memory)
+    ubatch_guard.reserve_placeholders(torch.device("cpu"), 4096, 8)
+    with pytest.raises(DboRefusal, match="placeholder logits could not be reserved at model load"):
+        guard.check(shared(), "worker", "mrv1")
+    config = shared()
+    config.parallel_config.enable_dbo = False
+    guard.check(config, "worker", "mrv1")  # no microbatch thread: nothing to hang
+
+
 def test_a_bad_plugin_setting_is_refused_before_any_worker_for_a_dbo_dsa_model(
     fresh: None, cuda_platform: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
