@@ -239,8 +239,9 @@ def _vllm_import_error() -> str | None:
     return None
 
 
-def _environment_problems() -> list[str]:
-    """Every dbo_runtime switch and setting an operator can mistype, checked the way the runtime parses it.
+def _environment_problems(disabled: bool = False) -> list[str]:
+    """Every dbo_runtime switch and setting an operator can mistype, checked the way the runtime parses it
+    (the plugin's own settings only while it is enabled: ``DBO_RUNTIME_DISABLE=1`` never reads them).
 
     ``VLLM_DBO_COMM_SMS`` is checked by the function ``verify`` and ``tune`` run before their engines start
     (``_engine.comm_sms_problem``: this GPU, else the H200 profile, with DeepEP high-throughput, vLLM's DBO
@@ -256,8 +257,7 @@ def _environment_problems() -> list[str]:
 
     if importlib.util.find_spec("torch") is None:
         problems.append("torch is not installed: vLLM and the plugin cannot run here (install vLLM 0.33.0 with its torch)")
-    checks: list[Callable[[], object]] = [lambda: parse_layout(os.environ.get(LAYOUT_ENV))]
-    checks.append(lambda: warm_max_batch())
+    checks: list[Callable[[], object]] = [] if disabled else [lambda: parse_layout(os.environ.get(LAYOUT_ENV)), warm_max_batch]
     checks.append(lambda: vllm_warmup_mode())
     for check in checks:
         try:
@@ -320,7 +320,7 @@ def _collect() -> dict[str, Any]:
         problems.extend(
             f"patch target missing: {p['target']} ({p['name']}): {p['detail']}" for p in patches if p["state"] == "missing"
         )
-    problems.extend(_environment_problems())
+    problems.extend(_environment_problems(disabled))
     warnings_ = [DISABLED_WARNING] if disabled else []
     warnings_ += [
         f"required patch target not checked here: {p['target']} ({p['name']}): {p['detail']}"

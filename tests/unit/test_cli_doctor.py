@@ -191,6 +191,12 @@ def test_disabled_is_one_warning_not_a_problem_per_fix(capsys: pytest.CaptureFix
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "DBO_RUNTIME_STRICT is on" in out and out.count(DISABLED_WARNING) == 1 and "refused at engine start" not in out
+    monkeypatch.setenv("DBO_RUNTIME_TOPK_LAYOUT", "bad")  # a setting the disabled plugin never reads
+    rc, doc = doctor_json(capsys)
+    assert rc == 0 and doc["problems"] == []
+    monkeypatch.delenv("DBO_RUNTIME_DISABLE")
+    rc, doc = doctor_json(capsys)
+    assert rc == 1 and any("DBO_RUNTIME_TOPK_LAYOUT='bad'" in p for p in doc["problems"])
 
 
 @pytest.mark.parametrize(
