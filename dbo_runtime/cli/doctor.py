@@ -42,7 +42,7 @@ import logging
 import os
 import platform
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
 
@@ -249,7 +249,7 @@ def _environment_problems(disabled: bool = False) -> list[str]:
     ``VLLM_DEEP_GEMM_WARMUP`` by vLLM's own choices, which the plugin's planner warm-up follows."""
     from dbo_runtime.cli._engine import comm_sms_problem
     from dbo_runtime.core.errors import ConfigError
-    from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout, vllm_warmup_mode, warm_max_batch
+    from dbo_runtime.core.settings import setting_problems, vllm_warmup_mode
     from dbo_runtime.core.switches import switch_problems
 
     problems = switch_problems()  # the plugin logs these same lines and reads the switches the same way
@@ -257,13 +257,12 @@ def _environment_problems(disabled: bool = False) -> list[str]:
 
     if importlib.util.find_spec("torch") is None:
         problems.append("torch is not installed: vLLM and the plugin cannot run here (install vLLM 0.33.0 with its torch)")
-    checks: list[Callable[[], object]] = [] if disabled else [lambda: parse_layout(os.environ.get(LAYOUT_ENV)), warm_max_batch]
-    checks.append(lambda: vllm_warmup_mode())
-    for check in checks:
-        try:
-            check()
-        except ConfigError as exc:
-            problems.append(str(exc))
+    if not disabled:
+        problems.extend(str(exc) for exc in setting_problems())  # what the front-end guard refuses
+    try:
+        vllm_warmup_mode()
+    except ConfigError as exc:
+        problems.append(str(exc))
     comm = comm_sms_problem([], os.environ, backend="deepep_high_throughput")
     if comm is not None:
         problems.append(str(comm))
