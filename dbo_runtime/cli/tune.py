@@ -176,9 +176,6 @@ def _flag(args: list[str], *names: str) -> str | None:
     return None
 
 
-_has = has_flag
-
-
 def decode_needs_eager(engine_args: list[str], dp: int) -> bool:
     """Whether a decode turn must run eager to be measured at all.
 
@@ -186,7 +183,7 @@ def decode_needs_eager(engine_args: list[str], dp: int) -> bool:
     replay branch, MRV2's ``run_fullgraph``) never enters SMControl's partition, so the counters tune
     times would read zero. vLLM keeps graphs unless they are off already: ``--enforce-eager``, or DeepEP
     high-throughput with data parallelism, for which it sets ``cudagraph_mode`` to NONE itself."""
-    if _has(engine_args, "--enforce-eager"):
+    if has_flag(engine_args, "--enforce-eager"):
         return False
     return not (_flag(engine_args, "--all2all-backend") == "deepep_high_throughput" and dp > 1)
 
@@ -216,7 +213,7 @@ def workload(engine_args: list[str], dp: int, opts: Options) -> tuple[list[str],
             )
         if given is None:
             added += ["--max-num-batched-tokens", str(opts.prefill_tokens)]
-        if not _has(engine_args, "--no-enable-prefix-caching"):
+        if not has_flag(engine_args, "--no-enable-prefix-caching"):
             added.append("--no-enable-prefix-caching")
             notes.append("prefix caching off: every turn prefills the same prompts again")
         prompts = PromptSpec(num=per_rank * dp, min_len=opts.prompt_len, max_len=opts.prompt_len, seed=0)
@@ -251,7 +248,7 @@ def memory_args(engine_args: list[str], engines: int) -> tuple[list[str], list[s
     ``gpu_memory_utilization`` x the GPU's memory free when each engine starts (``v1/worker/utils.py:request_memory``)."""
     added: list[str] = []
     notes: list[str] = []
-    if not _has(engine_args, "--kv-cache-memory-bytes"):
+    if not has_flag(engine_args, "--kv-cache-memory-bytes"):
         added += ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
         notes.append(f"each engine's KV cache fixed at {KV_CACHE_BYTES >> 30} GiB (--kv-cache-memory-bytes sets another)")
     given = _flag(engine_args, "--gpu-memory-utilization")

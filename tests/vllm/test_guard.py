@@ -11,6 +11,7 @@ cannot be prepared, a moved target by a lazy patch whose module never imports.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,26 @@ def shared() -> Any:
 
 def leaders_only(**kw: Any) -> Any:
     return engine_config("DeepseekV32ForCausalLM", hf("deepseek-v32"), **kw)
+
+
+@contextmanager
+def lazy_patch_in(patch: Patch, cls: str, listener: Any) -> Iterator[tuple[PatchSet, Any]]:
+    """``patch`` installed alone, with ``listener`` told of its lazy failures, and the call that applies it to a
+    stand-in module holding an empty class ``cls`` (where it fails); everything is undone on exit."""
+    import sys
+    import types
+
+    plugin.register()
+    ps = PatchSet([patch])
+    ps.failure_listeners.append(listener)
+    ps.install()
+    module = types.ModuleType(patch.module)
+    setattr(module, cls, type(cls, (), {}))
+    try:
+        yield ps, lambda: ps._apply_lazy(module)
+    finally:
+        ps.uninstall()
+        sys.modules.pop(patch.module, None)
 
 
 def refusal(config: Any, stage: guard.Stage = "config") -> str:
@@ -358,31 +379,20 @@ def test_a_broken_dependency_takes_its_dependents_out_of_force(
 def test_a_runner_only_patch_that_breaks_refuses_only_that_runners_workers(fresh: None, cuda_platform: None) -> None:
     """Both runners' workers import both microbatch modules (``Worker.__init__`` imports ``elastic_execute``), so an
     MRV1-only patch can break in an MRV2 worker: it must refuse MRV1 workers only, not take the feature down."""
-    import sys
-    import types
-
-    name = "dbo_guard_test_mrv1_module"
     join = Patch(
-        name="ubatch_guard.test_join", module=name, attr="UBatchWrapper._run_ubatches", make=lambda o: o, reason="t",
-        upstream_pr="-", removal="-", lazy=True, anchors=(), runner="mrv1",
+        name="ubatch_guard.test_join", module="dbo_guard_test_mrv1_module", attr="UBatchWrapper._run_ubatches",
+        make=lambda o: o, reason="t", upstream_pr="-", removal="-", lazy=True, anchors=(), runner="mrv1",
     )  # fmt: skip
-    plugin.register()
-    ps = PatchSet([join])
-    ps.failure_listeners.append(plugin._on_lazy_failure)
-    ps.install()
-    module = types.ModuleType(name)
-    module.UBatchWrapper = type("UBatchWrapper", (), {})  # type: ignore[attr-defined]
-    try:
-        ps._apply_lazy(module)
-        guard.bind_patch_set(ps)
-        assert plugin.REGISTRY.get("ubatch_guard").in_force  # type: ignore[union-attr]
-        guard.check(shared(), "worker", "mrv2")
-        with pytest.raises(DboRefusal, match=r"ubatch_guard\.test_join broken"):
-            guard.check(shared(), "worker", "mrv1")
-    finally:
-        ps.uninstall()
-        guard.bind_patch_set(plugin.installed_patch_set())
-        sys.modules.pop(name, None)
+    with lazy_patch_in(join, "UBatchWrapper", plugin._on_lazy_failure) as (ps, apply):
+        try:
+            apply()
+            guard.bind_patch_set(ps)
+            assert plugin.REGISTRY.get("ubatch_guard").in_force  # type: ignore[union-attr]
+            guard.check(shared(), "worker", "mrv2")
+            with pytest.raises(DboRefusal, match=r"ubatch_guard\.test_join broken"):
+                guard.check(shared(), "worker", "mrv1")
+        finally:
+            guard.bind_patch_set(plugin.installed_patch_set())
 
 
 def test_deepseek_v41_needs_the_shared_topk_patch_tagged_for_it(fresh: None, cuda_platform: None) -> None:
@@ -451,28 +461,16 @@ def test_a_guard_hook_that_fails_in_a_worker_takes_every_fix_out_of_force(fresh:
     """Lazy failures never kill the import of vLLM's worker module (a worker without DBO needs no fix): the
     worker logs one error naming the way out, and every fix reads as not in force there."""
     import logging
-    import sys
-    import types
 
-    name = "dbo_guard_test_worker_module"
     hook = Patch(
-        name="guard.test", module=name, attr="Worker.load_model", make=lambda o: o, reason="t", upstream_pr="-",
-        removal="-", lazy=True, anchors=(),
+        name="guard.test", module="dbo_guard_test_worker_module", attr="Worker.load_model", make=lambda o: o,
+        reason="t", upstream_pr="-", removal="-", lazy=True, anchors=(),
     )  # fmt: skip
-    plugin.register()
-    ps = PatchSet([hook])
-    ps.failure_listeners.append(guard.on_guard_failure)
-    ps.install()
-    module = types.ModuleType(name)
-    module.Worker = type("Worker", (), {})  # type: ignore[attr-defined]
-    try:
+    with lazy_patch_in(hook, "Worker", guard.on_guard_failure) as (_, apply):
         with caplog.at_level(logging.ERROR, logger="vllm.dbo_runtime"):
-            ps._apply_lazy(module)  # no raise
+            apply()  # no raise
         assert all(state.verdict == "broken" for state in plugin.REGISTRY.all().values())
         assert any("DBO_RUNTIME_DISABLE=1" in r.getMessage() for r in caplog.records)
-    finally:
-        ps.uninstall()
-        sys.modules.pop(name, None)
 
 
 def test_without_its_worker_hooks_the_guard_refuses_where_dbo_builds_its_sm_control(fresh: None, cuda_platform: None) -> None:
