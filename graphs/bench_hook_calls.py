@@ -32,6 +32,8 @@ from graphs._plotting import pyplot  # noqa: E402
 
 MODULES = (
     "vllm.model_executor.layers.sparse_attn_indexer",
+    "vllm.model_executor.layers.attention.sparse_mla_attention",
+    "vllm.models.deepseek_v32.attention",
     "vllm.v1.attention.backends.mla.index_group",
     "vllm.models.deepseek_v41.nvidia.model",
 )
@@ -50,7 +52,9 @@ def _instance(cls: type, **attrs: Any) -> Any:
 def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
     """Each case builds, under the current install state, a zero-argument access to time."""
     import torch
+    from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
     from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
+    from vllm.models.deepseek_v32.attention import DeepseekV32Attention, DeepseekV32Indexer
     from vllm.models.deepseek_v41.nvidia.model import DeepseekV4Model
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
 
@@ -61,6 +65,22 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
     def indexer_buffer() -> Callable[[], Any]:
         obj = _instance(SparseAttnIndexer, topk_indices_buffer=buffer)
         return lambda: obj.topk_indices_buffer
+
+    def shared_buffer(leader: bool) -> Callable[[], Callable[[], Any]]:
+        def build() -> Callable[[], Any]:
+            impl = object.__new__(SharedTopkIndicesBuffer)
+            indexer = _instance(DeepseekV32Indexer, topk_indices_buffer=buffer) if leader else None
+            impl.init_topk_indices_buffer(indexer, None if leader else buffer)
+            return lambda: impl.topk_indices_buffer
+
+        return build
+
+    def v32_descriptor(cls: type) -> Callable[[], Callable[[], Any]]:
+        def build() -> Callable[[], Any]:
+            obj = _instance(cls, topk_indices_buffer=buffer)
+            return lambda: obj.topk_indices_buffer
+
+        return build
 
     def v41_model_buffer() -> Callable[[], Any]:
         obj = _instance(DeepseekV4Model, topk_indices_buffer=buffer, _mtp_hidden_buffer=buffer)
@@ -78,6 +98,10 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
         return ubatch_ids.current_ubatch
 
     return {
+        "SharedTopkIndicesBuffer.topk_indices_buffer (follower)": shared_buffer(False),
+        "SharedTopkIndicesBuffer.topk_indices_buffer (leader)": shared_buffer(True),
+        "DeepseekV32Attention.topk_indices_buffer": v32_descriptor(DeepseekV32Attention),
+        "DeepseekV32Indexer.topk_indices_buffer": v32_descriptor(DeepseekV32Indexer),
         "SparseAttnIndexer.topk_indices_buffer": indexer_buffer,
         "DeepseekV4Model.topk_indices_buffer": v41_model_buffer,
         "DeepseekV4Model._mtp_hidden_buffer": mtp_hidden,
@@ -85,6 +109,18 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
         "ubatch_ids.current_ubatch": ubatch_lookup,
     }
 
+
+PER_STEP_78L = {
+    "SharedTopkIndicesBuffer.topk_indices_buffer (follower)": 156 - 21,
+    "SharedTopkIndicesBuffer.topk_indices_buffer (leader)": 21,
+    "DeepseekV32Attention.topk_indices_buffer": 99,
+    "DeepseekV32Indexer.topk_indices_buffer": 42,
+    "SparseMLAIndexGroup.set_logical_topk_ready (layer 3)": 78,
+}
+"""Accesses per eager decode step of the 78-layer GLM-5.3 pattern, as the self-timer counted them in the real
+engine (H200, ``graphs/results/bench_host_cost.json``, ``calls_per_step_by_patch``); the 156 property reads are
+split by the 21 leaders, whose reads go through their indexer. ``_convert_once`` (76) and the logits call site (22)
+call vLLM's kernels and are left out: their plugin share is in the engine's self time."""
 
 VANILLA_ONLY = {"ubatch_ids.current_ubatch"}
 """dbo_runtime's own lookup: no vanilla counterpart (its cost is inside every resolving access above)."""
@@ -161,7 +197,20 @@ def measure(n: int, reps: int) -> dict[str, Any]:
                     "plugin_samples_ns": samples["plugin"],
                     "vanilla_samples_ns": samples["vanilla"],
                 })  # fmt: skip
-    return {"n": n, "reps": reps, "rows": rows}
+    return {"n": n, "reps": reps, "rows": rows, "per_step_78l": per_step(rows)}
+
+
+def per_step(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Added ns per 78-layer eager step from ``PER_STEP_78L``, outside DBO (main thread) and on a microbatch thread."""
+    out: dict[str, Any] = {}
+    for thread in ("main", "ubatch 1"):
+        added = {r["access"]: r["added_ns"] for r in rows if r["thread"] == thread}
+        counted = {name: n for name, n in PER_STEP_78L.items() if name in added}
+        out[thread] = {
+            "accesses": sum(counted.values()),
+            "added_us": sum(n * added[name] for name, n in counted.items()) / 1e3,
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in doc["rows"]:
         vanilla = f"{r['vanilla_ns']:10.0f}" if r["vanilla_ns"] is not None else f"{'-':>10}"
         print(f"{r['access']:<{width}}  {r['thread']:<8} {r['plugin_ns']:10.0f}  {vanilla}  {r['added_ns']:8.0f}")
+    for thread, row in doc["per_step_78l"].items():
+        print(f"78-layer eager step, {thread}: {row['accesses']} of these accesses add {row['added_us']:.1f} us")
     plt = pyplot()
     if plt is None:
         print("note: matplotlib is not installed: no PNG (the JSON has every number)")

@@ -18,7 +18,10 @@ def test_the_benchmark_times_every_hooked_access_against_vanilla(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads((tmp_path / "bench_hook_calls.json").read_text())
     accesses = {(r["access"], r["thread"]) for r in doc["rows"]}
-    assert ("SparseAttnIndexer.topk_indices_buffer", "ubatch 1") in accesses and len(accesses) == 10
+    assert ("SparseAttnIndexer.topk_indices_buffer", "ubatch 1") in accesses and len(accesses) == 18
+    assert ("SharedTopkIndicesBuffer.topk_indices_buffer (leader)", "main") in accesses
+    for thread in ("main", "ubatch 1"):  # the engine's per-step counts, weighted by what each access adds
+        assert doc["per_step_78l"][thread]["accesses"] == 375 and isinstance(doc["per_step_78l"][thread]["added_us"], float)
     for row in doc["rows"]:
         assert row["plugin_ns"] > 0 and (row["vanilla_ns"] is None) == (row["access"] == "ubatch_ids.current_ubatch")
     assert doc["environment"]["vllm"].endswith("0.33.0")
@@ -29,3 +32,12 @@ def test_a_bad_argument_is_one_line() -> None:
         [sys.executable, str(ROOT / "graphs" / "bench_hook_calls.py"), "--reps", "0"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--reps" in proc.stderr
+
+
+def test_the_per_step_estimate_weights_each_access_by_the_engines_count() -> None:
+    sys.path.insert(0, str(ROOT))
+    from graphs.bench_hook_calls import PER_STEP_78L, per_step
+
+    rows = [{"access": name, "thread": t, "added_ns": 100.0 if t == "main" else 200.0} for name in PER_STEP_78L for t in ("main", "ubatch 1")]
+    est = per_step(rows)
+    assert est["main"] == {"accesses": 375, "added_us": 37.5} and est["ubatch 1"] == {"accesses": 375, "added_us": 75.0}
