@@ -108,6 +108,7 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
     paired = [x / y for x, y in zip(a, b, strict=False) if x and y]
     self_reps = _reps(selftime)
     self_us = [r["plugin_self_us_per_step"] for r in self_reps if r.get("plugin_self_us_per_step") is not None]
+    net_us = [r["plugin_self_net_us_per_step"] for r in self_reps if r.get("plugin_self_net_us_per_step") is not None]
     calls = [r["plugin_calls_per_step"] for r in self_reps if r.get("plugin_calls_per_step") is not None]
     by_patch: dict[str, list[float]] = {}
     for r in self_reps:
@@ -131,6 +132,10 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
         "hooked_calls_per_step": calls_med,
         "hooked_calls_per_layer": calls_med / depth if calls_med is not None else None,
         "self_ns_per_hooked_call": self_med * 1e3 / calls_med if self_med is not None and calls_med else None,
+        # the same less the self-timer's calibrated charge (harness.runner.net_self_us): raw is the upper bound
+        "self_net_us_per_step": med(net_us),
+        "self_net_ns_per_hooked_call": med(net_us) * 1e3 / calls_med if net_us and calls_med else None,
+        "self_net_share_of_step": med(net_us) / 1e3 / vanilla_ms if net_us and vanilla_ms else None,
         "calls_per_step_by_patch": {name: med(v) for name, v in sorted(by_patch.items())},
         "jit_in_step": {v: [r.get("jit_in_step") for r in _reps(records.get(f"{label}-{v}", {}))] for v, _ in VARIANTS[:1] + VARIANTS[2:]},
     }
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"bench": "bench_host_cost", "args": vars(args), "environment": env_facts, "configs": rows}
     (out / "bench_host_cost.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     _plot(rows, out / "bench_host_cost.png")
-    print(json.dumps([{k: r[k] for k in ("label", "plugin_over_vanilla_paired", "self_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "jit_in_step")} for r in rows], indent=1, default=str))
+    print(json.dumps([{k: r[k] for k in ("label", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step")} for r in rows], indent=1, default=str))
     return 0
 
 

@@ -287,11 +287,27 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
             if one_calls is not None and full_calls is not None:
                 row["plugin_calls_per_step"] = max(0.0, (full_calls - one_calls) / (steps - 1))
                 row["plugin_calls_per_step_by_patch"] = _per_step_by_patch(s0, s1, s2, steps)
+                row["plugin_self_net_us_per_step"] = net_self_us(row["plugin_self_us_per_step"], row["plugin_calls_per_step_by_patch"], s2)
         row["jit_in_step"] = summary_delta(s0, s2, "jit_in_step")
         reps.append(row)
         if coordinated:
             (Path(os.environ[BARRIER_ENV]) / f"done-rep{rep}.{rank}").touch()
     return {"max_tokens": steps, "requests": len(batch), "reps": reps}
+
+
+def net_self_us(self_us: float, per_step: dict[str, float], snap: list[dict[str, Any]] | None) -> float | None:
+    """``self_us`` less what the self-timer's own clock charged: per access of a descriptor its calibrated
+    ``charged_ns_per_access``, per call of a function or property getter its ``charged_ns_per_call`` (measured in
+    the same worker, ``selftime.snapshot``). A lower estimate of the plugin's time, beside the raw upper bound."""
+    timer = next((w.get("self_time") for w in snap or [] if (w.get("self_time") or {}).get("charged_ns_per_call") is not None), None)
+    if timer is None:
+        return None
+    kinds = timer.get("kinds", {})
+    charged = sum(
+        n * (timer["charged_ns_per_access"] if kinds.get(name) == "descriptor" else timer["charged_ns_per_call"])
+        for name, n in per_step.items()
+    )
+    return max(0.0, self_us - charged / 1e3)
 
 
 def _per_step_by_patch(

@@ -427,7 +427,7 @@ def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -
         "glm53-78L-eager-dbo-dp1-plugin": rec([201.0, 202.0, 200.0], jit_in_step=0),
         "glm53-78L-eager-dbo-dp1-vanilla": rec([200.0, 200.0, 200.0]),
         "glm53-78L-eager-dbo-dp1-selftime": rec(
-            [210.0] * 3, plugin_self_us_per_step=390.0, plugin_calls_per_step=780.0,
+            [210.0] * 3, plugin_self_us_per_step=390.0, plugin_self_net_us_per_step=78.0, plugin_calls_per_step=780.0,
             plugin_calls_per_step_by_patch={"topk.SparseAttnIndexer.topk_indices_buffer": 42.0}, jit_in_step=0,
         ),
     }  # fmt: skip
@@ -437,4 +437,6 @@ def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -
     assert row["hooked_calls_per_step"] == 780.0 and row["hooked_calls_per_layer"] == 10.0
     assert row["self_ns_per_hooked_call"] == 500.0 and abs(row["self_share_of_step"] - 390e-3 / 200.0) < 1e-12
     assert row["calls_per_step_by_patch"] == {"topk.SparseAttnIndexer.topk_indices_buffer": 42.0}
+    assert row["self_net_us_per_step"] == 78.0 and row["self_net_ns_per_hooked_call"] == 100.0
+    assert abs(row["self_net_share_of_step"] - 78e-3 / 200.0) < 1e-12
     assert row["jit_in_step"] == {"plugin": [0, 0, 0], "selftime": [0, 0, 0]}

@@ -136,3 +136,24 @@ def test_threads_do_not_accumulate_records_and_calibration_is_not_counted() -> N
     mid = selftime.snapshot(calibrate=True)
     assert mid["calls"] - before["calls"] == 50 and mid["overhead_ns_per_call"] > 0
     assert selftime.snapshot(calibrate=False)["calls"] == mid["calls"]  # calibration left no calls behind
+
+
+def test_the_clocks_own_charge_is_calibrated_and_a_net_figure_subtracts_it() -> None:
+    """A hook with no plugin work still accrues plugin time (the clock's own switches): the calibration measures
+    that charge, a hook that only calls its original accrues about that much, and the net figure takes it out."""
+    from dbo_runtime.harness.runner import net_self_us
+
+    snap = selftime.snapshot(calibrate=True)
+    assert snap["charged_ns_per_call"] > 0.0 and snap["charged_ns_per_access"] > 0.0
+    assert "calibration" not in snap["by_patch"] and "calibration" not in snap["kinds"]
+    clock_before = selftime.snapshot(calibrate=False)["total_ns"]
+    paused = selftime.pause_for_original(lambda: None)
+    hook = selftime.time_plugin(lambda: paused(), "test.empty-hook")
+    for _ in range(2000):
+        hook()
+    charged = (selftime.snapshot(calibrate=False)["total_ns"] - clock_before) / 2000
+    assert charged < 20 * snap["charged_ns_per_call"] + 5_000  # the same order: pure clock cost
+    worker = {"self_time": {"charged_ns_per_call": 1000.0, "charged_ns_per_access": 500.0, "kinds": {"f": "function", "d": "descriptor"}}}
+    assert net_self_us(10.0, {"f": 4, "d": 6}, [worker]) == pytest.approx(10.0 - 4.0 - 3.0)
+    assert net_self_us(1.0, {"f": 4}, [worker]) == 0.0  # never negative
+    assert net_self_us(10.0, {"f": 4}, [{"self_time": {"charged_ns_per_call": None}}]) is None  # not calibrated
