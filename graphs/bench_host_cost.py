@@ -111,9 +111,15 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
     net_us = [r["plugin_self_net_us_per_step"] for r in self_reps if r.get("plugin_self_net_us_per_step") is not None]
     calls = [r["plugin_calls_per_step"] for r in self_reps if r.get("plugin_calls_per_step") is not None]
     by_patch: dict[str, list[float]] = {}
+    us_by_patch: dict[str, list[float]] = {}
+    long_by_patch: dict[str, list[dict[str, float]]] = {}
     for r in self_reps:
         for name, n in (r.get("plugin_calls_per_step_by_patch") or {}).items():
             by_patch.setdefault(name, []).append(n)
+        for name, us in (r.get("plugin_self_us_per_step_by_patch") or {}).items():
+            us_by_patch.setdefault(name, []).append(us)
+        for name, long in (r.get("plugin_long_per_step_by_patch") or {}).items():
+            long_by_patch.setdefault(name, []).append(long)
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     vanilla_ms = med([x for x in b if x])
     depth = int(config["depth"])
@@ -137,6 +143,12 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
         "self_net_ns_per_hooked_call": med(net_us) * 1e3 / calls_med if net_us and calls_med else None,
         "self_net_share_of_step": med(net_us) / 1e3 / vanilla_ms if net_us and vanilla_ms else None,
         "calls_per_step_by_patch": {name: med(v) for name, v in sorted(by_patch.items())},
+        # exclusive self time per patch, and the part of it in single charges over selftime.LONG_NS (a kernel the
+        # plugin launches, or the thread descheduled inside plugin code): what the per-access figure is made of
+        "self_us_per_step_by_patch": {name: med(v) for name, v in sorted(us_by_patch.items())},
+        "long_per_step_by_patch": {
+            name: {"count": med([x["count"] for x in v]), "us": med([x["us"] for x in v])} for name, v in sorted(long_by_patch.items())
+        },
         "jit_in_step": {v: [r.get("jit_in_step") for r in _reps(records.get(f"{label}-{v}", {}))] for v, _ in VARIANTS[:1] + VARIANTS[2:]},
     }
 

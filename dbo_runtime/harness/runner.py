@@ -287,6 +287,13 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
             if one_calls is not None and full_calls is not None:
                 row["plugin_calls_per_step"] = max(0.0, (full_calls - one_calls) / (steps - 1))
                 row["plugin_calls_per_step_by_patch"] = _per_step_by_patch(s0, s1, s2, steps)
+                ns = _per_step_by_patch(s0, s1, s2, steps, key="ns_by_patch")
+                row["plugin_self_us_per_step_by_patch"] = {name: v / 1e3 for name, v in ns.items()}
+                long_ns = _per_step_by_patch(s0, s1, s2, steps, key="long_by_patch", index=1)
+                row["plugin_long_per_step_by_patch"] = {
+                    name: {"count": n, "us": long_ns.get(name, 0.0) / 1e3}
+                    for name, n in _per_step_by_patch(s0, s1, s2, steps, key="long_by_patch", index=0).items()
+                }
                 row["plugin_self_net_us_per_step"] = net_self_us(row["plugin_self_us_per_step"], row["plugin_calls_per_step_by_patch"], s2)
         row["jit_in_step"] = summary_delta(s0, s2, "jit_in_step")
         reps.append(row)
@@ -311,15 +318,22 @@ def net_self_us(self_us: float, per_step: dict[str, float], snap: list[dict[str,
 
 
 def _per_step_by_patch(
-    s0: list[dict[str, Any]] | None, s1: list[dict[str, Any]] | None, s2: list[dict[str, Any]] | None, steps: int
+    s0: list[dict[str, Any]] | None,
+    s1: list[dict[str, Any]] | None,
+    s2: list[dict[str, Any]] | None,
+    steps: int,
+    key: str = "by_patch",
+    index: int | None = None,
 ) -> dict[str, float]:
-    """Hooked calls and accesses per decode step, per patch (the T-token pass minus the 1-token pass)."""
+    """A self-timer table per decode step, per patch (the T-token pass minus the 1-token pass): ``by_patch``
+    (hooked calls and accesses), ``ns_by_patch`` (exclusive time), ``long_by_patch`` (``index`` 0: charges over
+    ``selftime.LONG_NS``, 1: their time)."""
 
     def counts(snap: list[dict[str, Any]] | None) -> dict[str, int]:
         out: dict[str, int] = {}
         for worker in snap or []:
-            for name, n in (worker.get("self_time") or {}).get("by_patch", {}).items():
-                out[name] = out.get(name, 0) + int(n)
+            for name, n in (worker.get("self_time") or {}).get(key, {}).items():
+                out[name] = out.get(name, 0) + int(n if index is None else n[index])
         return out
 
     c0, c1, c2 = counts(s0), counts(s1), counts(s2)

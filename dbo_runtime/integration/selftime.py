@@ -29,13 +29,14 @@ _clock = time.perf_counter_ns
 
 
 class _ThreadClock:
-    __slots__ = ("calls", "in_plugin", "since", "total_ns")
+    __slots__ = ("calls", "in_plugin", "name", "since", "total_ns")
 
     def __init__(self) -> None:
         self.in_plugin = False
         self.since = 0
         self.total_ns = 0
         self.calls = 0
+        self.name = ""
 
 
 class _Local(threading.local):
@@ -51,6 +52,12 @@ _untimed: set[str] = set()
 _by_patch: dict[str, int] = {}
 """Calls (functions) and accesses (descriptors) per patch name; incremented under the GIL, read by ``snapshot``."""
 _kinds: dict[str, str] = {}
+_ns_by_patch: dict[str, int] = {}
+"""Exclusive plugin time per patch (the innermost timed patch a thread is in gets each charge)."""
+LONG_NS = 20_000
+_long_by_patch: dict[str, list[int]] = {}
+"""[count, ns] per patch of single charges over ``LONG_NS``: a kernel the plugin launches, or the thread losing the
+GIL or the CPU inside plugin code (wall time), told apart from the per-access cost they would otherwise swamp."""
 
 
 def enabled() -> bool:
@@ -100,12 +107,14 @@ def _timed(fn: Any, name: str, fold: bool) -> Any:
     def timed(*args: Any, **kwargs: Any) -> Any:
         clock = _mine()
         was = _switch(clock, True)
+        outer, clock.name = clock.name, name
         clock.calls += 1
         _by_patch[name] = _by_patch.get(name, 0) + 1
         try:
             return fn(*args, **kwargs)
         finally:
             _switch(clock, was)
+            clock.name = outer
             if fold and not was:
                 _fold(clock)
 
@@ -120,40 +129,42 @@ class TimedDescriptor:
         self.name = name
         self.fold = fold
 
-    def _enter(self) -> tuple[_ThreadClock, bool]:
+    def _enter(self) -> tuple[_ThreadClock, bool, str]:
         clock = _mine()
         was = _switch(clock, True)
+        outer, clock.name = clock.name, self.name
         clock.calls += 1
         _by_patch[self.name] = _by_patch.get(self.name, 0) + 1
-        return clock, was
+        return clock, was, outer
 
-    def _leave(self, clock: _ThreadClock, was: bool) -> None:
+    def _leave(self, clock: _ThreadClock, was: bool, outer: str) -> None:
         _switch(clock, was)
+        clock.name = outer
         if self.fold and not was:
             _fold(clock)
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:
             return self
-        clock, was = self._enter()
+        clock, was, outer = self._enter()
         try:
             return self.inner.__get__(obj, objtype)
         finally:
-            self._leave(clock, was)
+            self._leave(clock, was, outer)
 
     def __set__(self, obj: Any, value: Any) -> None:
-        clock, was = self._enter()
+        clock, was, outer = self._enter()
         try:
             self.inner.__set__(obj, value)
         finally:
-            self._leave(clock, was)
+            self._leave(clock, was, outer)
 
     def __delete__(self, obj: Any) -> None:
-        clock, was = self._enter()
+        clock, was, outer = self._enter()
         try:
             self.inner.__delete__(obj)
         finally:
-            self._leave(clock, was)
+            self._leave(clock, was, outer)
 
 
 def _switch(clock: _ThreadClock, in_plugin: bool) -> bool:
@@ -162,7 +173,14 @@ def _switch(clock: _ThreadClock, in_plugin: bool) -> bool:
     now = _clock()
     was = clock.in_plugin
     if was:
-        clock.total_ns += now - clock.since
+        spent = now - clock.since
+        clock.total_ns += spent
+        name = clock.name
+        _ns_by_patch[name] = _ns_by_patch.get(name, 0) + spent
+        if spent > LONG_NS:
+            long = _long_by_patch.setdefault(name, [0, 0])
+            long[0] += 1
+            long[1] += spent
     clock.in_plugin = in_plugin
     clock.since = now
     return was
@@ -244,8 +262,8 @@ def _calibrate(samples: int = 2000) -> tuple[float, float, float, float]:
     thread = threading.Thread(target=measure, name="dbo-runtime-selftime-calibration", daemon=True)
     thread.start()
     thread.join()
-    _by_patch.pop("calibration", None)
-    _kinds.pop("calibration", None)
+    for table in (_by_patch, _kinds, _ns_by_patch, _long_by_patch):
+        table.pop("calibration", None)
     return result[0], result[1], result[2], result[3]
 
 
@@ -259,6 +277,9 @@ def snapshot(calibrate: bool = True) -> dict[str, Any]:
         "total_ns": total_ns,
         "calls": calls,
         "by_patch": dict(_by_patch),
+        "ns_by_patch": dict(_ns_by_patch),
+        "long_by_patch": {name: list(v) for name, v in _long_by_patch.items()},
+        "long_ns": LONG_NS,
         "kinds": dict(_kinds),
         "overhead_ns_per_call": per_call,
         "overhead_ns_per_access": per_access,

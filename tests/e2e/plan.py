@@ -258,10 +258,13 @@ JIT_SWEEP_PROMPTS = PromptSpec(num=64, min_len=300, max_len=600, seed=21)
 """As many prompts as ``--max-num-seqs``: with staggered lengths the decode batch takes every size 64..1."""
 
 
-JIT_SWEEP_WARMUP = {"VLLM_DEEP_GEMM_WARMUP": "relax"}
-"""vLLM's default, which the GPU session's ``skip`` (set to keep vLLM's own 3400-kernel warm-up out of every start)
-would turn into the plugin's minimal warm-up. Eager engines skip vLLM's DeepGEMM warm-up anyway
-(``enable_jit_warmup`` is off with ``--enforce-eager``); the graphs run keeps ``skip`` and the plugin's capped sweep."""
+JIT_SWEEP_WARMUP = {"DBO_RUNTIME_PLANNER_WARM_MAX_BATCH": "64"}
+"""The planner set vLLM's default (``relax``) gives at ``--max-num-seqs 64`` (``core.settings.warm_policy``: every
+32-row bucket up to the largest decode step), asked for by its cap because the session keeps
+``VLLM_DEEP_GEMM_WARMUP=skip``: under ``relax`` vLLM's own DeepGEMM warm-up runs in eager engines too (its
+``kernel_warmup`` ignores ``--enforce-eager`` for DeepGEMM) and compiles about 3400 GEMM kernels on a cold cache,
+far past a 10-minute command. The cold cache still holds no planner, so the sweep proves what it claims: no planner
+compiles inside a step under that set. MTP-1 asks for 128 rows, at least its largest decode step."""
 
 
 def jit_sweep() -> dict[str, RunSpec]:
@@ -273,8 +276,8 @@ def jit_sweep() -> dict[str, RunSpec]:
     mtp = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
     for name, model, eager, extra, env in (
         ("eager", "shared-topk", True, [], JIT_SWEEP_WARMUP),
-        ("graphs", "shared-topk", False, [], {"DBO_RUNTIME_PLANNER_WARM_MAX_BATCH": "64"}),
-        ("mtp1-eager", "deepseek-v32-mtp", True, mtp, JIT_SWEEP_WARMUP),
+        ("graphs", "shared-topk", False, [], JIT_SWEEP_WARMUP),
+        ("mtp1-eager", "deepseek-v32-mtp", True, mtp, {"DBO_RUNTIME_PLANNER_WARM_MAX_BATCH": "128"}),
     ):
         label = f"1gpu-jit-sweep-{name}-dbo-dp1"
         out[label] = RunSpec(

@@ -157,3 +157,50 @@ def test_the_clocks_own_charge_is_calibrated_and_a_net_figure_subtracts_it() -> 
     assert net_self_us(10.0, {"f": 4, "d": 6}, [worker]) == pytest.approx(10.0 - 4.0 - 3.0)
     assert net_self_us(1.0, {"f": 4}, [worker]) == 0.0  # never negative
     assert net_self_us(10.0, {"f": 4}, [{"self_time": {"charged_ns_per_call": None}}]) is None  # not calibrated
+
+
+def test_time_is_charged_to_the_innermost_patch_and_long_charges_are_told_apart() -> None:
+    """A per-step total cannot say whether the plugin is slow per access or pays a few long charges (a kernel it
+    launches, its thread descheduled): each charge goes to the innermost timed patch, and single charges over
+    ``LONG_NS`` are counted apart."""
+    before = selftime.snapshot(calibrate=False)
+    paused = selftime.pause_for_original(lambda: _busy(30_000_000))  # vLLM's time: charged to nobody
+    inner = selftime.time_plugin(lambda: _busy(2 * selftime.LONG_NS), "test.inner-long")
+
+    def outer_body() -> None:
+        _busy(1_000_000)
+        paused()
+        inner()
+        for _ in range(50):
+            short()
+
+    short = selftime.time_plugin(lambda: None, "test.short")
+    selftime.time_plugin(outer_body, "test.outer")()
+    after = selftime.snapshot(calibrate=False)
+
+    def delta(table: str, name: str, index: int | None = None) -> int:
+        a, b = after[table].get(name), before[table].get(name)
+        if index is not None:
+            return (a[index] if a else 0) - (b[index] if b else 0)
+        return int(a or 0) - int(b or 0)
+
+    outer_ns, inner_ns, short_ns = delta("ns_by_patch", "test.outer"), delta("ns_by_patch", "test.inner-long"), delta("ns_by_patch", "test.short")
+    assert 1_000_000 <= outer_ns < 10_000_000, outer_ns  # its own 1 ms, not the 30 ms in the original
+    assert inner_ns >= 2 * selftime.LONG_NS and short_ns < 50 * selftime.LONG_NS
+    assert outer_ns + inner_ns + short_ns == after["total_ns"] - before["total_ns"]  # every charge has one owner
+    assert delta("long_by_patch", "test.inner-long", 0) == 1 and delta("long_by_patch", "test.inner-long", 1) >= 2 * selftime.LONG_NS
+    assert delta("long_by_patch", "test.short", 0) == 0
+    assert after["long_ns"] == selftime.LONG_NS
+
+
+def test_the_runner_reports_self_time_and_long_charges_per_patch_per_step() -> None:
+    from dbo_runtime.harness.runner import _per_step_by_patch
+
+    def snap(ns: int, long: list[int]) -> list[dict]:
+        return [{"self_time": {"ns_by_patch": {"p": ns}, "long_by_patch": {"p": long}}}]
+
+    # a 1-token pass costs 100 ns and one long charge, the 5-token pass 100 + 4 * 50 ns and two
+    s0, s1, s2 = snap(0, [0, 0]), snap(100, [1, 30]), snap(100 + 100 + 200, [3, 90])
+    assert _per_step_by_patch(s0, s1, s2, 5, key="ns_by_patch") == {"p": 50.0}
+    assert _per_step_by_patch(s0, s1, s2, 5, key="long_by_patch", index=0) == {"p": 0.25}
+    assert _per_step_by_patch(s0, s1, s2, 5, key="long_by_patch", index=1) == {"p": 7.5}
