@@ -162,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated configuration labels to keep (default: the whole matrix)")
     parser.add_argument("--reps", type=integer(1), default=5, help="timed reps per engine after one warm-up (default 5)")
     parser.add_argument("--steps", type=integer(2), default=16, help="decode steps per timed pass (default 16)")
+    parser.add_argument(
+        "--from-runs", default="", metavar="DIR",
+        help="summarize the run directories a stopped benchmark left in DIR (its bench_host_cost_runs) instead of running engines",
+    )  # fmt: skip
     add_out(parser)
     args = parser.parse_args(argv)
     configs = configurations(
@@ -173,25 +177,46 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         keep = set(_choices(parser, "only", args.only, tuple(c["label"] for c in configs)))
         configs = [c for c in configs if c["label"] in keep]
-    from dbo_runtime.harness.machine import refuse_without_engine
-
-    refused = refuse_without_engine("bench_host_cost", 1)
-    if refused is not None:
-        return EXIT_NO_DEVICE
-    from dbo_runtime.harness.turns import run_interleaved
-    from dbo_runtime.sim.report import environment
-
-    env_facts = environment()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     specs = [s for c in configs for s in specs_for(c, args.steps, args.reps)]
-    records = run_interleaved(specs, out / "bench_host_cost_runs", args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    out = Path(args.out)
+    if args.from_runs:
+        runs = Path(args.from_runs)
+        if not runs.is_dir():
+            parser.error(f"--from-runs: {runs} is not a directory (give the bench_host_cost_runs of a stopped run)")
+        records, env_facts = from_runs(runs, [s.label for s in specs])
+    else:
+        from dbo_runtime.harness.machine import refuse_without_engine
+
+        refused = refuse_without_engine("bench_host_cost", 1)
+        if refused is not None:
+            return EXIT_NO_DEVICE
+        from dbo_runtime.harness.turns import run_interleaved
+        from dbo_runtime.sim.report import environment
+
+        env_facts = environment()
+        out.mkdir(parents=True, exist_ok=True)
+        records = run_interleaved(specs, out / "bench_host_cost_runs", args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    out.mkdir(parents=True, exist_ok=True)
     rows = [summarize(c, records) for c in configs]
     doc = {"bench": "bench_host_cost", "args": vars(args), "environment": env_facts, "configs": rows}
     (out / "bench_host_cost.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     _plot(rows, out / "bench_host_cost.png")
     print(json.dumps([{k: r[k] for k in ("label", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step")} for r in rows], indent=1, default=str))
     return 0
+
+
+def from_runs(runs: Path, labels: list[str]) -> tuple[dict[str, dict], dict]:
+    """The records of a benchmark a time limit stopped, assembled again from its run directories (with the reps
+    each engine finished, ``harness.runner.partial_path``), and the environment its engines reported."""
+    from dbo_runtime.harness.launch import reassemble
+
+    records: dict[str, dict] = {}
+    for label in labels:
+        record = reassemble(runs / label) if (runs / label).is_dir() else None
+        if record is not None:
+            records[label] = record
+    versions = next((r.get("versions") for r in records.values() if r.get("versions")), None) or {}
+    return records, {"from_runs": str(runs), "stopped_by_session_limit": any(r.get("stopped_by_session_limit") for r in records.values()), **versions}
 
 
 def _plot(rows: list[dict], path: Path) -> None:

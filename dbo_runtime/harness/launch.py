@@ -25,7 +25,7 @@ from typing import Any
 
 from dbo_runtime.core.switches import parse_switch
 from dbo_runtime.harness.prompts import PromptSpec
-from dbo_runtime.harness.runner import BARRIER_ENV, summary_delta
+from dbo_runtime.harness.runner import BARRIER_ENV, partial_path, summary_delta
 
 RUNNER_MODULE_ENV = "DBO_HARNESS_RUNNER_MODULE"
 """Module run per rank (default ``dbo_runtime.harness.runner``); CPU tests point it at a fake engine."""
@@ -294,14 +294,23 @@ def reassemble(run: Path) -> dict[str, Any] | None:
 
 
 def _load_ranks(root: Path, dp: int, why_missing: Callable[[int], str]) -> list[dict[str, Any]]:
-    """Each rank's result file, or a failed placeholder saying why it is missing."""
+    """Each rank's result file, or a failed placeholder saying why it is missing, with the benchmark reps the
+    rank finished before it stopped (``runner.partial_path``) when there are any."""
     ranks = []
     for rank in range(dp):
         path = root / f"rank{rank}.json"
         if path.exists():
             ranks.append(json.loads(path.read_text()))
-        else:
-            ranks.append({"rank": rank, "ok": False, "error": f"rank {rank} {why_missing(rank)}"})
+            continue
+        placeholder: dict[str, Any] = {"rank": rank, "ok": False, "error": f"rank {rank} {why_missing(rank)}"}
+        partial = partial_path(path)
+        if partial.exists():
+            try:
+                placeholder["bench"] = json.loads(partial.read_text())["bench"]
+                placeholder["bench_partial"] = True
+            except (OSError, ValueError, KeyError):
+                pass
+        ranks.append(placeholder)
     return ranks
 
 

@@ -32,11 +32,30 @@ from dbo_runtime.harness.prompts import PromptSpec, for_rank, load
 BARRIER_ENV = "DBO_HARNESS_BARRIER_DIR"
 BARRIER_TIMEOUT_S = 600.0
 _KEEP: list[Any] = []
+_PARTIAL: list[Path] = []
+"""Where ``main`` writes the benchmark's reps so far (``rankN.partial.json``)."""
 
 
 def _log(msg: str) -> None:
     sys.stderr.write(f"[dbo-harness rank {os.environ.get('VLLM_DP_RANK', '0')}] {msg}\n")
     sys.stderr.flush()
+
+
+def partial_path(out: Path) -> Path:
+    """``rank0.json`` -> ``rank0.partial.json``: the reps a benchmark finished before it was stopped."""
+    return out.with_name(out.stem + ".partial.json")
+
+
+def _save_partial(bench: dict[str, Any]) -> None:
+    """Keep every finished rep on disk: a session's time limit kills the engine without a result file, and a
+    benchmark of 78-layer engines loses minutes of device time with it. Best effort: never fails the run."""
+    for path in _PARTIAL:
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"bench": bench}))
+            tmp.replace(path)
+        except OSError as exc:
+            _log(f"could not keep the reps so far in {path}: {exc}")
 
 
 def barrier(name: str, rank: int, size: int) -> None:
@@ -297,6 +316,7 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
                 row["plugin_self_net_us_per_step"] = net_self_us(row["plugin_self_us_per_step"], row["plugin_calls_per_step_by_patch"], s2)
         row["jit_in_step"] = summary_delta(s0, s2, "jit_in_step")
         reps.append(row)
+        _save_partial({"max_tokens": steps, "requests": len(batch), "reps": reps})
         if coordinated:
             (Path(os.environ[BARRIER_ENV]) / f"done-rep{rep}.{rank}").touch()
     return {"max_tokens": steps, "requests": len(batch), "reps": reps}
@@ -363,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("VLLM_DP_RANK", "0"))
     size = int(os.environ.get("VLLM_DP_SIZE", "1"))
     out = Path(args[1])
+    _PARTIAL[:] = [partial_path(out)]
     result: dict[str, Any] = {"label": spec.get("label"), "rank": rank, "dp": size, "ok": False, "error": None}
     try:
         run(spec, rank, size, result)

@@ -444,3 +444,29 @@ def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -
     assert row["jit_in_step"] == {"plugin": [0, 0, 0], "selftime": [0, 0, 0]}
     assert row["self_us_per_step_by_patch"] == {"indexer.logits.sparse_attn_indexer": 300.0}
     assert row["long_per_step_by_patch"] == {"indexer.logits.sparse_attn_indexer": {"count": 1.0, "us": 250.0}}
+
+
+def test_host_cost_bench_summarizes_a_run_a_limit_stopped(tmp_path: Path) -> None:
+    """``--from-runs``: a time limit killed the benchmark and its engines; the reps each engine finished
+    (``rankN.partial.json``) still make the configuration's row, without a GPU."""
+    from dataclasses import asdict
+
+    mod = load("bench_host_cost.py")
+    [config] = [c for c in mod.configurations(("glm53",), (78,), ("eager",), ("dp1",))]
+    runs = tmp_path / "bench_host_cost_runs"
+    for spec in mod.specs_for(config, 16, 2):
+        run = runs / spec.label
+        run.mkdir(parents=True)
+        (run / "spec.json").write_text(json.dumps(asdict(spec), default=str))
+        reps = [{"rep": 0, "warmup": True, "decode_step_ms": 999.0}, {"rep": 1, "warmup": False, "decode_step_ms": 300.0}]
+        if spec.label.endswith("-plugin"):
+            reps[1]["decode_step_ms"] = 303.0
+        if spec.label.endswith("-selftime"):
+            reps[1].update(plugin_self_us_per_step=900.0, plugin_calls_per_step=450.0, plugin_self_us_per_step_by_patch={"p": 900.0})
+        (run / "rank0.partial.json").write_text(json.dumps({"bench": {"reps": reps}}))
+    out = tmp_path / "out"
+    assert mod.main(["--from-runs", str(runs), "--only", config["label"], "--reps", "2", "--out", str(out)]) == 0
+    doc = json.loads((out / "bench_host_cost.json").read_text())
+    [row] = doc["configs"]
+    assert row["plugin_over_vanilla_paired"]["median"] == pytest.approx(1.01) and row["self_us_per_step"] == 900.0
+    assert row["self_us_per_step_by_patch"] == {"p": 900.0} and doc["environment"]["stopped_by_session_limit"] is True

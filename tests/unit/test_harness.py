@@ -334,6 +334,36 @@ def test_replay_assembles_runs_again_also_those_a_time_limit_cut_off(tmp_path: P
     assert record["stopped_by_session_limit"] and "rank 1 stopped before it wrote a result" in record["error"]
 
 
+def test_a_benchmark_stopped_by_a_limit_keeps_the_reps_it_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session's time limit kills a 78-layer benchmark engine before it writes its result: every finished rep is
+    on disk already (``rankN.partial.json``), and reassembling the run reads them back into its record's bench."""
+    from dataclasses import asdict
+
+    from dbo_runtime.harness import runner
+    from dbo_runtime.harness.launch import reassemble
+
+    class Params:
+        def __init__(self, **kw: object) -> None:
+            self.max_tokens = kw["max_tokens"]
+
+    class LLM:
+        def generate(self, batch: list[object], params: Params, use_tqdm: bool = False) -> None:
+            time.sleep(0.001 if params.max_tokens == 1 else 0.01)
+
+    monkeypatch.setattr(runner, "_stats", lambda llm: [{"summary": {"microbatched_builds": 0}}])
+    spec = RunSpec("hc-selftime", ["--model", "m"], dp=1)
+    (tmp_path / "spec.json").write_text(json.dumps(asdict(spec), default=str))
+    monkeypatch.setattr(runner, "_PARTIAL", [runner.partial_path(tmp_path / "rank0.json")])
+    runner._bench(LLM(), Params, [1, 2], {"max_tokens": 8, "reps": 2, "warmup": 1}, 0, 1)
+    assert runner.partial_path(tmp_path / "rank0.json") == tmp_path / "rank0.partial.json"
+    record = reassemble(tmp_path)  # no rank0.json: the engine was killed after its reps
+    assert record is not None and not record["ok"] and record["stopped_by_session_limit"]
+    [bench] = record["bench"]
+    assert [r["rep"] for r in bench["reps"]] == [0, 1, 2] and [r["warmup"] for r in bench["reps"]] == [True, False, False]
+    (tmp_path / "rank0.partial.json").write_text("{not json")
+    assert reassemble(tmp_path)["bench"] is None  # type: ignore[index]  # a torn file is no reps, not a crash
+
+
 def test_reassembly_keeps_the_configuration_the_run_was_launched_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """verify pins VLLM_USE_V2_MODEL_RUNNER=0 in its own environment, not in the spec: assembling
     again in another process must not turn a V1 run into a V2 one."""

@@ -11,7 +11,13 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
 mkdir -p /tmp/host-cost
 timeout "$LIMIT" python3 graphs/bench_host_cost.py --out /tmp/host-cost "$@" > /tmp/host-cost/bench.log 2>&1
-echo "exit $?" >> /tmp/host-cost/bench.log
+rc=$?
+echo "exit $rc" >> /tmp/host-cost/bench.log
+if [ "$rc" != 0 ] && [ -d /tmp/host-cost/bench_host_cost_runs ]; then
+  # the limit stopped it: summarize the reps every engine finished (rankN.partial.json)
+  python3 graphs/bench_host_cost.py --from-runs /tmp/host-cost/bench_host_cost_runs --out /tmp/host-cost "$@" >> /tmp/host-cost/bench.log 2>&1
+  echo "summarized from the run directories: exit $?" >> /tmp/host-cost/bench.log
+fi
 cp /tmp/host-cost/bench_host_cost.json /tmp/host-cost/bench_host_cost.png "$OUT/" 2>/dev/null
 tar czf "$OUT/host-cost-runs.tgz" -C /tmp/host-cost bench.log bench_host_cost_runs 2>/dev/null
 tail -40 /tmp/host-cost/bench.log
