@@ -91,7 +91,10 @@ def _not_affected(arch: str, module: str, why: str) -> Coverage:
 
 
 _E2E = "tests/e2e/test_engine_1gpu.py"
-_V41_EVIDENCE = ("tests/vllm/test_topk_v41.py", "tests/gpu/test_topk_isolation_gpu.py")
+_FAMILY_E2E = "tests/e2e/test_family_1gpu.py (docs/gpu-runs/2026-12-0*-lease*-1gpu-<model>-*)"
+_CALL_SITES = "tests/gpu/test_call_site_gpu.py"
+"""The real engine on one H200: plugin vs vanilla DBO off (eager, graphs) token-identical, DBO at DP 1 starts."""
+_V41_EVIDENCE = ("tests/vllm/test_topk_v41.py", "tests/gpu/test_topk_isolation_gpu.py", _FAMILY_E2E, _CALL_SITES)
 
 ROWS: tuple[Coverage, ...] = (
     _v32_family(
@@ -104,7 +107,7 @@ ROWS: tuple[Coverage, ...] = (
         "vllm.models.deepseek_v32",
         notes="on CUDA an alias of DeepseekV32ForCausalLM; vLLM reads index_topk_freq / index_skip_topk_offset / "
         "index_topk_pattern (a string), never indexer_types",
-        evidence=("tests/vllm/test_coverage_rules.py", _E2E),
+        evidence=("tests/vllm/test_coverage_rules.py", _E2E, _FAMILY_E2E, _CALL_SITES),
     ),
     Coverage(
         "DeepseekV32MTPModel",
@@ -125,7 +128,7 @@ ROWS: tuple[Coverage, ...] = (
         needs=(MTP_HIDDEN,),
         notes="each C4 layer writes and reads its own top-k; the MTP hidden buffer (written from row 0 by every "
         "microbatch) is windowed per microbatch",
-        evidence=("tests/vllm/test_mtp_hidden.py",),
+        evidence=("tests/vllm/test_mtp_hidden.py", _FAMILY_E2E, _CALL_SITES),
     ),
     Coverage(
         "DeepseekV4ForConditionalGeneration",
@@ -162,6 +165,7 @@ ROWS: tuple[Coverage, ...] = (
         sharing="none",
         status="not affected",
         notes="GLM-5.3-Flash: every indexed-attention layer runs its own indexer",
+        evidence=(_FAMILY_E2E, _CALL_SITES),
     ),
     Coverage(
         "Glm5NextForConditionalGeneration",
