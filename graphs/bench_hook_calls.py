@@ -10,7 +10,12 @@ ns per access of each side and their difference are reported. Main thread = outs
 "ubatch 1" = a thread registered as microbatch 1 in vLLM's own thread table, as ``UBatchContext.__enter__`` does.
 A CPU measurement: an H200 host's cores are faster, so read the differences, not the absolute numbers.
 
-    python graphs/bench_hook_calls.py [--n 200000] [--reps 7] [--out graphs/results]
+``--cold K``: in a model, several hundred microseconds of other work (vLLM's Python, torch dispatch) run between
+two hooked accesses and evict the caches the access needs, which a loop of back-to-back accesses keeps warm. With
+K > 0 every access is preceded by K random reads over a 40 MB pool of objects and timed on its own (the median of a
+block), on both sides (the clock's own cost cancels in the difference).
+
+    python graphs/bench_hook_calls.py [--n 200000] [--reps 7] [--cold K] [--out graphs/results]
 """
 
 from __future__ import annotations
@@ -133,6 +138,50 @@ def _time(access: Callable[[], Any], n: int) -> float:
     return (time.perf_counter_ns() - started) / n
 
 
+class Evictor:
+    """K random reads over a pool of about 40 MB of small objects: what vLLM's work between two hooked accesses
+    does to the caches (``--cold``)."""
+
+    def __init__(self, reads: int, size: int = 300_000, seed: int = 0) -> None:
+        import random
+
+        self.reads = reads
+        self.pool = [{"a": i, "b": str(i)} for i in range(size)]
+        rng = random.Random(seed)
+        self.order = [rng.randrange(size) for _ in range(max(reads, 1) * 16)]
+        self.at = 0
+
+    def __call__(self) -> int:
+        pool, order, total = self.pool, self.order, 0
+        at = self.at
+        for _ in range(self.reads):
+            total += pool[order[at]]["a"]
+            at = at + 1 if at + 1 < len(order) else 0
+        self.at = at
+        return total
+
+
+def _time_cold(access: Callable[[], Any], n: int, evict: Evictor) -> float:
+    """The median of ``n`` accesses timed one by one after an eviction each, with the collector paused: a pass over
+    the 40 MB pool would otherwise land inside a random access and swamp the difference."""
+    import gc
+
+    clock = time.perf_counter_ns
+    times = []
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(n):
+            evict()
+            started = clock()
+            access()
+            times.append(clock() - started)
+    finally:
+        if enabled:
+            gc.enable()
+    return float(statistics.median(times))
+
+
 def _on_thread(fn: Callable[[], float], ubatch: int | None) -> float:
     """Run ``fn`` on a fresh thread, registered as microbatch ``ubatch`` in vLLM's thread table."""
     from vllm.v1.worker import ubatching
@@ -156,7 +205,7 @@ def _on_thread(fn: Callable[[], float], ubatch: int | None) -> float:
     return out[0]
 
 
-def measure(n: int, reps: int) -> dict[str, Any]:
+def measure(n: int, reps: int, cold: int = 0) -> dict[str, Any]:
     import importlib
 
     from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
@@ -171,6 +220,7 @@ def measure(n: int, reps: int) -> dict[str, Any]:
     parallel = ParallelConfig(enable_dbo=True, enable_expert_parallel=True, all2all_backend="deepep_low_latency", data_parallel_size=2)
     config = VllmConfig(device_config=DeviceConfig(device="cpu"), parallel_config=parallel)
     rows = []
+    evict = Evictor(cold) if cold else None
     plugin.uninstall()
     with set_current_vllm_config(config):  # V4.1's buffers register per-microbatch views under DBO
         for name, build in cases().items():
@@ -184,7 +234,8 @@ def measure(n: int, reps: int) -> dict[str, Any]:
                             plugin.register()
                         access = build()
                         access()  # first access outside the timed block (caches, views)
-                        samples[side].append(_on_thread(lambda a=access: _time(a, n), ubatch))
+                        timer = (lambda a=access: _time_cold(a, n, evict)) if evict is not None else (lambda a=access: _time(a, n))
+                        samples[side].append(_on_thread(timer, ubatch))
                         plugin.uninstall()
                 plugin_ns = statistics.median(samples["plugin"])
                 vanilla_ns = statistics.median(samples["vanilla"]) if samples["vanilla"] else None
@@ -197,7 +248,7 @@ def measure(n: int, reps: int) -> dict[str, Any]:
                     "plugin_samples_ns": samples["plugin"],
                     "vanilla_samples_ns": samples["vanilla"],
                 })  # fmt: skip
-    return {"n": n, "reps": reps, "rows": rows, "per_step_78l": per_step(rows)}
+    return {"n": n, "reps": reps, "cold_reads": cold, "rows": rows, "per_step_78l": per_step(rows)}
 
 
 def per_step(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -217,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="bench_hook_calls", description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=integer(1000), default=200_000, help="accesses per timed block (default 200000)")
     parser.add_argument("--reps", type=integer(1, 99), default=7, help="blocks per side, alternating (default 7)")
+    parser.add_argument(
+        "--cold", type=integer(0, 1_000_000), default=0, metavar="K",
+        help="random reads over a 40 MB pool before each access, timed one by one (default 0: back-to-back accesses)",
+    )  # fmt: skip
     add_out(parser)
     args = parser.parse_args(argv)
     try:
@@ -237,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from dbo_runtime.sim.report import environment, write_json
 
-    doc = {**measure(args.n, args.reps), "environment": {**environment(), "cpus": os.cpu_count()}}
-    write_json(out / "bench_hook_calls.json", doc)
+    doc = {**measure(args.n, args.reps, args.cold), "environment": {**environment(), "cpus": os.cpu_count()}}
+    stem = "bench_hook_calls" + ("_cold" if args.cold else "")
+    write_json(out / f"{stem}.json", doc)
     width = max(len(r["access"]) for r in doc["rows"])
     print(f"{'access':<{width}}  thread    plugin ns  vanilla ns  added ns")
     for r in doc["rows"]:
@@ -256,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xlabel("ns added per access by dbo_runtime (median of alternating blocks)")
         ax.tick_params(axis="y", labelsize=7)
         fig.tight_layout()
-        fig.savefig(out / "bench_hook_calls.png", dpi=120)
+        fig.savefig(out / f"{stem}.png", dpi=120)
     return 0
 
 

@@ -128,6 +128,7 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
     return {
         **config,
         "ok": {v: records.get(f"{label}-{v}", {}).get("ok") for v, _ in VARIANTS},
+        "reps_done": {v: len(_reps(records.get(f"{label}-{v}", {}))) for v, _ in VARIANTS},
         "errors": {v: records.get(f"{label}-{v}", {}).get("error") for v, _ in VARIANTS if not records.get(f"{label}-{v}", {}).get("ok")},
         "plugin_step_ms": med([x for x in a if x]),
         "vanilla_step_ms": vanilla_ms,
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=integer(1), default=5, help="timed reps per engine after one warm-up (default 5)")
     parser.add_argument("--steps", type=integer(2), default=16, help="decode steps per timed pass (default 16)")
     parser.add_argument(
-        "--from-runs", default="", metavar="DIR",
+        "--from-runs", default=None, metavar="DIR",
         help="summarize the run directories a stopped benchmark left in DIR (its bench_host_cost_runs) instead of running engines",
     )  # fmt: skip
     add_out(parser)
@@ -179,30 +180,41 @@ def main(argv: list[str] | None = None) -> int:
         configs = [c for c in configs if c["label"] in keep]
     specs = [s for c in configs for s in specs_for(c, args.steps, args.reps)]
     out = Path(args.out)
-    if args.from_runs:
+    if args.from_runs is not None:
         runs = Path(args.from_runs)
-        if not runs.is_dir():
-            parser.error(f"--from-runs: {runs} is not a directory (give the bench_host_cost_runs of a stopped run)")
-        records, env_facts = from_runs(runs, [s.label for s in specs])
+        if not args.from_runs or not runs.is_dir():
+            parser.error(f"--from-runs: {args.from_runs!r} is not a directory (give the bench_host_cost_runs of a stopped run)")
+        try:
+            records, env_facts = from_runs(runs, [s.label for s in specs])
+        except RunsUnreadable as exc:
+            print(f"bench_host_cost: --from-runs: {exc}", file=sys.stderr)
+            return 2
     else:
         from dbo_runtime.harness.machine import refuse_without_engine
 
         refused = refuse_without_engine("bench_host_cost", 1)
         if refused is not None:
             return EXIT_NO_DEVICE
+        from dbo_runtime.harness.launch import kill_on_sigterm
         from dbo_runtime.harness.turns import run_interleaved
         from dbo_runtime.sim.report import environment
+
+        kill_on_sigterm()
 
         env_facts = environment()
         out.mkdir(parents=True, exist_ok=True)
         records = run_interleaved(specs, out / "bench_host_cost_runs", args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
     out.mkdir(parents=True, exist_ok=True)
-    rows = [summarize(c, records) for c in configs]
+    rows = [summarize(c, records) for c in configs if args.from_runs is None or any(f"{c['label']}-{v}" in records for v, _ in VARIANTS)]
     doc = {"bench": "bench_host_cost", "args": vars(args), "environment": env_facts, "configs": rows}
     (out / "bench_host_cost.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     _plot(rows, out / "bench_host_cost.png")
     print(json.dumps([{k: r[k] for k in ("label", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step")} for r in rows], indent=1, default=str))
     return 0
+
+
+class RunsUnreadable(Exception):
+    """A ``--from-runs`` directory that holds none of the runs asked for, or a run that cannot be read back."""
 
 
 def from_runs(runs: Path, labels: list[str]) -> tuple[dict[str, dict], dict]:
@@ -212,11 +224,30 @@ def from_runs(runs: Path, labels: list[str]) -> tuple[dict[str, dict], dict]:
 
     records: dict[str, dict] = {}
     for label in labels:
-        record = reassemble(runs / label) if (runs / label).is_dir() else None
-        if record is not None:
-            records[label] = record
+        run = runs / label
+        if not run.is_dir():
+            continue
+        try:
+            record = reassemble(run)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise RunsUnreadable(f"{run}: its spec.json, record.json or rank files cannot be read ({type(exc).__name__}: {exc})") from None
+        if not isinstance(record, dict):
+            raise RunsUnreadable(f"{run}: holds neither a spec.json nor a record.json")
+        records[label] = record
+    if not records:
+        raise RunsUnreadable(
+            f"{runs} holds none of the {len(labels)} runs asked for (e.g. {labels[0] if labels else '-'}): give the "
+            "bench_host_cost_runs directory of a stopped run and the --only / --models / --depths it ran with"
+        )
+    missing = sorted({label.rsplit("-", 1)[0] for label in labels if label not in records})
+    if missing:
+        print(f"bench_host_cost: --from-runs: no runs for {len(missing)} configuration(s), left out: {', '.join(missing)}", file=sys.stderr)
     versions = next((r.get("versions") for r in records.values() if r.get("versions")), None) or {}
-    return records, {"from_runs": str(runs), "stopped_by_session_limit": any(r.get("stopped_by_session_limit") for r in records.values()), **versions}
+    stopped = sorted(label for label, r in records.items() if r.get("stopped_by_session_limit"))
+    for label in stopped:
+        reps = sum(1 for rank in records[label].get("bench") or [] for rep in rank.get("reps", []) if not rep.get("warmup"))
+        print(f"bench_host_cost: --from-runs: {label} was stopped by the limit: {reps} timed rep(s) kept", file=sys.stderr)
+    return records, {"from_runs": str(runs), "stopped_by_session_limit": bool(stopped), "stopped_runs": stopped, **versions}
 
 
 def _plot(rows: list[dict], path: Path) -> None:

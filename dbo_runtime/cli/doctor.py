@@ -55,7 +55,7 @@ ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_VALUE = "dbo_runtime.integration.plugin:register"
 WEIGHTS_ENTRY_POINT_VALUE = "dbo_runtime.harness.weights:register"
 DISABLED_WARNING = (
-    "DBO_RUNTIME_DISABLE=1: nothing patched, nothing refused; --enable-dbo runs vLLM's own DBO "
+    "DBO_RUNTIME_DISABLE={value}: nothing patched, nothing refused; --enable-dbo runs vLLM's own DBO "
     "(the DeepGEMM schedule crash / wrong top-k on DSA models)"
 )
 """The whole verdict under the deliberate switch: a warning, not a problem (exit 0), and one line, where
@@ -320,7 +320,7 @@ def _collect() -> dict[str, Any]:
             f"patch target missing: {p['target']} ({p['name']}): {p['detail']}" for p in patches if p["state"] == "missing"
         )
     problems.extend(_environment_problems(disabled))
-    warnings_ = [DISABLED_WARNING] if disabled else []
+    warnings_ = [DISABLED_WARNING.format(value=os.environ.get("DBO_RUNTIME_DISABLE", "1"))] if disabled else []
     warnings_ += [
         f"required patch target not checked here: {p['target']} ({p['name']}): {p['detail']}"
         for p in patches

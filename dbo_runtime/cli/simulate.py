@@ -100,14 +100,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=("small", "glm53"),
         help=(
             "small: toy widths (default); glm53: GLM-5.3 indexer shapes (32 heads x 128, contexts <= 16384, "
-            f"top-k 2048), {GLM53_GPU_RUN} on a GPU, {GLM53_CPU_RUN} on the CPU simulation (about 15 s on 2 cores)"
+            f"top-k 2048), {GLM53_GPU_RUN} on a GPU, {GLM53_CPU_RUN} on the CPU simulation (15-45 s on 2 cores)"
         ),
     )
     p.add_argument("--steps", metavar="N", default=None, help=f"DBO steps per run (1..{MAX_STEPS}; default: the preset's)")
     p.add_argument("--requests", metavar="N", default=None, help=f"requests per step, split in two microbatches (2..{MAX_REQUESTS})")
     p.add_argument("--comm-sms", metavar="N", default=None, help="comm SMs (default: $VLLM_DBO_COMM_SMS, else 20)")
     p.add_argument(
-        "--total-sms", metavar="N", default=None, help=f"SMs of the simulated device, an SM90 (Hopper) GPU: DeepGEMM's share is kept even, as on the worker (CPU backend; 1..{MAX_SMS}; default: H200, {H200_SMS}). `sms --total-sms` takes 132 as the H200 (SM90) and any other count as an unknown architecture"
+        "--total-sms", metavar="N", default=None, help=f"SMs of the simulated device, an SM90 (Hopper) GPU: DeepGEMM's share is kept even, as on the worker (CPU backend; up to {MAX_SMS}, and more than the comm share plus 1: 22 or more at the default 20 comm SMs; default: H200, {H200_SMS}). `sms --total-sms` takes 132 as the H200 (SM90) and any other count as an unknown architecture"
     )
     p.add_argument(
         "--topk-layout",

@@ -172,6 +172,24 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
+_LIVE: set[subprocess.Popen[bytes]] = set()
+"""Every engine process group a ``launch`` started and has not reaped: launches run on pool threads, whose
+``finally`` never runs when the launching process is terminated."""
+
+
+def kill_on_sigterm() -> None:
+    """Make SIGTERM (``timeout``'s signal: a session's limit) kill every engine this process started before it exits,
+    so nothing keeps the GPU or writes into the run directories after the limit (a stopped benchmark is then read
+    back as its engines left it, ``bench_host_cost.py --from-runs``)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        for proc in list(_LIVE):
+            _kill_group(proc)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run ``spec`` to completion (or failure/timeout) and return its record."""
     if spec.dp < 1:
@@ -217,6 +235,7 @@ def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None 
                     start_new_session=True,
                 )
             )
+            _LIVE.add(procs[-1])
     failed_at: float | None = None
     last_scan = 0.0
     timed_out = False
@@ -246,6 +265,7 @@ def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None 
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+            _LIVE.discard(p)
     wall = time.monotonic() - started
     if timed_out:
         with open(logs[0], "a") as log:
@@ -294,23 +314,25 @@ def reassemble(run: Path) -> dict[str, Any] | None:
 
 
 def _load_ranks(root: Path, dp: int, why_missing: Callable[[int], str]) -> list[dict[str, Any]]:
-    """Each rank's result file, or a failed placeholder saying why it is missing, with the benchmark reps the
-    rank finished before it stopped (``runner.partial_path``) when there are any."""
+    """Each rank's result file, or a failed placeholder saying why it is missing; a rank without a benchmark result
+    gets the reps it finished before it stopped or failed (``runner.partial_path``), when there are any."""
     ranks = []
     for rank in range(dp):
         path = root / f"rank{rank}.json"
         if path.exists():
-            ranks.append(json.loads(path.read_text()))
-            continue
-        placeholder: dict[str, Any] = {"rank": rank, "ok": False, "error": f"rank {rank} {why_missing(rank)}"}
-        partial = partial_path(path)
-        if partial.exists():
+            result = json.loads(path.read_text())
+        else:
+            result = {"rank": rank, "ok": False, "error": f"rank {rank} {why_missing(rank)}"}
+        if not result.get("bench"):  # killed, or failed mid-benchmark (a turn or barrier timeout): keep its reps
+            partial = partial_path(path)
             try:
-                placeholder["bench"] = json.loads(partial.read_text())["bench"]
-                placeholder["bench_partial"] = True
-            except (OSError, ValueError, KeyError):
-                pass
-        ranks.append(placeholder)
+                bench = json.loads(partial.read_text())["bench"] if partial.exists() else None
+            except (OSError, ValueError, KeyError, TypeError):
+                bench = None
+            if isinstance(bench, dict):
+                result["bench"] = bench
+                result["bench_partial"] = True
+        ranks.append(result)
     return ranks
 
 

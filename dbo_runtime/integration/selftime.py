@@ -29,7 +29,10 @@ _clock = time.perf_counter_ns
 
 
 class _ThreadClock:
-    __slots__ = ("calls", "in_plugin", "name", "since", "total_ns")
+    """One thread's clock and its tables since its last fold (only this thread writes them: no lost updates when
+    the two microbatch threads hand the GIL to each other mid-increment)."""
+
+    __slots__ = ("calls", "counts", "in_plugin", "long", "name", "ns", "since", "total_ns")
 
     def __init__(self) -> None:
         self.in_plugin = False
@@ -37,6 +40,9 @@ class _ThreadClock:
         self.total_ns = 0
         self.calls = 0
         self.name = ""
+        self.counts: dict[str, int] = {}
+        self.ns: dict[str, int] = {}
+        self.long: dict[str, list[int]] = {}
 
 
 class _Local(threading.local):
@@ -50,10 +56,13 @@ two new microbatch threads per DBO step, so per-thread records would grow withou
 _totals_lock = threading.Lock()
 _untimed: set[str] = set()
 _by_patch: dict[str, int] = {}
-"""Calls (functions) and accesses (descriptors) per patch name; incremented under the GIL, read by ``snapshot``."""
+"""Calls (functions) and accesses (descriptors) per patch name, folded in under ``_totals_lock``."""
 _kinds: dict[str, str] = {}
 _ns_by_patch: dict[str, int] = {}
 """Exclusive plugin time per patch (the innermost timed patch a thread is in gets each charge)."""
+MEASUREMENT = frozenset({"stats.worker_rpc"})
+"""Patches that only read the measurement out (the stats RPC, whose ``snapshot`` runs the calibration for
+milliseconds): left unwrapped, so the reading never lands in the plugin time a step pays (kind ``measurement``)."""
 LONG_NS = 20_000
 _long_by_patch: dict[str, list[int]] = {}
 """[count, ns] per patch of single charges over ``LONG_NS``: a kernel the plugin launches, or the thread losing the
@@ -79,6 +88,18 @@ def _fold(clock: _ThreadClock) -> None:
     with _totals_lock:
         _totals[0] += clock.total_ns
         _totals[1] += clock.calls
+        for mine, table in ((clock.counts, _by_patch), (clock.ns, _ns_by_patch)):
+            for name, value in mine.items():
+                table[name] = table.get(name, 0) + value
+            mine.clear()
+        for name, (count, ns) in clock.long.items():
+            total = _long_by_patch.get(name)
+            if total is None:
+                _long_by_patch[name] = [count, ns]
+            else:
+                total[0] += count
+                total[1] += ns
+        clock.long.clear()
     clock.total_ns = 0
     clock.calls = 0
 
@@ -88,6 +109,9 @@ def time_plugin(fn: Any, name: str, *, fold: bool = True) -> Any:
 
     ``fold=False`` keeps the time in the calling thread's clock (calibration runs on a throwaway thread,
     so it never reaches the totals)."""
+    if name in MEASUREMENT:
+        _kinds[name] = "measurement"
+        return fn
     if isinstance(fn, property):
         _kinds[name] = "property"
         timed_get = _timed(fn.fget, name, fold) if fn.fget is not None else None
@@ -109,7 +133,8 @@ def _timed(fn: Any, name: str, fold: bool) -> Any:
         was = _switch(clock, True)
         outer, clock.name = clock.name, name
         clock.calls += 1
-        _by_patch[name] = _by_patch.get(name, 0) + 1
+        counts = clock.counts
+        counts[name] = counts.get(name, 0) + 1
         try:
             return fn(*args, **kwargs)
         finally:
@@ -134,7 +159,8 @@ class TimedDescriptor:
         was = _switch(clock, True)
         outer, clock.name = clock.name, self.name
         clock.calls += 1
-        _by_patch[self.name] = _by_patch.get(self.name, 0) + 1
+        counts = clock.counts
+        counts[self.name] = counts.get(self.name, 0) + 1
         return clock, was, outer
 
     def _leave(self, clock: _ThreadClock, was: bool, outer: str) -> None:
@@ -176,11 +202,15 @@ def _switch(clock: _ThreadClock, in_plugin: bool) -> bool:
         spent = now - clock.since
         clock.total_ns += spent
         name = clock.name
-        _ns_by_patch[name] = _ns_by_patch.get(name, 0) + spent
+        ns = clock.ns
+        ns[name] = ns.get(name, 0) + spent
         if spent > LONG_NS:
-            long = _long_by_patch.setdefault(name, [0, 0])
-            long[0] += 1
-            long[1] += spent
+            long = clock.long.get(name)
+            if long is None:
+                clock.long[name] = [1, spent]
+            else:
+                long[0] += 1
+                long[1] += spent
     clock.in_plugin = in_plugin
     clock.since = now
     return was
@@ -269,16 +299,18 @@ def _calibrate(samples: int = 2000) -> tuple[float, float, float, float]:
 
 def snapshot(calibrate: bool = True) -> dict[str, Any]:
     """Totals over every thread that ran plugin code (main and microbatch threads), and calls per patch."""
+    per_call, per_access, charged_call, charged_access = _calibrate() if calibrate else (0.0, 0.0, 0.0, 0.0)
     with _totals_lock:
         total_ns, calls = _totals
-    per_call, per_access, charged_call, charged_access = _calibrate() if calibrate else (0.0, 0.0, 0.0, 0.0)
+        by_patch, ns_by_patch = dict(_by_patch), dict(_ns_by_patch)
+        long_by_patch = {name: list(v) for name, v in _long_by_patch.items()}
     return {
         "enabled": enabled(),
         "total_ns": total_ns,
         "calls": calls,
-        "by_patch": dict(_by_patch),
-        "ns_by_patch": dict(_ns_by_patch),
-        "long_by_patch": {name: list(v) for name, v in _long_by_patch.items()},
+        "by_patch": by_patch,
+        "ns_by_patch": ns_by_patch,
+        "long_by_patch": long_by_patch,
         "long_ns": LONG_NS,
         "kinds": dict(_kinds),
         "overhead_ns_per_call": per_call,
@@ -289,4 +321,4 @@ def snapshot(calibrate: bool = True) -> dict[str, Any]:
     }
 
 
-__all__ = ["ENV", "TimedDescriptor", "enabled", "pause_for_original", "snapshot", "time_plugin"]
+__all__ = ["ENV", "MEASUREMENT", "TimedDescriptor", "enabled", "pause_for_original", "snapshot", "time_plugin"]

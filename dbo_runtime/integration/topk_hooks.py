@@ -27,6 +27,7 @@ from dbo_runtime.integration import guard
 from dbo_runtime.integration.features import Feature, Probe, Upstream
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.integration.ubatch_failures import MicrobatchAttr
+from dbo_runtime.integration.ubatch_ids import THREAD_TABLE
 from dbo_runtime.services.topk_state import UbatchTopkState
 
 UPSTREAM_PR = "vllm#60734 (per-microbatch DSA shared-indexer top-k); see also vllm#56476 dbo_select_buffer"
@@ -215,6 +216,9 @@ def _group_method_patch(state: UbatchTopkState, method: str) -> Patch:
         def per_ubatch(self: Any, layer_index: int, *args: Any, **kwargs: Any) -> Any:
             if first_layer_only and layer_index != 0:
                 return original(self, layer_index, *args, **kwargs)
+            table = THREAD_TABLE
+            if table and not table[0]:  # no microbatch thread: the group itself (ubatch_ids.THREAD_TABLE)
+                return original(self, layer_index, *args, **kwargs)
             view = state.group_view(self)
             return original(self if view is None else view, layer_index, *args, **kwargs)
 
@@ -299,7 +303,11 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
         fget, fset, fdel = original.fget, original.fset, original.fdel
 
         def topk_indices_buffer(self: Any) -> Any:
-            return state.logical(fget(self))
+            value = fget(self)
+            table = THREAD_TABLE
+            if table and not table[0]:  # no microbatch thread: the buffer itself (ubatch_ids.THREAD_TABLE)
+                return value
+            return state.logical(value)
 
         return property(topk_indices_buffer, fset, fdel, original.__doc__)
 

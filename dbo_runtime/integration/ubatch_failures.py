@@ -20,6 +20,7 @@ from typing import Any
 from dbo_runtime.core.errors import MicrobatchFailure
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration import ubatch_ids
+from dbo_runtime.integration.ubatch_ids import THREAD_TABLE
 
 logger = get_logger(__name__)
 
@@ -125,6 +126,9 @@ class MicrobatchAttr:
             value = obj.__dict__[self.name]
         except KeyError:
             raise AttributeError(self.name) from None
+        table = THREAD_TABLE
+        if table and not table[0]:
+            return value  # no microbatch thread in this process: every resolve returns the value itself
         try:
             return self.resolve(obj, value)
         except Exception as exc:

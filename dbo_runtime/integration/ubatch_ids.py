@@ -19,12 +19,18 @@ import threading
 from types import ModuleType
 
 _module: ModuleType | None = None
+THREAD_TABLE: list[dict[int, int]] = []
+"""vLLM's ``_THREAD_ID_TO_CONTEXT`` (one entry) once ``current_ubatch`` has imported its module. While that dict is
+empty no thread of this process is a microbatch thread and ``current_ubatch`` answers ``(0, 0)`` everywhere, so
+a hot getter may return its plain value after ``table and not table[0]`` without a call: outside DBO, and in
+steps that do not microbatch, a hooked read then costs about what vLLM's own does."""
 
 
 def _ubatching() -> ModuleType:
     global _module
     if _module is None:
         _module = importlib.import_module("vllm.v1.worker.ubatching")
+        THREAD_TABLE[:] = [_module._THREAD_ID_TO_CONTEXT]
     return _module
 
 

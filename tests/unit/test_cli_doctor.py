@@ -186,11 +186,11 @@ def test_disabled_is_one_warning_not_a_problem_per_fix(capsys: pytest.CaptureFix
     rc, doc = doctor_json(capsys)
     assert doc["plugin"]["strict"] is True
     assert all(f["verdict"] == "disabled" and f["state"].startswith("disabled by DBO_RUNTIME_DISABLE") for f in doc["features"])
-    assert rc == 0 and doc["ok"] and doc["problems"] == [] and doc["warnings"][0] == DISABLED_WARNING
+    assert rc == 0 and doc["ok"] and doc["problems"] == [] and doc["warnings"][0] == DISABLED_WARNING.format(value="1")
     assert "nothing patched, nothing refused" in DISABLED_WARNING and "vLLM's own DBO" in DISABLED_WARNING
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
-    assert "DBO_RUNTIME_STRICT is on" in out and out.count(DISABLED_WARNING) == 1 and "refused at engine start" not in out
+    assert "DBO_RUNTIME_STRICT is on" in out and out.count(DISABLED_WARNING.format(value="1")) == 1 and "refused at engine start" not in out
     monkeypatch.setenv("DBO_RUNTIME_TOPK_LAYOUT", "bad")  # a setting the disabled plugin never reads
     rc, doc = doctor_json(capsys)
     assert rc == 0 and doc["problems"] == []
@@ -226,3 +226,9 @@ def test_a_setting_the_engines_take_is_no_problem(name: str, value: str, capsys:
     monkeypatch.setenv(name, value)
     _rc, doc = doctor_json(capsys)
     assert not any(name in p for p in doc["problems"]), doc["problems"]
+
+
+def test_the_disabled_warning_quotes_the_value_set(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "TRUE")
+    rc, doc = doctor_json(capsys)
+    assert rc == 0 and doc["warnings"][0].startswith("DBO_RUNTIME_DISABLE=TRUE: nothing patched")

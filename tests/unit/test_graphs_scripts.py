@@ -470,3 +470,19 @@ def test_host_cost_bench_summarizes_a_run_a_limit_stopped(tmp_path: Path) -> Non
     [row] = doc["configs"]
     assert row["plugin_over_vanilla_paired"]["median"] == pytest.approx(1.01) and row["self_us_per_step"] == 900.0
     assert row["self_us_per_step_by_patch"] == {"p": 900.0} and doc["environment"]["stopped_by_session_limit"] is True
+
+
+def test_host_cost_bench_refuses_a_runs_directory_it_cannot_use(tmp_path: Path) -> None:
+    """An empty or foreign directory, or a run that cannot be read, is one error (exit 2) and writes nothing: the
+    committed results must never be overwritten by a file of nulls."""
+    mod = load("bench_host_cost.py")
+    out = tmp_path / "out"
+    (tmp_path / "empty").mkdir()
+    assert mod.main(["--from-runs", str(tmp_path / "empty"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
+    broken = tmp_path / "junk" / "glm53-6L-eager-dbo-off-plugin"
+    broken.mkdir(parents=True)
+    (broken / "record.json").write_text("{not json")
+    assert mod.main(["--from-runs", str(tmp_path / "junk"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
+    assert not (out / "bench_host_cost.json").exists()
+    with pytest.raises(SystemExit):
+        mod.main(["--from-runs", "", "--out", str(out)])

@@ -204,3 +204,14 @@ def test_the_runner_reports_self_time_and_long_charges_per_patch_per_step() -> N
     assert _per_step_by_patch(s0, s1, s2, 5, key="ns_by_patch") == {"p": 50.0}
     assert _per_step_by_patch(s0, s1, s2, 5, key="long_by_patch", index=0) == {"p": 0.25}
     assert _per_step_by_patch(s0, s1, s2, 5, key="long_by_patch", index=1) == {"p": 7.5}
+
+
+def test_reading_the_numbers_out_is_not_charged_to_the_plugin() -> None:
+    """The stats RPC's snapshot runs the calibration (milliseconds): timed, it would land in the per-step tables."""
+    assert "stats.worker_rpc" in selftime.MEASUREMENT
+
+    def rpc() -> dict:
+        return selftime.snapshot(calibrate=True)
+
+    assert selftime.time_plugin(rpc, "stats.worker_rpc") is rpc
+    assert selftime.snapshot(calibrate=False)["kinds"]["stats.worker_rpc"] == "measurement"

@@ -355,14 +355,29 @@ def test_mutation_without_the_join_points_the_fault_would_be_silent(env: Env) ->
 
 
 def test_off_microbatch_threads_a_plugin_fault_still_raises(env: Env) -> None:
-    """Outside a microbatch (non-DBO steps, model construction) the hooks re-raise as before."""
+    """On the main thread while microbatch threads are registered (MRV2 between its begin and finish, MRV1 while it
+    joins) the hooks resolve and re-raise a fault as before; with no microbatch thread in the process they do not
+    resolve at all (``ubatch_ids.THREAD_TABLE``), so nothing can fail there."""
+    import threading
+
+    from vllm.v1.worker import ubatching
+
+    from dbo_runtime.integration import ubatch_guard, ubatch_ids
+
+    ubatch_ids._ubatching()
     env.locator.ubatch = 0
     env.locator.after = 0
-    with pytest.raises(RuntimeError, match="injected top-k resolver fault"):
-        _ = env.model.layers[3].impl.topk_indices_buffer
+    assert not ubatching._THREAD_ID_TO_CONTEXT
+    buffer = env.model.layers[3].impl.topk_indices_buffer  # no microbatch thread: the plain value, no resolver
+    assert buffer is not None
+    other = threading.get_ident() + 1  # a microbatch thread registered elsewhere in the process
+    ubatching._THREAD_ID_TO_CONTEXT[other] = 1
+    try:
+        with pytest.raises(RuntimeError, match="injected top-k resolver fault"):
+            _ = env.model.layers[3].impl.topk_indices_buffer
+    finally:
+        del ubatching._THREAD_ID_TO_CONTEXT[other]
     env.planner.fail_on = None
-    from dbo_runtime.integration import ubatch_guard
-
     assert ubatch_guard.FAILURES.pending == []
 
 
