@@ -211,10 +211,11 @@ def measure(n: int, reps: int, cold: int = 0) -> dict[str, Any]:
     from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.v1.worker import ubatching
 
-    from dbo_runtime.integration import plugin
+    from dbo_runtime.integration import plugin, ubatch_ids
 
     for module in MODULES:
         importlib.import_module(module)
+    ubatch_ids._ubatching()  # bound as in a worker, where the first resolved read binds vLLM's thread table
     if len(ubatching._CURRENT_CONTEXTS) < 2:
         ubatching._CURRENT_CONTEXTS.extend([None] * (2 - len(ubatching._CURRENT_CONTEXTS)))
     parallel = ParallelConfig(enable_dbo=True, enable_expert_parallel=True, all2all_backend="deepep_low_latency", data_parallel_size=2)
