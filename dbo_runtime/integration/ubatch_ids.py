@@ -22,8 +22,10 @@ _module: ModuleType | None = None
 THREAD_TABLE: list[dict[int, int]] = []
 """vLLM's ``_THREAD_ID_TO_CONTEXT`` (one entry) once ``current_ubatch`` has imported its module. While that dict is
 empty no thread of this process is a microbatch thread and ``current_ubatch`` answers ``(0, 0)`` everywhere, so
-a hot getter may return its plain value after ``table and not table[0]`` without a call: outside DBO, and in
-steps that do not microbatch, a hooked read then costs about what vLLM's own does."""
+a hot getter may return its plain value after ``table and not table[0]`` without a call, in steps that do not
+microbatch and outside DBO. It is bound by the first read that resolves (a model with a shared top-k buffer or an
+attached group); a process whose reads never resolve keeps their early returns, which are short already. A test
+that replaces ``_module`` with a stand-in must set ``THREAD_TABLE`` to its table too."""
 
 
 def _ubatching() -> ModuleType:
