@@ -245,8 +245,7 @@ def from_runs(runs: Path, labels: list[str]) -> tuple[dict[str, dict], dict]:
     versions = next((r.get("versions") for r in records.values() if r.get("versions")), None) or {}
     stopped = sorted(label for label, r in records.items() if r.get("stopped_by_session_limit"))
     for label in stopped:
-        reps = sum(1 for rank in records[label].get("bench") or [] for rep in rank.get("reps", []) if not rep.get("warmup"))
-        print(f"bench_host_cost: --from-runs: {label} was stopped by the limit: {reps} timed rep(s) kept", file=sys.stderr)
+        print(f"bench_host_cost: --from-runs: {label} was stopped by the limit: {len(_reps(records[label]))} timed rep(s) kept", file=sys.stderr)
     return records, {"from_runs": str(runs), "stopped_by_session_limit": bool(stopped), "stopped_runs": stopped, **versions}
 
 

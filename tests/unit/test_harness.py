@@ -269,22 +269,30 @@ def test_summary_delta_is_later_minus_earlier() -> None:
     assert summary_delta(None, after, "microbatched_builds") is None
 
 
+class _FakeParams:
+    """vLLM's ``SamplingParams`` as the benchmark loop uses it (no engine in CI)."""
+
+    def __init__(self, **kw: object) -> None:
+        self.max_tokens = kw["max_tokens"]
+
+
+def _fake_llm(one_s: float, full_s: float) -> type:
+    """A stand-in ``LLM`` whose 1-token pass takes ``one_s`` and any longer pass ``full_s``."""
+
+    class LLM:
+        def generate(self, batch: list[object], params: _FakeParams, use_tqdm: bool = False) -> None:
+            time.sleep(one_s if params.max_tokens == 1 else full_s)
+
+    return LLM
+
+
 def test_bench_reports_no_step_time_when_the_host_made_it_unmeasurable(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a loaded host (14 engines on the other GPU) the 1-token pass can take longer than the 64-token
     pass: that rep has no decode step time, not a 0.0 ms one. Self-time counters read 0 with
     DBO_RUNTIME_SELF_TIME off: that is 'not measured', not 0.0 us per step."""
-    import time as _time
-
     from dbo_runtime.harness import runner
 
-    class Params:
-        def __init__(self, **kw: object) -> None:
-            self.max_tokens = kw["max_tokens"]
-
-    class LLM:
-        def generate(self, batch: list[object], params: Params, use_tqdm: bool = False) -> None:
-            _time.sleep(0.05 if params.max_tokens == 1 else 0.01)
-
+    Params, LLM = _FakeParams, _fake_llm(one_s=0.05, full_s=0.01)
     stats = [{"summary": {"microbatched_builds": 0, "self_time_ns": 0}}]
     monkeypatch.setattr(runner, "_stats", lambda llm: stats)
     monkeypatch.delenv("DBO_RUNTIME_SELF_TIME", raising=False)
@@ -342,14 +350,7 @@ def test_a_benchmark_stopped_by_a_limit_keeps_the_reps_it_finished(tmp_path: Pat
     from dbo_runtime.harness import runner
     from dbo_runtime.harness.launch import reassemble
 
-    class Params:
-        def __init__(self, **kw: object) -> None:
-            self.max_tokens = kw["max_tokens"]
-
-    class LLM:
-        def generate(self, batch: list[object], params: Params, use_tqdm: bool = False) -> None:
-            time.sleep(0.001 if params.max_tokens == 1 else 0.01)
-
+    Params, LLM = _FakeParams, _fake_llm(one_s=0.001, full_s=0.01)
     monkeypatch.setattr(runner, "_stats", lambda llm: [{"summary": {"microbatched_builds": 0}}])
     spec = RunSpec("hc-selftime", ["--model", "m"], dp=1)
     (tmp_path / "spec.json").write_text(json.dumps(asdict(spec), default=str))
