@@ -189,7 +189,9 @@ def test_time_is_charged_to_the_innermost_patch_and_long_charges_are_told_apart(
     assert inner_ns >= 2 * selftime.LONG_NS and short_ns < 50 * selftime.LONG_NS
     assert outer_ns + inner_ns + short_ns == after["total_ns"] - before["total_ns"]  # every charge has one owner
     assert delta("long_by_patch", "test.inner-long", 0) == 1 and delta("long_by_patch", "test.inner-long", 1) >= 2 * selftime.LONG_NS
-    assert delta("long_by_patch", "test.short", 0) == 0
+    # an empty hook's charge is long only when the thread was descheduled inside it (what the table tells apart):
+    # on a loaded CI box that can happen to one of 50, never to most of them
+    assert delta("long_by_patch", "test.short", 0) < 5
     assert after["long_ns"] == selftime.LONG_NS
 
 
