@@ -11,6 +11,7 @@ each importing module is patched (the GLM-5-Next one imports torchvision: lazy).
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from dbo_runtime.core.planner_shapes import dbo_planner_shapes
 from dbo_runtime.integration import activation, guard
 from dbo_runtime.integration.features import Feature, Probe, Upstream
 from dbo_runtime.integration.patching import ArgSlots, Patch
+from dbo_runtime.integration.ubatch_failures import record, shields_itself
 from dbo_runtime.integration.ubatch_guard import placeholder_logits, reserve_placeholders
 from dbo_runtime.services import schedule_cache as _sc
 from dbo_runtime.services.planner_warmup import PlannerProfile
@@ -268,38 +270,38 @@ def _log_once(key: str, message: str, *args: Any) -> None:
 
 
 # -- call sites -----------------------------------------------------------------------------------
-def _make_logits(original: Any) -> Any:
-    slots = ArgSlots(original, ("kv_cache", "weights", "context_lens", "schedule_metadata", "max_model_len", "indices"))
-    position = slots.position["schedule_metadata"]
+def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
+    """The call site, in vLLM's own signature (``vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits``, an anchor): a call
+    packs no tuple or dict and runs one frame of plugin code. It shields itself: on a microbatch thread a failure,
+    the kernel's too, is recorded as ``where`` and answered with logits of the kernel's shape and no kernel (its
+    schedule may be wrong) and no allocation (``ubatch_guard.placeholder_logits``); never returned: the step raises
+    after the join."""
 
-    def fp8_fp4_paged_mqa_logits(*args: Any, **kwargs: Any) -> Any:
-        cache = _sc._CACHE or schedule_cache()
-        schedule = kwargs["schedule_metadata"] if "schedule_metadata" in kwargs else args[position]
-        if not cache.fits(schedule):
-            resolved = cache.resolve(
-                schedule,
-                slots.get("context_lens", args, kwargs),
-                slots.get("indices", args, kwargs),
-                slots.get("kv_cache", args, kwargs),
-            )
-            if resolved is not schedule:
-                args, kwargs = slots.replace("schedule_metadata", resolved, args, kwargs)
-        return original(*args, **kwargs)
+    @shields_itself
+    def fp8_fp4_paged_mqa_logits(
+        q: Any,
+        kv_cache: Any,
+        weights: Any,
+        context_lens: Any,
+        block_tables: Any,
+        schedule_metadata: Any,
+        max_model_len: int,
+        indices: Any = None,
+    ) -> Any:
+        try:
+            cache = _sc._CACHE or schedule_cache()
+            if not cache.fits(schedule_metadata):
+                schedule_metadata = cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
+            return original(
+                q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len=max_model_len,
+                indices=indices,
+            )  # fmt: skip
+        except Exception as exc:
+            if not record(where, exc):
+                raise
+            return placeholder_logits(context_lens, weights, max_model_len)
 
     return fp8_fp4_paged_mqa_logits
-
-
-def _logits_placeholder(original: Any) -> Any:
-    """The call site's fallback on a microbatch thread: logits of the kernel's shape, no kernel (its schedule may
-    be wrong), no allocation (``ubatch_guard.placeholder_logits``). Never returned: the step raises after the join."""
-    slots = ArgSlots(original, ("weights", "context_lens", "max_model_len"))
-
-    def placeholder(*args: Any, **kwargs: Any) -> Any:
-        return placeholder_logits(
-            slots.get("context_lens", args, kwargs), slots.get("weights", args, kwargs), slots.get("max_model_len", args, kwargs)
-        )
-
-    return placeholder
 
 
 # -- plan-ahead scopes ----------------------------------------------------------------------------
@@ -333,7 +335,7 @@ def _logits_patch(label: str, module: str, caller: str, reason: str, removal: st
         name=f"indexer.logits.{label}",
         module=module,
         attr="fp8_fp4_paged_mqa_logits",
-        make=_make_logits,
+        make=functools.partial(_make_logits, where=f"indexer.logits.{label}"),
         anchors=(f"{DEEP_GEMM_WRAPPER}:fp8_fp4_paged_mqa_logits", f"{module}:{caller}"),
         architectures=architectures,
         reason=reason,
@@ -341,7 +343,6 @@ def _logits_patch(label: str, module: str, caller: str, reason: str, removal: st
         removal=removal,
         lazy=True,
         runs_on_ubatch_thread=True,
-        fallback=_logits_placeholder,
     )
 
 

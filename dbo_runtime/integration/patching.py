@@ -37,7 +37,7 @@ from typing import Any, Protocol
 from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.switches import parse_switch
-from dbo_runtime.integration.ubatch_failures import MicrobatchAttr, shield
+from dbo_runtime.integration.ubatch_failures import SHIELDS_ITSELF, MicrobatchAttr, shield
 
 logger = get_logger(__name__)
 
@@ -85,7 +85,8 @@ class Patch:
     imports its module (the guard does not wait for it there); None: every runner."""
     runs_on_ubatch_thread: bool = False
     """vLLM calls the replacement on DBO microbatch threads, where nothing may raise: ``PatchSet`` shields it
-    (``ubatch_failures.shield``; a data descriptor must be a ``MicrobatchAttr``, which shields itself)."""
+    (``ubatch_failures.shield``; a data descriptor must be a ``MicrobatchAttr``, which shields itself, and a hot
+    function may shield itself, ``ubatch_failures.shields_itself``)."""
     fallback: Callable[[Any], Callable[..., Any]] | None = None
     """With ``runs_on_ubatch_thread``: ``fallback(original)`` is called with the replacement's arguments when it
     fails on a microbatch thread (default: the original itself, i.e. vLLM's own behaviour)."""
@@ -197,6 +198,8 @@ def _shielded(patch: Patch, replacement: Any, original: Any) -> Any:
     """``replacement`` that never raises on a DBO microbatch thread (``Patch.runs_on_ubatch_thread``)."""
     if isinstance(replacement, MicrobatchAttr):
         replacement.where = patch.name
+        return replacement
+    if getattr(replacement.fget if isinstance(replacement, property) else replacement, SHIELDS_ITSELF, False):
         return replacement
     if isinstance(replacement, property) and replacement.fget is not None:
         fallback = patch.fallback(original) if patch.fallback is not None else original.fget

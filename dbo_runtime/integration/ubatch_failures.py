@@ -87,6 +87,18 @@ def record(where: str, exc: BaseException) -> bool:
         return False
 
 
+SHIELDS_ITSELF = "__dbo_runtime_shields_itself__"
+"""Marks a replacement whose body already does what ``shield`` adds (``shields_itself``)."""
+
+
+def shields_itself(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` as shielding itself: its body catches ``Exception``, calls ``record`` and, when that returns True,
+    answers with the patch's fallback. ``PatchSet`` then installs it unwrapped: on the per-layer path the wrapper
+    ``shield`` builds is a second Python frame with ``*args``/``**kwargs`` packing on every call."""
+    setattr(fn, SHIELDS_ITSELF, True)
+    return fn
+
+
 def shield(fn: Callable[..., Any], fallback: Callable[..., Any], where: str) -> Callable[..., Any]:
     """``fn`` that, on a microbatch thread, records a failure and returns ``fallback(*args, **kwargs)`` instead."""
 
@@ -146,4 +158,4 @@ class MicrobatchAttr:
             raise AttributeError(self.name) from None
 
 
-__all__ = ["FAILURES", "MicrobatchAttr", "UbatchFailures", "record", "shield"]
+__all__ = ["FAILURES", "SHIELDS_ITSELF", "MicrobatchAttr", "UbatchFailures", "record", "shield", "shields_itself"]

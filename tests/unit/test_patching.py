@@ -7,6 +7,7 @@ import textwrap
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -300,3 +301,41 @@ def test_a_replacement_that_cannot_be_shielded_does_not_install(target: str) -> 
     with pytest.raises(PatchError, match="cannot be shielded"):
         ps.install()
     assert not ps.installed
+
+
+def test_a_replacement_that_shields_itself_is_installed_unwrapped(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``shields_itself``: the hook's own ``try`` records the failure, so the set adds no second frame around it."""
+    import importlib
+
+    from dbo_runtime.integration import ubatch_failures, ubatch_ids
+
+    made: list[object] = []
+
+    def own_shield(original: Any) -> object:
+        @ubatch_failures.shields_itself
+        def replacement(x: int) -> int:
+            try:
+                raise RuntimeError("plugin bug")
+            except Exception as exc:
+                if not ubatch_failures.record("t.own", exc):
+                    raise
+                return int(original(x))
+
+        made.append(replacement)
+        return replacement
+
+    ps = PatchSet([Patch(name="t.own", module=target, attr="func", make=own_shield, reason="t", upstream_pr="-",
+                         removal="-", runs_on_ubatch_thread=True)])  # fmt: skip
+    ps.install()
+    try:
+        mod = importlib.import_module(target)
+        assert mod.func is made[0]
+        with pytest.raises(RuntimeError, match="plugin bug"):
+            mod.func(1)
+        monkeypatch.setattr(ubatch_ids, "ubatch_thread_id", lambda: 1)
+        ubatch_failures.FAILURES.take()
+        assert mod.func(1) == 2
+        [(where, _, _)] = ubatch_failures.FAILURES.take()
+        assert where == "t.own"
+    finally:
+        ps.uninstall()

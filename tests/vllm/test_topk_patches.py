@@ -206,3 +206,52 @@ def test_main_thread_resolution_never_raises_while_ubatch_threads_registered(mon
         ubatching.dbo_current_ubatch_id()
     assert ubatch_ids.current_ubatch()[0] == 0
     assert ubatch_ids.current_ubatch() == (0, 0)
+
+
+def test_hot_hooks_are_one_frame_in_vllms_signature_and_followers_never_call_through() -> None:
+    """The three per-layer method hooks and the call site run as one Python frame each (they shield themselves, so
+    ``PatchSet`` adds no wrapper), take vLLM's own parameters, and ``set_logical_topk_ready`` answers a follower
+    layer without calling vLLM, whose first statement returns for it (``_ready_patch``)."""
+    import inspect
+
+    import vllm.model_executor.layers.sparse_attn_indexer as call_site
+    import vllm.utils.deep_gemm as dg
+    from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
+
+    from dbo_runtime.integration import indexer_hooks
+    from dbo_runtime.integration.ubatch_failures import SHIELDS_ITSELF
+
+    originals = {
+        "_convert_once": SparseMLAIndexGroup.__dict__["_convert_once"],
+        "set_logical_topk_ready": SparseMLAIndexGroup.__dict__["set_logical_topk_ready"],
+    }
+    calls: list[int] = []
+
+    def spy(self: Any, layer_index: int) -> None:
+        calls.append(layer_index)
+
+    SparseMLAIndexGroup.set_logical_topk_ready = spy  # type: ignore[method-assign]
+    state = UbatchTopkState(lambda: (0, 0))
+    hot = {"topk.group_convert_once", "topk.group_set_logical_topk_ready", "topk.SharedTopkIndicesBuffer.topk_indices_buffer"}
+    chosen = [p for p in topk_hooks.patches(state) if p.name in hot]
+    chosen += [p for p in indexer_hooks.patches() if p.name == "indexer.logits.sparse_attn_indexer"]
+    patch_set = PatchSet(chosen)
+    patch_set.install()
+    try:
+        convert = SparseMLAIndexGroup.__dict__["_convert_once"]
+        ready = SparseMLAIndexGroup.__dict__["set_logical_topk_ready"]
+        prop = SharedTopkIndicesBuffer.__dict__[ATTR]
+        logits = call_site.fp8_fp4_paged_mqa_logits
+        for fn in (convert, ready, prop.fget, logits):
+            assert getattr(fn, SHIELDS_ITSELF, False), fn
+        assert inspect.signature(convert) == inspect.signature(originals["_convert_once"])
+        assert list(inspect.signature(logits).parameters) == list(inspect.signature(dg.fp8_fp4_paged_mqa_logits).parameters)
+        group = object.__new__(SparseMLAIndexGroup)
+        for layer in (3, 1, 0):
+            group.set_logical_topk_ready(layer)
+        assert calls == [0]  # only a group's first layer reaches vLLM
+    finally:
+        patch_set.uninstall()
+        SparseMLAIndexGroup.set_logical_topk_ready = originals["set_logical_topk_ready"]  # type: ignore[method-assign]
+    assert SparseMLAIndexGroup.__dict__["_convert_once"] is originals["_convert_once"]
