@@ -342,12 +342,25 @@ def test_control_resolver_pinned_to_ubatch0_is_caught(cuda_device: torch.device,
     assert summary["mismatches"] > 0
 
 
+def live_events() -> int:
+    """``torch.cuda.Event`` objects alive in the process, counted by the collector: no weak reference to one."""
+    import gc
+
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.cuda.Event))
+
+
 def _build_and_run_dropped(
     layout: TopkLayout, device: torch.device
-) -> tuple[UbatchTopkState, list[tuple[str, Any]], int]:
-    """A model's life: build, run both step sizes eagerly, drop it; returns (registry, weakrefs to everything
-    the model owned -- logical buffer, groups, workspaces, side streams, per-microbatch events and copies --,
-    device bytes allocated while the model was alive). Only weak references leave this frame."""
+) -> tuple[UbatchTopkState, list[tuple[str, Any]], int, int]:
+    """A model's life: build, run both step sizes eagerly, drop it; returns (registry, weakrefs to what the model
+    owned -- logical buffer, groups, workspaces, per-microbatch state and copies --, device bytes allocated while
+    the model was alive, CUDA events alive then). Only weak references and counts leave this frame.
+
+    No weak reference to a ``torch.cuda.Stream`` or ``torch.cuda.Event``: with torch 2.11.0+cu130 one to a used
+    stream made the process segfault at a later garbage collection, and with only the events' the same twin
+    segfaulted once more, when the test's frame released them (docs/results.md). Events are counted instead
+    (``live_events``); a side stream holds no device memory and lives exactly as long as its group, whose weak
+    reference is watched."""
     import weakref
 
     from dbo_runtime.services.topk_state import STATE_ATTR
@@ -367,18 +380,14 @@ def _build_and_run_dropped(
     torch.cuda.synchronize()
     watched: list[tuple[str, Any]] = [("logical top-k buffer", weakref.ref(h.base)), ("harness", weakref.ref(h))]
     groups = {id(g): g for g, _, _ in h.layers}
-    # No weak reference to a torch.cuda.Stream: with torch 2.11.0+cu130 one makes the process segfault at a later
-    # garbage collection (docs/results.md). A side stream holds no device memory and lives exactly as
-    # long as its group, whose weak reference is watched.
     for n, group in enumerate(groups.values()):
         watched += [(f"group {n}", weakref.ref(group)), (f"physical workspace {n}", weakref.ref(group.physical_topk_indices))]
         group_state = group.__dict__.get(STATE_ATTR)
         if group_state is not None:
             watched += [(f"group state {n}", weakref.ref(group_state))]
-            watched += [(f"event {n}/{k}", weakref.ref(e)) for k, pair in enumerate(group_state.events) for e in pair]
             watched += [(f"physical copy {n}/{k}", weakref.ref(p)) for k, (p, _) in enumerate(group_state.copies)]
             watched += [(f"logical copy {k}", weakref.ref(t)) for k, t in enumerate(group_state.logical.copies)]
-    return h.state, watched, torch.cuda.memory_allocated(device)
+    return h.state, watched, torch.cuda.memory_allocated(device), live_events()
 
 
 @pytest.mark.parametrize("layout", list(TopkLayout))
@@ -392,15 +401,20 @@ def test_dropping_the_model_frees_all_per_microbatch_state(
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(cuda_device)
-    state, watched, alive = _build_and_run_dropped(layout, cuda_device)
+    events_before = live_events()
+    state, watched, alive, events_alive = _build_and_run_dropped(layout, cuda_device)
     gc.collect()
     torch.cuda.synchronize()
     after = torch.cuda.memory_allocated(cuda_device)
+    events_after = live_events()
     kept = [name for name, ref in watched if ref() is not None]
     summary = {"layout": layout.value, "bytes_before": before, "bytes_with_model": alive, "bytes_after": after,
-               "watched": len(watched), "kept_alive": kept}
+               "watched": len(watched), "kept_alive": kept, "events_before": events_before,
+               "events_with_model": events_alive, "events_after": events_after}  # fmt: skip
     _report(out_dir, f"teardown_{layout.value}", summary)
     assert alive > before  # the model really lived on the GPU
+    assert events_alive > events_before  # its per-microbatch events are visible to the count
     assert kept == [], f"outlived the model: {kept[:6]} (+{max(0, len(kept) - 6)})"
     assert after == before, f"{after - before} device bytes kept alive after the model was dropped"
+    assert events_after == events_before, f"{events_after - events_before} CUDA events outlived the model"
     assert state.num_groups() == 0 and state.extra_bytes() == 0

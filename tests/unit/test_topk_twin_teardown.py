@@ -55,14 +55,16 @@ def inert_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("layout", list(TopkLayout))
 def test_twin_harness_drops_its_model(inert_cuda: None, layout: TopkLayout) -> None:
-    state, watched, _ = twin._build_and_run_dropped(layout, torch.device("cpu"))
+    events_before = twin.live_events()
+    state, watched, _, events_alive = twin._build_and_run_dropped(layout, torch.device("cpu"))
     gc.collect()
     names = [name for name, _ in watched]
-    assert "logical top-k buffer" in names and any(n.startswith("event ") for n in names)
+    assert "logical top-k buffer" in names and any(n.startswith("group state") for n in names)
     if layout is TopkLayout.COPIES:
         assert any(n.startswith("logical copy") for n in names)
     kept = [name for name, ref in watched if ref() is not None]
     assert kept == [], f"outlived the model while the test holds only the registry: {kept[:6]}"
+    assert events_alive > events_before and twin.live_events() == events_before
     assert state.num_groups() == 0 and state.extra_bytes() == 0 and state.max_logical_rows() == 0
 
 
@@ -92,10 +94,11 @@ def test_a_locator_closing_over_the_model_keeps_it_alive() -> None:
     assert freed() is None and freed_state.locate() == (0, 0)
 
 
-def test_twin_harness_takes_no_weak_reference_to_a_cuda_stream(inert_cuda: None) -> None:
+def test_twin_harness_takes_no_weak_reference_to_a_cuda_stream_or_event(inert_cuda: None) -> None:
     """On the H200 (torch 2.11.0+cu130) a weak reference to a used ``torch.cuda.Stream`` made the teardown twin
-    segfault at a later garbage collection (4 of 4 runs with it, 0 of 4 without: the cause, and the test's own).
-    Streams are proven freed through their groups; the harness must not watch them directly."""
+    segfault at a later garbage collection (4 of 4 runs with it, 0 of 4 without), and with only the events' weak
+    references it segfaulted again on a later lease, as the test's frame released them. Streams are proven freed
+    through their groups and events by the collector's count; the harness must not watch either directly."""
     import weakref
 
     made: list[Any] = []
@@ -107,8 +110,8 @@ def test_twin_harness_takes_no_weak_reference_to_a_cuda_stream(inert_cuda: None)
 
     try:
         weakref.ref = spy  # type: ignore[misc]
-        _, watched, _ = twin._build_and_run_dropped(TopkLayout.WINDOWS, torch.device("cpu"))
+        _, watched, _, _ = twin._build_and_run_dropped(TopkLayout.WINDOWS, torch.device("cpu"))
     finally:
         weakref.ref = real_ref  # type: ignore[misc]
-    assert made and not any(isinstance(obj, _Stream) for obj in made)
-    assert not any(name.startswith("side stream") for name, _ in watched)
+    assert made and not any(isinstance(obj, (_Stream, _Event)) for obj in made)
+    assert not any(name.startswith(("side stream", "event ")) for name, _ in watched)
