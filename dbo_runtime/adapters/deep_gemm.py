@@ -64,7 +64,66 @@ def get_num_sms() -> int:
 
 
 def set_num_sms(num_sms: int) -> None:
-    _module().set_num_sms(num_sms)
+    try:
+        _module().set_num_sms(num_sms)
+    finally:
+        LIVE_NUM_SMS.stale()
+
+
+class LiveNumSms:
+    """DeepGEMM's live SM count for the indexer call site, read once per change instead of once per call.
+
+    Why: vLLM's vendored DeepGEMM 2.8 binds ``get_num_sms`` as a torch custom op (``torch.ops.deep_gemm``), and a
+    torch op call dispatches (1-3 µs) and releases the GIL, so any other Python thread of the engine may run until
+    its switch interval ends (5 ms) before the call returns; the call site asks once per indexer layer. In vLLM
+    0.33 the count changes only through ``vllm.utils.deep_gemm.set_num_sms``, which vLLM's SM control calls by the
+    alias ``ubatch_utils.deep_gemm_set_num_sms`` on the main thread with no microbatch thread alive (MRV1 enters it
+    around ``_run_ubatches``, MRV2 before starting its threads). While both writers are watched (the indexer's
+    optional ``indexer.sm_writes.*`` patches) a read returns the value cached since the last write; every write
+    through them, every write through this adapter and every indexer metadata build (``stale``: once per step)
+    re-reads. Not watched -- a patch skipped, or the plugin uninstalled -- every read asks DeepGEMM."""
+
+    WRITERS = frozenset({"vllm.utils.deep_gemm.set_num_sms", "vllm.v1.worker.ubatch_utils.deep_gemm_set_num_sms"})
+
+    def __init__(self, reader: Callable[[], Callable[[], int]] | None = None) -> None:
+        self._make_reader = reader
+        self._reader: Callable[[], int] | None = None
+        self._value: int | None = None
+        self._watched: set[str] = set()
+        self._trusted = False
+
+    def read(self) -> int:
+        value = self._value
+        if value is not None:
+            return value
+        reader = self._reader
+        if reader is None:
+            reader = self._reader = (self._make_reader or num_sms_reader)()
+        value = int(reader())
+        if self._trusted:
+            self._value = value
+        return value
+
+    def stale(self) -> None:
+        self._value = None
+
+    def watch(self, writer: str) -> None:
+        self._watched.add(writer)
+        self._trusted = self._watched >= self.WRITERS
+        self._value = None
+
+    def unwatch(self, writer: str) -> None:
+        self._watched.discard(writer)
+        self._trusted = False
+        self._value = None
+
+    @property
+    def trusted(self) -> bool:
+        return self._trusted
+
+
+LIVE_NUM_SMS = LiveNumSms()
+"""The process's tracker (DeepGEMM's SM count is process-global)."""
 
 
 @functools.cache
@@ -165,11 +224,12 @@ class DeepGemmPlanner:
         return capture_id()
 
     def hot_probes(self) -> tuple[Callable[[], int], Callable[[], bool]]:
-        """The raw bindings the call site calls once per layer (no Python frame of ours in between)."""
+        """What the call site calls once per layer: the live SM count through ``LIVE_NUM_SMS`` (one cached read while
+        DeepGEMM's writers are watched, DeepGEMM's own binding otherwise) and torch's raw capture probe."""
         import torch
 
         capturing = getattr(torch.cuda.graphs, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
-        return num_sms_reader(), capturing
+        return LIVE_NUM_SMS.read, capturing
 
 
 class DeepGemmKnob:

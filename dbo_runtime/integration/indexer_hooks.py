@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from dbo_runtime.adapters.deep_gemm import next_n_of
+from dbo_runtime.adapters.deep_gemm import LIVE_NUM_SMS, next_n_of
 from dbo_runtime.core import coverage
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.planner_shapes import dbo_planner_shapes
@@ -120,6 +120,7 @@ def _make_builder_planner(original: Any) -> Any:
 
 def _make_build(original: Any) -> Any:
     def build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        LIVE_NUM_SMS.stale()  # the call site reads DeepGEMM's count afresh once per step (adapters.deep_gemm.LiveNumSms)
         cache = schedule_cache()
         device = _device_index(self)
         override = cache.plan_ahead_sms(device) if device is not None else None
@@ -304,6 +305,39 @@ def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
     return fp8_fp4_paged_mqa_logits
 
 
+# -- DeepGEMM's SM-count writers ---------------------------------------------------------------------
+def _sm_writes_patch(name: str, module: str, attr: str, anchors: tuple[str, ...]) -> Patch:
+    """A writer of DeepGEMM's SM count: after each write the call site's cached count is re-read."""
+    writer = f"{module}.{attr}"
+
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def set_num_sms(num_sms: int) -> None:
+            try:
+                original(num_sms)
+            finally:
+                LIVE_NUM_SMS.stale()
+
+        return set_num_sms
+
+    return Patch(
+        name=name,
+        module=module,
+        attr=attr,
+        make=make,
+        anchors=anchors,
+        reason="mark the indexer call site's cached DeepGEMM SM count stale after every write, so the call site "
+        "reads the count once per change instead of calling DeepGEMM's torch op (a dispatch and a GIL release) "
+        "once per indexer layer",
+        upstream_pr="none (a dbo_runtime cost measure)",
+        removal="the call site stops asking DeepGEMM for its live count (vLLM records the planned count itself, #60732)",
+        lazy=True,
+        optional=True,
+        on_install=lambda: LIVE_NUM_SMS.watch(writer),
+        on_uninstall=lambda: LIVE_NUM_SMS.unwatch(writer),
+    )
+
+
 # -- plan-ahead scopes ----------------------------------------------------------------------------
 def _make_mrv1_build_attention_metadata(original: Any) -> Any:
     slots = ArgSlots(original, ("ubatch_slices",), bound=True)
@@ -410,6 +444,15 @@ def patches() -> list[Patch]:
                       logits_reason + " (custom-op path and the DSA model's direct call)", removal_cache),
         _logits_patch("glm5next", GLM5NEXT_MODULE, "sparse_attn_indexer_kpool", logits_reason + " (GLM-5-Next kpool indexer)",
                       removal_cache, architectures=("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration")),
+        _sm_writes_patch(
+            "indexer.sm_writes.deep_gemm", DEEP_GEMM_WRAPPER, "set_num_sms", (f"{DEEP_GEMM_WRAPPER}:set_num_sms",)
+        ),
+        _sm_writes_patch(
+            "indexer.sm_writes.ubatch_alias",
+            "vllm.v1.worker.ubatch_utils",
+            "deep_gemm_set_num_sms",
+            (f"{DEEP_GEMM_WRAPPER}:set_num_sms", "vllm.v1.worker.ubatch_utils:create_sm_control_context"),
+        ),
         Patch(
             name="indexer.plan_ahead.mrv1",
             runner="mrv1",

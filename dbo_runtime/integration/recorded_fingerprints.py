@@ -16,6 +16,8 @@ FINGERPRINTS: dict[str, str] = {
     "indexer.builder_update_draft": "f9aa1d16166b5e6a",
     "indexer.logits.sparse_attn_indexer": "07832e7702cbffcd",
     "indexer.logits.glm5next": "6294e8de08c2737f",
+    "indexer.sm_writes.deep_gemm": "9c7876339655d201",
+    "indexer.sm_writes.ubatch_alias": "04417c90935f0be8",
     "indexer.plan_ahead.mrv1": "0d8cf98fde8af47a",
     "indexer.plan_ahead.mrv2": "d60c300e0fee5c4b",
     "topk.builder_register_layer": "9ac202ff87d802e6",

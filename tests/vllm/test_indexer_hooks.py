@@ -18,6 +18,7 @@ import functools
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -599,3 +600,57 @@ def test_the_end_of_start_up_says_the_warm_up_cost_once_and_starts_counting_in_s
     lines = [r.getMessage() for r in caplog.records if "start-up cost" in r.getMessage()]
     assert len(lines) == 1 and f"{env.cache.stats.warmups} paged-MQA planner variants compiled" in lines[0]
     assert env.cache.warmup.serving
+
+
+def test_deep_gemm_writers_keep_the_call_sites_cached_count_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call site reads DeepGEMM's count once per write (``adapters.deep_gemm.LiveNumSms``): installed, both of
+    vLLM 0.33's writers -- the wrapper and the alias its SM control calls -- mark it stale after each write;
+    uninstalled, every read asks DeepGEMM again."""
+    import vllm.utils.deep_gemm as wrapper
+    import vllm.v1.worker.ubatch_utils as uu
+
+    from dbo_runtime.adapters import deep_gemm as adapter
+
+    runtime = {"num_sms": 132, "asked": 0}
+
+    def get() -> int:
+        runtime["asked"] += 1
+        return runtime["num_sms"]
+
+    def set_num_sms(num_sms: int) -> None:  # DeepGEMM's device runtime, behind vLLM's two bindings
+        runtime["num_sms"] = num_sms
+
+    live = adapter.LiveNumSms(lambda: get)
+    monkeypatch.setattr(adapter, "LIVE_NUM_SMS", live)
+    monkeypatch.setattr(indexer_hooks, "LIVE_NUM_SMS", live)
+    monkeypatch.setattr(wrapper, "set_num_sms", set_num_sms)
+    monkeypatch.setattr(uu, "deep_gemm_set_num_sms", set_num_sms)
+    chosen = [p for p in indexer_hooks.patches() if p.name.startswith("indexer.sm_writes.")]
+    assert len(chosen) == 2 and all(p.optional for p in chosen)
+    patch_set = PatchSet(chosen)
+    patch_set.install()
+    try:
+        assert live.trusted
+        assert [live.read() for _ in range(21)] == [132] * 21 and runtime["asked"] == 1
+        uu.deep_gemm_set_num_sms(112)  # SMControl entering a microbatched step (vLLM's or dbo_runtime's)
+        assert [live.read() for _ in range(21)] == [112] * 21 and runtime["asked"] == 2
+        wrapper.set_num_sms(132)
+        assert live.read() == 132 and runtime["asked"] == 3
+        monkeypatch.setattr(adapter, "_module", lambda: SimpleNamespace(set_num_sms=set_num_sms))
+        adapter.set_num_sms(120)  # dbo_runtime's own knob
+        assert live.read() == 120 and runtime["asked"] == 4
+        build = indexer_hooks._make_build(lambda self, *a, **k: SimpleNamespace(decode=None))
+        build(SimpleNamespace(device=None))  # an indexer metadata build: once per step, the count is read afresh
+        assert live.read() == 120 and runtime["asked"] == 5
+    finally:
+        patch_set.uninstall()
+    assert not live.trusted and uu.deep_gemm_set_num_sms is set_num_sms and wrapper.set_num_sms is set_num_sms
+    live.read(), live.read()
+    assert runtime["asked"] == 7
+
+
+def test_the_real_planners_hot_probe_is_the_tracker() -> None:
+    from dbo_runtime.adapters.deep_gemm import LIVE_NUM_SMS, DeepGemmPlanner
+
+    num_sms, _ = DeepGemmPlanner().hot_probes()
+    assert num_sms == LIVE_NUM_SMS.read

@@ -1,0 +1,53 @@
+"""``adapters.deep_gemm.LiveNumSms``: the indexer call site's read of DeepGEMM's live SM count."""
+
+from __future__ import annotations
+
+from dbo_runtime.adapters.deep_gemm import LiveNumSms
+
+
+class _Runtime:
+    """DeepGEMM's process-global count, and how often it was asked (each ask is a torch op in vLLM's build)."""
+
+    def __init__(self) -> None:
+        self.num_sms = 132
+        self.asked = 0
+
+    def get(self) -> int:
+        self.asked += 1
+        return self.num_sms
+
+
+def _tracker(runtime: _Runtime) -> LiveNumSms:
+    return LiveNumSms(lambda: runtime.get)
+
+
+def test_unwatched_every_read_asks_deep_gemm() -> None:
+    rt = _Runtime()
+    live = _tracker(rt)
+    assert [live.read() for _ in range(3)] == [132] * 3 and rt.asked == 3
+    live.watch(next(iter(LiveNumSms.WRITERS)))  # one writer of two: still not trusted
+    rt.num_sms = 112
+    assert not live.trusted and [live.read() for _ in range(2)] == [112] * 2 and rt.asked == 5
+
+
+def test_watched_one_read_per_write() -> None:
+    rt = _Runtime()
+    live = _tracker(rt)
+    for writer in LiveNumSms.WRITERS:
+        live.watch(writer)
+    assert live.trusted
+    assert [live.read() for _ in range(21)] == [132] * 21 and rt.asked == 1  # 21 leader layers, one ask
+    rt.num_sms = 112
+    live.stale()  # what every watched writer does after its write
+    assert [live.read() for _ in range(21)] == [112] * 21 and rt.asked == 2
+
+
+def test_unwatching_a_writer_drops_the_cache_and_the_trust() -> None:
+    rt = _Runtime()
+    live = _tracker(rt)
+    for writer in LiveNumSms.WRITERS:
+        live.watch(writer)
+    live.read()
+    live.unwatch(sorted(LiveNumSms.WRITERS)[0])
+    rt.num_sms = 112  # a write nobody watches any more
+    assert not live.trusted and live.read() == 112 and live.read() == 112 and rt.asked == 3
