@@ -17,7 +17,8 @@ JSON (``--json``), schema ``dbo-runtime/simulate/v1``::
 
     {"schema", "backend", "simulated", "mode", "budget", "verdict": "PASS"|"FAIL",
      "dbo_runtime_disabled_by_env": bool,   # DBO_RUNTIME_DISABLE as the plugin reads it
-     "warnings": [str],   # DBO_RUNTIME_DISABLE in force, in doctor's words
+     "warnings": [str],   # every warning the text output shows: a mistyped DBO_RUNTIME_* switch
+                          # (core.switches), a poor split (as `sms` warns), DBO_RUNTIME_DISABLE in force
      "runs": [{"name", "expect", "ok", "as_expected", "error", "leaders", "followers",
                "replans_total", "steady_state_replans", "captured_replans", "planned_ahead",
                "warmups", "topk_extra_bytes", "jit_in_capture", "checks": [...],
@@ -171,9 +172,8 @@ def _run(args: argparse.Namespace) -> int:
     from dbo_runtime.sim.backends import make_backend
     from dbo_runtime.sim.scenario import GLM53, SMALL, for_backend, run_scenario
 
-    warn_switch_problems("simulate")
+    warnings = warn_switch_problems("simulate")
     disabled = disabled_warning()
-    warnings: list[str] = []
     # The environment a server would read, refused here like a bad flag (a server logs it and goes on).
     warm_max_batch()
     try:
@@ -211,6 +211,7 @@ def _run(args: argparse.Namespace) -> int:
     budget = _split(total, comm, backend.sm_major, "the simulated device" if backend.simulated else "this GPU")
     for warning in split_warnings(budget):  # the lines `sms` shows for the same split
         print(f"dbo-runtime simulate: warning: {warning}", file=sys.stderr)
+        warnings.append(warning)
     if disabled is not None:
         warnings.append(disabled)
     config = for_backend(config, backend)

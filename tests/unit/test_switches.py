@@ -99,6 +99,30 @@ def test_every_entry_point_shows_the_plugins_line(monkeypatch: pytest.MonkeyPatc
     assert err.strip() == f"dbo-runtime sms: warning: {line}" and json.loads(out)["plugin"] == {"disabled_by_env": False}
 
 
+def test_a_mistyped_switch_is_in_the_json_too(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A script that reads only stdout (--json) gets the warning the text output shows on stderr, in "warnings";
+    simulate's list also holds the split warning it shows."""
+    import json
+
+    from dbo_runtime.cli.main import main
+
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "yes-please")
+    monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
+    [line] = switches.switch_problems()
+    assert main(["sms", "--json", "--total-sms", "132"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["warnings"] == [line] and err.strip() == f"dbo-runtime sms: warning: {line}"
+    fast = ["simulate", "--json", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]
+    assert main([*fast, "--comm-sms", "24"]) == 0  # 4 of the 24 comm SMs stay idle under DeepEP HT's clamp
+    out, err = capsys.readouterr()
+    warnings = json.loads(out)["warnings"]
+    assert warnings[0] == line and len(warnings) == 2 and "4 of the 24 comm SMs stay idle" in warnings[1]
+    assert all(f"dbo-runtime simulate: warning: {w}" in err for w in warnings)
+    monkeypatch.delenv("DBO_RUNTIME_DISABLE")
+    assert main(["sms", "--json", "--total-sms", "132"]) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == []
+
+
 def test_simulate_and_doctor_say_disable_the_same_way(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """DBO_RUNTIME_DISABLE=1 is the operator's choice of vanilla vLLM: doctor and simulate both report it as the
     same one warning (exit 0), and simulate's verdict stays about the simulation, with the warning beside it."""
