@@ -511,3 +511,34 @@ def test_host_cost_bench_refuses_a_runs_directory_it_cannot_use(tmp_path: Path) 
     assert not (out / "bench_host_cost.json").exists()
     with pytest.raises(SystemExit):
         mod.main(["--from-runs", "", "--out", str(out)])
+
+
+@pytest.mark.parametrize(
+    ("flag", "raw", "allowed"),
+    [
+        ("--models", "glm53,,v32", "glm53, v32 (comma-separated)"),
+        ("--models", "", "glm53, v32 (comma-separated)"),
+        ("--modes", "eager,", "eager, graphs (comma-separated)"),
+        ("--dbo", ",off", "off, dp1 (comma-separated)"),
+        ("--depths", "6,,78", "comma-separated layer counts >= 1"),
+        ("--depths", "6, ", "comma-separated layer counts >= 1"),
+    ],
+)
+def test_host_cost_bench_refuses_an_empty_item(
+    flag: str, raw: str, allowed: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty item in a choice list is a name left out, not a stray comma: one line naming the argument and
+    the allowed values, exit 2, instead of a smaller matrix than the one typed."""
+    mod = load("bench_host_cost.py")
+    with pytest.raises(SystemExit) as exit_:
+        mod.main([flag, raw, "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == f"bench_host_cost: error: argument {flag}: {raw!r} (an empty item) is not allowed; allowed values: {allowed} (see --help)"
+    assert not (tmp_path / "out").exists()
+
+
+def test_host_cost_bench_counts_a_repeated_depth_once() -> None:
+    mod = load("bench_host_cost.py")
+    parser = mod.Parser(prog="bench_host_cost")
+    assert mod._depths(parser, "6, 78,6") == [6, 78] and mod._choices(parser, "models", "v32,glm53,v32", tuple(mod.MODELS)) == ["v32", "glm53"]
