@@ -24,7 +24,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SCRATCH = RESULTS / "local"
 """The default output folder: git-ignored."""
 
-__all__ = ["EXIT_NO_DEVICE", "RESULTS", "SCRATCH", "Parser", "add_out", "integer", "positive_seconds"]
+__all__ = ["EXIT_NO_DEVICE", "RESULTS", "SCRATCH", "Parser", "add_out", "integer", "out_folder", "positive_seconds"]
 
 
 class Parser(OneLineArgumentParser):
@@ -63,11 +63,31 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def out_folder(prog: str) -> Callable[[str], Path]:
+    """An argparse ``type`` for ``--out``: a folder ``prog`` can create (with its parents) and write.
+
+    Checked as the arguments are parsed, so a bad ``--out`` (a file, a folder that cannot be written) is one
+    line and exit 2 on any machine, ahead of the GPU check and of minutes of measuring. The probe is the one the
+    real-engine commands use for ``--workdir`` (``cli._paths.check_dir``): it creates nothing, and the folder is
+    made only when the results are written."""
+    from dbo_runtime.cli._paths import check_dir
+    from dbo_runtime.core.errors import ConfigError
+
+    def parse(text: str) -> Path:
+        try:
+            return check_dir(text, "--out", prog)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed values: {exc.allowed}") from None
+
+    return parse
+
+
 def add_out(parser: argparse.ArgumentParser) -> None:
-    """``--out``: the output folder, ``graphs/results/local/`` (git-ignored) unless given."""
+    """``--out``: the output folder, ``graphs/results/local/`` (git-ignored) unless given; checked by ``out_folder``
+    (the default too: argparse passes a string default through ``type``)."""
     parser.add_argument(
         "--out",
-        type=Path,
-        default=SCRATCH,
+        type=out_folder(parser.prog),
+        default=str(SCRATCH),
         help="output folder (default graphs/results/local/, git-ignored; --out graphs/results updates the committed results)",
     )

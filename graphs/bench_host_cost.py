@@ -39,23 +39,33 @@ DBO = ("off", "dp1")
 VARIANTS = (("plugin", {}), ("vanilla", {"DBO_RUNTIME_DISABLE": "1"}), ("selftime", {"DBO_RUNTIME_SELF_TIME": "1"}))
 
 
+def _items(raw: str) -> tuple[list[str], str | None]:
+    """The comma-separated items, and how to show ``raw`` when one is empty (None when none is).
+
+    An empty item is refused, not dropped: ``glm53,,v32`` is more likely a name left out than a stray comma, and
+    a matrix quietly smaller than the one typed costs a GPU session."""
+    items = [v.strip() for v in raw.split(",")]
+    return items, (f"{raw!r} (an empty item)" if "" in items else None)
+
+
 def _choices(parser: argparse.ArgumentParser, name: str, raw: str, allowed: tuple[str, ...]) -> list[str]:
-    values = list(dict.fromkeys(v.strip() for v in raw.split(",") if v.strip()))
-    bad = [v for v in values if v not in allowed]
-    if bad or not values:
-        shown = ", ".join(repr(v) for v in bad) or repr(raw)
+    items, empty = _items(raw)
+    bad = [v for v in dict.fromkeys(items) if v and v not in allowed]
+    if bad or empty:
+        shown = empty or ", ".join(repr(v) for v in bad)
         parser.error(f"argument --{name}: {shown} is not allowed; allowed values: {', '.join(allowed)} (comma-separated)")
-    return values
+    return list(dict.fromkeys(items))
 
 
 def _depths(parser: argparse.ArgumentParser, raw: str) -> list[int]:
+    items, empty = _items(raw)
     try:
-        depths = [int(v) for v in raw.split(",") if v.strip()]
+        depths = [int(v) for v in items]
     except ValueError:
         depths = []
-    if not depths or any(d < 1 for d in depths):
-        parser.error(f"argument --depths: {raw!r} is not allowed; allowed values: comma-separated layer counts >= 1")
-    return depths
+    if empty or not depths or any(d < 1 for d in depths):
+        parser.error(f"argument --depths: {empty or repr(raw)} is not allowed; allowed values: comma-separated layer counts >= 1")
+    return list(dict.fromkeys(depths))  # a depth given twice is one configuration, as a model given twice is
 
 
 def configurations(models: list[str], depths: list[int], modes: list[str], dbo: list[str]) -> list[dict]:

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 EXIT_OK = 0
@@ -33,6 +33,25 @@ class CliError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_PROBLEM) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+DISABLED_WARNING = (
+    "DBO_RUNTIME_DISABLE={value}: nothing patched, nothing refused; --enable-dbo runs vLLM's own DBO "
+    "(the DeepGEMM schedule crash / wrong top-k on DSA models)"
+)
+
+
+def disabled_warning(environ: Mapping[str, str] | None = None) -> str | None:
+    """The finding for ``DBO_RUNTIME_DISABLE`` in force, in the one wording ``doctor`` and ``simulate`` both show;
+    None while the plugin is enabled.
+
+    A warning, never a failure: vanilla vLLM is the operator's deliberate choice (the A/B runs, ``verify``), and
+    what the disabled plugin would have fixed is the information they need, not a verdict on this machine.
+    """
+    from dbo_runtime.core.switches import read_switch
+
+    switch = read_switch("DBO_RUNTIME_DISABLE", environ)
+    return DISABLED_WARNING.format(value=switch.raw) if switch.on else None
 
 
 def warn_switch_problems(command: str) -> list[str]:

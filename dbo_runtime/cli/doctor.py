@@ -47,19 +47,13 @@ from importlib import metadata
 from typing import Any
 
 from dbo_runtime import __version__
-from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, print_json, print_table
+from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, disabled_warning, print_json, print_table
 from dbo_runtime.core.switches import parse_switch
 
 SCHEMA = "dbo-runtime/doctor/v2"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_VALUE = "dbo_runtime.integration.plugin:register"
 WEIGHTS_ENTRY_POINT_VALUE = "dbo_runtime.harness.weights:register"
-DISABLED_WARNING = (
-    "DBO_RUNTIME_DISABLE={value}: nothing patched, nothing refused; --enable-dbo runs vLLM's own DBO "
-    "(the DeepGEMM schedule crash / wrong top-k on DSA models)"
-)
-"""The whole verdict under the deliberate switch: a warning, not a problem (exit 0), and one line, where
-every feature's own state would claim refusals that the disabled plugin never makes."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -320,7 +314,10 @@ def _collect() -> dict[str, Any]:
             f"patch target missing: {p['target']} ({p['name']}): {p['detail']}" for p in patches if p["state"] == "missing"
         )
     problems.extend(_environment_problems(disabled))
-    warnings_ = [DISABLED_WARNING.format(value=os.environ.get("DBO_RUNTIME_DISABLE", "1"))] if disabled else []
+    # the whole verdict under the deliberate switch: one warning (exit 0), where every feature's own state
+    # would claim refusals that the disabled plugin never makes
+    disabled_line = disabled_warning()
+    warnings_ = [disabled_line] if disabled_line else []
     warnings_ += [
         f"required patch target not checked here: {p['target']} ({p['name']}): {p['detail']}"
         for p in patches

@@ -42,6 +42,8 @@ JSON schema (``--json``), stable; keys are never removed within ``schema`` v1::
       "nvml": {"available": bool | null, "detail": str, "driver_version": str | null},
       "cuda": {"available": bool | null, "detail": str, "torch_version": str | null},
       "plugin": {"disabled_by_env": bool},   # DBO_RUNTIME_DISABLE as the plugin reads it
+      "warnings": [str],                     # a mistyped DBO_RUNTIME_* switch, the line shown on stderr
+                                             # (core.switches.switch_problems); per-device ones are below
       "devices": [{
         "label": str,                      # "0", "0 MIG 1", "cuda:0", "profile"
         "kind": "gpu" | "mig" | "cuda" | "profile",
@@ -95,7 +97,7 @@ from dbo_runtime.core.budget import (
     SMBudget,
 )
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.switches import parse_switch
+from dbo_runtime.core.switches import parse_switch, switch_problems
 
 SCHEMA = "dbo-runtime/sms/v1"
 DEFAULT_BACKEND = "deepep_high_throughput"
@@ -155,7 +157,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="SMs per GPU and the DBO compute/comm split vLLM would apply",
         description="SMs per GPU (CUDA, NVML, MIG), clocks, utilisation and the DBO SM split of vLLM 0.33.0.",
     )
-    p.add_argument("--json", action="store_true", help=f"machine-readable output (JSON, schema {SCHEMA})")
+    p.add_argument(
+        "--json", action="store_true", help=f"machine-readable output (JSON, schema {SCHEMA}; a mistyped switch's warning in \"warnings\")"
+    )
     p.add_argument("--total-sms", metavar="N", help="skip the hardware and use one N-SM device (132 = H200 profile)")
     p.add_argument(
         "--all2all-backend",
@@ -414,6 +418,7 @@ def collect(s: Settings) -> dict[str, Any]:
         "cuda": cuda_info,
         "devices": [asdict(r) for r in rows],
         "plugin": {"disabled_by_env": parse_switch("DBO_RUNTIME_DISABLE")},
+        "warnings": switch_problems(),  # a script reading stdout gets what stderr showed
     }
 
 

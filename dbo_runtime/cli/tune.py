@@ -341,14 +341,16 @@ def run(args: argparse.Namespace) -> int:
     # usage errors before vLLM's parser and the GPU check, which can only say "cannot run"; nothing is created yet
     workdir = check_dir(args.workdir, "--workdir", "tune") if args.workdir else None
     png = check_png(args.png, "tune") if args.png else None
-    progress = Progress("[tune]")
-    for note in notes:
-        progress.say(f"note: {note}")
+    # where this machine cannot run the sweep, that one line is all tune prints: the notes describe a sweep
+    # that will not happen
     check_with_vllm(plan[0].engine_args, "tune")
-    progress.say("engine arguments checked with vLLM's parser")
     visible, need = visible_gpus(), gpus_needed(engine_args, dp)
     if visible < need:
         raise CliError(f"needs {need} GPU(s) (data-parallel {dp} x tensor x pipeline parallel); {visible} visible", EXIT_RUN_FAILED)
+    progress = Progress("[tune]")
+    for note in notes:
+        progress.say(f"note: {note}")
+    progress.say("engine arguments checked with vLLM's parser")
     # only once the engines will start: a refused run leaves nothing behind
     workdir = make_dir(workdir, "--workdir", "tune") if workdir is not None else Path(tempfile.mkdtemp(prefix="dbo-tune-"))
     with progress:

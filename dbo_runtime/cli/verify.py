@@ -244,16 +244,11 @@ def run(args: argparse.Namespace) -> int:
     from dbo_runtime.harness.launch import RunSpec, launch
     from dbo_runtime.harness.prompts import MAX_PROMPTS, PromptSpec
 
-    extra = list(getattr(args, "extra_args", []) or [])
-    engine_args, dp, notes = split_engine_args(extra)
-    require_dbo_parallelism(engine_args, dp, "verify", expert_parallel=False)
-    notes = [*switch_notes(), *(n for n in notes if "data-parallel size 1" not in n)]
+    # verify's own options first: a bad one is named as itself, not as whatever the engine arguments lack
     _numbers(args, MAX_PROMPTS)
     low, high = _int_range(args.prompt_len, "--prompt-len")
     if not 1 <= args.prompts <= MAX_PROMPTS:
         raise ConfigError("--prompts", args.prompts, f"an integer in [1, {MAX_PROMPTS}]")
-    if args.prompts < dp and args.prompt_file is None:
-        raise ConfigError("--prompts", args.prompts, f"at least the data-parallel size ({dp}): every rank needs prompts")
     if not 1 <= args.max_tokens <= 4096:
         raise ConfigError("--max-tokens", args.max_tokens, "an integer in [1, 4096]")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
@@ -267,10 +262,16 @@ def run(args: argparse.Namespace) -> int:
         from dbo_runtime.harness.prompts import from_file
 
         loaded = from_file(args.prompt_file)  # fail on a bad file now, not after an engine start
-        if len(loaded) < dp:
-            raise ConfigError("--prompt-file", args.prompt_file, f"at least {dp} prompts (one per data-parallel rank)")
     # usage errors before vLLM's parser and the GPU check, which can only say "cannot run"; nothing is created yet
     workdir = check_dir(args.workdir, "--workdir", "verify") if args.workdir else None
+    extra = list(getattr(args, "extra_args", []) or [])
+    engine_args, dp, notes = split_engine_args(extra)
+    require_dbo_parallelism(engine_args, dp, "verify", expert_parallel=False)
+    notes = [*switch_notes(), *(n for n in notes if "data-parallel size 1" not in n)]
+    if args.prompts < dp and args.prompt_file is None:
+        raise ConfigError("--prompts", args.prompts, f"at least the data-parallel size ({dp}): every rank needs prompts")
+    if args.prompt_file is not None and len(loaded) < dp:
+        raise ConfigError("--prompt-file", args.prompt_file, f"at least {dp} prompts (one per data-parallel rank)")
     for problem in (ll_qp_depth_problem(engine_args, os.environ), comm_sms_problem(engine_args, os.environ), *setting_problems()):
         if problem is not None:  # needs no vLLM: said on any machine, before any engine starts
             raise problem

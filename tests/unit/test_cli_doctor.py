@@ -179,7 +179,7 @@ def test_table_lists_every_target(capsys: pytest.CaptureFixture[str]) -> None:
 def test_disabled_is_one_warning_not_a_problem_per_fix(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """DBO_RUNTIME_DISABLE=1 patches nothing and refuses nothing (README): the doctor says that in one line and
     exits 0, instead of one "refused at engine start" problem per feature, which the disabled plugin never does."""
-    from dbo_runtime.cli.doctor import DISABLED_WARNING
+    from dbo_runtime.cli._common import DISABLED_WARNING
 
     monkeypatch.setenv("DBO_RUNTIME_DISABLE", "1")
     monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")

@@ -242,6 +242,26 @@ def test_without_gpus_it_cannot_run(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     assert "needs 2 GPU(s)" in _one_line(capsys)
 
 
+def test_without_gpus_the_refusal_is_all_it_prints(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The notes (prefix caching off, the memory split) describe a sweep that will not run: on a machine that
+    cannot run one, the refusal is the only line, whether the GPU count or vLLM's parser says so."""
+    from dbo_runtime.cli._common import CliError
+
+    monkeypatch.setattr(tune, "check_with_vllm", lambda args, command: None)  # vLLM's parser needs a GPU platform
+    monkeypatch.setattr(tune, "visible_gpus", lambda: 0)
+    assert main(["tune", *ENGINE]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == ["dbo-runtime tune: needs 2 GPU(s) (data-parallel 2 x tensor x pipeline parallel); 0 visible"]
+
+    def no_platform(args: list[str], command: str) -> None:  # what the real check says on a CPU box
+        raise CliError("engine arguments not checked: vLLM cannot build its parser here (no GPU platform); tune needs a GPU machine", 3)
+
+    monkeypatch.setattr(tune, "check_with_vllm", no_platform)
+    assert main(["tune", *ENGINE]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and err.startswith("dbo-runtime tune: engine arguments not checked")
+
+
 def _sweep_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, curve: dict[str, float], *extra: str) -> tuple[int, dict[str, Any]]:
     from dbo_runtime.harness import launch as launch_mod
 

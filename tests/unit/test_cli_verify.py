@@ -108,3 +108,28 @@ def test_without_a_gpu_it_says_the_arguments_were_not_checked() -> None:
     [line] = [x for x in proc.stderr.splitlines() if x.startswith("dbo-runtime verify")]
     assert line.startswith("dbo-runtime verify: engine arguments not checked: vLLM cannot build its parser here (no GPU platform")
     assert line.endswith("verify needs a GPU machine")
+
+
+@pytest.mark.parametrize(
+    ("own", "needle"),
+    [
+        (["--prompts", "0"], "--prompts=0 is not allowed; allowed values: an integer in [1, "),
+        (["--max-tokens", "x"], "--max-tokens='x' is not allowed; allowed values: an integer in [1, 4096]"),
+        (["--prompt-len", "5-1"], "--prompt-len='5-1' is not allowed; allowed values: MIN-MAX with 1 <= MIN <= MAX"),
+        (["--timeout", "-1"], "--timeout=-1.0 is not allowed; allowed values: a positive number of seconds"),
+        (["--min-agreement", "2"], "--min-agreement=2.0 is not allowed; allowed values: a number in [0, 1]"),
+        (["--workdir", "/proc/x/y"], "--workdir='/proc/x/y' is not allowed; allowed values: a folder verify can create and write"),
+    ],
+)
+@pytest.mark.parametrize(
+    "engine",
+    [["--model", "m"], ["--model", "m", "-dp", "1"], ["-dp", "2"], [*HT, "--headless"]],
+    ids=["no-dp", "dp-1", "no-model", "headless"],
+)
+def test_its_own_options_are_checked_before_the_engine_arguments(
+    own: list[str], needle: str, engine: list[str], capsys: pytest.CaptureFixture[str], no_engine: None
+) -> None:
+    """A bad verify option is named as itself, whatever the engine arguments lack (the DP size, the model)."""
+    assert main(["verify", *own, *engine]) == 2
+    line = _one_line(capsys)
+    assert line.startswith("dbo-runtime verify: error: ") and needle in line, line

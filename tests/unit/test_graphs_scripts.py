@@ -96,6 +96,31 @@ def test_a_bad_value_is_one_line_before_any_gpu_check(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("where", ["a_file", "under_a_file", "unwritable"])
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_bad_out_is_one_line_before_any_gpu_check(
+    name: str, where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An --out that cannot take the results is exit 2 on any machine, here before "needs a GPU" (exit 3), with
+    the probe the CLI's --workdir uses (graphs._args.out_folder); nothing is written."""
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "jit"))  # the kernel scripts set a default at import
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    out, why = {
+        "a_file": (afile, f"({afile} is a file, not a folder)"),
+        "under_a_file": (afile / "sub", f"({afile} is a file, not a folder)"),
+        "unwritable": (Path("/proc/x/y"), "(/proc cannot be written: "),  # root passes every permission test
+    }[where]
+    with pytest.raises(SystemExit) as exit_:
+        load(name).main(["--out", str(out)])
+    assert exit_.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    prog = name[:-3]
+    head = f"{prog}: error: argument --out: {str(out)!r} is not allowed; allowed values: a folder {prog} can create and write {why}"
+    assert line.startswith(head) and line.endswith(") (see --help)"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 @pytest.mark.parametrize("name", KERNELS)
 def test_cuda_without_deepgemm_one_line_and_exit_3(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -486,3 +511,34 @@ def test_host_cost_bench_refuses_a_runs_directory_it_cannot_use(tmp_path: Path) 
     assert not (out / "bench_host_cost.json").exists()
     with pytest.raises(SystemExit):
         mod.main(["--from-runs", "", "--out", str(out)])
+
+
+@pytest.mark.parametrize(
+    ("flag", "raw", "allowed"),
+    [
+        ("--models", "glm53,,v32", "glm53, v32 (comma-separated)"),
+        ("--models", "", "glm53, v32 (comma-separated)"),
+        ("--modes", "eager,", "eager, graphs (comma-separated)"),
+        ("--dbo", ",off", "off, dp1 (comma-separated)"),
+        ("--depths", "6,,78", "comma-separated layer counts >= 1"),
+        ("--depths", "6, ", "comma-separated layer counts >= 1"),
+    ],
+)
+def test_host_cost_bench_refuses_an_empty_item(
+    flag: str, raw: str, allowed: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty item in a choice list is a name left out, not a stray comma: one line naming the argument and
+    the allowed values, exit 2, instead of a smaller matrix than the one typed."""
+    mod = load("bench_host_cost.py")
+    with pytest.raises(SystemExit) as exit_:
+        mod.main([flag, raw, "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == f"bench_host_cost: error: argument {flag}: {raw!r} (an empty item) is not allowed; allowed values: {allowed} (see --help)"
+    assert not (tmp_path / "out").exists()
+
+
+def test_host_cost_bench_counts_a_repeated_depth_once() -> None:
+    mod = load("bench_host_cost.py")
+    parser = mod.Parser(prog="bench_host_cost")
+    assert mod._depths(parser, "6, 78,6") == [6, 78] and mod._choices(parser, "models", "v32,glm53,v32", tuple(mod.MODELS)) == ["v32", "glm53"]

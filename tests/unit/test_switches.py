@@ -99,21 +99,59 @@ def test_every_entry_point_shows_the_plugins_line(monkeypatch: pytest.MonkeyPatc
     assert err.strip() == f"dbo-runtime sms: warning: {line}" and json.loads(out)["plugin"] == {"disabled_by_env": False}
 
 
-def test_simulate_honours_disable(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """simulate must not report PASS for a run the server would not have: DBO_RUNTIME_DISABLE applies."""
+def test_a_mistyped_switch_is_in_the_json_too(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A script that reads only stdout (--json) gets the warning the text output shows on stderr, in "warnings";
+    simulate's list also holds the split warning it shows."""
     import json
 
     from dbo_runtime.cli.main import main
 
-    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "1")
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "yes-please")
     monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
-    rc = main(["simulate", "--json", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"])
+    [line] = switches.switch_problems()
+    assert main(["sms", "--json", "--total-sms", "132"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["warnings"] == [line] and err.strip() == f"dbo-runtime sms: warning: {line}"
+    fast = ["simulate", "--json", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]
+    assert main([*fast, "--comm-sms", "24"]) == 0  # 4 of the 24 comm SMs stay idle under DeepEP HT's clamp
+    out, err = capsys.readouterr()
+    warnings = json.loads(out)["warnings"]
+    assert warnings[0] == line and len(warnings) == 2 and "4 of the 24 comm SMs stay idle" in warnings[1]
+    assert all(f"dbo-runtime simulate: warning: {w}" in err for w in warnings)
+    monkeypatch.delenv("DBO_RUNTIME_DISABLE")
+    assert main(["sms", "--json", "--total-sms", "132"]) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == []
+
+
+def test_simulate_and_doctor_say_disable_the_same_way(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """DBO_RUNTIME_DISABLE=1 is the operator's choice of vanilla vLLM: doctor and simulate both report it as the
+    same one warning (exit 0), and simulate's verdict stays about the simulation, with the warning beside it."""
+    import json
+
+    from dbo_runtime.cli._common import disabled_warning
+    from dbo_runtime.cli.main import main
+
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "On")
+    monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
+    line = disabled_warning()
+    assert line is not None and line.startswith("DBO_RUNTIME_DISABLE=On: nothing patched, nothing refused")
+    assert main(["doctor", "--json"]) == 0
+    doctor = json.loads(capsys.readouterr().out)
+    assert line in doctor["warnings"] and doctor["problems"] == []
+    fast = ["simulate", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]
+    assert main([*fast, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert rc == 1 and doc["verdict"] == "FAIL" and doc["dbo_runtime_disabled_by_env"] is True
+    assert doc["verdict"] == "PASS" and doc["dbo_runtime_disabled_by_env"] is True and doc["warnings"] == [line]
     [run] = doc["runs"]
-    assert run["name"] == "dbo_runtime (disabled)" and run["error"].startswith("DeepGEMM assertion")
-    assert main(["simulate", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]) == 1
-    assert "verdict: FAIL: DBO_RUNTIME_DISABLE reads as on" in capsys.readouterr().out
+    assert run["name"] == "dbo_runtime" and run["ok"] and run["as_expected"]
+    assert main(fast) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2] == "verdict: PASS: dbo_runtime is bit-identical at every step"
+    assert out[-1] == f"WARNING (not a failure): {line}" and "FAIL" not in "\n".join(out)
+    monkeypatch.delenv("DBO_RUNTIME_DISABLE")
+    assert disabled_warning() is None
+    assert main([*fast, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == []
 
 
 def test_doctor_reports_every_mistyped_setting(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
