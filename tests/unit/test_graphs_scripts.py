@@ -25,8 +25,10 @@ ENGINE = {
     "bench_host_cost.py": "a CUDA GPU and vLLM 0.33",
 }
 """Real-engine benchmarks: they need vLLM and GPUs, not DeepGEMM directly."""
-CPU = ["bench_hook_calls.py"]
-"""CPU benchmarks on the real vLLM classes: they need vLLM, no GPU."""
+CPU = ["bench_hook_calls.py", "bench_sm_count_read.py"]
+"""CPU benchmarks: on the real vLLM classes (they need vLLM), or of a torch op read (torch only); no GPU."""
+NEEDS_VLLM = ["bench_hook_calls.py"]
+"""CPU benchmarks that refuse without vLLM (``bench_sm_count_read.py`` times a stand-in op there instead)."""
 GPU = [s for s in SCRIPTS if s not in CPU]
 KERNELS = [s for s in GPU if s not in ENGINE]
 
@@ -49,6 +51,7 @@ def test_every_script_is_covered() -> None:
         "bench_planner_warmup.py",
         "bench_real_engine.py",
         "bench_replay_planning.py",
+        "bench_sm_count_read.py",
         "scenario_suite.py",
     ]
 
@@ -76,6 +79,7 @@ BAD_VALUES = {
     "bench_planner_warmup.py": ("--spec-tokens", "4", "integers in [0, 3]"),
     "bench_real_engine.py": ("--budget-s", "-1", "a finite number of seconds > 0"),
     "bench_replay_planning.py": ("--max-context", "100", "an integer >= 64, a multiple of 64"),
+    "bench_sm_count_read.py": ("--n", "5", "integers in [100, 10000000]"),
     "scenario_suite.py": ("--steps", "-3", "an integer >= 1"),
 }
 
@@ -135,7 +139,7 @@ def test_cuda_without_deepgemm_one_line_and_exit_3(
     assert out == ""
 
 
-@pytest.mark.parametrize("name", CPU)
+@pytest.mark.parametrize("name", NEEDS_VLLM)
 def test_cpu_benchmark_without_vllm_one_line_and_exit_3(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,0 +1,146 @@
+"""What the indexer call site pays to learn DeepGEMM's live SM count, per call, quiet and with a busy thread.
+
+The call site compares the schedule's planned SM count with DeepGEMM's live one on every indexer layer. vLLM's
+vendored DeepGEMM 2.8 binds ``get_num_sms`` as a torch custom op, and a torch op call dispatches and releases the
+GIL: when another Python thread of the process wants the GIL it may keep it for its whole switch interval (5 ms)
+before the call returns. ``adapters.deep_gemm.LiveNumSms`` reads the count once per write instead. This times, side
+by side in one run, per call: the op (vLLM's vendored ``get_num_sms`` when it loads here, else a stand-in op with
+the same schema registered through ``torch.library``, named as such in the JSON), ``LiveNumSms.read`` with its
+writers watched (the cached read the call site makes), and a plain Python call; each quiet and with one other
+Python thread spinning (a stand-in for the engine's own threads, which want the GIL far less often: the median and
+the 99th percentile are the numbers to read, the mean shows the handoffs).
+
+    python graphs/bench_sm_count_read.py [--n 20000] [--out graphs/results]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from graphs._args import Parser, add_out, integer  # noqa: E402
+from graphs._plotting import pyplot  # noqa: E402
+
+
+def deep_gemm_op() -> tuple[Callable[[], int], str]:
+    """vLLM's vendored DeepGEMM ``get_num_sms`` (a torch op) when it loads, else a stand-in op of the same schema."""
+    try:
+        from vllm.third_party import deep_gemm
+
+        op = deep_gemm.get_num_sms
+        op()
+        return op, "vllm.third_party.deep_gemm.get_num_sms (torch op)"
+    except Exception:
+        import torch
+
+        if not hasattr(torch.ops, "dbo_runtime_bench") or not hasattr(torch.ops.dbo_runtime_bench, "get_num_sms"):
+            lib = torch.library.Library("dbo_runtime_bench", "DEF")
+            lib.define("get_num_sms() -> int")
+            lib.impl("get_num_sms", lambda: 132, "CompositeExplicitAutograd")
+            _LIBS.append(lib)
+        return torch.ops.dbo_runtime_bench.get_num_sms, "stand-in torch op get_num_sms() -> int (torch.library)"
+
+
+_LIBS: list[Any] = []
+"""Keeps the stand-in library registered for the life of the process."""
+
+
+def _time(fn: Callable[[], Any], n: int) -> dict[str, float]:
+    clock = time.perf_counter_ns
+    samples = []
+    for _ in range(n):
+        started = clock()
+        fn()
+        samples.append(clock() - started)
+    samples.sort()
+    return {"median_ns": float(samples[n // 2]), "p99_ns": float(samples[min(n - 1, (n * 99) // 100)]),
+            "mean_ns": statistics.fmean(samples)}  # fmt: skip
+
+
+class _Spinner:
+    """One other Python thread that always wants the GIL."""
+
+    def __enter__(self) -> _Spinner:
+        self.stop = False
+        self.thread = threading.Thread(target=self._spin, name="bench-spinner", daemon=True)
+        self.thread.start()
+        time.sleep(0.05)
+        return self
+
+    def _spin(self) -> None:
+        x = 0
+        while not self.stop:
+            x += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop = True
+        self.thread.join()
+
+
+def measure(n: int) -> dict[str, Any]:
+    from dbo_runtime.adapters.deep_gemm import LiveNumSms
+
+    op, source = deep_gemm_op()
+    live = LiveNumSms(lambda: op)
+    for writer in LiveNumSms.WRITERS:
+        live.watch(writer)
+
+    def plain() -> int:
+        return 132
+
+    readers = {"torch op (a read per call)": op, "LiveNumSms.read (writers watched)": live.read, "plain Python call": plain}
+    rows = []
+    for busy in (False, True):
+        for name, fn in readers.items():
+            fn()
+            if busy:
+                with _Spinner():
+                    timing = _time(fn, n)
+            else:
+                timing = _time(fn, n)
+            rows.append({"reader": name, "other_thread_busy": busy, **timing})
+    return {"n": n, "op": source, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="bench_sm_count_read", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=integer(100, 10_000_000), default=20_000, help="calls timed per reader and condition (default 20000)")
+    add_out(parser)
+    args = parser.parse_args(argv)
+    import os
+
+    from dbo_runtime.sim.report import environment, write_json
+
+    out = Path(args.out)
+    doc = {**measure(args.n), "environment": {**environment(), "cpus": os.cpu_count(), "switch_interval_s": sys.getswitchinterval()}}
+    write_json(out / "bench_sm_count_read.json", doc)
+    print(f"op: {doc['op']}")
+    print(f"{'reader':<36} {'busy thread':<11} {'median ns':>10} {'p99 ns':>12} {'mean ns':>12}")
+    for r in doc["rows"]:
+        print(f"{r['reader']:<36} {r['other_thread_busy']!s:<11} {r['median_ns']:10.0f} {r['p99_ns']:12.0f} {r['mean_ns']:12.0f}")
+    plt = pyplot()
+    if plt is None:
+        print("note: matplotlib is not installed: no PNG (the JSON has every number)")
+        return 0
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, key in zip(axes, ("median_ns", "mean_ns"), strict=True):
+        labels = [f"{r['reader']}\n({'busy' if r['other_thread_busy'] else 'quiet'})" for r in doc["rows"]]
+        ax.barh(labels, [r[key] for r in doc["rows"]])
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{key.replace('_ns', '')} ns per call (log)")
+        ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "bench_sm_count_read.png", dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
