@@ -91,6 +91,8 @@ class LiveNumSms:
         self._value: int | None = None
         self._watched: set[str] = set()
         self._trusted = False
+        self._generation = 0
+        """Bumped by every ``stale``: a read that overlapped a write never stores the count it read before it."""
 
     def read(self) -> int:
         value = self._value
@@ -99,23 +101,32 @@ class LiveNumSms:
         reader = self._reader
         if reader is None:
             reader = self._reader = (self._make_reader or num_sms_reader)()
+        generation = self._generation
         value = int(reader())
-        if self._trusted:
+        if self._trusted and generation == self._generation:
             self._value = value
         return value
 
     def stale(self) -> None:
+        self._generation += 1
         self._value = None
 
     def watch(self, writer: str) -> None:
         self._watched.add(writer)
         self._trusted = self._watched >= self.WRITERS
-        self._value = None
+        self.stale()
 
     def unwatch(self, writer: str) -> None:
         self._watched.discard(writer)
         self._trusted = False
-        self._value = None
+        self.stale()
+
+    def distrust(self) -> None:
+        """A watched writer was rebound behind the plugin: every read asks DeepGEMM until the writers are watched
+        again."""
+        self._watched.clear()
+        self._trusted = False
+        self.stale()
 
     @property
     def trusted(self) -> bool:

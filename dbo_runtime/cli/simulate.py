@@ -17,6 +17,7 @@ JSON (``--json``), schema ``dbo-runtime/simulate/v1``::
 
     {"schema", "backend", "simulated", "mode", "budget", "verdict": "PASS"|"FAIL",
      "dbo_runtime_disabled_by_env": bool,   # DBO_RUNTIME_DISABLE as the plugin reads it
+     "server_runs": "dbo_runtime"|"vanilla vLLM",   # what a server started with this environment runs
      "warnings": [str],   # every warning the text output shows: a mistyped DBO_RUNTIME_* switch
                           # (core.switches), a poor split (as `sms` warns), DBO_RUNTIME_DISABLE in force
      "runs": [{"name", "expect", "ok", "as_expected", "error", "leaders", "followers",
@@ -244,6 +245,7 @@ def _run(args: argparse.Namespace) -> int:
                 "budget": head.budget,
                 "verdict": "PASS" if verdict else "FAIL",
                 "dbo_runtime_disabled_by_env": disabled is not None,
+                "server_runs": "vanilla vLLM" if disabled is not None else "dbo_runtime",
                 "warnings": warnings,
                 "runs": [
                     {"name": c.name, "expect": c.expect, "as_expected": c.as_expected(r), **r.to_json()}
@@ -350,16 +352,20 @@ def _print_human(backend: Any, args: argparse.Namespace, head: Any, results: lis
     for contrast, r in results:
         if r.error and not contrast.as_expected(r):
             print(f"{contrast.name}: {r.error}")
-    print(_verdict_line(results, verdict))
+    print(_verdict_line(results, verdict, disabled=disabled is not None))
     if disabled is not None:  # with the verdict, as doctor shows it: stdout alone must not read as a clean PASS
         print(f"WARNING (not a failure): {disabled}")
 
 
-def _verdict_line(results: list[Any], verdict: bool) -> str:
-    """The verdict, and why rows that failed can still mean PASS: the contrasts reproduce vLLM's bugs on purpose."""
+def _verdict_line(results: list[Any], verdict: bool, *, disabled: bool = False) -> str:
+    """The verdict, and why rows that failed can still mean PASS: the contrasts reproduce vLLM's bugs on purpose.
+    Under ``DBO_RUNTIME_DISABLE`` the line itself says whose PASS it is: a server with this environment runs none
+    of dbo_runtime (the warning that follows says what it runs)."""
     if not verdict:
         wrong = ", ".join(c.name for c, r in results if not c.as_expected(r))
         return f"verdict: FAIL: not as expected: {wrong}"
+    if disabled:
+        return "verdict: PASS for dbo_runtime, which DBO_RUNTIME_DISABLE turns off here: a server with this environment runs vanilla vLLM"
     if any(not r.ok for _, r in results):
         return (
             "verdict: PASS: dbo_runtime is bit-identical; the red rows are vLLM 0.33.0's failures, reproduced"

@@ -12,6 +12,7 @@ each importing module is patched (the GLM-5-Next one imports torchvision: lazy).
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.planner_shapes import dbo_planner_shapes
 from dbo_runtime.integration import activation, guard
 from dbo_runtime.integration.features import Feature, Probe, Upstream
-from dbo_runtime.integration.patching import ArgSlots, Patch
+from dbo_runtime.integration.patching import PATCH_MARK, ArgSlots, Patch, require_parameters
 from dbo_runtime.integration.ubatch_failures import record, shields_itself
 from dbo_runtime.integration.ubatch_guard import placeholder_logits, reserve_placeholders
 from dbo_runtime.services import schedule_cache as _sc
@@ -120,7 +121,7 @@ def _make_builder_planner(original: Any) -> Any:
 
 def _make_build(original: Any) -> Any:
     def build(self: Any, *args: Any, **kwargs: Any) -> Any:
-        LIVE_NUM_SMS.stale()  # the call site reads DeepGEMM's count afresh once per step (adapters.deep_gemm.LiveNumSms)
+        _refresh_live_count()
         cache = schedule_cache()
         device = _device_index(self)
         override = cache.plan_ahead_sms(device) if device is not None else None
@@ -271,12 +272,19 @@ def _log_once(key: str, message: str, *args: Any) -> None:
 
 
 # -- call sites -----------------------------------------------------------------------------------
+LOGITS_PARAMETERS = (
+    "q", "kv_cache", "weights", "context_lens", "block_tables", "schedule_metadata", "max_model_len", "indices",
+)  # fmt: skip
+"""vLLM 0.33.0's ``vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits`` parameters, which the call site takes one for one."""
+
+
 def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
     """The call site, in vLLM's own signature (``vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits``, an anchor): a call
     packs no tuple or dict and runs one frame of plugin code. It shields itself: on a microbatch thread a failure,
     the kernel's too, is recorded as ``where`` and answered with logits of the kernel's shape and no kernel (its
     schedule may be wrong) and no allocation (``ubatch_guard.placeholder_logits``); never returned: the step raises
     after the join."""
+    require_parameters(original, LOGITS_PARAMETERS, where)
 
     @shields_itself
     def fp8_fp4_paged_mqa_logits(
@@ -306,7 +314,48 @@ def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
 
 
 # -- DeepGEMM's SM-count writers ---------------------------------------------------------------------
-def _sm_writes_patch(name: str, module: str, attr: str, anchors: tuple[str, ...]) -> Patch:
+UBATCH_UTILS = "vllm.v1.worker.ubatch_utils"
+ALIAS = "deep_gemm_set_num_sms"
+WRITERS = ((DEEP_GEMM_WRAPPER, "set_num_sms"), (UBATCH_UTILS, ALIAS))
+"""vLLM 0.33's writers of DeepGEMM's SM count: the wrapper, and the alias its SM control binds by ``from`` import."""
+WRITE_TIMING = (
+    f"{UBATCH_UTILS}:SMControlContextManager",
+    f"{UBATCH_UTILS}:create_sm_control_context",
+    "vllm.v1.worker.gpu_ubatch_wrapper:UBatchWrapper.__call__",
+    "vllm.v1.worker.gpu.ubatch_utils:UBatchRunner.begin_capturable_run",
+)
+"""What ``LiveNumSms`` relies on besides the writers: vLLM's SM control turns the count through the alias, and both
+runners enter and leave it on the main thread around the microbatch threads' whole life (MRV1 around
+``_run_ubatches`` / ``_capture_ubatches``, MRV2 before its threads start and in ``finish`` after the join)."""
+
+
+def _is_writer_hook(fn: Any) -> bool:
+    return str(getattr(fn, PATCH_MARK, "")).startswith("indexer.sm_writes.")
+
+
+def _refresh_live_count() -> None:
+    """Once per step (an indexer metadata build, main thread): re-read DeepGEMM's count at the next call site, and
+    stop trusting the cache if a watched writer was rebound behind the plugin."""
+    if LIVE_NUM_SMS.trusted:
+        for module, attr in WRITERS:
+            if not _is_writer_hook(getattr(sys.modules.get(module), attr, None)):
+                LIVE_NUM_SMS.distrust()
+                return
+    LIVE_NUM_SMS.stale()
+
+
+def _restore_alias() -> None:
+    """The alias is bound when ``ubatch_utils`` executes, usually after the wrapper was patched: then the original
+    the set recorded for it is the plugin's wrapper, and uninstall hands it vLLM's own function instead."""
+    module = sys.modules.get(UBATCH_UTILS)
+    current: Any = getattr(module, ALIAS, None)
+    while _is_writer_hook(current) and getattr(current, "__wrapped__", None) is not None:
+        current = current.__wrapped__
+    if module is not None and current is not None:
+        setattr(module, ALIAS, current)
+
+
+def _sm_writes_patch(name: str, module: str, attr: str, *, alias: bool) -> Patch:
     """A writer of DeepGEMM's SM count: after each write the call site's cached count is re-read."""
     writer = f"{module}.{attr}"
 
@@ -320,12 +369,17 @@ def _sm_writes_patch(name: str, module: str, attr: str, anchors: tuple[str, ...]
 
         return set_num_sms
 
+    def uninstalled() -> None:
+        LIVE_NUM_SMS.unwatch(writer)
+        if alias:
+            _restore_alias()
+
     return Patch(
         name=name,
         module=module,
         attr=attr,
         make=make,
-        anchors=anchors,
+        anchors=(f"{DEEP_GEMM_WRAPPER}:set_num_sms", *WRITE_TIMING),
         reason="mark the indexer call site's cached DeepGEMM SM count stale after every write, so the call site "
         "reads the count once per change instead of calling DeepGEMM's torch op (a dispatch and a GIL release) "
         "once per indexer layer",
@@ -334,7 +388,7 @@ def _sm_writes_patch(name: str, module: str, attr: str, anchors: tuple[str, ...]
         lazy=True,
         optional=True,
         on_install=lambda: LIVE_NUM_SMS.watch(writer),
-        on_uninstall=lambda: LIVE_NUM_SMS.unwatch(writer),
+        on_uninstall=uninstalled,
     )
 
 
@@ -444,15 +498,8 @@ def patches() -> list[Patch]:
                       logits_reason + " (custom-op path and the DSA model's direct call)", removal_cache),
         _logits_patch("glm5next", GLM5NEXT_MODULE, "sparse_attn_indexer_kpool", logits_reason + " (GLM-5-Next kpool indexer)",
                       removal_cache, architectures=("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration")),
-        _sm_writes_patch(
-            "indexer.sm_writes.deep_gemm", DEEP_GEMM_WRAPPER, "set_num_sms", (f"{DEEP_GEMM_WRAPPER}:set_num_sms",)
-        ),
-        _sm_writes_patch(
-            "indexer.sm_writes.ubatch_alias",
-            "vllm.v1.worker.ubatch_utils",
-            "deep_gemm_set_num_sms",
-            (f"{DEEP_GEMM_WRAPPER}:set_num_sms", "vllm.v1.worker.ubatch_utils:create_sm_control_context"),
-        ),
+        _sm_writes_patch("indexer.sm_writes.deep_gemm", DEEP_GEMM_WRAPPER, "set_num_sms", alias=False),
+        _sm_writes_patch("indexer.sm_writes.ubatch_alias", UBATCH_UTILS, ALIAS, alias=True),
         Patch(
             name="indexer.plan_ahead.mrv1",
             runner="mrv1",

@@ -184,6 +184,18 @@ def _raw(owner: Any, name: str) -> Any:
     return owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
 
 
+def require_parameters(original: Any, names: tuple[str, ...], patch: str) -> None:
+    """A hook written in vLLM's own parameters (no ``*args``/``**kwargs`` on the per-layer path) refuses, at
+    install, a target whose parameters differ: the target's fingerprint pins the function, not every binding of it,
+    and a moved parameter would otherwise be a ``TypeError`` on every call."""
+    try:
+        found = tuple(inspect.signature(original).parameters)
+    except (TypeError, ValueError) as exc:
+        raise PatchError(f"patch {patch!r}: cannot read the parameters of {original!r} ({exc})") from exc
+    if found != names:
+        raise PatchError(f"patch {patch!r}: the target takes {found}, the hook is written for {names}")
+
+
 def _mark(replacement: Any, patch: Patch, original: Any) -> Any:
     target = replacement.__func__ if isinstance(replacement, (staticmethod, classmethod)) else replacement
     for key, value in ((PATCH_MARK, patch.name), ("__wrapped__", original)):
@@ -360,15 +372,17 @@ class PatchSet:
                 else:
                     self._prepare_into(patch, loaded, prepared, skipped)
             applied: list[_Applied] = []
+            required = [item for item in prepared if not item.patch.optional]
             try:
-                for item in prepared:
+                for item in required:
                     self._set(item)
                     applied.append(item)
             except BaseException as exc:  # KeyboardInterrupt too: never leave unrecorded patches behind
                 self._rollback(applied)
                 if not isinstance(exc, Exception):
                     raise
-                raise PatchError(f"patch {prepared[len(applied)].patch.name!r} failed to apply: {exc!r}; rolled back") from exc
+                raise PatchError(f"patch {required[len(applied)].patch.name!r} failed to apply: {exc!r}; rolled back") from exc
+            applied += self._set_optional([item for item in prepared if item.patch.optional], skipped)
             self._applied = applied
             self._lazy_waiting = lazy
             self._skipped = skipped
@@ -378,6 +392,21 @@ class PatchSet:
                 sys.meta_path.insert(0, self._finder)
             for name, why in skipped.items():
                 logger.info("dbo_runtime: optional patch %s skipped (%s)", name, why)
+
+    @classmethod
+    def _set_optional(cls, items: list[_Applied], skipped: dict[str, str]) -> list[_Applied]:
+        """Apply each optional patch on its own, after the required ones: one that fails to apply (its ``setattr``
+        or ``on_install``; ``_set`` undoes it) is skipped like one whose target is missing, never the reason the
+        required patches come out or a feature is reported broken."""
+        done: list[_Applied] = []
+        for item in items:
+            try:
+                cls._set(item)
+            except Exception as exc:
+                skipped[item.patch.name] = f"{type(exc).__name__}: {exc}"
+            else:
+                done.append(item)
+        return done
 
     def _prepare_into(
         self, patch: Patch, module: ModuleType | None, prepared: list[_Applied], skipped: dict[str, str]
@@ -423,7 +452,7 @@ class PatchSet:
             if failure is None:
                 done: list[_Applied] = []
                 try:
-                    for item in prepared:
+                    for item in (item for item in prepared if not item.patch.optional):
                         self._set(item)
                         done.append(item)
                 except BaseException as exc:
@@ -432,6 +461,7 @@ class PatchSet:
                         raise
                     failure = exc
                 else:
+                    done += self._set_optional([item for item in prepared if item.patch.optional], self._skipped)
                     self._applied.extend(done)
             required = [p for p in todo if not p.optional or p.name not in self._skipped]
             if failure is not None:

@@ -25,7 +25,7 @@ from dbo_runtime.core.errors import UnsupportedConfiguration
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration import guard
 from dbo_runtime.integration.features import Feature, Probe, Upstream
-from dbo_runtime.integration.patching import Patch
+from dbo_runtime.integration.patching import Patch, require_parameters
 from dbo_runtime.integration.ubatch_failures import MicrobatchAttr, record, shields_itself
 from dbo_runtime.integration.ubatch_ids import THREAD_TABLE
 from dbo_runtime.services.topk_state import UbatchTopkState
@@ -223,12 +223,21 @@ def _group_method_patch(name: str, method: str, make: Any) -> Patch:
     )
 
 
+CONVERT_ONCE_PARAMETERS = (
+    "self", "layer_index", "logical_topk_indices", "req_id_per_token", "block_table", "block_size",
+    "block_stride_rows", "return_valid_counts", "idx_mapping",
+)  # fmt: skip
+"""vLLM 0.33.0's ``SparseMLAIndexGroup._convert_once`` parameters, which the hook takes one for one."""
+
+
 def _convert_once_patch(state: UbatchTopkState) -> Patch:
     """Every layer of a group calls ``_convert_once`` once per step: the signature is vLLM's own (anchored by its
     fingerprint), so a call packs no tuple or dict, and the shield is the ``try`` here, not a second frame."""
     where = "topk.group_convert_once"
 
     def make(original: Any) -> Any:
+        require_parameters(original, CONVERT_ONCE_PARAMETERS, where)
+
         @shields_itself
         @functools.wraps(original)
         def _convert_once(
@@ -277,6 +286,8 @@ def _ready_patch(state: UbatchTopkState) -> Patch:
     where = "topk.group_set_logical_topk_ready"
 
     def make(original: Any) -> Any:
+        require_parameters(original, ("self", "layer_index"), where)
+
         @shields_itself
         @functools.wraps(original)
         def set_logical_topk_ready(self: Any, layer_index: int) -> None:
@@ -365,16 +376,16 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
 
         @shields_itself
         def topk_indices_buffer(self: Any) -> Any:
-            value = fget(self)
-            table = THREAD_TABLE
-            if table and not table[0]:  # no microbatch thread: the buffer itself (ubatch_ids.THREAD_TABLE)
-                return value
             try:
+                value = fget(self)
+                table = THREAD_TABLE
+                if table and not table[0]:  # no microbatch thread: the buffer itself (ubatch_ids.THREAD_TABLE)
+                    return value
                 return state.logical(value)
             except Exception as exc:
                 if not record(where, exc):
                     raise
-                return value
+                return fget(self)
 
         return property(topk_indices_buffer, fset, fdel, original.__doc__)
 

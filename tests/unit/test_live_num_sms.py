@@ -51,3 +51,32 @@ def test_unwatching_a_writer_drops_the_cache_and_the_trust() -> None:
     live.unwatch(sorted(LiveNumSms.WRITERS)[0])
     rt.num_sms = 112  # a write nobody watches any more
     assert not live.trusted and live.read() == 112 and live.read() == 112 and rt.asked == 3
+
+
+def test_a_read_that_overlaps_a_write_does_not_cache_the_count_from_before_it() -> None:
+    rt = _Runtime()
+    live: LiveNumSms
+
+    def reader_with_a_write_in_between() -> int:
+        value = rt.get()  # DeepGEMM answered 132 ...
+        rt.num_sms = 112  # ... then a writer changed it and marked the cache stale before the read returned
+        live.stale()
+        return value
+
+    live = LiveNumSms(lambda: reader_with_a_write_in_between)
+    for writer in LiveNumSms.WRITERS:
+        live.watch(writer)
+    assert live.read() == 132  # the overlapped read answers what it read ...
+    live._reader = rt.get  # (the writer is done)
+    assert live.read() == 112 and live.read() == 112 and rt.asked == 2  # ... but did not cache it
+
+
+def test_distrust_drops_the_cache_until_the_writers_are_watched_again() -> None:
+    rt = _Runtime()
+    live = _tracker(rt)
+    for writer in LiveNumSms.WRITERS:
+        live.watch(writer)
+    live.read()
+    live.distrust()
+    rt.num_sms = 112
+    assert not live.trusted and live.read() == 112 and live.read() == 112 and rt.asked == 3

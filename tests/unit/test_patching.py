@@ -339,3 +339,32 @@ def test_a_replacement_that_shields_itself_is_installed_unwrapped(target: str, m
         assert where == "t.own"
     finally:
         ps.uninstall()
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_an_optional_patch_that_fails_to_apply_is_skipped_not_the_sets_failure(target: str, lazy: bool) -> None:
+    """An optional patch whose ``on_install`` raises comes out alone (reported skipped); the required patches of
+    the same module stay, and nothing is reported broken (a broken patch makes the guard refuse the model)."""
+    import importlib
+
+    def boom() -> None:
+        raise RuntimeError("optional hook failed")
+
+    if lazy:
+        sys.modules.pop(target, None)
+    else:
+        importlib.import_module(target)
+    ps = PatchSet([
+        p("required", target, "func", lazy=lazy),
+        Patch(name="extra", module=target, attr="Klass.method", make=lambda o: (lambda self: "extra"), reason="t",
+              upstream_pr="-", removal="-", lazy=lazy, optional=True, on_install=boom),
+    ])  # fmt: skip
+    ps.install()
+    try:
+        mod = importlib.import_module(target)
+        assert mod.func(1) == "required:2"
+        states = {s.patch.name: s.state for s in ps.status()}
+        assert states == {"required": "installed", "extra": "skipped"}
+        assert mod.Klass().method() != "extra"
+    finally:
+        ps.uninstall()

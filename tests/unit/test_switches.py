@@ -142,16 +142,21 @@ def test_simulate_and_doctor_say_disable_the_same_way(monkeypatch: pytest.Monkey
     assert main([*fast, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["verdict"] == "PASS" and doc["dbo_runtime_disabled_by_env"] is True and doc["warnings"] == [line]
+    assert doc["server_runs"] == "vanilla vLLM"  # whose PASS it is, in the document itself
     [run] = doc["runs"]
     assert run["name"] == "dbo_runtime" and run["ok"] and run["as_expected"]
     assert main(fast) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[-2] == "verdict: PASS: dbo_runtime is bit-identical at every step"
+    assert out[-2] == (
+        "verdict: PASS for dbo_runtime, which DBO_RUNTIME_DISABLE turns off here: a server with this environment runs "
+        "vanilla vLLM"
+    )
     assert out[-1] == f"WARNING (not a failure): {line}" and "FAIL" not in "\n".join(out)
     monkeypatch.delenv("DBO_RUNTIME_DISABLE")
     assert disabled_warning() is None
     assert main([*fast, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["warnings"] == []
+    enabled = json.loads(capsys.readouterr().out)
+    assert enabled["warnings"] == [] and enabled["server_runs"] == "dbo_runtime"
 
 
 def test_doctor_reports_every_mistyped_setting(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

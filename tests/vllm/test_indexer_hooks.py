@@ -654,3 +654,87 @@ def test_the_real_planners_hot_probe_is_the_tracker() -> None:
 
     num_sms, _ = DeepGemmPlanner().hot_probes()
     assert num_sms == LIVE_NUM_SMS.read
+
+
+def test_vllm_writes_deep_gemms_sm_count_only_through_the_two_watched_bindings() -> None:
+    """``LiveNumSms`` trusts its cache while the two writers are watched: a contract with vLLM 0.33.0's source. Every
+    file that names ``set_num_sms`` is one of the known ones (DeepEP's count is another knob, DeepGEMM's own binding
+    is the vendored package), and only ``ubatch_utils`` binds DeepGEMM's under another name."""
+    import pathlib
+
+    import vllm
+
+    root = pathlib.Path(vllm.__file__).parent
+    named = {
+        str(path.relative_to(root)) for path in root.rglob("*.py") if "set_num_sms" in path.read_text(encoding="utf-8")
+    }
+    vendored = {name for name in named if name.startswith("third_party/deep_gemm/")}
+    assert named - vendored == {
+        "utils/deep_gemm.py",  # the wrapper: watched (indexer.sm_writes.deep_gemm)
+        "v1/worker/ubatch_utils.py",  # the alias SM control calls: watched (indexer.sm_writes.ubatch_alias)
+        "distributed/device_communicators/all2all.py",  # DeepEP's comm count
+        "distributed/device_communicators/base_device_communicator.py",  # DeepEP's comm count
+    }
+    source = (root / "v1/worker/ubatch_utils.py").read_text(encoding="utf-8")
+    assert "from vllm.utils.deep_gemm import set_num_sms as deep_gemm_set_num_sms" in source
+
+
+def test_a_writer_rebound_behind_the_plugin_ends_the_trust(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.utils.deep_gemm as wrapper
+    import vllm.v1.worker.ubatch_utils as uu
+
+    from dbo_runtime.adapters import deep_gemm as adapter
+
+    asked = []
+    live = adapter.LiveNumSms(lambda: lambda: asked.append(1) or 132)
+    monkeypatch.setattr(indexer_hooks, "LIVE_NUM_SMS", live)
+    monkeypatch.setattr(wrapper, "set_num_sms", lambda n: None)
+    monkeypatch.setattr(uu, "deep_gemm_set_num_sms", lambda n: None)
+    patch_set = PatchSet([p for p in indexer_hooks.patches() if p.name.startswith("indexer.sm_writes.")])
+    patch_set.install()
+    try:
+        indexer_hooks._refresh_live_count()
+        assert live.trusted
+        monkeypatch.setattr(uu, "deep_gemm_set_num_sms", lambda n: None)  # someone rebinds the alias
+        indexer_hooks._refresh_live_count()  # the next build sees it
+        assert not live.trusted
+        live.read(), live.read()
+        assert len(asked) == 2
+    finally:
+        patch_set.uninstall()
+
+
+def test_uninstall_gives_the_alias_vllms_own_function_in_the_real_import_order(tmp_path: Any) -> None:
+    """The alias is bound by ``from`` import when ``ubatch_utils`` executes, after the wrapper was patched: the set
+    recorded the plugin's wrapper as the alias's original, and uninstall must still hand back vLLM's function."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from dbo_runtime.integration import plugin\n"
+        "from dbo_runtime.integration.patching import PATCH_MARK\n"
+        "assert 'vllm.v1.worker.ubatch_utils' not in sys.modules\n"
+        "plugin.register()\n"
+        "import vllm.v1.worker.ubatch_utils as uu, vllm.utils.deep_gemm as dg\n"
+        "assert getattr(uu.deep_gemm_set_num_sms, PATCH_MARK, '').startswith('indexer.sm_writes.'), uu.deep_gemm_set_num_sms\n"
+        "plugin.uninstall()\n"
+        "assert not hasattr(dg.set_num_sms, PATCH_MARK) and uu.deep_gemm_set_num_sms is dg.set_num_sms\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_a_call_site_whose_parameters_moved_is_refused_at_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call site takes vLLM's parameters one for one: a rebinding with other parameters is a PatchError when
+    the set installs (the feature is then not in force and the guard refuses DBO), not a TypeError per call."""
+    from dbo_runtime.core.errors import PatchError
+
+    sai = importlib.import_module(SAI)
+    monkeypatch.setattr(sai, "fp8_fp4_paged_mqa_logits", lambda q, kv_cache, weights, context_lens, schedule_metadata: None)
+    [patch] = [p for p in indexer_hooks.patches() if p.name == "indexer.logits.sparse_attn_indexer"]
+    patch_set = PatchSet([patch])
+    with pytest.raises(PatchError, match="the target takes"):
+        patch_set.install()
+    assert not patch_set.installed

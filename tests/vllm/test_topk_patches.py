@@ -245,8 +245,11 @@ def test_hot_hooks_are_one_frame_in_vllms_signature_and_followers_never_call_thr
         logits = call_site.fp8_fp4_paged_mqa_logits
         for fn in (convert, ready, prop.fget, logits):
             assert getattr(fn, SHIELDS_ITSELF, False), fn
-        assert inspect.signature(convert) == inspect.signature(originals["_convert_once"])
-        assert list(inspect.signature(logits).parameters) == list(inspect.signature(dg.fp8_fp4_paged_mqa_logits).parameters)
+        def shape(fn: Any) -> list[tuple[str, Any, Any]]:  # the hook's own parameters, not its __wrapped__'s
+            return [(p.name, p.kind, p.default) for p in inspect.signature(fn, follow_wrapped=False).parameters.values()]
+
+        assert shape(convert) == shape(originals["_convert_once"])
+        assert shape(logits) == shape(dg.fp8_fp4_paged_mqa_logits)
         group = object.__new__(SparseMLAIndexGroup)
         for layer in (3, 1, 0):
             group.set_logical_topk_ready(layer)
