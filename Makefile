@@ -2,8 +2,13 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test setup lint
+.PHONY: help run test setup lint
 
+## This list.
+help:
+	@awk '/^## /{text=substr($$0, 4); next} /^[a-z]+:/{if (text != "") printf "make %-6s %s\n", substr($$1, 1, length($$1)-1), text; text=""}' Makefile
+
+## Create ./.venv with vLLM 0.33.0 and the project (one to two minutes; every other target runs it first).
 setup:
 	@VENV=$(VENV) bash .ci/setup-venv
 
@@ -18,6 +23,7 @@ test: setup
 	$(VENV)/bin/mypy dbo_runtime
 	$(PY) tools/lint_repo.py
 
+## ruff, mypy and repository hygiene only.
 lint: setup
 	$(VENV)/bin/ruff check dbo_runtime tests graphs tools
 	$(VENV)/bin/mypy dbo_runtime

@@ -150,9 +150,10 @@ def _stub_kernels() -> Callable[[], None]:
 
     from dbo_runtime.services import schedule_cache
 
-    def _convert_once(self: Any, layer_index: int, logical: Any, req_ids: Any, block_table: Any, block_size: int, *,
-                      block_stride_rows: int | None, return_valid_counts: bool, idx_mapping: Any = None) -> Any:  # fmt: skip
-        return logical
+    def _convert_once(self: Any, layer_index: int, logical_topk_indices: Any, req_id_per_token: Any, block_table: Any,
+                      block_size: int, *, block_stride_rows: int | None, return_valid_counts: bool,
+                      idx_mapping: Any = None) -> Any:  # fmt: skip
+        return logical_topk_indices
 
     def fp8_fp4_paged_mqa_logits(q: Any, kv_cache: Any, weights: Any, context_lens: Any, block_tables: Any,
                                  schedule_metadata: Any, max_model_len: int, indices: Any = None) -> Any:  # fmt: skip
@@ -303,6 +304,8 @@ def _measure_cases(n: int, reps: int, evict: Evictor | None) -> list[dict[str, A
                         continue
                     if side == "plugin":
                         plugin.register()
+                        if plugin.installed_patch_set() is None:  # register() logs and leaves vLLM vanilla
+                            raise RuntimeError("bench_hook_calls: the plugin did not install: the 'plugin' side would time vanilla")
                     access = build()
                     access()  # first access outside the timed block (caches, views)
                     timer = (lambda a=access: _time_cold(a, n, evict)) if evict is not None else (lambda a=access: _time(a, n))
@@ -337,7 +340,10 @@ def per_step(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="bench_hook_calls", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=integer(100), default=200_000, help="accesses per timed block (default 200000; with --cold a few hundred, each timed alone)")
+    parser.add_argument(
+        "--n", type=integer(100, 10_000_000), default=None,
+        help="accesses per timed block (default 200000 back to back; 200 with --cold, where each is timed alone)",
+    )  # fmt: skip
     parser.add_argument("--reps", type=integer(1, 99), default=7, help="blocks per side, alternating (default 7)")
     parser.add_argument(
         "--cold", type=integer(0, 1_000_000), default=0, metavar="K",
@@ -345,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     add_out(parser)
     args = parser.parse_args(argv)
+    if args.n is None:
+        args.n = 200 if args.cold else 200_000
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
@@ -365,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['access']:<{width}}  {r['thread']:<8} {r['plugin_ns']:10.0f}  {vanilla}  {r['added_ns']:8.0f}")
     for thread, row in doc["per_step_78l"].items():
         print(f"78-layer eager step, {thread}: {row['accesses']} of these accesses add {row['added_us']:.1f} us")
+    print(f"results: {out / (stem + '.json')}")
     plt = pyplot()
     if plt is None:
         print("note: matplotlib is not installed: no PNG (the JSON has every number)")

@@ -243,15 +243,22 @@ def from_runs(runs: Path, labels: list[str]) -> tuple[dict[str, dict], dict]:
             raise RunsUnreadable(f"{run}: its spec.json, record.json or rank files cannot be read ({type(exc).__name__}: {exc})") from None
         if not isinstance(record, dict):
             raise RunsUnreadable(f"{run}: holds neither a spec.json nor a record.json")
+        if not record.get("label"):
+            raise RunsUnreadable(f"{run}: its record names no run (no 'label'): not a run directory of this benchmark")
         records[label] = record
     if not records:
         raise RunsUnreadable(
             f"{runs} holds none of the {len(labels)} runs asked for (e.g. {labels[0] if labels else '-'}): give the "
             "bench_host_cost_runs directory of a stopped run and the --only / --models / --depths it ran with"
         )
-    missing = sorted({label.rsplit("-", 1)[0] for label in labels if label not in records})
+    configurations = sorted({label.rsplit("-", 1)[0] for label in labels})
+    missing = [c for c in configurations if not any(label.startswith(f"{c}-") for label in records)]
     if missing:
         print(f"bench_host_cost: --from-runs: no runs for {len(missing)} configuration(s), left out: {', '.join(missing)}", file=sys.stderr)
+    for config in (c for c in configurations if c not in missing):
+        absent = [label.rsplit("-", 1)[1] for label in labels if label.startswith(f"{config}-") and label not in records]
+        if absent:
+            print(f"bench_host_cost: --from-runs: {config}: no run of {', '.join(absent)} (its figures are left empty)", file=sys.stderr)
     versions = next((r.get("versions") for r in records.values() if r.get("versions")), None) or {}
     stopped = sorted(label for label, r in records.items() if r.get("stopped_by_session_limit"))
     for label in stopped:

@@ -39,7 +39,10 @@ def _writable_folder_problem(folder: Path) -> str | None:
 
 
 def check_dir(raw: str, parameter: str, command: str) -> Path:
-    """``raw`` as a folder ``command`` can create (with its parents) and write; nothing is created."""
+    """``raw`` as a folder ``command`` can create (with its parents) and write; nothing is created. An empty path
+    is refused: it is what an unset shell variable gives, and it would mean the current folder."""
+    if not raw.strip():
+        raise ConfigError(parameter, raw, f"a non-empty path of a folder {command} can create and write")
     path = Path(raw)
     problem = _writable_folder_problem(path)
     if problem is not None:

@@ -43,7 +43,8 @@ JSON schema (``--json``), stable; keys are never removed within ``schema`` v1::
       "cuda": {"available": bool | null, "detail": str, "torch_version": str | null},
       "plugin": {"disabled_by_env": bool},   # DBO_RUNTIME_DISABLE as the plugin reads it
       "warnings": [str],                     # a mistyped DBO_RUNTIME_* switch, the line shown on stderr
-                                             # (core.switches.switch_problems); per-device ones are below
+                                             # (core.switches.switch_problems), and DBO_RUNTIME_DISABLE in
+                                             # force in doctor's words; per-device ones are below
       "devices": [{
         "label": str,                      # "0", "0 MIG 1", "cuda:0", "profile"
         "kind": "gpu" | "mig" | "cuda" | "profile",
@@ -77,7 +78,15 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from dbo_runtime.cli._common import EXIT_NO_DEVICE, EXIT_OK, CliError, print_json, print_table, warn_switch_problems
+from dbo_runtime.cli._common import (
+    EXIT_NO_DEVICE,
+    EXIT_OK,
+    CliError,
+    disabled_warning,
+    print_json,
+    print_table,
+    warn_switch_problems,
+)
 from dbo_runtime.cli._inputs import (
     COMM_ENV,
     Input,
@@ -418,7 +427,8 @@ def collect(s: Settings) -> dict[str, Any]:
         "cuda": cuda_info,
         "devices": [asdict(r) for r in rows],
         "plugin": {"disabled_by_env": parse_switch("DBO_RUNTIME_DISABLE")},
-        "warnings": switch_problems(),  # a script reading stdout gets what stderr showed
+        # a script reading stdout gets what stderr showed, and DBO_RUNTIME_DISABLE in force in doctor's words
+        "warnings": switch_problems() + [w for w in (disabled_warning(),) if w is not None],
     }
 
 
@@ -495,11 +505,9 @@ def render(doc: dict[str, Any]) -> None:
         f"CUDA: {doc['cuda']['detail']}" + (f" (torch {doc['cuda']['torch_version']})" if doc["cuda"]["torch_version"] else ""),
     ]
     caption.extend(f"warning: device {d['label']}: {w}" for d in doc["devices"] for w in d["warnings"])
-    if doc["plugin"]["disabled_by_env"]:
-        caption.append(
-            "DBO_RUNTIME_DISABLE reads as on: the plugin patches nothing, so vLLM runs this split with an "
-            "indexer schedule planned for every SM (the crash of vllm#60732) and a shared top-k buffer"
-        )
+    disabled = disabled_warning()
+    if disabled is not None:
+        caption.append(f"WARNING (not a failure): {disabled}")
     print_table("dbo-runtime sms: DBO SM split of vLLM 0.33.0 (--enable-dbo)", columns, rows, caption)
 
 

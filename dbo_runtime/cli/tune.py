@@ -321,10 +321,24 @@ def check_reps(opts: Options, sweep: Sweep) -> None:
         )
 
 
+def _require_plugin() -> None:
+    """tune reads dbo_runtime's counters in every engine (partitions, their time): with the plugin switched off the
+    whole sweep would end inconclusive, so it is refused before any engine starts."""
+    from dbo_runtime.core.switches import read_switch
+
+    switch = read_switch("DBO_RUNTIME_DISABLE")
+    if switch.on:
+        raise ConfigError(
+            "DBO_RUNTIME_DISABLE", switch.raw, "unset or 0: tune measures through dbo_runtime's counters, which a "
+            "disabled plugin does not keep"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from dbo_runtime.harness.turns import run_interleaved
 
     opts = options(args)
+    _require_plugin()
     engine_args, dp, notes = split_engine_args(list(getattr(args, "extra_args", []) or []), "tune")
     require_dbo_parallelism(engine_args, dp, "tune")
     notes = [*switch_notes(), *(n for n in notes if "data-parallel size 1" not in n)]
@@ -339,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
     plan, metric, counter, more = specs(engine_args, dp, sweep, opts, os.environ)
     notes += more
     # usage errors before vLLM's parser and the GPU check, which can only say "cannot run"; nothing is created yet
-    workdir = check_dir(args.workdir, "--workdir", "tune") if args.workdir else None
+    workdir = check_dir(args.workdir, "--workdir", "tune") if args.workdir is not None else None
     png = check_png(args.png, "tune") if args.png else None
     # where this machine cannot run the sweep, that one line is all tune prints: the notes describe a sweep
     # that will not happen

@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
 
         loaded = from_file(args.prompt_file)  # fail on a bad file now, not after an engine start
     # usage errors before vLLM's parser and the GPU check, which can only say "cannot run"; nothing is created yet
-    workdir = check_dir(args.workdir, "--workdir", "verify") if args.workdir else None
+    workdir = check_dir(args.workdir, "--workdir", "verify") if args.workdir is not None else None
     extra = list(getattr(args, "extra_args", []) or [])
     engine_args, dp, notes = split_engine_args(extra)
     require_dbo_parallelism(engine_args, dp, "verify", expert_parallel=False)
@@ -321,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
     floor_rule = FloorRule() if args.noise_floor else None
     result = _result(records, thresholds, workdir, notes, Request, compare, verdict, floor_rule)
     _print(result, args.json)
-    if not args.workdir and result["exit_code"] == EXIT_OK:
+    if args.workdir is None and result["exit_code"] == EXIT_OK:
         shutil.rmtree(workdir, ignore_errors=True)
     return int(result["exit_code"])
 

@@ -16,6 +16,7 @@ def test_the_benchmark_times_every_hooked_access_against_vanilla(tmp_path: Path)
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "PatchError" not in proc.stderr and "not installed" not in proc.stderr  # the plugin side is the plugin
     doc = json.loads((tmp_path / "bench_hook_calls.json").read_text())
     accesses = {(r["access"], r["thread"]) for r in doc["rows"]}
     assert ("SparseAttnIndexer.topk_indices_buffer", "ubatch 1") in accesses and len(accesses) == 22
@@ -44,3 +45,15 @@ def test_the_per_step_estimate_weights_each_access_by_the_engines_count() -> Non
     rows = [{"access": name, "thread": t, "added_ns": 100.0 if t == "main" else 200.0} for name in PER_STEP_78L for t in ("main", "ubatch 1")]
     est = per_step(rows)
     assert est["main"] == {"accesses": 473, "added_us": 47.3} and est["ubatch 1"] == {"accesses": 473, "added_us": 94.6}
+
+
+def test_with_cold_the_default_block_is_a_few_hundred_accesses(tmp_path: Path) -> None:
+    """--cold times every access alone after K reads: the back-to-back default of 200000 would run for days."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "graphs" / "bench_hook_calls.py"), "--cold", "1", "--reps", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "bench_hook_calls_cold.json").read_text())["n"] == 200
+    assert f"results: {tmp_path / 'bench_hook_calls_cold.json'}" in proc.stdout.splitlines()
+    assert "PatchError" not in proc.stderr and "not installed" not in proc.stderr

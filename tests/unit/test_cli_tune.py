@@ -449,3 +449,16 @@ def test_decode_with_cuda_graphs_is_timed_eager() -> None:
     assert tune.decode_needs_eager(["--model", "m", "--all2all-backend", HT], 1)  # DP 1: vLLM keeps graphs even with HT
     added, *_ = tune.workload(["--model", "m", "--all2all-backend", "deepep_low_latency"], 2, _opts())
     assert "--enforce-eager" not in added  # prefill is not captured
+
+
+def test_with_the_plugin_disabled_tune_refuses_before_anything_else(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """tune measures through dbo_runtime's counters: under DBO_RUNTIME_DISABLE the sweep could only end
+    inconclusive, so it is one line naming the switch, exit 2, before vLLM's parser or the GPU count."""
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "1")
+    monkeypatch.setattr(tune, "check_with_vllm", lambda args, command: pytest.fail("checked the engine arguments"))
+    assert main(["tune", *ENGINE]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "dbo-runtime tune: error: DBO_RUNTIME_DISABLE='1' is not allowed; allowed values: unset or 0: tune measures "
+        "through dbo_runtime's counters, which a disabled plugin does not keep"
+    ]

@@ -73,6 +73,15 @@ def test_a_workdir_under_a_file_is_refused_early(tmp_path: Path, capsys: pytest.
     assert f"({afile} is a file, not a folder)" in _one_line(capsys)
 
 
+@pytest.mark.parametrize("command", ["verify", "tune"])
+def test_an_empty_workdir_is_refused_not_read_as_a_temporary_one(
+    command: str, capsys: pytest.CaptureFixture[str], no_engine: None
+) -> None:
+    """``--workdir ''`` is what an unset shell variable gives; verify would delete a temporary folder on a pass."""
+    assert main([command, "--workdir", "", *HT]) == 2
+    assert f"--workdir='' is not allowed; allowed values: a non-empty path of a folder {command} can create and write" in _one_line(capsys)
+
+
 def test_underscore_spellings_read_as_dashes(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, no_engine: None) -> None:
     """--data_parallel_size 2 is DP 2 for vLLM, so for verify too (not "--data-parallel-size=1 is not allowed")."""
     monkeypatch.setenv("VLLM_DBO_COMM_SMS", "19")  # a refusal that comes after the DP check and before vLLM's parser

@@ -73,7 +73,7 @@ def test_without_cuda_one_line_and_exit_3(name: str, tmp_path: Path) -> None:
 BAD_VALUES = {
     "bench_dbo_engine.py": ("--reps", "0", "an integer >= 1"),
     "bench_dbo_stack.py": ("--requests", "1", "an integer >= 2"),
-    "bench_hook_calls.py": ("--n", "5", "an integer >= 100"),
+    "bench_hook_calls.py": ("--n", "5", "integers in [100, 10000000]"),
     "bench_host_cost.py": ("--depths", "0", "comma-separated layer counts >= 1"),
     "bench_indexer_schedule.py": ("--dbo-sms", "x", "an integer >= 1"),
     "bench_planner_warmup.py": ("--spec-tokens", "4", "integers in [0, 3]"),
@@ -100,7 +100,7 @@ def test_a_bad_value_is_one_line_before_any_gpu_check(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("where", ["a_file", "under_a_file", "unwritable"])
+@pytest.mark.parametrize("where", ["a_file", "under_a_file", "unwritable", "empty"])
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_bad_out_is_one_line_before_any_gpu_check(
     name: str, where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -114,12 +114,16 @@ def test_a_bad_out_is_one_line_before_any_gpu_check(
         "a_file": (afile, f"({afile} is a file, not a folder)"),
         "under_a_file": (afile / "sub", f"({afile} is a file, not a folder)"),
         "unwritable": (Path("/proc/x/y"), "(/proc cannot be written: "),  # root passes every permission test
+        "empty": ("", ""),  # what an unset shell variable gives: it would mean the current folder
     }[where]
     with pytest.raises(SystemExit) as exit_:
         load(name).main(["--out", str(out)])
     assert exit_.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     prog = name[:-3]
+    if where == "empty":
+        assert line == f"{prog}: error: argument --out: '' is not allowed; allowed values: a non-empty path of a folder {prog} can create and write (see --help)"
+        return
     head = f"{prog}: error: argument --out: {str(out)!r} is not allowed; allowed values: a folder {prog} can create and write {why}"
     assert line.startswith(head) and line.endswith(") (see --help)"), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
@@ -511,6 +515,8 @@ def test_host_cost_bench_refuses_a_runs_directory_it_cannot_use(tmp_path: Path) 
     broken = tmp_path / "junk" / "glm53-6L-eager-dbo-off-plugin"
     broken.mkdir(parents=True)
     (broken / "record.json").write_text("{not json")
+    assert mod.main(["--from-runs", str(tmp_path / "junk"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
+    (broken / "record.json").write_text("{}")  # readable, but no run of this benchmark
     assert mod.main(["--from-runs", str(tmp_path / "junk"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
     assert not (out / "bench_host_cost.json").exists()
     with pytest.raises(SystemExit):

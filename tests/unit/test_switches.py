@@ -138,6 +138,8 @@ def test_simulate_and_doctor_say_disable_the_same_way(monkeypatch: pytest.Monkey
     assert main(["doctor", "--json"]) == 0
     doctor = json.loads(capsys.readouterr().out)
     assert line in doctor["warnings"] and doctor["problems"] == []
+    assert main(["sms", "--json", "--total-sms", "132"]) == 0  # sms says it in the same words, in its JSON too
+    assert json.loads(capsys.readouterr().out)["warnings"] == [line]
     fast = ["simulate", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]
     assert main([*fast, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -1,6 +1,12 @@
 # Source on the GPU machine after install.sh: vLLM from /tmp/site, this checkout first on the path.
-. /tmp/gpu-vllm/env.sh
-export PYTHONPATH="$PWD:$PYTHONPATH"
+# Without install.sh's environment there is no vLLM to run: the sourcing script stops here, exit 2.
+GPU_ENV=${DBO_GPU_ENV:-/tmp/gpu-vllm/env.sh}
+if [ ! -f "$GPU_ENV" ]; then
+  echo "$(basename "$0"): $GPU_ENV is missing: send the seven bundle parts and run /tmp/gpu-vllm/install.sh first (tools/gpu/README.md)" >&2
+  exit 2
+fi
+. "$GPU_ENV"
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
 # The two-GPU machine shares its host: NVLink multicast stays off everywhere (also in children).
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1

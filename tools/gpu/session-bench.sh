@@ -8,18 +8,23 @@
 # `session-bench.sh 560 0`, then `session-bench.sh 0 560 ll` and `session-bench.sh 0 560 ht`
 # (on a warm 2x H200 host the LL group takes about 80 s, the HT group about 180 s).
 set -u
+: "${OUT:?set OUT to the directory that receives bench.tgz (the device machine sets it)}"
 cd "$(dirname "$0")/../.."
 . tools/gpu/env.sh
+status=0
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
 S1=${1:-560} S2=${2:-560} BENCH_GROUPS=${3:-ht,ll}  # not GROUPS: bash reserves it
 mkdir -p /tmp/bench
 if [ "$S1" != 0 ]; then
   CUDA_VISIBLE_DEVICES=0 timeout "$S1" python3 graphs/bench_real_engine.py --reps 5 --budget-s $(( S1 > 180 ? S1 - 150 : 30 )) --out /tmp/bench > /tmp/bench/bench_real_engine.log 2>&1
-  echo "bench_real_engine exit $?" | tee -a /tmp/bench/bench_real_engine.log; tail -30 /tmp/bench/bench_real_engine.log
+  rc=$?; [ "$rc" = 0 ] || status=$rc
+  echo "bench_real_engine exit $rc" | tee -a /tmp/bench/bench_real_engine.log; tail -30 /tmp/bench/bench_real_engine.log
 fi
 if [ "$S2" != 0 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   timeout "$S2" python3 graphs/bench_dbo_engine.py --reps 5 --backends "$BENCH_GROUPS" --out /tmp/bench > /tmp/bench/bench_dbo_engine.log 2>&1
-  echo "bench_dbo_engine exit $?" | tee -a /tmp/bench/bench_dbo_engine.log; grep -v "^rep " /tmp/bench/bench_dbo_engine.log | tail -80
+  rc=$?; [ "$rc" = 0 ] || status=$rc
+  echo "bench_dbo_engine exit $rc" | tee -a /tmp/bench/bench_dbo_engine.log; grep -v "^rep " /tmp/bench/bench_dbo_engine.log | tail -80
 fi
 tar czf "$OUT/bench.tgz" -C /tmp bench 2>/dev/null
 ls -la "$OUT"
+exit "$status"

@@ -3,6 +3,7 @@
 # (tests/gpu, real DeepGEMM wheel without vLLM on the path) beside them, everything collected
 # into $OUT/e2e.tgz even when a limit stops the tests.
 #   tools/gpu/session-e2e.sh ["e2e or e2e_dp2"] [seconds] [pytest -k expression]
+# E2E=0 runs only the twins (TWINS=0 only the e2e tests). Exit status: the e2e tests', else the twins'.
 # With DBO_E2E_LOAD_FORMAT=dbo_runtime_random, tools/gpu/check_load_format.py first loads one tiny model
 # with it; if that fails the plan falls back to vLLM's dummy weights (the default), and says so.
 set -u
@@ -27,15 +28,19 @@ if [ -d .whl ] && [ "${TWINS:-1}" = 1 ]; then
     # The twins write one JSON per case into $OUT: keep them in the tarball, not beside it.
     export OUT="$DBO_E2E_OUT/twins"; mkdir -p "$OUT"
     DBO_REQUIRE_GPU=1 timeout "${TWIN_LIMIT:-300}" python3 -X faulthandler -m pytest tests/gpu -q -p no:cacheprovider -rfE > "$DBO_E2E_OUT/gpu-twins.log" 2>&1
-    echo "exit $?" >> "$DBO_E2E_OUT/gpu-twins.log"
+    twins_rc=$?
+    echo "exit $twins_rc" >> "$DBO_E2E_OUT/gpu-twins.log"
     # The twins that need vLLM's own CUDA ops (the top-k backends the OOM placeholder passes through), one
     # process per backend: a backend that kills its process must not hide the others' results.
     for b in per_row persistent cooperative torch; do
       PYTHONPATH="$WITH_VLLM" DBO_REQUIRE_GPU=1 timeout 60 python3 -X faulthandler -m pytest tests/gpu/test_placeholder_topk_gpu.py -k "$b" -q -p no:cacheprovider -rfE >> "$DBO_E2E_OUT/gpu-twins-with-vllm.log" 2>&1
-      echo "$b: exit $?" >> "$DBO_E2E_OUT/gpu-twins-with-vllm.log"
+      rc=$?; [ "$rc" = 0 ] || twins_rc=$rc
+      echo "$b: exit $rc" >> "$DBO_E2E_OUT/gpu-twins-with-vllm.log"
     done
     for b in ${TWIN_BENCHES-bench_replay_planning.py bench_planner_warmup.py}; do timeout 200 python3 "graphs/$b" --out "$DBO_E2E_OUT/twin-bench" > "$DBO_E2E_OUT/$b.log" 2>&1; echo "exit $?" >> "$DBO_E2E_OUT/$b.log"; done
+    exit "$twins_rc"
   ) &
+  twins_pid=$!
 fi
 if [ "${DBO_E2E_LOAD_FORMAT:-dummy}" = dbo_runtime_random ]; then
   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 tools/gpu/check_load_format.py "$DBO_E2E_OUT/load-format-check" 2>&1 | tail -5 | tee "$DBO_E2E_OUT/load-format-check.txt"
@@ -45,7 +50,17 @@ if [ "${DBO_E2E_LOAD_FORMAT:-dummy}" = dbo_runtime_random ]; then
     *) echo "load format check could not run here: stopping"; exit 2 ;;
   esac
 fi
-timeout "$LIMIT" python3 -m pytest tests/e2e -m "$MARK" ${KEXPR:+-k "$KEXPR"} -q -s -p no:cacheprovider -rA 2>&1 | tee "$DBO_E2E_OUT/pytest.log" | grep -v "^\[e2e\]" | tail -60
+status=0
+if [ "${E2E:-1}" = 1 ]; then
+  # DBO_REQUIRE_GPU=1: a missing GPU, vLLM or DeepGEMM fails the tests instead of skipping them
+  DBO_REQUIRE_GPU=1 timeout "$LIMIT" python3 -m pytest tests/e2e -m "$MARK" ${KEXPR:+-k "$KEXPR"} -q -s -p no:cacheprovider -rA 2>&1 | tee "$DBO_E2E_OUT/pytest.log" | grep -v "^\[e2e\]" | tail -60
+  status=${PIPESTATUS[0]}
+fi
+if [ -n "${twins_pid:-}" ]; then
+  wait "$twins_pid"; rc=$?
+  [ "$rc" = 0 ] || { echo "GPU twins: exit $rc (gpu-twins.log, gpu-twins-with-vllm.log in e2e.tgz)"; [ "$status" != 0 ] || status=$rc; }
+fi
 wait
 tar czf "$OUT/e2e.tgz" -C /tmp --exclude='*/prometheus' e2e-out e2e-records 2>/dev/null
 ls -la "$OUT"
+exit "$status"

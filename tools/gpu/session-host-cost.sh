@@ -5,6 +5,7 @@ set -u
 : "${OUT:?set OUT (the device machine sets it)}"
 cd "$(dirname "$0")/../.."
 LIMIT=${1:-540}
+case "$LIMIT" in ''|*[!0-9]*|0) echo "session-host-cost.sh: seconds '$LIMIT' is not allowed; allowed values: an integer > 0" >&2; exit 2 ;; esac
 shift || true
 . tools/gpu/env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
@@ -21,3 +22,4 @@ fi
 cp /tmp/host-cost/bench_host_cost.json /tmp/host-cost/bench_host_cost.png "$OUT/" 2>/dev/null
 tar czf "$OUT/host-cost-runs.tgz" -C /tmp/host-cost bench.log bench_host_cost_runs 2>/dev/null
 tail -40 /tmp/host-cost/bench.log
+exit "$rc"
