@@ -82,8 +82,8 @@ def time_graph(graph, reps: int) -> list[float]:  # type: ignore[no-untyped-def]
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="bench_dbo_stack", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=integer(1), default=40, help="timed reps per variant (default 40)")
-    ap.add_argument("--requests", type=integer(2), default=GLM53.num_requests, help="decode requests, split over two microbatches")
-    ap.add_argument("--max-context", type=integer(GLM53.block_kv, multiple=GLM53.block_kv), default=GLM53.max_context, help="longest context")
+    ap.add_argument("--requests", type=integer(2), default=GLM53.num_requests, help=f"decode requests, split over two microbatches (default {GLM53.num_requests})")
+    ap.add_argument("--max-context", type=integer(GLM53.block_kv, multiple=GLM53.block_kv), default=GLM53.max_context, help=f"longest context in tokens (default {GLM53.max_context})")
     add_out(ap)
     args = ap.parse_args(argv)
     refused = refuse_without_kernels("bench_dbo_stack")

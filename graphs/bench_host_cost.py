@@ -170,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", default="6,61,78", help="comma-separated layer counts (default 6,61,78)")
     parser.add_argument("--modes", default="eager,graphs", help="comma-separated: eager, graphs (default both)")
     parser.add_argument("--dbo", default="off,dp1", help="comma-separated: off, dp1 (default both)")
-    parser.add_argument("--only", default="", help="comma-separated configuration labels to keep (default: the whole matrix)")
+    parser.add_argument(
+        "--only", default="",
+        help="comma-separated configuration labels to keep, MODEL-DEPTHL-MODE-dbo-DBO, e.g. glm53-78L-eager-dbo-dp1 (default: the whole matrix)",
+    )  # fmt: skip
     parser.add_argument("--reps", type=integer(1), default=5, help="timed reps per engine after one warm-up (default 5)")
     parser.add_argument("--steps", type=integer(2), default=16, help="decode steps per timed pass (default 16)")
     parser.add_argument(

@@ -141,10 +141,10 @@ def _plot(doc: dict[str, Any], path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="bench_planner_warmup", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--spec-tokens", type=integer(0, 3), default=3, help="speculative tokens (3: MTP, next_n 4; 0: none)")
-    ap.add_argument("--max-num-seqs", type=integer(1), default=1024, help="vLLM max_num_seqs (H200 default 1024)")
-    ap.add_argument("--max-num-batched-tokens", type=integer(1), default=8192, help="vLLM max_num_batched_tokens")
-    ap.add_argument("--comm-sms", type=integer(0), default=20, help="VLLM_DBO_COMM_SMS (DBO count = SMs - this)")
+    ap.add_argument("--spec-tokens", type=integer(0, 3), default=3, help="speculative tokens (3: MTP, next_n 4; 0: none; default 3)")
+    ap.add_argument("--max-num-seqs", type=integer(1), default=1024, help="vLLM max_num_seqs (default 1024)")
+    ap.add_argument("--max-num-batched-tokens", type=integer(1), default=8192, help="vLLM max_num_batched_tokens (default 8192)")
+    ap.add_argument("--comm-sms", type=integer(0), default=20, help="VLLM_DBO_COMM_SMS (DBO count = SMs - this; default 20)")
     add_out(ap)
     args = ap.parse_args(argv)
     if args.child:

@@ -36,10 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=integer(1), default=5, help="engine starts per variant (default 5)")
     parser.add_argument("--decode-reps", type=integer(1), default=2, help="timed decode reps per engine after one warm-up (default 2)")
     parser.add_argument("--steps", type=integer(2), default=64, help="decode steps per timed pass (default 64)")
-    parser.add_argument("--model", default="shared-topk", choices=["shared-topk", "deepseek-v32"])
+    parser.add_argument(
+        "--model", default="shared-topk", choices=["shared-topk", "deepseek-v32"],
+        help="tiny test model under tests/e2e/models: shared-topk (GLM-5.x layers that reuse top-k) or deepseek-v32 (default shared-topk)",
+    )  # fmt: skip
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default: eager, the host-bound worst case)")
     parser.add_argument("--warmup-engines", type=integer(0), default=1, help="untimed engines started first to fill the JIT caches (default 1)")
-    parser.add_argument("--budget-s", type=positive_seconds, default=1e9, help="stop starting new pairs after this many seconds")
+    parser.add_argument("--budget-s", type=positive_seconds, default=1e9, help="stop starting new pairs after this many seconds (default: no limit)")
     add_out(parser)
     args = parser.parse_args(argv)
     refused = refuse_without_engine("bench_real_engine", 1)

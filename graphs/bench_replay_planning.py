@@ -250,8 +250,8 @@ def _plot(doc: dict[str, Any], path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="bench_replay_planning", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--steps", type=integer(1), default=10, help="replay steps per variant (default 10)")
-    ap.add_argument("--requests", type=integer(2), default=16, help="decode requests, split over two microbatches")
-    ap.add_argument("--max-context", type=integer(64, multiple=64), default=8192, help="longest context (multiple of 64)")
+    ap.add_argument("--requests", type=integer(2), default=16, help="decode requests, split over two microbatches (default 16)")
+    ap.add_argument("--max-context", type=integer(64, multiple=64), default=8192, help="longest context in tokens, a multiple of 64 (default 8192)")
     add_out(ap)
     args = ap.parse_args(argv)
     try:

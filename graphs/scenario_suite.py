@@ -35,8 +35,8 @@ from graphs._plotting import pyplot
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="scenario_suite", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=integer(1), default=GLM53.steps, help=f"DBO steps per mode (default {GLM53.steps})")
-    ap.add_argument("--requests", type=integer(2), default=GLM53.num_requests, help="decode requests, split over two microbatches")
-    ap.add_argument("--max-context", type=integer(GLM53.block_kv, multiple=GLM53.block_kv), default=GLM53.max_context, help="longest context")
+    ap.add_argument("--requests", type=integer(2), default=GLM53.num_requests, help=f"decode requests, split over two microbatches (default {GLM53.num_requests})")
+    ap.add_argument("--max-context", type=integer(GLM53.block_kv, multiple=GLM53.block_kv), default=GLM53.max_context, help=f"longest context in tokens (default {GLM53.max_context})")
     add_out(ap)
     args = ap.parse_args(argv)
     refused = refuse_without_kernels("scenario_suite", "nothing run")

@@ -131,11 +131,17 @@ def flag_set(engine_args: list[str], on: str, off: str) -> bool:
     return last == on
 
 
-def require_dbo_parallelism(engine_args: list[str], dp: int, command: str, *, expert_parallel: bool = True) -> None:
+def require_dbo_parallelism(
+    engine_args: list[str], dp: int, command: str, *, expert_parallel: bool = True, dp_given: bool = True
+) -> None:
     """DBO microbatches only with data parallelism, and its comm SMs serve the expert-parallel all2all: a run
-    without them would prove nothing about DBO (vLLM never splits a step)."""
+    without them would prove nothing about DBO (vLLM never splits a step). ``dp_given``: whether the operator
+    passed a DP size at all (the refusal then says the 1 is vLLM's default)."""
     if dp < 2:
-        raise ConfigError("--data-parallel-size", dp, f"2 or more: vLLM microbatches only with data parallelism ({command} needs DBO to run)")
+        unset = "" if dp_given else " (none given; vLLM's default is 1)"
+        raise ConfigError(
+            "--data-parallel-size", dp, f"2 or more{unset}: vLLM microbatches only with data parallelism ({command} needs DBO to run)"
+        )
     if expert_parallel and not (flag_set(engine_args, "--enable-expert-parallel", "--no-enable-expert-parallel") or "-ep" in engine_args):
         raise StateError("--enable-expert-parallel", "missing", "given (DBO overlaps the expert-parallel all2all)")
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from dbo_runtime.cli._common import CliError, print_json, print_table
 from dbo_runtime.cli._engine import (
+    DP_SIZE_FLAGS,
     EXIT_INCONCLUSIVE,
     EXIT_RUN_FAILED,
     check_with_vllm,
@@ -339,8 +340,9 @@ def run(args: argparse.Namespace) -> int:
 
     opts = options(args)
     _require_plugin()
-    engine_args, dp, notes = split_engine_args(list(getattr(args, "extra_args", []) or []), "tune")
-    require_dbo_parallelism(engine_args, dp, "tune")
+    extra = list(getattr(args, "extra_args", []) or [])
+    engine_args, dp, notes = split_engine_args(extra, "tune")
+    require_dbo_parallelism(engine_args, dp, "tune", dp_given=has_flag(extra, *DP_SIZE_FLAGS))
     notes = [*switch_notes(), *(n for n in notes if "data-parallel size 1" not in n)]
     problem = comm_sms_problem(engine_args, os.environ)
     if problem is not None:  # the same words as verify and sms for the same value

@@ -33,6 +33,7 @@ from typing import Any
 
 from dbo_runtime.cli._common import EXIT_OK, EXIT_PROBLEM, CliError, print_json, print_table
 from dbo_runtime.cli._engine import (
+    DP_SIZE_FLAGS,
     EXIT_INCONCLUSIVE,
     EXIT_RUN_FAILED,
     check_with_vllm,
@@ -266,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
     workdir = check_dir(args.workdir, "--workdir", "verify") if args.workdir is not None else None
     extra = list(getattr(args, "extra_args", []) or [])
     engine_args, dp, notes = split_engine_args(extra)
-    require_dbo_parallelism(engine_args, dp, "verify", expert_parallel=False)
+    require_dbo_parallelism(engine_args, dp, "verify", expert_parallel=False, dp_given=has_flag(extra, *DP_SIZE_FLAGS))
     notes = [*switch_notes(), *(n for n in notes if "data-parallel size 1" not in n)]
     if args.prompts < dp and args.prompt_file is None:
         raise ConfigError("--prompts", args.prompts, f"at least the data-parallel size ({dp}): every rank needs prompts")

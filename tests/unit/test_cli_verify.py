@@ -142,3 +142,12 @@ def test_its_own_options_are_checked_before_the_engine_arguments(
     assert main(["verify", *own, *engine]) == 2
     line = _one_line(capsys)
     assert line.startswith("dbo-runtime verify: error: ") and needle in line, line
+
+
+@pytest.mark.parametrize("command", ["verify", "tune"])
+def test_a_missing_dp_size_is_named_as_vllms_default(command: str, capsys: pytest.CaptureFixture[str], no_engine: None) -> None:
+    """``--model m`` alone: the refusal names the 1 it rejects as vLLM's default, not as something the user passed."""
+    assert main([command, "--model", "m", "--enable-expert-parallel"]) == 2
+    assert "--data-parallel-size=1 is not allowed; allowed values: 2 or more (none given; vLLM's default is 1)" in _one_line(capsys)
+    assert main([command, "--model", "m", "-dp", "1", "--enable-expert-parallel"]) == 2
+    assert "--data-parallel-size=1 is not allowed; allowed values: 2 or more: vLLM" in _one_line(capsys)
