@@ -253,26 +253,20 @@ def _convert_once_patch(state: UbatchTopkState) -> Patch:
             idx_mapping: Any = None,
         ) -> Any:
             table = THREAD_TABLE
-            if table and not table[0]:  # no microbatch thread: the group itself (ubatch_ids.THREAD_TABLE)
-                return original(
-                    self, layer_index, logical_topk_indices, req_id_per_token, block_table, block_size,
-                    block_stride_rows=block_stride_rows, return_valid_counts=return_valid_counts,
-                    idx_mapping=idx_mapping,
-                )  # fmt: skip
             try:
-                view = state.group_view(self)
+                # no microbatch thread: the group itself (ubatch_ids.THREAD_TABLE), else the caller's view
+                view = None if table and not table[0] else state.group_view(self)
                 return original(
-                    self if view is None else view, layer_index, logical_topk_indices, req_id_per_token,
-                    block_table, block_size, block_stride_rows=block_stride_rows,
-                    return_valid_counts=return_valid_counts, idx_mapping=idx_mapping,
+                    self if view is None else view, layer_index, logical_topk_indices, req_id_per_token, block_table,
+                    block_size, block_stride_rows=block_stride_rows, return_valid_counts=return_valid_counts,
+                    idx_mapping=idx_mapping,
                 )  # fmt: skip
             except Exception as exc:
                 if not record(where, exc):
                     raise
                 return original(
                     self, layer_index, logical_topk_indices, req_id_per_token, block_table, block_size,
-                    block_stride_rows=block_stride_rows, return_valid_counts=return_valid_counts,
-                    idx_mapping=idx_mapping,
+                    block_stride_rows=block_stride_rows, return_valid_counts=return_valid_counts, idx_mapping=idx_mapping,
                 )  # fmt: skip
 
         return _convert_once
@@ -294,10 +288,8 @@ def _ready_patch(state: UbatchTopkState) -> Patch:
             if layer_index != 0:
                 return None
             table = THREAD_TABLE
-            if table and not table[0]:  # no microbatch thread: the group itself (ubatch_ids.THREAD_TABLE)
-                return original(self, layer_index)  # type: ignore[no-any-return]
             try:
-                view = state.group_view(self)
+                view = None if table and not table[0] else state.group_view(self)  # as in _convert_once_patch
                 return original(self if view is None else view, layer_index)  # type: ignore[no-any-return]
             except Exception as exc:
                 if not record(where, exc):

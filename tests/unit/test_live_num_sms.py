@@ -17,8 +17,11 @@ class _Runtime:
         return self.num_sms
 
 
-def _tracker(runtime: _Runtime) -> LiveNumSms:
-    return LiveNumSms(lambda: runtime.get)
+def _tracker(runtime: _Runtime, *, watched: bool = False) -> LiveNumSms:
+    live = LiveNumSms(lambda: runtime.get)
+    for writer in LiveNumSms.WRITERS if watched else ():
+        live.watch(writer)
+    return live
 
 
 def test_unwatched_every_read_asks_deep_gemm() -> None:
@@ -32,9 +35,7 @@ def test_unwatched_every_read_asks_deep_gemm() -> None:
 
 def test_watched_one_read_per_write() -> None:
     rt = _Runtime()
-    live = _tracker(rt)
-    for writer in LiveNumSms.WRITERS:
-        live.watch(writer)
+    live = _tracker(rt, watched=True)
     assert live.trusted
     assert [live.read() for _ in range(21)] == [132] * 21 and rt.asked == 1  # 21 leader layers, one ask
     rt.num_sms = 112
@@ -44,9 +45,7 @@ def test_watched_one_read_per_write() -> None:
 
 def test_unwatching_a_writer_drops_the_cache_and_the_trust() -> None:
     rt = _Runtime()
-    live = _tracker(rt)
-    for writer in LiveNumSms.WRITERS:
-        live.watch(writer)
+    live = _tracker(rt, watched=True)
     live.read()
     live.unwatch(sorted(LiveNumSms.WRITERS)[0])
     rt.num_sms = 112  # a write nobody watches any more
@@ -73,9 +72,7 @@ def test_a_read_that_overlaps_a_write_does_not_cache_the_count_from_before_it() 
 
 def test_distrust_drops_the_cache_until_the_writers_are_watched_again() -> None:
     rt = _Runtime()
-    live = _tracker(rt)
-    for writer in LiveNumSms.WRITERS:
-        live.watch(writer)
+    live = _tracker(rt, watched=True)
     live.read()
     live.distrust()
     rt.num_sms = 112
