@@ -26,6 +26,15 @@ def _wait(paths: Sequence[Path], deadline: float, give_up: Callable[[], bool]) -
     return True
 
 
+def _clear_barrier(root: Path) -> None:
+    """Before any engine starts: a directory reused from an earlier run (the same labels under the same
+    ``--out``) still holds that run's ``ready-`` and ``done-`` files, which would pass for this run's engines
+    while ``launch`` is still clearing them in its own thread."""
+    if root.is_dir():
+        for stale in root.iterdir():
+            stale.unlink(missing_ok=True)
+
+
 def _finished(records: dict[str, dict[str, Any]], label: str) -> Callable[[], bool]:
     return lambda: label in records
 
@@ -45,6 +54,9 @@ def run_interleaved(
     for spec in specs:
         if not (spec.bench and spec.bench.get("coordinated")):
             raise ValueError(f"{spec.label}: bench.coordinated must be set")
+    for spec in specs:
+        _clear_barrier(workdir / spec.label / "barrier")
+    for spec in specs:
 
         def work(s: RunSpec = spec) -> None:
             records[s.label] = launch(s, workdir, progress)
@@ -67,7 +79,10 @@ def run_interleaved(
                 continue
             (root / f"go-rep{rep}").touch()
             done = [root / f"done-rep{rep}.{r}" for r in range(spec.dp)]
-            _wait(done, deadline, finished)
+            if not _wait(done, deadline, finished):
+                if progress is not None:
+                    progress(f"rep {rep}: {spec.label} did not finish (failed or timed out)")
+                continue
             order.append((rep, spec.label))
             if progress is not None:
                 progress(f"rep {rep}: {spec.label} done")

@@ -71,6 +71,8 @@ def main() -> int:
         root = Path(os.environ["DBO_HARNESS_BARRIER_DIR"])
         for rep in range(int(bench.get("warmup", 1)) + int(bench["reps"])):
             (root / f"ready-rep{rep}.{rank}").touch()
+            if mode == "exit-after-ready":  # an engine that dies while it waits for its first turn
+                return 1
             while not (root / f"go-rep{rep}").exists():
                 time.sleep(0.01)
             reps.append(_rep(rep, rank, bench))

@@ -250,6 +250,36 @@ def test_interleaved_turns_run_one_engine_at_a_time_in_rotating_order(tmp_path: 
         run_interleaved([RunSpec("c", ["--model", "m"])], tmp_path, reps=1)
 
 
+def test_interleaved_turns_in_a_reused_workdir_wait_for_this_run_s_engines(tmp_path: Path, fake_runner: None) -> None:
+    """A second run in the same directory finds the first run's ``ready-`` / ``go-`` / ``done-`` files. The
+    coordinator must not take them for this run's engines (it would report turns as done that never ran and touch
+    ``go`` files the new engine's launch then deletes, leaving that engine waiting for a turn that never comes)."""
+    from dbo_runtime.harness.turns import run_interleaved
+
+    bench = {"max_tokens": 4, "reps": 2, "warmup": 1, "coordinated": True}
+    specs = [RunSpec(name, ["--model", "m"], meta={"fake": {}}, bench=bench) for name in ("a", "b")]
+    first = run_interleaved(specs, tmp_path, reps=2, timeout_s=60)
+    assert all(r["ok"] for r in first.values()) and (tmp_path / "a" / "barrier" / "done-rep2.0").exists()
+    said: list[str] = []
+    second = run_interleaved(specs, tmp_path, reps=2, timeout_s=20, progress=said.append)
+    assert all(r["ok"] for r in second.values()), {k: r.get("error") for k, r in second.items()}
+    assert [len(b["reps"]) for b in second["a"]["bench"]] == [3]
+    assert second["a"]["turn_order"] == ["a", "b", "b", "a", "a", "b"]
+    assert [m for m in said if m.startswith("rep ")] == [f"rep {r}: {x} done" for r, x in ((0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b"))]
+
+
+def test_a_turn_that_never_finishes_is_not_reported_done(tmp_path: Path, fake_runner: None) -> None:
+    from dbo_runtime.harness.turns import run_interleaved
+
+    bench = {"max_tokens": 4, "reps": 1, "warmup": 1, "coordinated": True}
+    spec = RunSpec("dies", ["--model", "m"], meta={"fake": {"0": "exit-after-ready"}}, bench=bench, timeout_s=30)
+    said: list[str] = []
+    got = run_interleaved([spec], tmp_path, reps=1, timeout_s=30, progress=said.append)
+    assert not got["dies"]["ok"]
+    assert not any(m.endswith("done") for m in said), said
+    assert any("did not finish" in m for m in said), said
+
+
 def test_launch_fails_fast_when_a_microbatch_thread_died(tmp_path: Path, fake_runner: None) -> None:
     """vLLM 0.33.0 does not exit when the DeepGEMM assertion kills a microbatch thread: it hangs.
     The launcher reads the logs and stops the run instead of waiting for the timeout."""
