@@ -161,7 +161,43 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
             name: {"count": med([x["count"] for x in v]), "us": med([x["us"] for x in v])} for name, v in sorted(long_by_patch.items())
         },
         "jit_in_step": {v: [r.get("jit_in_step") for r in _reps(records.get(f"{label}-{v}", {}))] for v, _ in VARIANTS[:1] + VARIANTS[2:]},
+        "step_time_warnings": step_time_warnings({v: _reps(records.get(f"{label}-{v}", {})) for v, _ in VARIANTS}, len(paired)),
     }
+
+
+MIN_PAIRS = 3
+MAX_SPREAD = 1.5
+MIN_DECODE_SHARE = 0.5
+
+
+def step_time_warnings(reps: dict[str, list[dict]], pairs: int) -> list[str]:
+    """Why a row's step times may not be a measurement, in words (pure; empty when none applies).
+
+    A rep's decode step is the difference of a 1-token pass and a full pass over the same prompts, so one compile
+    inside either pass moves it by the compile's length: vLLM 0.33 JIT-compiles Triton kernels on first use in a step
+    (its ``jit_monitor`` warns "Triton kernel JIT compilation during inference") and, with
+    ``VLLM_DEEP_GEMM_WARMUP=skip`` as on the lent machine, DeepGEMM's GEMMs too. Under CUDA graphs a decode step is a
+    few milliseconds and the difference of two passes of similar length is mostly noise."""
+    said = []
+    if pairs < MIN_PAIRS:
+        said.append(f"{pairs} plugin/vanilla pair(s) of reps (fewer than {MIN_PAIRS}): the step ratio is not a measurement")
+    for variant, rows in reps.items():
+        missing = sum(1 for r in rows if r.get("decode_step_ms") is None)
+        if missing:
+            said.append(f"{variant}: {missing} rep(s) without a decode step (the 1-token pass took longer than the full pass)")
+        steps = [r["decode_step_ms"] for r in rows if r.get("decode_step_ms")]
+        if len(steps) >= 2 and max(steps) > MAX_SPREAD * min(steps):
+            said.append(
+                f"{variant}: reps differ {max(steps) / min(steps):.1f}x ({min(steps):.1f} to {max(steps):.1f} ms per step): a compile "
+                "inside a timed pass or a loaded host"
+            )
+        shares = [(r["total_s"] - r["prefill_s"]) / r["total_s"] for r in rows if r.get("decode_step_ms") and r.get("total_s")]
+        if shares and statistics.median(shares) < MIN_DECODE_SHARE:
+            said.append(
+                f"{variant}: the decode steps are {statistics.median(shares):.0%} of the full pass (under {MIN_DECODE_SHARE:.0%}): "
+                "the step time is the difference of two passes of similar length; raise --steps"
+            )
+    return said
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"bench": "bench_host_cost", "args": vars(args), "environment": env_facts, "configs": rows}
     (out / "bench_host_cost.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     _plot(rows, out / "bench_host_cost.png")
-    print(json.dumps([{k: r[k] for k in ("label", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step")} for r in rows], indent=1, default=str))
+    print(json.dumps([{k: r[k] for k in ("label", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step", "step_time_warnings")} for r in rows], indent=1, default=str))
     return 0
 
 

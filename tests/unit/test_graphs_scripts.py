@@ -477,6 +477,31 @@ def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -
     assert row["jit_in_step"] == {"plugin": [0, 0, 0], "selftime": [0, 0, 0]}
     assert row["self_us_per_step_by_patch"] == {"indexer.logits.sparse_attn_indexer": 300.0}
     assert row["long_per_step_by_patch"] == {"indexer.logits.sparse_attn_indexer": {"count": 1.0, "us": 250.0}}
+    assert row["step_time_warnings"] == []
+
+
+def test_host_cost_bench_says_when_its_step_times_are_not_a_measurement() -> None:
+    """The shapes of lease 13's 78-layer graphs run: one pair of reps, a rep 160x the other, a rep whose 1-token
+    pass outlasted the full one (a compile in it), and decode steps a third of the timed pass."""
+    mod = load("bench_host_cost.py")
+    [config] = [c for c in mod.configurations(["glm53"], [78], ["graphs"], ["dp1"])]
+
+    def rec(*reps: tuple[float | None, float, float]) -> dict:
+        rows = [{"warmup": True, "decode_step_ms": 1.0, "prefill_s": 0.5, "total_s": 0.6}]
+        rows += [{"warmup": False, "decode_step_ms": ms, "prefill_s": p, "total_s": t} for ms, p, t in reps]
+        return {"ok": True, "bench": [{"reps": rows}]}
+
+    records = {
+        "glm53-78L-graphs-dbo-dp1-plugin": rec((21.6, 0.51, 0.84), (9.0, 0.53, 0.67)),
+        "glm53-78L-graphs-dbo-dp1-vanilla": rec((18.1, 0.57, 0.84), (None, 6.05, 0.68)),
+        "glm53-78L-graphs-dbo-dp1-selftime": rec((6.6, 0.51, 0.61), (1450.7, 0.50, 22.26)),
+    }
+    said = mod.summarize(config, records)["step_time_warnings"]
+    assert said[0].startswith("1 plugin/vanilla pair(s) of reps (fewer than 3)")
+    assert "plugin: reps differ 2.4x (9.0 to 21.6 ms per step)" in said[1]
+    assert "plugin: the decode steps are 30% of the full pass" in said[2]
+    assert "vanilla: 1 rep(s) without a decode step" in said[3]
+    assert any(w.startswith("selftime: reps differ 219.8x") for w in said)
 
 
 def test_host_cost_bench_summarizes_a_run_a_limit_stopped(tmp_path: Path) -> None:
