@@ -12,7 +12,7 @@ plugin's own host time per step and per layer, hooked calls and accesses per ste
 the JSON), and planner JIT compilations inside steps.
 
     python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs]
-        [--dbo off,dp1] [--reps 5] [--steps 16] [--out graphs/results]
+        [--dbo off,dp1] [--reps 5] [--steps 16] [--graphs-steps 128] [--out graphs/results]
 """
 
 from __future__ import annotations
@@ -211,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated configuration labels to keep, MODEL-DEPTHL-MODE-dbo-DBO, e.g. glm53-78L-eager-dbo-dp1 (default: the whole matrix)",
     )  # fmt: skip
     parser.add_argument("--reps", type=integer(1), default=5, help="timed reps per engine after one warm-up (default 5)")
-    parser.add_argument("--steps", type=integer(2), default=16, help="decode steps per timed pass (default 16)")
+    parser.add_argument("--steps", type=integer(2), default=16, help="decode steps per timed pass, eager rows (default 16)")
+    parser.add_argument(
+        "--graphs-steps", type=integer(2), default=128,
+        help="decode steps per timed pass, CUDA-graph rows (default 128: a replayed step is a few ms, 16 of them are lost in the difference of two passes)",
+    )  # fmt: skip
     parser.add_argument(
         "--from-runs", default=None, metavar="DIR",
         help="summarize the run directories a stopped benchmark left in DIR (its bench_host_cost_runs) instead of running engines",
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         keep = set(_choices(parser, "only", args.only, tuple(c["label"] for c in configs)))
         configs = [c for c in configs if c["label"] in keep]
-    specs = [s for c in configs for s in specs_for(c, args.steps, args.reps)]
+    specs = [s for c in configs for s in specs_for(c, args.graphs_steps if c["mode"] == "graphs" else args.steps, args.reps)]
     out = Path(args.out)
     if args.from_runs is not None:
         runs = Path(args.from_runs)

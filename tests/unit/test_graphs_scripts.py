@@ -577,3 +577,28 @@ def test_host_cost_bench_counts_a_repeated_depth_once() -> None:
     mod = load("bench_host_cost.py")
     parser = mod.Parser(prog="bench_host_cost")
     assert mod._depths(parser, "6, 78,6") == [6, 78] and mod._choices(parser, "models", "v32,glm53,v32", tuple(mod.MODELS)) == ["v32", "glm53"]
+
+
+def test_host_cost_bench_runs_graph_rows_with_their_own_step_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replayed step is a few milliseconds: graph rows take ``--graphs-steps`` decode steps per pass, eager rows
+    ``--steps`` (engines faked: no GPU in CI; the GPU twin is the benchmark on the H200)."""
+    from dbo_runtime.harness import machine, turns
+
+    mod = load("bench_host_cost.py")
+    seen: dict[str, int] = {}
+
+    def fake_run_interleaved(specs: list, work: Path, reps: int, **_: object) -> dict:
+        seen.update({s.label: s.bench["max_tokens"] for s in specs})
+        return {s.label: {"ok": True, "bench": [{"reps": []}]} for s in specs}
+
+    monkeypatch.setattr(machine, "refuse_without_engine", lambda name, gpus: None)
+    monkeypatch.setattr(turns, "run_interleaved", fake_run_interleaved)
+    monkeypatch.setattr(mod, "_plot", lambda rows, path: None)
+    argv = ["--models", "glm53", "--depths", "6", "--dbo", "dp1", "--reps", "1", "--out", str(tmp_path)]
+    assert mod.main([*argv, "--steps", "8"]) == 0
+    assert {label: n for label, n in seen.items() if label.endswith("-plugin")} == {
+        "glm53-6L-eager-dbo-dp1-plugin": 8, "glm53-6L-graphs-dbo-dp1-plugin": 128,
+    }  # fmt: skip
+    assert mod.main([*argv, "--graphs-steps", "64"]) == 0 and seen["glm53-6L-graphs-dbo-dp1-vanilla"] == 64
+    with pytest.raises(SystemExit):
+        mod.main([*argv, "--graphs-steps", "1"])
