@@ -190,15 +190,41 @@ def kill_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run ``spec`` to completion (or failure/timeout) and return its record."""
+def kill_all() -> None:
+    """Kill every engine process group this process launched and has not reaped (a coordinator past its deadline:
+    an engine left waiting for a turn would otherwise outlive it)."""
+    for proc in list(_LIVE):
+        _kill_group(proc)
+
+
+def clear_dir(path: Path) -> None:
+    """Empty ``path`` (files and folders), creating it when missing."""
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.iterdir():
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
+def launch(
+    spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None = None, *, barrier: Path | None = None
+) -> dict[str, Any]:
+    """Run ``spec`` to completion (or failure/timeout) and return its record.
+
+    ``barrier``: the folder of this run's turn and rank files (default ``<workdir>/<label>/barrier``, emptied here);
+    a coordinator passes one it made for this run alone, so an engine of an earlier run can never answer for it."""
     if spec.dp < 1:
         raise ValueError("dp must be >= 1")
     root = workdir / spec.label
     root.mkdir(parents=True, exist_ok=True)
-    (root / "barrier").mkdir(exist_ok=True)
+    if barrier is None:
+        barrier = root / "barrier"
+        clear_dir(barrier)
+    else:
+        barrier.mkdir(parents=True, exist_ok=True)
     # a reused directory (verify --workdir) must not lend an old run's result, record or logs to this one
-    for stale in [*root.glob("rank*.json"), *root.glob("rank*.log"), root / "record.json", *(root / "barrier").iterdir()]:
+    for stale in [*root.glob("rank*.json"), *root.glob("rank*.log"), root / "record.json"]:
         stale.unlink(missing_ok=True)
     if spec.cold_jit_cache:
         shutil.rmtree(root / "dg-jit-cold", ignore_errors=True)
@@ -210,7 +236,7 @@ def launch(spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None 
     logs = []
     started = time.monotonic()
     for rank in range(spec.dp):
-        env = {**os.environ, **spec.env, BARRIER_ENV: str(root / "barrier"), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **spec.env, BARRIER_ENV: str(barrier), "PYTHONUNBUFFERED": "1"}
         if spec.dp > 1:
             env.update(
                 VLLM_DP_RANK=str(rank),

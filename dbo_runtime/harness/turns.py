@@ -9,13 +9,14 @@ so no configuration always runs first in a round; the cyclic neighbours stay the
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dbo_runtime.harness.launch import RunSpec, launch
+from dbo_runtime.harness.launch import RunSpec, clear_dir, kill_all, launch
 
 
 def _wait(paths: Sequence[Path], deadline: float, give_up: Callable[[], bool]) -> bool:
@@ -24,15 +25,6 @@ def _wait(paths: Sequence[Path], deadline: float, give_up: Callable[[], bool]) -
             return False
         time.sleep(0.05)
     return True
-
-
-def _clear_barrier(root: Path) -> None:
-    """Before any engine starts: a directory reused from an earlier run (the same labels under the same
-    ``--out``) still holds that run's ``ready-`` and ``done-`` files, which would pass for this run's engines
-    while ``launch`` is still clearing them in its own thread."""
-    if root.is_dir():
-        for stale in root.iterdir():
-            stale.unlink(missing_ok=True)
 
 
 def _finished(records: dict[str, dict[str, Any]], label: str) -> Callable[[], bool]:
@@ -48,18 +40,30 @@ def run_interleaved(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Launch every spec (each with ``bench.coordinated``), then run turn ``rep r`` of each, the order
-    rotated by ``r``."""
-    records: dict[str, dict[str, Any]] = {}
-    threads = []
+    rotated by ``r``.
+
+    Each spec's turn files live in a folder made for this call (``<label>/barrier/run-<pid>-<ns>``), after every
+    earlier run's are removed: a reused ``--out`` / ``--workdir`` keeps an earlier run's ``ready-`` and ``done-``
+    files, and an engine of that run may still be alive and waiting for its turn. Past ``timeout_s`` no further turn
+    starts (a turn that starts then would overlap the one still running) and every engine is killed."""
     for spec in specs:
         if not (spec.bench and spec.bench.get("coordinated")):
             raise ValueError(f"{spec.label}: bench.coordinated must be set")
+    labels = [spec.label for spec in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"labels must be distinct (two runs would share one directory): {sorted(labels)}")
+    token = f"run-{os.getpid()}-{time.monotonic_ns()}"
+    barriers = {}
     for spec in specs:
-        _clear_barrier(workdir / spec.label / "barrier")
+        clear_dir(workdir / spec.label / "barrier")
+        barriers[spec.label] = workdir / spec.label / "barrier" / token
+        barriers[spec.label].mkdir()
+    records: dict[str, dict[str, Any]] = {}
+    threads = []
     for spec in specs:
 
         def work(s: RunSpec = spec) -> None:
-            records[s.label] = launch(s, workdir, progress)
+            records[s.label] = launch(s, workdir, progress, barrier=barriers[s.label])
 
         t = threading.Thread(target=work, daemon=True)
         t.start()
@@ -67,27 +71,40 @@ def run_interleaved(
     deadline = time.monotonic() + timeout_s
     total = int(specs[0].bench.get("warmup", 1)) + reps if specs and specs[0].bench else 0
     order: list[tuple[int, str]] = []
+    expired = False
     for rep in range(total):
         shift = rep % len(specs)
         for spec in [*specs[shift:], *specs[:shift]]:
-            root = workdir / spec.label / "barrier"
+            root = barriers[spec.label]
             finished = _finished(records, spec.label)
             ready = [root / f"ready-rep{rep}.{r}" for r in range(spec.dp)]
-            if not _wait(ready, deadline, finished):
+            if not _wait(ready, deadline, finished) or time.monotonic() > deadline:
+                expired = time.monotonic() > deadline
                 if progress is not None:
-                    progress(f"{spec.label}: never ready for rep {rep} (failed or timed out)")
+                    progress(f"{spec.label}: never ready for rep {rep} ({'time limit' if expired else 'it ended'})")
+                if expired:
+                    break
                 continue
             (root / f"go-rep{rep}").touch()
             done = [root / f"done-rep{rep}.{r}" for r in range(spec.dp)]
             if not _wait(done, deadline, finished):
+                expired = not finished()
                 if progress is not None:
-                    progress(f"rep {rep}: {spec.label} did not finish (failed or timed out)")
+                    progress(f"rep {rep}: {spec.label} did not finish ({'time limit' if expired else 'it ended'})")
+                if expired:
+                    break
                 continue
             order.append((rep, spec.label))
             if progress is not None:
                 progress(f"rep {rep}: {spec.label} done")
+        if expired:
+            break
+    if expired:
+        if progress is not None:
+            progress(f"time limit of {timeout_s:.0f} s: no further turn started; every engine killed")
+        kill_all()
     for t in threads:
-        t.join(timeout=max(1.0, deadline - time.monotonic()))
+        t.join(timeout=max(1.0, deadline - time.monotonic()) if not expired else 60.0)
     for spec in specs:
         records.setdefault(spec.label, {"label": spec.label, "ok": False, "error": "no record (timeout)"})
         records[spec.label]["turn_order"] = [label for _, label in order]

@@ -73,8 +73,14 @@ def main() -> int:
             (root / f"ready-rep{rep}.{rank}").touch()
             if mode == "exit-after-ready":  # an engine that dies while it waits for its first turn
                 return 1
+            waited = time.monotonic() + 120  # as the real runner's turn wait: never forever
             while not (root / f"go-rep{rep}").exists():
+                if time.monotonic() > waited:
+                    print(f"turn rep{rep} was never started by the coordinator", flush=True)
+                    return 1
                 time.sleep(0.01)
+            if mode == "slow-rep":  # a turn that outlasts the coordinator's deadline
+                time.sleep(float((spec.get("meta") or {}).get("fake_rep_s", 5)))
             reps.append(_rep(rep, rank, bench))
             (root / f"done-rep{rep}.{rank}").touch()
     requests = [

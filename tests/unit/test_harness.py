@@ -250,22 +250,63 @@ def test_interleaved_turns_run_one_engine_at_a_time_in_rotating_order(tmp_path: 
         run_interleaved([RunSpec("c", ["--model", "m"])], tmp_path, reps=1)
 
 
-def test_interleaved_turns_in_a_reused_workdir_wait_for_this_run_s_engines(tmp_path: Path, fake_runner: None) -> None:
+@pytest.mark.parametrize("dp", [1, 2])
+def test_interleaved_turns_in_a_reused_workdir_wait_for_this_run_s_engines(
+    tmp_path: Path, fake_runner: None, monkeypatch: pytest.MonkeyPatch, dp: int
+) -> None:
     """A second run in the same directory finds the first run's ``ready-`` / ``go-`` / ``done-`` files. The
-    coordinator must not take them for this run's engines (it would report turns as done that never ran and touch
-    ``go`` files the new engine's launch then deletes, leaving that engine waiting for a turn that never comes)."""
-    from dbo_runtime.harness.turns import run_interleaved
+    coordinator must not take them for this run's engines (it would report turns as done that never ran, and touch
+    ``go`` files that the new engine's launch then deletes, leaving that engine waiting for a turn that never
+    comes). Each launch is held back half a second, as a real engine's start is, so the stale files are there to
+    be misread."""
+    from dbo_runtime.harness import turns
 
     bench = {"max_tokens": 4, "reps": 2, "warmup": 1, "coordinated": True}
-    specs = [RunSpec(name, ["--model", "m"], meta={"fake": {}}, bench=bench) for name in ("a", "b")]
-    first = run_interleaved(specs, tmp_path, reps=2, timeout_s=60)
-    assert all(r["ok"] for r in first.values()) and (tmp_path / "a" / "barrier" / "done-rep2.0").exists()
+    specs = [RunSpec(name, ["--model", "m"], dp=dp, meta={"fake": {}}, bench=bench) for name in ("a", "b")]
+    first = turns.run_interleaved(specs, tmp_path, reps=2, timeout_s=60)
+    assert all(r["ok"] for r in first.values())
+    assert [p.name for p in (tmp_path / "a" / "barrier").glob("*/done-rep2.0")] == ["done-rep2.0"]
+    real_launch = turns.launch
+
+    def late_launch(*args: object, **kwargs: object) -> dict:
+        time.sleep(0.5)
+        return real_launch(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(turns, "launch", late_launch)
     said: list[str] = []
-    second = run_interleaved(specs, tmp_path, reps=2, timeout_s=20, progress=said.append)
+    second = turns.run_interleaved(specs, tmp_path, reps=2, timeout_s=20, progress=said.append)
     assert all(r["ok"] for r in second.values()), {k: r.get("error") for k, r in second.items()}
-    assert [len(b["reps"]) for b in second["a"]["bench"]] == [3]
+    assert [len(b["reps"]) for b in second["a"]["bench"]] == [3] * dp
     assert second["a"]["turn_order"] == ["a", "b", "b", "a", "a", "b"]
     assert [m for m in said if m.startswith("rep ")] == [f"rep {r}: {x} done" for r, x in ((0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b"))]
+    assert len(list((tmp_path / "a" / "barrier").iterdir())) == 1  # the first run's turn files are gone
+
+
+def test_no_turn_starts_after_the_deadline_and_the_engines_are_killed(tmp_path: Path, fake_runner: None) -> None:
+    """A turn started after the deadline would overlap the one still running (its engine is mid-rep), and an engine
+    left waiting for a turn would outlive the coordinator."""
+    from dbo_runtime.harness.turns import run_interleaved
+
+    bench = {"max_tokens": 4, "reps": 1, "warmup": 0, "coordinated": True}
+    slow = RunSpec("slow", ["--model", "m"], meta={"fake": {"0": "slow-rep"}, "fake_rep_s": 30}, bench=bench, timeout_s=120)
+    other = RunSpec("other", ["--model", "m"], meta={"fake": {}}, bench=bench, timeout_s=120)
+    said: list[str] = []
+    started = time.monotonic()
+    got = run_interleaved([slow, other], tmp_path, reps=1, timeout_s=8, progress=said.append)
+    assert time.monotonic() - started < 60
+    assert not list((tmp_path / "other" / "barrier").glob("*/go-rep0")), said
+    assert not got["slow"]["ok"] and not got["other"]["ok"]
+    assert "rep 0: slow did not finish (time limit)" in said and any(m.startswith("time limit of 8 s") for m in said), said
+
+
+def test_interleaved_turns_refuse_two_specs_with_one_label(tmp_path: Path) -> None:
+    from dbo_runtime.harness.turns import run_interleaved
+
+    bench = {"max_tokens": 4, "reps": 1, "warmup": 1, "coordinated": True}
+    spec = RunSpec("same", ["--model", "m"], bench=bench)
+    with pytest.raises(ValueError, match="labels must be distinct"):
+        run_interleaved([spec, spec], tmp_path, reps=1)
+    assert not (tmp_path / "same").exists()
 
 
 def test_a_turn_that_never_finishes_is_not_reported_done(tmp_path: Path, fake_runner: None) -> None:
