@@ -174,8 +174,8 @@ def step_time_warnings(reps: dict[str, list[dict]], pairs: int) -> list[str]:
     """Why a row's step times may not be a measurement, in words (pure; empty when none applies).
 
     A rep's decode step is the difference of a 1-token pass and a full pass over the same prompts, so one compile
-    inside either pass moves it by the compile's length: vLLM 0.33 JIT-compiles Triton kernels on first use in a step
-    (its ``jit_monitor`` warns "Triton kernel JIT compilation during inference") and, with
+    inside either pass moves it by the compile's length: vLLM 0.33 can JIT-compile Triton kernels on first use in a
+    step (its ``jit_monitor`` then warns "Triton kernel JIT compilation during inference") and, with
     ``VLLM_DEEP_GEMM_WARMUP=skip`` as on the lent machine, DeepGEMM's GEMMs too. Under CUDA graphs a decode step is a
     few milliseconds and the difference of two passes of similar length is mostly noise."""
     said = []
@@ -184,14 +184,17 @@ def step_time_warnings(reps: dict[str, list[dict]], pairs: int) -> list[str]:
     for variant, rows in reps.items():
         missing = sum(1 for r in rows if r.get("decode_step_ms") is None)
         if missing:
-            said.append(f"{variant}: {missing} rep(s) without a decode step (the 1-token pass took longer than the full pass)")
+            said.append(f"{variant}: {missing} rep(s) without a decode step (the 1-token pass was not shorter than the full pass)")
+        compiled = sum(r.get("jit_in_step") or 0 for r in rows)
+        if compiled:
+            said.append(f"{variant}: {compiled} planner compile(s) inside timed steps (jit_in_step)")
         steps = [r["decode_step_ms"] for r in rows if r.get("decode_step_ms")]
         if len(steps) >= 2 and max(steps) > MAX_SPREAD * min(steps):
             said.append(
                 f"{variant}: reps differ {max(steps) / min(steps):.1f}x ({min(steps):.1f} to {max(steps):.1f} ms per step): a compile "
                 "inside a timed pass or a loaded host"
             )
-        shares = [(r["total_s"] - r["prefill_s"]) / r["total_s"] for r in rows if r.get("decode_step_ms") and r.get("total_s")]
+        shares = [(r["total_s"] - r["prefill_s"]) / r["total_s"] for r in rows if r.get("decode_step_ms") and r.get("total_s") and r.get("prefill_s") is not None]
         if shares and statistics.median(shares) < MIN_DECODE_SHARE:
             said.append(
                 f"{variant}: the decode steps are {statistics.median(shares):.0%} of the full pass (under {MIN_DECODE_SHARE:.0%}): "

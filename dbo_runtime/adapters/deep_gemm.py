@@ -105,6 +105,8 @@ class LiveNumSms:
         value = int(reader())
         if self._trusted and generation == self._generation:
             self._value = value
+            if generation != self._generation:  # a write landed between the check and the store
+                self._value = None
         return value
 
     def stale(self) -> None:

@@ -356,7 +356,7 @@ def _restore_alias() -> None:
         setattr(module, ALIAS, current)
 
 
-def _sm_writes_patch(name: str, module: str, attr: str, *, alias: bool) -> Patch:
+def _sm_writes_patch(name: str, module: str, attr: str) -> Patch:
     """A writer of DeepGEMM's SM count: after each write the call site's cached count is re-read."""
     writer = f"{module}.{attr}"
 
@@ -372,8 +372,8 @@ def _sm_writes_patch(name: str, module: str, attr: str, *, alias: bool) -> Patch
 
     def uninstalled() -> None:
         LIVE_NUM_SMS.unwatch(writer)
-        if alias:
-            _restore_alias()
+        # Both: the alias may have bound the wrapper's hook while its own patch was skipped or failed.
+        _restore_alias()
 
     return Patch(
         name=name,
@@ -499,8 +499,8 @@ def patches() -> list[Patch]:
                       logits_reason + " (custom-op path and the DSA model's direct call)", removal_cache),
         _logits_patch("glm5next", GLM5NEXT_MODULE, "sparse_attn_indexer_kpool", logits_reason + " (GLM-5-Next kpool indexer)",
                       removal_cache, architectures=("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration")),
-        _sm_writes_patch("indexer.sm_writes.deep_gemm", DEEP_GEMM_WRAPPER, "set_num_sms", alias=False),
-        _sm_writes_patch("indexer.sm_writes.ubatch_alias", UBATCH_UTILS, ALIAS, alias=True),
+        _sm_writes_patch("indexer.sm_writes.deep_gemm", DEEP_GEMM_WRAPPER, "set_num_sms"),
+        _sm_writes_patch("indexer.sm_writes.ubatch_alias", UBATCH_UTILS, ALIAS),
         Patch(
             name="indexer.plan_ahead.mrv1",
             runner="mrv1",

@@ -496,12 +496,15 @@ def test_host_cost_bench_says_when_its_step_times_are_not_a_measurement() -> Non
         "glm53-78L-graphs-dbo-dp1-vanilla": rec((18.1, 0.57, 0.84), (None, 6.05, 0.68)),
         "glm53-78L-graphs-dbo-dp1-selftime": rec((6.6, 0.51, 0.61), (1450.7, 0.50, 22.26)),
     }
+    records["glm53-78L-graphs-dbo-dp1-selftime"]["bench"][0]["reps"][1]["jit_in_step"] = 2
+    del records["glm53-78L-graphs-dbo-dp1-selftime"]["bench"][0]["reps"][2]["prefill_s"]  # an older record
     said = mod.summarize(config, records)["step_time_warnings"]
     assert said[0].startswith("1 plugin/vanilla pair(s) of reps (fewer than 3)")
     assert "plugin: reps differ 2.4x (9.0 to 21.6 ms per step)" in said[1]
     assert "plugin: the decode steps are 30% of the full pass" in said[2]
     assert "vanilla: 1 rep(s) without a decode step" in said[3]
     assert any(w.startswith("selftime: reps differ 219.8x") for w in said)
+    assert "selftime: 2 planner compile(s) inside timed steps (jit_in_step)" in said
 
 
 def test_host_cost_bench_summarizes_a_run_a_limit_stopped(tmp_path: Path) -> None:

@@ -726,6 +726,29 @@ def test_uninstall_gives_the_alias_vllms_own_function_in_the_real_import_order(t
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
+def test_uninstalling_the_wrapper_alone_gives_the_alias_vllms_own_function(tmp_path: Any) -> None:
+    """The alias patch is optional: where it was skipped, ``ubatch_utils`` imported after the wrapper was patched
+    binds the plugin's hook by ``from`` import, and the wrapper's uninstall must hand the alias vLLM's function."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from dbo_runtime.integration import indexer_hooks\n"
+        "from dbo_runtime.integration.patching import PATCH_MARK, PatchSet\n"
+        "assert 'vllm.v1.worker.ubatch_utils' not in sys.modules\n"
+        "[wrapper] = [p for p in indexer_hooks.patches() if p.name == 'indexer.sm_writes.deep_gemm']\n"
+        "patch_set = PatchSet([wrapper]); patch_set.install()\n"
+        "import vllm.v1.worker.ubatch_utils as uu, vllm.utils.deep_gemm as dg\n"
+        "assert getattr(uu.deep_gemm_set_num_sms, PATCH_MARK, '') == 'indexer.sm_writes.deep_gemm'\n"
+        "patch_set.uninstall()\n"
+        "assert not hasattr(dg.set_num_sms, PATCH_MARK) and uu.deep_gemm_set_num_sms is dg.set_num_sms\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
 def test_a_call_site_whose_parameters_moved_is_refused_at_install(monkeypatch: pytest.MonkeyPatch) -> None:
     """The call site takes vLLM's parameters one for one: a rebinding with other parameters is a PatchError when
     the set installs (the feature is then not in force and the guard refuses DBO), not a TypeError per call."""
