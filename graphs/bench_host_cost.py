@@ -198,7 +198,7 @@ def step_time_warnings(reps: dict[str, list[dict]], pairs: int) -> list[str]:
         if shares and statistics.median(shares) < MIN_DECODE_SHARE:
             said.append(
                 f"{variant}: the decode steps are {statistics.median(shares):.0%} of the full pass (under {MIN_DECODE_SHARE:.0%}): "
-                "the step time is the difference of two passes of similar length; raise --steps"
+                "the step time is the difference of two passes of similar length; raise --steps (eager) or --graphs-steps (graphs)"
             )
     return said
 
