@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,10 @@ for model, runners in (("deepseek-v32-h2048", ("v1",)), ("shared-topk-h2048", ("
             PAIRS[f"dp2-ll-dbo-{model}-{runner}-{variant}"] = f"dp2-ll-ref-{model}-{runner}"
 
 
+DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+TAG = re.compile(r"[A-Za-z0-9_-]+")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path)
@@ -63,17 +68,40 @@ def main() -> int:
     ap.add_argument("--run", default="", help="a tag for this session's files, e.g. runNN")
     ap.add_argument("--repo-root", default="/work/main", help="the checkout's path on the GPU machine (made relative)")
     args = ap.parse_args()
+    # Everything is checked before anything is read or written: a file name is built from --date and --run.
+    if not DATE.fullmatch(args.date):
+        ap.error(f"argument --date: {args.date!r} is not allowed; allowed values: a date YYYY-MM-DD")
+    if args.run and not TAG.fullmatch(args.run):
+        ap.error(f"argument --run: {args.run!r} is not allowed; allowed values: letters, digits, '-' and '_' (e.g. lease13)")
+    if not args.run_dir.is_dir():
+        ap.error(f"argument run_dir: {str(args.run_dir)!r} is not allowed; allowed values: an existing folder of run directories")
+    if args.docs_dir.exists() and not args.docs_dir.is_dir():
+        ap.error(f"argument docs_dir: {str(args.docs_dir)!r} is not allowed; allowed values: a folder (it is a file)")
     runs: dict[str, dict[str, Any]] = {}
-    for spec_path in sorted(args.run_dir.glob("**/spec.json")):
-        label = str(spec_path.parent.relative_to(args.run_dir))
-        rec = reassemble(spec_path.parent)  # assembled again from ranks and logs
-        if rec is not None:
-            runs[label] = rec
-    for job in sorted(args.run_dir.glob("*/record.json")):
-        label = job.parent.name
-        if label not in runs:
-            runs[label] = json.loads(job.read_text())
-    args.docs_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        for spec_path in sorted(args.run_dir.glob("**/spec.json")):
+            label = str(spec_path.parent.relative_to(args.run_dir))
+            rec = reassemble(spec_path.parent)  # assembled again from ranks and logs
+            if rec is not None:
+                runs[label] = rec
+        for job in sorted(args.run_dir.glob("*/record.json")):
+            label = job.parent.name
+            if label not in runs:
+                loaded = json.loads(job.read_text())
+                if not isinstance(loaded, dict):
+                    raise ValueError(f"{job}: a record is a JSON object, this is {type(loaded).__name__}")
+                runs[label] = loaded
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
+        print(f"collect_records: run_dir {str(args.run_dir)!r}: a run cannot be read back ({type(exc).__name__}: {exc}); nothing written", file=sys.stderr)
+        return 2
+    if not runs:
+        print(f"collect_records: run_dir {str(args.run_dir)!r} holds no run (no spec.json or record.json below it); nothing written", file=sys.stderr)
+        return 2
+    try:
+        args.docs_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"collect_records: docs_dir {str(args.docs_dir)!r} cannot be created ({exc}); nothing written", file=sys.stderr)
+        return 2
     written = []
     for label, rec in runs.items():
         doc = {k: v for k, v in rec.items() if k not in ("requests", "log_tail")}
