@@ -44,9 +44,21 @@ def test_without_install_sh_one_line_and_exit_2(script: str, tmp_path: Path) -> 
     ("script", "args", "env", "named"),
     [
         ("session-tune.sh", ["nosuch"], {}, "MODEL 'nosuch' is not allowed; allowed values: glm53-width, v32-width"),
-        ("session-tune.sh", ["v32-width", "30"], {}, "seconds '30' is not allowed; allowed values: an integer > 60"),
-        ("session-host-cost.sh", ["abc"], {}, "seconds 'abc' is not allowed; allowed values: an integer > 0"),
+        ("session-tune.sh", ["v32-width", "30"], {}, "seconds '30' is not allowed; allowed values: an integer in [61, 3600]"),
+        ("session-tune.sh", [], {}, "MODEL '' is not allowed; allowed values: glm53-width, v32-width"),
+        ("session-tune.sh", ["v32-width", "540", "8,,12"], {}, "VALUES '8,,12' is not allowed"),
+        ("session-tune.sh", ["v32-width", "540", "8", "extra"], {}, "arguments 'v32-width 540 8 extra' are not allowed"),
+        ("session-host-cost.sh", ["abc"], {}, "seconds 'abc' is not allowed; allowed values: an integer in [1, 3600]"),
+        ("session-host-cost.sh", [""], {}, "seconds '' is not allowed; allowed values: an integer in [1, 3600]"),
         ("session-hook-calls.sh", [], {"COLD": "abc"}, "COLD 'abc' is not allowed; allowed values: an integer in [1, 1000000]"),
+        ("session-hook-calls.sh", [], {"COLD": ""}, "COLD '' is not allowed; allowed values: an integer in [1, 1000000]"),
+        ("session-e2e.sh", ["e2e", "abc"], {}, "seconds 'abc' is not allowed; allowed values: an integer in [1, 3600]"),
+        ("session-e2e.sh", ["e2e", "-5"], {}, "seconds '-5' is not allowed"),
+        ("session-e2e.sh", [""], {}, "MARK '' is not allowed"),
+        ("session-e2e.sh", ["e2e", "60"], {"TWIN_LIMIT": "x"}, "TWIN_LIMIT 'x' is not allowed"),
+        ("session-bench.sh", ["abc", "0"], {}, "seconds S1 'abc' is not allowed; allowed values: an integer in [0, 3600]"),
+        ("session-bench.sh", ["0", "-1"], {}, "seconds S2 '-1' is not allowed"),
+        ("session-bench.sh", ["0", "10", "foo"], {}, "GROUPS 'foo' is not allowed; allowed values: ht, ll, ht,ll"),
         ("session-hook-calls.sh", [".", "/nonexistent"], {}, "tree '/nonexistent' is not allowed"),
     ],
 )
@@ -60,3 +72,11 @@ def test_a_bad_argument_is_one_line_before_anything_runs(
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"{script}: {named}")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", sorted(SESSIONS))
+def test_without_out_one_line_and_exit_2(script: str, tmp_path: Path) -> None:
+    proc = _run(script, SESSIONS[script], tmp_path, OUT="")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line == f"{script}: OUT is not set; allowed values: the folder that receives the results (the device machine sets it)"

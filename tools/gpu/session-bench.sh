@@ -8,12 +8,17 @@
 # `session-bench.sh 560 0`, then `session-bench.sh 0 560 ll` and `session-bench.sh 0 560 ht`
 # (on a warm 2x H200 host the LL group takes about 80 s, the HT group about 180 s).
 set -u
-: "${OUT:?set OUT to the directory that receives bench.tgz (the device machine sets it)}"
 cd "$(dirname "$0")/../.."
+. tools/gpu/_checks.sh
+need_out session-bench.sh
+S1=${1-560} S2=${2-560} BENCH_GROUPS=${3-ht,ll}  # not GROUPS: bash reserves it
+[ "$#" -le 3 ] || { echo "session-bench.sh: arguments '$*' are not allowed; allowed values: [S1] [S2] [GROUPS]" >&2; exit 2; }
+need_int session-bench.sh "seconds S1" "$S1" 0 3600
+need_int session-bench.sh "seconds S2" "$S2" 0 3600
+case "$BENCH_GROUPS" in ht|ll|ht,ll|ll,ht) ;; *) echo "session-bench.sh: GROUPS '$BENCH_GROUPS' is not allowed; allowed values: ht, ll, ht,ll" >&2; exit 2 ;; esac
 . tools/gpu/env.sh
 status=0
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
-S1=${1:-560} S2=${2:-560} BENCH_GROUPS=${3:-ht,ll}  # not GROUPS: bash reserves it
 mkdir -p /tmp/bench
 if [ "$S1" != 0 ]; then
   CUDA_VISIBLE_DEVICES=0 timeout "$S1" python3 graphs/bench_real_engine.py --reps 5 --budget-s $(( S1 > 180 ? S1 - 150 : 30 )) --out /tmp/bench > /tmp/bench/bench_real_engine.log 2>&1

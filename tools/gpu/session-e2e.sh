@@ -7,11 +7,16 @@
 # With DBO_E2E_LOAD_FORMAT=dbo_runtime_random, tools/gpu/check_load_format.py first loads one tiny model
 # with it; if that fails the plan falls back to vLLM's dummy weights (the default), and says so.
 set -u
-: "${OUT:?set OUT to the directory that receives e2e.tgz (the device machine sets it)}"
 cd "$(dirname "$0")/../.."
-MARK=${1:-"e2e or e2e_dp2"}
-LIMIT=${2:-540}
+. tools/gpu/_checks.sh
+need_out session-e2e.sh
+MARK=${1-"e2e or e2e_dp2"}
+LIMIT=${2-540}
 KEXPR=${3:-}
+[ -n "$MARK" ] || { echo "session-e2e.sh: MARK '' is not allowed; allowed values: a pytest -m expression (default \"e2e or e2e_dp2\")" >&2; exit 2; }
+[ "$#" -le 3 ] || { echo "session-e2e.sh: arguments '$*' are not allowed; allowed values: [MARK] [SECONDS] [KEXPR]" >&2; exit 2; }
+need_int session-e2e.sh seconds "$LIMIT" 1 3600
+need_int session-e2e.sh TWIN_LIMIT "${TWIN_LIMIT-300}" 1 3600
 . tools/gpu/env.sh
 # Dozens of engines share 32 cores while they start: one or two intra-op threads each (vLLM gives
 # its multiproc workers 1) keep them from oversubscribing the host.

@@ -7,11 +7,11 @@
 # call site's cached read, into $OUT/hook-calls/sm-count-read/. Exit status: the first benchmark that failed.
 #   tools/gpu/session-hook-calls.sh [TREE ...]
 set -u
-: "${OUT:?set OUT (the device machine sets it)}"
 cd "$(dirname "$0")/../.."
-COLD=${COLD:-5000}
-case "$COLD" in ''|*[!0-9]*|0) echo "session-hook-calls.sh: COLD '$COLD' is not allowed; allowed values: an integer in [1, 1000000]" >&2; exit 2 ;; esac
-[ "$COLD" -le 1000000 ] || { echo "session-hook-calls.sh: COLD '$COLD' is not allowed; allowed values: an integer in [1, 1000000]" >&2; exit 2; }
+. tools/gpu/_checks.sh
+need_out session-hook-calls.sh
+COLD=${COLD-5000}
+need_int session-hook-calls.sh COLD "$COLD" 1 1000000
 [ "$#" -gt 0 ] || set -- .
 names=()
 for tree in "$@"; do  # every tree checked before anything runs

@@ -2,10 +2,11 @@
 # On the GPU machine, after install.sh: graphs/bench_host_cost.py, results into $OUT (JSON, PNG, run logs as a tarball).
 #   tools/gpu/session-host-cost.sh [seconds] [bench_host_cost.py arguments ...]
 set -u
-: "${OUT:?set OUT (the device machine sets it)}"
 cd "$(dirname "$0")/../.."
-LIMIT=${1:-540}
-case "$LIMIT" in ''|*[!0-9]*|0) echo "session-host-cost.sh: seconds '$LIMIT' is not allowed; allowed values: an integer > 0" >&2; exit 2 ;; esac
+. tools/gpu/_checks.sh
+need_out session-host-cost.sh
+LIMIT=${1-540}
+need_int session-host-cost.sh seconds "$LIMIT" 1 3600
 shift || true
 . tools/gpu/env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}

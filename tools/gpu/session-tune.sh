@@ -3,14 +3,16 @@
 # production-width model (tests/e2e/models/<model>: glm53-width or v32-width), into $OUT/tune-<model>.{json,png,log}.
 #   tools/gpu/session-tune.sh MODEL [seconds] [values]
 set -u
-: "${OUT:?set OUT to the directory that receives the results (the device machine sets it)}"
 cd "$(dirname "$0")/../.."
-MODEL=${1:?model: glm53-width or v32-width}
+. tools/gpu/_checks.sh
+need_out session-tune.sh
+MODEL=${1-}
 case "$MODEL" in glm53-width|v32-width) ;; *) echo "session-tune.sh: MODEL '$MODEL' is not allowed; allowed values: glm53-width, v32-width" >&2; exit 2 ;; esac
-LIMIT=${2:-540}
-case "$LIMIT" in ''|*[!0-9]*) echo "session-tune.sh: seconds '$LIMIT' is not allowed; allowed values: an integer > 60" >&2; exit 2 ;; esac
-[ "$LIMIT" -gt 60 ] || { echo "session-tune.sh: seconds '$LIMIT' is not allowed; allowed values: an integer > 60" >&2; exit 2; }
-VALUES=${3:-8,12,16}
+LIMIT=${2-540}
+need_int session-tune.sh seconds "$LIMIT" 61 3600
+VALUES=${3-8,12,16}
+[ "$#" -le 3 ] || { echo "session-tune.sh: arguments '$*' are not allowed; allowed values: MODEL [SECONDS] [VALUES]" >&2; exit 2; }
+case "$VALUES" in ''|,*|*,|*,,*|*[!0-9,]*) echo "session-tune.sh: VALUES '$VALUES' is not allowed; allowed values: comma-separated comm SM counts, e.g. 8,12,16" >&2; exit 2 ;; esac
 . tools/gpu/env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
