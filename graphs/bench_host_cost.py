@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="eager,graphs", help="comma-separated: eager, graphs (default both)")
     parser.add_argument("--dbo", default="off,dp1", help="comma-separated: off, dp1 (default both)")
     parser.add_argument(
-        "--only", default="",
+        "--only", default=None,
         help="comma-separated configuration labels to keep, MODEL-DEPTHL-MODE-dbo-DBO, e.g. glm53-78L-eager-dbo-dp1 (default: the whole matrix)",
     )  # fmt: skip
     parser.add_argument("--reps", type=integer(1), default=5, help="timed reps per engine after one warm-up (default 5)")
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         _choices(parser, "modes", args.modes, MODES),
         _choices(parser, "dbo", args.dbo, DBO),
     )
-    if args.only:
+    if args.only is not None:
         keep = set(_choices(parser, "only", args.only, tuple(c["label"] for c in configs)))
         configs = [c for c in configs if c["label"] in keep]
     specs = [s for c in configs for s in specs_for(c, args.graphs_steps if c["mode"] == "graphs" else args.steps, args.reps)]
@@ -291,12 +291,20 @@ def from_runs(runs: Path, labels: list[str]) -> tuple[dict[str, dict], dict]:
             raise RunsUnreadable(f"{run}: holds neither a spec.json nor a record.json")
         if not record.get("label"):
             raise RunsUnreadable(f"{run}: its record names no run (no 'label'): not a run directory of this benchmark")
+        bench = record.get("bench")
+        if bench is not None and not (
+            isinstance(bench, list) and all(isinstance(r, dict) and isinstance(r.get("reps", []), list) for r in bench)
+            and all(isinstance(x, dict) for r in bench for x in r.get("reps", []))
+        ):  # fmt: skip
+            raise RunsUnreadable(f"{run}: its 'bench' is not a list of ranks with lists of reps: not a run of this benchmark")
         records[label] = record
     if not records:
         raise RunsUnreadable(
             f"{runs} holds none of the {len(labels)} runs asked for (e.g. {labels[0] if labels else '-'}): give the "
             "bench_host_cost_runs directory of a stopped run and the --only / --models / --depths it ran with"
         )
+    if not any(_reps(r) for r in records.values()):
+        raise RunsUnreadable(f"{runs}: none of its {len(records)} run(s) finished a timed rep: there is nothing to summarize")
     configurations = sorted({label.rsplit("-", 1)[0] for label in labels})
     missing = [c for c in configurations if not any(label.startswith(f"{c}-") for label in records)]
     if missing:

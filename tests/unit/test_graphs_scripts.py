@@ -546,7 +546,11 @@ def test_host_cost_bench_refuses_a_runs_directory_it_cannot_use(tmp_path: Path) 
     assert mod.main(["--from-runs", str(tmp_path / "junk"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
     (broken / "record.json").write_text("{}")  # readable, but no run of this benchmark
     assert mod.main(["--from-runs", str(tmp_path / "junk"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
-    assert not (out / "bench_host_cost.json").exists()
+    (broken / "record.json").write_text(json.dumps({"label": "x", "ok": True, "bench": 5}))  # a foreign shape
+    assert mod.main(["--from-runs", str(tmp_path / "junk"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
+    (broken / "record.json").write_text(json.dumps({"label": "x"}))  # a run, but no timed rep: a file of nulls
+    assert mod.main(["--from-runs", str(tmp_path / "junk"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
+    assert not out.exists()
     with pytest.raises(SystemExit):
         mod.main(["--from-runs", "", "--out", str(out)])
 
@@ -560,10 +564,11 @@ def test_host_cost_bench_refuses_a_runs_directory_it_cannot_use(tmp_path: Path) 
         ("--dbo", ",off", "off, dp1 (comma-separated)"),
         ("--depths", "6,,78", "comma-separated layer counts >= 1"),
         ("--depths", "6, ", "comma-separated layer counts >= 1"),
+        ("--only", "", None),
     ],
 )
 def test_host_cost_bench_refuses_an_empty_item(
-    flag: str, raw: str, allowed: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    flag: str, raw: str, allowed: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An empty item in a choice list is a name left out, not a stray comma: one line naming the argument and
     the allowed values, exit 2, instead of a smaller matrix than the one typed."""
@@ -572,6 +577,9 @@ def test_host_cost_bench_refuses_an_empty_item(
         mod.main([flag, raw, "--out", str(tmp_path / "out")])
     assert exit_.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
+    if allowed is None:  # the labels of the whole matrix
+        assert line.startswith(f"bench_host_cost: error: argument {flag}: {raw!r} (an empty item) is not allowed; allowed values: glm53-6L-eager-dbo-off, ")
+        return
     assert line == f"bench_host_cost: error: argument {flag}: {raw!r} (an empty item) is not allowed; allowed values: {allowed} (see --help)"
     assert not (tmp_path / "out").exists()
 
