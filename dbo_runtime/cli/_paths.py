@@ -59,6 +59,8 @@ def check_png(raw: str, command: str) -> Path:
     and matplotlib importable. Nothing is created."""
     path = Path(raw)
     allowed = f"a file path whose folder {command} can create and write, with matplotlib installed"
+    if not raw.strip():  # an unset shell variable; Path('') is the current folder
+        raise ConfigError("--png", raw, f"a non-empty {allowed[2:]}")
     if path.is_dir():
         raise ConfigError("--png", raw, f"{allowed} ({path} is a folder)")
     problem = _writable_folder_problem(path.parent)

@@ -328,10 +328,10 @@ def _require_plugin() -> None:
     from dbo_runtime.core.switches import read_switch
 
     switch = read_switch("DBO_RUNTIME_DISABLE")
-    if switch.on:
+    if switch.on or not switch.recognised:
         raise ConfigError(
-            "DBO_RUNTIME_DISABLE", switch.raw, "unset or 0: tune measures through dbo_runtime's counters, which a "
-            "disabled plugin does not keep"
+            "DBO_RUNTIME_DISABLE", switch.raw, "an off value ('0', 'false', 'no', 'off', '', or not set): tune measures "
+            "through dbo_runtime's counters, which a disabled plugin does not keep"
         )
 
 
@@ -356,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
     notes += more
     # usage errors before vLLM's parser and the GPU check, which can only say "cannot run"; nothing is created yet
     workdir = check_dir(args.workdir, "--workdir", "tune") if args.workdir is not None else None
-    png = check_png(args.png, "tune") if args.png else None
+    png = check_png(args.png, "tune") if args.png is not None else None
     # where this machine cannot run the sweep, that one line is all tune prints: the notes describe a sweep
     # that will not happen
     check_with_vllm(plan[0].engine_args, "tune")

@@ -70,16 +70,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
         allow_abbrev=False,
     )
-    parser.add_argument("--prompts", type=str, default=64, metavar="N", help="synthetic prompts (default 64)")
+    parser.add_argument("--prompts", type=str, default=None, metavar="N", help="synthetic prompts (default 64)")
     parser.add_argument(
-        "--prompt-len", default="256-1024", metavar="MIN-MAX", help="synthetic prompt lengths in tokens (default 256-1024)"
+        "--prompt-len", default=None, metavar="MIN-MAX", help="synthetic prompt lengths in tokens (default 256-1024)"
     )
     parser.add_argument(
         "--prompt-file",
         metavar="PATH",
         help="prompts instead of synthetic ids: .jsonl with prompt_token_ids or prompt per line, or one text prompt per line",
     )
-    parser.add_argument("--prompt-seed", type=str, default=0, metavar="S", help="seed of the synthetic prompts (default 0)")
+    parser.add_argument("--prompt-seed", type=str, default=None, metavar="S", help="seed of the synthetic prompts (default 0)")
     parser.add_argument("--max-tokens", type=str, default=32, metavar="T", help="greedy tokens per prompt (default 32)")
     parser.add_argument(
         "--min-agreement",
@@ -221,6 +221,23 @@ def _microbatched(record: dict[str, Any]) -> bool:
     return not counted or min(counted) > 0
 
 
+SYNTHETIC = {"prompts": 64, "prompt_len": "256-1024", "prompt_seed": 0}
+"""The options that describe synthetic prompts, with their defaults."""
+
+
+def _synthetic_defaults(args: argparse.Namespace) -> None:
+    """A prompt file replaces the synthetic prompts: an option that describes them as well would be ignored, so it
+    is refused (the operator meant one or the other); otherwise the unset ones take their defaults."""
+    given = [f"--{dest.replace('_', '-')}" for dest in SYNTHETIC if getattr(args, dest, None) is not None]
+    if args.prompt_file is not None and given:
+        raise ConfigError(
+            given[0], getattr(args, given[0][2:].replace("-", "_")), "not given with --prompt-file (it describes synthetic prompts)"
+        )
+    for dest, default in SYNTHETIC.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, default)
+
+
 def _numbers(args: argparse.Namespace, max_prompts: int) -> None:
     """Numeric options arrive as text so that a non-number gets the same one line as a bad number."""
     allowed = {
@@ -246,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
     from dbo_runtime.harness.prompts import MAX_PROMPTS, PromptSpec
 
     # verify's own options first: a bad one is named as itself, not as whatever the engine arguments lack
+    _synthetic_defaults(args)
     _numbers(args, MAX_PROMPTS)
     low, high = _int_range(args.prompt_len, "--prompt-len")
     if not 1 <= args.prompts <= MAX_PROMPTS:

@@ -330,7 +330,7 @@ def _no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- --png: checked before any engine, drawn after the result --------------------------------------
-@pytest.mark.parametrize("where", ["under_a_file", "proc", "a_folder", "no_matplotlib"])
+@pytest.mark.parametrize("where", ["under_a_file", "proc", "a_folder", "no_matplotlib", "empty"])
 def test_a_png_that_cannot_be_drawn_is_refused_before_any_engine(
     where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -340,10 +340,11 @@ def test_a_png_that_cannot_be_drawn_is_refused_before_any_engine(
     monkeypatch.setattr(_paths, "matplotlib_installed", lambda: where != "no_matplotlib")  # FakeMatplotlib: not in the venv
     afile = tmp_path / "afile"
     afile.write_text("")
-    png = {"under_a_file": afile / "c.png", "proc": Path("/proc/x/y.png"), "a_folder": tmp_path, "no_matplotlib": tmp_path / "c.png"}[where]
+    png = {"under_a_file": afile / "c.png", "proc": Path("/proc/x/y.png"), "a_folder": tmp_path, "no_matplotlib": tmp_path / "c.png", "empty": ""}[where]
     assert main(["tune", "--png", str(png), *ENGINE]) == 2
     line = _one_line(capsys)
-    assert line.startswith(f"dbo-runtime tune: error: --png='{png}' is not allowed; allowed values: a file path whose folder"), line
+    start = "a non-empty file path" if where == "empty" else "a file path"
+    assert line.startswith(f"dbo-runtime tune: error: --png='{png}' is not allowed; allowed values: {start} whose folder"), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
@@ -451,14 +452,25 @@ def test_decode_with_cuda_graphs_is_timed_eager() -> None:
     assert "--enforce-eager" not in added  # prefill is not captured
 
 
-def test_with_the_plugin_disabled_tune_refuses_before_anything_else(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("raw", ["1", "ture"])
+def test_with_the_plugin_disabled_tune_refuses_before_anything_else(
+    raw: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """tune measures through dbo_runtime's counters: under DBO_RUNTIME_DISABLE the sweep could only end
-    inconclusive, so it is one line naming the switch, exit 2, before vLLM's parser or the GPU count."""
-    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "1")
+    inconclusive, so it is one line naming the switch, exit 2, before vLLM's parser or the GPU count; a value the
+    switch does not know (``ture``) is refused the same way rather than guessed."""
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", raw)
     monkeypatch.setattr(tune, "check_with_vllm", lambda args, command: pytest.fail("checked the engine arguments"))
     assert main(["tune", *ENGINE]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [
-        "dbo-runtime tune: error: DBO_RUNTIME_DISABLE='1' is not allowed; allowed values: unset or 0: tune measures "
-        "through dbo_runtime's counters, which a disabled plugin does not keep"
+        f"dbo-runtime tune: error: DBO_RUNTIME_DISABLE={raw!r} is not allowed; allowed values: an off value ('0', "
+        "'false', 'no', 'off', '', or not set): tune measures through dbo_runtime's counters, which a disabled plugin "
+        "does not keep"
     ]
+
+
+@pytest.mark.parametrize("raw", ["0", "off", "False", ""])
+def test_tune_takes_every_off_value_of_the_disable_switch(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", raw)
+    tune._require_plugin()
