@@ -276,6 +276,8 @@ def _backend(kind: str, mode: str, total_sms: int, make_backend: Any) -> Any:
     or a CUDA-graph mode, without a CUDA device is the machine's limit, not a bad argument."""
     from dbo_runtime.sim.backends import real_kernels_missing
 
+    if kind == "cpu" and mode != "eager":  # a conflict on every machine, not this machine's limit
+        raise ConfigError("--mode", mode, "eager with --backend cpu (CUDA graphs capture the real kernels: --backend auto)")
     if kind == "deep_gemm":
         missing = real_kernels_missing()
         if missing is not None:

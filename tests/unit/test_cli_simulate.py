@@ -28,7 +28,7 @@ def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
     ("argv", "line"),
     [
         (["--mode", "mrv1"], "dbo-runtime simulate: --mode mrv1 needs a CUDA GPU (FULL CUDA-graph capture): no CUDA device"),
-        (["--mode", "mrv2", "--backend", "cpu"], "dbo-runtime simulate: --mode mrv2 needs a CUDA GPU"),
+        (["--mode", "mrv2", "--backend", "auto"], "dbo-runtime simulate: --mode mrv2 needs a CUDA GPU"),
         (["--backend", "deep_gemm"], "dbo-runtime simulate: --backend deep_gemm needs a CUDA GPU and DeepGEMM: no CUDA device"),
     ],
 )
@@ -37,6 +37,15 @@ def test_what_needs_a_gpu_exits_3_on_a_machine_without_one(argv: list[str], line
         pytest.skip("this machine has CUDA; the no-CUDA path is exercised on the CPU box")
     assert main(["simulate", *argv]) == 3
     assert _one_line(capsys).startswith(line)
+
+
+@pytest.mark.parametrize("mode", ["mrv1", "mrv2"])
+def test_a_capture_mode_with_the_cpu_backend_is_a_conflict_on_every_machine(mode: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not "this machine has no GPU" (exit 3): with ``--backend cpu`` a GPU would refuse it too."""
+    assert main(["simulate", "--mode", mode, "--backend", "cpu"]) == 2
+    assert _one_line(capsys).startswith(
+        f"dbo-runtime simulate: error: --mode={mode!r} is not allowed; allowed values: eager with --backend cpu"
+    )
 
 
 def test_a_bad_layout_in_the_environment_says_the_flag_does_not_override_it(
