@@ -306,9 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=integer(1), default=20, help="DBO steps per variant (default 20)")
     ap.add_argument("--layers", type=integer(1), default=21, help="indexer layers per step (default 21)")
     ap.add_argument("--calls", type=integer(1), default=200_000, help="host calls timed for the cache lookup (default 200000)")
-    ap.add_argument("--dbo-sms", type=integer(1), default=112, help="SM count under DBO (default 112: H200 - 20 comm SMs)")
-    ap.add_argument("--cold-sms", type=integer(1), default=110, help="an SM count never planned before, for the cold path (default 110)")
+    ap.add_argument(
+        "--dbo-sms", type=integer(2, multiple=2), default=112,
+        help="SM count under DBO, even as vLLM keeps DeepGEMM's share, at most the GPU's (default 112: H200 - 20 comm SMs)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--cold-sms", type=integer(2, multiple=2), default=110,
+        help="an SM count never planned before, for the cold path: even, not --dbo-sms, at most the GPU's (default 110)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.cold_sms == args.dbo_sms:
+        ap.error(f"argument --cold-sms: {args.cold_sms} is not allowed; allowed values: an even count other than --dbo-sms ({args.dbo_sms})")
     from dbo_runtime.sim.backends import refuse_without_kernels
 
     # A fresh JIT cache, made only where the kernels can run: "cold" must mean a compile, not a hit in
@@ -320,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         refused = refuse_without_kernels("bench_indexer_schedule")
         if refused is not None:
             return EXIT_NO_DEVICE
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        for flag, value in (("--dbo-sms", args.dbo_sms), ("--cold-sms", args.cold_sms)):
+            if value > total:
+                ap.error(f"argument {flag}: {value} is not allowed; allowed values: an even count up to this GPU's {total} SMs")
         return _run(args)
     finally:
         if made is not None:

@@ -75,7 +75,7 @@ BAD_VALUES = {
     "bench_dbo_stack.py": ("--requests", "1", "an integer >= 2"),
     "bench_hook_calls.py": ("--n", "5", "integers in [100, 10000000]"),
     "bench_host_cost.py": ("--depths", "0", "comma-separated layer counts >= 1"),
-    "bench_indexer_schedule.py": ("--dbo-sms", "x", "an integer >= 1"),
+    "bench_indexer_schedule.py": ("--dbo-sms", "x", "an integer >= 2, a multiple of 2"),
     "bench_planner_warmup.py": ("--spec-tokens", "4", "integers in [0, 3]"),
     "bench_real_engine.py": ("--budget-s", "-1", "a finite number of seconds > 0"),
     "bench_replay_planning.py": ("--max-context", "100", "an integer >= 64, a multiple of 64"),
@@ -98,6 +98,23 @@ def test_a_bad_value_is_one_line_before_any_gpu_check(
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line == f"{name[:-3]}: error: argument {flag}: {value!r} is not allowed; allowed values: {allowed} (see --help)"
     assert not (tmp_path / "out").exists()
+
+
+def test_the_indexer_benchmark_takes_even_sm_counts_and_two_different_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM keeps DeepGEMM's share even, and the cold path needs a count the DBO count is not."""
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "jit"))
+    mod = load("bench_indexer_schedule.py")
+    for argv, line in (
+        (["--dbo-sms", "111"], "argument --dbo-sms: '111' is not allowed; allowed values: an integer >= 2, a multiple of 2"),
+        (["--cold-sms", "112"], "argument --cold-sms: 112 is not allowed; allowed values: an even count other than --dbo-sms (112)"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            mod.main([*argv, "--out", str(tmp_path / "out")])
+        assert exit_.value.code == 2
+        [got] = capsys.readouterr().err.strip().splitlines()
+        assert got.startswith(f"bench_indexer_schedule: error: {line}"), got
 
 
 @pytest.mark.parametrize("where", ["a_file", "under_a_file", "unwritable", "empty"])
