@@ -36,6 +36,8 @@ MODELS = {
 """Model name -> (e2e config, HF overrides): the GLM-5.3 layer pattern, or DeepSeek-V3.2's (every layer leads)."""
 MODES = ("eager", "graphs")
 DBO = ("off", "dp1")
+MAX_STEPS = 3000
+"""Decode steps per pass at most: the prompts are up to 600 tokens and the tiny engines' --max-model-len is 4096."""
 VARIANTS = (("plugin", {}), ("vanilla", {"DBO_RUNTIME_DISABLE": "1"}), ("selftime", {"DBO_RUNTIME_SELF_TIME": "1"}))
 
 
@@ -214,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated configuration labels to keep, MODEL-DEPTHL-MODE-dbo-DBO, e.g. glm53-78L-eager-dbo-dp1 (default: the whole matrix)",
     )  # fmt: skip
     parser.add_argument("--reps", type=integer(1), default=5, help="timed reps per engine after one warm-up (default 5)")
-    parser.add_argument("--steps", type=integer(2), default=16, help="decode steps per timed pass, eager rows (default 16)")
+    parser.add_argument("--steps", type=integer(2, MAX_STEPS), default=16, help="decode steps per timed pass, eager rows (default 16)")
     parser.add_argument(
-        "--graphs-steps", type=integer(2), default=128,
+        "--graphs-steps", type=integer(2, MAX_STEPS), default=128,
         help="decode steps per timed pass, CUDA-graph rows (default 128: a replayed step is a few ms, 16 of them are lost in the difference of two passes)",
     )  # fmt: skip
     parser.add_argument(

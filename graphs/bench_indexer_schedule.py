@@ -308,11 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=integer(1), default=200_000, help="host calls timed for the cache lookup (default 200000)")
     ap.add_argument(
         "--dbo-sms", type=integer(2, multiple=2), default=112,
-        help="SM count under DBO, even as vLLM keeps DeepGEMM's share, at most the GPU's (default 112: H200 - 20 comm SMs)",
+        help="SM count under DBO, even as vLLM keeps DeepGEMM's share, below the GPU's (default 112: H200 - 20 comm SMs)",
     )  # fmt: skip
     ap.add_argument(
         "--cold-sms", type=integer(2, multiple=2), default=110,
-        help="an SM count never planned before, for the cold path: even, not --dbo-sms, at most the GPU's (default 110)",
+        help="an SM count never planned before, for the cold path: even, not --dbo-sms, below the GPU's (default 110)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     if args.cold_sms == args.dbo_sms:
@@ -330,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_NO_DEVICE
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         for flag, value in (("--dbo-sms", args.dbo_sms), ("--cold-sms", args.cold_sms)):
-            if value > total:
-                ap.error(f"argument {flag}: {value} is not allowed; allowed values: an even count up to this GPU's {total} SMs")
+            if value >= total:  # the whole GPU lowers nothing for DBO, and the cold count would hit the fast path
+                ap.error(f"argument {flag}: {value} is not allowed; allowed values: an even count below this GPU's {total} SMs")
         return _run(args)
     finally:
         if made is not None:

@@ -27,6 +27,10 @@ def _wait(paths: Sequence[Path], deadline: float, give_up: Callable[[], bool]) -
     return True
 
 
+SHUTDOWN_S = 60.0
+"""How long an engine may take to exit after its last turn, per rank (``launch`` waits 30 s a rank, then kills)."""
+
+
 def _finished(records: dict[str, dict[str, Any]], label: str) -> Callable[[], bool]:
     return lambda: label in records
 
@@ -45,7 +49,8 @@ def run_interleaved(
     Each spec's turn files live in a folder made for this call (``<label>/barrier/run-<pid>-<ns>``), after every
     earlier run's are removed: a reused ``--out`` / ``--workdir`` keeps an earlier run's ``ready-`` and ``done-``
     files, and an engine of that run may still be alive and waiting for its turn. Past ``timeout_s`` no further turn
-    starts (a turn that starts then would overlap the one still running) and every engine is killed."""
+    starts (a turn that starts then would overlap the one still running) and every engine is killed. ``kill_all`` kills
+    every engine this process launched: no caller runs another launch beside this one."""
     for spec in specs:
         if not (spec.bench and spec.bench.get("coordinated")):
             raise ValueError(f"{spec.label}: bench.coordinated must be set")
@@ -103,12 +108,20 @@ def run_interleaved(
         if progress is not None:
             progress(f"time limit of {timeout_s:.0f} s: no further turn started; every engine killed")
         kill_all()
+    # After the last turn an engine still shuts down (its CUDA teardown, up to 30 s a rank in launch): wait for it,
+    # then kill what is left, so no record is missing for a run that finished and no engine outlives this call.
+    reap_s = max(SHUTDOWN_S * max((s.dp for s in specs), default=1) + SHUTDOWN_S, deadline - time.monotonic())
     for t in threads:
-        t.join(timeout=max(1.0, deadline - time.monotonic()) if not expired else 60.0)
+        t.join(timeout=max(1.0, reap_s))
+    if any(t.is_alive() for t in threads):
+        kill_all()
+        for t in threads:
+            t.join(timeout=SHUTDOWN_S)
+    result = dict(records)
     for spec in specs:
-        records.setdefault(spec.label, {"label": spec.label, "ok": False, "error": "no record (timeout)"})
-        records[spec.label]["turn_order"] = [label for _, label in order]
-    return records
+        result.setdefault(spec.label, {"label": spec.label, "ok": False, "error": "no record (timeout)"})
+        result[spec.label]["turn_order"] = [label for _, label in order]
+    return result
 
 
 __all__ = ["run_interleaved"]

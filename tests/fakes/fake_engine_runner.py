@@ -83,6 +83,8 @@ def main() -> int:
                 time.sleep(float((spec.get("meta") or {}).get("fake_rep_s", 5)))
             reps.append(_rep(rep, rank, bench))
             (root / f"done-rep{rep}.{rank}").touch()
+    if (spec.get("meta") or {}).get("fake_exit_s"):  # an engine whose shutdown outlasts the coordinator's deadline
+        time.sleep(float(spec["meta"]["fake_exit_s"]))
     requests = [
         {"index": i, "tokens": [i, i + 1], "logprobs": [{str(i): -0.1}, {str(i + 1): -0.2}]}
         for i in range(rank, 2 * size, size)

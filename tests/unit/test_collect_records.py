@@ -30,6 +30,7 @@ def runs(tmp_path: Path) -> Path:
     [
         (["--date", "../../escape"], "argument --date: '../../escape' is not allowed"),
         (["--date", ""], "argument --date: '' is not allowed"),
+        (["--date", "2026-99-99"], "argument --date: '2026-99-99' is not allowed"),
         (["--date", "2026-12-02", "--run", "a/b"], "argument --run: 'a/b' is not allowed"),
     ],
 )

@@ -59,6 +59,9 @@ def test_without_install_sh_one_line_and_exit_2(script: str, tmp_path: Path) -> 
         ("session-bench.sh", ["abc", "0"], {}, "seconds S1 'abc' is not allowed; allowed values: an integer in [0, 3600]"),
         ("session-bench.sh", ["0", "-1"], {}, "seconds S2 '-1' is not allowed"),
         ("session-bench.sh", ["0", "10", "foo"], {}, "GROUPS 'foo' is not allowed; allowed values: ht, ll, ht,ll"),
+        ("session-bench.sh", ["00", "0"], {}, "seconds S1 '00' is not allowed"),  # `timeout 00` would have no limit
+        ("session-tune.sh", ["v32-width", "0540"], {}, "seconds '0540' is not allowed"),  # bash reads it as octal
+        ("session-host-cost.sh", ["12345678901234567890123"], {}, "seconds '12345678901234567890123' is not allowed"),
         ("session-hook-calls.sh", [".", "/nonexistent"], {}, "tree '/nonexistent' is not allowed"),
     ],
 )

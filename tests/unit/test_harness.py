@@ -299,6 +299,18 @@ def test_no_turn_starts_after_the_deadline_and_the_engines_are_killed(tmp_path: 
     assert "rep 0: slow did not finish (time limit)" in said and any(m.startswith("time limit of 8 s") for m in said), said
 
 
+def test_a_run_that_finished_its_turns_keeps_its_record_when_its_engine_exits_late(tmp_path: Path, fake_runner: None) -> None:
+    """Every turn done before the deadline, but the engine's exit (its CUDA teardown) comes after it: the record is
+    the engine's, not "no record (timeout)", and nothing is left running."""
+    from dbo_runtime.harness.turns import run_interleaved
+
+    bench = {"max_tokens": 4, "reps": 1, "warmup": 0, "coordinated": True}
+    spec = RunSpec("late", ["--model", "m"], meta={"fake": {}, "fake_exit_s": 6}, bench=bench, timeout_s=120)
+    got = run_interleaved([spec], tmp_path, reps=1, timeout_s=3)
+    assert got["late"]["ok"], got["late"].get("error")
+    assert got["late"]["turn_order"] == ["late"]
+
+
 def test_interleaved_turns_refuse_two_specs_with_one_label(tmp_path: Path) -> None:
     from dbo_runtime.harness.turns import run_interleaved
 

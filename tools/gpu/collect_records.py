@@ -15,6 +15,7 @@ Microbatched steps are recomputed from the per-worker counters in the rank files
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import re
 import sys
@@ -55,8 +56,40 @@ for model, runners in (("deepseek-v32-h2048", ("v1",)), ("shared-topk-h2048", ("
             PAIRS[f"dp2-ll-dbo-{model}-{runner}-{variant}"] = f"dp2-ll-ref-{model}-{runner}"
 
 
-DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 TAG = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _is_date(raw: str) -> bool:
+    if not re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", raw):
+        return False
+    try:
+        datetime.date.fromisoformat(raw)
+    except ValueError:
+        return False
+    return True
+
+
+def _doc(label: str, rec: dict[str, Any], runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """One run's record, compared with its reference run where the tests make that comparison."""
+    doc = {k: v for k, v in rec.items() if k not in ("requests", "log_tail")}
+    doc.setdefault("reference", None)
+    doc.setdefault("agreement", None)
+    doc.setdefault("max_abs_dlogprob", None)
+    doc.setdefault("tokens_identical_to", None)
+    ref_label = PAIRS.get(label)
+    ref = runs.get(ref_label) if ref_label else None
+    if ref_label and ref and ref.get("requests") and rec.get("requests"):
+        c = compare([Request.from_json(r) for r in ref["requests"]], [Request.from_json(r) for r in rec["requests"]])
+        doc.update(c.record_facts(ref_label, len(ref["requests"])))
+    elif ref_label:
+        doc["reference"] = ref_label
+        doc["comparison_missing"] = f"{ref_label if not ref or not ref.get('requests') else label} has no tokens"
+    doc["date"] = args.date
+    if args.run:
+        doc["run"] = args.run
+    if args.session:
+        doc["session"] = args.session
+    return doc
 
 
 def main() -> int:
@@ -69,7 +102,7 @@ def main() -> int:
     ap.add_argument("--repo-root", default="/work/main", help="the checkout's path on the GPU machine (made relative)")
     args = ap.parse_args()
     # Everything is checked before anything is read or written: a file name is built from --date and --run.
-    if not DATE.fullmatch(args.date):
+    if not _is_date(args.date):
         ap.error(f"argument --date: {args.date!r} is not allowed; allowed values: a date YYYY-MM-DD")
     if args.run and not TAG.fullmatch(args.run):
         ap.error(f"argument --run: {args.run!r} is not allowed; allowed values: letters, digits, '-' and '_' (e.g. lease13)")
@@ -102,28 +135,15 @@ def main() -> int:
     except OSError as exc:
         print(f"collect_records: docs_dir {str(args.docs_dir)!r} cannot be created ({exc}); nothing written", file=sys.stderr)
         return 2
+    try:
+        docs = [(label, _doc(label, rec, runs, args)) for label, rec in runs.items()]
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        print(f"collect_records: run_dir {str(args.run_dir)!r}: a run's requests cannot be compared ({type(exc).__name__}: {exc}); nothing written", file=sys.stderr)
+        return 2
     written = []
-    for label, rec in runs.items():
-        doc = {k: v for k, v in rec.items() if k not in ("requests", "log_tail")}
-        doc.setdefault("reference", None)
-        doc.setdefault("agreement", None)
-        doc.setdefault("max_abs_dlogprob", None)
-        doc.setdefault("tokens_identical_to", None)
-        ref_label = PAIRS.get(label)
-        ref = runs.get(ref_label) if ref_label else None
-        if ref and ref.get("requests") and rec.get("requests"):
-            c = compare([Request.from_json(r) for r in ref["requests"]], [Request.from_json(r) for r in rec["requests"]])
-            doc.update(c.record_facts(ref_label, len(ref["requests"])))
-        elif ref_label:
-            doc["reference"] = ref_label
-            doc["comparison_missing"] = f"{ref_label if not ref or not ref.get('requests') else label} has no tokens"
-        doc["date"] = args.date
-        if args.run:
-            doc["run"] = args.run
-        if args.session:
-            doc["session"] = args.session
+    stem = f"{args.date}-{args.run}" if args.run else args.date
+    for label, doc in docs:  # every document is built before the first is written
         name = label.replace("/", "-")
-        stem = f"{args.date}-{args.run}" if args.run else args.date
         path = args.docs_dir / f"{stem}-real-engine-{name}.json"
         # Paths of the checkout on the GPU machine become repository-relative.
         text = json.dumps(doc, indent=1, default=str).replace(args.repo_root.rstrip("/") + "/", "")
