@@ -46,9 +46,22 @@ def partial_path(out: Path) -> Path:
     return out.with_name(out.stem + ".partial.json")
 
 
+class Superseded(TimeoutError):
+    """This run's turn folder was removed: a later run in the same directory took it over (``harness.turns``)."""
+
+
+def _superseded() -> bool:
+    """Whether a later run removed this run's barrier folder: then this engine is an orphan of an earlier
+    coordinator, and nothing it writes may land among the later run's files."""
+    root = os.environ.get(BARRIER_ENV)
+    return root is not None and not Path(root).is_dir()
+
+
 def _save_partial(bench: dict[str, Any]) -> None:
     """Keep every finished rep on disk: a session's time limit kills the engine without a result file, and a
     benchmark of 78-layer engines loses minutes of device time with it. Best effort: never fails the run."""
+    if _superseded():
+        return
     for path in _PARTIAL:
         try:
             tmp = path.with_suffix(".tmp")
@@ -65,6 +78,8 @@ def barrier(name: str, rank: int, size: int) -> None:
     (root / f"{name}.{rank}").touch()
     deadline = time.monotonic() + BARRIER_TIMEOUT_S
     while not all((root / f"{name}.{r}").exists() for r in range(size)):
+        if not root.is_dir():
+            raise Superseded(f"barrier {name!r}: the run's folder {root} was removed by a later run")
         if time.monotonic() > deadline:
             raise TimeoutError(f"barrier {name!r}: the other DP ranks did not arrive within {BARRIER_TIMEOUT_S:.0f} s")
         time.sleep(0.05)
@@ -77,6 +92,8 @@ def wait_turn(name: str, rank: int) -> None:
     (root / f"ready-{name}.{rank}").touch()
     deadline = time.monotonic() + BARRIER_TIMEOUT_S
     while not (root / f"go-{name}").exists():
+        if not root.is_dir():
+            raise Superseded(f"turn {name!r}: the run's folder {root} was removed by a later run")
         if time.monotonic() > deadline:
             raise TimeoutError(f"turn {name!r} was never started by the coordinator")
         time.sleep(0.02)
@@ -392,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-6000:]
         _log(f"failed: {result['error']}")
+    if _superseded():  # an orphan: the later run's rank files are its own
+        _log("this run's folder was taken over by a later run: no result written")
+        return 1
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(out)  # before the exit barrier: a peer's failure must not cost this rank's result

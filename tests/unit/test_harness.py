@@ -494,3 +494,33 @@ def test_pool_admits_runs_by_their_memory_share_on_each_gpu(tmp_path: Path, monk
     assert max(peaks) <= pool.MEMORY_BUDGET + 1e-9  # at most two wide runs and the small ones beside them
     assert pool.memory_share(RunSpec("d", ["--model", "m"])) == pool.DEFAULT_UTILIZATION
     assert pool.gpus_of(RunSpec("one", ["--model", "m"], gpus=[1]), [0, 1]) == [1]
+
+
+def test_an_engine_whose_run_folder_was_taken_over_stops_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine left over from an earlier coordinator (killed, say, by a session limit) must not answer for the
+    later run that removed its turn folder: its waits end at once, and it keeps no reps and writes no result
+    among the later run's files."""
+    import shutil
+    import threading
+
+    from dbo_runtime.harness import runner
+
+    gone = tmp_path / "barrier" / "run-old"
+    monkeypatch.setenv(runner.BARRIER_ENV, str(gone))
+    for wait in (lambda: runner.wait_turn("rep0", 0), lambda: runner.barrier("bench0a", 0, 2)):
+        gone.mkdir(parents=True)
+        remover = threading.Timer(0.3, shutil.rmtree, args=(gone,))  # the later run clears the folder mid-wait
+        remover.start()
+        started = time.monotonic()
+        with pytest.raises(runner.Superseded):
+            wait()
+        assert time.monotonic() - started < 5
+        remover.join()
+    out = tmp_path / "rank0.json"
+    runner._PARTIAL[:] = [runner.partial_path(out)]
+    runner._save_partial({"reps": [{"rep": 0}]})
+    assert not runner.partial_path(out).exists()
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"label": "old"}))
+    monkeypatch.setattr(runner, "run", lambda spec, rank, size, result: None)
+    assert runner.main([str(spec), str(out)]) == 1 and not out.exists()
