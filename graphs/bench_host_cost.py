@@ -122,6 +122,8 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
     self_us = [r["plugin_self_us_per_step"] for r in self_reps if r.get("plugin_self_us_per_step") is not None]
     net_us = [r["plugin_self_net_us_per_step"] for r in self_reps if r.get("plugin_self_net_us_per_step") is not None]
     calls = [r["plugin_calls_per_step"] for r in self_reps if r.get("plugin_calls_per_step") is not None]
+    gc_us = [r["plugin_gc_us_per_step"] for r in self_reps if r.get("plugin_gc_us_per_step") is not None]
+    gc_n = [r["plugin_gc_per_step"] for r in self_reps if r.get("plugin_gc_per_step") is not None]
     by_patch: dict[str, list[float]] = {}
     us_by_patch: dict[str, list[float]] = {}
     long_by_patch: dict[str, list[dict[str, float]]] = {}
@@ -155,6 +157,10 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
         "self_net_us_per_step": med(net_us),
         "self_net_ns_per_hooked_call": med(net_us) * 1e3 / calls_med if net_us and calls_med else None,
         "self_net_share_of_step": med(net_us) / 1e3 / vanilla_ms if net_us and vanilla_ms else None,
+        # garbage collections that started inside plugin code (part of the self time above): a collection is paid by
+        # whichever code's allocation triggers it, so these are vLLM's garbage as much as the plugin's
+        "gc_in_plugin_per_step": med(gc_n),
+        "gc_in_plugin_us_per_step": med(gc_us),
         "calls_per_step_by_patch": {name: med(v) for name, v in sorted(by_patch.items())},
         # exclusive self time per patch, and the part of it in single charges over selftime.LONG_NS (a kernel the
         # plugin launches, or the thread descheduled inside plugin code): what the per-access figure is made of

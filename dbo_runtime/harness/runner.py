@@ -331,6 +331,11 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
                     for name, n in _per_step_by_patch(s0, s1, s2, steps, key="long_by_patch", index=0).items()
                 }
                 row["plugin_self_net_us_per_step"] = net_self_us(row["plugin_self_us_per_step"], row["plugin_calls_per_step_by_patch"], s2)
+                gc_one, gc_full = summary_delta(s0, s1, "self_time_gc_ns"), summary_delta(s1, s2, "self_time_gc_ns")
+                n_one, n_full = summary_delta(s0, s1, "self_time_gc_count"), summary_delta(s1, s2, "self_time_gc_count")
+                if None not in (gc_one, gc_full, n_one, n_full):
+                    row["plugin_gc_us_per_step"] = max(0.0, (gc_full - gc_one) / (steps - 1) / 1e3)
+                    row["plugin_gc_per_step"] = max(0.0, (n_full - n_one) / (steps - 1))
         row["jit_in_step"] = summary_delta(s0, s2, "jit_in_step")
         reps.append(row)
         _save_partial({"max_tokens": steps, "requests": len(batch), "reps": reps})

@@ -16,6 +16,7 @@ totals are an honest upper bound. The part of that cost the clock itself charges
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 import types
@@ -32,7 +33,7 @@ class _ThreadClock:
     """One thread's clock and its tables since its last fold (only this thread writes them: no lost updates when
     the two microbatch threads hand the GIL to each other mid-increment)."""
 
-    __slots__ = ("calls", "counts", "in_plugin", "long", "name", "ns", "since", "total_ns")
+    __slots__ = ("calls", "counts", "gc_count", "gc_ns", "gc_since", "in_plugin", "long", "name", "ns", "since", "total_ns")
 
     def __init__(self) -> None:
         self.in_plugin = False
@@ -43,6 +44,10 @@ class _ThreadClock:
         self.counts: dict[str, int] = {}
         self.ns: dict[str, int] = {}
         self.long: dict[str, list[int]] = {}
+        self.gc_count = 0
+        self.gc_ns = 0
+        self.gc_since = 0
+        """When a collection that started inside plugin code began (0: none under way)."""
 
 
 class _Local(threading.local):
@@ -50,9 +55,10 @@ class _Local(threading.local):
 
 
 _tls = _Local()
-_totals = [0, 0]
-"""[ns, calls] of every thread, folded in when a thread's outermost plugin call returns: vLLM starts
-two new microbatch threads per DBO step, so per-thread records would grow without bound."""
+_totals = [0, 0, 0, 0]
+"""[ns, calls, gc collections, gc ns] of every thread, folded in when a thread's outermost plugin call returns:
+vLLM starts two new microbatch threads per DBO step, so per-thread records would grow without bound. The last two
+are the garbage collections that ran inside plugin code (``_on_gc``) and their time, which is part of the ns."""
 _totals_lock = threading.Lock()
 _untimed: set[str] = set()
 _by_patch: dict[str, int] = {}
@@ -88,6 +94,8 @@ def _fold(clock: _ThreadClock) -> None:
     with _totals_lock:
         _totals[0] += clock.total_ns
         _totals[1] += clock.calls
+        _totals[2] += clock.gc_count
+        _totals[3] += clock.gc_ns
         for mine, table in ((clock.counts, _by_patch), (clock.ns, _ns_by_patch)):
             for name, value in mine.items():
                 table[name] = table.get(name, 0) + value
@@ -102,6 +110,28 @@ def _fold(clock: _ThreadClock) -> None:
         clock.long.clear()
     clock.total_ns = 0
     clock.calls = 0
+    clock.gc_count = 0
+    clock.gc_ns = 0
+
+
+def _on_gc(phase: str, info: dict[str, Any]) -> None:
+    """A garbage collection runs on the thread whose allocation triggered it, inside whatever code runs there:
+    one that starts inside plugin code is charged to the plugin's clock like its own work, so it is counted apart
+    (a single long charge per step can be a collection the plugin's allocation happened to trigger, not its code)."""
+    clock = _tls.clock
+    if clock is None:
+        return
+    if phase == "start":
+        clock.gc_since = _clock() if clock.in_plugin else 0
+    elif clock.gc_since:
+        clock.gc_count += 1
+        clock.gc_ns += _clock() - clock.gc_since
+        clock.gc_since = 0
+
+
+def _watch_gc() -> None:
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
 
 
 def time_plugin(fn: Any, name: str, *, fold: bool = True) -> Any:
@@ -109,6 +139,7 @@ def time_plugin(fn: Any, name: str, *, fold: bool = True) -> Any:
 
     ``fold=False`` keeps the time in the calling thread's clock (calibration runs on a throwaway thread,
     so it never reaches the totals)."""
+    _watch_gc()
     if name in MEASUREMENT:
         _kinds[name] = "measurement"
         return fn
@@ -301,13 +332,15 @@ def snapshot(calibrate: bool = True) -> dict[str, Any]:
     """Totals over every thread that ran plugin code (main and microbatch threads), and calls per patch."""
     per_call, per_access, charged_call, charged_access = _calibrate() if calibrate else (0.0, 0.0, 0.0, 0.0)
     with _totals_lock:
-        total_ns, calls = _totals
+        total_ns, calls, gc_count, gc_ns = _totals
         by_patch, ns_by_patch = dict(_by_patch), dict(_ns_by_patch)
         long_by_patch = {name: list(v) for name, v in _long_by_patch.items()}
     return {
         "enabled": enabled(),
         "total_ns": total_ns,
         "calls": calls,
+        "gc_count": gc_count,
+        "gc_ns": gc_ns,
         "by_patch": by_patch,
         "ns_by_patch": ns_by_patch,
         "long_by_patch": long_by_patch,

@@ -95,6 +95,8 @@ def collect(worker: Any = None) -> dict[str, Any]:
         "topk_extra_bytes": snap["topk"]["extra_bytes"],
         "self_time_ns": snap["self_time"]["total_ns"],
         "self_time_calls": snap["self_time"]["calls"],
+        "self_time_gc_count": snap["self_time"].get("gc_count", 0),
+        "self_time_gc_ns": snap["self_time"].get("gc_ns", 0),
         "jit_in_step": cache.get("jit_in_step", 0),
         "jit_at_start": cache.get("jit_at_start", 0),
         "patches_pending": len(pending),

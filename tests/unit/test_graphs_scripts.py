@@ -481,6 +481,7 @@ def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -
             plugin_calls_per_step_by_patch={"topk.SparseAttnIndexer.topk_indices_buffer": 42.0}, jit_in_step=0,
             plugin_self_us_per_step_by_patch={"indexer.logits.sparse_attn_indexer": 300.0},
             plugin_long_per_step_by_patch={"indexer.logits.sparse_attn_indexer": {"count": 1.0, "us": 250.0}},
+            plugin_gc_us_per_step=30.0, plugin_gc_per_step=0.5,
         ),
     }  # fmt: skip
     row = mod.summarize(config, records)
@@ -495,6 +496,7 @@ def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -
     assert row["self_us_per_step_by_patch"] == {"indexer.logits.sparse_attn_indexer": 300.0}
     assert row["long_per_step_by_patch"] == {"indexer.logits.sparse_attn_indexer": {"count": 1.0, "us": 250.0}}
     assert row["step_time_warnings"] == []
+    assert row["gc_in_plugin_us_per_step"] == 30.0 and row["gc_in_plugin_per_step"] == 0.5
 
 
 def test_host_cost_bench_says_when_its_step_times_are_not_a_measurement() -> None:

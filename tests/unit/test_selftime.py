@@ -217,3 +217,25 @@ def test_reading_the_numbers_out_is_not_charged_to_the_plugin() -> None:
 
     assert selftime.time_plugin(rpc, "stats.worker_rpc") is rpc
     assert selftime.snapshot(calibrate=False)["kinds"]["stats.worker_rpc"] == "measurement"
+
+
+def test_a_garbage_collection_inside_plugin_code_is_counted_apart() -> None:
+    """A collection is paid by whichever code's allocation triggers it: one that starts inside plugin code is part
+    of the plugin's self time and is counted apart (``gc_count`` / ``gc_ns``); one in vLLM's code is not counted."""
+    import gc
+
+    before = selftime.snapshot(calibrate=False)
+    timed = selftime.time_plugin(lambda: gc.collect(0), "collects")
+    timed()
+    mid = selftime.snapshot(calibrate=False)
+    assert mid["gc_count"] - before["gc_count"] == 1 and mid["gc_ns"] > before["gc_ns"]
+    assert mid["total_ns"] - before["total_ns"] >= mid["gc_ns"] - before["gc_ns"]  # part of the self time
+
+    def original() -> None:
+        gc.collect(0)
+
+    paused = selftime.pause_for_original(original)
+    selftime.time_plugin(lambda: paused(), "calls-vllm")()
+    gc.collect(0)  # outside any plugin code
+    after = selftime.snapshot(calibrate=False)
+    assert after["gc_count"] == mid["gc_count"] and after["gc_ns"] == mid["gc_ns"]
