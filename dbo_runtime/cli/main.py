@@ -62,12 +62,29 @@ def subcommand_modules() -> list[ModuleType]:
     return modules
 
 
+SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
+"""Each subcommand's parser by name (``build_parser``): to tell an option given before its subcommand."""
+
+
+def _misplaced(command: str | None, extra: list[str]) -> str | None:
+    """An unknown argument that is an option of ``command`` was given before it (``dbo-runtime --json sms``):
+    argparse reads it as the top level's and says only "unrecognized"."""
+    sub = SUBPARSERS.get(command or "")
+    if sub is None:
+        return None
+    for arg in extra:
+        if arg.split("=", 1)[0] in sub._option_string_actions:
+            return f"{PROG}: error: argument {arg.split('=', 1)[0]} belongs to '{command}': give it after the subcommand ({PROG} {command} {arg})"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog=PROG, description="DBO SM-budget introspection and vLLM integration checks.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in subcommand_modules():
         sub = module.add_parser(subparsers)
+        SUBPARSERS[sub.prog.rsplit(" ", 1)[-1]] = sub
         sub.set_defaults(
             _run=module.run,
             _schema=getattr(module, "SCHEMA", None),
@@ -84,6 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # arguments it does not know; every other subcommand rejects them as argparse would.
         args, extra = parser.parse_known_args(None if argv is None else list(argv))
         if extra and not getattr(args, "_accepts_extra", False):
+            given = list(sys.argv[1:] if argv is None else argv)
+            before = given[: given.index(args.command)] if args.command in given else []
+            misplaced = _misplaced(args.command, [a for a in extra if a in before])
+            if misplaced is not None:
+                print(misplaced, file=sys.stderr)
+                return EXIT_USAGE
             where = f"{PROG} {args.command}" if args.command else PROG
             print(f"{where}: error: unrecognized arguments: {' '.join(extra)} (see {where} --help)", file=sys.stderr)
             return EXIT_USAGE

@@ -131,6 +131,8 @@ def test_simulate_integer_flags_are_bounded_and_worded_alike(capsys: pytest.Capt
         ([], "dbo-runtime: error: a COMMAND is required: one of sms, doctor, simulate, tune, verify (see dbo-runtime --help)"),
         (["sms", "--bogus"], "dbo-runtime sms: error: unrecognized arguments: --bogus (see dbo-runtime sms --help)"),
         (["--bogus"], "dbo-runtime: error: unrecognized arguments: --bogus (see dbo-runtime --help)"),
+        (["--json", "sms"], "dbo-runtime: error: argument --json belongs to 'sms': give it after the subcommand (dbo-runtime sms --json)"),
+        (["--bogus", "sms"], "dbo-runtime sms: error: unrecognized arguments: --bogus (see dbo-runtime sms --help)"),
     ],
 )
 def test_usage_errors_are_one_line_naming_the_command(argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
