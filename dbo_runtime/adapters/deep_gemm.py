@@ -103,9 +103,9 @@ class LiveNumSms:
             reader = self._reader = (self._make_reader or num_sms_reader)()
         generation = self._generation
         value = int(reader())
-        if self._trusted and generation == self._generation:
+        if self._trusted:
             self._value = value
-            if generation != self._generation:  # a write landed between the check and the store
+            if generation != self._generation:  # a write landed during the read or before the store
                 self._value = None
         return value
 

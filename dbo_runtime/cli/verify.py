@@ -228,11 +228,10 @@ SYNTHETIC = {"prompts": 64, "prompt_len": "256-1024", "prompt_seed": 0}
 def _synthetic_defaults(args: argparse.Namespace) -> None:
     """A prompt file replaces the synthetic prompts: an option that describes them as well would be ignored, so it
     is refused (the operator meant one or the other); otherwise the unset ones take their defaults."""
-    given = [f"--{dest.replace('_', '-')}" for dest in SYNTHETIC if getattr(args, dest, None) is not None]
+    given = [dest for dest in SYNTHETIC if getattr(args, dest, None) is not None]
     if args.prompt_file is not None and given:
-        raise ConfigError(
-            given[0], getattr(args, given[0][2:].replace("-", "_")), "not given with --prompt-file (it describes synthetic prompts)"
-        )
+        flag = "--" + given[0].replace("_", "-")
+        raise ConfigError(flag, getattr(args, given[0]), "not given with --prompt-file (it describes synthetic prompts)")
     for dest, default in SYNTHETIC.items():
         if getattr(args, dest, None) is None:
             setattr(args, dest, default)

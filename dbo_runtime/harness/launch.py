@@ -183,8 +183,7 @@ def kill_on_sigterm() -> None:
     back as its engines left it, ``bench_host_cost.py --from-runs``)."""
 
     def handler(signum: int, frame: Any) -> None:
-        for proc in list(_LIVE):
-            _kill_group(proc)
+        kill_all()
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)

@@ -154,6 +154,15 @@ def summary_delta(before: list[dict[str, Any]] | None, after: list[dict[str, Any
     return sum(b - a for a, b in pairs)
 
 
+def _per_decode_step(s0: Any, s1: Any, s2: Any, key: str, steps: int) -> float | None:
+    """A summary counter per decode step: the ``steps``-token pass (s1 -> s2) less the 1-token pass (s0 -> s1),
+    over ``steps - 1``; None where a pass has no counters."""
+    one, full = summary_delta(s0, s1, key), summary_delta(s1, s2, key)
+    if one is None or full is None:
+        return None
+    return max(0.0, (full - one) / (steps - 1))
+
+
 def _per_partition_ms(seconds: Any, partitions: Any) -> float | None:
     """Host ms per microbatched forward (SMControl's partitions); None where none ran or no counters."""
     if not isinstance(partitions, int) or partitions <= 0 or not isinstance(seconds, (int, float)):
@@ -315,13 +324,12 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
         if isinstance(n01, int) and isinstance(n12, int) and t01 is not None and t12 is not None:
             row["decode_partitions"] = n12 - n01
             row["decode_partition_ms"] = _per_partition_ms(t12 - t01, n12 - n01)
-        one_ns = summary_delta(s0, s1, "self_time_ns")
-        full_ns = summary_delta(s1, s2, "self_time_ns")
-        if one_ns is not None and full_ns is not None and self_time:
-            row["plugin_self_us_per_step"] = max(0.0, (full_ns - one_ns) / (steps - 1) / 1e3)
-            one_calls, full_calls = summary_delta(s0, s1, "self_time_calls"), summary_delta(s1, s2, "self_time_calls")
-            if one_calls is not None and full_calls is not None:
-                row["plugin_calls_per_step"] = max(0.0, (full_calls - one_calls) / (steps - 1))
+        self_ns = _per_decode_step(s0, s1, s2, "self_time_ns", steps)
+        if self_ns is not None and self_time:
+            row["plugin_self_us_per_step"] = self_ns / 1e3
+            calls = _per_decode_step(s0, s1, s2, "self_time_calls", steps)
+            if calls is not None:
+                row["plugin_calls_per_step"] = calls
                 row["plugin_calls_per_step_by_patch"] = _per_step_by_patch(s0, s1, s2, steps)
                 ns = _per_step_by_patch(s0, s1, s2, steps, key="ns_by_patch")
                 row["plugin_self_us_per_step_by_patch"] = {name: v / 1e3 for name, v in ns.items()}
@@ -331,11 +339,11 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
                     for name, n in _per_step_by_patch(s0, s1, s2, steps, key="long_by_patch", index=0).items()
                 }
                 row["plugin_self_net_us_per_step"] = net_self_us(row["plugin_self_us_per_step"], row["plugin_calls_per_step_by_patch"], s2)
-                gc_one, gc_full = summary_delta(s0, s1, "self_time_gc_ns"), summary_delta(s1, s2, "self_time_gc_ns")
-                n_one, n_full = summary_delta(s0, s1, "self_time_gc_count"), summary_delta(s1, s2, "self_time_gc_count")
-                if None not in (gc_one, gc_full, n_one, n_full):
-                    row["plugin_gc_us_per_step"] = max(0.0, (gc_full - gc_one) / (steps - 1) / 1e3)
-                    row["plugin_gc_per_step"] = max(0.0, (n_full - n_one) / (steps - 1))
+                gc_ns = _per_decode_step(s0, s1, s2, "self_time_gc_ns", steps)
+                gc_count = _per_decode_step(s0, s1, s2, "self_time_gc_count", steps)
+                if gc_ns is not None and gc_count is not None:
+                    row["plugin_gc_us_per_step"] = gc_ns / 1e3
+                    row["plugin_gc_per_step"] = gc_count
         row["jit_in_step"] = summary_delta(s0, s2, "jit_in_step")
         reps.append(row)
         _save_partial({"max_tokens": steps, "requests": len(batch), "reps": reps})

@@ -31,6 +31,18 @@ SHUTDOWN_S = 60.0
 """How long an engine may take to exit after its last turn, per rank (``launch`` waits 30 s a rank, then kills)."""
 
 
+def _turn(root: Path, rep: int, dp: int, deadline: float, finished: Callable[[], bool]) -> str:
+    """Run one turn: wait for every rank's ``ready``, start it, wait for every rank's ``done``. Returns ``done``,
+    or what stopped it: ``never ready`` / ``did not finish``, with ``(it ended)`` or ``(time limit)``."""
+    ready = [root / f"ready-rep{rep}.{r}" for r in range(dp)]
+    if not _wait(ready, deadline, finished) or time.monotonic() > deadline:
+        return f"never ready ({'time limit' if time.monotonic() > deadline else 'it ended'})"
+    (root / f"go-rep{rep}").touch()
+    if not _wait([root / f"done-rep{rep}.{r}" for r in range(dp)], deadline, finished):
+        return f"did not finish ({'it ended' if finished() else 'time limit'})"
+    return "done"
+
+
 def _finished(records: dict[str, dict[str, Any]], label: str) -> Callable[[], bool]:
     return lambda: label in records
 
@@ -80,28 +92,14 @@ def run_interleaved(
     for rep in range(total):
         shift = rep % len(specs)
         for spec in [*specs[shift:], *specs[:shift]]:
-            root = barriers[spec.label]
-            finished = _finished(records, spec.label)
-            ready = [root / f"ready-rep{rep}.{r}" for r in range(spec.dp)]
-            if not _wait(ready, deadline, finished) or time.monotonic() > deadline:
-                expired = time.monotonic() > deadline
-                if progress is not None:
-                    progress(f"{spec.label}: never ready for rep {rep} ({'time limit' if expired else 'it ended'})")
-                if expired:
-                    break
-                continue
-            (root / f"go-rep{rep}").touch()
-            done = [root / f"done-rep{rep}.{r}" for r in range(spec.dp)]
-            if not _wait(done, deadline, finished):
-                expired = not finished()
-                if progress is not None:
-                    progress(f"rep {rep}: {spec.label} did not finish ({'time limit' if expired else 'it ended'})")
-                if expired:
-                    break
-                continue
-            order.append((rep, spec.label))
+            outcome = _turn(barriers[spec.label], rep, spec.dp, deadline, _finished(records, spec.label))
             if progress is not None:
-                progress(f"rep {rep}: {spec.label} done")
+                progress(f"rep {rep}: {spec.label} {outcome}")
+            if outcome == "done":
+                order.append((rep, spec.label))
+            expired = outcome.endswith("(time limit)")
+            if expired:
+                break
         if expired:
             break
     if expired:
