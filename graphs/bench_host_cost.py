@@ -119,11 +119,11 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
     b = [r.get("decode_step_ms") for r in _reps(vanilla)]
     paired = [x / y for x, y in zip(a, b, strict=False) if x and y]
     self_reps = _reps(selftime)
-    self_us = [r["plugin_self_us_per_step"] for r in self_reps if r.get("plugin_self_us_per_step") is not None]
-    net_us = [r["plugin_self_net_us_per_step"] for r in self_reps if r.get("plugin_self_net_us_per_step") is not None]
-    calls = [r["plugin_calls_per_step"] for r in self_reps if r.get("plugin_calls_per_step") is not None]
-    gc_us = [r["plugin_gc_us_per_step"] for r in self_reps if r.get("plugin_gc_us_per_step") is not None]
-    gc_n = [r["plugin_gc_per_step"] for r in self_reps if r.get("plugin_gc_per_step") is not None]
+    def measured(key: str) -> list[float]:
+        return [r[key] for r in self_reps if r.get(key) is not None]
+
+    self_us, net_us, calls = measured("plugin_self_us_per_step"), measured("plugin_self_net_us_per_step"), measured("plugin_calls_per_step")
+    gc_us, gc_n = measured("plugin_gc_us_per_step"), measured("plugin_gc_per_step")
     by_patch: dict[str, list[float]] = {}
     us_by_patch: dict[str, list[float]] = {}
     long_by_patch: dict[str, list[dict[str, float]]] = {}
