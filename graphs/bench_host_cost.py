@@ -5,14 +5,15 @@ every layer of every step. This measures it where operators pay it: tiny-width m
 and 78 (GLM-5.3) layers, with the GLM-5.3 layer pattern (index_topk_freq 4, offset 3: 21 leaders) or every layer
 a leader (DeepSeek-V3.2); eager and CUDA graphs; DBO off, and DBO at DP 1 (one GPU: the budget is announced, the
 top-k state attached and every hook armed, but vLLM never splits a step). Per configuration three engines are
-alive at once and timed in turns, interleaved, the order rotating each rep (``harness.turns``): dbo_runtime,
+alive at once and timed in turns, interleaved, the order rotating each rep (``harness.turns``; ``--at-once``
+configurations share one set of turns, and the groups run one after the other): dbo_runtime,
 vanilla (``DBO_RUNTIME_DISABLE=1``), and dbo_runtime with ``DBO_RUNTIME_SELF_TIME=1`` (kept out of the A/B: the
 timer costs time). Reported per configuration: the step-time ratio (median of per-rep paired ratios), the
 plugin's own host time per step and per layer, hooked calls and accesses per step and per layer (per patch, in
 the JSON), and planner JIT compilations inside steps.
 
     python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs]
-        [--dbo off,dp1] [--reps 5] [--steps 16] [--graphs-steps 128] [--out graphs/results]
+        [--dbo off,dp1] [--reps 5] [--steps 16] [--graphs-steps 128] [--at-once 1] [--out graphs/results]
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ DBO = ("off", "dp1")
 MAX_STEPS = 3000
 """Decode steps per pass at most: the prompts are up to 600 tokens and the tiny engines' --max-model-len is 4096."""
 VARIANTS = (("plugin", {}), ("vanilla", {"DBO_RUNTIME_DISABLE": "1"}), ("selftime", {"DBO_RUNTIME_SELF_TIME": "1"}))
+AT_ONCE = 1
+"""Configurations whose engines are alive together, by default: one configuration's three engines. A 61- or
+78-layer tiny engine holds 10-16 GiB of GPU memory once it has run its first prefill (the KV cache is 2 GiB of it),
+so twelve on one H200 run out of memory part-way, and every engine alive competes for the host's cores."""
 
 
 def _items(raw: str) -> tuple[list[str], str | None]:
@@ -170,7 +175,22 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
         },
         "jit_in_step": {v: [r.get("jit_in_step") for r in _reps(records.get(f"{label}-{v}", {}))] for v, _ in VARIANTS[:1] + VARIANTS[2:]},
         "step_time_warnings": step_time_warnings({v: _reps(records.get(f"{label}-{v}", {})) for v, _ in VARIANTS}, len(paired)),
+        "engine_failures": engine_failures({v: records.get(f"{label}-{v}") for v, _ in VARIANTS}),
     }
+
+
+def engine_failures(records: dict[str, dict | None]) -> list[str]:
+    """A line per engine of the row that failed, with the causes the harness recognised in its log
+    (``harness.launch.SIGNATURES``: ``cuda_oom`` when the engines alive together outgrew the GPU): a figure left
+    empty or made of fewer reps must say why, not read as a quiet gap."""
+    said = []
+    for variant, rec in records.items():
+        if rec is None:
+            said.append(f"{variant}: no run")
+        elif not rec.get("ok") and not rec.get("stopped_by_session_limit"):
+            causes = ", ".join(rec.get("failure_signatures") or []) or (rec.get("error") or "no record")[:120]
+            said.append(f"{variant}: the engine failed ({causes}) after {len(_reps(rec))} timed rep(s)")
+    return said
 
 
 MIN_PAIRS = 3
@@ -228,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         help="decode steps per timed pass, CUDA-graph rows (default 128: a replayed step is a few ms, 16 of them are lost in the difference of two passes)",
     )  # fmt: skip
     parser.add_argument(
+        "--at-once", type=integer(1, 24), default=AT_ONCE,
+        help=f"configurations whose engines are alive together, three engines each (default {AT_ONCE}): the matrix runs in groups of "
+        "this many, one group after the other; more is faster to start but a 61/78-layer engine holds 10-16 GiB of GPU memory",
+    )  # fmt: skip
+    parser.add_argument(
         "--from-runs", default=None, metavar="DIR",
         help="summarize the run directories a stopped benchmark left in DIR (its bench_host_cost_runs) instead of running engines",
     )  # fmt: skip
@@ -242,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.only is not None:
         keep = set(_choices(parser, "only", args.only, tuple(c["label"] for c in configs)))
         configs = [c for c in configs if c["label"] in keep]
-    specs = [s for c in configs for s in specs_for(c, args.graphs_steps if c["mode"] == "graphs" else args.steps, args.reps)]
+    def steps_of(config: dict) -> int:
+        return int(args.graphs_steps if config["mode"] == "graphs" else args.steps)
+
+    specs = [s for c in configs for s in specs_for(c, steps_of(c), args.reps)]
     out = Path(args.out)
     if args.from_runs is not None:
         runs = Path(args.from_runs)
@@ -267,13 +295,18 @@ def main(argv: list[str] | None = None) -> int:
 
         env_facts = environment()
         out.mkdir(parents=True, exist_ok=True)
-        records = run_interleaved(specs, out / "bench_host_cost_runs", args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        records = {}
+        for first in range(0, len(configs), args.at_once):
+            group = [s for c in configs[first : first + args.at_once] for s in specs_for(c, steps_of(c), args.reps)]
+            records.update(
+                run_interleaved(group, out / "bench_host_cost_runs", args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
+            )
     out.mkdir(parents=True, exist_ok=True)
     rows = [summarize(c, records) for c in configs if args.from_runs is None or any(f"{c['label']}-{v}" in records for v, _ in VARIANTS)]
     doc = {"bench": "bench_host_cost", "args": vars(args), "environment": env_facts, "configs": rows}
     (out / "bench_host_cost.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     _plot(rows, out / "bench_host_cost.png")
-    print(json.dumps([{k: r[k] for k in ("label", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step", "step_time_warnings")} for r in rows], indent=1, default=str))
+    print(json.dumps([{k: r[k] for k in ("label", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step", "step_time_warnings", "engine_failures")} for r in rows], indent=1, default=str))
     return 0
 
 

@@ -495,8 +495,24 @@ def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -
     assert row["jit_in_step"] == {"plugin": [0, 0, 0], "selftime": [0, 0, 0]}
     assert row["self_us_per_step_by_patch"] == {"indexer.logits.sparse_attn_indexer": 300.0}
     assert row["long_per_step_by_patch"] == {"indexer.logits.sparse_attn_indexer": {"count": 1.0, "us": 250.0}}
-    assert row["step_time_warnings"] == []
+    assert row["step_time_warnings"] == [] and row["engine_failures"] == []
     assert row["gc_in_plugin_us_per_step"] == 30.0 and row["gc_in_plugin_per_step"] == 0.5
+
+
+def test_host_cost_bench_names_the_engines_that_failed_and_why() -> None:
+    """An engine that died (lease 14: twelve 78-layer engines on one H200, four out of GPU memory) leaves its
+    figures empty; the row says which engine, what the harness recognised in its log, and how many reps it kept."""
+    mod = load("bench_host_cost.py")
+    [config] = mod.configurations(["v32"], [61], ["eager"], ["off"])
+    rep = {"warmup": False, "decode_step_ms": 200.0}
+    records = {
+        "v32-61L-eager-dbo-off-plugin": {"ok": True, "bench": [{"reps": [rep] * 3}]},
+        "v32-61L-eager-dbo-off-vanilla": {"ok": False, "error": "EngineDeadError: ...", "failure_signatures": ["cuda_oom", "engine_dead"], "bench": [{"reps": [rep]}]},
+    }  # fmt: skip
+    row = mod.summarize(config, records)
+    assert row["engine_failures"] == ["vanilla: the engine failed (cuda_oom, engine_dead) after 1 timed rep(s)", "selftime: no run"]
+    records["v32-61L-eager-dbo-off-vanilla"] = {"ok": False, "stopped_by_session_limit": True, "bench": [{"reps": [rep] * 2}]}
+    assert mod.summarize(config, records)["engine_failures"] == ["selftime: no run"]  # a limit is not a failure
 
 
 def test_host_cost_bench_says_when_its_step_times_are_not_a_measurement() -> None:
@@ -616,9 +632,11 @@ def test_host_cost_bench_runs_graph_rows_with_their_own_step_count(tmp_path: Pat
 
     mod = load("bench_host_cost.py")
     seen: dict[str, int] = {}
+    groups: list[list[str]] = []
 
     def fake_run_interleaved(specs: list, work: Path, reps: int, **_: object) -> dict:
         seen.update({s.label: s.bench["max_tokens"] for s in specs})
+        groups.append([s.label for s in specs])
         return {s.label: {"ok": True, "bench": [{"reps": []}]} for s in specs}
 
     monkeypatch.setattr(machine, "refuse_without_engine", lambda name, gpus: None)
@@ -632,3 +650,10 @@ def test_host_cost_bench_runs_graph_rows_with_their_own_step_count(tmp_path: Pat
     assert mod.main([*argv, "--graphs-steps", "64"]) == 0 and seen["glm53-6L-graphs-dbo-dp1-vanilla"] == 64
     with pytest.raises(SystemExit):
         mod.main([*argv, "--graphs-steps", "1"])
+    # one configuration's three engines alive at a time by default; --at-once 2 puts both rows in one set of turns
+    assert [len(g) for g in groups] == [3, 3, 3, 3] and groups[0][0] == "glm53-6L-eager-dbo-dp1-plugin"
+    groups.clear()
+    assert mod.main([*argv, "--at-once", "2"]) == 0 and [len(g) for g in groups] == [6]
+    for bad in ("0", "25", ""):
+        with pytest.raises(SystemExit):
+            mod.main([*argv, "--at-once", bad])
