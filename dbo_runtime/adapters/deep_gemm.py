@@ -90,6 +90,8 @@ class LiveNumSms:
         self._reader: Callable[[], int] | None = None
         self._value: int | None = None
         self._watched: set[str] = set()
+        self._bindings: dict[str, tuple[dict[str, Any], str, Any]] = {}
+        """Per watched writer: (namespace, name, the hook installed there); ``bindings_intact`` compares them."""
         self._trusted = False
         self._generation = 0
         """Bumped by every ``stale``: a read that overlapped a write never stores the count it read before it."""
@@ -113,20 +115,33 @@ class LiveNumSms:
         self._generation += 1
         self._value = None
 
-    def watch(self, writer: str) -> None:
+    def watch(self, writer: str, binding: tuple[dict[str, Any], str, Any] | None = None) -> None:
+        """``writer`` is hooked; ``binding`` is where its name lives and the hook it holds, for ``bindings_intact``."""
         self._watched.add(writer)
+        if binding is not None:
+            self._bindings[writer] = binding
         self._trusted = self._watched >= self.WRITERS
         self.stale()
 
     def unwatch(self, writer: str) -> None:
         self._watched.discard(writer)
+        self._bindings.pop(writer, None)
         self._trusted = False
         self.stale()
+
+    def bindings_intact(self) -> bool:
+        """Every watched writer's name still holds the hook installed there (a rebinding behind the plugin -- a
+        reload, another patcher -- would write the count unseen)."""
+        for namespace, name, hook in self._bindings.values():  # noqa: SIM110 (once per step: no generator object)
+            if namespace.get(name) is not hook:
+                return False
+        return True
 
     def distrust(self) -> None:
         """A watched writer was rebound behind the plugin: every read asks DeepGEMM until the writers are watched
         again."""
         self._watched.clear()
+        self._bindings.clear()
         self._trusted = False
         self.stale()
 

@@ -123,8 +123,10 @@ def _make_build(original: Any) -> Any:
     def build(self: Any, *args: Any, **kwargs: Any) -> Any:
         _refresh_live_count()
         cache = schedule_cache()
-        device = _device_index(self)
-        override = cache.plan_ahead_sms(device) if device is not None else None
+        override = None
+        if cache.in_microbatched_build():  # only then is there a DBO count to plan for (and a device to read)
+            device = _device_index(self)
+            override = cache.plan_ahead_sms(device) if device is not None else None
         defer_into = None
         if override is not None and cache.defer_plan_ahead:
             defer_into = getattr(self, "scheduler_metadata_buffer", None)
@@ -336,13 +338,18 @@ def _is_writer_hook(fn: Any) -> bool:
 
 def _refresh_live_count() -> None:
     """Once per step (an indexer metadata build, main thread): re-read DeepGEMM's count at the next call site, and
-    stop trusting the cache if a watched writer was rebound behind the plugin."""
-    if LIVE_NUM_SMS.trusted:
-        for module, attr in WRITERS:
-            if not _is_writer_hook(getattr(sys.modules.get(module), attr, None)):
-                LIVE_NUM_SMS.distrust()
-                return
+    stop trusting the cache if a watched writer was rebound behind the plugin (``LiveNumSms.bindings_intact``: one
+    identity check per writer, what each name held when its hook was installed)."""
+    if LIVE_NUM_SMS.trusted and not LIVE_NUM_SMS.bindings_intact():
+        LIVE_NUM_SMS.distrust()
+        return
     LIVE_NUM_SMS.stale()
+
+
+def _binding(module: str, attr: str) -> tuple[dict[str, Any], str, Any]:
+    """Where ``module.attr`` lives and what it holds now (the hook just installed there)."""
+    namespace = vars(sys.modules[module])
+    return namespace, attr, namespace.get(attr)
 
 
 def _restore_alias() -> None:
@@ -388,7 +395,7 @@ def _sm_writes_patch(name: str, module: str, attr: str) -> Patch:
         removal="the call site stops asking DeepGEMM for its live count (vLLM records the planned count itself, #60732)",
         lazy=True,
         optional=True,
-        on_install=lambda: LIVE_NUM_SMS.watch(writer),
+        on_install=lambda: LIVE_NUM_SMS.watch(writer, _binding(module, attr)),
         on_uninstall=uninstalled,
     )
 

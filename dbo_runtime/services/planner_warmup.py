@@ -64,6 +64,9 @@ class PlannerWarmup:
         """Variants whose warm-up raised: not retried (``entered`` publishes every DBO step), and counted by
         ``note_plan`` when a step compiles them."""
         self._warm_done: set[tuple[Any, ...]] = set()
+        self._noted: set[tuple[Any, ...]] = set()
+        """``note_plan``'s raw arguments already checked: each maps to one variant, which is in ``_warmed`` from then
+        on (nothing is ever removed from it), so a step's planner launch of a known shape costs one set lookup."""
         self._sweep_warned = False
         self.serving = False
         """Set when vLLM's start-up (profile run, warm-up, capture) is over: later first launches are in-step."""
@@ -75,12 +78,18 @@ class PlannerWarmup:
 
     def note_plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None) -> None:
         """A planner launched by a step (the build, a re-plan, a deferred plan): count a variant the warm-up
-        did not cover (``stats.jit_in_step``). Never raises: it only counts."""
+        did not cover (``stats.jit_in_step``). Never raises: it only counts.
+
+        Why the raw memo: the builder plans once per step, and the variant key (an f-string, DeepGEMM's slot
+        arithmetic, the batch alignment) costs more than the rest of the builder's hooks together."""
         try:
-            rows = int(context_lens.shape[0])
-            key = self.variant(context_lens.device, block_kv, num_sms, rows, next_n_of(context_lens), indices is not None)
+            raw = (context_lens.shape, context_lens.device, block_kv, num_sms, indices is not None)
+            if raw in self._noted:
+                return
+            key = self.variant(raw[1], block_kv, num_sms, int(raw[0][0]), next_n_of(context_lens), indices is not None)
         except Exception:
             return
+        self._noted.add(raw)
         if key not in self._warmed:
             self._warmed.add(key)
             if self.serving:

@@ -77,3 +77,20 @@ def test_distrust_drops_the_cache_until_the_writers_are_watched_again() -> None:
     live.distrust()
     rt.num_sms = 112
     assert not live.trusted and live.read() == 112 and live.read() == 112 and rt.asked == 3
+
+
+def test_a_binding_that_no_longer_holds_its_hook_is_seen() -> None:
+    """``bindings_intact``: what each watched writer's name held when its hook was installed, by identity (the
+    per-step check of ``indexer_hooks._refresh_live_count``); an unwatched writer's binding is forgotten."""
+    rt = _Runtime()
+    live = _tracker(rt)
+    hooks = {writer: (lambda n: None) for writer in LiveNumSms.WRITERS}
+    namespaces = {writer: {"set_num_sms": hook} for writer, hook in hooks.items()}
+    for writer, hook in hooks.items():
+        live.watch(writer, (namespaces[writer], "set_num_sms", hook))
+    assert live.trusted and live.bindings_intact()
+    first = sorted(LiveNumSms.WRITERS)[0]
+    namespaces[first]["set_num_sms"] = lambda n: None  # rebound behind the plugin
+    assert not live.bindings_intact()
+    live.unwatch(first)
+    assert live.bindings_intact() and not live.trusted

@@ -528,7 +528,14 @@ def test_minimal_warm_up_leaves_eager_decode_batches_to_jit_in_step(env: Env, mo
     env.cache.warmup.start_serving()
     for batch in range(1, builder.vllm_config.scheduler_config.max_num_seqs + 1):
         env.cache.note_plan(torch.ones((batch, 1), dtype=torch.int32), BLOCK, 132, None)
-    assert env.cache.stats.jit_in_step > 0
+    cold = env.cache.stats.jit_in_step
+    assert cold > 0
+    # every later step of a shape already met is one set lookup: no variant key, no recount
+    variants = []
+    monkeypatch.setattr(env.cache.warmup, "variant", lambda *a: variants.append(a))
+    for batch in (1, 33, 64):
+        env.cache.note_plan(torch.ones((batch, 1), dtype=torch.int32), BLOCK, 132, None)
+    assert variants == [] and env.cache.stats.jit_in_step == cold
 
 
 def test_an_engine_that_never_microbatches_warms_nothing(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
