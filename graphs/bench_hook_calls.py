@@ -117,6 +117,27 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
         t = buffer
         return lambda: call_site.fp8_fp4_paged_mqa_logits((t, None), t, t, t, t, schedule, max_model_len=4096, indices=None)
 
+    def builder_build() -> Callable[[], Any]:
+        from vllm.config import DeviceConfig, VllmConfig
+        from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadataBuilder
+        from vllm.v1.attention.backends.utils import CommonAttentionMetadata
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+        object.__setattr__(config, "model_config", SimpleNamespace(max_model_len=40960))  # no HF config here
+        config.attention_config.sparse_mla_prefill_workspace_factor = 5
+        spec = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=132, dtype=torch.uint8)
+        builder = DeepseekV32IndexerMetadataBuilder(spec, ["indexer.0"], config, torch.device("cpu"), block_table_width=64)
+        builder.device = torch.device("cuda", 0)  # the hooks read the device index; the buffers stay on the CPU
+        rows = 32  # a 32-request decode step, as in the engine benchmark
+        starts = torch.arange(rows + 1, dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=starts, query_start_loc_cpu=starts.clone(), seq_lens=torch.full((rows,), 300, dtype=torch.int32),
+            num_reqs=rows, num_actual_tokens=rows, max_query_len=1, max_seq_len=300,
+            block_table_tensor=torch.zeros((rows, 64), dtype=torch.int32), slot_mapping=torch.arange(rows, dtype=torch.int64),
+        )  # fmt: skip
+        return lambda: builder.build(0, common)
+
     return {
         "SharedTopkIndicesBuffer.topk_indices_buffer (follower)": shared_buffer(False),
         "SharedTopkIndicesBuffer.topk_indices_buffer (leader)": shared_buffer(True),
@@ -129,7 +150,18 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
         "ubatch_ids.current_ubatch": ubatch_lookup,
         "SparseMLAIndexGroup._convert_once (stub kernel)": convert_once,
         "fp8_fp4_paged_mqa_logits call site (stub kernel)": logits_call_site,
+        BUILD: builder_build,
     }
+
+
+BUILD = "DeepseekV32IndexerMetadataBuilder.build (stub planner)"
+"""vLLM's real decode-metadata build of a 32-request step (about 100 µs of vLLM's own Python and torch calls),
+with its planner call (``get_paged_mqa_logits_metadata``, a GPU kernel) stubbed: the plugin's build and planner
+hooks run around it once per step, on the main thread, eager and under CUDA graphs alike."""
+MAIN_ONLY = {BUILD}
+"""Cases that never run on a microbatch thread (vLLM builds a step's metadata on the main thread)."""
+SLOW = {BUILD: 200}
+"""Cases a back-to-back block takes fewer of (``n // SLOW``): one build costs about as much as 500 buffer reads."""
 
 
 class _StubPlanner:
@@ -140,6 +172,11 @@ class _StubPlanner:
 
     def hot_probes(self) -> tuple[Callable[[], int], Callable[[], bool]]:
         return (lambda: self.SMS), (lambda: False)
+
+    def slots(self, num_sms: int, next_n: int) -> int:
+        from dbo_runtime.core.reference_planner import schedule_slots
+
+        return schedule_slots(num_sms, next_n)
 
 
 def _stub_kernels() -> Callable[[], None]:
@@ -159,6 +196,26 @@ def _stub_kernels() -> Callable[[], None]:
                                  schedule_metadata: Any, max_model_len: int, indices: Any = None) -> Any:  # fmt: skip
         return weights
 
+    import torch
+    import vllm.v1.attention.backends.mla.indexer as ix
+    from vllm.platforms import current_platform
+
+    plans: dict[int, Any] = {}
+
+    def get_paged_mqa_logits_metadata(context_lens: Any, block_size: int, num_sms: int, indices: Any = None) -> Any:
+        return plans.setdefault(num_sms, torch.zeros((num_sms + 1, 2), dtype=torch.int32))
+
+    # The builder plans only on CUDA with DeepGEMM (no GPU here): vLLM's own checks answered as on an H200.
+    platform = {
+        (current_platform, "is_cuda"): lambda: True,
+        (current_platform, "is_device_capability_family"): lambda family, device_id=0: family == 90,
+        (ix, "num_compute_units"): lambda device_id=0: _StubPlanner.SMS,
+        (ix, "has_deep_gemm"): lambda: True,
+        (ix, "get_paged_mqa_logits_metadata"): get_paged_mqa_logits_metadata,
+    }
+    saved_platform = {key: getattr(*key) for key in platform}
+    for (owner, name), value in platform.items():
+        setattr(owner, name, value)
     saved = (SparseMLAIndexGroup.__dict__["_convert_once"], call_site.fp8_fp4_paged_mqa_logits)
     SparseMLAIndexGroup._convert_once = _convert_once  # type: ignore[method-assign]
     call_site.fp8_fp4_paged_mqa_logits = fp8_fp4_paged_mqa_logits
@@ -166,6 +223,8 @@ def _stub_kernels() -> Callable[[], None]:
 
     def undo() -> None:
         SparseMLAIndexGroup._convert_once, call_site.fp8_fp4_paged_mqa_logits = saved  # type: ignore[method-assign]
+        for (owner, name), value in saved_platform.items():
+            setattr(owner, name, value)
         schedule_cache.set_schedule_cache_for_tests(previous)
 
     return undo
@@ -179,13 +238,15 @@ PER_STEP_78L = {
     "SparseMLAIndexGroup.set_logical_topk_ready (layer 3)": 57,
     "SparseMLAIndexGroup._convert_once (stub kernel)": 76 + 21,
     "fp8_fp4_paged_mqa_logits call site (stub kernel)": 22,
+    BUILD: 1,
 }
 """Hooked calls per eager decode step of the 78-layer GLM-5.3 pattern, as the self-timer counted them in the real
 engine (H200, lease 11, ``calls_per_step_by_patch``); the 156 property reads are split by the 21 leaders, whose
 reads go through their indexer; of the 78 ``set_logical_topk_ready`` calls, the 57 of follower layers return at
 once and the 21 of leaders call through to vLLM's event record, priced here as a ``_convert_once`` call (the same
 one check and one call through; the record itself needs a GPU). The two kernel-calling hooks are timed around a
-no-op kernel (``_stub_kernels``). The builder hooks (3 calls per step) are left out."""
+no-op kernel (``_stub_kernels``). The builder's hooks (its build and planner hooks, about 2 calls per step) are priced
+by one whole build with a stub planner (``BUILD``); plan-ahead, the third per-step hook, is left out."""
 
 VANILLA_ONLY = {"ubatch_ids.current_ubatch"}
 """dbo_runtime's own lookup: no vanilla counterpart (its cost is inside every resolving access above)."""
@@ -296,7 +357,10 @@ def _measure_cases(n: int, reps: int, evict: Evictor | None) -> list[dict[str, A
 
     rows: list[dict[str, Any]] = []
     for name, build in cases().items():
+        block = n if evict is not None else max(100, n // SLOW.get(name, 1))
         for thread, ubatch in (("main", None), ("ubatch 1", 1)):
+            if ubatch is not None and name in MAIN_ONLY:
+                continue
             samples: dict[str, list[float]] = {"plugin": [], "vanilla": []}
             for _ in range(reps):
                 for side in ("plugin", "vanilla"):
@@ -308,7 +372,7 @@ def _measure_cases(n: int, reps: int, evict: Evictor | None) -> list[dict[str, A
                             raise RuntimeError("bench_hook_calls: the plugin did not install: the 'plugin' side would time vanilla")
                     access = build()
                     access()  # first access outside the timed block (caches, views)
-                    timer = (lambda a=access: _time_cold(a, n, evict)) if evict is not None else (lambda a=access: _time(a, n))
+                    timer = (lambda a=access, k=block: _time_cold(a, k, evict)) if evict is not None else (lambda a=access, k=block: _time(a, k))
                     samples[side].append(_on_thread(timer, ubatch))
                     plugin.uninstall()
             plugin_ns = statistics.median(samples["plugin"])
