@@ -161,7 +161,8 @@ hooks run around it once per step, on the main thread, eager and under CUDA grap
 MAIN_ONLY = {BUILD}
 """Cases that never run on a microbatch thread (vLLM builds a step's metadata on the main thread)."""
 SLOW = {BUILD: 200}
-"""Cases a back-to-back block takes fewer of (``n // SLOW``): one build costs about as much as 500 buffer reads."""
+"""Cases a back-to-back block runs fewer of (``n // SLOW``, at least 100): a build is some 30 µs of vLLM's own code
+here, a buffer read 0.05-0.2 µs."""
 
 
 class _StubPlanner:
@@ -177,6 +178,9 @@ class _StubPlanner:
         from dbo_runtime.core.reference_planner import schedule_slots
 
         return schedule_slots(num_sms, next_n)
+
+
+_ABSENT = object()
 
 
 def _stub_kernels() -> Callable[[], None]:
@@ -213,19 +217,27 @@ def _stub_kernels() -> Callable[[], None]:
         (ix, "has_deep_gemm"): lambda: True,
         (ix, "get_paged_mqa_logits_metadata"): get_paged_mqa_logits_metadata,
     }
-    saved_platform = {key: getattr(*key) for key in platform}
-    for (owner, name), value in platform.items():
-        setattr(owner, name, value)
+    # What each name was in its owner's own namespace (a platform method lives on the class: undo deletes the
+    # instance attribute again rather than leaving a bound method there).
+    saved_platform = {key: vars(key[0]).get(key[1], _ABSENT) for key in platform}
     saved = (SparseMLAIndexGroup.__dict__["_convert_once"], call_site.fp8_fp4_paged_mqa_logits)
-    SparseMLAIndexGroup._convert_once = _convert_once  # type: ignore[method-assign]
-    call_site.fp8_fp4_paged_mqa_logits = fp8_fp4_paged_mqa_logits
-    previous = schedule_cache.set_schedule_cache_for_tests(schedule_cache.IndexerScheduleCache(_StubPlanner()))  # type: ignore[arg-type]
+    cache = schedule_cache.IndexerScheduleCache(_StubPlanner())  # type: ignore[arg-type]
 
     def undo() -> None:
         SparseMLAIndexGroup._convert_once, call_site.fp8_fp4_paged_mqa_logits = saved  # type: ignore[method-assign]
         for (owner, name), value in saved_platform.items():
-            setattr(owner, name, value)
+            if value is _ABSENT:
+                if name in vars(owner):
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, value)
         schedule_cache.set_schedule_cache_for_tests(previous)
+
+    previous = schedule_cache.set_schedule_cache_for_tests(cache)
+    SparseMLAIndexGroup._convert_once = _convert_once  # type: ignore[method-assign]
+    call_site.fp8_fp4_paged_mqa_logits = fp8_fp4_paged_mqa_logits
+    for (owner, name), value in platform.items():
+        setattr(owner, name, value)
 
     return undo
 
@@ -238,15 +250,15 @@ PER_STEP_78L = {
     "SparseMLAIndexGroup.set_logical_topk_ready (layer 3)": 57,
     "SparseMLAIndexGroup._convert_once (stub kernel)": 76 + 21,
     "fp8_fp4_paged_mqa_logits call site (stub kernel)": 22,
-    BUILD: 1,
 }
 """Hooked calls per eager decode step of the 78-layer GLM-5.3 pattern, as the self-timer counted them in the real
 engine (H200, lease 11, ``calls_per_step_by_patch``); the 156 property reads are split by the 21 leaders, whose
 reads go through their indexer; of the 78 ``set_logical_topk_ready`` calls, the 57 of follower layers return at
 once and the 21 of leaders call through to vLLM's event record, priced here as a ``_convert_once`` call (the same
 one check and one call through; the record itself needs a GPU). The two kernel-calling hooks are timed around a
-no-op kernel (``_stub_kernels``). The builder's hooks (its build and planner hooks, about 2 calls per step) are priced
-by one whole build with a stub planner (``BUILD``); plan-ahead, the third per-step hook, is left out."""
+no-op kernel (``_stub_kernels``). The builder's two per-step hooks (its build and the planner call inside it) are
+priced apart, by one whole build with a stub planner (``BUILD``, ``per_step``'s ``with_build_us``); plan-ahead, the
+third per-step hook of a DBO step, is left out."""
 
 VANILLA_ONLY = {"ubatch_ids.current_ubatch"}
 """dbo_runtime's own lookup: no vanilla counterpart (its cost is inside every resolving access above)."""
@@ -390,14 +402,19 @@ def _measure_cases(n: int, reps: int, evict: Evictor | None) -> list[dict[str, A
 
 
 def per_step(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Added ns per 78-layer eager step from ``PER_STEP_78L``, outside DBO (main thread) and on a microbatch thread."""
+    """Added µs per 78-layer eager step from ``PER_STEP_78L``, outside DBO (main thread) and on a microbatch thread;
+    ``with_build_us`` adds the step's one metadata build, which runs on the main thread either way."""
+    build = next((r["added_ns"] for r in rows if r["access"] == BUILD and r["thread"] == "main"), None)
     out: dict[str, Any] = {}
     for thread in ("main", "ubatch 1"):
         added = {r["access"]: r["added_ns"] for r in rows if r["thread"] == thread}
         counted = {name: n for name, n in PER_STEP_78L.items() if name in added}
+        added_us = sum(n * added[name] for name, n in counted.items()) / 1e3
         out[thread] = {
             "accesses": sum(counted.values()),
-            "added_us": sum(n * added[name] for name, n in counted.items()) / 1e3,
+            "added_us": added_us,
+            "build_added_us": build / 1e3 if build is not None else None,
+            "with_build_us": added_us + build / 1e3 if build is not None else None,
         }
     return out
 
@@ -436,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         vanilla = f"{r['vanilla_ns']:10.0f}" if r["vanilla_ns"] is not None else f"{'-':>10}"
         print(f"{r['access']:<{width}}  {r['thread']:<8} {r['plugin_ns']:10.0f}  {vanilla}  {r['added_ns']:8.0f}")
     for thread, row in doc["per_step_78l"].items():
-        print(f"78-layer eager step, {thread}: {row['accesses']} of these accesses add {row['added_us']:.1f} us")
+        build = f", {row['with_build_us']:.1f} us with the step's metadata build" if row["with_build_us"] is not None else ""
+        print(f"78-layer eager step, {thread}: {row['accesses']} of these accesses add {row['added_us']:.1f} us{build}")
     print(f"results: {out / (stem + '.json')}")
     plt = pyplot()
     if plt is None:

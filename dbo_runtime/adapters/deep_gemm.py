@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -90,8 +91,8 @@ class LiveNumSms:
         self._reader: Callable[[], int] | None = None
         self._value: int | None = None
         self._watched: set[str] = set()
-        self._bindings: dict[str, tuple[dict[str, Any], str, Any]] = {}
-        """Per watched writer: (namespace, name, the hook installed there); ``bindings_intact`` compares them."""
+        self._bindings: dict[str, tuple[str, Any, str, Any]] = {}
+        """Per watched writer: (module name, module, attribute, the hook installed there); ``bindings_intact``."""
         self._trusted = False
         self._generation = 0
         """Bumped by every ``stale``: a read that overlapped a write never stores the count it read before it."""
@@ -115,8 +116,9 @@ class LiveNumSms:
         self._generation += 1
         self._value = None
 
-    def watch(self, writer: str, binding: tuple[dict[str, Any], str, Any] | None = None) -> None:
-        """``writer`` is hooked; ``binding`` is where its name lives and the hook it holds, for ``bindings_intact``."""
+    def watch(self, writer: str, binding: tuple[str, Any, str, Any] | None = None) -> None:
+        """``writer`` is hooked; ``binding`` is where its name lives and the hook it holds, for ``bindings_intact``
+        (a writer watched without one never passes that check)."""
         self._watched.add(writer)
         if binding is not None:
             self._bindings[writer] = binding
@@ -130,10 +132,13 @@ class LiveNumSms:
         self.stale()
 
     def bindings_intact(self) -> bool:
-        """Every watched writer's name still holds the hook installed there (a rebinding behind the plugin -- a
-        reload, another patcher -- would write the count unseen)."""
-        for namespace, name, hook in self._bindings.values():  # noqa: SIM110 (once per step: no generator object)
-            if namespace.get(name) is not hook:
+        """Every watched writer's module is still the one in ``sys.modules`` and its name still holds the hook
+        installed there (a rebinding or a re-import behind the plugin would write the count unseen)."""
+        if len(self._bindings) != len(self._watched):
+            return False
+        modules = sys.modules
+        for module_name, module, attr, hook in self._bindings.values():
+            if modules.get(module_name) is not module or vars(module).get(attr) is not hook:
                 return False
         return True
 

@@ -346,10 +346,10 @@ def _refresh_live_count() -> None:
     LIVE_NUM_SMS.stale()
 
 
-def _binding(module: str, attr: str) -> tuple[dict[str, Any], str, Any]:
+def _binding(module: str, attr: str) -> tuple[str, Any, str, Any]:
     """Where ``module.attr`` lives and what it holds now (the hook just installed there)."""
-    namespace = vars(sys.modules[module])
-    return namespace, attr, namespace.get(attr)
+    loaded = sys.modules[module]
+    return module, loaded, attr, vars(loaded).get(attr)
 
 
 def _restore_alias() -> None:

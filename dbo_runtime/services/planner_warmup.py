@@ -90,7 +90,11 @@ class PlannerWarmup:
         except Exception:
             return
         self._noted.add(raw)
-        if key not in self._warmed:
+        if key in self._warmed:
+            return
+        with self._lock:  # two microbatch threads meeting one new variant count it once
+            if key in self._warmed:
+                return
             self._warmed.add(key)
             if self.serving:
                 self.stats.jit_in_step += 1

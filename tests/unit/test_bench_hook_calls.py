@@ -25,13 +25,18 @@ def test_the_benchmark_times_every_hooked_access_against_vanilla(tmp_path: Path)
     _run_ok("--n", "1000", "--reps", "1", "--out", str(tmp_path))
     doc = json.loads((tmp_path / "bench_hook_calls.json").read_text())
     accesses = {(r["access"], r["thread"]) for r in doc["rows"]}
-    assert ("SparseAttnIndexer.topk_indices_buffer", "ubatch 1") in accesses and len(accesses) == 22
+    assert ("SparseAttnIndexer.topk_indices_buffer", "ubatch 1") in accesses and len(accesses) == 23
+    # vLLM's real decode-metadata build (stub planner): main thread only, where vLLM builds
+    build = "DeepseekV32IndexerMetadataBuilder.build (stub planner)"
+    assert (build, "main") in accesses and (build, "ubatch 1") not in accesses
     assert ("SharedTopkIndicesBuffer.topk_indices_buffer (leader)", "main") in accesses
     # the two kernel-calling hooks, timed around a no-op kernel on both sides
     assert ("SparseMLAIndexGroup._convert_once (stub kernel)", "ubatch 1") in accesses
     assert ("fp8_fp4_paged_mqa_logits call site (stub kernel)", "main") in accesses
     for thread in ("main", "ubatch 1"):  # the engine's per-step counts, weighted by what each access adds
-        assert doc["per_step_78l"][thread]["accesses"] == 473 and isinstance(doc["per_step_78l"][thread]["added_us"], float)
+        row = doc["per_step_78l"][thread]
+        assert row["accesses"] == 473 and isinstance(row["added_us"], float)
+        assert row["with_build_us"] == row["added_us"] + row["build_added_us"]
     for row in doc["rows"]:
         assert row["plugin_ns"] > 0 and (row["vanilla_ns"] is None) == (row["access"] == "ubatch_ids.current_ubatch")
     assert doc["environment"]["vllm"].endswith("0.33.0")
@@ -46,11 +51,14 @@ def test_a_bad_argument_is_one_line() -> None:
 
 def test_the_per_step_estimate_weights_each_access_by_the_engines_count() -> None:
     sys.path.insert(0, str(ROOT))
-    from graphs.bench_hook_calls import PER_STEP_78L, per_step
+    from graphs.bench_hook_calls import BUILD, PER_STEP_78L, per_step
 
     rows = [{"access": name, "thread": t, "added_ns": 100.0 if t == "main" else 200.0} for name in PER_STEP_78L for t in ("main", "ubatch 1")]
     est = per_step(rows)
-    assert est["main"] == {"accesses": 473, "added_us": 47.3} and est["ubatch 1"] == {"accesses": 473, "added_us": 94.6}
+    assert est["main"] == {"accesses": 473, "added_us": 47.3, "build_added_us": None, "with_build_us": None}
+    assert est["ubatch 1"]["added_us"] == 94.6
+    est = per_step([*rows, {"access": BUILD, "thread": "main", "added_ns": 5000.0}])  # one build per step, on main
+    assert est["main"]["with_build_us"] == 52.3 and est["ubatch 1"]["with_build_us"] == 99.6
 
 
 def test_with_cold_the_default_block_is_a_few_hundred_accesses(tmp_path: Path) -> None:

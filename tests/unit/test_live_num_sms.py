@@ -80,17 +80,30 @@ def test_distrust_drops_the_cache_until_the_writers_are_watched_again() -> None:
 
 
 def test_a_binding_that_no_longer_holds_its_hook_is_seen() -> None:
-    """``bindings_intact``: what each watched writer's name held when its hook was installed, by identity (the
-    per-step check of ``indexer_hooks._refresh_live_count``); an unwatched writer's binding is forgotten."""
+    """``bindings_intact``: each watched writer's module (still the one imported) and what its name held when its
+    hook was installed, by identity (the per-step check of ``indexer_hooks._refresh_live_count``)."""
+    import sys
+    import types
+
     rt = _Runtime()
     live = _tracker(rt)
-    hooks = {writer: (lambda n: None) for writer in LiveNumSms.WRITERS}
-    namespaces = {writer: {"set_num_sms": hook} for writer, hook in hooks.items()}
-    for writer, hook in hooks.items():
-        live.watch(writer, (namespaces[writer], "set_num_sms", hook))
-    assert live.trusted and live.bindings_intact()
-    first = sorted(LiveNumSms.WRITERS)[0]
-    namespaces[first]["set_num_sms"] = lambda n: None  # rebound behind the plugin
-    assert not live.bindings_intact()
-    live.unwatch(first)
-    assert live.bindings_intact() and not live.trusted
+    modules = {writer: types.ModuleType(f"fake_writer_{i}") for i, writer in enumerate(sorted(LiveNumSms.WRITERS))}
+    for module in modules.values():
+        module.set_num_sms = lambda n: None
+        sys.modules[module.__name__] = module
+    try:
+        live.watch(sorted(LiveNumSms.WRITERS)[0])  # watched with no binding: nothing to check, never intact
+        assert not live.bindings_intact()
+        for writer, module in modules.items():
+            live.watch(writer, (module.__name__, module, "set_num_sms", module.set_num_sms))
+        assert live.trusted and live.bindings_intact()
+        first, second = (modules[w] for w in sorted(LiveNumSms.WRITERS))
+        first.set_num_sms = lambda n: None  # rebound behind the plugin
+        assert not live.bindings_intact()
+        live.unwatch(sorted(LiveNumSms.WRITERS)[0])
+        assert live.bindings_intact() and not live.trusted
+        sys.modules[second.__name__] = types.ModuleType(second.__name__)  # imported again: a new, unhooked module
+        assert not live.bindings_intact()
+    finally:
+        for module in modules.values():
+            sys.modules.pop(module.__name__, None)
