@@ -97,8 +97,7 @@ def _make_builder_planner(original: Any) -> Any:
         scope: _PlanScope | None = getattr(_tls, "scope", None)
         if scope is None:
             return original(*args, **kwargs)
-        context_lens, block_size = slots.get("context_lens", args, kwargs), slots.get("block_size", args, kwargs)
-        num_sms = slots.get("num_sms", args, kwargs)
+        context_lens, block_size, num_sms, indices = slots.read(args, kwargs)
         if scope.override_sms is not None:
             num_sms = scope.override_sms
             args, kwargs = slots.replace("num_sms", num_sms, args, kwargs)
@@ -109,11 +108,11 @@ def _make_builder_planner(original: Any) -> Any:
                 rows = schedule_cache().planner.slots(num_sms, next_n_of(context_lens)) + 1
                 if rows <= int(scope.defer_into.shape[0]):
                     scope.planned = (int(num_sms), int(block_size), next_n_of(context_lens))
-                    scope.deferred = (context_lens, slots.get("indices", args, kwargs))
+                    scope.deferred = (context_lens, indices)
                     return scope.defer_into[:rows]
         out = original(*args, **kwargs)
         scope.planned = (int(num_sms), int(block_size), next_n_of(context_lens))
-        schedule_cache().note_plan(context_lens, int(block_size), int(num_sms), slots.get("indices", args, kwargs))
+        schedule_cache().note_plan(context_lens, int(block_size), int(num_sms), indices)
         return out
 
     return get_paged_mqa_logits_metadata
@@ -121,21 +120,23 @@ def _make_builder_planner(original: Any) -> Any:
 
 def _make_build(original: Any) -> Any:
     def build(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _refresh_live_count()
         cache = schedule_cache()
+        microbatched = cache.in_microbatched_build()
+        _refresh_live_count(microbatched)
         override = None
-        if cache.in_microbatched_build():  # only then is there a DBO count to plan for (and a device to read)
+        if microbatched:  # only then is there a DBO count to plan for (and a device to read)
             device = _device_index(self)
             override = cache.plan_ahead_sms(device) if device is not None else None
         defer_into = None
         if override is not None and cache.defer_plan_ahead:
             defer_into = getattr(self, "scheduler_metadata_buffer", None)
         scope = _PlanScope(override, defer_into)
-        previous = _push(scope)
+        previous = getattr(_tls, "scope", None)  # _push / _pop, inlined: this runs once per step
+        _tls.scope = scope
         try:
             metadata = original(self, *args, **kwargs)
         finally:
-            _pop(previous)
+            _tls.scope = previous
         decode = getattr(metadata, "decode", None)
         if decode is not None and scope.planned is not None:
             sms, block_kv, next_n = scope.planned
@@ -336,11 +337,14 @@ def _is_writer_hook(fn: Any) -> bool:
     return str(getattr(fn, PATCH_MARK, "")).startswith("indexer.sm_writes.")
 
 
-def _refresh_live_count() -> None:
-    """Once per step (an indexer metadata build, main thread): re-read DeepGEMM's count at the next call site, and
-    stop trusting the cache if a watched writer was rebound behind the plugin (``LiveNumSms.bindings_intact``: one
-    identity check per writer, what each name held when its hook was installed)."""
-    if LIVE_NUM_SMS.trusted and not LIVE_NUM_SMS.bindings_intact():
+def _refresh_live_count(microbatched: bool = True) -> None:
+    """Once per step (an indexer metadata build, main thread): re-read DeepGEMM's count at the next call site, and,
+    in a microbatched step, stop trusting the cache if a watched writer was rebound behind the plugin
+    (``LiveNumSms.bindings_intact``). Why only there: vLLM 0.33 turns DeepGEMM's count only inside a microbatched
+    step (its SM control, entered after this build), and the first call site of every step re-asks DeepGEMM, so an
+    unwatched writer can leave the cache stale only in such a step; the check touches ``sys.modules`` and two module
+    dicts, which costs several microseconds on a cache-cold host, in every step of every engine otherwise."""
+    if microbatched and LIVE_NUM_SMS.trusted and not LIVE_NUM_SMS.bindings_intact():
         LIVE_NUM_SMS.distrust()
         return
     LIVE_NUM_SMS.stale()

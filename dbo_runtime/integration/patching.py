@@ -134,6 +134,21 @@ class ArgSlots:
         self.default = {
             n: (None if by_name[n][1].default is inspect.Parameter.empty else by_name[n][1].default) for n in names
         }
+        self._plan = tuple((n, self.position.get(n, -1), self.default[n]) for n in names)
+
+    def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """Every name given at construction, in that order, in one call: a once-per-step hook pays for each Python
+        call it makes on a cache-cold host (about a microsecond), more than for the lookups themselves."""
+        count = len(args)
+        out = []
+        for name, i, default in self._plan:
+            if name in kwargs:
+                out.append(kwargs[name])
+            elif 0 <= i < count:
+                out.append(args[i])
+            else:
+                out.append(default)
+        return out
 
     def get(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if name in kwargs:

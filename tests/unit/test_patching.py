@@ -368,3 +368,25 @@ def test_an_optional_patch_that_fails_to_apply_is_skipped_not_the_sets_failure(t
         assert mod.Klass().method() != "extra"
     finally:
         ps.uninstall()
+
+
+def test_arg_slots_read_every_name_from_positions_keywords_and_defaults() -> None:
+    """``ArgSlots``: a wrapper forwards ``*args, **kwargs`` untouched and reads only the parameters it needs, at
+    the positions or keywords vLLM passed them, a missing one being its default; ``read`` gives all in one call,
+    as ``get`` would one by one, and a name the signature lacks refuses the patch."""
+    from dbo_runtime.core.errors import PatchError
+    from dbo_runtime.integration.patching import ArgSlots
+
+    def planner(context_lens: object, block_size: int, num_sms: int, indices: object = None) -> None: ...
+
+    slots = ArgSlots(planner, ("context_lens", "block_size", "num_sms", "indices"))
+    for args, kwargs, want in (
+        (("c", 64, 132), {"indices": "i"}, ["c", 64, 132, "i"]),  # how vLLM 0.33's builder calls it
+        (("c", 64, 132), {}, ["c", 64, 132, None]),
+        ((), {"context_lens": "c", "block_size": 64, "num_sms": 112}, ["c", 64, 112, None]),
+        (("c", 64, 132, "i"), {}, ["c", 64, 132, "i"]),
+    ):
+        names = ("context_lens", "block_size", "num_sms", "indices")
+        assert slots.read(args, kwargs) == want == [slots.get(n, args, kwargs) for n in names]
+    with pytest.raises(PatchError, match="has no parameter"):
+        ArgSlots(planner, ("context_lens", "num_states"))

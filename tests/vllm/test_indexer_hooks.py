@@ -703,7 +703,9 @@ def test_a_writer_rebound_behind_the_plugin_ends_the_trust(monkeypatch: pytest.M
         indexer_hooks._refresh_live_count()
         assert live.trusted
         monkeypatch.setattr(uu, "deep_gemm_set_num_sms", lambda n: None)  # someone rebinds the alias
-        indexer_hooks._refresh_live_count()  # the next build sees it
+        indexer_hooks._refresh_live_count(False)  # a step that does not microbatch: vLLM turns no count in it
+        assert live.trusted
+        indexer_hooks._refresh_live_count(True)  # the next microbatched build sees it, before SM control writes
         assert not live.trusted
         live.read(), live.read()
         assert len(asked) == 2
