@@ -500,8 +500,8 @@ def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -
 
 
 def test_host_cost_bench_names_the_engines_that_failed_and_why() -> None:
-    """An engine that died (lease 14: twelve 78-layer engines on one H200, four out of GPU memory) leaves its
-    figures empty; the row says which engine, what the harness recognised in its log, and how many reps it kept."""
+    """An engine that died (for one, of CUDA OOM: twelve 78-layer engines outgrow one H200) leaves its figures
+    empty; the row says which engine, what the harness recognised in its log, and how many reps it kept."""
     mod = load("bench_host_cost.py")
     [config] = mod.configurations(["v32"], [61], ["eager"], ["off"])
     rep = {"warmup": False, "decode_step_ms": 200.0}

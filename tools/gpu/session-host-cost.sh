@@ -11,7 +11,8 @@ shift || true
 . tools/gpu/env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
-mkdir -p /tmp/host-cost
+# a folder of its own per command: an earlier command's runs went back with its tarball, and would go again
+rm -rf /tmp/host-cost && mkdir -p /tmp/host-cost
 timeout "$LIMIT" python3 graphs/bench_host_cost.py --out /tmp/host-cost "$@" > /tmp/host-cost/bench.log 2>&1
 rc=$?
 echo "exit $rc" >> /tmp/host-cost/bench.log
