@@ -122,6 +122,8 @@ class LiveNumSms:
         self._watched.add(writer)
         if binding is not None:
             self._bindings[writer] = binding
+        else:
+            self._bindings.pop(writer, None)
         self._trusted = self._watched >= self.WRITERS
         self.stale()
 
@@ -137,7 +139,7 @@ class LiveNumSms:
         if len(self._bindings) != len(self._watched):
             return False
         modules = sys.modules
-        for module_name, module, attr, hook in self._bindings.values():
+        for module_name, module, attr, hook in tuple(self._bindings.values()):  # a lazy import may watch meanwhile
             if modules.get(module_name) is not module or vars(module).get(attr) is not hook:
                 return False
         return True

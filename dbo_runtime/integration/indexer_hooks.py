@@ -337,13 +337,15 @@ def _is_writer_hook(fn: Any) -> bool:
     return str(getattr(fn, PATCH_MARK, "")).startswith("indexer.sm_writes.")
 
 
-def _refresh_live_count(microbatched: bool = True) -> None:
+def _refresh_live_count(microbatched: bool) -> None:
     """Once per step (an indexer metadata build, main thread): re-read DeepGEMM's count at the next call site, and,
     in a microbatched step, stop trusting the cache if a watched writer was rebound behind the plugin
     (``LiveNumSms.bindings_intact``). Why only there: vLLM 0.33 turns DeepGEMM's count only inside a microbatched
     step (its SM control, entered after this build), and the first call site of every step re-asks DeepGEMM, so an
     unwatched writer can leave the cache stale only in such a step; the check touches ``sys.modules`` and two module
-    dicts, which costs several microseconds on a cache-cold host, in every step of every engine otherwise."""
+    dicts, which costs several microseconds on a cache-cold host, in every step of every engine otherwise. A build
+    is known to be microbatched through the ``indexer.plan_ahead.*`` scope of the runner in use, a required patch
+    (not ``optional``): without it the plugin does not install, so the check cannot be lost quietly."""
     if microbatched and LIVE_NUM_SMS.trusted and not LIVE_NUM_SMS.bindings_intact():
         LIVE_NUM_SMS.distrust()
         return
