@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             records, env_facts = from_runs(runs, [s.label for s in specs])
         except RunsUnreadable as exc:
-            print(f"bench_host_cost: --from-runs: {exc}", file=sys.stderr)
+            print(f"bench_host_cost: error: --from-runs: {exc}", file=sys.stderr)
             return 2
     else:
         from dbo_runtime.harness.machine import refuse_without_engine
@@ -341,7 +341,8 @@ def from_runs(runs: Path, labels: list[str]) -> tuple[dict[str, dict], dict]:
         records[label] = record
     if not records:
         raise RunsUnreadable(
-            f"{runs} holds none of the {len(labels)} runs asked for (e.g. {labels[0] if labels else '-'}): give the "
+            f"{runs} holds none of the {len(labels)} engine runs asked for ({len(labels) // len(VARIANTS)} configurations x "
+            f"{len(VARIANTS)} engines, e.g. {labels[0] if labels else '-'}): give the "
             "bench_host_cost_runs directory of a stopped run and the --only / --models / --depths it ran with"
         )
     if not any(_reps(r) for r in records.values()):

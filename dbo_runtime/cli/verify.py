@@ -191,7 +191,10 @@ def floor_args(engine_args: list[str], per_rank: int) -> tuple[list[str], str]:
     otherwise ``--max-num-seqs``."""
     seqs = _flag_value(engine_args, "--max-num-seqs")
     active = _flag_value(engine_args, "--max-num-active-seqs")
-    concurrent = min(x for x in (seqs, active, per_rank) if x)
+    for flag, value in (("--max-num-seqs", seqs), ("--max-num-active-seqs", active)):
+        if value is not None and value < 1:  # 0 is a value given, not "unset": never read it as the default
+            raise ConfigError(flag, value, "an integer >= 1 (sequences a DP rank holds at a time)")
+    concurrent = min(x for x in (seqs, active, per_rank) if x is not None)
     half = concurrent // 2
     if half < 1:
         raise ConfigError(

@@ -383,3 +383,9 @@ def test_the_plugins_switches_are_said_before_the_engines_start(
     monkeypatch.setattr(verify, "visible_gpus", lambda: 0)
     assert main(["verify", "--model", "m", "-dp", "2"]) == 3
     assert "DBO_RUNTIME_DISABLE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--max-num-seqs", "--max-num-active-seqs"])
+def test_floor_refuses_a_zero_sequence_limit_instead_of_reading_it_as_unset(flag: str) -> None:
+    with pytest.raises(ConfigError, match=f"{flag}.*an integer >= 1"):
+        verify.floor_args(["--model", "m", flag, "0"], 32)
