@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from dbo_runtime.adapters.deep_gemm import LIVE_NUM_SMS, LiveNumSms, next_n_of
+from dbo_runtime.adapters.deep_gemm import LIVE_NUM_SMS, next_n_of
 from dbo_runtime.core import coverage
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.planner_shapes import dbo_planner_shapes
@@ -319,9 +319,6 @@ def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
 # -- DeepGEMM's SM-count writers ---------------------------------------------------------------------
 UBATCH_UTILS = "vllm.v1.worker.ubatch_utils"
 ALIAS = "deep_gemm_set_num_sms"
-WRITERS = tuple(tuple(writer.rsplit(".", 1)) for writer in sorted(LiveNumSms.WRITERS))
-"""(module, attribute) of vLLM 0.33's writers of DeepGEMM's SM count (``LiveNumSms.WRITERS``): the wrapper, and the
-alias its SM control binds by ``from`` import."""
 WRITE_TIMING = (
     f"{UBATCH_UTILS}:SMControlContextManager",
     f"{UBATCH_UTILS}:create_sm_control_context",
