@@ -40,6 +40,9 @@ DBO = ("off", "dp1")
 MAX_STEPS = 3000
 """Decode steps per pass at most: the prompts are up to 600 tokens and the tiny engines' --max-model-len is 4096."""
 VARIANTS = (("plugin", {}), ("vanilla", {"DBO_RUNTIME_DISABLE": "1"}), ("selftime", {"DBO_RUNTIME_SELF_TIME": "1"}))
+ENGINE_GIB = {"shallow": 7.0, "deep": 16.0}
+"""GPU memory one engine of this benchmark holds once it has run its first prefill (32 prompts of 300-600 tokens),
+measured on an H200 (``docs/results.md``): about 6.5 GiB at 6 layers, 10-16 GiB at 61 and 78."""
 AT_ONCE = 1
 """Configurations whose engines are alive together, by default: one configuration's three engines. A 61- or
 78-layer tiny engine holds 10-16 GiB of GPU memory once it has run its first prefill (the KV cache is 2 GiB of it),
@@ -179,6 +182,39 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
     }
 
 
+def engine_gib(config: dict) -> float:
+    return ENGINE_GIB["shallow"] if int(config["depth"]) <= 6 else ENGINE_GIB["deep"]
+
+
+def memory_problem(configs: list[dict], at_once: int, gpu_gib: float) -> str | None:
+    """Why ``--at-once`` cannot run these rows on a GPU of ``gpu_gib`` (None when every group fits, by
+    ``ENGINE_GIB``): engines that outgrow the GPU die of CUDA OOM part-way, after minutes of start-up."""
+
+    def worst(k: int) -> float:
+        return max(sum(len(VARIANTS) * engine_gib(c) for c in configs[i : i + k]) for i in range(0, len(configs), k))
+
+    if not configs or worst(at_once) <= gpu_gib:
+        return None
+    fit = max((k for k in range(1, at_once) if worst(k) <= gpu_gib), default=0)
+    allowed = f"--at-once {fit} or less" if fit else "none: one configuration's three engines already outgrow this GPU"
+    return (
+        f"argument --at-once: {at_once} is not allowed for these rows on this GPU: a group needs about {worst(at_once):.0f} GiB "
+        f"({ENGINE_GIB['deep']:.0f} GiB per 61/78-layer engine, {ENGINE_GIB['shallow']:.0f} per 6-layer one, three engines "
+        f"per configuration) of its {gpu_gib:.0f} GiB; allowed values: {allowed}"
+    )
+
+
+def gpu_gib() -> float | None:
+    """The smallest GPU's memory as NVML reports it (no CUDA context in this process); None when NVML cannot say."""
+    from dbo_runtime.adapters import nvml
+
+    try:
+        totals = [g.memory_total_bytes for g in nvml.query().gpus if g.memory_total_bytes]
+    except nvml.NvmlUnavailable:
+        return None
+    return min(totals) / 2**30 if totals else None
+
+
 def engine_failures(records: dict[str, dict | None]) -> list[str]:
     """A line per engine of the row that failed, with the causes the harness recognised in its log
     (``harness.launch.SIGNATURES``: ``cuda_oom`` when the engines alive together outgrew the GPU): a figure left
@@ -287,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         refused = refuse_without_engine("bench_host_cost", 1)
         if refused is not None:
             return EXIT_NO_DEVICE
+        memory = gpu_gib()
+        too_many = memory_problem(configs, args.at_once, memory) if memory is not None else None
+        if too_many is not None:
+            parser.error(too_many)
         from dbo_runtime.harness.launch import kill_on_sigterm
         from dbo_runtime.harness.turns import run_interleaved
         from dbo_runtime.sim.report import environment

@@ -106,6 +106,8 @@ class NvmlGpu:
     attributes_multiprocessor_count: int | None
     """``nvmlDeviceGetAttributes_v2`` on the GPU handle: None on a full (non-MIG) GPU."""
     mig_devices: tuple[NvmlMigDevice, ...] = field(default_factory=tuple)
+    memory_total_bytes: int | None = None
+    """``nvmlDeviceGetMemoryInfo(...).total``: what engines sharing this GPU must fit in."""
 
     @property
     def cores_per_sm(self) -> int | None:
@@ -203,6 +205,7 @@ def _gpu(r: _Reader, index: int) -> NvmlGpu:
     util = r.call("nvmlDeviceGetUtilizationRates", handle)
     attrs = r.call("nvmlDeviceGetAttributes_v2", handle)
     cores = r.call("nvmlDeviceGetNumGpuCores", handle)
+    memory = r.call("nvmlDeviceGetMemoryInfo", handle)
     return NvmlGpu(
         index=index,
         name=_text(r.call("nvmlDeviceGetName", handle)),
@@ -217,6 +220,7 @@ def _gpu(r: _Reader, index: int) -> NvmlGpu:
         utilization_memory_pct=None if util is None else int(util.memory),
         attributes_multiprocessor_count=None if attrs is None else int(attrs.multiprocessorCount),
         mig_devices=_mig_devices(r, index, handle) if mig_enabled else (),
+        memory_total_bytes=None if memory is None else int(memory.total),
     )
 
 

@@ -73,6 +73,8 @@ class FakeGpu:
     max_sm_clock: int = 1980
     util_gpu: int = 7
     util_memory: int = 1
+    memory_total: int = 143_771 * 2**20
+    """``nvmlDeviceGetMemoryInfo(...).total`` of an H200 (``nvidia-smi``: 143,771 MiB)."""
     mig_slots: list[FakeMig | None] = field(default_factory=list)
     """``None`` = an empty slot (NotFound), as on a GPU with fewer instances than slots."""
     unsupported: set[str] = field(default_factory=set)
@@ -172,6 +174,10 @@ class FakePynvml(types.ModuleType):
         if handle.mig:
             raise NVMLError_NotSupported()
         return handle.gpu.cores
+
+    def nvmlDeviceGetMemoryInfo(self, handle: _Handle) -> types.SimpleNamespace:
+        self._check(handle, "nvmlDeviceGetMemoryInfo")
+        return types.SimpleNamespace(total=handle.gpu.memory_total, free=handle.gpu.memory_total, used=0)
 
     def nvmlDeviceGetMigMode(self, handle: _Handle) -> list[int]:
         self._check(handle, "nvmlDeviceGetMigMode")

@@ -381,10 +381,12 @@ def test_fake_nvml_mig_slice_smaller_than_comm_is_a_named_error(
 
 
 def test_fake_nvml_not_supported_fields_degrade_to_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    gpu = FakeGpu(unsupported={"nvmlDeviceGetClockInfo", "nvmlDeviceGetNumGpuCores", "nvmlDeviceGetMigMode", "nvmlDeviceGetUUID"})
+    [whole] = nvml.query(FakePynvml([FakeGpu()])).gpus
+    assert whole.memory_total_bytes == 143_771 * 2**20
+    gpu = FakeGpu(unsupported={"nvmlDeviceGetClockInfo", "nvmlDeviceGetNumGpuCores", "nvmlDeviceGetMigMode", "nvmlDeviceGetUUID", "nvmlDeviceGetMemoryInfo"})
     snap = nvml.query(FakePynvml([gpu]))
     [g] = snap.gpus
-    assert g.name == "NVIDIA H200" and g.max_sm_clock_mhz == 1980
+    assert g.name == "NVIDIA H200" and g.max_sm_clock_mhz == 1980 and g.memory_total_bytes is None
     assert g.sm_clock_mhz is None and g.num_gpu_cores is None and g.sms_from_cores is None
     assert g.mig_enabled is None and g.uuid is None and g.mig_devices == ()
 

@@ -657,3 +657,30 @@ def test_host_cost_bench_runs_graph_rows_with_their_own_step_count(tmp_path: Pat
     for bad in ("0", "25", ""):
         with pytest.raises(SystemExit):
             mod.main([*argv, "--at-once", bad])
+
+
+def test_host_cost_bench_refuses_more_engines_at_once_than_the_gpu_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Twelve 78-layer engines outgrow an H200 part-way (CUDA OOM after minutes of start-up): refused before any
+    engine starts, in one line naming ``--at-once`` and what fits (engines faked: no GPU in CI; the GPU's memory
+    is NVML's, ``adapters.nvml``, here a stand-in)."""
+    from dbo_runtime.harness import machine, turns
+
+    mod = load("bench_host_cost.py")
+    deep = mod.configurations(["glm53", "v32"], [78], ["eager"], ["off", "dp1"])
+    assert mod.memory_problem(deep, 2, 139.8) is None  # six engines, about 96 GiB
+    said = mod.memory_problem(deep, 4, 139.8)
+    assert said is not None and said.startswith("argument --at-once: 4 is not allowed") and said.endswith("--at-once 2 or less")
+    assert mod.memory_problem(mod.configurations(["glm53"], [6], ["eager", "graphs"], ["off", "dp1"]), 4, 139.8) is None
+    assert "none: one configuration" in str(mod.memory_problem(deep, 1, 40.0))
+
+    launched: list[str] = []
+    monkeypatch.setattr(machine, "refuse_without_engine", lambda name, gpus: None)
+    monkeypatch.setattr(mod, "gpu_gib", lambda: 139.8)
+    monkeypatch.setattr(turns, "run_interleaved", lambda specs, *a, **k: launched.extend(s.label for s in specs) or {})
+    with pytest.raises(SystemExit) as exit_:
+        mod.main(["--depths", "78", "--modes", "eager", "--at-once", "4", "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2 and launched == [] and not (tmp_path / "out").exists()
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("bench_host_cost: error: argument --at-once: 4 is not allowed for these rows on this GPU")
