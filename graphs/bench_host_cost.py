@@ -40,9 +40,10 @@ DBO = ("off", "dp1")
 MAX_STEPS = 3000
 """Decode steps per pass at most: the prompts are up to 600 tokens and the tiny engines' --max-model-len is 4096."""
 VARIANTS = (("plugin", {}), ("vanilla", {"DBO_RUNTIME_DISABLE": "1"}), ("selftime", {"DBO_RUNTIME_SELF_TIME": "1"}))
-ENGINE_GIB = {"shallow": 7.0, "deep": 16.0}
-"""GPU memory one engine of this benchmark holds once it has run its first prefill (32 prompts of 300-600 tokens),
-measured on an H200 (``docs/results.md``): about 6.5 GiB at 6 layers, 10-16 GiB at 61 and 78."""
+ENGINE_GIB = ((6, 7.0), (78, 16.0))
+"""(layers, GiB) of GPU memory one engine of this benchmark holds once it has run its first prefill (32 prompts of
+300-600 tokens), measured on an H200 (``docs/results.md``: about 6.5 GiB at 6 layers, 10-16 GiB at 61 and 78); other
+depths on the line through the two (weights and activations grow with layers, the KV cache is fixed)."""
 AT_ONCE = 1
 """Configurations whose engines are alive together, by default: one configuration's three engines. A 61- or
 78-layer tiny engine holds 10-16 GiB of GPU memory once it has run its first prefill (the KV cache is 2 GiB of it),
@@ -183,7 +184,8 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
 
 
 def engine_gib(config: dict) -> float:
-    return ENGINE_GIB["shallow"] if int(config["depth"]) <= 6 else ENGINE_GIB["deep"]
+    (d0, g0), (d1, g1) = ENGINE_GIB
+    return max(g0, g0 + (int(config["depth"]) - d0) * (g1 - g0) / (d1 - d0))
 
 
 def memory_problem(configs: list[dict], at_once: int, gpu_gib: float) -> str | None:
@@ -195,23 +197,29 @@ def memory_problem(configs: list[dict], at_once: int, gpu_gib: float) -> str | N
 
     if not configs or worst(at_once) <= gpu_gib:
         return None
-    fit = max((k for k in range(1, at_once) if worst(k) <= gpu_gib), default=0)
-    allowed = f"--at-once {fit} or less" if fit else "none: one configuration's three engines already outgrow this GPU"
+    # groups are consecutive slices, so a smaller --at-once can group worse: name every value that fits
+    fits = [k for k in range(1, at_once) if worst(k) <= gpu_gib]
+    allowed = f"--at-once {', '.join(map(str, fits))}" if fits else "none: one configuration's three engines already outgrow this GPU"
+    per_engine = ", ".join(f"{d} layers {engine_gib({'depth': d}):.1f}" for d in sorted({int(c["depth"]) for c in configs}))
     return (
-        f"argument --at-once: {at_once} is not allowed for these rows on this GPU: a group needs about {worst(at_once):.0f} GiB "
-        f"({ENGINE_GIB['deep']:.0f} GiB per 61/78-layer engine, {ENGINE_GIB['shallow']:.0f} per 6-layer one, three engines "
-        f"per configuration) of its {gpu_gib:.0f} GiB; allowed values: {allowed}"
+        f"argument --at-once: {at_once} is not allowed for these rows on this GPU: a group needs about {worst(at_once):.1f} GiB "
+        f"(three engines per configuration; GiB per engine: {per_engine}) of its {gpu_gib:.1f} GiB; allowed values: {allowed}"
     )
 
 
 def gpu_gib() -> float | None:
-    """The smallest GPU's memory as NVML reports it (no CUDA context in this process); None when NVML cannot say."""
+    """The smallest GPU's total memory as NVML reports it (no CUDA context in this process): a rough guard, which
+    counts neither memory other processes hold nor what the driver reserves. None -- nothing checked -- when NVML
+    cannot say, or a GPU is MIG-sliced (NVML reports the whole GPU's memory, the engines get a slice)."""
     from dbo_runtime.adapters import nvml
 
     try:
-        totals = [g.memory_total_bytes for g in nvml.query().gpus if g.memory_total_bytes]
+        gpus = nvml.query().gpus
     except nvml.NvmlUnavailable:
         return None
+    if any(g.mig_enabled for g in gpus):
+        return None
+    totals = [g.memory_total_bytes for g in gpus if g.memory_total_bytes]
     return min(totals) / 2**30 if totals else None
 
 

@@ -642,6 +642,7 @@ def test_host_cost_bench_runs_graph_rows_with_their_own_step_count(tmp_path: Pat
     monkeypatch.setattr(machine, "refuse_without_engine", lambda name, gpus: None)
     monkeypatch.setattr(turns, "run_interleaved", fake_run_interleaved)
     monkeypatch.setattr(mod, "_plot", lambda rows, path: None)
+    monkeypatch.setattr(mod, "gpu_gib", lambda: None)  # NVML's answer is this machine's, not the test's
     argv = ["--models", "glm53", "--depths", "6", "--dbo", "dp1", "--reps", "1", "--out", str(tmp_path)]
     assert mod.main([*argv, "--steps", "8"]) == 0
     assert {label: n for label, n in seen.items() if label.endswith("-plugin")} == {
@@ -671,9 +672,15 @@ def test_host_cost_bench_refuses_more_engines_at_once_than_the_gpu_holds(
     deep = mod.configurations(["glm53", "v32"], [78], ["eager"], ["off", "dp1"])
     assert mod.memory_problem(deep, 2, 139.8) is None  # six engines, about 96 GiB
     said = mod.memory_problem(deep, 4, 139.8)
-    assert said is not None and said.startswith("argument --at-once: 4 is not allowed") and said.endswith("--at-once 2 or less")
+    assert said is not None and said.startswith("argument --at-once: 4 is not allowed") and said.endswith("allowed values: --at-once 1, 2")
+    assert "78 layers 16.0" in said
     assert mod.memory_problem(mod.configurations(["glm53"], [6], ["eager", "graphs"], ["off", "dp1"]), 4, 139.8) is None
     assert "none: one configuration" in str(mod.memory_problem(deep, 1, 40.0))
+    # consecutive groups: a smaller --at-once can group worse (here 2 pairs the two deep rows, 3 does not), so every
+    # value that fits is named
+    mixed = mod.configurations(["glm53"], [6, 78, 6], ["eager"], ["off", "dp1"])  # 21, 21, 48, 48, 21, 21 GiB
+    assert str(mod.memory_problem(mixed, 4, 92.0)).endswith("allowed values: --at-once 1, 3")
+    assert 7.0 < mod.engine_gib({"depth": 30}) < 16.0 < mod.engine_gib({"depth": 120})  # other depths on the line
 
     launched: list[str] = []
     monkeypatch.setattr(machine, "refuse_without_engine", lambda name, gpus: None)
