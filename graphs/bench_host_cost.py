@@ -45,9 +45,8 @@ ENGINE_GIB = ((6, 7.0), (78, 16.0))
 300-600 tokens), measured on an H200 (``docs/results.md``: about 6.5 GiB at 6 layers, 10-16 GiB at 61 and 78); other
 depths on the line through the two (weights and activations grow with layers, the KV cache is fixed)."""
 AT_ONCE = 1
-"""Configurations whose engines are alive together, by default: one configuration's three engines. A 61- or
-78-layer tiny engine holds 10-16 GiB of GPU memory once it has run its first prefill (the KV cache is 2 GiB of it),
-so twelve on one H200 run out of memory part-way, and every engine alive competes for the host's cores."""
+"""Configurations whose engines are alive together, by default: one configuration's three engines. Twelve deep engines
+outgrow one H200 part-way (``ENGINE_GIB``), and every engine alive competes for the host's cores."""
 
 
 def _items(raw: str) -> tuple[list[str], str | None]:
@@ -314,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     def steps_of(config: dict) -> int:
         return int(args.graphs_steps if config["mode"] == "graphs" else args.steps)
 
-    specs = [s for c in configs for s in specs_for(c, steps_of(c), args.reps)]
+    specs_by_config = {c["label"]: specs_for(c, steps_of(c), args.reps) for c in configs}
+    specs = [s for c in configs for s in specs_by_config[c["label"]]]
     out = Path(args.out)
     if args.from_runs is not None:
         runs = Path(args.from_runs)
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         records = {}
         for first in range(0, len(configs), args.at_once):
-            group = [s for c in configs[first : first + args.at_once] for s in specs_for(c, steps_of(c), args.reps)]
+            group = [s for c in configs[first : first + args.at_once] for s in specs_by_config[c["label"]]]
             records.update(
                 run_interleaved(group, out / "bench_host_cost_runs", args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
             )
