@@ -14,6 +14,7 @@ the JSON), and planner JIT compilations inside steps.
 
     python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs]
         [--dbo off,dp1] [--reps 5] [--steps 16] [--graphs-steps 128] [--at-once 1] [--out graphs/results]
+    python graphs/bench_host_cost.py --from-runs DIR | --from-records PREFIX[,PREFIX...]   (no engines: stored runs)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -299,8 +301,16 @@ def main(argv: list[str] | None = None) -> int:
         "--from-runs", default=None, metavar="DIR",
         help="summarize the run directories a stopped benchmark left in DIR (its bench_host_cost_runs) instead of running engines",
     )  # fmt: skip
+    parser.add_argument(
+        "--from-records", default=None, metavar="PREFIX[,PREFIX...]",
+        help="summarize the records tools/gpu/collect_records.py wrote, PREFIX-real-engine-LABEL.json (e.g. "
+        "docs/gpu-runs/2026-12-02-lease15-hostcost), instead of running engines; with several prefixes each configuration "
+        "comes whole from the last one that holds any of its engines",
+    )  # fmt: skip
     add_out(parser)
     args = parser.parse_args(argv)
+    if args.from_runs is not None and args.from_records is not None:
+        parser.error("argument --from-records: not allowed with --from-runs (give one source of runs)")
     configs = configurations(
         _choices(parser, "models", args.models, tuple(MODELS)),
         _depths(parser, args.depths),
@@ -316,7 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     specs_by_config = {c["label"]: specs_for(c, steps_of(c), args.reps) for c in configs}
     specs = [s for c in configs for s in specs_by_config[c["label"]]]
     out = Path(args.out)
-    if args.from_runs is not None:
+    summarized = args.from_runs is not None or args.from_records is not None
+    if args.from_records is not None:
+        prefixes, empty = _items(args.from_records)
+        if empty:
+            parser.error(f"argument --from-records: {empty} is not allowed; allowed values: comma-separated record prefixes")
+        try:
+            records, env_facts = from_records(prefixes, [s.label for s in specs])
+        except RunsUnreadable as exc:
+            print(f"bench_host_cost: error: --from-records: {exc}", file=sys.stderr)
+            return 2
+    elif args.from_runs is not None:
         runs = Path(args.from_runs)
         if not args.from_runs or not runs.is_dir():
             parser.error(f"--from-runs: {args.from_runs!r} is not a directory (give the bench_host_cost_runs of a stopped run)")
@@ -350,7 +370,10 @@ def main(argv: list[str] | None = None) -> int:
                 run_interleaved(group, out / "bench_host_cost_runs", args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
             )
     out.mkdir(parents=True, exist_ok=True)
-    rows = [summarize(c, records) for c in configs if args.from_runs is None or any(f"{c['label']}-{v}" in records for v, _ in VARIANTS)]
+    rows = [summarize(c, records) for c in configs if not summarized or any(f"{c['label']}-{v}" in records for v, _ in VARIANTS)]
+    for row in rows:
+        if row["label"] in env_facts.get("source_by_config", {}):
+            row["source"] = env_facts["source_by_config"][row["label"]]
     doc = {"bench": "bench_host_cost", "args": vars(args), "environment": env_facts, "configs": rows}
     (out / "bench_host_cost.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     _plot(rows, out / "bench_host_cost.png")
@@ -378,36 +401,79 @@ def from_runs(runs: Path, labels: list[str]) -> tuple[dict[str, dict], dict]:
             raise RunsUnreadable(f"{run}: its spec.json, record.json or rank files cannot be read ({type(exc).__name__}: {exc})") from None
         if not isinstance(record, dict):
             raise RunsUnreadable(f"{run}: holds neither a spec.json nor a record.json")
-        if not record.get("label"):
-            raise RunsUnreadable(f"{run}: its record names no run (no 'label'): not a run directory of this benchmark")
-        bench = record.get("bench")
-        if bench is not None and not (
-            isinstance(bench, list) and all(isinstance(r, dict) and isinstance(r.get("reps", []), list) for r in bench)
-            and all(isinstance(x, dict) for r in bench for x in r.get("reps", []))
-        ):  # fmt: skip
-            raise RunsUnreadable(f"{run}: its 'bench' is not a list of ranks with lists of reps: not a run of this benchmark")
-        records[label] = record
+        records[label] = _checked(run, record, "a run directory")
     if not records:
         raise RunsUnreadable(
             f"{runs} holds none of the {len(labels)} engine runs asked for ({len(labels) // len(VARIANTS)} configurations x "
             f"{len(VARIANTS)} engines, e.g. {labels[0] if labels else '-'}): give the "
             "bench_host_cost_runs directory of a stopped run and the --only / --models / --depths it ran with"
         )
+    return records, {"from_runs": str(runs), **_said_of(records, labels, runs)}
+
+
+def _checked(where: Path, record: Any, what: str) -> dict:
+    """``record`` when it is an engine run of this benchmark; else why not (``RunsUnreadable``)."""
+    if not isinstance(record, dict) or not record.get("label"):
+        raise RunsUnreadable(f"{where}: its record names no run (no 'label'): not {what} of this benchmark")
+    bench = record.get("bench")
+    if bench is not None and not (
+        isinstance(bench, list) and all(isinstance(r, dict) and isinstance(r.get("reps", []), list) for r in bench)
+        and all(isinstance(x, dict) for r in bench for x in r.get("reps", []))
+    ):  # fmt: skip
+        raise RunsUnreadable(f"{where}: its 'bench' is not a list of ranks with lists of reps: not a run of this benchmark")
+    return record
+
+
+def from_records(prefixes: list[str], labels: list[str]) -> tuple[dict[str, dict], dict]:
+    """The records ``tools/gpu/collect_records.py`` wrote (``PREFIX-real-engine-LABEL.json``), to rebuild a matrix
+    from ``docs/gpu-runs`` once the run directories are gone, several leases merged. A configuration comes whole
+    from the last prefix holding any of its engines, never engine by engine: a row's step ratio pairs engines that
+    ran side by side, on one host, with one code."""
+    for prefix in prefixes:
+        if not list(Path(prefix).parent.glob(f"{Path(prefix).name}-real-engine-*.json")):
+            raise RunsUnreadable(f"{prefix!r} names no records ({prefix}-real-engine-*.json): give a prefix collect_records.py wrote")
+    records: dict[str, dict] = {}
+    source: dict[str, str] = {}
+    for config in sorted({label.rsplit("-", 1)[0] for label in labels}):
+        for prefix in reversed(prefixes):
+            found = {}
+            for variant, _ in VARIANTS:
+                path = Path(f"{prefix}-real-engine-{config}-{variant}.json")
+                if path.is_file():
+                    try:
+                        found[f"{config}-{variant}"] = _checked(path, json.loads(path.read_text()), "a record")
+                    except (OSError, ValueError) as exc:
+                        raise RunsUnreadable(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None
+            if found:
+                records.update(found)
+                source[config] = prefix
+                break
+    if not records:
+        raise RunsUnreadable(
+            f"none of {', '.join(prefixes)} holds a record of the {len(labels) // len(VARIANTS)} configurations asked for "
+            f"(e.g. {labels[0] if labels else '-'}): give the --only / --models / --depths they ran with"
+        )
+    return records, {"from_records": prefixes, "source_by_config": source, **_said_of(records, labels, ", ".join(prefixes))}
+
+
+def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
+    """What a summary of stored runs must say: refused when no run finished a timed rep; on stderr, the
+    configurations and engines it lacks and the runs a limit stopped; the versions the engines reported."""
     if not any(_reps(r) for r in records.values()):
-        raise RunsUnreadable(f"{runs}: none of its {len(records)} run(s) finished a timed rep: there is nothing to summarize")
+        raise RunsUnreadable(f"{where}: none of its {len(records)} run(s) finished a timed rep: there is nothing to summarize")
     configurations = sorted({label.rsplit("-", 1)[0] for label in labels})
     missing = [c for c in configurations if not any(label.startswith(f"{c}-") for label in records)]
     if missing:
-        print(f"bench_host_cost: --from-runs: no runs for {len(missing)} configuration(s), left out: {', '.join(missing)}", file=sys.stderr)
+        print(f"bench_host_cost: no runs for {len(missing)} configuration(s), left out: {', '.join(missing)}", file=sys.stderr)
     for config in (c for c in configurations if c not in missing):
         absent = [label.rsplit("-", 1)[1] for label in labels if label.startswith(f"{config}-") and label not in records]
         if absent:
-            print(f"bench_host_cost: --from-runs: {config}: no run of {', '.join(absent)} (its figures are left empty)", file=sys.stderr)
+            print(f"bench_host_cost: {config}: no run of {', '.join(absent)} (its figures are left empty)", file=sys.stderr)
     versions = next((r.get("versions") for r in records.values() if r.get("versions")), None) or {}
     stopped = sorted(label for label, r in records.items() if r.get("stopped_by_session_limit"))
     for label in stopped:
-        print(f"bench_host_cost: --from-runs: {label} was stopped by the limit: {len(_reps(records[label]))} timed rep(s) kept", file=sys.stderr)
-    return records, {"from_runs": str(runs), "stopped_by_session_limit": bool(stopped), "stopped_runs": stopped, **versions}
+        print(f"bench_host_cost: {label} was stopped by the limit: {len(_reps(records[label]))} timed rep(s) kept", file=sys.stderr)
+    return {"stopped_by_session_limit": bool(stopped), "stopped_runs": stopped, **versions}
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -691,3 +691,55 @@ def test_host_cost_bench_refuses_more_engines_at_once_than_the_gpu_holds(
     assert exit_.value.code == 2 and launched == [] and not (tmp_path / "out").exists()
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("bench_host_cost: error: argument --at-once: 4 is not allowed for these rows on this GPU")
+
+
+def test_host_cost_bench_merges_stored_records_a_configuration_whole(tmp_path: Path) -> None:
+    """``--from-records``: the matrix rebuilt from ``collect_records.py``'s records of two leases. A configuration
+    comes whole from the last prefix holding any of its engines (a row's ratio pairs engines that ran side by
+    side), and the row says which prefix it came from."""
+    mod = load("bench_host_cost.py")
+
+    def rec(label: str, step_ms: float) -> dict:
+        reps = [{"rep": 0, "warmup": True, "decode_step_ms": 99.0}, {"rep": 1, "warmup": False, "decode_step_ms": step_ms}]
+        if label.endswith("-selftime"):
+            reps[1].update(plugin_self_us_per_step=50.0, plugin_calls_per_step=5.0)
+        return {"label": label, "ok": True, "bench": [{"reps": reps}]}
+
+    old, new = tmp_path / "2026-01-01-leaseA-hostcost", tmp_path / "2026-01-02-leaseB-hostcost"
+    for prefix, config, variants, step in (
+        (old, "glm53-6L-eager-dbo-off", ("plugin", "vanilla", "selftime"), 20.0),
+        (old, "glm53-6L-eager-dbo-dp1", ("plugin", "vanilla", "selftime"), 20.0),
+        (new, "glm53-6L-eager-dbo-dp1", ("plugin",), 10.0),  # the newer lease ran one engine of this row
+    ):
+        for v in variants:
+            Path(f"{prefix}-real-engine-{config}-{v}.json").write_text(json.dumps(rec(f"{config}-{v}", step)))
+    out = tmp_path / "out"
+    argv = ["--models", "glm53", "--depths", "6", "--modes", "eager", "--out", str(out)]
+    assert mod.main(["--from-records", f"{old},{new}", *argv]) == 0
+    rows = {r["label"]: r for r in json.loads((out / "bench_host_cost.json").read_text())["configs"]}
+    assert rows["glm53-6L-eager-dbo-off"]["source"] == str(old)
+    assert rows["glm53-6L-eager-dbo-off"]["plugin_over_vanilla_paired"]["median"] == pytest.approx(1.0)
+    dp1 = rows["glm53-6L-eager-dbo-dp1"]
+    assert dp1["source"] == str(new) and dp1["reps_done"] == {"plugin": 1, "vanilla": 0, "selftime": 0}
+    assert dp1["engine_failures"] == ["vanilla: no run", "selftime: no run"]
+
+
+def test_host_cost_bench_refuses_records_it_cannot_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A prefix that names no record, an unreadable record, an empty item or both sources at once: one error, and
+    nothing written."""
+    mod = load("bench_host_cost.py")
+    out = tmp_path / "out"
+    argv = ["--only", "glm53-6L-eager-dbo-off", "--out", str(out)]
+    assert mod.main(["--from-records", str(tmp_path / "nothing"), *argv]) == 2
+    assert "names no records" in capsys.readouterr().err
+    prefix = tmp_path / "p"
+    Path(f"{prefix}-real-engine-glm53-6L-eager-dbo-off-plugin.json").write_text("{not json")
+    assert mod.main(["--from-records", str(prefix), *argv]) == 2
+    assert "cannot be read" in capsys.readouterr().err
+    Path(f"{prefix}-real-engine-glm53-6L-eager-dbo-off-plugin.json").write_text(json.dumps({"label": "x"}))
+    assert mod.main(["--from-records", str(prefix), *argv]) == 2  # no timed rep: a file of nulls
+    assert not out.exists()
+    for bad in ([f"{prefix},"], [str(prefix), "--from-runs", str(tmp_path)]):
+        with pytest.raises(SystemExit):
+            mod.main(["--from-records", *bad, *argv])
+        assert "argument --from-records" in capsys.readouterr().err
