@@ -117,7 +117,7 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
         t = buffer
         return lambda: call_site.fp8_fp4_paged_mqa_logits((t, None), t, t, t, t, schedule, max_model_len=4096, indices=None)
 
-    def builder_build() -> Callable[[], Any]:
+    def builder_build(dbo: bool = True) -> Callable[[], Any]:
         from vllm.config import DeviceConfig, VllmConfig
         from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadataBuilder
         from vllm.v1.attention.backends.utils import CommonAttentionMetadata
@@ -125,6 +125,7 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
 
         config = VllmConfig(device_config=DeviceConfig(device="cpu"))
         object.__setattr__(config, "model_config", SimpleNamespace(max_model_len=40960))  # no HF config here
+        object.__setattr__(config.parallel_config, "enable_dbo", dbo)
         config.attention_config.sparse_mla_prefill_workspace_factor = 5
         spec = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=132, dtype=torch.uint8)
         builder = DeepseekV32IndexerMetadataBuilder(spec, ["indexer.0"], config, torch.device("cpu"), block_table_width=64)
@@ -136,7 +137,22 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
             num_reqs=rows, num_actual_tokens=rows, max_query_len=1, max_seq_len=300,
             block_table_tensor=torch.zeros((rows, 64), dtype=torch.int32), slot_mapping=torch.arange(rows, dtype=torch.int64),
         )  # fmt: skip
-        return lambda: builder.build(0, common)
+        if dbo:
+            return lambda: builder.build(0, common)
+        from dbo_runtime.services.schedule_cache import schedule_cache
+
+        cache = schedule_cache()
+
+        def aside() -> Any:
+            # what register_builder decides for an engine without DBO (the builder's device is the CPU here, so it
+            # registers nothing); both sides pay the two stores, the plugin side alone reads the flag
+            cache.steps_aside = True
+            try:
+                return builder.build(0, common)
+            finally:
+                cache.steps_aside = False
+
+        return aside
 
     return {
         "SharedTopkIndicesBuffer.topk_indices_buffer (follower)": shared_buffer(False),
@@ -151,6 +167,7 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
         "SparseMLAIndexGroup._convert_once (stub kernel)": convert_once,
         "fp8_fp4_paged_mqa_logits call site (stub kernel)": logits_call_site,
         BUILD: builder_build,
+        BUILD_ASIDE: lambda: builder_build(dbo=False),
     }
 
 
@@ -158,9 +175,12 @@ BUILD = "DeepseekV32IndexerMetadataBuilder.build (stub planner)"
 """vLLM's real decode-metadata build of a 32-request step (about 100 µs of vLLM's own Python and torch calls),
 with its planner call (``get_paged_mqa_logits_metadata``, a GPU kernel) stubbed: the plugin's build and planner
 hooks run around it once per step, on the main thread, eager and under CUDA graphs alike."""
-MAIN_ONLY = {BUILD}
+BUILD_ASIDE = "DeepseekV32IndexerMetadataBuilder.build, no DBO (hooks step aside)"
+"""The same build in an engine that never microbatches, where the builder, planner and call-site hooks step aside
+(``IndexerScheduleCache.steps_aside``)."""
+MAIN_ONLY = {BUILD, BUILD_ASIDE}
 """Cases that never run on a microbatch thread (vLLM builds a step's metadata on the main thread)."""
-SLOW = {BUILD: 200}
+SLOW = {BUILD: 200, BUILD_ASIDE: 200}
 """Cases a back-to-back block runs fewer of (``n // SLOW``, at least 100): a build is some 30 µs of vLLM's own code
 here, a buffer read 0.05-0.2 µs."""
 

@@ -70,11 +70,16 @@ class _PlanScope:
     """``(context_lens, indices)`` of a planner call that was skipped (deferred to the call site)."""
 
 
-_tls = threading.local()
+class _Scope(threading.local):
+    scope: _PlanScope | None = None
+    """A class default: a missing ``threading.local`` attribute costs an ``AttributeError`` (about 0.35 us)."""
+
+
+_tls = _Scope()
 
 
 def _push(scope: _PlanScope) -> _PlanScope | None:
-    previous: _PlanScope | None = getattr(_tls, "scope", None)
+    previous = _tls.scope
     _tls.scope = scope
     return previous
 
@@ -94,8 +99,8 @@ def _make_builder_planner(original: Any) -> Any:
     slots = ArgSlots(original, ("context_lens", "block_size", "num_sms", "indices"))
 
     def get_paged_mqa_logits_metadata(*args: Any, **kwargs: Any) -> Any:
-        scope: _PlanScope | None = getattr(_tls, "scope", None)
-        if scope is None:
+        scope = _tls.scope
+        if scope is None:  # not inside a hooked build (or the build stepped aside)
             return original(*args, **kwargs)
         context_lens, block_size, num_sms, indices = slots.read(args, kwargs)
         if scope.override_sms is not None:
@@ -120,7 +125,9 @@ def _make_builder_planner(original: Any) -> Any:
 
 def _make_build(original: Any) -> Any:
     def build(self: Any, *args: Any, **kwargs: Any) -> Any:
-        cache = schedule_cache()
+        cache = _sc._CACHE or schedule_cache()
+        if cache.steps_aside:  # an engine that never microbatches: vLLM's build as it is
+            return original(self, *args, **kwargs)
         microbatched = cache.in_microbatched_build()
         _refresh_live_count(microbatched)
         override = None
@@ -131,7 +138,7 @@ def _make_build(original: Any) -> Any:
         if override is not None and cache.defer_plan_ahead:
             defer_into = getattr(self, "scheduler_metadata_buffer", None)
         scope = _PlanScope(override, defer_into)
-        previous = getattr(_tls, "scope", None)  # _push / _pop, inlined: this runs once per step
+        previous = _tls.scope  # _push / _pop, inlined: this runs once per step
         _tls.scope = scope
         try:
             metadata = original(self, *args, **kwargs)
@@ -161,6 +168,9 @@ def _make_build(original: Any) -> Any:
 def _make_update_draft(original: Any) -> Any:
     def update_draft_decode_metadata(self: Any, metadata: Any) -> None:
         cache = schedule_cache()
+        if cache.steps_aside:
+            original(self, metadata)
+            return
         decode = getattr(metadata, "decode", None)
         state = cache.state_of(decode.schedule_metadata) if decode is not None else None
         # Re-plan for the count the schedule was planned for: vLLM asserts the shape is unchanged.
@@ -225,7 +235,13 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
     )
     if not parallel.use_ubatching:  # nothing microbatches: vLLM's own planning, untouched
         cache.register_profile(device, profile, full_sms=None)
+        if cache.note_builder(False, writes_seen=LIVE_NUM_SMS.trusted) and cache.stats.builders_stepped_aside == 1:
+            logger.info(
+                "dbo_runtime: this engine never microbatches (parallel_config.use_ubatching is off: no --enable-dbo, "
+                "--ubatch-size 1), so the indexer hooks hand vLLM's calls through untouched"
+            )
         return profile
+    cache.note_builder(True, writes_seen=LIVE_NUM_SMS.trusted)
     cache.register_profile(device, profile, full_sms=int(builder.num_sms))
     # the logits of one call: a row per decode token (B x next_n), at most a full step's
     reserve_placeholders(builder.device, int(config.model_config.max_model_len), min(max_seqs * q, max_tokens))
@@ -302,7 +318,7 @@ def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
     ) -> Any:
         try:
             cache = _sc._CACHE or schedule_cache()
-            if not cache.fits(schedule_metadata):
+            if not cache.steps_aside and not cache.fits(schedule_metadata):
                 schedule_metadata = cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
             return original(
                 q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len=max_model_len,
@@ -377,6 +393,7 @@ def _sm_writes_patch(name: str, module: str, attr: str) -> Patch:
                 original(num_sms)
             finally:
                 LIVE_NUM_SMS.stale()
+                (_sc._CACHE or schedule_cache()).stop_stepping_aside()
 
         return set_num_sms
 
@@ -393,7 +410,7 @@ def _sm_writes_patch(name: str, module: str, attr: str) -> Patch:
         anchors=(f"{DEEP_GEMM_WRAPPER}:set_num_sms", *WRITE_TIMING),
         reason="mark the indexer call site's cached DeepGEMM SM count stale after every write, so the call site "
         "reads the count once per change instead of calling DeepGEMM's torch op (a dispatch and a GIL release) "
-        "once per indexer layer",
+        "once per indexer layer; a write also ends the indexer hooks' stepping aside for the process",
         upstream_pr="none (a dbo_runtime cost measure)",
         removal="the call site stops asking DeepGEMM for its live count (vLLM records the planned count itself, #60732)",
         lazy=True,
@@ -489,7 +506,8 @@ def patches() -> list[Patch]:
             attr=f"{BUILDER}.build",
             make=_make_build,
             reason="attach (planned SMs, block size, next_n) to each new decode schedule; a new build is a new "
-            "cache entry",
+            "cache entry. In a process whose engines never microbatch (and whose writes to DeepGEMM's count are "
+            "watched) it steps aside, with the planner and call-site hooks: vLLM's build as it is",
             upstream_pr=UPSTREAM_PR,
             removal=removal_cache,
             lazy=True,

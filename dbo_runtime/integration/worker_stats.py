@@ -99,6 +99,7 @@ def collect(worker: Any = None) -> dict[str, Any]:
         "self_time_gc_ns": snap["self_time"].get("gc_ns", 0),
         "jit_in_step": cache.get("jit_in_step", 0),
         "jit_at_start": cache.get("jit_at_start", 0),
+        "builders_stepped_aside": cache.get("builders_stepped_aside", 0),
         "patches_pending": len(pending),
         "patches_broken": sum(1 for s in statuses if s.state == "broken"),
     }

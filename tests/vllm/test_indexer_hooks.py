@@ -104,12 +104,14 @@ class Env:
     sai: Any
     patch_set: PatchSet
 
-    def builder(self) -> Any:
+    def builder(self, *, dbo: bool = True) -> Any:
+        """A real builder of an engine started with ``--enable-dbo`` (``dbo=False``: one that never microbatches)."""
         from vllm.config import DeviceConfig, VllmConfig
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         vc = VllmConfig(device_config=DeviceConfig(device="cpu"))
         object.__setattr__(vc, "model_config", FakeModelConfig(max_model_len=40960))
+        object.__setattr__(vc.parallel_config, "enable_dbo", dbo)
         vc.attention_config.sparse_mla_prefill_workspace_factor = 5
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=132, dtype=torch.uint8)
         builder = self.ix.DeepseekV32IndexerMetadataBuilder(spec, ["indexer.0"], vc, torch.device("cpu"), block_table_width=64)
@@ -541,14 +543,50 @@ def test_minimal_warm_up_leaves_eager_decode_batches_to_jit_in_step(env: Env, mo
 def test_an_engine_that_never_microbatches_warms_nothing(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without ``--enable-dbo`` / ``--ubatch-size`` vLLM plans as it always does: no warm-up, no load-time cost."""
     monkeypatch.delenv("VLLM_DEEP_GEMM_WARMUP", raising=False)
-    builder = env.builder()
+    builder = env.builder(dbo=False)
     builder.device = torch.device("cpu")
     assert not builder.vllm_config.parallel_config.use_ubatching
     indexer_hooks.register_builder(builder, device_index=0)
     assert env.cache.stats.warmups == 0 and env.dg.plan_calls == []
+    assert env.cache.steps_aside
     builder.vllm_config.parallel_config.ubatch_size = 2  # the other way vLLM microbatches
     indexer_hooks.register_builder(builder, device_index=0)
     assert env.cache.stats.warmups > 0
+    assert not env.cache.steps_aside  # a builder that may microbatch: every build is tracked again
+
+
+def test_an_engine_that_never_microbatches_gets_vllms_build_and_call_site(env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    """No ``--enable-dbo``: only vLLM's microbatch SM control turns DeepGEMM's count, so the builder, planner and
+    call-site hooks step aside (vanilla's schedules, nothing tracked, no re-plan), said once at INFO. A write to
+    DeepGEMM's count through vLLM ends that for the process: later builds are tracked, and a schedule built
+    meanwhile is checked at the call site against the live count."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="vllm.dbo_runtime")
+    builder = env.builder(dbo=False)
+    _register(builder)
+    assert env.cache.steps_aside and env.cache.stats.builders_stepped_aside == 1
+    assert sum("never microbatches" in r.getMessage() for r in caplog.records) == 1
+    _register(env.builder(dbo=False))  # the drafter's builder, or a second layer group: said once
+    assert sum("never microbatches" in r.getMessage() for r in caplog.records) == 1
+    metadata = builder.build(0, _common(SEQS))
+    decode = metadata.decode
+    assert env.cache.state_of(decode.schedule_metadata) is None and not hasattr(decode, "dbo_schedule_state")
+    calls = len(env.dg.plan_calls)
+    env.logits(decode)
+    assert len(env.dg.plan_calls) == calls and env.cache.stats.untracked_replans == 0
+
+    wrapper = importlib.import_module("vllm.utils.deep_gemm")
+    assert getattr(wrapper.set_num_sms, "__wrapped__", None) is not None  # the writer hook is installed
+    with pytest.raises(RuntimeError, match="DeepGEMM is not available"):  # none on this machine; the hook still sees the write
+        wrapper.set_num_sms(112)
+    assert not env.cache.steps_aside
+    _register(env.builder(dbo=False))  # pinned: another engine without DBO does not step aside again
+    assert not env.cache.steps_aside
+    env.dg.set_num_sms(112)
+    env.logits(decode)  # the untracked schedule is re-planned for the live count, not read as planned
+    assert env.cache.stats.untracked_replans == 1
+    assert env.cache.state_of(builder.build(0, _common(SEQS)).decode.schedule_metadata) is not None
 
 
 def test_start_up_runs_and_failed_warm_ups_are_counted_where_they_happen(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -765,3 +803,15 @@ def test_a_call_site_whose_parameters_moved_is_refused_at_install(monkeypatch: p
     with pytest.raises(PatchError, match="the target takes"):
         patch_set.install()
     assert not patch_set.installed
+
+
+def test_no_step_aside_where_a_write_to_deepgemms_count_could_go_unseen(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stepping aside is safe only while every vLLM writer of DeepGEMM's count is watched (a write ends it): with
+    a writer hook skipped or rebound (``LiveNumSms`` not trusted), an engine without DBO keeps every hook."""
+    from dbo_runtime.adapters.deep_gemm import LIVE_NUM_SMS
+
+    monkeypatch.setattr(type(LIVE_NUM_SMS), "trusted", property(lambda self: False))
+    builder = env.builder(dbo=False)
+    _register(builder)
+    assert not env.cache.steps_aside and env.cache.stats.builders_stepped_aside == 0
+    assert env.cache.state_of(builder.build(0, _common(SEQS)).decode.schedule_metadata) is not None
