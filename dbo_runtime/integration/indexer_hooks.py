@@ -167,7 +167,7 @@ def _make_build(original: Any) -> Any:
 
 def _make_update_draft(original: Any) -> Any:
     def update_draft_decode_metadata(self: Any, metadata: Any) -> None:
-        cache = schedule_cache()
+        cache = _sc._CACHE or schedule_cache()
         if cache.steps_aside:
             original(self, metadata)
             return
@@ -202,10 +202,16 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
     threshold, the speculative tokens): exactly the per-microbatch planner
     shapes vLLM will run microbatched (``schedule_cache.dbo_planner_shapes``).
     """
+    cache = schedule_cache()
+    # first, before anything here can fail: a DBO engine's builder must end stepping aside even if it registers nothing
+    if cache.note_builder(_may_microbatch(builder), writers_watched=LIVE_NUM_SMS.trusted) and cache.stats.builders_stepped_aside == 1:
+        logger.info(
+            "dbo_runtime: this engine never microbatches (parallel_config.use_ubatching is off: no --enable-dbo, "
+            "--ubatch-size 1), so the indexer hooks hand vLLM's calls through untouched"
+        )
     device = _device_index(builder) if device_index is None else device_index
     if device is None:
         return None
-    cache = schedule_cache()
     cache.attach_device(device, int(builder.num_sms))
     flat = bool(getattr(builder, "use_flattening", False))
     varlen = bool(getattr(builder, "supports_varlen", False))
@@ -235,17 +241,19 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
     )
     if not parallel.use_ubatching:  # nothing microbatches: vLLM's own planning, untouched
         cache.register_profile(device, profile, full_sms=None)
-        if cache.note_builder(False, writes_seen=LIVE_NUM_SMS.trusted) and cache.stats.builders_stepped_aside == 1:
-            logger.info(
-                "dbo_runtime: this engine never microbatches (parallel_config.use_ubatching is off: no --enable-dbo, "
-                "--ubatch-size 1), so the indexer hooks hand vLLM's calls through untouched"
-            )
         return profile
-    cache.note_builder(True, writes_seen=LIVE_NUM_SMS.trusted)
     cache.register_profile(device, profile, full_sms=int(builder.num_sms))
     # the logits of one call: a row per decode token (B x next_n), at most a full step's
     reserve_placeholders(builder.device, int(config.model_config.max_model_len), min(max_seqs * q, max_tokens))
     return profile
+
+
+def _may_microbatch(builder: Any) -> bool:
+    """vLLM's ``parallel_config.use_ubatching`` of the builder's engine; True (keep every hook) when unreadable."""
+    try:
+        return bool(builder.vllm_config.parallel_config.use_ubatching)
+    except Exception:
+        return True
 
 
 def _start_serving() -> None:
@@ -389,11 +397,11 @@ def _sm_writes_patch(name: str, module: str, attr: str) -> Patch:
     def make(original: Any) -> Any:
         @functools.wraps(original)
         def set_num_sms(num_sms: int) -> None:
+            (_sc._CACHE or schedule_cache()).stop_stepping_aside()  # before the count changes
             try:
                 original(num_sms)
             finally:
                 LIVE_NUM_SMS.stale()
-                (_sc._CACHE or schedule_cache()).stop_stepping_aside()
 
         return set_num_sms
 

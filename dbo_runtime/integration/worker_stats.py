@@ -100,6 +100,7 @@ def collect(worker: Any = None) -> dict[str, Any]:
         "jit_in_step": cache.get("jit_in_step", 0),
         "jit_at_start": cache.get("jit_at_start", 0),
         "builders_stepped_aside": cache.get("builders_stepped_aside", 0),
+        "indexer_steps_aside": _steps_aside(),
         "patches_pending": len(pending),
         "patches_broken": sum(1 for s in statuses if s.state == "broken"),
     }
@@ -109,6 +110,13 @@ def collect(worker: Any = None) -> dict[str, Any]:
     snap["features"] = {name: state.describe() for name, state in REGISTRY.all().items()}
     snap["pid"] = os.getpid()
     return snap
+
+
+def _steps_aside() -> bool:
+    """Whether the indexer hooks hand vLLM's calls through in this process now (an engine that never microbatches)."""
+    from dbo_runtime.services import schedule_cache
+
+    return bool(schedule_cache._CACHE is not None and schedule_cache._CACHE.steps_aside)
 
 
 def _make_method(existing: Any) -> Any:

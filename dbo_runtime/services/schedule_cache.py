@@ -126,7 +126,8 @@ class ScheduleCacheStats:
     warm_ns: int = 0
     """Host time spent in warm-up (the load-time cost of keeping JIT out of steps)."""
     builders_stepped_aside: int = 0
-    """Indexer builders registered for an engine that never microbatches (``IndexerScheduleCache.steps_aside``)."""
+    """Indexer builder registrations that found the hooks stepping aside (``IndexerScheduleCache.steps_aside``):
+    engines that never microbatch. Planner launches of such engines are vLLM's own and not counted in ``jit_*``."""
 
 
 class IndexerScheduleCache:
@@ -148,25 +149,26 @@ class IndexerScheduleCache:
         self._captures = CAPTURES
         self.steps_aside = False
         """Every indexer builder of this process belongs to an engine that never microbatches (vLLM 0.33's
-        ``parallel_config.use_ubatching`` false: no ``--enable-dbo``, ``--ubatch-size`` 1), and nothing has
-        written DeepGEMM's SM count through vLLM: the builder, planner and call-site hooks then hand vLLM's calls
-        straight through. Why that is safe: only vLLM's microbatch SM control turns DeepGEMM's count, so such an
-        engine plans and reads its schedules for one count, as vanilla does. Read without the lock on the hot
-        paths; ``note_builder`` and ``stop_stepping_aside`` write it."""
+        ``parallel_config.use_ubatching`` false: no ``--enable-dbo``, ``--ubatch-size`` 1), vLLM's writers of
+        DeepGEMM's count are watched and none has written it: the builder, planner and call-site hooks then hand
+        vLLM's calls straight through. Why that is safe: in vLLM 0.33 only the microbatch SM control turns
+        DeepGEMM's count (through ``ubatch_utils.deep_gemm_set_num_sms``), so such an engine plans and reads its
+        schedules for one count, as vanilla does. A write that bypasses vLLM's wrapper (``deep_gemm.set_num_sms``
+        itself) then meets vanilla's behaviour, not the live-count re-plan. Read without the lock on the hot paths;
+        ``note_builder`` and ``stop_stepping_aside`` write it under the lock."""
         self._dbo_builders = 0
         self._pinned = False
         """A write to DeepGEMM's count was seen: never step aside again in this process."""
 
     # -- engines that never microbatch -------------------------------------------------------
-    def note_builder(self, microbatches: bool, *, writes_seen: bool) -> bool:
-        """An indexer builder was registered; whether the hooks now step aside (``steps_aside``). A builder of
-        an engine that may microbatch ends stepping aside for the process (its builds must be tracked), and so
-        does a process where vLLM's writes to DeepGEMM's count are not all watched (``writes_seen`` false: a
-        write could not end it)."""
+    def note_builder(self, microbatches: bool, *, writers_watched: bool) -> bool:
+        """An indexer builder was created; whether the hooks now step aside (``steps_aside``). A builder of an
+        engine that may microbatch ends stepping aside for the process (its builds must be tracked), and so does
+        a process where vLLM's writers of DeepGEMM's count are not all watched (a write could not end it)."""
         with self._lock:
             if microbatches:
                 self._dbo_builders += 1
-            if not writes_seen:
+            if not writers_watched:
                 self._pinned = True
             self.steps_aside = not self._dbo_builders and not self._pinned
             if self.steps_aside:
@@ -174,10 +176,14 @@ class IndexerScheduleCache:
             return self.steps_aside
 
     def stop_stepping_aside(self) -> None:
-        """Something wrote DeepGEMM's SM count: from now on every build is tracked and every call site resolves
-        (schedules built meanwhile are untracked; the call site checks their rows against the live count)."""
-        self._pinned = True
-        self.steps_aside = False
+        """Something writes DeepGEMM's SM count: from now on every build is tracked and every call site resolves
+        (schedules built meanwhile are untracked; the call site checks their rows against the live count). Under
+        the lock, so a builder being noted at the same time cannot turn stepping aside back on."""
+        if self._pinned:  # every microbatched step writes twice: one read once pinned
+            return
+        with self._lock:
+            self._pinned = True
+            self.steps_aside = False
 
     # -- planner ---------------------------------------------------------------------------
     @property

@@ -555,7 +555,9 @@ def test_an_engine_that_never_microbatches_warms_nothing(env: Env, monkeypatch: 
     assert not env.cache.steps_aside  # a builder that may microbatch: every build is tracked again
 
 
-def test_an_engine_that_never_microbatches_gets_vllms_build_and_call_site(env: Env, caplog: pytest.LogCaptureFixture) -> None:
+def test_an_engine_that_never_microbatches_gets_vllms_build_and_call_site(
+    env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No ``--enable-dbo``: only vLLM's microbatch SM control turns DeepGEMM's count, so the builder, planner and
     call-site hooks step aside (vanilla's schedules, nothing tracked, no re-plan), said once at INFO. A write to
     DeepGEMM's count through vLLM ends that for the process: later builds are tracked, and a schedule built
@@ -565,21 +567,25 @@ def test_an_engine_that_never_microbatches_gets_vllms_build_and_call_site(env: E
     caplog.set_level(logging.INFO, logger="vllm.dbo_runtime")
     builder = env.builder(dbo=False)
     _register(builder)
-    assert env.cache.steps_aside and env.cache.stats.builders_stepped_aside == 1
+    assert env.cache.steps_aside and env.cache.stats.builders_stepped_aside >= 1  # vLLM's __init__ hook and this call
     assert sum("never microbatches" in r.getMessage() for r in caplog.records) == 1
     _register(env.builder(dbo=False))  # the drafter's builder, or a second layer group: said once
     assert sum("never microbatches" in r.getMessage() for r in caplog.records) == 1
     metadata = builder.build(0, _common(SEQS))
     decode = metadata.decode
     assert env.cache.state_of(decode.schedule_metadata) is None and not hasattr(decode, "dbo_schedule_state")
+    builder.update_draft_decode_metadata(metadata)  # MTP's in-place re-plan: vLLM's own, nothing tracked either
+    assert env.cache.state_of(decode.schedule_metadata) is None and env.cache.stats.invalidations == 0
     calls = len(env.dg.plan_calls)
-    env.logits(decode)
+    with monkeypatch.context() as m:  # the call site hands vLLM's call through without asking the cache
+        m.setattr(env.cache, "fits", lambda *a: pytest.fail("the call site consulted the cache"))
+        m.setattr(env.cache, "resolve", lambda *a: pytest.fail("the call site consulted the cache"))
+        env.logits(decode)
     assert len(env.dg.plan_calls) == calls and env.cache.stats.untracked_replans == 0
 
-    wrapper = importlib.import_module("vllm.utils.deep_gemm")
-    assert getattr(wrapper.set_num_sms, "__wrapped__", None) is not None  # the writer hook is installed
+    alias = importlib.import_module("vllm.v1.worker.ubatch_utils")  # how vLLM's SM control writes the count
     with pytest.raises(RuntimeError, match="DeepGEMM is not available"):  # none on this machine; the hook still sees the write
-        wrapper.set_num_sms(112)
+        alias.deep_gemm_set_num_sms(112)
     assert not env.cache.steps_aside
     _register(env.builder(dbo=False))  # pinned: another engine without DBO does not step aside again
     assert not env.cache.steps_aside
@@ -815,3 +821,15 @@ def test_no_step_aside_where_a_write_to_deepgemms_count_could_go_unseen(env: Env
     _register(builder)
     assert not env.cache.steps_aside and env.cache.stats.builders_stepped_aside == 0
     assert env.cache.state_of(builder.build(0, _common(SEQS)).decode.schedule_metadata) is not None
+
+
+def test_a_dbo_builder_whose_registration_fails_still_ends_stepping_aside(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The builder is noted before anything in ``register_builder`` can fail (vLLM's builder ``__init__`` hook
+    swallows the failure): a DBO engine after one without DBO in the same process never has its builds handed
+    through untracked."""
+    _register(env.builder(dbo=False))
+    assert env.cache.steps_aside
+    monkeypatch.setattr(indexer_hooks, "dbo_planner_shapes", lambda **k: (_ for _ in ()).throw(RuntimeError("shapes")))
+    with pytest.raises(RuntimeError, match="shapes"):
+        _register(env.builder())
+    assert not env.cache.steps_aside
