@@ -3,16 +3,24 @@ without matplotlib still gets every JSON result, only the PNG is skipped."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
 def pyplot() -> Any | None:
-    """``matplotlib.pyplot`` on the Agg backend, or None when matplotlib is not installed."""
+    """``matplotlib.pyplot`` on the Agg backend, or None when matplotlib is not installed (said once on stderr, so
+    a missing PNG is never a silent gap: matplotlib is not one of the project's dependencies)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        if not _said:
+            _said.append(True)
+            print("note: matplotlib is not installed: no PNG (the JSON has every number; pip install matplotlib)", file=sys.stderr)
         return None
     return plt
+
+
+_said: list[bool] = []

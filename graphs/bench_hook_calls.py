@@ -477,9 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"78-layer eager step, {thread}: {row['accesses']} of these accesses add {row['added_us']:.1f} us{build}")
     print(f"results: {out / (stem + '.json')}")
     plt = pyplot()
-    if plt is None:
-        print("note: matplotlib is not installed: no PNG (the JSON has every number)")
-    else:
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(8, 4))
         labels = [f"{r['access']}\n({r['thread']})" for r in doc["rows"]]
         ax.barh(labels, [r["added_ns"] for r in doc["rows"]])

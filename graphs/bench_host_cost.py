@@ -399,9 +399,11 @@ def from_runs(runs: Path, labels: list[str]) -> tuple[dict[str, dict], dict]:
             record = reassemble(run)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RunsUnreadable(f"{run}: its spec.json, record.json or rank files cannot be read ({type(exc).__name__}: {exc})") from None
-        if not isinstance(record, dict):
+        except Exception as exc:  # reassemble reads any JSON shape: a foreign one is refused, never a traceback
+            raise RunsUnreadable(f"{run}: not a run of this benchmark ({type(exc).__name__}: {exc})") from None
+        if record is None:
             raise RunsUnreadable(f"{run}: holds neither a spec.json nor a record.json")
-        records[label] = _checked(run, record, "a run directory")
+        records[label] = _checked(run, record, "a run directory", label)
     if not records:
         raise RunsUnreadable(
             f"{runs} holds none of the {len(labels)} engine runs asked for ({len(labels) // len(VARIANTS)} configurations x "
@@ -411,10 +413,14 @@ def from_runs(runs: Path, labels: list[str]) -> tuple[dict[str, dict], dict]:
     return records, {"from_runs": str(runs), **_said_of(records, labels, runs)}
 
 
-def _checked(where: Path, record: Any, what: str) -> dict:
-    """``record`` when it is an engine run of this benchmark; else why not (``RunsUnreadable``)."""
+def _checked(where: Path, record: Any, what: str, label: str) -> dict:
+    """``record`` when it is the engine run ``label`` of this benchmark; else why not (``RunsUnreadable``). The
+    label inside must be the one its place names: a run filed under another engine's name would swap plugin and
+    vanilla in the ratio without a word."""
     if not isinstance(record, dict) or not record.get("label"):
         raise RunsUnreadable(f"{where}: its record names no run (no 'label'): not {what} of this benchmark")
+    if record["label"] != label:
+        raise RunsUnreadable(f"{where}: holds the run {record['label']!r}, not {label!r}: a run filed under another engine's name")
     bench = record.get("bench")
     if bench is not None and not (
         isinstance(bench, list) and all(isinstance(r, dict) and isinstance(r.get("reps", []), list) for r in bench)
@@ -441,7 +447,7 @@ def from_records(prefixes: list[str], labels: list[str]) -> tuple[dict[str, dict
                 path = Path(f"{prefix}-real-engine-{config}-{variant}.json")
                 if path.is_file():
                     try:
-                        found[f"{config}-{variant}"] = _checked(path, json.loads(path.read_text()), "a record")
+                        found[f"{config}-{variant}"] = _checked(path, json.loads(path.read_text()), "a record", f"{config}-{variant}")
                     except (OSError, ValueError) as exc:
                         raise RunsUnreadable(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None
             if found:

@@ -128,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['reader']:<36} {r['other_thread_busy']!s:<11} {r['median_ns']:10.0f} {r['p99_ns']:12.0f} {r['mean_ns']:12.0f}")
     plt = pyplot()
     if plt is None:
-        print("note: matplotlib is not installed: no PNG (the JSON has every number)")
         return 0
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for ax, key in zip(axes, ("median_ns", "mean_ns"), strict=True):

@@ -189,16 +189,23 @@ def floor_args(engine_args: list[str], per_rank: int) -> tuple[list[str], str]:
     ``--max-num-seqs``, ``--max-num-active-seqs`` and the rank's prompts). With an active-sequence limit
     the floor halves that one (vLLM refuses ``max_num_seqs`` below it; capture sizes stay as they were),
     otherwise ``--max-num-seqs``."""
+    allowed = "an integer >= 1 (sequences a DP rank holds at a time)"
+    for flag in ("--max-num-seqs", "--max-num-active-seqs"):
+        raw = engine_arg(engine_args, flag)
+        if raw is not None and _flag_value(engine_args, flag) is None:  # the floor halves it: read, so checked here
+            raise ConfigError(flag, raw, allowed)
     seqs = _flag_value(engine_args, "--max-num-seqs")
     active = _flag_value(engine_args, "--max-num-active-seqs")
     for flag, value in (("--max-num-seqs", seqs), ("--max-num-active-seqs", active)):
         if value is not None and value < 1:  # 0 is a value given, not "unset": never read it as the default
-            raise ConfigError(flag, value, "an integer >= 1 (sequences a DP rank holds at a time)")
+            raise ConfigError(flag, value, allowed)
     concurrent = min(x for x in (seqs, active, per_rank) if x is not None)
     half = concurrent // 2
     if half < 1:
-        raise ConfigError(
-            "--noise-floor", "set", "runs where each DP rank holds at least 2 sequences at a time (more --prompts, or a larger --max-num-seqs)"
+        raise StateError(
+            "--noise-floor",
+            f"given with {concurrent} sequence per DP rank at a time (the floor halves it)",
+            "runs where each DP rank holds at least 2 sequences at a time (more --prompts, or a larger --max-num-seqs)",
         )
     flag = "--max-num-active-seqs" if active else "--max-num-seqs"
     return [flag, str(half)], f"noise floor: DBO off with {flag} {half} (half of the {concurrent} sequences per rank the DBO-off run holds at a time)"

@@ -64,14 +64,14 @@ def warm_max_batch(environ: Mapping[str, str] | None = None) -> int | None:
     raw = (os.environ if environ is None else environ).get(WARM_MAX_BATCH_ENV)
     if raw is None or raw.strip() == "":
         return None
-    allowed = "a non-negative integer (0 disables planner warm-up; N warms every 32-row bucket up to N)"
-    try:
-        value = int(raw.strip(), 10)
-    except ValueError:
-        raise ConfigError(WARM_MAX_BATCH_ENV, raw, allowed) from None
-    if value < 0:
+    allowed = (
+        "a non-negative integer, digits only (0 disables planner warm-up; N warms every 32-row bucket up to N, "
+        "at most the engine's largest decode step)"
+    )
+    digits = raw.strip()
+    if not (digits.isascii() and digits.isdigit()):  # int() would also take "1_000", "+8" and non-ASCII digits
         raise ConfigError(WARM_MAX_BATCH_ENV, raw, allowed)
-    return value
+    return int(digits)
 
 
 def setting_problems(environ: Mapping[str, str] | None = None) -> list[ConfigError]:

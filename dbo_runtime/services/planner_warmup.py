@@ -45,9 +45,27 @@ class PlannerProfile:
             return []
         if policy.mode == "minimal":
             return list(self.shapes) if dbo else []
-        cap = policy.cap if policy.cap is not None else self.max_rows
+        cap = self.max_rows if policy.cap is None else _capped(policy.cap, self.max_rows)
         buckets = [(rows, self.width) for rows in aligned_buckets(cap)] if cap > 0 else []
         return (list(self.shapes) if dbo else []) + buckets
+
+
+_said_capped: set[tuple[int, int]] = set()
+
+
+def _capped(cap: int, max_rows: int) -> int:
+    """The warm-up cap the operator set, but no larger than the engine's largest decode step: no step can use a
+    bigger planner shape, and each one costs about 2 s of start-up on a cold ``DG_JIT_CACHE_DIR``. Said once."""
+    if max_rows <= 0 or cap <= max_rows:
+        return cap
+    if (cap, max_rows) not in _said_capped:
+        _said_capped.add((cap, max_rows))
+        logger.warning(
+            "dbo_runtime: %s=%d is above this engine's largest decode step (%d planner rows, from max_num_seqs and "
+            "the speculative tokens): warming up to %d; allowed values: 0 to %d",
+            WARM_MAX_BATCH_ENV, cap, max_rows, max_rows, max_rows,
+        )  # fmt: skip
+    return max_rows
 
 
 class PlannerWarmup:

@@ -581,9 +581,14 @@ def test_host_cost_bench_refuses_a_runs_directory_it_cannot_use(tmp_path: Path) 
     assert mod.main(["--from-runs", str(tmp_path / "junk"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
     (broken / "record.json").write_text("{}")  # readable, but no run of this benchmark
     assert mod.main(["--from-runs", str(tmp_path / "junk"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
-    (broken / "record.json").write_text(json.dumps({"label": "x", "ok": True, "bench": 5}))  # a foreign shape
+    (broken / "record.json").write_text(json.dumps({"label": broken.name, "ok": True, "bench": 5}))  # a foreign shape
     assert mod.main(["--from-runs", str(tmp_path / "junk"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
-    (broken / "record.json").write_text(json.dumps({"label": "x"}))  # a run, but no timed rep: a file of nulls
+    (broken / "record.json").write_text(json.dumps({"label": broken.name}))  # a run, but no timed rep: a file of nulls
+    assert mod.main(["--from-runs", str(tmp_path / "junk"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
+    (broken / "record.json").write_text("[]")  # JSON, not a record
+    assert mod.main(["--from-runs", str(tmp_path / "junk"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
+    # another engine's run filed under this name: plugin and vanilla would swap in the ratio
+    (broken / "record.json").write_text(json.dumps({"label": "glm53-6L-eager-dbo-off-vanilla", "ok": True, "bench": [{"reps": [{"decode_step_ms": 1.0}]}]}))
     assert mod.main(["--from-runs", str(tmp_path / "junk"), "--only", "glm53-6L-eager-dbo-off", "--out", str(out)]) == 2
     assert not out.exists()
     with pytest.raises(SystemExit):
@@ -736,8 +741,13 @@ def test_host_cost_bench_refuses_records_it_cannot_use(tmp_path: Path, capsys: p
     Path(f"{prefix}-real-engine-glm53-6L-eager-dbo-off-plugin.json").write_text("{not json")
     assert mod.main(["--from-records", str(prefix), *argv]) == 2
     assert "cannot be read" in capsys.readouterr().err
-    Path(f"{prefix}-real-engine-glm53-6L-eager-dbo-off-plugin.json").write_text(json.dumps({"label": "x"}))
+    Path(f"{prefix}-real-engine-glm53-6L-eager-dbo-off-plugin.json").write_text(json.dumps({"label": "glm53-6L-eager-dbo-off-plugin"}))
     assert mod.main(["--from-records", str(prefix), *argv]) == 2  # no timed rep: a file of nulls
+    Path(f"{prefix}-real-engine-glm53-6L-eager-dbo-off-plugin.json").write_text(
+        json.dumps({"label": "glm53-6L-eager-dbo-off-vanilla", "bench": [{"reps": [{"decode_step_ms": 1.0}]}]})
+    )
+    assert mod.main(["--from-records", str(prefix), *argv]) == 2  # another engine's record under this name
+    assert "not 'glm53-6L-eager-dbo-off-plugin'" in capsys.readouterr().err
     assert not out.exists()
     for bad in ([f"{prefix},"], [str(prefix), "--from-runs", str(tmp_path)]):
         with pytest.raises(SystemExit):

@@ -16,7 +16,7 @@ import torch
 from dbo_runtime.core.budget import compute_budget
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.planner_shapes import align_batch, aligned_buckets, dbo_planner_shapes, ubatch_split
-from dbo_runtime.core.settings import WARM_MAX_BATCH_ENV, warm_max_batch
+from dbo_runtime.core.settings import WARM_MAX_BATCH_ENV, warm_max_batch, warm_policy
 from dbo_runtime.services.planner_warmup import PlannerProfile
 from dbo_runtime.services.schedule_cache import STATE_ATTR, IndexerScheduleCache
 from dbo_runtime.services.sm_control import SMControl
@@ -349,6 +349,31 @@ def test_warm_sweep_env(monkeypatch: pytest.MonkeyPatch, raw: str | None, batche
     monkeypatch.setenv(WARM_MAX_BATCH_ENV, "many")
     with pytest.raises(ConfigError, match=WARM_MAX_BATCH_ENV):
         warm_max_batch()
+
+
+@pytest.mark.parametrize("raw", ["1_000", "+64", "-1", "\uff16\uff14", "64 rows"])
+def test_warm_sweep_env_takes_plain_digits_only(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    """``int()`` also reads ``1_000``, ``+64`` and full-width digits: one error names the value and the range."""
+    monkeypatch.setenv(WARM_MAX_BATCH_ENV, raw)
+    with pytest.raises(ConfigError, match=f"{WARM_MAX_BATCH_ENV}=.*allowed values: a non-negative integer, digits only"):
+        warm_max_batch()
+
+
+def test_a_warm_sweep_cap_above_the_largest_decode_step_warms_up_to_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cap no step can reach would compile planners for minutes at start (1-2 s each, cold): warm up to the
+    engine's largest decode step instead, and say so once with the range that applies."""
+    import logging
+
+    monkeypatch.setenv(WARM_MAX_BATCH_ENV, "100000000")
+    profile = PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((128, 1),), max_rows=256)
+    with caplog.at_level(logging.WARNING):
+        shapes = profile.warm_shapes(warm_policy(), dbo=True)
+        profile.warm_shapes(warm_policy(), dbo=False)
+    assert shapes == [(128, 1)] + [(rows, 1) for rows in range(32, 257, 32)]
+    lines = [r.getMessage() for r in caplog.records if WARM_MAX_BATCH_ENV in r.getMessage()]
+    assert len(lines) == 1 and "warming up to 256; allowed values: 0 to 256" in lines[0], lines
 
 
 def test_a_bad_warm_sweep_env_is_logged_once_and_read_as_unset(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

@@ -224,7 +224,6 @@ def test_noise_floor_judges_dbo_against_a_batch_shape_change(tmp_path: Path, cap
         (["--max-num-seqs", "8"], 32, ["--max-num-seqs", "4"]),
         (["--max_num_seqs", "8"], 32, ["--max-num-seqs", "4"]),  # vLLM takes underscores too
         (["--max-num-seqs=64"], 32, ["--max-num-seqs", "16"]),
-        (["--max-num-seqs", "x"], 10, ["--max-num-seqs", "5"]),
         (["--max-num-seqs", "64", "--max-num-active-seqs", "12"], 32, ["--max-num-active-seqs", "6"]),
     ],
 )
@@ -236,8 +235,9 @@ def test_floor_halves_the_sequences_held_at_a_time(args: list[str], per_rank: in
 def test_floor_needs_two_sequences_per_rank() -> None:
     with pytest.raises(ConfigError, match="--noise-floor"):
         verify.floor_args(["--model", "m"], 1)
-    with pytest.raises(ConfigError, match="at least 2 sequences"):
+    with pytest.raises(ConfigError, match="at least 2 sequences") as raised:
         verify.floor_args(["--model", "m", "--max-num-seqs", "1"], 32)
+    assert str(raised.value).startswith("--noise-floor is given with 1 sequence per DP rank at a time")  # no placeholder quoted
 
 
 def test_every_run_gets_the_runner_dbo_would_use() -> None:
@@ -385,7 +385,9 @@ def test_the_plugins_switches_are_said_before_the_engines_start(
     assert "DBO_RUNTIME_DISABLE" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0", "x", "1.5"])
 @pytest.mark.parametrize("flag", ["--max-num-seqs", "--max-num-active-seqs"])
-def test_floor_refuses_a_zero_sequence_limit_instead_of_reading_it_as_unset(flag: str) -> None:
-    with pytest.raises(ConfigError, match=f"{flag}.*an integer >= 1"):
-        verify.floor_args(["--model", "m", flag, "0"], 32)
+def test_floor_refuses_a_sequence_limit_it_cannot_halve_instead_of_reading_it_as_unset(flag: str, value: str) -> None:
+    """The floor halves the limit, so verify reads it and refuses it here, before any GPU or engine is asked for."""
+    with pytest.raises(ConfigError, match=f"{flag}=.*an integer >= 1"):
+        verify.floor_args(["--model", "m", flag, value], 32)
