@@ -18,7 +18,7 @@ def pyplot() -> Any | None:
     except ImportError:
         if not _said:
             _said.append(True)
-            print("note: matplotlib is not installed: no PNG (the JSON has every number; pip install matplotlib)", file=sys.stderr)
+            print("note: no PNG: matplotlib is missing here (the JSON has every number; pip install matplotlib)", file=sys.stderr)
         return None
     return plt
 
