@@ -82,7 +82,8 @@ class LiveNumSms:
     around ``_run_ubatches``, MRV2 before starting its threads). While both writers are watched (the indexer's
     optional ``indexer.sm_writes.*`` patches) a read returns the value cached since the last write; every write
     through them, every write through this adapter and every tracked indexer metadata build (``stale``: once per
-    step; an engine that never microbatches tracks none, ``IndexerScheduleCache.steps_aside``) re-reads. Not watched -- a patch skipped, or the plugin uninstalled -- every read asks DeepGEMM."""
+    step; an engine that never microbatches tracks none, ``IndexerScheduleCache.steps_aside``) re-reads. Not
+    watched -- a patch skipped, or the plugin uninstalled -- every read asks DeepGEMM."""
 
     WRITERS = frozenset({"vllm.utils.deep_gemm.set_num_sms", "vllm.v1.worker.ubatch_utils.deep_gemm_set_num_sms"})
 
