@@ -326,24 +326,24 @@ def main(argv: list[str] | None = None) -> int:
     specs_by_config = {c["label"]: specs_for(c, steps_of(c), args.reps) for c in configs}
     specs = [s for c in configs for s in specs_by_config[c["label"]]]
     out = Path(args.out)
-    summarized = args.from_runs is not None or args.from_records is not None
+    stored: tuple[str, Any] | None = None  # (the flag, how it loads its runs) when rows come from stored runs, not engines
     if args.from_records is not None:
         prefixes, empty = _items(args.from_records)
         if empty:
             parser.error(f"argument --from-records: {empty} is not allowed; allowed values: comma-separated record prefixes")
-        try:
-            records, env_facts = from_records(prefixes, [s.label for s in specs])
-        except RunsUnreadable as exc:
-            print(f"bench_host_cost: error: --from-records: {exc}", file=sys.stderr)
-            return 2
+        stored = ("--from-records", lambda labels: from_records(prefixes, labels))
     elif args.from_runs is not None:
         runs = Path(args.from_runs)
         if not args.from_runs or not runs.is_dir():
             parser.error(f"--from-runs: {args.from_runs!r} is not a directory (give the bench_host_cost_runs of a stopped run)")
+        stored = ("--from-runs", lambda labels: from_runs(runs, labels))
+    summarized = stored is not None
+    if stored is not None:
+        flag, load = stored
         try:
-            records, env_facts = from_runs(runs, [s.label for s in specs])
+            records, env_facts = load([s.label for s in specs])
         except RunsUnreadable as exc:
-            print(f"bench_host_cost: error: --from-runs: {exc}", file=sys.stderr)
+            print(f"bench_host_cost: error: {flag}: {exc}", file=sys.stderr)
             return 2
     else:
         from dbo_runtime.harness.machine import refuse_without_engine
