@@ -10,11 +10,13 @@ line naming the variable, the allowed values and how it was read.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.settings import LAYOUT_ENV, WARM_MAX_BATCH_ENV
 
 ON = ("1", "true", "yes", "on")
 OFF = ("0", "false", "no", "off", "")
@@ -89,6 +91,26 @@ def require_gpu(environ: Mapping[str, str] | None = None) -> bool:
     return switch.on
 
 
+PREFIX = "DBO_RUNTIME_"
+NAMES = (*SWITCHES, LAYOUT_ENV, WARM_MAX_BATCH_ENV)
+"""Every environment variable the plugin reads under its prefix."""
+
+
+def unknown_names(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per ``DBO_RUNTIME_*`` variable the plugin does not read: ``DBO_RUNTIME_DISABEL=1`` would otherwise
+    leave every patch installed while the operator believes vLLM runs as shipped."""
+    env = os.environ if environ is None else environ
+    lines = []
+    for name in sorted(n for n in env if n.startswith(PREFIX) and n not in NAMES):
+        # compared without the shared prefix, which alone would make every name look close
+        close = difflib.get_close_matches(name[len(PREFIX) :], [n[len(PREFIX) :] for n in NAMES], n=1, cutoff=0.75)
+        hint = f"did you mean {PREFIX}{close[0]}? " if close else ""
+        lines.append(f"{name} is not a dbo_runtime setting and is ignored ({hint}allowed names: {', '.join(NAMES)})")
+    return lines
+
+
 def switch_problems(environ: Mapping[str, str] | None = None) -> list[str]:
-    """One line per switch whose value is not recognised (empty when all are fine)."""
-    return [s.problem() for s in (read_switch(name, environ) for name in SWITCHES) if not s.recognised]
+    """One line per switch whose value is not recognised, and per ``DBO_RUNTIME_*`` name the plugin does not
+    read (empty when all are fine)."""
+    values = [s.problem() for s in (read_switch(name, environ) for name in SWITCHES) if not s.recognised]
+    return values + unknown_names(environ)

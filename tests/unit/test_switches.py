@@ -4,6 +4,7 @@ plugin's protection (only an explicit true DBO_RUNTIME_DISABLE gives vanilla vLL
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -228,3 +229,26 @@ def test_without_torch_simulate_is_one_line_and_doctor_still_reports() -> None:
     assert doc.returncode == 1 and "Traceback" not in doc.stderr, doc.stderr[-2000:]
     problems = json.loads(doc.stdout)["problems"]
     assert any(p.startswith("torch is not installed") for p in problems), problems
+
+
+def test_a_mistyped_setting_name_is_said_with_the_name_it_resembles(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``DBO_RUNTIME_DISABEL=1`` disables nothing: every entry point says so in one line, with the closest name and
+    every name the plugin reads; doctor counts it as a problem."""
+    import json
+
+    from dbo_runtime.cli.main import main
+
+    for name in [n for n in list(os.environ) if n.startswith("DBO_RUNTIME_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("DBO_RUNTIME_DISABEL", "1")
+    monkeypatch.setenv("DBO_RUNTIME_NOTHING_LIKE_IT", "x")
+    monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
+    first, second = switches.switch_problems()
+    assert first.startswith("DBO_RUNTIME_DISABEL is not a dbo_runtime setting and is ignored (did you mean DBO_RUNTIME_DISABLE?")
+    assert second.startswith("DBO_RUNTIME_NOTHING_LIKE_IT is not a dbo_runtime setting and is ignored (allowed names: ")
+    assert all(name in first for name in switches.NAMES)
+    main(["doctor", "--json"])
+    assert first in json.loads(capsys.readouterr().out)["problems"]
+    monkeypatch.delenv("DBO_RUNTIME_DISABEL")
+    monkeypatch.delenv("DBO_RUNTIME_NOTHING_LIKE_IT")
+    assert switches.switch_problems() == []
