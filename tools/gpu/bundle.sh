@@ -36,7 +36,7 @@ echo "packing (xz) ..."
 tar -C "$work/tree" -cf - . | xz -T0 -6 > "$work/bundle/vllm-tree.tar.xz"
 tar -C "$work" -cf "$work/bundle.tar" bundle
 rm -rf "$out" && mkdir -p "$out"
-split -b 60000000 -d -a 1 "$work/bundle.tar" "$work/part"
+split -b 55000000 -d -a 1 "$work/bundle.tar" "$work/part"
 n=0; for p in "$work"/part*; do mkdir -p "$out/p$n"; mv "$p" "$out/p$n/"; n=$((n+1)); done
 cp "$here/install.sh" "$out/p$((n-1))/"
 ( cd "$work" && sha256sum bundle.tar | cut -d' ' -f1 ) > "$out/p$((n-1))/bundle.sha256"
