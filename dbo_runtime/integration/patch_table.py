@@ -23,8 +23,11 @@ fingerprint recorded from vLLM {VERIFIED_VLLM} and vLLM does not ship the upstre
 (`docs/troubleshooting.md`). `dbo_runtime.integration.plugin.uninstall()` restores the identical
 original objects. *Lazy* patches are applied when their module is first imported (worker-side
 modules, or modules that do not import everywhere); *optional* ones are skipped where their target
-does not exist or differs. *Architectures*: whose fix needs the patch (blank: every architecture
-that needs its feature).
+does not exist or differs. *While microbatching*: the target keeps vLLM's original object except
+inside a microbatched run (`integration/microbatch_window.py`: the runners' join points set the
+replacement before the microbatch threads start and put the original back after the join), because
+the hook hands back vLLM's own object whenever no microbatch thread exists. *Architectures*: whose fix
+needs the patch (blank: every architecture that needs its feature).
 
 """
 
@@ -38,7 +41,16 @@ def _cell(text: str) -> str:
 
 
 def _row(p: Patch) -> str:
-    flags = [f for f, on in (("lazy", p.lazy), ("optional", p.optional), ("microbatch thread", p.runs_on_ubatch_thread)) if on]
+    flags = [
+        f
+        for f, on in (
+            ("lazy", p.lazy),
+            ("optional", p.optional),
+            ("microbatch thread", p.runs_on_ubatch_thread),
+            ("while microbatching", p.while_microbatching),
+        )
+        if on
+    ]
     if p.runner:
         flags.append(f"{p.runner.upper()} only")
     name = f"`{p.name}`" + (f" ({', '.join(flags)})" if flags else "")

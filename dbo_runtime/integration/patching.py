@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.switches import parse_switch
+from dbo_runtime.integration.microbatch_window import WINDOW, WindowEntry
 from dbo_runtime.integration.ubatch_failures import SHIELDS_ITSELF, MicrobatchAttr, shield
 
 logger = get_logger(__name__)
@@ -87,6 +88,10 @@ class Patch:
     """vLLM calls the replacement on DBO microbatch threads, where nothing may raise: ``PatchSet`` shields it
     (``ubatch_failures.shield``; a data descriptor must be a ``MicrobatchAttr``, which shields itself, and a hot
     function may shield itself, ``ubatch_failures.shields_itself``)."""
+    while_microbatching: bool = False
+    """In force only while microbatch threads can run (``microbatch_window``): installed, fingerprinted and
+    shielded like any patch, but the target keeps vLLM's original outside a microbatched run. Only for a
+    replacement that equals the original whenever no microbatch thread is registered, assignments included."""
     fallback: Callable[[Any], Callable[..., Any]] | None = None
     """With ``runs_on_ubatch_thread``: ``fallback(original)`` is called with the replacement's arguments when it
     fails on a microbatch thread (default: the original itself, i.e. vLLM's own behaviour)."""
@@ -173,6 +178,8 @@ class _Applied:
     original: Any
     """Raw value in ``owner.__dict__`` before install, or ``_MISSING`` when inherited."""
     replacement: Any
+    window: WindowEntry | None = None
+    """Set for a ``while_microbatching`` patch: its target holds the replacement only while armed."""
 
 
 def _split(attr: str) -> tuple[list[str], str]:
@@ -332,7 +339,15 @@ class PatchSet:
         """Apply one patch, or leave its target as it was: a hook that fails after the ``setattr``
         is undone here (target restored, ``on_uninstall`` run), because callers roll back only the
         patches that returned."""
-        setattr(applied.owner, applied.name, applied.replacement)
+        if applied.patch.while_microbatching:
+            applied.window = WindowEntry(
+                applied.patch.name,
+                arm=lambda: setattr(applied.owner, applied.name, applied.replacement),
+                disarm=lambda: cls._restore(applied),
+            )
+            WINDOW.register(applied.window)
+        else:
+            setattr(applied.owner, applied.name, applied.replacement)
         if applied.patch.on_install is not None:
             try:
                 applied.patch.on_install()
@@ -348,8 +363,16 @@ class PatchSet:
             setattr(applied.owner, applied.name, applied.original)
 
     @classmethod
-    def _unset(cls, applied: _Applied) -> None:
+    def _take_back(cls, applied: _Applied) -> None:
+        """Uninstall one target: a window patch is first withdrawn from the window, restored only if armed."""
+        window, applied.window = applied.window, None
+        if window is not None and not WINDOW.unregister(window):
+            return
         cls._restore(applied)
+
+    @classmethod
+    def _unset(cls, applied: _Applied) -> None:
+        cls._take_back(applied)
         if applied.patch.on_uninstall is not None:
             applied.patch.on_uninstall()
 

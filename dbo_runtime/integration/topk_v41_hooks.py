@@ -61,6 +61,8 @@ def _patch(state: UbatchTopkState, module: str, cls: str, attr: str, *, register
         adds=True,
         architectures=ARCHITECTURES,
         runs_on_ubatch_thread=True,
+        # The model's setters register views at construction, outside any run: always in force.
+        while_microbatching=not registers,
     )
 
 

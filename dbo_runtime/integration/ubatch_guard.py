@@ -19,6 +19,7 @@ from typing import Any
 from dbo_runtime.core.errors import MicrobatchFailure
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration.features import REGISTRY, Feature
+from dbo_runtime.integration.microbatch_window import WINDOW
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.integration.ubatch_failures import FAILURES, UbatchFailures, record
 
@@ -98,11 +99,14 @@ def _checked_join(original: Callable[..., Any], *, drop_new_graphs: bool = False
     def joined(self: Any, *args: Any, **kwargs: Any) -> Any:
         graphs = self.__dict__.get("cudagraphs") if drop_new_graphs else None
         before = set(graphs) if graphs is not None else set()
+        WINDOW.open()  # before the threads start: the window patches are in force for the whole run
         try:
             result = original(self, *args, **kwargs)
         except BaseException as exc:
+            WINDOW.close()
             FAILURES.raise_pending(exc)  # the recorded cause first, vLLM's own error named in it
             raise
+        WINDOW.close()
         try:
             FAILURES.raise_pending()
         except MicrobatchFailure:
@@ -126,14 +130,24 @@ def _make_mrv1_capture(original: Any) -> Any:
 
 def _make_mrv2_begin(original: Any) -> Any:
     def begin_capturable_run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        finish = original(self, *args, **kwargs)
+        WINDOW.open()  # before the threads start; closed by finish() after the join
+        try:
+            finish = original(self, *args, **kwargs)
+        except BaseException:
+            WINDOW.close()
+            raise
+        open_runs = [finish]  # emptied by the first finish_checked: a second call must not close another run
 
         def finish_checked() -> Any:
             try:
                 result = finish()
             except BaseException as exc:
+                if open_runs and open_runs.pop():
+                    WINDOW.close()
                 FAILURES.raise_pending(exc)
                 raise
+            if open_runs and open_runs.pop():
+                WINDOW.close()
             FAILURES.raise_pending()
             return result
 
@@ -146,6 +160,16 @@ def _make_mrv2_begin(original: Any) -> Any:
     return begin_capturable_run
 
 
+UBATCHING = "vllm.v1.worker.ubatching"
+WINDOW_ANCHORS = {
+    # microbatch_window relies on microbatch threads registering only inside these calls: the wrapper's
+    # __call__ reaches its threads through _run_ubatches / _capture_ubatches alone, and UBatchContext is
+    # what registers a thread (``__enter__``) and unregisters it (``__exit__``).
+    "mrv1": (f"{MRV1_MODULE}:UBatchWrapper.__call__", f"{UBATCHING}:UBatchContext"),
+    "mrv2": (f"{MRV2_MODULE}:UBatchRunner.run", f"{UBATCHING}:UBatchContext"),
+}
+
+
 def patches() -> list[Patch]:
     common = dict(upstream_pr=UPSTREAM_PR, removal=REMOVAL, lazy=True)
     return [
@@ -155,7 +179,9 @@ def patches() -> list[Patch]:
             module=MRV1_MODULE,
             attr="UBatchWrapper._run_ubatches",
             make=_make_mrv1_run,
-            reason="after the microbatch threads are joined, raise what dbo_runtime hooks recorded on them "
+            anchors=(f"{MRV1_MODULE}:UBatchWrapper._run_ubatches", *WINDOW_ANCHORS["mrv1"]),
+            reason="open the microbatch window before the threads start and close it after the join; then raise "
+            "what dbo_runtime hooks recorded on the threads "
             "(they never raise there: a dead microbatch thread hangs the join and the DP group)",
             **common,  # type: ignore[arg-type]
         ),
@@ -165,7 +191,8 @@ def patches() -> list[Patch]:
             module=MRV1_MODULE,
             attr="UBatchWrapper._capture_ubatches",
             make=_make_mrv1_capture,
-            reason="same for a FULL-graph DBO capture; a graph captured with a placeholder is dropped",
+            anchors=(f"{MRV1_MODULE}:UBatchWrapper._capture_ubatches", *WINDOW_ANCHORS["mrv1"]),
+            reason="same for a FULL-graph DBO capture (window included); a graph captured with a placeholder is dropped",
             **common,  # type: ignore[arg-type]
         ),
         Patch(
@@ -174,7 +201,9 @@ def patches() -> list[Patch]:
             module=MRV2_MODULE,
             attr="UBatchRunner.begin_capturable_run",
             make=_make_mrv2_begin,
-            reason="wrap the returned finish() (and abort_pending_run's) so it raises what dbo_runtime hooks "
+            anchors=(f"{MRV2_MODULE}:UBatchRunner.begin_capturable_run", *WINDOW_ANCHORS["mrv2"]),
+            reason="open the microbatch window before the threads start; wrap the returned finish() (and "
+            "abort_pending_run's) so it closes the window after the join and raises what dbo_runtime hooks "
             "recorded on the microbatch threads after joining them",
             **common,  # type: ignore[arg-type]
         ),

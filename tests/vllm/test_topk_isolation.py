@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from dbo_runtime.core.topk_memory import index_leaders, topk_memory_bytes
 from dbo_runtime.integration import topk_hooks, ubatch_ids
+from dbo_runtime.integration.microbatch_window import WINDOW
 from dbo_runtime.integration.patching import Patch, PatchSet
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from tests.fakes.topk_boundary import FakeEvent, FakeStream, fake_convert
@@ -216,12 +217,16 @@ def run_step(model: Model, boundary: Boundary, total: int, seed: int) -> StepRes
         token_offsets=[0, n0],
     )
     threads = [threading.Thread(target=body, args=(ctxs[u], u), daemon=True) for u in range(2)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    ctxs[0].cpu_wait_event.set()
-    for t in threads:
-        t.join(timeout=60)
+    WINDOW.open()  # as vLLM's patched runners do before their threads start (test_ubatch_guard runs those)
+    try:
+        for t in threads:
+            t.start()
+        barrier.wait()
+        ctxs[0].cpu_wait_event.set()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        WINDOW.close()
     assert not any(t.is_alive() for t in threads), f"microbatch threads hung; errors: {errors!r}"
     if errors:
         raise errors[0]
