@@ -6,11 +6,10 @@ methods, the MTP hidden-buffer descriptor, the microbatch lookup behind them. Th
 0.33.0 classes of this machine (instances made without their CUDA ``__init__``, the attribute set as vLLM's
 ``__init__`` sets it, so lookup goes through the class exactly as in a model): per case, blocks of N accesses
 alternate between the plugin installed and uninstalled (the identical originals back), R times, and the median
-ns per access of each side and their difference are reported. Main thread = outside a microbatched run (DBO off,
-DP 1, a step vLLM does not split), where the per-access top-k hooks are not in force (``microbatch_window``);
-"ubatch 1" = a thread registered as microbatch 1 in vLLM's own thread table, as ``UBatchContext.__enter__`` does,
-inside an open window, as in a microbatched run. The window's open and close, once per microbatched run on the
-main thread, is priced as its own case.
+ns per access of each side and their difference are reported. Three threads: "main" = an engine that has never
+split a step (DBO off, DP 1), where the per-access top-k hooks are not in force yet (``microbatch_arming``);
+"main, armed" = the main thread of an engine that has (a DBO step vLLM did not split); "ubatch 1" = a thread
+registered as microbatch 1 in vLLM's own thread table, as ``UBatchContext.__enter__`` does, hooks armed.
 A CPU measurement: an H200 host's cores are faster, so read the differences, not the absolute numbers.
 
 ``--cold K``: in a model, several hundred microseconds of other work (vLLM's Python, torch dispatch) run between
@@ -157,15 +156,6 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
 
         return aside
 
-    def window_open_close() -> Callable[[], Any]:
-        from dbo_runtime.integration.microbatch_window import WINDOW
-
-        def run() -> None:
-            WINDOW.open()
-            WINDOW.close()
-
-        return run
-
     return {
         "SharedTopkIndicesBuffer.topk_indices_buffer (follower)": shared_buffer(False),
         "SharedTopkIndicesBuffer.topk_indices_buffer (leader)": shared_buffer(True),
@@ -180,7 +170,6 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
         "fp8_fp4_paged_mqa_logits call site (stub kernel)": logits_call_site,
         BUILD: builder_build,
         BUILD_ASIDE: lambda: builder_build(dbo=False),
-        WINDOW_CASE: window_open_close,
     }
 
 
@@ -191,13 +180,10 @@ hooks run around it once per step, on the main thread, eager and under CUDA grap
 BUILD_ASIDE = "DeepseekV32IndexerMetadataBuilder.build, no DBO (hooks step aside)"
 """The same build in an engine that never microbatches, where the builder, planner and call-site hooks step aside
 (``IndexerScheduleCache.steps_aside``)."""
-WINDOW_CASE = "microbatch window open + close (once per microbatched run)"
-"""The runners' join points set every window patch before the microbatch threads start and put vLLM's originals
-back after the join (``microbatch_window``): the price a microbatched run pays for the per-access hooks being
-absent everywhere else."""
-MAIN_ONLY = {BUILD, BUILD_ASIDE, WINDOW_CASE}
-"""Cases that never run on a microbatch thread (vLLM builds a step's metadata, and opens and closes the window, on
-the main thread)."""
+MAIN_ONLY = {BUILD, BUILD_ASIDE}
+"""Cases that never run on a microbatch thread (vLLM builds a step's metadata on the main thread)."""
+THREADS = (("main", None, False), ("main, armed", None, True), ("ubatch 1", 1, True))
+"""(label, microbatch id or None for the main thread, whether the first-microbatch patches are armed)."""
 SLOW = {BUILD: 200, BUILD_ASIDE: 200}
 """Cases a back-to-back block runs fewer of (``n // SLOW``, at least 100): a build is some 30 µs of vLLM's own code
 here, a buffer read 0.05-0.2 µs."""
@@ -298,9 +284,8 @@ no-op kernel (``_stub_kernels``). The builder's two per-step hooks (its build an
 priced apart, by one whole build with a stub planner (``BUILD``, ``per_step``'s ``with_build_us``); plan-ahead, the
 third per-step hook of a DBO step, is left out."""
 
-VANILLA_ONLY = {"ubatch_ids.current_ubatch", WINDOW_CASE}
-"""dbo_runtime's own code with no vanilla counterpart: the lookup (its cost is inside every resolving access above)
-and the window."""
+VANILLA_ONLY = {"ubatch_ids.current_ubatch"}
+"""dbo_runtime's own lookup: no vanilla counterpart (its cost is inside every resolving access above)."""
 
 
 def _time(access: Callable[[], Any], n: int) -> float:
@@ -398,36 +383,36 @@ def measure(n: int, reps: int, cold: int = 0) -> dict[str, Any]:
     try:
         with set_current_vllm_config(config):  # V4.1's buffers register per-microbatch views under DBO
             rows = _measure_cases(n, reps, evict)
-        window_patches = _window_patches()
+        armable = _armable_patches()
     finally:
         undo()
     return {
         "n": n, "reps": reps, "cold_reads": cold, "rows": rows, "per_step_78l": per_step(rows),
-        "window_patches": window_patches,
+        "armable_patches": armable,
     }  # fmt: skip
 
 
-def _window_patches() -> list[str]:
-    """The patches the window case sets and restores: those of the modules this benchmark imports."""
+def _armable_patches() -> list[str]:
+    """The patches armed at the first microbatched run, of the modules this benchmark imports."""
     from dbo_runtime.integration import plugin
-    from dbo_runtime.integration.microbatch_window import WINDOW
+    from dbo_runtime.integration.microbatch_arming import ARMING
 
     plugin.register()
     try:
-        return WINDOW.names()
+        return ARMING.names()
     finally:
         plugin.uninstall()
 
 
 def _measure_cases(n: int, reps: int, evict: Evictor | None) -> list[dict[str, Any]]:
     from dbo_runtime.integration import plugin
-    from dbo_runtime.integration.microbatch_window import WINDOW
+    from dbo_runtime.integration.microbatch_arming import ARMING
 
     rows: list[dict[str, Any]] = []
     for name, build in cases().items():
         block = n if evict is not None else max(100, n // SLOW.get(name, 1))
-        for thread, ubatch in (("main", None), ("ubatch 1", 1)):
-            if ubatch is not None and name in MAIN_ONLY:
+        for thread, ubatch, armed in THREADS:
+            if name in MAIN_ONLY and thread != "main":  # builds are not armable: "main, armed" would repeat "main"
                 continue
             samples: dict[str, list[float]] = {"plugin": [], "vanilla": []}
             for _ in range(reps):
@@ -438,18 +423,13 @@ def _measure_cases(n: int, reps: int, evict: Evictor | None) -> list[dict[str, A
                         plugin.register()
                         if plugin.installed_patch_set() is None:  # register() logs and leaves vLLM vanilla
                             raise RuntimeError("bench_hook_calls: the plugin did not install: the 'plugin' side would time vanilla")
-                    inside = side == "plugin" and ubatch is not None  # a microbatch thread runs inside a window
-                    if inside:
-                        WINDOW.open()
-                    try:
-                        access = build()
-                        access()  # first access outside the timed block (caches, views)
-                        timer = (lambda a=access, k=block: _time_cold(a, k, evict)) if evict is not None else (lambda a=access, k=block: _time(a, k))
-                        samples[side].append(_on_thread(timer, ubatch))
-                    finally:
-                        if inside:
-                            WINDOW.close()
-                    plugin.uninstall()
+                    if side == "plugin" and armed:
+                        ARMING.arm("bench_hook_calls")  # as the engine's first microbatched run does
+                    access = build()
+                    access()  # first access outside the timed block (caches, views)
+                    timer = (lambda a=access, k=block: _time_cold(a, k, evict)) if evict is not None else (lambda a=access, k=block: _time(a, k))
+                    samples[side].append(_on_thread(timer, ubatch))
+                    plugin.uninstall()  # the last target withdrawn: the next install starts unarmed
             plugin_ns = statistics.median(samples["plugin"])
             vanilla_ns = statistics.median(samples["vanilla"]) if samples["vanilla"] else None
             rows.append({
@@ -468,9 +448,8 @@ def per_step(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Added µs per 78-layer eager step from ``PER_STEP_78L``, outside DBO (main thread) and on a microbatch thread;
     ``with_build_us`` adds the step's one metadata build, which runs on the main thread either way."""
     build = next((r["added_ns"] for r in rows if r["access"] == BUILD and r["thread"] == "main"), None)
-    window = next((r["added_ns"] for r in rows if r["access"] == WINDOW_CASE), None)
     out: dict[str, Any] = {}
-    for thread in ("main", "ubatch 1"):
+    for thread, _, _ in THREADS:
         added = {r["access"]: r["added_ns"] for r in rows if r["thread"] == thread}
         counted = {name: n for name, n in PER_STEP_78L.items() if name in added}
         added_us = sum(n * added[name] for name, n in counted.items()) / 1e3
@@ -479,8 +458,6 @@ def per_step(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "added_us": added_us,
             "build_added_us": build / 1e3 if build is not None else None,
             "with_build_us": added_us + build / 1e3 if build is not None else None,
-            # a microbatched run opens and closes the window once on the main thread
-            "window_us": window / 1e3 if window is not None and thread == "ubatch 1" else None,
         }
     return out
 
@@ -520,9 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['access']:<{width}}  {r['thread']:<8} {r['plugin_ns']:10.0f}  {vanilla}  {r['added_ns']:8.0f}")
     for thread, row in doc["per_step_78l"].items():
         build = f", {row['with_build_us']:.1f} us with the step's metadata build" if row["with_build_us"] is not None else ""
-        window = f", plus {row['window_us']:.1f} us for the run's window" if row.get("window_us") is not None else ""
-        print(f"78-layer eager step, {thread}: {row['accesses']} of these accesses add {row['added_us']:.1f} us{build}{window}")
-    print(f"window patches ({len(doc['window_patches'])}): {', '.join(doc['window_patches'])}")
+        print(f"78-layer eager step, {thread}: {row['accesses']} of these accesses add {row['added_us']:.1f} us{build}")
+    print(f"armed at the first microbatched run ({len(doc['armable_patches'])}): {', '.join(doc['armable_patches'])}")
     print(f"results: {out / (stem + '.json')}")
     plt = pyplot()
     if plt is not None:

@@ -345,7 +345,7 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
                     row["plugin_gc_us_per_step"] = gc_ns / 1e3
                     row["plugin_gc_per_step"] = gc_count
         row["jit_in_step"] = summary_delta(s0, s2, "jit_in_step")
-        row["windows_opened"] = summary_delta(s0, s2, "windows_opened")  # microbatched runs (0 where none split)
+        row["armed_patches"] = max((w["summary"].get("armed_patches", 0) for w in s2 or []), default=0)
         reps.append(row)
         _save_partial({"max_tokens": steps, "requests": len(batch), "reps": reps})
         if coordinated:

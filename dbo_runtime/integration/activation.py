@@ -90,14 +90,14 @@ def summary_line(
     applied = sum(1 for s in states if s.state == "installed")
     waiting = sum(1 for s in states if s.state == "pending")
     broken = [s.patch.name for s in states if s.state == "broken"]
-    windowed = sum(1 for s in states if s.patch.while_microbatching and s.state in ("installed", "pending"))
+    armable = sum(1 for s in states if s.patch.armed_at_first_microbatch and s.state in ("installed", "pending"))
     optional = [s.patch.name for s in states if s.state == "skipped"] + sorted(skipped)
     listing = "; ".join(f"{feature}: {', '.join(names)}" for feature, names in groups.items())
     others = [f"{name}: {state.describe()}" for name, state in features.items() if state.verdict != "verified"]
     text = (
         f"dbo_runtime: {len(patch_set.patches)} patches installed for vLLM {version} (dbo_runtime {__version__}; "
         f"{applied} applied in this process, {waiting} apply when vLLM imports their module"
-        + (f", {windowed} of them in force inside microbatched runs only" if windowed else "")
+        + (f", {armable} of them from the first microbatched run on" if armable else "")
         + (f", {len(optional)} optional skipped: {', '.join(optional)}" if optional else "")
         + (f", BROKEN: {', '.join(broken)}" if broken else "")
         + f") -- {listing}; guard: on"

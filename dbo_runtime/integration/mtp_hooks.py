@@ -90,7 +90,7 @@ def patches() -> list[Patch]:
             architectures=archs,
             runs_on_ubatch_thread=True,
             # Off a microbatch thread it reads the buffer itself; the window cache is keyed by identity.
-            while_microbatching=True,
+            armed_at_first_microbatch=True,
         )
         for label, module, archs in (
             ("deepseek_v4", V4_MODEL, ("DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration")),

@@ -23,11 +23,11 @@ fingerprint recorded from vLLM {VERIFIED_VLLM} and vLLM does not ship the upstre
 (`docs/troubleshooting.md`). `dbo_runtime.integration.plugin.uninstall()` restores the identical
 original objects. *Lazy* patches are applied when their module is first imported (worker-side
 modules, or modules that do not import everywhere); *optional* ones are skipped where their target
-does not exist or differs. *While microbatching*: the target keeps vLLM's original object except
-inside a microbatched run (`integration/microbatch_window.py`: the runners' join points set the
-replacement before the microbatch threads start and put the original back after the join), because
-the hook hands back vLLM's own object whenever no microbatch thread exists. *Architectures*: whose fix
-needs the patch (blank: every architecture that needs its feature).
+does not exist or differs. *From the first microbatch*: the target keeps vLLM's original object until
+the process's first microbatched run puts the replacement in force (`integration/microbatch_arming.py`:
+the runners' join points, before the first microbatch thread starts), because the hook hands back
+vLLM's own object whenever no microbatch thread exists. *Architectures*: whose fix needs the patch
+(blank: every architecture that needs its feature).
 
 """
 
@@ -47,7 +47,7 @@ def _row(p: Patch) -> str:
             ("lazy", p.lazy),
             ("optional", p.optional),
             ("microbatch thread", p.runs_on_ubatch_thread),
-            ("while microbatching", p.while_microbatching),
+            ("from the first microbatch", p.armed_at_first_microbatch),
         )
         if on
     ]

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.switches import parse_switch
-from dbo_runtime.integration.microbatch_window import WINDOW, WindowEntry
+from dbo_runtime.integration.microbatch_arming import ARMING, ArmedEntry
 from dbo_runtime.integration.ubatch_failures import SHIELDS_ITSELF, MicrobatchAttr, shield
 
 logger = get_logger(__name__)
@@ -88,10 +88,10 @@ class Patch:
     """vLLM calls the replacement on DBO microbatch threads, where nothing may raise: ``PatchSet`` shields it
     (``ubatch_failures.shield``; a data descriptor must be a ``MicrobatchAttr``, which shields itself, and a hot
     function may shield itself, ``ubatch_failures.shields_itself``)."""
-    while_microbatching: bool = False
-    """In force only while microbatch threads can run (``microbatch_window``): installed, fingerprinted and
-    shielded like any patch, but the target keeps vLLM's original outside a microbatched run. Only for a
-    replacement that equals the original whenever no microbatch thread is registered, assignments included."""
+    armed_at_first_microbatch: bool = False
+    """In force from the process's first microbatched run on (``microbatch_arming``): installed, fingerprinted and
+    shielded like any patch, but the target keeps vLLM's original until then. Only for a replacement that equals
+    the original whenever no microbatch thread is registered, assignments included."""
     fallback: Callable[[Any], Callable[..., Any]] | None = None
     """With ``runs_on_ubatch_thread``: ``fallback(original)`` is called with the replacement's arguments when it
     fails on a microbatch thread (default: the original itself, i.e. vLLM's own behaviour)."""
@@ -178,8 +178,8 @@ class _Applied:
     original: Any
     """Raw value in ``owner.__dict__`` before install, or ``_MISSING`` when inherited."""
     replacement: Any
-    window: WindowEntry | None = None
-    """Set for a ``while_microbatching`` patch: its target holds the replacement only while armed."""
+    armable: ArmedEntry | None = None
+    """Set for an ``armed_at_first_microbatch`` patch: its target holds the replacement only once armed."""
 
 
 def _split(attr: str) -> tuple[list[str], str]:
@@ -339,13 +339,9 @@ class PatchSet:
         """Apply one patch, or leave its target as it was: a hook that fails after the ``setattr``
         is undone here (target restored, ``on_uninstall`` run), because callers roll back only the
         patches that returned."""
-        if applied.patch.while_microbatching:
-            applied.window = WindowEntry(
-                applied.patch.name,
-                arm=lambda: setattr(applied.owner, applied.name, applied.replacement),
-                disarm=lambda: cls._restore(applied),
-            )
-            WINDOW.register(applied.window)
+        if applied.patch.armed_at_first_microbatch:
+            applied.armable = ArmedEntry(applied.patch.name, arm=lambda: setattr(applied.owner, applied.name, applied.replacement))
+            ARMING.register(applied.armable)
         else:
             setattr(applied.owner, applied.name, applied.replacement)
         if applied.patch.on_install is not None:
@@ -364,9 +360,9 @@ class PatchSet:
 
     @classmethod
     def _take_back(cls, applied: _Applied) -> None:
-        """Uninstall one target: a window patch is first withdrawn from the window, restored only if armed."""
-        window, applied.window = applied.window, None
-        if window is not None and not WINDOW.unregister(window):
+        """Uninstall one target: an armable patch is first withdrawn from ``ARMING``, restored only if armed."""
+        armable, applied.armable = applied.armable, None
+        if armable is not None and not ARMING.unregister(armable):
             return
         cls._restore(applied)
 

@@ -10,10 +10,11 @@ inside vLLM's memory profile) and refuses what cannot be made safe (HiSparse, th
 generic path, followers built without a shared builder); the group methods run vLLM's own code
 on the calling microbatch's view; ``topk_indices_buffer`` becomes a data descriptor on every
 writer and reader class. The per-access ones (group methods, readers' and writers' descriptors) return
-vLLM's own object whenever no microbatch thread exists, so they are in force only inside microbatched runs
-(``microbatch_window``); ``register_layer`` and the model's setter act at construction and stay. Every
-patch that runs on a microbatch thread is shielded (``runs_on_ubatch_thread``): a failure there continues
-with vLLM's own object and is raised after the join.
+vLLM's own object whenever no microbatch thread exists, so they are put in force at the process's first
+microbatched run (``microbatch_arming``) and cost nothing in an engine that never splits a step;
+``register_layer`` and the model's setter act at construction and are always in force. Every patch that runs
+on a microbatch thread is shielded (``runs_on_ubatch_thread``): a failure there continues with vLLM's own
+object and is raised after the join.
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ def _group_method_patch(name: str, method: str, make: Any) -> Patch:
         lazy=True,
         architectures=V32_ARCHITECTURES,
         runs_on_ubatch_thread=True,
-        while_microbatching=True,
+        armed_at_first_microbatch=True,
     )
 
 
@@ -361,8 +362,8 @@ def _descriptor_patch(state: UbatchTopkState, module: str, cls: str, *, model: b
         # SparseAttnIndexer also writes DeepSeek-V4.1's shared buffer (topk_v41 relies on this patch).
         architectures=(*V32_ARCHITECTURES, "DeepseekV41ForCausalLM") if shared_by_v41 else V32_ARCHITECTURES,
         runs_on_ubatch_thread=True,
-        # The model's setter marks its buffer at construction, outside any run: always in force.
-        while_microbatching=not model,
+        # The model's setter marks its buffer at construction, before any run: always in force.
+        armed_at_first_microbatch=not model,
     )
 
 
@@ -398,7 +399,7 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
         lazy=True,
         architectures=V32_ARCHITECTURES,
         runs_on_ubatch_thread=True,
-        while_microbatching=True,
+        armed_at_first_microbatch=True,
     )
 
 

@@ -61,8 +61,8 @@ def _patch(state: UbatchTopkState, module: str, cls: str, attr: str, *, register
         adds=True,
         architectures=ARCHITECTURES,
         runs_on_ubatch_thread=True,
-        # The model's setters register views at construction, outside any run: always in force.
-        while_microbatching=not registers,
+        # The model's setters register views at construction, before any run: always in force.
+        armed_at_first_microbatch=not registers,
     )
 
 

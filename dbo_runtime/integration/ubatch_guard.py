@@ -19,9 +19,9 @@ from typing import Any
 from dbo_runtime.core.errors import MicrobatchFailure
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration.features import REGISTRY, Feature
-from dbo_runtime.integration.microbatch_window import WINDOW
+from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import Patch
-from dbo_runtime.integration.ubatch_failures import FAILURES, UbatchFailures, record
+from dbo_runtime.integration.ubatch_failures import FAILURES, UbatchFailures, record, shields_itself
 
 logger = get_logger(__name__)
 
@@ -29,6 +29,7 @@ FEATURES = [Feature("ubatch_guard", "microbatch-thread failure guard")]
 
 MRV1_MODULE = "vllm.v1.worker.gpu_ubatch_wrapper"
 MRV2_MODULE = "vllm.v1.worker.gpu.ubatch_utils"
+UBATCHING = "vllm.v1.worker.ubatching"
 UPSTREAM_PR = "none yet (vLLM does not wake the partner microbatch when one thread dies)"
 REMOVAL = "vLLM's microbatch hand-off unwinds every thread when one raises and re-raises on the main thread"
 
@@ -95,18 +96,16 @@ def placeholder_logits(context_lens: Any, weights: Any, max_model_len: Any) -> A
 
 
 # -- join points ------------------------------------------------------------------------------------
-def _checked_join(original: Callable[..., Any], *, drop_new_graphs: bool = False) -> Callable[..., Any]:
+def _checked_join(original: Callable[..., Any], where: str, *, drop_new_graphs: bool = False) -> Callable[..., Any]:
     def joined(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ARMING.arm(where)  # on the main thread, before the threads start (a no-op once armed)
         graphs = self.__dict__.get("cudagraphs") if drop_new_graphs else None
         before = set(graphs) if graphs is not None else set()
-        WINDOW.open()  # before the threads start: the window patches are in force for the whole run
         try:
             result = original(self, *args, **kwargs)
         except BaseException as exc:
-            WINDOW.close()
             FAILURES.raise_pending(exc)  # the recorded cause first, vLLM's own error named in it
             raise
-        WINDOW.close()
         try:
             FAILURES.raise_pending()
         except MicrobatchFailure:
@@ -121,33 +120,24 @@ def _checked_join(original: Callable[..., Any], *, drop_new_graphs: bool = False
 
 
 def _make_mrv1_run(original: Any) -> Any:
-    return _checked_join(original)
+    return _checked_join(original, "UBatchWrapper._run_ubatches")
 
 
 def _make_mrv1_capture(original: Any) -> Any:
-    return _checked_join(original, drop_new_graphs=True)
+    return _checked_join(original, "UBatchWrapper._capture_ubatches", drop_new_graphs=True)
 
 
 def _make_mrv2_begin(original: Any) -> Any:
     def begin_capturable_run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        WINDOW.open()  # before the threads start; closed by finish() after the join
-        try:
-            finish = original(self, *args, **kwargs)
-        except BaseException:
-            WINDOW.close()
-            raise
-        open_runs = [finish]  # emptied by the first finish_checked: a second call must not close another run
+        ARMING.arm("UBatchRunner.begin_capturable_run")  # before the threads start (a no-op once armed)
+        finish = original(self, *args, **kwargs)
 
         def finish_checked() -> Any:
             try:
                 result = finish()
             except BaseException as exc:
-                if open_runs and open_runs.pop():
-                    WINDOW.close()
                 FAILURES.raise_pending(exc)
                 raise
-            if open_runs and open_runs.pop():
-                WINDOW.close()
             FAILURES.raise_pending()
             return result
 
@@ -160,14 +150,31 @@ def _make_mrv2_begin(original: Any) -> Any:
     return begin_capturable_run
 
 
-UBATCHING = "vllm.v1.worker.ubatching"
-WINDOW_ANCHORS = {
-    # microbatch_window relies on microbatch threads registering only inside these calls: the wrapper's
-    # __call__ reaches its threads through _run_ubatches / _capture_ubatches alone, and UBatchContext is
-    # what registers a thread (``__enter__``) and unregisters it (``__exit__``).
-    "mrv1": (f"{MRV1_MODULE}:UBatchWrapper.__call__", f"{UBATCHING}:UBatchContext"),
-    "mrv2": (f"{MRV2_MODULE}:UBatchRunner.run", f"{UBATCHING}:UBatchContext"),
-}
+CONTEXT_ENTER = "ubatch_guard.context_enter"
+
+
+def _make_context_enter(original: Any) -> Any:
+    """The net under the join points: a thread entering a microbatch context arms ``microbatch_arming`` if no
+    runner did. After vLLM's ``__enter__`` returns, the thread is registered and holds the CPU hand-off (its
+    partner is parked, the main thread waits in the join), so the targets are set before any microbatch runs
+    model code. A failure is recorded and raised after the join; nothing is raised here (the partner would hang)."""
+
+    @shields_itself
+    def __enter__(self: Any) -> Any:
+        context = original(self)
+        if not ARMING.armed:
+            try:
+                ARMING.arm("UBatchContext.__enter__")
+                logger.warning(
+                    "dbo_runtime: a DBO microbatch thread started outside the runner calls dbo_runtime hooks; its "
+                    "per-microbatch top-k hooks were put in force on the thread itself, before the model ran there"
+                )
+            except Exception as exc:
+                if not record(CONTEXT_ENTER, exc):
+                    logger.error("dbo_runtime: %s failed off a microbatch thread: %r", CONTEXT_ENTER, exc)
+        return context
+
+    return __enter__
 
 
 def patches() -> list[Patch]:
@@ -179,9 +186,8 @@ def patches() -> list[Patch]:
             module=MRV1_MODULE,
             attr="UBatchWrapper._run_ubatches",
             make=_make_mrv1_run,
-            anchors=(f"{MRV1_MODULE}:UBatchWrapper._run_ubatches", *WINDOW_ANCHORS["mrv1"]),
-            reason="open the microbatch window before the threads start and close it after the join; then raise "
-            "what dbo_runtime hooks recorded on the threads "
+            reason="arm the per-access hooks before the first microbatched run's threads start; after the threads "
+            "are joined, raise what dbo_runtime hooks recorded on them "
             "(they never raise there: a dead microbatch thread hangs the join and the DP group)",
             **common,  # type: ignore[arg-type]
         ),
@@ -191,8 +197,7 @@ def patches() -> list[Patch]:
             module=MRV1_MODULE,
             attr="UBatchWrapper._capture_ubatches",
             make=_make_mrv1_capture,
-            anchors=(f"{MRV1_MODULE}:UBatchWrapper._capture_ubatches", *WINDOW_ANCHORS["mrv1"]),
-            reason="same for a FULL-graph DBO capture (window included); a graph captured with a placeholder is dropped",
+            reason="same for a FULL-graph DBO capture; a graph captured with a placeholder is dropped",
             **common,  # type: ignore[arg-type]
         ),
         Patch(
@@ -201,10 +206,18 @@ def patches() -> list[Patch]:
             module=MRV2_MODULE,
             attr="UBatchRunner.begin_capturable_run",
             make=_make_mrv2_begin,
-            anchors=(f"{MRV2_MODULE}:UBatchRunner.begin_capturable_run", *WINDOW_ANCHORS["mrv2"]),
-            reason="open the microbatch window before the threads start; wrap the returned finish() (and "
-            "abort_pending_run's) so it closes the window after the join and raises what dbo_runtime hooks "
+            reason="wrap the returned finish() (and abort_pending_run's) so it raises what dbo_runtime hooks "
             "recorded on the microbatch threads after joining them",
+            **common,  # type: ignore[arg-type]
+        ),
+        Patch(
+            name=CONTEXT_ENTER,
+            module=UBATCHING,
+            attr="UBatchContext.__enter__",
+            make=_make_context_enter,
+            reason="every microbatch thread registers here: put the patches armed at the first microbatched run "
+            "in force before its model code runs, on a path that reached microbatch threads without the join points",
+            runs_on_ubatch_thread=True,
             **common,  # type: ignore[arg-type]
         ),
     ]

@@ -20,7 +20,7 @@ from typing import Any
 
 from dbo_runtime.integration import activation, guard, selftime
 from dbo_runtime.integration.features import Feature
-from dbo_runtime.integration.microbatch_window import WINDOW
+from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import Patch
 
 FEATURES = [Feature("stats", "per-worker counters")]
@@ -77,7 +77,7 @@ def collect(worker: Any = None) -> dict[str, Any]:
     snap["patches"] = {s.patch.name: s.state for s in statuses}
     snap["activation_line_emitted"] = activation.emitted_in_this_process()
     snap["self_time"] = selftime.snapshot(calibrate=selftime.enabled())
-    snap["window"] = WINDOW.counters()
+    snap["arming"] = ARMING.counters()
     snap["worker"] = _identity(worker)
     pending = guard.pending_required(guard.runner_of(worker) if worker is not None else None)
     cache = snap["schedule_cache"]
@@ -103,8 +103,8 @@ def collect(worker: Any = None) -> dict[str, Any]:
         "jit_at_start": cache.get("jit_at_start", 0),
         "builders_stepped_aside": cache.get("builders_stepped_aside", 0),
         "indexer_steps_aside": _steps_aside(),
-        "windows_opened": snap["window"]["windows_opened"],
-        "window_patches": snap["window"]["window_patches"],
+        "armed_patches": snap["arming"]["armed_patches"],
+        "armable_patches": snap["arming"]["armable_patches"],
         "patches_pending": len(pending),
         "patches_broken": sum(1 for s in statuses if s.state == "broken"),
     }

@@ -3,9 +3,7 @@
 vLLM's ``make_ubatch_contexts`` / ``UBatchContext`` and ``dbo_yield`` are used as they are; only what
 cannot exist on a CPU box stands in: the compute / comm streams (``FakeStream``) and the forward context
 (``cudagraph_runtime_mode`` is the only field ``UBatchContext`` reads), and ``ubatching.current_stream``
-(vLLM's raises on a platform without streams) returns the fake compute stream while the step runs. The
-threads run inside ``microbatch_window`` as under vLLM's runners, whose patched join points open it
-(``tests/vllm/test_ubatch_guard.py`` runs those join points themselves).
+(vLLM's raises on a platform without streams) returns the fake compute stream while the step runs.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from dbo_runtime.integration import ubatch_ids
-from dbo_runtime.integration.microbatch_window import WINDOW
 from tests.fakes.topk_boundary import FakeStream
 
 
@@ -38,11 +35,9 @@ def run_microbatches(bodies: Sequence[Callable[[int], None]], token_offsets: Seq
     compute = FakeStream("compute", _who, log)
     saved = ubatching.current_stream
     ubatching.current_stream = lambda: compute
-    WINDOW.open()
     try:
         _run(ubatching, bodies, token_offsets, timeout, compute, log, CUDAGraphMode.NONE)
     finally:
-        WINDOW.close()
         ubatching.current_stream = saved
 
 

@@ -25,16 +25,20 @@ def test_the_benchmark_times_every_hooked_access_against_vanilla(tmp_path: Path)
     _run_ok("--n", "1000", "--reps", "1", "--out", str(tmp_path))
     doc = json.loads((tmp_path / "bench_hook_calls.json").read_text())
     accesses = {(r["access"], r["thread"]) for r in doc["rows"]}
-    assert ("SparseAttnIndexer.topk_indices_buffer", "ubatch 1") in accesses and len(accesses) == 24
+    assert ("SparseAttnIndexer.topk_indices_buffer", "ubatch 1") in accesses and len(accesses) == 35
+    # an engine that never split a step, the main thread of one that has (hooks armed), a microbatch thread
+    assert {t for _, t in accesses} == {"main", "main, armed", "ubatch 1"}
+    assert "topk.DeepseekV32Attention.topk_indices_buffer" in doc["armable_patches"]
+    assert "topk.DeepseekV32Model.topk_indices_buffer" not in doc["armable_patches"]  # its setter acts at load
     # vLLM's real decode-metadata build (stub planner): main thread only, where vLLM builds; and the same build in an
     # engine without DBO, where the hooks step aside
     for build in ("DeepseekV32IndexerMetadataBuilder.build (stub planner)", "DeepseekV32IndexerMetadataBuilder.build, no DBO (hooks step aside)"):
-        assert (build, "main") in accesses and (build, "ubatch 1") not in accesses
+        assert (build, "main") in accesses and (build, "ubatch 1") not in accesses and (build, "main, armed") not in accesses
     assert ("SharedTopkIndicesBuffer.topk_indices_buffer (leader)", "main") in accesses
     # the two kernel-calling hooks, timed around a no-op kernel on both sides
     assert ("SparseMLAIndexGroup._convert_once (stub kernel)", "ubatch 1") in accesses
     assert ("fp8_fp4_paged_mqa_logits call site (stub kernel)", "main") in accesses
-    for thread in ("main", "ubatch 1"):  # the engine's per-step counts, weighted by what each access adds
+    for thread in ("main", "main, armed", "ubatch 1"):  # the engine's per-step counts, weighted by each access's cost
         row = doc["per_step_78l"][thread]
         assert row["accesses"] == 473 and isinstance(row["added_us"], float)
         assert row["with_build_us"] == row["added_us"] + row["build_added_us"]

@@ -29,7 +29,7 @@ def test_worker_snapshot_has_identity_counters_and_summary() -> None:
     snap = worker_stats.collect(worker)
     assert snap["worker"]["dp_rank"] == 1 and snap["worker"]["runner"] == "v2"
     for key in ("microbatched_builds", "partitions", "replans_call_site", "replans_in_graph", "planned_ahead", "warmups", "topk_groups_attached",
-                "windows_opened", "window_patches"):
+                "armed_patches", "armable_patches"):
         assert isinstance(snap["summary"][key], int), key
     import json
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 from dbo_runtime.integration import mtp_hooks
 from dbo_runtime.integration.patching import PatchSet
 from tests.fakes.ubatch_threads import run_microbatches
+from tests.vllm.test_topk_isolation import arming_net
 
 HIDDEN = 4
 WRITE = "self._mtp_hidden_buffer[:num_tokens].copy_(hidden_states.flatten(1))"
@@ -50,7 +51,7 @@ def _step(model: Any, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.fixture()
 def installed(request: pytest.FixtureRequest) -> PatchSet:
-    ps = PatchSet(mtp_hooks.patches())
+    ps = PatchSet([*mtp_hooks.patches(), arming_net()])
     ps.install()
     request.addfinalizer(ps.uninstall)
     return ps

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from dbo_runtime.core.topk_memory import index_leaders, topk_memory_bytes
 from dbo_runtime.integration import topk_hooks, ubatch_ids
-from dbo_runtime.integration.microbatch_window import WINDOW
+from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import Patch, PatchSet
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from tests.fakes.topk_boundary import FakeEvent, FakeStream, fake_convert
@@ -217,16 +217,12 @@ def run_step(model: Model, boundary: Boundary, total: int, seed: int) -> StepRes
         token_offsets=[0, n0],
     )
     threads = [threading.Thread(target=body, args=(ctxs[u], u), daemon=True) for u in range(2)]
-    WINDOW.open()  # as vLLM's patched runners do before their threads start (test_ubatch_guard runs those)
-    try:
-        for t in threads:
-            t.start()
-        barrier.wait()
-        ctxs[0].cpu_wait_event.set()
-        for t in threads:
-            t.join(timeout=60)
-    finally:
-        WINDOW.close()
+    for t in threads:
+        t.start()
+    barrier.wait()
+    ctxs[0].cpu_wait_event.set()
+    for t in threads:
+        t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), f"microbatch threads hung; errors: {errors!r}"
     if errors:
         raise errors[0]
@@ -260,12 +256,21 @@ def foreign_waits(boundary: Boundary) -> list[tuple[str, int, int | None]]:
 @pytest.fixture()
 def installed(request: pytest.FixtureRequest) -> Any:
     def install(state: UbatchTopkState, drop: tuple[str, ...] = ()) -> PatchSet:
-        ps = PatchSet([p for p in topk_hooks.patches(state) if p.name not in drop])
+        ps = PatchSet([*(p for p in topk_hooks.patches(state) if p.name not in drop), arming_net()])
         ps.install()
         request.addfinalizer(ps.uninstall)
         return ps
 
     return install
+
+
+def arming_net() -> Patch:
+    """``UBatchContext.__enter__``'s hook, which the plugin installs with every top-k feature (they require
+    ``ubatch_guard``): the hand-rolled steps here start vLLM's own contexts without a runner's join point, so it is
+    this net that arms the per-access hooks at the first step (``microbatch_arming``)."""
+    from dbo_runtime.integration import ubatch_guard
+
+    return next(p for p in ubatch_guard.patches() if p.name == ubatch_guard.CONTEXT_ENTER)
 
 
 STEPS = (16, 48)  # a decode step whose microbatches fit the physical workspace (17 rows); a prefill step whose do not
@@ -287,8 +292,10 @@ def test_followers_read_own_leader_bit_for_bit(boundary: Boundary, installed: An
     )
     assert state.extra_bytes() == expected[layout.value]
 
+    assert not ARMING.armed  # before the first microbatched run: vLLM's own objects, no hook
     for seed, total in enumerate(STEPS * 2):
         res = run_step(model, boundary, total, seed)
+        assert ARMING.armed_by == "UBatchContext.__enter__"  # no runner here: the net armed them, before the model ran
         assert len(res.logical) == 2 * NUM_LAYERS
         assert mismatches(model, res) == []
         assert res.same_buffer and all(res.same_buffer), "writer and reader resolved different buffers"

@@ -10,7 +10,7 @@ import torch
 
 from dbo_runtime.core.errors import UnsupportedConfiguration
 from dbo_runtime.integration import topk_hooks
-from dbo_runtime.integration.microbatch_window import WINDOW
+from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import Patch, PatchSet, current_value, resolve_owner
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from tests.vllm.test_topk_isolation import boundary, build_model, dbo_config, installed  # noqa: F401 - fixtures
@@ -70,35 +70,27 @@ def test_uninstall_restores_identical_objects() -> None:
         owner, name = resolve_owner(importlib.import_module(p.module), p.attr)
         return owner.__dict__.get(name, "<absent>")
 
-    windowed = {p.name for p in patches if p.while_microbatching}
-    assert windowed == {
+    armable = {p.name for p in patches if p.armed_at_first_microbatch}
+    assert armable == {
         "topk.group_convert_once", "topk.group_set_logical_topk_ready", "topk.SharedTopkIndicesBuffer.topk_indices_buffer",
         "topk.DeepseekV32Attention.topk_indices_buffer", "topk.DeepseekV32Indexer.topk_indices_buffer",
         "topk.SparseAttnIndexer.topk_indices_buffer",
     }  # fmt: skip
-    for uninstall_armed in (False, True):
+    for arm in (False, True):
         ps = PatchSet(patches)
         ps.install()
         try:
-            for p in patches:  # outside a microbatched run the per-access hooks are vLLM's own objects
-                assert (found(p) is before[p.name]) == (p.name in windowed), p.name
-            WINDOW.open()
-            try:
+            for p in patches:  # until the first microbatched run the per-access hooks are vLLM's own objects
+                assert (found(p) is before[p.name]) == (p.name in armable), p.name
+            if arm:
+                ARMING.arm("test")
                 for p in patches:
                     assert found(p) is not before[p.name], p.name
-            finally:
-                if not uninstall_armed:
-                    WINDOW.close()
-            if not uninstall_armed:
-                for p in patches:
-                    assert (found(p) is before[p.name]) == (p.name in windowed), p.name
         finally:
             ps.uninstall()
-            if uninstall_armed:
-                WINDOW.close()
         for p in patches:
             assert found(p) is before[p.name], p.name
-        assert WINDOW.names() == []
+        assert ARMING.names() == [] and not ARMING.armed  # the next installation starts unarmed
     for key in ("attn", "indexer", "op", "model"):
         assert ATTR not in _classes()[key].__dict__
     assert isinstance(current_value(importlib.import_module(patches[3].module), patches[3].attr), property)
@@ -261,7 +253,7 @@ def test_hot_hooks_are_one_frame_in_vllms_signature_and_followers_never_call_thr
     chosen += [p for p in indexer_hooks.patches() if p.name == "indexer.logits.sparse_attn_indexer"]
     patch_set = PatchSet(chosen)
     patch_set.install()
-    WINDOW.open()  # the per-layer top-k hooks are in force inside a microbatched run
+    ARMING.arm("test")  # the per-layer top-k hooks are in force from the first microbatched run on
     try:
         convert = SparseMLAIndexGroup.__dict__["_convert_once"]
         ready = SparseMLAIndexGroup.__dict__["set_logical_topk_ready"]
@@ -279,7 +271,6 @@ def test_hot_hooks_are_one_frame_in_vllms_signature_and_followers_never_call_thr
             group.set_logical_topk_ready(layer)
         assert calls == [0]  # only a group's first layer reaches vLLM
     finally:
-        WINDOW.close()
         patch_set.uninstall()
         SparseMLAIndexGroup.set_logical_topk_ready = originals["set_logical_topk_ready"]  # type: ignore[method-assign]
     assert SparseMLAIndexGroup.__dict__["_convert_once"] is originals["_convert_once"]

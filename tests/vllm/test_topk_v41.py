@@ -21,6 +21,7 @@ from dbo_runtime.integration import topk_hooks, topk_v41_hooks, ubatch_ids
 from dbo_runtime.integration.patching import PatchSet
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from tests.fakes.ubatch_threads import run_microbatches
+from tests.vllm.test_topk_isolation import arming_net
 
 LAYERS = 8
 RATIOS = [0, 1, 2, 1, 1, 2, 1, 0]
@@ -115,7 +116,7 @@ def installed(request: pytest.FixtureRequest) -> Any:
     def install(state: UbatchTopkState) -> PatchSet:
         patches = topk_hooks.patches(state)
         patches = [p for p in patches if p.name == "topk.SparseAttnIndexer.topk_indices_buffer"] + topk_v41_hooks.patches(state)
-        ps = PatchSet(patches)
+        ps = PatchSet([*patches, arming_net()])
         ps.install()
         request.addfinalizer(ps.uninstall)
         return ps

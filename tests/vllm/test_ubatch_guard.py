@@ -293,13 +293,14 @@ RUNNERS = {"mrv1": _mrv1, "mrv2": _mrv2}
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
 def test_a_healthy_step_is_untouched(env: Env, runner: str) -> None:
-    from dbo_runtime.integration.microbatch_window import WINDOW
+    from dbo_runtime.integration.microbatch_arming import ARMING
 
-    opened = WINDOW.opened
-    assert WINDOW.armed_names() == []  # outside a run the per-access top-k hooks are vLLM's own objects
+    assert ARMING.armed_names() == []  # before the first microbatched run the per-access hooks are vLLM's own
     result, error = RUNNERS[runner](env)
     assert error is None
-    assert WINDOW.opened == opened + 1 and WINDOW.depth == 0 and WINDOW.armed_names() == []
+    # armed on the main thread by the join point, before the threads started, and kept
+    assert ARMING.armed and ARMING.armed_by == {"mrv1": "UBatchWrapper._run_ubatches", "mrv2": "UBatchRunner.begin_capturable_run"}[runner]
+    assert "topk.DeepseekV32Attention.topk_indices_buffer" in ARMING.armed_names()
     assert torch.equal(result, torch.arange(TOTAL).float()[:, None])
     assert env.dbo_model.done == {0: len(env.model.layers), 1: len(env.model.layers)}
     assert all(v == 113.0 for rows in env.dbo_model.logits_rows.values() for v in rows)  # re-planned for 112 SMs
@@ -361,15 +362,15 @@ def test_mutation_without_the_join_points_the_fault_would_be_silent(env: Env) ->
 
 def test_off_microbatch_threads_a_plugin_fault_still_raises(env: Env) -> None:
     """On the main thread while microbatch threads are registered (MRV2 between its begin and finish, MRV1 while it
-    joins: inside the microbatch window) the hooks resolve and re-raise a fault as before; with no microbatch thread
-    in the process they do not resolve at all (``ubatch_ids.THREAD_TABLE``), and outside a window they are not even
-    there (``microbatch_window``), so nothing can fail there."""
+    joins) the hooks resolve and re-raise a fault as before; with no microbatch thread
+    in the process they do not resolve at all (``ubatch_ids.THREAD_TABLE``), and before the first microbatched run
+    they are not even there (``microbatch_arming``), so nothing can fail there."""
     import threading
 
     from vllm.v1.worker import ubatching
 
     from dbo_runtime.integration import ubatch_guard, ubatch_ids
-    from dbo_runtime.integration.microbatch_window import WINDOW
+    from dbo_runtime.integration.microbatch_arming import ARMING
 
     ubatch_ids._ubatching()
     env.locator.ubatch = 0
@@ -377,7 +378,7 @@ def test_off_microbatch_threads_a_plugin_fault_still_raises(env: Env) -> None:
     assert not ubatching._THREAD_ID_TO_CONTEXT
     buffer = env.model.layers[3].impl.topk_indices_buffer  # no microbatch thread: the plain value, no resolver
     assert buffer is not None
-    WINDOW.open()  # what the patched runner does before its threads start
+    ARMING.arm("test")  # what the patched runner does before its first threads start
     other = threading.get_ident() + 1  # a microbatch thread registered elsewhere in the process
     ubatching._THREAD_ID_TO_CONTEXT[other] = 1
     try:
@@ -385,8 +386,6 @@ def test_off_microbatch_threads_a_plugin_fault_still_raises(env: Env) -> None:
             _ = env.model.layers[3].impl.topk_indices_buffer
     finally:
         del ubatching._THREAD_ID_TO_CONTEXT[other]
-        WINDOW.close()
-    assert WINDOW.armed_names() == []
     env.planner.fail_on = None
     assert ubatch_guard.FAILURES.pending == []
 

@@ -1,0 +1,118 @@
+"""Patches put in force at the process's first microbatched run (``Patch.armed_at_first_microbatch``).
+
+The per-access top-k hooks (the index-group methods and the ``topk_indices_buffer`` descriptors) hand back
+vLLM's own object whenever no thread of the process is a microbatch thread, yet as Python frames they still
+cost about 0.3-3 us per access, some 480 accesses per eager step at GLM-5.3 depth, in every engine that never
+microbatches: DBO off, DP 1 (vLLM 0.33.0 splits no step there), or a DBO engine before its first split step.
+So those patches are prepared, fingerprinted and shielded at install like any other, but their targets keep
+vLLM's originals until the first microbatched run arms them, and stay armed for the life of the installation.
+
+Why once and not per run: putting the originals back after every join would change the classes twice per
+step, and every class change spends one of the type version tags CPython gives a class (1000 per class from
+3.13, after which attribute lookups on it lose their cache for good); a long-running server would lose more
+than it saved. Where arming happens: on the main thread, before the first microbatch thread starts, in the
+runners' join points (``ubatch_guard``), and, as a net for any path that reaches microbatch threads without
+them, in ``UBatchContext.__enter__`` on the microbatch thread itself once it holds the CPU hand-off, before
+the model runs there. A target that cannot be set raises on the main thread before any thread starts (the step
+stops with the cause), and is recorded on a microbatch thread and raised after the join (``ubatch_failures``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dbo_runtime.core.errors import PatchError
+from dbo_runtime.core.log import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass(eq=False)
+class ArmedEntry:
+    """One target: ``arm`` sets the replacement in place of vLLM's original."""
+
+    name: str
+    arm: Callable[[], None]
+    armed: bool = False
+
+
+class MicrobatchArming:
+    """The armed-at-first-microbatch patches of the installed set, and whether they are in force yet."""
+
+    def __init__(self) -> None:
+        self._entries: list[ArmedEntry] = []
+        self._lock = threading.Lock()
+        self.armed = False
+        """Read without the lock on every microbatched run: set once, under the lock, after every entry is armed."""
+        self.armed_by: str | None = None
+        """Which path armed them: a runner's join point, or the ``UBatchContext.__enter__`` net."""
+
+    # -- PatchSet's side ----------------------------------------------------------------------------
+    def register(self, entry: ArmedEntry) -> None:
+        """Add a target; once armed, it is armed at once (a lazy module imported after the first run)."""
+        with self._lock:
+            if self.armed:
+                entry.arm()
+                entry.armed = True
+            self._entries.append(entry)
+
+    def unregister(self, entry: ArmedEntry) -> bool:
+        """Forget a target (uninstall); True when its replacement is in place and the caller must restore it.
+        With no target left the process is unarmed again, so a later installation starts with vLLM's originals."""
+        with self._lock:
+            self._entries = [e for e in self._entries if e is not entry]
+            if not self._entries:
+                self.armed = False
+                self.armed_by = None
+            return entry.armed
+
+    # -- the runners' side --------------------------------------------------------------------------
+    def arm(self, where: str) -> None:
+        """Put every target in force; ``where`` names the path (``armed_by``). A target that cannot be set raises:
+        the caller's step must not run microbatches with it missing."""
+        if self.armed:
+            return
+        with self._lock:
+            if self.armed:
+                return
+            try:
+                for entry in self._entries:
+                    if not entry.armed:
+                        entry.arm()
+                        entry.armed = True
+            except BaseException as exc:
+                # What was armed stays (correct, only slower) and uninstall restores it; the next run tries the rest.
+                if not isinstance(exc, Exception):
+                    raise
+                raise PatchError(
+                    f"dbo_runtime could not put {entry.name} in force at the first microbatched run ({exc!r}); the "
+                    "step stops here instead of running its microbatches on vLLM's shared top-k state"
+                ) from exc
+            self.armed = True
+            self.armed_by = where
+
+    # -- introspection ------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        with self._lock:
+            return [e.name for e in self._entries]
+
+    def armed_names(self) -> list[str]:
+        with self._lock:
+            return [e.name for e in self._entries if e.armed]
+
+    def counters(self) -> dict[str, int | str | None]:
+        with self._lock:
+            return {
+                "armed_patches": sum(e.armed for e in self._entries),
+                "armable_patches": len(self._entries),
+                "armed_by": self.armed_by,
+            }
+
+
+ARMING = MicrobatchArming()
+"""The process-wide registry every ``PatchSet`` registers with and every patched runner arms."""
+
+
+__all__ = ["ARMING", "ArmedEntry", "MicrobatchArming"]
