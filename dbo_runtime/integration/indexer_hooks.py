@@ -23,6 +23,7 @@ from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.planner_shapes import dbo_planner_shapes
 from dbo_runtime.integration import activation, guard
 from dbo_runtime.integration.features import Feature, Probe, Upstream
+from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import PATCH_MARK, ArgSlots, Patch, require_parameters
 from dbo_runtime.integration.ubatch_failures import record, shields_itself
 from dbo_runtime.integration.ubatch_guard import placeholder_logits, reserve_placeholders
@@ -203,6 +204,8 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
     shapes vLLM will run microbatched (``schedule_cache.dbo_planner_shapes``).
     """
     cache = schedule_cache()
+    if not LIVE_NUM_SMS.trusted:  # a write to DeepGEMM's count could go unseen: the call site must be in force now
+        ARMING.arm("an indexer builder while DeepGEMM's SM-count writers are not watched")
     # first, before anything here can fail: a DBO engine's builder must end stepping aside even if it registers nothing
     if cache.note_builder(_may_microbatch(builder), writers_watched=LIVE_NUM_SMS.trusted) and cache.stats.builders_stepped_aside == 1:
         logger.info(
@@ -397,7 +400,8 @@ def _sm_writes_patch(name: str, module: str, attr: str) -> Patch:
     def make(original: Any) -> Any:
         @functools.wraps(original)
         def set_num_sms(num_sms: int) -> None:
-            (_sc._CACHE or schedule_cache()).stop_stepping_aside()  # before the count changes
+            ARMING.arm(writer)  # before the count changes: from here on a schedule may not fit the live count
+            (_sc._CACHE or schedule_cache()).stop_stepping_aside()
             try:
                 original(num_sms)
             finally:
@@ -435,6 +439,7 @@ def _make_mrv1_build_attention_metadata(original: Any) -> Any:
     def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
         if slots.get("ubatch_slices", args, kwargs) is None:
             return original(self, *args, **kwargs)
+        ARMING.arm("GPUModelRunner._build_attention_metadata")  # plan-ahead leaves the schedule to the call site
         count_microbatched_build()
         with schedule_cache().microbatched_build():
             return original(self, *args, **kwargs)
@@ -446,6 +451,7 @@ def _make_mrv2_prepare(original: Any) -> Any:
     slots = ArgSlots(original, ("for_capture",), bound=True)
 
     def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ARMING.arm("UBatchRunner.prepare")  # plan-ahead leaves the schedule to the call site
         count_microbatched_build(for_capture=bool(slots.get("for_capture", args, kwargs)))
         with schedule_cache().microbatched_build():
             return original(self, *args, **kwargs)
@@ -467,6 +473,9 @@ def _logits_patch(label: str, module: str, caller: str, reason: str, removal: st
         removal=removal,
         lazy=True,
         runs_on_ubatch_thread=True,
+        # Until vLLM first lowers DeepGEMM's count or builds microbatch metadata, every schedule was planned for the
+        # count in force and the hook hands vLLM's call through: vLLM's own function until then.
+        armed_at_first_microbatch=True,
     )
 
 

@@ -1,20 +1,23 @@
 """Patches put in force at the process's first microbatched run (``Patch.armed_at_first_microbatch``).
 
 The per-access top-k hooks (the index-group methods and the ``topk_indices_buffer`` descriptors) hand back
-vLLM's own object whenever no thread of the process is a microbatch thread, yet as Python frames they still
-cost about 0.3-3 us per access, some 480 accesses per eager step at GLM-5.3 depth, in every engine that never
-microbatches: DBO off, DP 1 (vLLM 0.33.0 splits no step there), or a DBO engine before its first split step.
-So those patches are prepared, fingerprinted and shielded at install like any other, but their targets keep
-vLLM's originals until the first microbatched run arms them, and stay armed for the life of the installation.
+vLLM's own object whenever no thread of the process is a microbatch thread, and the indexer's logits call site
+hands vLLM's call through while every schedule was planned for the SM count in force; yet as Python frames they
+still cost about 0.3-3 us per access, some 480 accesses per eager step at GLM-5.3 depth (78 call sites alone
+with DeepSeek-V3.2's), in every engine that never microbatches: DBO off, DP 1 (vLLM 0.33.0 splits no step
+there), or a DBO engine before its first split step. So those patches are prepared, fingerprinted and shielded
+at install like any other, but their targets keep vLLM's originals until the first of: a runner's join point
+(``ubatch_guard``, on the main thread before the first microbatch thread starts), a microbatched metadata build
+(plan-ahead leaves its schedule to the call site), a write to DeepGEMM's SM count (before the count changes),
+an indexer builder registered while such a write could go unseen, and, as the net for any other path to a
+microbatch thread, ``UBatchContext.__enter__`` on the thread itself once it holds the CPU hand-off, before the
+model runs there. From then on they stay in force for the life of the installation.
 
 Why once and not per run: putting the originals back after every join would change the classes twice per
 step, and every class change spends one of the type version tags CPython gives a class (1000 per class from
 3.13, after which attribute lookups on it lose their cache for good); a long-running server would lose more
-than it saved. Where arming happens: on the main thread, before the first microbatch thread starts, in the
-runners' join points (``ubatch_guard``), and, as a net for any path that reaches microbatch threads without
-them, in ``UBatchContext.__enter__`` on the microbatch thread itself once it holds the CPU hand-off, before
-the model runs there. A target that cannot be set raises on the main thread before any thread starts (the step
-stops with the cause), and is recorded on a microbatch thread and raised after the join (``ubatch_failures``).
+than it saved. A target that cannot be set raises on the main thread before any microbatch runs (the step stops
+with the cause), and is recorded on a microbatch thread and raised after the join (``ubatch_failures``).
 """
 
 from __future__ import annotations

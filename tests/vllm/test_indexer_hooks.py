@@ -42,6 +42,20 @@ IX = "vllm.v1.attention.backends.mla.indexer"
 SAI = "vllm.model_executor.layers.sparse_attn_indexer"
 
 
+@pytest.fixture(autouse=True)
+def armed_as_in_a_dbo_step() -> Iterator[None]:
+    """The logits call site is in force from the process's first microbatched run (or DeepGEMM SM write, or
+    microbatched build) on (``microbatch_arming``); these tests exercise it as a DBO engine runs it, so every
+    PatchSet installed here is armed. ``test_the_call_site_is_vllms_own_until_*`` check the arming itself."""
+    from dbo_runtime.integration.microbatch_arming import ARMING
+
+    if not ARMING.names():
+        ARMING.arm("test")  # no target registered yet: the installs below arm at once
+    yield
+    if not ARMING.names():
+        ARMING.armed, ARMING.armed_by = False, None
+
+
 def _raw(owner: Any, name: str) -> Any:
     return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
 
@@ -833,3 +847,82 @@ def test_a_dbo_builder_whose_registration_fails_still_ends_stepping_aside(env: E
     with pytest.raises(RuntimeError, match="shapes"):
         _register(env.builder())
     assert not env.cache.steps_aside
+
+
+@pytest.fixture
+def unarmed(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fresh arming registry, as in a process that has not split a step yet (the autouse fixture arms the
+    process's own one)."""
+    from dbo_runtime.integration import patching
+    from dbo_runtime.integration.microbatch_arming import MicrobatchArming
+
+    fresh = MicrobatchArming()
+    monkeypatch.setattr(patching, "ARMING", fresh)
+    monkeypatch.setattr(indexer_hooks, "ARMING", fresh)
+    return fresh
+
+
+def test_the_call_site_is_vllms_own_until_a_write_to_deepgemms_count(unarmed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before vLLM first lowers DeepGEMM's count, every schedule was planned for the count in force: the call site is
+    vLLM's own function (no frame per indexer layer). A watched write arms it before the count changes."""
+    import vllm.utils.deep_gemm as wrapper
+
+    sai = importlib.import_module(SAI)
+    vllms = sai.fp8_fp4_paged_mqa_logits
+    order: list[str] = []
+    monkeypatch.setattr(wrapper, "set_num_sms", lambda n: order.append(f"write {n}, armed={unarmed.armed}"))
+    chosen = [p for p in indexer_hooks.patches() if p.name == "indexer.logits.sparse_attn_indexer" or p.name.startswith("indexer.sm_writes.")]
+    patch_set = PatchSet(chosen)
+    patch_set.install()
+    try:
+        assert sai.fp8_fp4_paged_mqa_logits is vllms and not unarmed.armed
+        wrapper.set_num_sms(112)  # SMControl entering a microbatched step
+        assert order == ["write 112, armed=True"] and unarmed.armed_by == "vllm.utils.deep_gemm.set_num_sms"
+        assert sai.fp8_fp4_paged_mqa_logits is not vllms
+    finally:
+        patch_set.uninstall()
+    assert sai.fp8_fp4_paged_mqa_logits is vllms
+
+
+def test_the_call_site_is_armed_by_a_microbatched_build(unarmed: Any) -> None:
+    """Plan-ahead leaves a microbatched step's schedule to the call site: a microbatched build arms it first (MRV1
+    with ``ubatch_slices``, MRV2's ``prepare``); a build without slices does not."""
+    from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def standing_in_for(real: Any) -> Any:  # vLLM's signature, none of its body (it needs a GPU runner)
+        @functools.wraps(real)
+        def original(self: Any, *args: Any, **kwargs: Any) -> str:
+            return "metadata"
+
+        return original
+
+    chosen = [p for p in indexer_hooks.patches() if p.name == "indexer.logits.sparse_attn_indexer"]
+    for make, real, call, where in (
+        (indexer_hooks._make_mrv1_build_attention_metadata, GPUModelRunner._build_attention_metadata,
+         lambda hook: hook(object(), 8, 4, 1, ubatch_slices=[slice(0, 4), slice(4, 8)]), "GPUModelRunner._build_attention_metadata"),
+        (indexer_hooks._make_mrv2_prepare, UBatchRunner.prepare,
+         lambda hook: hook(object(), "input_batch", (), None), "UBatchRunner.prepare"),
+    ):  # fmt: skip
+        patch_set = PatchSet(chosen)
+        patch_set.install()
+        try:
+            hook = make(standing_in_for(real))
+            if where.startswith("GPUModelRunner"):
+                assert hook(object(), 8, 4, 1) == "metadata" and not unarmed.armed  # no slices: not microbatched
+            assert call(hook) == "metadata" and unarmed.armed_by == where
+        finally:
+            patch_set.uninstall()
+        assert not unarmed.armed
+
+
+def test_the_call_site_is_armed_at_once_where_a_write_could_go_unseen(
+    env: Env, unarmed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a writer of DeepGEMM's count not watched (its hook skipped or rebound), nothing would arm the call site
+    before a lowered count meets a schedule planned for the full GPU: a builder arms it at registration."""
+    from dbo_runtime.adapters.deep_gemm import LIVE_NUM_SMS
+
+    monkeypatch.setattr(type(LIVE_NUM_SMS), "trusted", property(lambda self: False))
+    _register(env.builder())
+    assert unarmed.armed_by == "an indexer builder while DeepGEMM's SM-count writers are not watched"
