@@ -22,7 +22,7 @@ from dbo_runtime.core import coverage
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.planner_shapes import dbo_planner_shapes
 from dbo_runtime.integration import activation, guard
-from dbo_runtime.integration.features import Feature, Probe, Upstream
+from dbo_runtime.integration.features import REGISTRY, Feature, Probe, Upstream
 from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import PATCH_MARK, ArgSlots, Patch, require_parameters
 from dbo_runtime.integration.ubatch_failures import record, shields_itself
@@ -136,6 +136,8 @@ def _make_build(original: Any) -> Any:
             device = _device_index(self)
             override = cache.plan_ahead_sms(device) if device is not None else None
         defer_into = None
+        if override is not None:  # planned (or left) for the DBO count: only the call site makes it fit
+            ARMING.arm("DeepseekV32IndexerMetadataBuilder.build (plan-ahead)")
         if override is not None and cache.defer_plan_ahead:
             defer_into = getattr(self, "scheduler_metadata_buffer", None)
         scope = _PlanScope(override, defer_into)
@@ -204,14 +206,18 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
     shapes vLLM will run microbatched (``schedule_cache.dbo_planner_shapes``).
     """
     cache = schedule_cache()
-    if not LIVE_NUM_SMS.trusted:  # a write to DeepGEMM's count could go unseen: the call site must be in force now
-        ARMING.arm("an indexer builder while DeepGEMM's SM-count writers are not watched")
     # first, before anything here can fail: a DBO engine's builder must end stepping aside even if it registers nothing
     if cache.note_builder(_may_microbatch(builder), writers_watched=LIVE_NUM_SMS.trusted) and cache.stats.builders_stepped_aside == 1:
         logger.info(
             "dbo_runtime: this engine never microbatches (parallel_config.use_ubatching is off: no --enable-dbo, "
             "--ubatch-size 1), so the indexer hooks hand vLLM's calls through untouched"
         )
+    if not LIVE_NUM_SMS.trusted:  # a write to DeepGEMM's count could go unseen: the call site must be in force now
+        try:
+            ARMING.arm("an indexer builder while DeepGEMM's SM-count writers are not watched")
+        except Exception as exc:  # the guard refuses DBO for a broken feature before the engine serves
+            REGISTRY.mark(coverage.INDEXER, "broken", f"the logits call site could not be put in force ({exc!r})")
+            raise
     device = _device_index(builder) if device_index is None else device_index
     if device is None:
         return None

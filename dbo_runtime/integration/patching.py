@@ -340,7 +340,7 @@ class PatchSet:
         is undone here (target restored, ``on_uninstall`` run), because callers roll back only the
         patches that returned."""
         if applied.patch.armed_at_first_microbatch:
-            applied.armable = ArmedEntry(applied.patch.name, arm=lambda: setattr(applied.owner, applied.name, applied.replacement))
+            applied.armable = ArmedEntry(applied.patch.name, arm=lambda: cls._arm(applied))
             ARMING.register(applied.armable)
         else:
             setattr(applied.owner, applied.name, applied.replacement)
@@ -350,6 +350,14 @@ class PatchSet:
             except BaseException:
                 cls._rollback([applied])
                 raise
+
+    @staticmethod
+    def _arm(applied: _Applied) -> None:
+        """Set an armable patch's replacement, only over the original it was built around: something that rebound
+        the target since install would otherwise be overwritten here and replaced by that original at uninstall."""
+        if _raw(applied.owner, applied.name) is not applied.original:
+            raise PatchError(f"{applied.patch.target} was rebound after dbo_runtime installed {applied.patch.name}")
+        setattr(applied.owner, applied.name, applied.replacement)
 
     @staticmethod
     def _restore(applied: _Applied) -> None:

@@ -165,13 +165,16 @@ def _make_context_enter(original: Any) -> Any:
         if not ARMING.armed:
             try:
                 ARMING.arm("UBatchContext.__enter__")
-                logger.warning(
-                    "dbo_runtime: a DBO microbatch thread started outside the runner calls dbo_runtime hooks; its "
-                    "per-microbatch top-k hooks were put in force on the thread itself, before the model ran there"
-                )
             except Exception as exc:
-                if not record(CONTEXT_ENTER, exc):
-                    logger.error("dbo_runtime: %s failed off a microbatch thread: %r", CONTEXT_ENTER, exc)
+                record(CONTEXT_ENTER, exc)  # never raises; on a registered thread it always records
+                return context
+            try:
+                logger.warning(
+                    "dbo_runtime: a DBO microbatch thread started outside the runner calls dbo_runtime hooks; the "
+                    "per-access hooks were put in force on the thread itself, before the model ran there"
+                )
+            except Exception:  # a broken log handler must not fail a step whose hooks are in force
+                pass
         return context
 
     return __enter__

@@ -5,7 +5,10 @@ vLLM's DSA indexer builder plans the schedule for the whole GPU, but under DBO t
 a FULL CUDA graph the check never runs at replay, and a schedule planned for another count reads wrong logits
 silently. So every schedule tensor carries what it was planned for (``track``: the count is recorded, never
 inferred from the rows -- SM90 ``next_n == 4`` plans ``num_sms // 2 + 1``), and the call site resolves it for
-DeepGEMM's *live* count (anything may turn the knob): untouched when they match and no capture is underway,
+DeepGEMM's *live* count (whoever turned the knob; the call-site hook is in force from the process's first
+watched write, microbatched build or microbatched run on, and vLLM's own function before, when every schedule
+was planned for the count in force: ``integration/microbatch_arming``): untouched when they match and no capture
+is underway,
 else re-planned once per count for the rest of the forward; while capturing, the planner is recorded into the
 graph (it reads the persistent ``context_lens``) and shared only within that capture. Plan-ahead: a runner
 building microbatch metadata knows the step is microbatched, so the build plans for the announced DBO count

@@ -123,3 +123,23 @@ def test_arming_is_one_attribute_read_once_armed(arming: MicrobatchArming, monke
 
     monkeypatch.setattr(arming, "_lock", Refuse())
     arming.arm("run")
+
+
+def test_arming_never_overwrites_a_target_rebound_after_install(arming: MicrobatchArming) -> None:
+    """A replacement is set only over the original it was built around: a rebinding behind the plugin fails the run
+    loudly instead of being overwritten now and replaced by the install-time original at uninstall."""
+    ps = PatchSet([_patch()])
+    ps.install()
+
+    def rebound(self: Any) -> str:
+        return "someone else"
+
+    Target.method = rebound  # type: ignore[method-assign]
+    try:
+        with pytest.raises(PatchError, match=r"rebound after dbo_runtime installed t\.method"):
+            arming.arm("run")
+        assert Target().method() == "someone else"
+    finally:
+        Target.method = ORIGINAL  # type: ignore[method-assign]
+        ps.uninstall()
+    assert Target.__dict__["method"] is ORIGINAL

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -144,3 +145,16 @@ def parallel_config(*, backend: str = "deepep_high_throughput", ep: bool = True,
         all2all_backend=backend,
         data_parallel_size=2,
     )
+
+
+@pytest.fixture
+def fresh_arming(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A process that has not split a step yet (``microbatch_arming``): a fresh registry in every module that
+    registers with or arms the process-wide one, so no earlier test's installation or arming leaks in."""
+    from dbo_runtime.integration import indexer_hooks, patching, ubatch_guard
+    from dbo_runtime.integration.microbatch_arming import MicrobatchArming
+
+    fresh = MicrobatchArming()
+    for module in (patching, ubatch_guard, indexer_hooks):
+        monkeypatch.setattr(module, "ARMING", fresh)
+    return fresh

@@ -43,24 +43,18 @@ SAI = "vllm.model_executor.layers.sparse_attn_indexer"
 
 
 @pytest.fixture(autouse=True)
-def armed_as_in_a_dbo_step() -> Iterator[None]:
-    """The logits call site is in force from the process's first microbatched run (or DeepGEMM SM write, or
-    microbatched build) on (``microbatch_arming``); these tests exercise it as a DBO engine runs it, so every
-    PatchSet installed here is armed. ``test_the_call_site_is_vllms_own_until_*`` check the arming itself."""
-    from dbo_runtime.integration.microbatch_arming import ARMING
-
-    if not ARMING.names():
-        ARMING.arm("test")  # no target registered yet: the installs below arm at once
-    yield
-    if not ARMING.names():
-        ARMING.armed, ARMING.armed_by = False, None
+def arming(fresh_arming: Any) -> Any:
+    """Every test here starts in a process that has not split a step: the logits call site is vLLM's own function
+    until a production path arms it (a microbatched build, a write to DeepGEMM's count through vLLM's wrapper, a
+    runner's join point)."""
+    return fresh_arming
 
 
 def _raw(owner: Any, name: str) -> Any:
     return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
 
 
-def test_patches_land_on_real_targets_and_uninstall_restores_identity() -> None:
+def test_patches_land_on_real_targets_and_uninstall_restores_identity(arming: Any) -> None:
     ix = importlib.import_module(IX)
     sai = importlib.import_module(SAI)
     from vllm.utils import deep_gemm as vdg
@@ -85,6 +79,9 @@ def test_patches_land_on_real_targets_and_uninstall_restores_identity() -> None:
     patch_set = PatchSet(indexer_hooks.patches())
     patch_set.install()
     try:
+        # the call site is vLLM's own until the process first splits a step (microbatch_arming)
+        assert _raw(sai, "fp8_fp4_paged_mqa_logits") is before["indexer.logits.sparse_attn_indexer"]
+        arming.arm("test")
         for name, (owner, attr) in targets.items():
             now = _raw(owner, attr)
             assert now is not before[name], name
@@ -180,6 +177,10 @@ def env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     monkeypatch.setattr(ix, "has_deep_gemm", lambda: True)
     monkeypatch.setattr(ix, "get_paged_mqa_logits_metadata", vllm_signature_planner(dg))
     monkeypatch.setattr(sai, "fp8_fp4_paged_mqa_logits", vllm_signature_logits(dg))
+    import vllm.utils.deep_gemm as vdg
+
+    monkeypatch.setattr(vdg, "_lazy_init", lambda: None)  # vLLM's wrapper writes the fake's count (_sm_write)
+    monkeypatch.setattr(vdg, "_import_deep_gemm", lambda: dg)
     cache = IndexerScheduleCache(FakeSchedulePlanner(dg))
     previous = set_schedule_cache_for_tests(cache)
     reset_controls_for_tests()
@@ -192,6 +193,14 @@ def env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
         cache.detach_all()
         set_schedule_cache_for_tests(previous)
         reset_controls_for_tests()
+
+
+def _sm_write(num_sms: int) -> None:
+    """Set DeepGEMM's count the way vLLM 0.33's SM control does, through ``vllm.utils.deep_gemm.set_num_sms`` (the
+    watched writer, which arms the call site before the count changes)."""
+    import vllm.utils.deep_gemm as vdg
+
+    vdg.set_num_sms(num_sms)
 
 
 def _register(builder: Any) -> None:
@@ -222,7 +231,7 @@ def test_build_records_planned_count_and_call_site_replans_once(env: Env) -> Non
 
     env.logits(decode)  # 132 SMs: the build's schedule passes DeepGEMM's check untouched
     calls = len(env.dg.plan_calls)
-    env.dg.set_num_sms(112)  # what SMControl does inside the microbatches
+    _sm_write(112)  # what SMControl does inside the microbatches
     for _ in range(LAYERS):
         env.logits(decode)
     assert len(env.dg.plan_calls) == calls + 1 and env.dg.plan_calls[-1][0] == 112
@@ -243,14 +252,14 @@ def test_plan_ahead_in_microbatched_build_needs_no_call_site_replan(env: Env) ->
     assert tuple(metadata.decode.schedule_metadata.shape) == (113, 2)
     assert env.cache.stats.planned_ahead == 1
     assert len(env.dg.plan_calls) == calls  # deferred: the build launches no planner
-    env.dg.set_num_sms(112)
+    _sm_write(112)
     for _ in range(LAYERS):
         env.logits(metadata.decode)
     # The first layer of the eager step plans it, for 112, into the same tensor; no re-plan after.
     assert len(env.dg.plan_calls) == calls + 1 and env.dg.plan_calls[-1][0] == 112
     assert env.cache.stats.replans == 0 and env.cache.stats.deferred_plans == 1
 
-    env.dg.set_num_sms(132)  # a non-microbatched step on the same builder plans for the whole GPU
+    _sm_write(132)  # a non-microbatched step on the same builder plans for the whole GPU
     plain = builder.build(0, _common(SEQS))
     assert tuple(plain.decode.schedule_metadata.shape) == (133, 2)
     env.logits(plain.decode)
@@ -261,7 +270,7 @@ def test_update_draft_invalidates_and_keeps_planned_count(env: Env) -> None:
     builder = env.builder()
     metadata = builder.build(0, _common(SEQS))
     decode = metadata.decode
-    env.dg.set_num_sms(112)
+    _sm_write(112)
     env.logits(decode)
     assert env.cache.stats.replans == 1
     metadata.seq_lens = torch.tensor([s + 1 for s in SEQS], dtype=torch.int32)
@@ -293,7 +302,7 @@ def test_full_graph_dbo_step_launches_no_planner_at_build(env: Env) -> None:
     _register(builder)
     _announce_dbo()
     builder.scheduler_metadata_buffer.fill_(-7)  # stale: whatever a non-DBO build left there
-    env.dg.set_num_sms(112)  # both runners enter SM control before the capture
+    _sm_write(112)  # both runners enter SM control before the capture
 
     def microbatched_build() -> Any:
         with env.cache.microbatched_build():
@@ -341,7 +350,7 @@ def test_planners_and_schedule_copies_per_dbo_step_never_scale_with_layers(env: 
     for builder in builders:
         _register(builder)
     _announce_dbo()
-    env.dg.set_num_sms(112)  # the microbatches run under SM control
+    _sm_write(112)  # the microbatches run under SM control
 
     def step(layers: int) -> tuple[int, int, int]:
         """(planner launches, real copies into the schedule buffers, same-memory no-op copies onto them)."""
@@ -379,7 +388,7 @@ def test_update_draft_on_a_deferred_schedule_plans_it_in_place(env: Env) -> None
     calls = len(env.dg.plan_calls)
     builder.update_draft_decode_metadata(metadata)  # vLLM re-plans in place and asserts the 113-row shape
     assert len(env.dg.plan_calls) == calls + 1 and env.dg.plan_calls[-1][0] == 112
-    env.dg.set_num_sms(112)
+    _sm_write(112)
     env.logits(metadata.decode)
     assert len(env.dg.plan_calls) == calls + 1  # settled: nothing deferred left to run
     assert env.cache.stats.deferred_plans == 0
@@ -570,7 +579,7 @@ def test_an_engine_that_never_microbatches_warms_nothing(env: Env, monkeypatch: 
 
 
 def test_an_engine_that_never_microbatches_gets_vllms_build_and_call_site(
-    env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    arming: Any, env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No ``--enable-dbo``: only vLLM's microbatch SM control turns DeepGEMM's count, so the builder, planner and
     call-site hooks step aside (vanilla's schedules, nothing tracked, no re-plan), said once at INFO. A write to
@@ -598,12 +607,11 @@ def test_an_engine_that_never_microbatches_gets_vllms_build_and_call_site(
     assert len(env.dg.plan_calls) == calls and env.cache.stats.untracked_replans == 0
 
     alias = importlib.import_module("vllm.v1.worker.ubatch_utils")  # how vLLM's SM control writes the count
-    with pytest.raises(RuntimeError, match="DeepGEMM is not available"):  # none on this machine; the hook still sees the write
-        alias.deep_gemm_set_num_sms(112)
-    assert not env.cache.steps_aside
+    alias.deep_gemm_set_num_sms(112)  # the hook sees the write: it ends stepping aside and arms the call site
+    assert not env.cache.steps_aside and arming.armed_by == "vllm.v1.worker.ubatch_utils.deep_gemm_set_num_sms"
     _register(env.builder(dbo=False))  # pinned: another engine without DBO does not step aside again
     assert not env.cache.steps_aside
-    env.dg.set_num_sms(112)
+    _sm_write(112)
     env.logits(decode)  # the untracked schedule is re-planned for the live count, not read as planned
     assert env.cache.stats.untracked_replans == 1
     assert env.cache.state_of(builder.build(0, _common(SEQS)).decode.schedule_metadata) is not None
@@ -850,16 +858,8 @@ def test_a_dbo_builder_whose_registration_fails_still_ends_stepping_aside(env: E
 
 
 @pytest.fixture
-def unarmed(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A fresh arming registry, as in a process that has not split a step yet (the autouse fixture arms the
-    process's own one)."""
-    from dbo_runtime.integration import patching
-    from dbo_runtime.integration.microbatch_arming import MicrobatchArming
-
-    fresh = MicrobatchArming()
-    monkeypatch.setattr(patching, "ARMING", fresh)
-    monkeypatch.setattr(indexer_hooks, "ARMING", fresh)
-    return fresh
+def unarmed(arming: Any) -> Any:
+    return arming
 
 
 def test_the_call_site_is_vllms_own_until_a_write_to_deepgemms_count(unarmed: Any, monkeypatch: pytest.MonkeyPatch) -> None:

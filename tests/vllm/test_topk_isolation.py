@@ -24,7 +24,6 @@ import torch.nn as nn
 
 from dbo_runtime.core.topk_memory import index_leaders, topk_memory_bytes
 from dbo_runtime.integration import topk_hooks, ubatch_ids
-from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import Patch, PatchSet
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from tests.fakes.topk_boundary import FakeEvent, FakeStream, fake_convert
@@ -277,7 +276,7 @@ STEPS = (16, 48)  # a decode step whose microbatches fit the physical workspace 
 
 
 @pytest.mark.parametrize("layout", list(TopkLayout))
-def test_followers_read_own_leader_bit_for_bit(boundary: Boundary, installed: Any, layout: TopkLayout) -> None:
+def test_followers_read_own_leader_bit_for_bit(boundary: Boundary, fresh_arming: Any, installed: Any, layout: TopkLayout) -> None:
     state = UbatchTopkState(ubatch_ids.current_ubatch, layout)
     installed(state)
     model = build_model(dbo_config())
@@ -292,10 +291,10 @@ def test_followers_read_own_leader_bit_for_bit(boundary: Boundary, installed: An
     )
     assert state.extra_bytes() == expected[layout.value]
 
-    assert not ARMING.armed  # before the first microbatched run: vLLM's own objects, no hook
+    assert not fresh_arming.armed  # before the first microbatched run: vLLM's own objects, no hook
     for seed, total in enumerate(STEPS * 2):
         res = run_step(model, boundary, total, seed)
-        assert ARMING.armed_by == "UBatchContext.__enter__"  # no runner here: the net armed them, before the model ran
+        assert fresh_arming.armed_by == "UBatchContext.__enter__"  # no runner here: the net armed them, before the model ran
         assert len(res.logical) == 2 * NUM_LAYERS
         assert mismatches(model, res) == []
         assert res.same_buffer and all(res.same_buffer), "writer and reader resolved different buffers"

@@ -10,7 +10,6 @@ import torch
 
 from dbo_runtime.core.errors import UnsupportedConfiguration
 from dbo_runtime.integration import topk_hooks
-from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import Patch, PatchSet, current_value, resolve_owner
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from tests.vllm.test_topk_isolation import boundary, build_model, dbo_config, installed  # noqa: F401 - fixtures
@@ -49,7 +48,7 @@ def _classes() -> dict[str, type]:
     }
 
 
-def test_uninstall_restores_identical_objects() -> None:
+def test_uninstall_restores_identical_objects(fresh_arming: Any) -> None:
     import importlib
 
     patches = []
@@ -83,14 +82,14 @@ def test_uninstall_restores_identical_objects() -> None:
             for p in patches:  # until the first microbatched run the per-access hooks are vLLM's own objects
                 assert (found(p) is before[p.name]) == (p.name in armable), p.name
             if arm:
-                ARMING.arm("test")
+                fresh_arming.arm("test")
                 for p in patches:
                     assert found(p) is not before[p.name], p.name
         finally:
             ps.uninstall()
         for p in patches:
             assert found(p) is before[p.name], p.name
-        assert ARMING.names() == [] and not ARMING.armed  # the next installation starts unarmed
+        assert fresh_arming.names() == [] and not fresh_arming.armed  # the next installation starts unarmed
     for key in ("attn", "indexer", "op", "model"):
         assert ATTR not in _classes()[key].__dict__
     assert isinstance(current_value(importlib.import_module(patches[3].module), patches[3].attr), property)
@@ -223,7 +222,7 @@ def test_main_thread_resolution_never_raises_while_ubatch_threads_registered(mon
     assert ubatch_ids.current_ubatch() == (0, 0)
 
 
-def test_hot_hooks_are_one_frame_in_vllms_signature_and_followers_never_call_through() -> None:
+def test_hot_hooks_are_one_frame_in_vllms_signature_and_followers_never_call_through(fresh_arming: Any) -> None:
     """The three per-layer method hooks and the call site run as one Python frame each (they shield themselves, so
     ``PatchSet`` adds no wrapper), take vLLM's own parameters, and ``set_logical_topk_ready`` answers a follower
     layer without calling vLLM, whose first statement returns for it (``_ready_patch``)."""
@@ -253,7 +252,7 @@ def test_hot_hooks_are_one_frame_in_vllms_signature_and_followers_never_call_thr
     chosen += [p for p in indexer_hooks.patches() if p.name == "indexer.logits.sparse_attn_indexer"]
     patch_set = PatchSet(chosen)
     patch_set.install()
-    ARMING.arm("test")  # the per-layer top-k hooks are in force from the first microbatched run on
+    fresh_arming.arm("test")  # the per-layer top-k hooks are in force from the first microbatched run on
     try:
         convert = SparseMLAIndexGroup.__dict__["_convert_once"]
         ready = SparseMLAIndexGroup.__dict__["set_logical_topk_ready"]

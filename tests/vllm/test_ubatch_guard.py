@@ -159,12 +159,15 @@ class Env:
     planner: FailingJitPlanner
     contexts: list[Any]
     """The UBatchContexts vLLM made for the last step (for the hang rescue)."""
+    arming: Any
+    """This test's arming registry (``fresh_arming``): nothing armed before the first microbatched run."""
 
 
 @pytest.fixture
-def env(boundary: Boundary, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:  # noqa: F811
+def env(boundary: Boundary, fresh_arming: Any, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:  # noqa: F811
     """The GLM-5.3 stack with the top-k and call-site patches; ``ubatch_guard``'s join points unless the
-    test is parametrized indirectly with ``False``."""
+    test is parametrized indirectly with ``False`` (then only its ``UBatchContext.__enter__`` net, which arms the
+    hooks: the plugin never installs the top-k or indexer features without ``ubatch_guard``)."""
     import importlib
 
     from vllm.v1.worker.gpu import ubatch_utils as mrv2
@@ -195,7 +198,7 @@ def env(boundary: Boundary, monkeypatch: pytest.MonkeyPatch, request: pytest.Fix
     patch_set = PatchSet(
         topk_hooks.patches(state)
         + [p for p in indexer_hooks.patches() if p.name in wanted]
-        + (ubatch_guard.patches() if getattr(request, "param", True) else [])
+        + [p for p in ubatch_guard.patches() if getattr(request, "param", True) or p.name == ubatch_guard.CONTEXT_ENTER]
     )
     patch_set.install()
     try:
@@ -204,7 +207,7 @@ def env(boundary: Boundary, monkeypatch: pytest.MonkeyPatch, request: pytest.Fix
         for schedule in schedules:
             cache.track(schedule, planned_sms=132, block_kv=64, next_n=1)
         dg.set_num_sms(112)  # what SMControl does for the step: every call site re-plans
-        yield Env(boundary, state, locator, model, DboModel(model, Logits(sai, dg, schedules)), planner, contexts)
+        yield Env(boundary, state, locator, model, DboModel(model, Logits(sai, dg, schedules)), planner, contexts, fresh_arming)
     finally:
         patch_set.uninstall()
         set_schedule_cache_for_tests(previous)
@@ -293,14 +296,13 @@ RUNNERS = {"mrv1": _mrv1, "mrv2": _mrv2}
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
 def test_a_healthy_step_is_untouched(env: Env, runner: str) -> None:
-    from dbo_runtime.integration.microbatch_arming import ARMING
-
-    assert ARMING.armed_names() == []  # before the first microbatched run the per-access hooks are vLLM's own
+    arming = env.arming
+    assert arming.armed_names() == []  # before the first microbatched run the per-access hooks are vLLM's own
     result, error = RUNNERS[runner](env)
     assert error is None
     # armed on the main thread by the join point, before the threads started, and kept
-    assert ARMING.armed and ARMING.armed_by == {"mrv1": "UBatchWrapper._run_ubatches", "mrv2": "UBatchRunner.begin_capturable_run"}[runner]
-    assert "topk.DeepseekV32Attention.topk_indices_buffer" in ARMING.armed_names()
+    assert arming.armed and arming.armed_by == {"mrv1": "UBatchWrapper._run_ubatches", "mrv2": "UBatchRunner.begin_capturable_run"}[runner]
+    assert "topk.DeepseekV32Attention.topk_indices_buffer" in arming.armed_names()
     assert torch.equal(result, torch.arange(TOTAL).float()[:, None])
     assert env.dbo_model.done == {0: len(env.model.layers), 1: len(env.model.layers)}
     assert all(v == 113.0 for rows in env.dbo_model.logits_rows.values() for v in rows)  # re-planned for 112 SMs
@@ -370,15 +372,13 @@ def test_off_microbatch_threads_a_plugin_fault_still_raises(env: Env) -> None:
     from vllm.v1.worker import ubatching
 
     from dbo_runtime.integration import ubatch_guard, ubatch_ids
-    from dbo_runtime.integration.microbatch_arming import ARMING
-
     ubatch_ids._ubatching()
     env.locator.ubatch = 0
     env.locator.after = 0
     assert not ubatching._THREAD_ID_TO_CONTEXT
     buffer = env.model.layers[3].impl.topk_indices_buffer  # no microbatch thread: the plain value, no resolver
     assert buffer is not None
-    ARMING.arm("test")  # what the patched runner does before its first threads start
+    env.arming.arm("test")  # what the patched runner does before its first threads start
     other = threading.get_ident() + 1  # a microbatch thread registered elsewhere in the process
     ubatching._THREAD_ID_TO_CONTEXT[other] = 1
     try:
