@@ -6,10 +6,11 @@ methods, the MTP hidden-buffer descriptor, the microbatch lookup behind them. Th
 0.33.0 classes of this machine (instances made without their CUDA ``__init__``, the attribute set as vLLM's
 ``__init__`` sets it, so lookup goes through the class exactly as in a model): per case, blocks of N accesses
 alternate between the plugin installed and uninstalled (the identical originals back), R times, and the median
-ns per access of each side and their difference are reported. Three threads: "main" = an engine that has never
-split a step (DBO off, DP 1), where the per-access top-k hooks are not in force yet (``microbatch_arming``);
-"main, armed" = the main thread of an engine that has (a DBO step vLLM did not split); "ubatch 1" = a thread
-registered as microbatch 1 in vLLM's own thread table, as ``UBatchContext.__enter__`` does, hooks armed.
+ns per access of each side and their difference are reported. Three threads (``THREADS``, also in the JSON):
+"main" = the main thread of an engine that has never split a step (DBO off, or DP 1), where the per-access hooks
+are not in force yet (``microbatch_arming``); "main, armed" = the main thread of an engine that has split one, in a
+step vLLM does not split; "ubatch 1" = a thread registered as microbatch 1 in vLLM's own thread table, as
+``UBatchContext.__enter__`` does, hooks armed.
 A CPU measurement: an H200 host's cores are faster, so read the differences, not the absolute numbers.
 
 ``--cold K``: in a model, several hundred microseconds of other work (vLLM's Python, torch dispatch) run between
@@ -184,6 +185,11 @@ MAIN_ONLY = {BUILD, BUILD_ASIDE}
 """Cases that never run on a microbatch thread (vLLM builds a step's metadata on the main thread)."""
 THREADS = (("main", None, False), ("main, armed", None, True), ("ubatch 1", 1, True))
 """(label, microbatch id or None for the main thread, whether the first-microbatch patches are armed)."""
+THREAD_MEANING = {
+    "main": "main thread of an engine that has never split a step (DBO off, or DP 1): per-access hooks not in force",
+    "main, armed": "main thread of an engine that has split a step, in a step vLLM does not split: hooks armed",
+    "ubatch 1": "a DBO microbatch thread (vLLM's thread table says microbatch 1): hooks armed",
+}
 SLOW = {BUILD: 200, BUILD_ASIDE: 200}
 """Cases a back-to-back block runs fewer of (``n // SLOW``, at least 100): a build is some 30 µs of vLLM's own code
 here, a buffer read 0.05-0.2 µs."""
@@ -388,7 +394,7 @@ def measure(n: int, reps: int, cold: int = 0) -> dict[str, Any]:
         undo()
     return {
         "n": n, "reps": reps, "cold_reads": cold, "rows": rows, "per_step_78l": per_step(rows),
-        "armable_patches": armable,
+        "armable_patches": armable, "threads": THREAD_MEANING,
     }  # fmt: skip
 
 
@@ -462,6 +468,30 @@ def per_step(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _environment_refusal() -> str | None:
+    """The plugin settings that would make the "plugin" side time something else: one line, or None."""
+    import os
+
+    from dbo_runtime.core.errors import ConfigError
+    from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout
+    from dbo_runtime.core.switches import parse_switch, switch_problems
+
+    problems = switch_problems()
+    if problems:
+        return problems[0]
+    for name, why in (
+        ("DBO_RUNTIME_DISABLE", "leaves vLLM as shipped, so the plugin side would time vanilla"),
+        ("DBO_RUNTIME_SELF_TIME", "wraps every hook in the self-timer, whose clock would be timed with it"),
+    ):
+        if parse_switch(name):
+            return f"{name}={os.environ.get(name)} {why}; unset it to run this benchmark"
+    try:
+        parse_layout(os.environ.get(LAYOUT_ENV))
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="bench_hook_calls", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -477,6 +507,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.n is None:
         args.n = 200 if args.cold else 200_000
+    refusal = _environment_refusal()
+    if refusal is not None:  # before anything runs: a setting that would change what is timed
+        print(f"bench_hook_calls: {refusal}", file=sys.stderr)
+        return 2
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
@@ -491,14 +525,17 @@ def main(argv: list[str] | None = None) -> int:
     stem = "bench_hook_calls" + ("_cold" if args.cold else "")
     write_json(out / f"{stem}.json", doc)
     width = max(len(r["access"]) for r in doc["rows"])
-    print(f"{'access':<{width}}  thread    plugin ns  vanilla ns  added ns")
+    print(f"{'access':<{width}}  {'thread':<11}  plugin ns  vanilla ns  added ns")
     for r in doc["rows"]:
         vanilla = f"{r['vanilla_ns']:10.0f}" if r["vanilla_ns"] is not None else f"{'-':>10}"
-        print(f"{r['access']:<{width}}  {r['thread']:<8} {r['plugin_ns']:10.0f}  {vanilla}  {r['added_ns']:8.0f}")
+        print(f"{r['access']:<{width}}  {r['thread']:<11} {r['plugin_ns']:10.0f}  {vanilla}  {r['added_ns']:8.0f}")
     for thread, row in doc["per_step_78l"].items():
         build = f", {row['with_build_us']:.1f} us with the step's metadata build" if row["with_build_us"] is not None else ""
         print(f"78-layer eager step, {thread}: {row['accesses']} of these accesses add {row['added_us']:.1f} us{build}")
-    print(f"armed at the first microbatched run ({len(doc['armable_patches'])}): {', '.join(doc['armable_patches'])}")
+    print(f"armed at the first microbatched run, of the modules imported here ({len(doc['armable_patches'])}): "
+          f"{', '.join(doc['armable_patches'])}")
+    for thread, meaning in doc["threads"].items():
+        print(f"{thread}: {meaning}")
     print(f"results: {out / (stem + '.json')}")
     plt = pyplot()
     if plt is not None:

@@ -71,3 +71,21 @@ def test_with_cold_the_default_block_is_a_few_hundred_accesses(tmp_path: Path) -
     proc = _run_ok("--cold", "1", "--reps", "1", "--out", str(tmp_path))
     assert json.loads((tmp_path / "bench_hook_calls_cold.json").read_text())["n"] == 200
     assert f"results: {tmp_path / 'bench_hook_calls_cold.json'}" in proc.stdout.splitlines()
+
+
+def test_a_setting_that_would_change_what_is_timed_is_one_line_before_anything_runs() -> None:
+    import os
+
+    for name, value, said in (
+        ("DBO_RUNTIME_DISABLE", "1", "DBO_RUNTIME_DISABLE=1 leaves vLLM as shipped"),
+        ("DBO_RUNTIME_SELF_TIME", "1", "DBO_RUNTIME_SELF_TIME=1 wraps every hook"),
+        ("DBO_RUNTIME_TOPK_LAYOUT", "bogus", "DBO_RUNTIME_TOPK_LAYOUT"),
+        ("DBO_RUNTIME_DISABEL", "1", "did you mean DBO_RUNTIME_DISABLE"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "graphs" / "bench_hook_calls.py"), "--n", "100", "--reps", "1"],
+            capture_output=True, text=True, timeout=120, env={**os.environ, name: value},
+        )  # fmt: skip
+        assert proc.returncode == 2, (name, proc.stderr[-500:])
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0], (name, lines)
