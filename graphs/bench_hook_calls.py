@@ -183,13 +183,12 @@ BUILD_ASIDE = "DeepseekV32IndexerMetadataBuilder.build, no DBO (hooks step aside
 (``IndexerScheduleCache.steps_aside``)."""
 MAIN_ONLY = {BUILD, BUILD_ASIDE}
 """Cases that never run on a microbatch thread (vLLM builds a step's metadata on the main thread)."""
-THREADS = (("main", None, False), ("main, armed", None, True), ("ubatch 1", 1, True))
-"""(label, microbatch id or None for the main thread, whether the first-microbatch patches are armed)."""
-THREAD_MEANING = {
-    "main": "main thread of an engine that has never split a step (DBO off, or DP 1): per-access hooks not in force",
-    "main, armed": "main thread of an engine that has split a step, in a step vLLM does not split: hooks armed",
-    "ubatch 1": "a DBO microbatch thread (vLLM's thread table says microbatch 1): hooks armed",
-}
+THREADS = (
+    ("main", None, False, "main thread of an engine that has never split a step (DBO off, or DP 1): per-access hooks not in force"),
+    ("main, armed", None, True, "main thread of an engine that has split a step, in a step vLLM does not split: hooks armed"),
+    ("ubatch 1", 1, True, "a DBO microbatch thread (vLLM's thread table says microbatch 1): hooks armed"),
+)
+"""(label, microbatch id or None for the main thread, whether the first-microbatch patches are armed, meaning)."""
 SLOW = {BUILD: 200, BUILD_ASIDE: 200}
 """Cases a back-to-back block runs fewer of (``n // SLOW``, at least 100): a build is some 30 µs of vLLM's own code
 here, a buffer read 0.05-0.2 µs."""
@@ -394,7 +393,7 @@ def measure(n: int, reps: int, cold: int = 0) -> dict[str, Any]:
         undo()
     return {
         "n": n, "reps": reps, "cold_reads": cold, "rows": rows, "per_step_78l": per_step(rows),
-        "armable_patches": armable, "threads": THREAD_MEANING,
+        "armable_patches": armable, "threads": {label: meaning for label, _, _, meaning in THREADS},
     }  # fmt: skip
 
 
@@ -417,7 +416,7 @@ def _measure_cases(n: int, reps: int, evict: Evictor | None) -> list[dict[str, A
     rows: list[dict[str, Any]] = []
     for name, build in cases().items():
         block = n if evict is not None else max(100, n // SLOW.get(name, 1))
-        for thread, ubatch, armed in THREADS:
+        for thread, ubatch, armed, _ in THREADS:
             if name in MAIN_ONLY and thread != "main":  # builds are not armable: "main, armed" would repeat "main"
                 continue
             samples: dict[str, list[float]] = {"plugin": [], "vanilla": []}
@@ -455,7 +454,7 @@ def per_step(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ``with_build_us`` adds the step's one metadata build, which runs on the main thread either way."""
     build = next((r["added_ns"] for r in rows if r["access"] == BUILD and r["thread"] == "main"), None)
     out: dict[str, Any] = {}
-    for thread, _, _ in THREADS:
+    for thread, *_ in THREADS:
         added = {r["access"]: r["added_ns"] for r in rows if r["thread"] == thread}
         counted = {name: n for name, n in PER_STEP_78L.items() if name in added}
         added_us = sum(n * added[name] for name, n in counted.items()) / 1e3

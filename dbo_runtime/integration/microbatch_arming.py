@@ -27,9 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dbo_runtime.core.errors import PatchError
-from dbo_runtime.core.log import get_logger
-
-logger = get_logger(__name__)
 
 
 @dataclass(eq=False)
@@ -50,7 +47,7 @@ class MicrobatchArming:
         self.armed = False
         """Read without the lock on every microbatched run: set once, under the lock, after every entry is armed."""
         self.armed_by: str | None = None
-        """Which path armed them: a runner's join point, or the ``UBatchContext.__enter__`` net."""
+        """Which path armed them (the ``where`` of the first ``arm`` that set every target)."""
 
     # -- PatchSet's side ----------------------------------------------------------------------------
     def register(self, entry: ArmedEntry) -> None:

@@ -24,9 +24,9 @@ fingerprint recorded from vLLM {VERIFIED_VLLM} and vLLM does not ship the upstre
 original objects. *Lazy* patches are applied when their module is first imported (worker-side
 modules, or modules that do not import everywhere); *optional* ones are skipped where their target
 does not exist or differs. *From the first microbatch*: the target keeps vLLM's original object until
-the process's first microbatched run puts the replacement in force (`integration/microbatch_arming.py`:
-the runners' join points, before the first microbatch thread starts), because the hook hands back
-vLLM's own object whenever no microbatch thread exists. *Architectures*: whose fix needs the patch
+the process's first microbatched run puts the replacement in force (`integration/microbatch_arming.py`
+lists what arms it: the runners' join points before the first microbatch thread starts, among others),
+because until then the hook hands back vLLM's own object. *Architectures*: whose fix needs the patch
 (blank: every architecture that needs its feature).
 
 """

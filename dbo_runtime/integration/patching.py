@@ -367,16 +367,11 @@ class PatchSet:
             setattr(applied.owner, applied.name, applied.original)
 
     @classmethod
-    def _take_back(cls, applied: _Applied) -> None:
-        """Uninstall one target: an armable patch is first withdrawn from ``ARMING``, restored only if armed."""
-        armable, applied.armable = applied.armable, None
-        if armable is not None and not ARMING.unregister(armable):
-            return
-        cls._restore(applied)
-
-    @classmethod
     def _unset(cls, applied: _Applied) -> None:
-        cls._take_back(applied)
+        armable, applied.armable = applied.armable, None
+        # an armable patch is withdrawn from ARMING first; its target holds vLLM's original unless it was armed
+        if armable is None or ARMING.unregister(armable):
+            cls._restore(applied)
         if applied.patch.on_uninstall is not None:
             applied.patch.on_uninstall()
 

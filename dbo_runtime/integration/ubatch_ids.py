@@ -82,8 +82,3 @@ def ubatch_thread_id() -> int | None:
         return None if ubatch is None else int(ubatch)
     except Exception:
         return None
-
-
-def any_ubatch_thread() -> bool:
-    """Whether any thread of this process is registered as a DBO microbatch thread now (vLLM's table)."""
-    return bool((_module or _ubatching())._THREAD_ID_TO_CONTEXT)

@@ -56,15 +56,3 @@ def test_the_main_thread_is_never_cached() -> None:
     assert ubatch_ids.current_ubatch() == (0, 0)
     assert getattr(ubatch_ids._resolved, "value", None) is None
 
-
-def test_any_ubatch_thread_reads_vllms_thread_table() -> None:
-    from vllm.v1.worker import ubatching
-
-    from dbo_runtime.integration import ubatch_ids
-
-    assert ubatch_ids.any_ubatch_thread() is False
-    ubatching._THREAD_ID_TO_CONTEXT[-1] = 1
-    try:
-        assert ubatch_ids.any_ubatch_thread() is True
-    finally:
-        del ubatching._THREAD_ID_TO_CONTEXT[-1]
