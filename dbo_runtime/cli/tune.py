@@ -13,6 +13,7 @@ conservatively). Exit codes: 0 measured, 2 bad arguments, 3 could not run (too f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -85,8 +86,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "the value in force today is always added (default 4,8,12,16,20)",
     )
     parser.add_argument(
-        "--reps", default="7", metavar="N", help="measured rounds (one turn per value each; default 7, what confirming a "
-        "better value against 4 others needs; more values need more, e.g. 8 for --values all)"
+        "--reps", default=None, metavar="N", help="measured rounds (one turn per value each; default 7, what confirming a "
+        "better value against 4 others needs, or as many as more values need, e.g. 8 for --values all)"
     )
     parser.add_argument("--warmup", default="1", metavar="N", help="unmeasured rounds first, at least 1 (default 1)")
     parser.add_argument("--steps", default=None, metavar="N", help="prefill steps per turn (default 4; --shape prefill only)")
@@ -100,6 +101,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+DEFAULT_REPS = 7
+"""Rounds when ``--reps`` is left out and the values need no more (confirming one of 5 values)."""
+
+
 @dataclass(frozen=True)
 class Options:
     shape: str
@@ -111,6 +116,8 @@ class Options:
     steps: int
     min_gain: float
     timeout: float
+    reps_given: bool = True
+    """False when ``--reps`` was left out: ``check_reps`` raises the default to what the sweep's values need."""
 
 
 def _int(args: argparse.Namespace, dest: str, low: int, high: int) -> int:
@@ -154,7 +161,8 @@ def options(args: argparse.Namespace) -> Options:
         prefill_tokens=_int(args, "prefill_tokens", 64, 1 << 20),
         prompt_len=_int(args, "prompt_len", 1, 1 << 20),
         decode_batch=_int(args, "decode_batch", 1, 65536),
-        reps=_int(args, "reps", 1, 100),
+        reps=DEFAULT_REPS if args.reps is None else _int(args, "reps", 1, 100),
+        reps_given=args.reps is not None,
         warmup=_int(args, "warmup", 1, 100),
         steps=_int(args, "steps", 1, 64),
         min_gain=min_gain,
@@ -307,12 +315,14 @@ def gpus_needed(engine_args: list[str], dp: int) -> int:
     return dp * sizes[0] * sizes[1]
 
 
-def check_reps(opts: Options, sweep: Sweep) -> None:
+def check_reps(opts: Options, sweep: Sweep) -> Options:
     """Refuse a sweep that cannot confirm any value before it starts: with ``k`` values besides today's, the
     all-faster sign test needs ``rounds_needed(k, ALPHA)`` rounds (``core.comm_sweep.choose``), and fewer
-    could only ever say "keep today's" after the whole sweep ran."""
+    could only ever say "keep today's" after the whole sweep ran. Left out, ``--reps`` becomes what is needed."""
     others = len(sweep.values) - 1
     need = rounds_needed(others, ALPHA)
+    if not opts.reps_given and opts.reps < need:
+        return dataclasses.replace(opts, reps=need)
     if opts.reps < need:
         raise ConfigError(
             "--reps",
@@ -320,6 +330,7 @@ def check_reps(opts: Options, sweep: Sweep) -> None:
             f">= {need} for {len(sweep.values)} values: confirming one against the {others} others at {ALPHA:.0%} "
             f"needs {need} rounds all faster ({others} x 2^-{need} <= {ALPHA}); or fewer --values",
         )
+    return opts
 
 
 def _require_plugin() -> None:
@@ -350,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
     for setting in setting_problems():  # read by the engines only at model load
         raise setting
     sweep = plan_sweep(args.values, backend=_flag(engine_args, "--all2all-backend"), platform=_platform(), environ=os.environ)
-    check_reps(opts, sweep)
+    opts = check_reps(opts, sweep)
     notes += list(sweep.notes)
     plan, metric, counter, more = specs(engine_args, dp, sweep, opts, os.environ)
     notes += more

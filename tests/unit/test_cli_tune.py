@@ -434,8 +434,19 @@ def test_too_few_rounds_for_the_values_are_refused_before_any_engine(monkeypatch
     _no_engine(monkeypatch)
     monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
     assert rounds_needed(9, 0.05) == 8
-    assert main(["tune", "--values", "all", *ENGINE]) == 2
+    assert main(["tune", "--values", "all", "--reps", "7", *ENGINE]) == 2
     assert "error: --reps=7 is not allowed; allowed values: >= 8 for 10 values" in _one_line(capsys)
+
+
+def test_left_out_reps_become_what_the_values_need() -> None:
+    """Without --reps, --values all runs the 8 rounds its 10 values need instead of refusing a default the user never
+    gave; five values keep the default 7."""
+    sweep_all = plan_sweep("all", backend="deepep_high_throughput", platform="cuda", environ={})
+    sweep_five = plan_sweep("8,12,16,20,4", backend="deepep_high_throughput", platform="cuda", environ={})
+    assert tune.check_reps(_opts(reps=None), sweep_all).reps == 8
+    assert tune.check_reps(_opts(reps=None), sweep_five).reps == 7
+    with pytest.raises(ConfigError, match="--reps"):
+        tune.check_reps(_opts(reps="7"), sweep_all)
 
 
 def test_decode_with_cuda_graphs_is_timed_eager() -> None:
