@@ -21,7 +21,7 @@ accepts with DBO on the platform), ``--comm-sms`` (default
 (default: what the backend's vLLM 0.33.0 all2all manager returns),
 ``--no-deep-gemm`` (default: DeepGEMM assumed present, as on a DBO server),
 ``--total-sms N`` (skip the hardware; one embedded device with N SMs --
-"NVIDIA H200 (embedded profile)" for 132), ``--json``.
+"NVIDIA H200 (embedded profile)" for 132 on CUDA), ``--json``.
 No GPU through NVML or CUDA and no ``--total-sms``: one line on stderr, exit 3
 (with ``--json`` also an error document on stdout, see ``cli.main``). The table
 shows the knobs vLLM really turns, including the DeepEP high-throughput
@@ -217,7 +217,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     )
     if args.total_sms is None:
         return settings
-    total = parse_total(args.total_sms, lambda sms: _apply_budget(_profile_rows(sms)[0], settings))
+    total = parse_total(args.total_sms, lambda sms: _apply_budget(_profile_rows(sms, platform)[0], settings))
     return replace(settings, total_sms=total)
 
 
@@ -271,8 +271,8 @@ def _major(cc: str | None) -> int | None:
         return None
 
 
-def _profile_rows(total: int) -> list[DeviceRow]:
-    h200 = total == H200_SMS
+def _profile_rows(total: int, platform: str) -> list[DeviceRow]:
+    h200 = total == H200_SMS and platform == "cuda"  # 132 SMs on ROCm is no H200
     name = H200_PROFILE_NAME if h200 else f"GPU with {total} SMs (--total-sms)"
     return [
         DeviceRow(
@@ -400,7 +400,7 @@ def _hardware_rows() -> tuple[list[DeviceRow], dict[str, Any], dict[str, Any]]:
 def collect(s: Settings) -> dict[str, Any]:
     """The ``--json`` document (see the module docstring); raises ``CliError`` when no GPU is visible."""
     if s.total_sms is not None:
-        rows = _profile_rows(s.total_sms)
+        rows = _profile_rows(s.total_sms, s.platform)
         not_probed = "not probed (--total-sms)"
         nvml_info: dict[str, Any] = {"available": None, "detail": not_probed, "driver_version": None}
         cuda_info: dict[str, Any] = {"available": None, "detail": not_probed, "torch_version": None}

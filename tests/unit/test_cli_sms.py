@@ -107,6 +107,9 @@ def test_table_shows_split_and_knobs(capsys: pytest.CaptureFixture[str]) -> None
     assert main(["sms", "--total-sms", "132"]) == 0
     out = capsys.readouterr().out
     assert "NVIDIA H200 (embedded profile)" in out
+    assert main(["sms", "--total-sms", "132", "--platform", "rocm"]) == 0  # 132 compute units on ROCm: not an H200
+    rocm = capsys.readouterr().out
+    assert "NVIDIA H200" not in rocm and "GPU with 132 SMs (--total-sms)" in rocm
     assert "132/20/112" in out
     assert "DeepGEMM set_num_sms(112)" in out and "all2all set_num_sms(20)" in out
     assert main(["sms", "--total-sms", "132", "--all2all-backend", "deepep_low_latency"]) == 0
