@@ -408,7 +408,7 @@ def from_runs(runs: Path, labels: list[str]) -> tuple[dict[str, dict], dict]:
         raise RunsUnreadable(
             f"{runs} holds none of the {len(labels)} engine runs asked for ({len(labels) // len(VARIANTS)} configurations x "
             f"{len(VARIANTS)} engines, e.g. {labels[0] if labels else '-'}): give the "
-            "bench_host_cost_runs directory of a stopped run and the --only / --models / --depths it ran with"
+            "bench_host_cost_runs directory of a stopped run and the --only / --models / --depths / --modes / --dbo it ran with"
         )
     return records, {"from_runs": str(runs), **_said_of(records, labels, runs)}
 
@@ -457,7 +457,7 @@ def from_records(prefixes: list[str], labels: list[str]) -> tuple[dict[str, dict
     if not records:
         raise RunsUnreadable(
             f"none of {', '.join(prefixes)} holds a record of the {len(labels) // len(VARIANTS)} configurations asked for "
-            f"(e.g. {labels[0] if labels else '-'}): give the --only / --models / --depths they ran with"
+            f"(e.g. {labels[0] if labels else '-'}): give the --only / --models / --depths / --modes / --dbo they ran with"
         )
     return records, {"from_records": prefixes, "source_by_config": source, **_said_of(records, labels, ", ".join(prefixes))}
 
