@@ -69,17 +69,16 @@ class _LogicalState:
         self.layout = layout
         self.num_ubatches = num_ubatches
         self.copies = [torch.empty_like(base) for _ in range(num_ubatches - 1)] if layout is TopkLayout.COPIES else []
-        self._cache: dict[int, tuple[int, torch.Tensor]] = {}
+        self.cache: dict[int, tuple[int, torch.Tensor]] = {}
+        """``ubatch -> (token offset, its buffer)``, written only by that microbatch's thread; an entry is
+        made after the registry checked the pair, so a hit needs no check."""
 
     def resolve(self, base: torch.Tensor, ubatch: int, offset: int) -> torch.Tensor:
-        if self.layout is TopkLayout.COPIES:
-            return self.copies[ubatch - 1]
-        hit = self._cache.get(ubatch)
-        if hit is not None and hit[0] == offset:
-            return hit[1]
-        window = base[offset:]
-        self._cache[ubatch] = (offset, window)
-        return window
+        """Microbatch ``ubatch``'s buffer, remembered per microbatch with the offset it was made for: the
+        registry's hot path returns a remembered one without calling here (``UbatchTopkState.logical``)."""
+        view = self.copies[ubatch - 1] if self.layout is TopkLayout.COPIES else base[offset:]
+        self.cache[ubatch] = (offset, view)
+        return view
 
     def nbytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.copies)
@@ -112,12 +111,11 @@ class _GroupState:
                 (torch.empty_like(group.physical_topk_indices), torch.empty_like(group.valid_topk_counts))
                 for _ in range(num_ubatches - 1)
             ]
-        self._cache: dict[int, tuple[int, GroupView]] = {}
+        self.cache: dict[int, tuple[int, GroupView]] = {}
+        """``ubatch -> (token offset, its view)``, as ``_LogicalState.cache``: a hit needs no check."""
 
     def view(self, group: Any, ubatch: int, offset: int) -> GroupView:
-        hit = self._cache.get(ubatch)
-        if hit is not None and hit[0] == offset:
-            return hit[1]
+        """Microbatch ``ubatch``'s view, made and remembered; the registry's hot path returns a remembered one."""
         logical_ready, physical_ready = self.events[ubatch - 1]
         if self.layout is TopkLayout.COPIES:
             physical, valid = self.copies[ubatch - 1]
@@ -134,7 +132,7 @@ class _GroupState:
             has_indexer=group.has_indexer,
             num_layers=group.num_layers,
         )
-        self._cache[ubatch] = (offset, view)
+        self.cache[ubatch] = (offset, view)
         return view
 
     def nbytes(self) -> int:
@@ -239,11 +237,6 @@ class UbatchTopkState:
             return None
         return state if state is not None and state.owner is self else None
 
-    def _current(self, num_ubatches: int) -> tuple[int, int]:
-        ubatch, offset = self.locate()
-        self._check(ubatch, offset, num_ubatches)
-        return ubatch, offset
-
     def _check(self, ubatch: int, offset: int, num_ubatches: int) -> None:
         if ubatch >= num_ubatches:
             raise DboRuntimeError(
@@ -267,6 +260,9 @@ class UbatchTopkState:
         state = ref() if ref is not None else None
         if state is None or state.base_ref() is not tensor:
             return tensor
+        hit = state.cache.get(ubatch)
+        if hit is not None and hit[0] == offset:
+            return hit[1]  # every layer after the first in a step: no check and no call
         self._check(ubatch, offset, state.num_ubatches)
         return state.resolve(tensor, ubatch, offset)
 
@@ -275,9 +271,13 @@ class UbatchTopkState:
         state = self._group_state(group)
         if state is None:
             return None
-        ubatch, offset = self._current(len(state.events) + 1)
+        ubatch, offset = self.locate()
         if ubatch == 0:
             return None
+        hit = state.cache.get(ubatch)
+        if hit is not None and hit[0] == offset:
+            return hit[1]
+        self._check(ubatch, offset, len(state.events) + 1)
         return state.view(group, ubatch, offset)
 
     # -- introspection -----------------------------------------------------------------------------

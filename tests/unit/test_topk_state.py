@@ -84,3 +84,29 @@ def test_windows_refuse_zero_offset_and_unknown_ubatch() -> None:
     where["v"] = (2, 4)
     with pytest.raises(DboRuntimeError, match="built for 2 microbatches"):
         st.logical(base)
+
+
+@pytest.mark.parametrize("layout", list(TopkLayout))
+def test_a_remembered_view_is_made_again_for_a_new_offset_and_checked_again(layout: TopkLayout) -> None:
+    """The hot path returns the view remembered for (microbatch, offset) without checking it again; a new
+    step's split point must still make a new window, and an offset that is no longer valid must still refuse."""
+    where = {"v": (1, 3)}
+    st = UbatchTopkState(lambda: where["v"], layout)
+    base = torch.zeros(8, 2, dtype=torch.int32)
+    group = _group(base)
+    st.attach(group, 2, object)
+    first, first_view = st.logical(base), st.group_view(group)
+    assert st.logical(base) is first and st.group_view(group) is first_view  # remembered
+    where["v"] = (1, 5)
+    second, second_view = st.logical(base), st.group_view(group)
+    assert second_view is not first_view
+    if layout is TopkLayout.WINDOWS:
+        assert second.data_ptr() == base[5:].data_ptr() and second.shape[0] == 3
+        assert second_view.physical_topk_indices.data_ptr() == group.physical_topk_indices[5:].data_ptr()
+        where["v"] = (1, 0)
+        with pytest.raises(DboRuntimeError, match="token offset 0"):
+            st.logical(base)
+        with pytest.raises(DboRuntimeError, match="token offset 0"):
+            st.group_view(group)
+    else:
+        assert second is first  # one copy per microbatch, whatever the offset
