@@ -35,6 +35,9 @@ class ArmedEntry:
 
     name: str
     arm: Callable[[], None]
+    feature: str = ""
+    """The feature the patch serves (``Patch.feature``): marked broken when its target cannot be set, so the
+    guard's refusal names what is missing rather than whichever hook happened to call ``arm``."""
     armed: bool = False
 
 
@@ -86,6 +89,12 @@ class MicrobatchArming:
                 # What was armed stays (correct, only slower) and uninstall restores it; the next run tries the rest.
                 if not isinstance(exc, Exception):
                     raise
+                if entry.feature:
+                    from dbo_runtime.integration.features import (
+                        REGISTRY,  # features imports patching, which imports this
+                    )
+
+                    REGISTRY.mark(entry.feature, "broken", f"{entry.name} could not be put in force at the first microbatched run ({exc!r})")
                 raise PatchError(
                     f"dbo_runtime could not put {entry.name} in force at the first microbatched run ({exc!r}); the "
                     "step stops here instead of running its microbatches on vLLM's shared top-k state"

@@ -340,7 +340,7 @@ class PatchSet:
         is undone here (target restored, ``on_uninstall`` run), because callers roll back only the
         patches that returned."""
         if applied.patch.armed_at_first_microbatch:
-            applied.armable = ArmedEntry(applied.patch.name, arm=lambda: cls._arm(applied))
+            applied.armable = ArmedEntry(applied.patch.name, arm=lambda: cls._arm(applied), feature=applied.patch.feature)
             ARMING.register(applied.armable)
         else:
             setattr(applied.owner, applied.name, applied.replacement)

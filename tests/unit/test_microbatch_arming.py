@@ -143,3 +143,30 @@ def test_arming_never_overwrites_a_target_rebound_after_install(arming: Microbat
         Target.method = ORIGINAL  # type: ignore[method-assign]
         ps.uninstall()
     assert Target.__dict__["method"] is ORIGINAL
+
+
+def test_a_target_that_cannot_be_set_marks_its_own_feature_broken(arming: MicrobatchArming, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard names what is missing: the feature of the patch that failed, whichever hook called ``arm``."""
+    from dbo_runtime.integration import features
+    from dbo_runtime.integration.features import Feature, FeatureRegistry, FeatureState
+
+    registry = FeatureRegistry()
+    registry.set_all({name: FeatureState(Feature(name, name), "verified") for name in ("topk", "indexer")})
+    monkeypatch.setattr(features, "REGISTRY", registry)
+    ps = PatchSet([_patch("topk.method")])
+    ps.install()
+    try:
+        [entry] = [e for e in arming._entries]
+        assert entry.feature == "topk"  # PatchSet hands the patch's feature to its entry
+
+        def rebound() -> None:
+            raise PatchError("rebound")
+
+        entry.arm = rebound
+        with pytest.raises(PatchError, match=r"topk\.method"):
+            arming.arm("an indexer builder")
+        topk, indexer = registry.get("topk"), registry.get("indexer")
+        assert topk is not None and topk.verdict == "broken" and "topk.method could not be put in force" in topk.detail
+        assert indexer is not None and indexer.verdict == "verified"
+    finally:
+        ps.uninstall()
