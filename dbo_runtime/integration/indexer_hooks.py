@@ -19,10 +19,11 @@ from typing import Any
 
 from dbo_runtime.adapters.deep_gemm import LIVE_NUM_SMS, next_n_of
 from dbo_runtime.core import coverage
+from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.planner_shapes import dbo_planner_shapes
 from dbo_runtime.integration import activation, guard
-from dbo_runtime.integration.features import REGISTRY, Feature, Probe, Upstream
+from dbo_runtime.integration.features import Feature, Probe, Upstream
 from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import PATCH_MARK, ArgSlots, Patch, require_parameters
 from dbo_runtime.integration.ubatch_failures import record, shields_itself
@@ -213,11 +214,12 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
             "--ubatch-size 1), so the indexer hooks hand vLLM's calls through untouched"
         )
     if not LIVE_NUM_SMS.trusted:  # a write to DeepGEMM's count could go unseen: the call site must be in force now
-        try:
-            ARMING.arm("an indexer builder while DeepGEMM's SM-count writers are not watched")
-        except Exception as exc:  # the guard refuses DBO for a broken feature before the engine serves
-            REGISTRY.mark(coverage.INDEXER, "broken", f"the logits call site could not be put in force ({exc!r})")
-            raise
+        # a target that cannot be set marks its own feature broken (the guard refuses DBO for it) and raises here
+        ARMING.arm("an indexer builder while DeepGEMM's SM-count writers are not watched")
+    if guard.platform() == "rocm":
+        # vLLM plans this schedule with DeepGEMM on CUDA only (the builder's build: is_cuda() and has_deep_gemm());
+        # ROCm's paged-MXFP4 builder subclasses this one, so this runs there too: nothing to warm or reserve.
+        return None
     device = _device_index(builder) if device_index is None else device_index
     if device is None:
         return None
@@ -292,6 +294,8 @@ def _make_builder_init(original: Any) -> Any:
         # optimisation and must never stop engine start (the call site plans on demand anyway).
         try:
             register_builder(self)
+        except PatchError as exc:  # arming failed: its feature is marked broken, the first microbatched run stops
+            logger.error("dbo_runtime: %s", exc)
         except Exception as exc:
             _log_once("register_builder", "dbo_runtime: indexer planner profile not registered (%r); planners compile on first use", exc)
 

@@ -563,6 +563,25 @@ def test_minimal_warm_up_leaves_eager_decode_batches_to_jit_in_step(env: Env, mo
     assert variants == [] and env.cache.stats.jit_in_step == cold
 
 
+def test_a_rocm_builder_warms_and_reserves_nothing(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's ROCm paged-MXFP4 indexer builder subclasses the CUDA one, but vLLM plans with DeepGEMM on CUDA only:
+    on ROCm a warm-up would fail for every variant and log a compile-on-first-use that never comes."""
+    from dbo_runtime.integration import guard
+
+    monkeypatch.delenv("VLLM_DEEP_GEMM_WARMUP", raising=False)
+    reserved: list[Any] = []
+    monkeypatch.setattr(indexer_hooks, "reserve_placeholders", lambda *a, **k: reserved.append(a))
+    builder = env.builder()
+    builder.device = torch.device("cpu")
+    monkeypatch.setattr(guard, "platform", lambda: "rocm")
+    assert indexer_hooks.register_builder(builder, device_index=0) is None
+    stats = env.cache.stats
+    assert (stats.warmups, stats.warm_failures, env.dg.plan_calls, reserved) == (0, 0, [], [])
+    monkeypatch.setattr(guard, "platform", lambda: "cuda")
+    assert indexer_hooks.register_builder(builder, device_index=0) is not None
+    assert env.cache.stats.warmups > 0 and reserved
+
+
 def test_an_engine_that_never_microbatches_warms_nothing(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without ``--enable-dbo`` / ``--ubatch-size`` vLLM plans as it always does: no warm-up, no load-time cost."""
     monkeypatch.delenv("VLLM_DEEP_GEMM_WARMUP", raising=False)
