@@ -27,6 +27,7 @@ from dbo_runtime.core.errors import ConfigError, DboRefusal
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.settings import setting_problems
 from dbo_runtime.integration.features import REGISTRY
+from dbo_runtime.integration.mtp_hooks import rocm_model_writes_per_microbatch
 from dbo_runtime.integration.patching import Patch, PatchSet
 
 logger = get_logger(__name__)
@@ -52,7 +53,8 @@ def _model(vllm_config: Any) -> tuple[str, Any]:
     return str(arch), hf
 
 
-def _platform() -> str:
+def platform() -> str:
+    """``cuda``, ``rocm`` or ``other``: vLLM's ``current_platform``, which picks the model and kernel modules."""
     try:
         from vllm.platforms import current_platform
 
@@ -183,7 +185,7 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
         return ""
     row = coverage.BY_ARCHITECTURE.get(arch)
     shared = coverage.shared_topk(arch, hf)
-    platform = _platform()
+    platform_name = platform()
     head = f"dbo_runtime refuses {arch} with {switch}"
     if shared:
         if row is None:
@@ -194,7 +196,7 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
             )
         if row.status == "refused":
             return f"{head}: {shared}, but {row.refusal}. " + ways_out(verified_build_helps=False)
-        if platform == "rocm" and row.refusal:
+        if platform_name == "rocm" and row.refusal:
             return f"{head} on ROCm: {shared}, but {row.refusal}. " + ways_out(verified_build_helps=False)
         for feature in row.needs:
             if feature == coverage.MTP_HIDDEN:
@@ -205,7 +207,7 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
                     f"{head}: {shared}, and {why}; vLLM's own DBO would let one microbatch read the other's "
                     "top-k with no error (silently wrong tokens). " + ways_out(verified_build_helps=True)
                 )
-    if coverage.uses_indexer(arch, hf) and platform == "cuda" and partitions_deep_gemm(parallel, platform, stage):
+    if coverage.uses_indexer(arch, hf) and platform_name == "cuda" and partitions_deep_gemm(parallel, platform_name, stage):
         why = _not_in_force(coverage.INDEXER, arch, stage, runner)
         if why:
             return (
@@ -339,7 +341,7 @@ def _report_worker(vllm_config: Any, runner: str | None) -> None:
     speculative = getattr(vllm_config, "speculative_config", None) is not None
     parallel = getattr(vllm_config, "parallel_config", None)
     if speculative and row is not None and coverage.MTP_HIDDEN in row.needs and microbatching(parallel):
-        why = _not_in_force(coverage.MTP_HIDDEN, arch, "worker", runner)
+        why = "" if platform() == "rocm" and rocm_model_writes_per_microbatch(arch) else _not_in_force(coverage.MTP_HIDDEN, arch, "worker", runner)
         if why:
             logger.warning(
                 "dbo_runtime: %s with speculative decoding under microbatching: %s, so one microbatch's MTP hidden "

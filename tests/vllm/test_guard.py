@@ -64,7 +64,7 @@ def engine_config(
 @pytest.fixture()
 def cuda_platform(monkeypatch: pytest.MonkeyPatch) -> None:
     """The guard's platform answer (the CPU box has no CUDA; bug A exists only on CUDA with DeepGEMM)."""
-    monkeypatch.setattr(guard, "_platform", lambda: "cuda")
+    monkeypatch.setattr(guard, "platform", lambda: "cuda")
 
 
 @pytest.fixture()
@@ -285,11 +285,11 @@ def test_architectures_that_are_not_wired_are_refused_with_the_real_reason(
 
 def test_deepseek_v41_on_rocm_is_refused(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
     plugin.register()
-    monkeypatch.setattr(guard, "_platform", lambda: "rocm")
+    monkeypatch.setattr(guard, "platform", lambda: "rocm")
     v41 = {"num_hidden_layers": 4, "compress_ratios": [0, 1, 1, 0], "index_source_layer_ids": [1]}
     message = refusal(engine_config("DeepseekV41ForCausalLM", v41))
     assert "on ROCm" in message and "per-source packed top-k cache" in message
-    monkeypatch.setattr(guard, "_platform", lambda: "cuda")
+    monkeypatch.setattr(guard, "platform", lambda: "cuda")
     guard.check(engine_config("DeepseekV41ForCausalLM", v41), "config")  # fixed on CUDA
 
 
@@ -553,6 +553,34 @@ def test_speculative_decoding_without_the_mtp_fix_is_warned(
     with caplog.at_level(logging.WARNING, logger="vllm.dbo_runtime"):
         guard.check(config, "worker", "mrv1")
     assert any("draft acceptance drops" in r.getMessage() for r in caplog.records)
+
+
+def test_on_rocm_the_mtp_warning_follows_the_rocm_model_vllm_runs(
+    fresh: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On ROCm vLLM imports its AMD model, never the NVIDIA one the MTP patches target, so they stay pending. The AMD
+    V4 model writes at the microbatch's token offset itself: no gap, no warning. The AMD V4.1 model writes from row 0
+    like the NVIDIA one, so the gap would stand (V4.1 under DBO is refused on ROCm before this point, for its
+    packed top-k cache)."""
+    import logging
+
+    from dbo_runtime.integration.mtp_hooks import rocm_model_writes_per_microbatch
+
+    # read from vLLM 0.33.0's AMD model sources
+    assert rocm_model_writes_per_microbatch("DeepseekV4ForCausalLM")
+    assert not rocm_model_writes_per_microbatch("DeepseekV41ForCausalLM")
+    assert not rocm_model_writes_per_microbatch("GlmMoeDsaForCausalLM")
+    plugin.register()
+    plugin.REGISTRY.mark("mtp_hidden", "broken", "its NVIDIA module never imported")
+    config = engine_config("DeepseekV4ForCausalLM", hf("deepseek-v4"))
+    config.speculative_config = object()  # type: ignore[assignment]
+    for platform, warned in (("rocm", False), ("cuda", True)):
+        monkeypatch.setattr(guard, "platform", lambda platform=platform: platform)
+        guard.reset()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vllm.dbo_runtime"):
+            guard.check(config, "worker", "mrv1")
+        assert any("draft acceptance drops" in r.getMessage() for r in caplog.records) is warned, platform
 
 
 def test_the_warm_up_check_runs_before_vllms_warm_up_and_tells_listeners_after(fresh: None, cuda_platform: None) -> None:
