@@ -156,6 +156,8 @@ class UbatchTopkState:
         self.locate = locate
         self.layout: TopkLayout | None = layout
         """``None``: read ``DBO_RUNTIME_TOPK_LAYOUT`` at the first ``attach`` (model construction)."""
+        self._layout_given = layout
+        """What ``clear`` returns ``layout`` to: a later model in the process reads the setting in force then."""
         self._lock = threading.Lock()
         self._model_buffers: dict[int, weakref.ref[torch.Tensor]] = {}
         self._logical: dict[int, weakref.ref[_LogicalState]] = {}
@@ -228,6 +230,7 @@ class UbatchTopkState:
             self._model_buffers.clear()
             self._logical.clear()
             self._groups.clear()
+            self.layout = self._layout_given
 
     # -- hot path ----------------------------------------------------------------------------------
     def _group_state(self, group: Any) -> _GroupState | None:

@@ -110,3 +110,23 @@ def test_a_remembered_view_is_made_again_for_a_new_offset_and_checked_again(layo
             st.group_view(group)
     else:
         assert second is first  # one copy per microbatch, whatever the offset
+
+
+def test_clear_lets_the_next_model_read_the_layout_in_force_then(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry lives for the process (plugin uninstall clears it): a second LLM built after the user changed
+    DBO_RUNTIME_TOPK_LAYOUT must get the layout it asked for, not the first model's."""
+    from dbo_runtime.core.settings import LAYOUT_ENV
+
+    st = UbatchTopkState(lambda: (0, 0))
+    monkeypatch.setenv(LAYOUT_ENV, "copies")
+    first = _group(torch.zeros(8, 2, dtype=torch.int32))
+    st.attach(first, 2, object)
+    assert st.layout is TopkLayout.COPIES
+    st.clear()
+    monkeypatch.setenv(LAYOUT_ENV, "windows")
+    second = _group(torch.zeros(8, 2, dtype=torch.int32))
+    st.attach(second, 2, object)
+    assert st.layout is TopkLayout.WINDOWS and st.extra_bytes() == 0
+    pinned = UbatchTopkState(lambda: (0, 0), TopkLayout.COPIES)
+    pinned.clear()
+    assert pinned.layout is TopkLayout.COPIES  # a layout given at construction stays
