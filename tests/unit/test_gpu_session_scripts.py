@@ -21,10 +21,21 @@ SESSIONS = {
 }
 
 
-def _run(script: str, args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    environ = {**os.environ, "OUT": str(tmp_path / "out"), "DBO_GPU_ENV": str(tmp_path / "no-such-env.sh"), **env}
-    return subprocess.run(["bash", str(ROOT / "tools" / "gpu" / script), *args], capture_output=True, text=True,
+DEFAULT_ENV = {"session-e2e.sh": {"TWINS": "0"}}
+"""The twins need ``.whl`` carried, which a CI clone lacks (its refusal has a test of its own)."""
+
+
+def _run(script: str, args: list[str], tmp_path: Path, *, root: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
+    """The script as the device runs it: ``OUT`` an existing empty folder (``_wrote`` says whether anything landed)."""
+    (tmp_path / "out").mkdir(exist_ok=True)
+    environ = {**os.environ, "OUT": str(tmp_path / "out"), "DBO_GPU_ENV": str(tmp_path / "no-such-env.sh"), **DEFAULT_ENV.get(script, {}), **env}
+    return subprocess.run(["bash", str(root / "tools" / "gpu" / script), *args], capture_output=True, text=True,
                           timeout=60, env=environ, cwd=tmp_path)  # fmt: skip
+
+
+def _wrote(tmp_path: Path) -> bool:
+    out = tmp_path / "out"
+    return out.exists() and any(out.iterdir())
 
 
 def test_every_session_script_is_listed() -> None:
@@ -37,7 +48,7 @@ def test_without_install_sh_one_line_and_exit_2(script: str, tmp_path: Path) -> 
     assert proc.returncode == 2, (proc.stdout[-1000:], proc.stderr[-1000:])
     [line] = proc.stderr.strip().splitlines()
     assert line == f"{script}: {tmp_path / 'no-such-env.sh'} is missing: send the seven bundle parts and run /tmp/gpu-vllm/install.sh first (tools/gpu/README.md)"
-    assert proc.stdout == "" and not (tmp_path / "out").exists()
+    assert proc.stdout == "" and not _wrote(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -63,6 +74,10 @@ def test_without_install_sh_one_line_and_exit_2(script: str, tmp_path: Path) -> 
         ("session-tune.sh", ["v32-width", "0540"], {}, "seconds '0540' is not allowed"),  # bash reads it as octal
         ("session-host-cost.sh", ["12345678901234567890123"], {}, "seconds '12345678901234567890123' is not allowed"),
         ("session-hook-calls.sh", [".", "/nonexistent"], {}, "tree '/nonexistent' is not allowed"),
+        ("session-e2e.sh", [], {"E2E": "yes"}, "E2E 'yes' is not allowed; allowed values: 0 (off), 1 (on)"),
+        ("session-e2e.sh", [], {"TWINS": "true"}, "TWINS 'true' is not allowed; allowed values: 0 (off), 1 (on)"),
+        ("session-e2e.sh", [], {"E2E": "0", "TWINS": "0"}, "E2E=0 with TWINS=0 is not allowed"),
+        ("session-bench.sh", ["0", "0"], {}, "seconds '0 0' are not allowed"),
     ],
 )
 def test_a_bad_argument_is_one_line_before_anything_runs(
@@ -74,7 +89,7 @@ def test_a_bad_argument_is_one_line_before_anything_runs(
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"{script}: {named}")
-    assert not (tmp_path / "out").exists()
+    assert not _wrote(tmp_path)
 
 
 @pytest.mark.parametrize("script", sorted(SESSIONS))
@@ -83,3 +98,55 @@ def test_without_out_one_line_and_exit_2(script: str, tmp_path: Path) -> None:
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     [line] = proc.stderr.strip().splitlines()
     assert line == f"{script}: OUT is not set; allowed values: the folder that receives the results (the device machine sets it)"
+
+
+@pytest.mark.parametrize("script", sorted(SESSIONS))
+def test_an_out_that_cannot_take_results_is_one_line(script: str, tmp_path: Path) -> None:
+    """A tarball that could not be written would leave the lease with nothing, after the whole run."""
+    proc = _run(script, SESSIONS[script], tmp_path, OUT=str(tmp_path / "absent"))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line == f"{script}: OUT '{tmp_path / 'absent'}' is not allowed; allowed values: an existing writable folder (the device machine makes one)"
+
+
+def test_the_twins_without_their_wheel_are_refused(tmp_path: Path) -> None:
+    """The first command of every lease runs the twins: without ``.whl`` carried, skipping them in silence would end
+    the command 0 having run nothing."""
+    import shutil
+
+    tree = tmp_path / "checkout"
+    shutil.copytree(ROOT / "tools" / "gpu", tree / "tools" / "gpu")
+    proc = _run("session-e2e.sh", [], tmp_path, root=tree, E2E="0", TWINS="1")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("session-e2e.sh: TWINS=1 is not allowed without .whl/tokenspeed_deepgemm*.whl")
+    assert not _wrote(tmp_path)
+
+
+def test_the_two_gpu_benchmark_on_one_gpu_is_exit_3(tmp_path: Path) -> None:
+    """bench_dbo_engine needs DP 2: on a one-GPU machine it cannot run, and a lease command must not end 0 there."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-x)'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env_sh = tmp_path / "env.sh"  # a stand-in for install.sh's environment (no vLLM is needed to refuse)
+    env_sh.write_text(f"export PATH={bin_dir}:$PATH\n")
+    proc = _run("session-bench.sh", ["0", "60", "ht"], tmp_path, DBO_GPU_ENV=str(env_sh))
+    assert proc.returncode == 3 and proc.stdout == "", proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line == "session-bench.sh: bench_dbo_engine needs 2 GPUs (DBO needs DP >= 2), 1 visible: run it on nvidia-h200-x2, or give it 0 seconds"
+    assert not _wrote(tmp_path)
+
+
+@pytest.mark.parametrize("folder", [".", "..", "/tmp/x", "a/b", ".git", "docs"])
+def test_bundle_refuses_a_folder_it_would_delete(folder: str, tmp_path: Path) -> None:
+    """bundle.sh replaces its output folder (rm -rf) after minutes of downloads: the checkout, a system path or a
+    folder holding anything but an earlier bundle's parts is refused first, with nothing downloaded or written."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "notes.md").write_text("keep me")
+    proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu" / "bundle.sh"), folder], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, env={**os.environ, "PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"bundle.sh: folder '{folder}' is not allowed; allowed values: ")
+    assert (tmp_path / "docs" / "notes.md").read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["docs"]

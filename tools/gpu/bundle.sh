@@ -19,6 +19,13 @@
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 out=${1:-.gpu-vllm}
+# The folder is replaced at the end (rm -rf): only a new one, or an earlier bundle (p0, p1, ... and nothing else).
+case "$out" in
+  ''|/*|.|..|*/*|.git*) echo "bundle.sh: folder '$out' is not allowed; allowed values: a new folder name in the project root (default .gpu-vllm)" >&2; exit 2 ;;
+esac
+if [ -e "$out" ] && { [ ! -d "$out" ] || [ -n "$(find "$out" -mindepth 1 -maxdepth 1 ! -name 'p[0-9]*' -print -quit)" ]; }; then
+  echo "bundle.sh: folder '$out' is not allowed; allowed values: a new folder, or an earlier bundle (only p0, p1, ... inside): it holds other files and would be deleted" >&2; exit 2
+fi
 work=$(mktemp -d /tmp/gpu-vllm.XXXX)
 if [ -d .git/info ]; then grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude; fi
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64

@@ -3,7 +3,8 @@
 # (tests/gpu, real DeepGEMM wheel without vLLM on the path) beside them, everything collected
 # into $OUT/e2e.tgz even when a limit stops the tests.
 #   tools/gpu/session-e2e.sh ["e2e or e2e_dp2"] [seconds] [pytest -k expression]
-# E2E=0 runs only the twins (TWINS=0 only the e2e tests). Exit status: the e2e tests', else the twins'.
+# E2E=0 runs only the twins (TWINS=0 only the e2e tests; each 0 or 1, and the twins need .whl carried). Exit status:
+# the e2e tests', else the twins'.
 # With DBO_E2E_LOAD_FORMAT=dbo_runtime_random, tools/gpu/check_load_format.py first loads one tiny model
 # with it; if that fails the plan falls back to vLLM's dummy weights (the default), and says so.
 set -u
@@ -17,6 +18,12 @@ KEXPR=${3:-}
 [ "$#" -le 3 ] || { echo "session-e2e.sh: arguments '$*' are not allowed; allowed values: [MARK] [SECONDS] [KEXPR]" >&2; exit 2; }
 need_int session-e2e.sh seconds "$LIMIT" 1 3600
 need_int session-e2e.sh TWIN_LIMIT "${TWIN_LIMIT-300}" 1 3600
+need_switch session-e2e.sh E2E "${E2E-1}"
+need_switch session-e2e.sh TWINS "${TWINS-1}"
+[ "${E2E-1}" = 1 ] || [ "${TWINS-1}" = 1 ] || { echo "session-e2e.sh: E2E=0 with TWINS=0 is not allowed; allowed values: at least one of them 1 (nothing would run)" >&2; exit 2; }
+if [ "${TWINS-1}" = 1 ] && ! ls .whl/tokenspeed_deepgemm*.whl >/dev/null 2>&1; then
+  echo "session-e2e.sh: TWINS=1 is not allowed without .whl/tokenspeed_deepgemm*.whl (the twins' DeepGEMM); allowed values: carry .whl with this command, or TWINS=0" >&2; exit 2
+fi
 . tools/gpu/env.sh
 # Dozens of engines share 32 cores while they start: one or two intra-op threads each (vLLM gives
 # its multiproc workers 1) keep them from oversubscribing the host.
@@ -25,7 +32,7 @@ export DBO_E2E_OUT=/tmp/e2e-out DBO_E2E_RECORD_DIR=/tmp/e2e-records DBO_E2E_MAX_
 mkdir -p "$DBO_E2E_OUT" "$DBO_E2E_RECORD_DIR"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
 { nvidia-smi -L; python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__, "gpus", torch.cuda.device_count())'; } 2>&1 | tee "$DBO_E2E_OUT/env.txt"
-if [ -d .whl ] && [ "${TWINS:-1}" = 1 ]; then
+if [ "${TWINS-1}" = 1 ]; then
   (
     mkdir -p /tmp/dg && python3 -m pip install -q --no-index --no-deps --target /tmp/dg .whl/tokenspeed_deepgemm*.whl $(ls /tmp/gpu-vllm/bundle/wheels/tokenspeed_deepep*.whl 2>/dev/null) >/dev/null 2>&1
     WITH_VLLM="/tmp/dg:$PYTHONPATH"
@@ -56,7 +63,7 @@ if [ "${DBO_E2E_LOAD_FORMAT:-dummy}" = dbo_runtime_random ]; then
   esac
 fi
 status=0
-if [ "${E2E:-1}" = 1 ]; then
+if [ "${E2E-1}" = 1 ]; then
   # DBO_REQUIRE_GPU=1: a missing GPU, vLLM or DeepGEMM fails the tests instead of skipping them
   DBO_REQUIRE_GPU=1 timeout "$LIMIT" python3 -m pytest tests/e2e -m "$MARK" ${KEXPR:+-k "$KEXPR"} -q -s -p no:cacheprovider -rA 2>&1 | tee "$DBO_E2E_OUT/pytest.log" | grep -v "^\[e2e\]" | tail -60
   status=${PIPESTATUS[0]}
