@@ -476,8 +476,8 @@ def _environment_refusal() -> str | None:
     from dbo_runtime.core.switches import parse_switch, switch_problems
 
     problems = switch_problems()
-    if problems:
-        return problems[0]
+    if problems:  # the plugin would warn and go on; a benchmark must not time a setting the user did not mean
+        return f"error: the plugin would warn and go on, this benchmark stops (fix or unset it): {problems[0]}"
     for name, why in (
         ("DBO_RUNTIME_DISABLE", "leaves vLLM as shipped, so the plugin side would time vanilla"),
         ("DBO_RUNTIME_SELF_TIME", "wraps every hook in the self-timer, whose clock would be timed with it"),

@@ -96,16 +96,27 @@ NAMES = (*SWITCHES, LAYOUT_ENV, WARM_MAX_BATCH_ENV)
 """Every environment variable the plugin reads under its prefix."""
 
 
+VLLM_PREFIX = "VLLM_DBO_"
+VLLM_NAMES = ("VLLM_DBO_COMM_SMS",)
+"""vLLM 0.33.0's DBO variables (``envs.py``): a misspelt one leaves the comm share at its default without a word."""
+
+
 def unknown_names(environ: Mapping[str, str] | None = None) -> list[str]:
-    """One line per ``DBO_RUNTIME_*`` variable the plugin does not read: ``DBO_RUNTIME_DISABEL=1`` would otherwise
-    leave every patch installed while the operator believes vLLM runs as shipped."""
+    """One line per ``DBO_RUNTIME_*`` variable the plugin does not read, and per ``VLLM_DBO_*`` one vLLM does not,
+    in any letter case (environment names are case-sensitive): ``DBO_RUNTIME_DISABEL=1`` or
+    ``dbo_runtime_disable=1`` would otherwise leave every patch installed while the operator believes vLLM runs as
+    shipped, and ``VLLM_DBO_COMM_SM=8`` the comm share at its default."""
     env = os.environ if environ is None else environ
     lines = []
-    for name in sorted(n for n in env if n.startswith(PREFIX) and n not in NAMES):
-        # compared without the shared prefix, which alone would make every name look close
-        close = difflib.get_close_matches(name[len(PREFIX) :], [n[len(PREFIX) :] for n in NAMES], n=1, cutoff=0.75)
-        hint = f"did you mean {PREFIX}{close[0]}? " if close else ""
-        lines.append(f"{name} is not a dbo_runtime setting and is ignored ({hint}allowed names: {', '.join(NAMES)})")
+    for name in sorted(env):
+        upper = name.upper()
+        for prefix, known, owner in ((PREFIX, NAMES, "a dbo_runtime setting"), (VLLM_PREFIX, VLLM_NAMES, "a vLLM 0.33.0 setting")):
+            if not upper.startswith(prefix) or name in known:
+                continue
+            # compared without the shared prefix, which alone would make every name look close
+            close = difflib.get_close_matches(upper[len(prefix) :], [n[len(prefix) :] for n in known], n=1, cutoff=0.75)
+            hint = f"did you mean {prefix}{close[0]}? " if close else ""
+            lines.append(f"{name} is not {owner} and is ignored ({hint}allowed names: {', '.join(known)})")
     return lines
 
 
