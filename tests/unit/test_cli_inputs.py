@@ -102,6 +102,32 @@ def test_verify_and_tune_word_a_bad_comm_share_as_sms_does(capsys: pytest.Captur
         assert line.startswith(head), (command, line, sms)
 
 
+def test_sms_and_simulate_say_why_their_smallest_total_differs(capsys: pytest.CaptureFixture[str]) -> None:
+    """sms takes a --total-sms device other than 132 as an unknown architecture (vLLM's one compute SM); simulate's
+    device is SM90, where DeepGEMM's share must be even (two): each bound comes with its reason."""
+    sms = error_line(capsys, ["sms", "--total-sms", "10"])
+    assert "integers in [21, 1024], above the comm share 20" in sms
+    assert "by at least 1 compute SM: the device's architecture is unknown, so DeepGEMM's share needs no multiple" in sms
+    simulate = error_line(capsys, ["simulate", *FAST, "--total-sms", "10"])
+    assert "integers in [22, 1024], above the comm share 20" in simulate
+    assert "by at least 2 compute SMs: the simulated device is SM90, where DeepGEMM's share must be a multiple of 2" in simulate
+    no_deep_gemm = error_line(capsys, ["sms", "--total-sms", "10", "--no-deep-gemm"])
+    assert "by at least 1 compute SM: vLLM asserts the comm share is below the total" in no_deep_gemm
+    assert main(["simulate", *FAST, "--total-sms", "22"]) == 0  # the bound named is itself accepted
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("where", ["flag", "env"])
+def test_a_huge_comm_share_gets_the_range_a_too_large_one_gets(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """Beyond any device the refusal still names the device's range, as 131 on the H200 does."""
+    huge = "99999999999999999999"
+    args = ["--comm-sms", huge] if where == "flag" else []
+    if where == "env":
+        monkeypatch.setenv("VLLM_DBO_COMM_SMS", huge)
+    line = error_line(capsys, ["sms", "--total-sms", "132", *args])
+    assert "allowed values: integers in [0, 130] on device profile, which has 132 SMs" in line, line
+
+
 @pytest.mark.parametrize(("value", "shown"), [("0", "'0'"), ("1", "1"), ("abc", "'abc'"), ("1000000000000", "'1000000000000'")])
 def test_a_refused_total_names_the_range_that_applies(capsys: pytest.CaptureFixture[str], value: str, shown: str) -> None:
     """0 and 1 get the same bound: above the default comm share, not [1, 1024] for one and [21, 1024] for the other."""

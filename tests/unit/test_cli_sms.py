@@ -242,7 +242,7 @@ def test_sm90_leaves_no_compute_sm_for_an_odd_remainder(capsys: pytest.CaptureFi
     assert main(["sms", "--total-sms", "132", "--comm-sms", "131"]) == 2
     err = capsys.readouterr().err
     assert "--comm-sms=131 is not allowed; allowed values: integers in [0, 130]" in err
-    assert "multiple of 2 on this architecture" in err
+    assert "multiple of 2 on SM90" in err
 
 
 def test_json_errors_are_json_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
