@@ -463,9 +463,9 @@ def test_decode_with_cuda_graphs_is_timed_eager() -> None:
     assert "--enforce-eager" not in added  # prefill is not captured
 
 
-@pytest.mark.parametrize("raw", ["1", "ture"])
+@pytest.mark.parametrize(("raw", "shown"), [("1", "1"), ("ture", "'ture'")])
 def test_with_the_plugin_disabled_tune_refuses_before_anything_else(
-    raw: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    raw: str, shown: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """tune measures through dbo_runtime's counters: under DBO_RUNTIME_DISABLE the sweep could only end
     inconclusive, so it is one line naming the switch, exit 2, before vLLM's parser or the GPU count; a value the
@@ -475,7 +475,7 @@ def test_with_the_plugin_disabled_tune_refuses_before_anything_else(
     assert main(["tune", *ENGINE]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [
-        f"dbo-runtime tune: error: DBO_RUNTIME_DISABLE={raw!r} is not allowed; allowed values: an off value ('0', "
+        f"dbo-runtime tune: error: DBO_RUNTIME_DISABLE={shown} is not allowed; allowed values: an off value ('0', "
         "'false', 'no', 'off', '', or not set): tune measures through dbo_runtime's counters, which a disabled plugin "
         "does not keep"
     ]

@@ -128,8 +128,8 @@ def test_without_a_gpu_it_says_the_arguments_were_not_checked() -> None:
         (["--timeout", "-1"], "--timeout=-1.0 is not allowed; allowed values: a positive number of seconds"),
         (["--min-agreement", "2"], "--min-agreement=2.0 is not allowed; allowed values: a number in [0, 1]"),
         (["--workdir", "/proc/x/y"], "--workdir='/proc/x/y' is not allowed; allowed values: a folder verify can create and write"),
-        (["--prompt-file", "p.txt", "--prompts", "5"], "--prompts='5' is not allowed; allowed values: not given with --prompt-file"),
-        (["--prompt-seed", "3", "--prompt-file", "p.txt"], "--prompt-seed='3' is not allowed; allowed values: not given with --prompt-file"),
+        (["--prompt-file", "p.txt", "--prompts", "5"], "--prompts=5 is not allowed; allowed values: not given with --prompt-file"),
+        (["--prompt-seed", "3", "--prompt-file", "p.txt"], "--prompt-seed=3 is not allowed; allowed values: not given with --prompt-file"),
     ],
 )
 @pytest.mark.parametrize(
