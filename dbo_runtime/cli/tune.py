@@ -50,7 +50,7 @@ from dbo_runtime.core.comm_sweep import (
     rounds_needed,
 )
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.settings import setting_problems
+from dbo_runtime.core.settings import setting_problems, vllm_setting_problems
 
 SCHEMA = "dbo-runtime/tune/v1"
 ACCEPTS_EXTRA_ARGS = True
@@ -358,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
     problem = comm_sms_problem(engine_args, os.environ)
     if problem is not None:  # the same words as verify and sms for the same value
         raise problem
-    for setting in setting_problems():  # read by the engines only at model load
+    for setting in (*setting_problems(), *vllm_setting_problems()):  # read by the engines only at model load
         raise setting
     sweep = plan_sweep(args.values, backend=_flag(engine_args, "--all2all-backend"), platform=_platform(), environ=os.environ)
     opts = check_reps(opts, sweep)

@@ -49,7 +49,7 @@ from dbo_runtime.cli._engine import (
 from dbo_runtime.cli._paths import check_dir, make_dir
 from dbo_runtime.cli._progress import Progress
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.settings import StateError, setting_problems
+from dbo_runtime.core.settings import StateError, setting_problems, vllm_setting_problems
 from dbo_runtime.harness.compare import FloorRule, Thresholds
 
 SCHEMA = "dbo-runtime/verify/v1"
@@ -300,7 +300,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--prompts", args.prompts, f"at least the data-parallel size ({dp}): every rank needs prompts")
     if args.prompt_file is not None and len(loaded) < dp:
         raise ConfigError("--prompt-file", args.prompt_file, f"at least {dp} prompts (one per data-parallel rank)")
-    for problem in (ll_qp_depth_problem(engine_args, os.environ), comm_sms_problem(engine_args, os.environ), *setting_problems()):
+    for problem in (
+        ll_qp_depth_problem(engine_args, os.environ),
+        comm_sms_problem(engine_args, os.environ),
+        *setting_problems(),
+        *vllm_setting_problems(),
+    ):
         if problem is not None:  # needs no vLLM: said on any machine, before any engine starts
             raise problem
     plan: list[tuple[str, list[str]]] = [("dbo-off", []), ("dbo-on", ["--enable-dbo"])]

@@ -377,6 +377,22 @@ def test_a_drawing_that_fails_is_a_note_after_the_result(
     assert use < note and "No space left on device" in out[note:]
 
 
+@pytest.mark.parametrize("raw", ["bogus", "", "FULL"])
+def test_a_warmup_mode_vllm_refuses_is_refused_before_any_engine(
+    raw: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM 0.33 takes VLLM_DEEP_GEMM_WARMUP from exact choices and raises on anything else when an engine starts
+    (``env_with_choices``, read by ``enable_envs_cache``): every engine of the sweep would die after loading."""
+    _no_engine(monkeypatch)
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", raw)
+    assert main(["tune", "--workdir", str(tmp_path / "w"), *ENGINE]) == 2
+    assert _one_line(capsys) == (
+        f"dbo-runtime tune: error: VLLM_DEEP_GEMM_WARMUP={raw!r} is not allowed; allowed values: 'skip', 'full' or "
+        "'relax' (exact, lower case), or not set (relax): vLLM refuses any other value at engine start"
+    )
+    assert not (tmp_path / "w").exists()
+
+
 # -- --workdir: nothing on disk before a refusal ---------------------------------------------------
 def test_a_refused_sweep_creates_no_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(tune, "check_with_vllm", lambda args, command: None)  # vLLM's parser needs a GPU platform

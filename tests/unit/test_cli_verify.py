@@ -46,6 +46,8 @@ def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
               "--max-num-batched-tokens", "2048"], "NVSHMEM_QP_DEPTH is unset (NVSHMEM default 1024); allowed values: an integer >= 4098"),
         ({"DBO_RUNTIME_TOPK_LAYOUT": "bad"}, HT, "DBO_RUNTIME_TOPK_LAYOUT='bad' is not allowed; allowed values: 'windows', 'copies'"),
         ({"DBO_RUNTIME_PLANNER_WARM_MAX_BATCH": "x"}, HT, "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH='x' is not allowed"),
+        ({"VLLM_DEEP_GEMM_WARMUP": "bogus"}, HT, "VLLM_DEEP_GEMM_WARMUP='bogus' is not allowed; allowed values: 'skip', 'full' or 'relax'"),
+        ({"VLLM_DEEP_GEMM_WARMUP": "bogus", "DBO_RUNTIME_DISABLE": "1"}, HT, "VLLM_DEEP_GEMM_WARMUP='bogus' is not allowed"),
     ],
 )  # fmt: skip
 def test_a_refusal_creates_no_workdir(
