@@ -345,6 +345,8 @@ def test_a_png_that_cannot_be_drawn_is_refused_before_any_engine(
     line = _one_line(capsys)
     start = "a non-empty file path" if where == "empty" else "a file path"
     assert line.startswith(f"dbo-runtime tune: error: --png='{png}' is not allowed; allowed values: {start} whose folder"), line
+    if where == "proc":
+        assert line.endswith("(/proc is not writable: its file system takes no new files)"), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 

@@ -68,6 +68,41 @@ def test_no_gpu_creates_no_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "needs 2 GPU(s)" in _one_line(capsys) and not (tmp_path / "new").exists()
 
 
+@pytest.mark.parametrize(
+    ("workdir", "why"),
+    [
+        ("/proc/x", "/proc is not writable: its file system takes no new files"),  # not "No such file or directory"
+        ("/proc/self/x/y", "/proc/self is not writable: its file system takes no new files"),
+        ("/dev/null/x", "/dev/null is not a folder"),
+    ],
+)
+def test_a_system_path_workdir_says_why_it_cannot_be_written(
+    workdir: str, why: str, capsys: pytest.CaptureFixture[str], no_engine: None
+) -> None:
+    assert main(["verify", "--workdir", workdir, *HT]) == 2
+    assert _one_line(capsys) == (
+        f"dbo-runtime verify: error: --workdir='{workdir}' is not allowed; allowed values: a folder verify can create "
+        f"and write ({why})"
+    )
+
+
+def test_a_read_only_workdir_is_refused_with_the_reason_and_nothing_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], no_engine: None
+) -> None:
+    """Root passes every permission test, so the check writes a file and reads the answer; a read-only mount is
+    stood in for by the write's own error (``EROFS``)."""
+    import errno
+    import tempfile
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    assert main(["verify", "--workdir", str(tmp_path / "new" / "sub"), *HT]) == 2
+    assert _one_line(capsys).endswith(f"a folder verify can create and write ({tmp_path} is not writable: Read-only file system)")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_workdir_under_a_file_is_refused_early(tmp_path: Path, capsys: pytest.CaptureFixture[str], no_engine: None) -> None:
     afile = tmp_path / "afile"
     afile.write_text("")
