@@ -141,6 +141,8 @@ def options(args: argparse.Namespace) -> Options:
 
     An option the chosen shape does not read is refused: a sweep that silently ignored ``--prefill-tokens``
     under ``--shape decode`` would time a workload other than the one asked for."""
+    from dbo_runtime.harness.prompts import MAX_PROMPT_LEN
+
     if args.shape not in SHAPES:
         raise ConfigError("--shape", args.shape, SHAPES)
     args = argparse.Namespace(**vars(args))
@@ -159,7 +161,7 @@ def options(args: argparse.Namespace) -> Options:
     return Options(
         shape=args.shape,
         prefill_tokens=_int(args, "prefill_tokens", 64, 1 << 20),
-        prompt_len=_int(args, "prompt_len", 1, 1 << 20),
+        prompt_len=_int(args, "prompt_len", 1, MAX_PROMPT_LEN),
         decode_batch=_int(args, "decode_batch", 1, 65536),
         reps=DEFAULT_REPS if args.reps is None else _int(args, "reps", 1, 100),
         reps_given=args.reps is not None,

@@ -114,12 +114,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _int_range(text: str, name: str) -> tuple[int, int]:
+    from dbo_runtime.harness.prompts import MAX_PROMPT_LEN
+
     try:
         low, high = (int(x) for x in text.split("-", 1))
     except ValueError as exc:
         raise ConfigError(name, text, "MIN-MAX, two positive integers, e.g. 256-1024") from exc
-    if not 1 <= low <= high:
-        raise ConfigError(name, text, "MIN-MAX with 1 <= MIN <= MAX")
+    if not 1 <= low <= high <= MAX_PROMPT_LEN:
+        raise ConfigError(name, text, f"MIN-MAX with 1 <= MIN <= MAX <= {MAX_PROMPT_LEN}")
     return low, high
 
 

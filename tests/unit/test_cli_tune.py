@@ -153,6 +153,7 @@ def _opts(**over: Any) -> Any:
         ({"timeout": "-5"}, "--timeout"),
         ({"prefill_tokens": "8"}, "--prefill-tokens"),
         ({"decode_batch": "0"}, "--decode-batch"),
+        ({"prompt_len": "1048577"}, "--prompt-len"),  # verify's bound too (harness.prompts.MAX_PROMPT_LEN)
     ],
 )
 def test_bad_options_are_one_line_naming_the_option(over: dict[str, str], flag: str) -> None:

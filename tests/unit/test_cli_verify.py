@@ -103,6 +103,24 @@ def test_a_read_only_workdir_is_refused_with_the_reason_and_nothing_made(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [(b"one\n\xff two\n", "(byte 4 is not UTF-8)"), (None, "(cannot be read: Input/output error)")],
+    ids=["not-utf8", "unreadable"],
+)
+def test_a_prompt_file_that_cannot_be_read_says_why(
+    content: bytes | None, why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_engine: None
+) -> None:
+    """The reason, not the exception's class name ("(OSError)"): /proc/self/mem is a file every read of which fails."""
+    path = tmp_path / "p.txt" if content is not None else Path("/proc/self/mem")
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["verify", "--prompt-file", str(path), *HT]) == 2
+    assert _one_line(capsys) == (
+        f"dbo-runtime verify: error: --prompt-file='{path}' is not allowed; allowed values: a readable UTF-8 text file {why}"
+    )
+
+
 def test_a_workdir_under_a_file_is_refused_early(tmp_path: Path, capsys: pytest.CaptureFixture[str], no_engine: None) -> None:
     afile = tmp_path / "afile"
     afile.write_text("")
@@ -162,6 +180,7 @@ def test_without_a_gpu_it_says_the_arguments_were_not_checked() -> None:
         (["--prompts", "0"], "--prompts=0 is not allowed; allowed values: an integer in [1, "),
         (["--max-tokens", "x"], "--max-tokens='x' is not allowed; allowed values: an integer in [1, 4096]"),
         (["--prompt-len", "5-1"], "--prompt-len='5-1' is not allowed; allowed values: MIN-MAX with 1 <= MIN <= MAX"),
+        (["--prompt-len", "256-10240000"], "--prompt-len='256-10240000' is not allowed; allowed values: MIN-MAX with 1 <= MIN <= MAX <= 1048576"),
         (["--timeout", "-1"], "--timeout=-1.0 is not allowed; allowed values: a positive number of seconds"),
         (["--min-agreement", "2"], "--min-agreement=2.0 is not allowed; allowed values: a number in [0, 1]"),
         (["--workdir", "/proc/x/y"], "--workdir='/proc/x/y' is not allowed; allowed values: a folder verify can create and write"),
