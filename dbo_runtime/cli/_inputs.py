@@ -201,10 +201,29 @@ def budget_for(
     try:
         return compute_budget(**kwargs)
     except ConfigError as exc:
-        raise _blame(exc, kwargs, total, comm, max_sms_used, where) from None
+        raise _blame(exc, kwargs, total, comm, max_sms_used, where, sm_major) from None
 
 
-def _blame(exc: ConfigError, kwargs: Mapping[str, Any], total: Input, comm: Input, max_used: Input, where: str) -> ConfigError:
+def compute_floor(multiple: int, deep_gemm: bool, sm_major: int | None, where: str = "") -> str:
+    """Why a split must leave ``multiple`` compute SMs, for the allowed-values text of an input that leaves fewer.
+
+    The floor differs by device, and an operator comparing ``sms --total-sms 10`` (21 or more) with ``simulate
+    --total-sms 10`` (22 or more) must see why: vLLM only asserts that the comm share is below the total (one
+    compute SM), while on SM90 DeepGEMM's share must be even (``core.budget.DEEP_GEMM_COMPUTE_MULTIPLE``), so
+    the simulated device, always SM90, needs two; a ``--total-sms`` count other than the H200's 132 has no
+    known architecture, so ``sms`` applies no multiple to it."""
+    if multiple > 1:
+        return f"{multiple} compute SMs: {where or 'the device'} is SM{sm_major}0, where DeepGEMM's share must be a multiple of {multiple}"
+    if not deep_gemm:
+        return "1 compute SM: vLLM asserts the comm share is below the total"
+    if sm_major is None:
+        return "1 compute SM: the device's architecture is unknown, so DeepGEMM's share needs no multiple (on SM90 it must be even)"
+    return f"1 compute SM: DeepGEMM's share needs no multiple on SM{sm_major}0"
+
+
+def _blame(
+    exc: ConfigError, kwargs: Mapping[str, Any], total: Input, comm: Input, max_used: Input, where: str, sm_major: int | None
+) -> ConfigError:
     if exc.parameter != COMM_ENV:
         return exc
     on = f" on {where}" if where else ""
@@ -218,21 +237,22 @@ def _blame(exc: ConfigError, kwargs: Mapping[str, Any], total: Input, comm: Inpu
             f"'none', even integers, or integers >= {reach}: it caps the comm share {comm.value} ({comm.came_from}), and "
             "DeepEP's Buffer.set_num_sms asserts an even SM count",
         )
-    roomy = _valid(kwargs, total_sms=1 << 40)
+    roomy = _valid(kwargs, total_sms=max(1 << 40, int(comm.value or 0) + 64))  # a device with room for any typed share
     multiple = min_compute_sms(int(kwargs["compute_multiple"]), bool(kwargs["has_deep_gemm"]))
+    floor = compute_floor(multiple, bool(kwargs["has_deep_gemm"]), sm_major, where)
     if roomy is not None:
         # Only the device is too small for the comm share (and, on SM90, DeepGEMM's even count).
         device = f"{on}, which has {total.value} SMs ({total.came_from})"
         if multiple > 1:
-            device += f"; DeepGEMM's share must be a multiple of {multiple} on this architecture"
+            device += f"; DeepGEMM's share must be a multiple of {multiple} on SM{sm_major}0"
         if comm.typed:
             return ConfigError(comm.source, comm.value, f"integers in [0, {int(total.value or 0) - multiple}]{device}")
         if total.typed:
             return ConfigError(
                 total.source,
                 total.value,
-                f"integers in [{roomy.comm + multiple}, {MAX_SMS}], above the comm share {roomy.comm} ({comm.came_from}); "
-                f"--comm-sms or {COMM_ENV} lowers it",
+                f"integers in [{roomy.comm + multiple}, {MAX_SMS}], above the comm share {roomy.comm} ({comm.came_from}) by "
+                f"at least {floor}; --comm-sms or {COMM_ENV} lowers it",
             )
         return ConfigError(
             COMM_ENV,

@@ -10,6 +10,7 @@ permission test, so only a real write says whether the file system takes one).
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import tempfile
@@ -26,15 +27,21 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def _writable_folder_problem(folder: Path) -> str | None:
-    """Why ``folder`` (or the folders that would be made on the way to it) cannot hold a new file; None when it can."""
+    """Why ``folder`` (or the folders that would be made on the way to it) cannot hold a new file; None when it can.
+
+    The reason is the operating system's, except where its words would mislead: a kernel file system such as
+    ``/proc`` refuses a new file with ``ENOENT``, and "No such file or directory" about a folder that exists
+    sends the operator looking for a typo."""
     existing = _nearest_existing(folder)
     if not existing.is_dir():
-        return f"{existing} is a file, not a folder"
+        return f"{existing} is a file, not a folder" if existing.is_file() else f"{existing} is not a folder"
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as exc:
-        return f"{existing} cannot be written: {exc.strerror or exc}"
+        if exc.errno == errno.ENOENT:
+            return f"{existing} is not writable: its file system takes no new files"
+        return f"{existing} is not writable: {exc.strerror or exc}"
     return None
 
 

@@ -242,8 +242,7 @@ def _environment_problems(disabled: bool = False) -> list[str]:
     backend of choice), so a value every engine would refuse (an odd ``19``) is a problem here too;
     ``VLLM_DEEP_GEMM_WARMUP`` by vLLM's own choices, which the plugin's planner warm-up follows."""
     from dbo_runtime.cli._engine import comm_sms_problem
-    from dbo_runtime.core.errors import ConfigError
-    from dbo_runtime.core.settings import setting_problems, vllm_warmup_mode
+    from dbo_runtime.core.settings import setting_problems, vllm_setting_problems
     from dbo_runtime.core.switches import switch_problems
 
     problems = switch_problems()  # the plugin logs these same lines and reads the switches the same way
@@ -253,10 +252,7 @@ def _environment_problems(disabled: bool = False) -> list[str]:
         problems.append("torch is not installed: vLLM and the plugin cannot run here (install vLLM 0.33.0 with its torch)")
     if not disabled:
         problems.extend(str(exc) for exc in setting_problems())  # what the front-end guard refuses
-    try:
-        vllm_warmup_mode()
-    except ConfigError as exc:
-        problems.append(str(exc))
+    problems.extend(str(exc) for exc in vllm_setting_problems())
     comm = comm_sms_problem([], os.environ, backend="deepep_high_throughput")
     if comm is not None:
         problems.append(str(comm))

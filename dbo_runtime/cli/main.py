@@ -22,8 +22,10 @@ value to ``sys.exit``.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import pkgutil
+import re
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -38,10 +40,24 @@ PREFERRED_ORDER: tuple[str, ...] = ("sms", "doctor")
 """Order in ``--help``; other discovered subcommands follow alphabetically."""
 
 
+_INVALID_CHOICE = re.compile(r"argument (?P<parameter>[^:]+): invalid choice: (?P<value>.*) \(choose from (?P<choices>.*)\)")
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse prints the whole usage block on a bad flag; operators asked for one line."""
+    """argparse prints the whole usage block on a bad flag; operators asked for one line.
+
+    A value outside a flag's choices is worded as every other refused value (``ConfigError``'s
+    ``--mode='x' is not allowed; allowed values: ...``), not in argparse's own "invalid choice" words, so
+    a refusal reads and greps the same whichever layer made it."""
 
     def error(self, message: str) -> NoReturn:
+        choice = _INVALID_CHOICE.fullmatch(message)
+        if choice is not None:
+            try:
+                value = ast.literal_eval(choice["value"])
+            except (ValueError, SyntaxError):
+                value = choice["value"]
+            message = str(ConfigError(choice["parameter"], value, choice["choices"]))
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.help_hint()})\n")
 
     def help_hint(self) -> str:

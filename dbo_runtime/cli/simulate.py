@@ -168,7 +168,7 @@ def estimated_seconds(config: Any, leaders: int, runs: list[Any]) -> float:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout, warm_max_batch
+    from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout, vllm_setting_problems, warm_max_batch
     from dbo_runtime.core.topk_memory import index_leaders
     from dbo_runtime.sim.backends import make_backend
     from dbo_runtime.sim.scenario import GLM53, SMALL, for_backend, run_scenario
@@ -177,6 +177,8 @@ def _run(args: argparse.Namespace) -> int:
     disabled = disabled_warning()
     # The environment a server would read, refused here like a bad flag (a server logs it and goes on).
     warm_max_batch()
+    for problem in vllm_setting_problems():  # a value vLLM itself refuses at engine start
+        raise problem
     try:
         env_layout = parse_layout(os.environ.get(LAYOUT_ENV)).value
     except ConfigError as exc:  # a bad value would stop a server: refused even with the flag, and said why

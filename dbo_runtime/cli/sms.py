@@ -169,7 +169,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--json", action="store_true", help=f"machine-readable output (JSON, schema {SCHEMA}; a mistyped switch's warning in \"warnings\")"
     )
-    p.add_argument("--total-sms", metavar="N", help="skip the hardware and use one N-SM device (132 = H200 profile)")
+    p.add_argument(
+        "--total-sms",
+        metavar="N",
+        help="skip the hardware and use one N-SM device (132: the H200 profile, SM90; any other N: an unknown architecture)",
+    )
     p.add_argument(
         "--all2all-backend",
         metavar="NAME",

@@ -50,7 +50,7 @@ from dbo_runtime.core.comm_sweep import (
     rounds_needed,
 )
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.settings import setting_problems
+from dbo_runtime.core.settings import setting_problems, vllm_setting_problems
 
 SCHEMA = "dbo-runtime/tune/v1"
 ACCEPTS_EXTRA_ARGS = True
@@ -141,6 +141,8 @@ def options(args: argparse.Namespace) -> Options:
 
     An option the chosen shape does not read is refused: a sweep that silently ignored ``--prefill-tokens``
     under ``--shape decode`` would time a workload other than the one asked for."""
+    from dbo_runtime.harness.prompts import MAX_PROMPT_LEN
+
     if args.shape not in SHAPES:
         raise ConfigError("--shape", args.shape, SHAPES)
     args = argparse.Namespace(**vars(args))
@@ -159,7 +161,7 @@ def options(args: argparse.Namespace) -> Options:
     return Options(
         shape=args.shape,
         prefill_tokens=_int(args, "prefill_tokens", 64, 1 << 20),
-        prompt_len=_int(args, "prompt_len", 1, 1 << 20),
+        prompt_len=_int(args, "prompt_len", 1, MAX_PROMPT_LEN),
         decode_batch=_int(args, "decode_batch", 1, 65536),
         reps=DEFAULT_REPS if args.reps is None else _int(args, "reps", 1, 100),
         reps_given=args.reps is not None,
@@ -358,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
     problem = comm_sms_problem(engine_args, os.environ)
     if problem is not None:  # the same words as verify and sms for the same value
         raise problem
-    for setting in setting_problems():  # read by the engines only at model load
+    for setting in (*setting_problems(), *vllm_setting_problems()):  # read by the engines only at model load
         raise setting
     sweep = plan_sweep(args.values, backend=_flag(engine_args, "--all2all-backend"), platform=_platform(), environ=os.environ)
     opts = check_reps(opts, sweep)

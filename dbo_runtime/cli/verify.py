@@ -49,7 +49,7 @@ from dbo_runtime.cli._engine import (
 from dbo_runtime.cli._paths import check_dir, make_dir
 from dbo_runtime.cli._progress import Progress
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.settings import StateError, setting_problems
+from dbo_runtime.core.settings import StateError, setting_problems, vllm_setting_problems
 from dbo_runtime.harness.compare import FloorRule, Thresholds
 
 SCHEMA = "dbo-runtime/verify/v1"
@@ -114,12 +114,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _int_range(text: str, name: str) -> tuple[int, int]:
+    from dbo_runtime.harness.prompts import MAX_PROMPT_LEN
+
     try:
         low, high = (int(x) for x in text.split("-", 1))
     except ValueError as exc:
         raise ConfigError(name, text, "MIN-MAX, two positive integers, e.g. 256-1024") from exc
-    if not 1 <= low <= high:
-        raise ConfigError(name, text, "MIN-MAX with 1 <= MIN <= MAX")
+    if not 1 <= low <= high <= MAX_PROMPT_LEN:
+        raise ConfigError(name, text, f"MIN-MAX with 1 <= MIN <= MAX <= {MAX_PROMPT_LEN}")
     return low, high
 
 
@@ -300,7 +302,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--prompts", args.prompts, f"at least the data-parallel size ({dp}): every rank needs prompts")
     if args.prompt_file is not None and len(loaded) < dp:
         raise ConfigError("--prompt-file", args.prompt_file, f"at least {dp} prompts (one per data-parallel rank)")
-    for problem in (ll_qp_depth_problem(engine_args, os.environ), comm_sms_problem(engine_args, os.environ), *setting_problems()):
+    for problem in (
+        ll_qp_depth_problem(engine_args, os.environ),
+        comm_sms_problem(engine_args, os.environ),
+        *setting_problems(),
+        *vllm_setting_problems(),
+    ):
         if problem is not None:  # needs no vLLM: said on any machine, before any engine starts
             raise problem
     plan: list[tuple[str, list[str]]] = [("dbo-off", []), ("dbo-on", ["--enable-dbo"])]

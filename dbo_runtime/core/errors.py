@@ -14,8 +14,24 @@ class DboRuntimeError(RuntimeError):
     """Base class for every error dbo_runtime raises on purpose."""
 
 
+def shown(value: object) -> str:
+    """A refused value as an error line shows it: a number bare, anything else in Python's quotes.
+
+    Why one rule: a flag or a variable arrives as text, and a check made after parsing holds a number, so
+    ``repr`` alone would quote one flag two ways (``--total-sms='0'`` refused while parsing, ``--total-sms=10``
+    refused by the split). A number reads the same typed or parsed and is shown bare, as most refusals already
+    showed it; text keeps its quotes, so an empty value, a stray space or a word is still visible as typed."""
+    if isinstance(value, str) and value == value.strip() and value:
+        try:
+            float(value)
+        except ValueError:
+            return repr(value)
+        return value
+    return repr(value)
+
+
 class ConfigError(DboRuntimeError, ValueError):
-    """A parameter has a value dbo_runtime cannot run with."""
+    """A parameter has a value dbo_runtime cannot run with: ``PARAMETER=VALUE is not allowed; allowed values: ...``."""
 
     def __init__(self, parameter: str, value: object, allowed: str | Iterable[object]) -> None:
         if not isinstance(allowed, str):
@@ -23,7 +39,7 @@ class ConfigError(DboRuntimeError, ValueError):
         self.parameter = parameter
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{parameter}={value!r} is not allowed; allowed values: {allowed}")
+        super().__init__(f"{parameter}={shown(value)} is not allowed; allowed values: {allowed}")
 
 
 class PatchError(DboRuntimeError):

@@ -35,13 +35,30 @@ class StateError(ConfigError):
 
 def vllm_warmup_mode(environ: Mapping[str, str] | None = None) -> str:
     """``VLLM_DEEP_GEMM_WARMUP`` as vLLM 0.33 reads it (``env_with_choices``: exact, case-sensitive; unset:
-    ``relax``). A value it refuses is a ``ConfigError`` here, as vLLM raises on it at DeepGEMM warm-up."""
+    ``relax``). A value it refuses is a ``ConfigError`` here: vLLM has no fallback for it, and raises
+    ``ValueError`` where it first reads the variable, at DeepGEMM warm-up or, at the latest, when
+    ``enable_envs_cache`` reads every variable at the end of engine start (an empty value included)."""
     raw = (os.environ if environ is None else environ).get(VLLM_WARMUP_ENV)
     if raw is None:
         return "relax"
     if raw not in VLLM_WARMUP_MODES:
-        raise ConfigError(VLLM_WARMUP_ENV, raw, "'skip', 'full' or 'relax' (exact, lower case), or not set (relax)")
+        raise ConfigError(
+            VLLM_WARMUP_ENV,
+            raw,
+            "'skip', 'full' or 'relax' (exact, lower case), or not set (relax): vLLM refuses any other value at engine start",
+        )
     return raw
+
+
+def vllm_setting_problems(environ: Mapping[str, str] | None = None) -> list[ConfigError]:
+    """vLLM's own settings that dbo_runtime follows, with a value vLLM refuses at engine start: checked by every
+    command that starts engines or shows what a server would do, whether or not the plugin is enabled (vLLM reads
+    them either way)."""
+    try:
+        vllm_warmup_mode(environ)
+    except ConfigError as exc:
+        return [exc]
+    return []
 
 
 class TopkLayout(StrEnum):

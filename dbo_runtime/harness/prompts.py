@@ -16,6 +16,9 @@ from typing import Any
 from dbo_runtime.core.errors import ConfigError
 
 MAX_PROMPTS = 100_000
+MAX_PROMPT_LEN = 1 << 20
+"""Longest synthetic prompt (tokens), tune's ``--prompt-len`` bound too: above any model's context, low enough that a
+typo (``256-10240000``) is refused at once instead of drawing billions of ids in Python after the engine started."""
 
 
 @dataclass(frozen=True)
@@ -30,8 +33,8 @@ class PromptSpec:
         if self.file is None:
             if not 1 <= self.num <= MAX_PROMPTS:
                 raise ConfigError("--prompts", self.num, f"an integer in [1, {MAX_PROMPTS}]")
-            if not 1 <= self.min_len <= self.max_len:
-                raise ConfigError("--prompt-len", f"{self.min_len}-{self.max_len}", "MIN-MAX with 1 <= MIN <= MAX")
+            if not 1 <= self.min_len <= self.max_len <= MAX_PROMPT_LEN:
+                raise ConfigError("--prompt-len", f"{self.min_len}-{self.max_len}", f"MIN-MAX with 1 <= MIN <= MAX <= {MAX_PROMPT_LEN}")
 
 
 def synthetic(spec: PromptSpec, vocab_size: int) -> list[dict[str, Any]]:
@@ -52,8 +55,10 @@ def from_file(path: str) -> list[dict[str, Any]]:
         raise ConfigError("--prompt-file", path, "an existing file (.jsonl of prompt_token_ids/prompt, or text lines)")
     try:
         lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (UnicodeDecodeError, OSError) as exc:
-        raise ConfigError("--prompt-file", path, f"a readable UTF-8 text file ({type(exc).__name__})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError("--prompt-file", path, f"a readable UTF-8 text file (byte {exc.start} is not UTF-8)") from exc
+    except OSError as exc:
+        raise ConfigError("--prompt-file", path, f"a readable UTF-8 text file (cannot be read: {exc.strerror or exc})") from exc
     if not lines:
         raise ConfigError("--prompt-file", path, "a file with at least one prompt")
     if len(lines) > MAX_PROMPTS:

@@ -205,6 +205,7 @@ def test_disabled_is_one_warning_not_a_problem_per_fix(capsys: pytest.CaptureFix
         ("VLLM_DBO_COMM_SMS", "19", "VLLM_DBO_COMM_SMS=19 is not allowed; allowed values: even integers"),  # DeepEP HT's even rule
         ("VLLM_DBO_COMM_SMS", "abc", "VLLM_DBO_COMM_SMS='abc' is not allowed; allowed values: integers >= 0, or not set"),
         ("VLLM_DEEP_GEMM_WARMUP", "bogus", "VLLM_DEEP_GEMM_WARMUP='bogus' is not allowed; allowed values: 'skip', 'full' or 'relax'"),
+        ("VLLM_DEEP_GEMM_WARMUP", "", "VLLM_DEEP_GEMM_WARMUP='' is not allowed; allowed values: 'skip', 'full' or 'relax'"),
     ],
 )
 def test_a_setting_the_engines_refuse_is_a_problem(

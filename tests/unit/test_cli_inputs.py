@@ -71,7 +71,7 @@ def test_a_typed_comm_share_is_blamed_when_it_does_not_fit(capsys: pytest.Captur
     ("args", "env", "expected"),
     [
         (["--comm-sms", "x"], None, "--comm-sms='x' is not allowed; allowed values: integers >= 0"),
-        (["--comm-sms", "-2"], None, "--comm-sms='-2' is not allowed; allowed values: integers >= 0"),
+        (["--comm-sms", "-2"], None, "--comm-sms=-2 is not allowed; allowed values: integers >= 0"),
         ([], "", "VLLM_DBO_COMM_SMS='' is not allowed; allowed values: integers >= 0, or not set"),
         ([], "many", "VLLM_DBO_COMM_SMS='many' is not allowed; allowed values: integers >= 0, or not set"),
         ([], "19", "VLLM_DBO_COMM_SMS=19 is not allowed; allowed values: even integers up to the DeepEP manager's 20-SM"),
@@ -102,7 +102,33 @@ def test_verify_and_tune_word_a_bad_comm_share_as_sms_does(capsys: pytest.Captur
         assert line.startswith(head), (command, line, sms)
 
 
-@pytest.mark.parametrize(("value", "shown"), [("0", "'0'"), ("1", "1"), ("abc", "'abc'"), ("1000000000000", "'1000000000000'")])
+def test_sms_and_simulate_say_why_their_smallest_total_differs(capsys: pytest.CaptureFixture[str]) -> None:
+    """sms takes a --total-sms device other than 132 as an unknown architecture (vLLM's one compute SM); simulate's
+    device is SM90, where DeepGEMM's share must be even (two): each bound comes with its reason."""
+    sms = error_line(capsys, ["sms", "--total-sms", "10"])
+    assert "integers in [21, 1024], above the comm share 20" in sms
+    assert "by at least 1 compute SM: the device's architecture is unknown, so DeepGEMM's share needs no multiple" in sms
+    simulate = error_line(capsys, ["simulate", *FAST, "--total-sms", "10"])
+    assert "integers in [22, 1024], above the comm share 20" in simulate
+    assert "by at least 2 compute SMs: the simulated device is SM90, where DeepGEMM's share must be a multiple of 2" in simulate
+    no_deep_gemm = error_line(capsys, ["sms", "--total-sms", "10", "--no-deep-gemm"])
+    assert "by at least 1 compute SM: vLLM asserts the comm share is below the total" in no_deep_gemm
+    assert main(["simulate", *FAST, "--total-sms", "22"]) == 0  # the bound named is itself accepted
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("where", ["flag", "env"])
+def test_a_huge_comm_share_gets_the_range_a_too_large_one_gets(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """Beyond any device the refusal still names the device's range, as 131 on the H200 does."""
+    huge = "99999999999999999999"
+    args = ["--comm-sms", huge] if where == "flag" else []
+    if where == "env":
+        monkeypatch.setenv("VLLM_DBO_COMM_SMS", huge)
+    line = error_line(capsys, ["sms", "--total-sms", "132", *args])
+    assert "allowed values: integers in [0, 130] on device profile, which has 132 SMs" in line, line
+
+
+@pytest.mark.parametrize(("value", "shown"), [("0", "0"), ("1", "1"), ("abc", "'abc'"), ("", "''"), ("1000000000000", "1000000000000")])
 def test_a_refused_total_names_the_range_that_applies(capsys: pytest.CaptureFixture[str], value: str, shown: str) -> None:
     """0 and 1 get the same bound: above the default comm share, not [1, 1024] for one and [21, 1024] for the other."""
     sms = error_line(capsys, ["sms", "--total-sms", value])
@@ -112,17 +138,19 @@ def test_a_refused_total_names_the_range_that_applies(capsys: pytest.CaptureFixt
 
 
 @pytest.mark.parametrize(
-    ("flag", "value", "allowed"),
+    ("flag", "value", "shown", "allowed"),
     [
-        ("--steps", "abc", "integers in [1, 1000]"),
-        ("--steps", "1000000", "integers in [1, 1000]"),
-        ("--requests", "abc", "integers in [2, 1024]"),
-        ("--seed", "-1", "integers in [0, "),
+        ("--steps", "abc", "'abc'", "integers in [1, 1000]"),
+        ("--steps", "1000000", "1000000", "integers in [1, 1000]"),
+        ("--requests", "abc", "'abc'", "integers in [2, 1024]"),
+        ("--seed", "-1", "-1", "integers in [0, "),
     ],
 )
-def test_simulate_integer_flags_are_bounded_and_worded_alike(capsys: pytest.CaptureFixture[str], flag: str, value: str, allowed: str) -> None:
+def test_simulate_integer_flags_are_bounded_and_worded_alike(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, shown: str, allowed: str
+) -> None:
     line = error_line(capsys, ["simulate", "--backend", "cpu", flag, value])
-    assert line.startswith(f"{flag}={value!r} is not allowed; allowed values: {allowed}"), line
+    assert line.startswith(f"{flag}={shown} is not allowed; allowed values: {allowed}"), line
 
 
 @pytest.mark.parametrize(
@@ -133,6 +161,21 @@ def test_simulate_integer_flags_are_bounded_and_worded_alike(capsys: pytest.Capt
         (["--bogus"], "dbo-runtime: error: unrecognized arguments: --bogus (see dbo-runtime --help)"),
         (["--json", "sms"], "dbo-runtime: error: argument --json belongs to 'sms': give it after the subcommand (dbo-runtime sms --json)"),
         (["--bogus", "sms"], "dbo-runtime sms: error: unrecognized arguments: --bogus (see dbo-runtime sms --help)"),
+        (
+            ["bogus"],
+            "dbo-runtime: error: COMMAND='bogus' is not allowed; allowed values: 'sms', 'doctor', 'simulate', 'tune', 'verify' "
+            "(see dbo-runtime --help)",
+        ),
+        (
+            ["simulate", "--backend", "gpu"],
+            "dbo-runtime simulate: error: --backend='gpu' is not allowed; allowed values: 'auto', 'cpu', 'deep_gemm' "
+            "(see dbo-runtime simulate --help)",
+        ),
+        (
+            ["simulate", "--mode", "1"],
+            "dbo-runtime simulate: error: --mode=1 is not allowed; allowed values: 'eager', 'mrv1', 'mrv2' "
+            "(see dbo-runtime simulate --help)",
+        ),
     ],
 )
 def test_usage_errors_are_one_line_naming_the_command(argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -140,6 +183,31 @@ def test_usage_errors_are_one_line_naming_the_command(argv: list[str], line: str
     top-level command."""
     assert main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines() == [line]
+
+
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        (["sms", "--total-sms", "0"], "--total-sms=0"),  # refused while parsing: the text "0"
+        (["sms", "--total-sms", "10"], "--total-sms=10"),  # refused by the split: the number 10
+        (["sms", "--total-sms", "132", "--comm-sms", "-1"], "--comm-sms=-1"),
+        (["sms", "--total-sms", "132", "--comm-sms", "131"], "--comm-sms=131"),
+        (["sms", "--total-sms", "132", "--comm-sms", " 1x"], "--comm-sms=' 1x'"),
+        (["sms", "--total-sms", ""], "--total-sms=''"),
+        (["simulate", *FAST, "--steps", "0"], "--steps=0"),
+        (["simulate", *FAST, "--requests", "3.5"], "--requests=3.5"),
+        (["tune", "--reps", "0", "--model", "m", "-dp", "2", "-ep"], "--reps=0"),
+        (["tune", "--reps", "3", "--model", "m", "-dp", "2", "-ep", "--all2all-backend", "deepep_high_throughput"], "--reps=3"),  # after parsing
+        (["verify", "--timeout", "x", "--model", "m", "-dp", "2"], "--timeout='x'"),
+    ],
+)
+def test_a_refused_value_is_quoted_one_way_wherever_it_is_refused(
+    capsys: pytest.CaptureFixture[str], command: list[str], shown: str
+) -> None:
+    """A number shows bare whether the parser or a later check refused it; text keeps Python's quotes, so an empty
+    value or a stray space stays visible."""
+    line = error_line(capsys, command)
+    assert line.startswith(f"{shown} is not allowed; allowed values: "), line
 
 
 def test_without_deepgemm_the_bound_has_no_even_rule(capsys: pytest.CaptureFixture[str]) -> None:

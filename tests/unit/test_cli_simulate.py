@@ -13,7 +13,7 @@ FAST = ["--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("VLLM_DBO_COMM_SMS", "DBO_RUNTIME_DISABLE", "DBO_RUNTIME_TOPK_LAYOUT"):
+    for name in ("VLLM_DBO_COMM_SMS", "DBO_RUNTIME_DISABLE", "DBO_RUNTIME_TOPK_LAYOUT", "VLLM_DEEP_GEMM_WARMUP"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -56,3 +56,26 @@ def test_a_bad_layout_in_the_environment_says_the_flag_does_not_override_it(
     line = _one_line(capsys)
     assert line.startswith("dbo-runtime simulate: error: DBO_RUNTIME_TOPK_LAYOUT='bad' is not allowed; allowed values: 'windows', 'copies'")
     assert "set in the environment: a server would read it and stop; unset it, --topk-layout does not override it" in line
+
+
+@pytest.mark.parametrize(("raw", "disabled"), [("bogus", None), ("", None), ("Skip", None), ("bogus", "1")])
+def test_a_warmup_mode_vllm_refuses_is_one_line_not_a_pass(
+    raw: str, disabled: str | None, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server with this VLLM_DEEP_GEMM_WARMUP would not start (vLLM raises on any value outside its exact
+    choices), plugin or not: simulate refuses it instead of printing PASS for that server."""
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", raw)
+    if disabled is not None:
+        monkeypatch.setenv("DBO_RUNTIME_DISABLE", disabled)
+    assert main(["simulate", *FAST]) == 2
+    assert _one_line(capsys) == (
+        f"dbo-runtime simulate: error: VLLM_DEEP_GEMM_WARMUP={raw!r} is not allowed; allowed values: 'skip', 'full' or "
+        "'relax' (exact, lower case), or not set (relax): vLLM refuses any other value at engine start"
+    )
+
+
+@pytest.mark.parametrize("mode", ["skip", "full", "relax"])
+def test_every_warmup_mode_vllm_takes_runs(mode: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", mode)
+    assert main(["simulate", *FAST]) == 0
+    assert "VLLM_DEEP_GEMM_WARMUP" not in capsys.readouterr().err

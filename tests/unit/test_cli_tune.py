@@ -153,6 +153,7 @@ def _opts(**over: Any) -> Any:
         ({"timeout": "-5"}, "--timeout"),
         ({"prefill_tokens": "8"}, "--prefill-tokens"),
         ({"decode_batch": "0"}, "--decode-batch"),
+        ({"prompt_len": "1048577"}, "--prompt-len"),  # verify's bound too (harness.prompts.MAX_PROMPT_LEN)
     ],
 )
 def test_bad_options_are_one_line_naming_the_option(over: dict[str, str], flag: str) -> None:
@@ -345,6 +346,8 @@ def test_a_png_that_cannot_be_drawn_is_refused_before_any_engine(
     line = _one_line(capsys)
     start = "a non-empty file path" if where == "empty" else "a file path"
     assert line.startswith(f"dbo-runtime tune: error: --png='{png}' is not allowed; allowed values: {start} whose folder"), line
+    if where == "proc":
+        assert line.endswith("(/proc is not writable: its file system takes no new files)"), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
@@ -375,6 +378,22 @@ def test_a_drawing_that_fails_is_a_note_after_the_result(
     assert code == 0 and "Traceback" not in out
     use, note = out.index("use: VLLM_DBO_COMM_SMS="), out.index("note: no PNG: --png")
     assert use < note and "No space left on device" in out[note:]
+
+
+@pytest.mark.parametrize("raw", ["bogus", "", "FULL"])
+def test_a_warmup_mode_vllm_refuses_is_refused_before_any_engine(
+    raw: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM 0.33 takes VLLM_DEEP_GEMM_WARMUP from exact choices and raises on anything else when an engine starts
+    (``env_with_choices``, read by ``enable_envs_cache``): every engine of the sweep would die after loading."""
+    _no_engine(monkeypatch)
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", raw)
+    assert main(["tune", "--workdir", str(tmp_path / "w"), *ENGINE]) == 2
+    assert _one_line(capsys) == (
+        f"dbo-runtime tune: error: VLLM_DEEP_GEMM_WARMUP={raw!r} is not allowed; allowed values: 'skip', 'full' or "
+        "'relax' (exact, lower case), or not set (relax): vLLM refuses any other value at engine start"
+    )
+    assert not (tmp_path / "w").exists()
 
 
 # -- --workdir: nothing on disk before a refusal ---------------------------------------------------
@@ -463,9 +482,9 @@ def test_decode_with_cuda_graphs_is_timed_eager() -> None:
     assert "--enforce-eager" not in added  # prefill is not captured
 
 
-@pytest.mark.parametrize("raw", ["1", "ture"])
+@pytest.mark.parametrize(("raw", "shown"), [("1", "1"), ("ture", "'ture'")])
 def test_with_the_plugin_disabled_tune_refuses_before_anything_else(
-    raw: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    raw: str, shown: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """tune measures through dbo_runtime's counters: under DBO_RUNTIME_DISABLE the sweep could only end
     inconclusive, so it is one line naming the switch, exit 2, before vLLM's parser or the GPU count; a value the
@@ -475,7 +494,7 @@ def test_with_the_plugin_disabled_tune_refuses_before_anything_else(
     assert main(["tune", *ENGINE]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [
-        f"dbo-runtime tune: error: DBO_RUNTIME_DISABLE={raw!r} is not allowed; allowed values: an off value ('0', "
+        f"dbo-runtime tune: error: DBO_RUNTIME_DISABLE={shown} is not allowed; allowed values: an off value ('0', "
         "'false', 'no', 'off', '', or not set): tune measures through dbo_runtime's counters, which a disabled plugin "
         "does not keep"
     ]

@@ -46,6 +46,8 @@ def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
               "--max-num-batched-tokens", "2048"], "NVSHMEM_QP_DEPTH is unset (NVSHMEM default 1024); allowed values: an integer >= 4098"),
         ({"DBO_RUNTIME_TOPK_LAYOUT": "bad"}, HT, "DBO_RUNTIME_TOPK_LAYOUT='bad' is not allowed; allowed values: 'windows', 'copies'"),
         ({"DBO_RUNTIME_PLANNER_WARM_MAX_BATCH": "x"}, HT, "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH='x' is not allowed"),
+        ({"VLLM_DEEP_GEMM_WARMUP": "bogus"}, HT, "VLLM_DEEP_GEMM_WARMUP='bogus' is not allowed; allowed values: 'skip', 'full' or 'relax'"),
+        ({"VLLM_DEEP_GEMM_WARMUP": "bogus", "DBO_RUNTIME_DISABLE": "1"}, HT, "VLLM_DEEP_GEMM_WARMUP='bogus' is not allowed"),
     ],
 )  # fmt: skip
 def test_a_refusal_creates_no_workdir(
@@ -64,6 +66,59 @@ def test_no_gpu_creates_no_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(verify, "visible_gpus", lambda: 0)
     assert main(["verify", "--workdir", str(tmp_path / "new" / "sub"), *HT]) == 3
     assert "needs 2 GPU(s)" in _one_line(capsys) and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(
+    ("workdir", "why"),
+    [
+        ("/proc/x", "/proc is not writable: its file system takes no new files"),  # not "No such file or directory"
+        ("/proc/self/x/y", "/proc/self is not writable: its file system takes no new files"),
+        ("/dev/null/x", "/dev/null is not a folder"),
+    ],
+)
+def test_a_system_path_workdir_says_why_it_cannot_be_written(
+    workdir: str, why: str, capsys: pytest.CaptureFixture[str], no_engine: None
+) -> None:
+    assert main(["verify", "--workdir", workdir, *HT]) == 2
+    assert _one_line(capsys) == (
+        f"dbo-runtime verify: error: --workdir='{workdir}' is not allowed; allowed values: a folder verify can create "
+        f"and write ({why})"
+    )
+
+
+def test_a_read_only_workdir_is_refused_with_the_reason_and_nothing_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], no_engine: None
+) -> None:
+    """Root passes every permission test, so the check writes a file and reads the answer; a read-only mount is
+    stood in for by the write's own error (``EROFS``)."""
+    import errno
+    import tempfile
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    assert main(["verify", "--workdir", str(tmp_path / "new" / "sub"), *HT]) == 2
+    assert _one_line(capsys).endswith(f"a folder verify can create and write ({tmp_path} is not writable: Read-only file system)")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [(b"one\n\xff two\n", "(byte 4 is not UTF-8)"), (None, "(cannot be read: Input/output error)")],
+    ids=["not-utf8", "unreadable"],
+)
+def test_a_prompt_file_that_cannot_be_read_says_why(
+    content: bytes | None, why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_engine: None
+) -> None:
+    """The reason, not the exception's class name ("(OSError)"): /proc/self/mem is a file every read of which fails."""
+    path = tmp_path / "p.txt" if content is not None else Path("/proc/self/mem")
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["verify", "--prompt-file", str(path), *HT]) == 2
+    assert _one_line(capsys) == (
+        f"dbo-runtime verify: error: --prompt-file='{path}' is not allowed; allowed values: a readable UTF-8 text file {why}"
+    )
 
 
 def test_a_workdir_under_a_file_is_refused_early(tmp_path: Path, capsys: pytest.CaptureFixture[str], no_engine: None) -> None:
@@ -125,11 +180,12 @@ def test_without_a_gpu_it_says_the_arguments_were_not_checked() -> None:
         (["--prompts", "0"], "--prompts=0 is not allowed; allowed values: an integer in [1, "),
         (["--max-tokens", "x"], "--max-tokens='x' is not allowed; allowed values: an integer in [1, 4096]"),
         (["--prompt-len", "5-1"], "--prompt-len='5-1' is not allowed; allowed values: MIN-MAX with 1 <= MIN <= MAX"),
+        (["--prompt-len", "256-10240000"], "--prompt-len='256-10240000' is not allowed; allowed values: MIN-MAX with 1 <= MIN <= MAX <= 1048576"),
         (["--timeout", "-1"], "--timeout=-1.0 is not allowed; allowed values: a positive number of seconds"),
         (["--min-agreement", "2"], "--min-agreement=2.0 is not allowed; allowed values: a number in [0, 1]"),
         (["--workdir", "/proc/x/y"], "--workdir='/proc/x/y' is not allowed; allowed values: a folder verify can create and write"),
-        (["--prompt-file", "p.txt", "--prompts", "5"], "--prompts='5' is not allowed; allowed values: not given with --prompt-file"),
-        (["--prompt-seed", "3", "--prompt-file", "p.txt"], "--prompt-seed='3' is not allowed; allowed values: not given with --prompt-file"),
+        (["--prompt-file", "p.txt", "--prompts", "5"], "--prompts=5 is not allowed; allowed values: not given with --prompt-file"),
+        (["--prompt-seed", "3", "--prompt-file", "p.txt"], "--prompt-seed=3 is not allowed; allowed values: not given with --prompt-file"),
     ],
 )
 @pytest.mark.parametrize(

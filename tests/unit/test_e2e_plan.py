@@ -67,7 +67,7 @@ def test_random_weights_come_with_their_gains(monkeypatch: pytest.MonkeyPatch) -
         ({}, None),
         ({"DBO_E2E_MAX_ENGINES": "4", "DBO_E2E_LOAD_FORMAT": "dbo_runtime_random", "DBO_E2E_WEIGHT_GAINS": '{"qk_gain": 2}'}, None),
         ({"DBO_E2E_MAX_ENGINES": "abc"}, "DBO_E2E_MAX_ENGINES='abc' is not allowed; allowed values: an integer >= 1"),
-        ({"DBO_E2E_MAX_ENGINES": "0"}, "DBO_E2E_MAX_ENGINES='0'"),
+        ({"DBO_E2E_MAX_ENGINES": "0"}, "DBO_E2E_MAX_ENGINES=0"),
         ({"DBO_E2E_LOAD_FORMAT": "foo"}, "DBO_E2E_LOAD_FORMAT='foo' is not allowed; allowed values: 'dummy', 'dbo_runtime_random'"),
         ({"DBO_E2E_WEIGHT_GAINS": "{bad"}, "DBO_E2E_WEIGHT_GAINS='{bad'"),
         ({"DBO_E2E_WEIGHT_GAINS": '{"qk_gain": -1}'}, "DBO_E2E_WEIGHT_GAINS="),

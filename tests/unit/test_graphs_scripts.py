@@ -130,7 +130,7 @@ def test_a_bad_out_is_one_line_before_any_gpu_check(
     out, why = {
         "a_file": (afile, f"({afile} is a file, not a folder)"),
         "under_a_file": (afile / "sub", f"({afile} is a file, not a folder)"),
-        "unwritable": (Path("/proc/x/y"), "(/proc cannot be written: "),  # root passes every permission test
+        "unwritable": (Path("/proc/x/y"), "(/proc is not writable: its file system takes no new files"),  # root passes every permission test
         "empty": ("", ""),  # what an unset shell variable gives: it would mean the current folder
     }[where]
     with pytest.raises(SystemExit) as exit_:

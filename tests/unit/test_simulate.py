@@ -101,7 +101,7 @@ def test_cli_bad_value_is_one_line() -> None:
         timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "--requests='1'" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "--requests=1" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_failing_microbatch_never_leaves_the_other_parked() -> None:
@@ -150,9 +150,9 @@ def test_real_deepgemm_gets_real_indexer_shapes() -> None:
 
 def test_cli_errors_name_the_flag_and_read_the_env(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--backend", "cpu", "--steps", "0"]) == 2
-    assert "--steps='0'" in capsys.readouterr().err
+    assert "--steps=0" in capsys.readouterr().err
     assert main(["simulate", "--backend", "cpu", "--requests", "100000"]) == 2
-    assert "--requests='100000'" in capsys.readouterr().err
+    assert "--requests=100000 is not allowed" in capsys.readouterr().err
     assert main(["simulate", "--backend", "cpu", "--comm-sms", "200"]) == 2
     assert "--comm-sms=200" in capsys.readouterr().err
     monkeypatch.setenv("VLLM_DBO_COMM_SMS", "abc")

@@ -328,7 +328,7 @@ LL = ["--model", "m", "-dp", "2", "--enable-expert-parallel", "--all2all-backend
         (["--max-num-batched-tokens", "512"], {}, "NVSHMEM_QP_DEPTH is unset (NVSHMEM default 1024)"),
         (["--max_num_batched_tokens=2048"], {}, ">= 4098"),
         (["--max-num-batched-tokens", "2048"], {"NVSHMEM_QP_DEPTH": "8192"}, None),
-        (["--max-num-batched-tokens", "2048"], {"NVSHMEM_QP_DEPTH": "4097"}, "NVSHMEM_QP_DEPTH='4097'"),
+        (["--max-num-batched-tokens", "2048"], {"NVSHMEM_QP_DEPTH": "4097"}, "NVSHMEM_QP_DEPTH=4097"),
         (["--max-num-batched-tokens", "2048"], {"NVSHMEM_QP_DEPTH": "lots"}, "an integer >= 4098"),
     ],
 )
