@@ -15,8 +15,9 @@ Exit codes (``dbo_runtime.cli._common``): 0 ok, 1 a check failed, 2 bad flag
 or value (one line naming the parameter and the allowed values), 3 cannot run here (no GPU, too few
 GPUs, no torch).
 Expected failures print one line on stderr and never a traceback (with ``--json``
-also an error document on stdout); console scripts pass ``main()``'s return
-value to ``sys.exit``.
+also an error document on stdout, parser-level errors included: a bad choice, an
+unknown flag, a missing value); console scripts pass ``main()``'s return value to
+``sys.exit``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ PREFERRED_ORDER: tuple[str, ...] = ("sms", "doctor")
 _INVALID_CHOICE = re.compile(r"argument (?P<parameter>[^:]+): invalid choice: (?P<value>.*) \(choose from (?P<choices>.*)\)")
 
 
+class UsageExit(SystemExit):
+    """A parser-level refusal (unknown flag, bad choice, missing value), raised by ``OneLineArgumentParser.error``
+    with what ``main`` needs to say it once more as a ``--json`` error document."""
+
+    def __init__(self, prog: str, message: str, error: ConfigError | None) -> None:
+        super().__init__(EXIT_USAGE)
+        self.prog = prog
+        self.message = message
+        self.error = error
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse prints the whole usage block on a bad flag; operators asked for one line.
 
@@ -62,13 +74,16 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         choice = _INVALID_CHOICE.fullmatch(message)
+        config = None
         if choice is not None:
             try:
                 value = ast.literal_eval(choice["value"])
             except (ValueError, SyntaxError):
                 value = choice["value"]
-            message = str(ConfigError(choice["parameter"], value, choice["choices"]))
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.help_hint()})\n")
+            config = ConfigError(choice["parameter"], value, choice["choices"])
+            message = str(config)
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.help_hint()})\n")
+        raise UsageExit(self.prog, message, config)
 
     def help_hint(self) -> str:
         return f"{self.prog} --help"
@@ -180,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             where = f"{PROG} {args.command}" if args.command else PROG
             message = f"unrecognized arguments: {' '.join(extra)}"
             print(f"{where}: error: {message} (see {where} --help)", file=sys.stderr)
+            _json_error(args, CliError(message, EXIT_USAGE), EXIT_USAGE)
             return EXIT_USAGE
         lookalike = _own_option_lookalike(args.command, extra) if extra else None
         if lookalike is not None:
@@ -187,7 +203,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             _json_error(args, lookalike, EXIT_USAGE)
             return EXIT_USAGE
         args.extra_args = extra
-    except SystemExit as exc:  # --help, --version, usage errors
+    except UsageExit as exc:  # already said on stderr; under --json also on stdout
+        command = exc.prog.rsplit(" ", 1)[-1]
+        if "--json" in given and command in SUBPARSERS:
+            schema = SUBPARSERS[command].get_default("_schema")
+            _json_error(argparse.Namespace(json=True, _schema=schema), exc.error or CliError(exc.message, EXIT_USAGE), EXIT_USAGE)
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     run = getattr(args, "_run", None)
     if run is None:

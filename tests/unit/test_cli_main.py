@@ -1,6 +1,9 @@
-"""``dbo-runtime``'s own parsing (``cli.main``): abbreviations and engine-argument look-alikes. CPU only: nothing here reaches an engine (``check_with_vllm`` is replaced where a run would get that far)."""
+"""``dbo-runtime``'s own parsing (``cli.main``): abbreviations, engine-argument look-alikes, parser errors under
+``--json``. CPU only: nothing here reaches an engine (``check_with_vllm`` is replaced where a run would get that far)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -51,3 +54,28 @@ def test_a_real_vllm_option_that_resembles_an_own_option_still_passes(monkeypatc
 def test_no_parser_takes_an_abbreviation(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "schema", "parameter"),
+    [
+        (["simulate", "--json", "--mode", "bogus"], "dbo-runtime/simulate/v1", "--mode"),
+        (["simulate", "--json", "--steps"], "dbo-runtime/simulate/v1", None),
+        (["sms", "--json", "--bogus"], "dbo-runtime/sms/v1", None),
+        (["doctor", "--json", "extra"], "dbo-runtime/doctor/v2", None),
+        (["tune", "--json", "--rep", "8", *ENGINE], "dbo-runtime/tune/v1", "--rep"),
+    ],
+)
+def test_a_parser_error_under_json_is_a_json_error_document_too(
+    argv: list[str], schema: str, parameter: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["schema"] == schema and doc["exit_code"] == 2 and doc["error"]["parameter"] == parameter
+    assert doc["error"]["message"] in err and len(err.splitlines()) == 1
+
+
+def test_a_parser_error_without_json_leaves_stdout_empty(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--mode", "bogus"]) == 2
+    assert capsys.readouterr().out == ""
