@@ -243,6 +243,25 @@ def test_without_gpus_it_cannot_run(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     assert "needs 2 GPU(s)" in _one_line(capsys)
 
 
+def test_a_misspelt_setting_is_noted_before_the_machine_refuses_the_sweep(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As verify: the environment's note is true on any machine, so it comes before "cannot run here"."""
+    from dbo_runtime.cli._common import CliError
+
+    def no_platform(args: list[str], command: str) -> None:
+        raise CliError("engine arguments not checked: vLLM cannot build its parser here (no GPU platform); tune needs a GPU machine", 3)
+
+    monkeypatch.setenv("DBO_RUNTIME_DISABEL", "1")
+    monkeypatch.setattr(tune, "check_with_vllm", no_platform)
+    assert main(["tune", *ENGINE]) == 3
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 2
+    assert lines[0].startswith("[tune] note: DBO_RUNTIME_DISABEL is not a dbo_runtime setting") and "did you mean DBO_RUNTIME_DISABLE?" in lines[0]
+    assert lines[1].startswith("dbo-runtime tune: engine arguments not checked")
+
+
 def test_without_gpus_the_refusal_is_all_it_prints(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The notes (prefix caching off, the memory split) describe a sweep that will not run: on a machine that
     cannot run one, the refusal is the only line, whether the GPU count or vLLM's parser says so."""
