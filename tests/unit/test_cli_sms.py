@@ -450,3 +450,33 @@ def test_console_script_and_module_entry_in_subprocesses() -> None:
     assert probe.returncode == 0, probe.stderr
     mod = subprocess.run([sys.executable, "-m", "dbo_runtime", "sms", "--total-sms", "132"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert mod.returncode == 0 and "132/20/112" in mod.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "said"),
+    [
+        ("DBO_RUNTIME_TOPK_LAYOUT", "bogus", "DBO_RUNTIME_TOPK_LAYOUT='bogus' is not allowed"),
+        ("DBO_RUNTIME_PLANNER_WARM_MAX_BATCH", "-1", "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH=-1 is not allowed"),
+        ("VLLM_DEEP_GEMM_WARMUP", "FULL", "VLLM_DEEP_GEMM_WARMUP='FULL' is not allowed"),
+    ],
+)
+def test_a_setting_a_server_refuses_is_a_warning_the_split_still_shown(
+    name: str, value: str, said: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sms does not read these settings, but doctor and the server refuse them: warned in the same words."""
+    monkeypatch.setenv(name, value)
+    assert main(["sms", "--json", "--total-sms", "132"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    [line] = err.splitlines()
+    assert line.startswith(f"dbo-runtime sms: warning: {said}") and "a server refuses it at engine start" in line
+    assert line.removeprefix("dbo-runtime sms: warning: ") in doc["warnings"]
+    assert split(doc["devices"][0]) == (132, 20, 112)
+
+
+def test_the_plugins_settings_are_not_warned_about_while_it_is_disabled(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """As doctor: DBO_RUNTIME_DISABLE=1 never reads them (vLLM's own are still read)."""
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "1")
+    monkeypatch.setenv("DBO_RUNTIME_TOPK_LAYOUT", "bogus")
+    assert main(["sms", "--total-sms", "132"]) == 0
+    assert "TOPK_LAYOUT" not in capsys.readouterr().err
