@@ -480,3 +480,38 @@ def test_the_plugins_settings_are_not_warned_about_while_it_is_disabled(monkeypa
     monkeypatch.setenv("DBO_RUNTIME_TOPK_LAYOUT", "bogus")
     assert main(["sms", "--total-sms", "132"]) == 0
     assert "TOPK_LAYOUT" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "unused"),
+    [
+        (["--all2all-backend", "deepep_low_latency", "--comm-sms", "99999999999"], "deepep_low_latency with expert parallelism reserves no comm SMs"),
+        (["--all2all-backend", "nixl_ep", "--comm-sms", "132"], "nixl_ep with expert parallelism reserves no comm SMs"),
+        (["--platform", "rocm", "--comm-sms", "200"], "ROCm with DeepEP high-throughput reserves no CUs"),
+    ],
+)
+def test_a_comm_share_the_device_cannot_hold_is_refused_with_every_backend(
+    args: list[str], unused: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM never applies it there (it lowers the share to 0 first), but the same variable stops an engine whose
+    backend differs: refused as under high-throughput, with the device's range."""
+    assert main(["sms", "--total-sms", "132", *args]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    value = args[-1]
+    assert line.startswith(f"dbo-runtime sms: error: --comm-sms={value} is not allowed; allowed values: integers in [0, 131]")
+    assert unused in line
+
+
+def test_a_comm_share_the_device_holds_stays_accepted_where_it_is_unused(capsys: pytest.CaptureFixture[str]) -> None:
+    [dev] = run_json(capsys, "--total-sms", "132", "--all2all-backend", "deepep_low_latency", "--comm-sms", "131")["devices"]
+    assert split(dev) == (132, 0, 132)
+    [dev] = run_json(capsys, "--total-sms", "132", "--platform", "rocm", "--comm-sms", "131")["devices"]
+    assert dev["budget"]["rocm_override"] is True
+
+
+def test_the_environments_comm_share_gets_the_same_refusal_in_verify_and_tune(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dbo_runtime.cli._engine import comm_sms_problem
+
+    env = {"VLLM_DBO_COMM_SMS": "500"}
+    problem = comm_sms_problem(["--all2all-backend", "deepep_low_latency"], env)
+    assert problem is not None and problem.parameter == "VLLM_DBO_COMM_SMS" and "integers in [0, 131]" in problem.allowed
