@@ -370,6 +370,35 @@ def test_a_png_that_cannot_be_drawn_is_refused_before_any_engine(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
+@pytest.mark.parametrize("installed", [True, False])
+def test_a_png_suffix_matplotlib_cannot_write_is_refused_before_any_engine(
+    installed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """matplotlib would say "Format 'txt' is not supported" only after the whole sweep. Without matplotlib to ask,
+    the formats every matplotlib writes."""
+    from dbo_runtime.cli import _paths
+
+    _no_engine(monkeypatch)
+    monkeypatch.setattr(_paths, "matplotlib_installed", lambda: installed)
+    png = tmp_path / "c.txt"
+    assert main(["tune", "--png", str(png), *ENGINE]) == 2
+    line = _one_line(capsys)
+    assert line.startswith(f"dbo-runtime tune: error: --png='{png}' is not allowed; allowed values: a file name ending in a format matplotlib writes: ")
+    assert ".png" in line and ".txt" not in line.split("allowed values:")[1]
+    if not installed:
+        assert line.endswith("writes: .pdf, .png, .svg")
+
+
+def test_a_png_path_is_the_file_matplotlib_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No suffix: matplotlib appends .png, so that is the path tune reports; a suffix in any case is its format."""
+    from dbo_runtime.cli import _paths
+
+    monkeypatch.setattr(_paths, "matplotlib_installed", lambda: True)
+    monkeypatch.setattr(_paths, "plot_formats", lambda: _paths.FORMATS_WITHOUT_MATPLOTLIB)
+    assert _paths.check_png(str(tmp_path / "curve"), "tune") == tmp_path / "curve.png"
+    assert _paths.check_png(str(tmp_path / "curve.SVG"), "tune") == tmp_path / "curve.SVG"
+
+
 def test_a_drawing_that_fails_is_a_note_after_the_result(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
