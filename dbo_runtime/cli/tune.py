@@ -82,7 +82,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--values",
         default=",".join(str(v) for v in DEFAULT_VALUES),
         metavar="LIST",
-        help="comm-SM values to try: a comma-separated list, or 'all' (every even count up to DeepEP HT's 20); "
+        help="comm-SM values to try: a comma-separated list, each value once, or 'all' (lower case: every even count up to DeepEP HT's 20); "
         "the value in force today is always added (default 4,8,12,16,20)",
     )
     parser.add_argument(

@@ -42,6 +42,20 @@ def test_all_is_every_even_count_deepep_accepts() -> None:
     assert _sweep("0,2,4,6,8,10,12,14,16,18").values == (0, *range(2, 21, 2))  # eleven engines: the most there can be
 
 
+@pytest.mark.parametrize("raw", ["ALL", "All"])
+def test_all_is_lower_case_as_every_word_flag(raw: str) -> None:
+    """As ``--shape PREFILL`` is refused: one rule for the case of a word."""
+    with pytest.raises(ConfigError) as err:
+        _sweep(raw)
+    assert err.value.parameter == "--values" and err.value.value == raw
+
+
+def test_a_value_listed_twice_is_refused_not_silently_dropped() -> None:
+    with pytest.raises(ConfigError) as err:
+        _sweep("8,12,8")
+    assert str(err.value).endswith("each once (8 given more than once)")
+
+
 @pytest.mark.parametrize("raw", ["3", "22", "4,x", "-2", "", "4;8"])
 def test_values_deepep_refuses_are_one_line_naming_values(raw: str) -> None:
     with pytest.raises(ConfigError) as err:
