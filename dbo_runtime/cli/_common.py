@@ -69,6 +69,29 @@ def warn_switch_problems(command: str) -> list[str]:
     return problems
 
 
+def settings_a_server_refuses(environ: Mapping[str, str] | None = None) -> list[Exception]:
+    """The settings an engine start would refuse with this environment: the plugin's own (``core.settings``; only
+    while the plugin is enabled, as ``DBO_RUNTIME_DISABLE=1`` never reads them) and vLLM's that it follows. One
+    list for ``doctor`` (problems) and ``sms`` (warnings), so both name the same settings in the same words."""
+    from dbo_runtime.core.settings import setting_problems, vllm_setting_problems
+    from dbo_runtime.core.switches import read_switch
+
+    plugin = [] if read_switch("DBO_RUNTIME_DISABLE", environ).on else setting_problems(environ)
+    return [*plugin, *vllm_setting_problems(environ)]
+
+
+def warn_refused_settings(command: str) -> list[str]:
+    """Print, as a warning, each setting a server would refuse (``settings_a_server_refuses``); return the lines.
+
+    For a command that only shows what a server would do (``sms``: the SM split, which these settings do not
+    change): refusing would stop it from showing the split, and silence would let the operator start a server
+    that then stops."""
+    lines = [f"{problem} (a server refuses it at engine start; {command} does not read it)" for problem in settings_a_server_refuses()]
+    for line in lines:
+        print(f"dbo-runtime {command}: warning: {line}", file=sys.stderr)
+    return lines
+
+
 def print_json(document: Any) -> None:
     sys.stdout.write(json.dumps(document, indent=2, sort_keys=False) + "\n")
 

@@ -206,7 +206,11 @@ def check_with_vllm(engine_args: list[str], command: str = "verify") -> None:
     """Parse the engine arguments with vLLM's own parser; one line on error, before any GPU work.
 
     Without a GPU platform vLLM cannot build the parser at all: that is said as what it is (nothing was
-    checked, exit 3), so the caller reports a check only after this returns."""
+    checked, exit 3), so the caller reports a check only after this returns.
+
+    Abbreviations are refused (the engine runner parses the same way, ``harness.runner``): vLLM's own parser
+    would take ``--max-num-batched 4096`` for ``--max-num-batched-tokens``, past every check here that reads
+    the engine arguments by their full names."""
     try:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -218,7 +222,7 @@ def check_with_vllm(engine_args: list[str], command: str = "verify") -> None:
             raise ConfigError("VLLM_ENGINE_ARGS", " ".join(engine_args), f"arguments vLLM accepts ({message})")
 
     try:
-        parser = EngineArgs.add_cli_args(_Parser(prog="vllm"))
+        parser = EngineArgs.add_cli_args(_Parser(prog="vllm", allow_abbrev=False))
     except Exception as exc:  # e.g. no GPU platform: vLLM's DeviceConfig cannot infer a device
         why = "no GPU platform: vLLM cannot infer a device type" if "infer device type" in str(exc) else f"{type(exc).__name__}: {exc}"
         raise CliError(

@@ -199,9 +199,38 @@ def budget_for(
         "compute_multiple": deep_gemm_compute_multiple(sm_major) if sm_major is not None else 1,
     }
     try:
-        return compute_budget(**kwargs)
+        budget = compute_budget(**kwargs)
     except ConfigError as exc:
         raise _blame(exc, kwargs, total, comm, max_sms_used, where, sm_major) from None
+    unused = _unused_comm_beyond_device(budget, total, comm, where)
+    if unused is not None:
+        raise unused
+    return budget
+
+
+def _unused_comm_beyond_device(budget: SMBudget, total: Input, comm: Input, where: str) -> ConfigError | None:
+    """A typed comm share the device cannot hold, where this configuration never applies it.
+
+    vLLM 0.33.0 (``create_sm_control_context``) asserts ``comm_sms < total_sms`` only after it lowered the value:
+    with DeepEP low-latency or NIXL under expert parallelism ``max_sms_used()`` is 0, and on ROCm DeepEP
+    high-throughput forces 0, so ``VLLM_DBO_COMM_SMS=99999999999`` starts there and is silently unused. The CLI
+    refuses it all the same, with every backend: a share larger than the device is a typo or meant for another
+    device, and the same variable stops an engine whose backend or expert parallelism differs (vLLM asserts it
+    before any request). Only a typed value: a default nobody set is vLLM's, not a mistake to name."""
+    if not comm.typed or comm.value is None or total.value is None or comm.value < total.value:
+        return None
+    r = budget.reason
+    if r.rocm_override:
+        why = "ROCm with DeepEP high-throughput reserves no CUs"
+    else:
+        why = f"{r.all2all_backend} with expert parallelism reserves no comm SMs (max_sms_used() is 0)"
+    on = f" on {where}" if where else ""
+    return ConfigError(
+        comm.source,
+        comm.value,
+        f"integers in [0, {total.value - 1}]{on}, which has {total.value} SMs ({total.came_from}): unused here ({why}), but "
+        "vLLM asserts the comm share is below the SM count wherever it applies it",
+    )
 
 
 def compute_floor(multiple: int, deep_gemm: bool, sm_major: int | None, where: str = "") -> str:

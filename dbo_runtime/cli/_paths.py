@@ -61,15 +61,41 @@ def matplotlib_installed() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
+FORMATS_WITHOUT_MATPLOTLIB = ("pdf", "png", "svg")
+"""The formats accepted where matplotlib cannot be asked (not installed): ones every matplotlib writes."""
+
+
+def plot_formats() -> tuple[str, ...]:
+    """The file suffixes matplotlib can write (``FigureCanvasBase.get_supported_filetypes``), imported only when
+    matplotlib is installed; else ``FORMATS_WITHOUT_MATPLOTLIB``."""
+    if not matplotlib_installed():
+        return FORMATS_WITHOUT_MATPLOTLIB
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except Exception:
+        return FORMATS_WITHOUT_MATPLOTLIB
+    return tuple(sorted(FigureCanvasBase.get_supported_filetypes()))
+
+
 def check_png(raw: str, command: str) -> Path:
-    """``raw`` as a file a curve can be drawn into: its folder creatable and writable, not a folder itself,
-    and matplotlib importable. Nothing is created."""
+    """``raw`` as a file a curve can be drawn into: its folder creatable and writable, not a folder itself, a
+    suffix matplotlib writes, and matplotlib importable. Nothing is created.
+
+    Returns the path matplotlib will write: without a suffix it appends ``.png`` (its default format), so
+    ``--png /tmp/x`` is drawn, and reported, as ``/tmp/x.png``. A suffix it has no writer for (``.txt``) is
+    refused here, not after the sweep, where matplotlib would only then say so."""
     path = Path(raw)
     allowed = f"a file path whose folder {command} can create and write, with matplotlib installed"
     if not raw.strip():  # an unset shell variable; Path('') is the current folder
         raise ConfigError("--png", raw, f"a non-empty {allowed[2:]}")
     if path.is_dir():
         raise ConfigError("--png", raw, f"{allowed} ({path} is a folder)")
+    suffix = path.suffix[1:].lower()
+    formats = plot_formats()
+    if not suffix:
+        path = path.with_name(path.name + ".png")
+    elif suffix not in formats:
+        raise ConfigError("--png", raw, f"a file name ending in a format matplotlib writes: {', '.join('.' + f for f in formats)}")
     problem = _writable_folder_problem(path.parent)
     if problem is not None:
         raise ConfigError("--png", raw, f"{allowed} ({problem})")

@@ -233,7 +233,7 @@ def _vllm_import_error() -> str | None:
     return None
 
 
-def _environment_problems(disabled: bool = False) -> list[str]:
+def _environment_problems() -> list[str]:
     """Every dbo_runtime switch and setting an operator can mistype, checked the way the runtime parses it
     (the plugin's own settings only while it is enabled: ``DBO_RUNTIME_DISABLE=1`` never reads them).
 
@@ -241,8 +241,8 @@ def _environment_problems(disabled: bool = False) -> list[str]:
     (``_engine.comm_sms_problem``: this GPU, else the H200 profile, with DeepEP high-throughput, vLLM's DBO
     backend of choice), so a value every engine would refuse (an odd ``19``) is a problem here too;
     ``VLLM_DEEP_GEMM_WARMUP`` by vLLM's own choices, which the plugin's planner warm-up follows."""
+    from dbo_runtime.cli._common import settings_a_server_refuses
     from dbo_runtime.cli._engine import comm_sms_problem
-    from dbo_runtime.core.settings import setting_problems, vllm_setting_problems
     from dbo_runtime.core.switches import switch_problems
 
     problems = switch_problems()  # the plugin logs these same lines and reads the switches the same way
@@ -250,9 +250,7 @@ def _environment_problems(disabled: bool = False) -> list[str]:
 
     if importlib.util.find_spec("torch") is None:
         problems.append("torch is not installed: vLLM and the plugin cannot run here (install vLLM 0.33.0 with its torch)")
-    if not disabled:
-        problems.extend(str(exc) for exc in setting_problems())  # what the front-end guard refuses
-    problems.extend(str(exc) for exc in vllm_setting_problems())
+    problems.extend(str(exc) for exc in settings_a_server_refuses())  # what the front-end guard and vLLM refuse
     comm = comm_sms_problem([], os.environ, backend="deepep_high_throughput")
     if comm is not None:
         problems.append(str(comm))
@@ -309,7 +307,7 @@ def _collect() -> dict[str, Any]:
         problems.extend(
             f"patch target missing: {p['target']} ({p['name']}): {p['detail']}" for p in patches if p["state"] == "missing"
         )
-    problems.extend(_environment_problems(disabled))
+    problems.extend(_environment_problems())
     # the whole verdict under the deliberate switch: one warning (exit 0), where every feature's own state
     # would claim refusals that the disabled plugin never makes
     disabled_line = disabled_warning()

@@ -15,25 +15,28 @@ Exit codes (``dbo_runtime.cli._common``): 0 ok, 1 a check failed, 2 bad flag
 or value (one line naming the parameter and the allowed values), 3 cannot run here (no GPU, too few
 GPUs, no torch).
 Expected failures print one line on stderr and never a traceback (with ``--json``
-also an error document on stdout); console scripts pass ``main()``'s return
-value to ``sys.exit``.
+also an error document on stdout, parser-level errors included: a bad choice, an
+unknown flag, a missing value); console scripts pass ``main()``'s return value to
+``sys.exit``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import importlib
 import pkgutil
 import re
 import sys
 from collections.abc import Sequence
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from dbo_runtime import __version__
 from dbo_runtime.cli._common import EXIT_NO_DEVICE, EXIT_USAGE, CliError
 from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.settings import StateError
 
 PROG = "dbo-runtime"
 PREFERRED_ORDER: tuple[str, ...] = ("sms", "doctor")
@@ -43,22 +46,44 @@ PREFERRED_ORDER: tuple[str, ...] = ("sms", "doctor")
 _INVALID_CHOICE = re.compile(r"argument (?P<parameter>[^:]+): invalid choice: (?P<value>.*) \(choose from (?P<choices>.*)\)")
 
 
+class UsageExit(SystemExit):
+    """A parser-level refusal (unknown flag, bad choice, missing value), raised by ``OneLineArgumentParser.error``
+    with what ``main`` needs to say it once more as a ``--json`` error document."""
+
+    def __init__(self, prog: str, message: str, error: ConfigError | None) -> None:
+        super().__init__(EXIT_USAGE)
+        self.prog = prog
+        self.message = message
+        self.error = error
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse prints the whole usage block on a bad flag; operators asked for one line.
 
     A value outside a flag's choices is worded as every other refused value (``ConfigError``'s
     ``--mode='x' is not allowed; allowed values: ...``), not in argparse's own "invalid choice" words, so
-    a refusal reads and greps the same whichever layer made it."""
+    a refusal reads and greps the same whichever layer made it.
+
+    Abbreviations are off for every parser (``allow_abbrev=False``): argparse would read ``--total 132`` as
+    ``--total-sms 132``, so a typo could silently pick a flag, and a command that hands unknown arguments on
+    (``verify``, ``tune``) must see an abbreviation of its own option as unknown to be able to refuse it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         choice = _INVALID_CHOICE.fullmatch(message)
+        config = None
         if choice is not None:
             try:
                 value = ast.literal_eval(choice["value"])
             except (ValueError, SyntaxError):
                 value = choice["value"]
-            message = str(ConfigError(choice["parameter"], value, choice["choices"]))
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.help_hint()})\n")
+            config = ConfigError(choice["parameter"], value, choice["choices"])
+            message = str(config)
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.help_hint()})\n")
+        raise UsageExit(self.prog, message, config)
 
     def help_hint(self) -> str:
         return f"{self.prog} --help"
@@ -94,6 +119,50 @@ def _misplaced(command: str | None, extra: list[str]) -> str | None:
     return None
 
 
+def _own_option_lookalike(command: str, extra: list[str]) -> ConfigError | None:
+    """An unknown argument of a command that hands unknown arguments on as vLLM engine arguments (``verify``,
+    ``tune``) that looks like one of the command's own options: a prefix of one (``--rep`` for ``--reps``) or a
+    close misspelling (``--prompt-lenght``).
+
+    Why refused here: vLLM's parser takes abbreviations, so ``tune --rep 8`` would reach the engines as vLLM's
+    ``--replayssm-buffer-len 8`` and ``--decode 4`` as ``--decode-context-parallel-size 4``, changing the
+    engine while the command's own option stays at its default. A real vLLM option that only resembles one
+    (``--max-logprobs``, close to verify's ``--max-dlogprob``) is not refused: vLLM's option names are looked up
+    only when a close match is found, so the usual path imports no vLLM."""
+    sub = SUBPARSERS.get(command)
+    if sub is None:
+        return None
+    own = sorted(o for o in sub._option_string_actions if o.startswith("--") and o != "--help")
+    for arg in extra:
+        if not arg.startswith("--") or arg == "--":
+            continue
+        name = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+        prefixed = [o for o in own if o.startswith(name)]
+        close = prefixed or difflib.get_close_matches(name, own, n=1, cutoff=0.8)
+        if not close or (not prefixed and name in _vllm_option_names()):
+            continue
+        return StateError(
+            arg.split("=", 1)[0],
+            f"not a {command} option (did you mean {' or '.join(close)}?)",
+            f"{command}'s own options spelt in full, then vLLM's engine arguments (vLLM would read an abbreviation "
+            f"as one of its own options; see {PROG} {command} --help)",
+        )
+    return None
+
+
+def _vllm_option_names() -> set[str]:
+    """vLLM's engine-argument names (``--field-name`` and ``--no-field-name`` per ``EngineArgs`` field); empty
+    without vLLM (``verify`` and ``tune`` then stop at their vLLM check anyway)."""
+    try:
+        import dataclasses
+
+        from vllm.engine.arg_utils import EngineArgs
+    except Exception:
+        return set()
+    names = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(EngineArgs)}
+    return names | {"--no-" + n[2:] for n in names}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog=PROG, description="DBO SM-budget introspection and vLLM integration checks.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -112,22 +181,35 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
     parser = build_parser()
+    given = list(sys.argv[1:] if argv is None else argv)
     try:
         # A subcommand that wraps another program (verify: vLLM's engine arguments) takes the
         # arguments it does not know; every other subcommand rejects them as argparse would.
-        args, extra = parser.parse_known_args(None if argv is None else list(argv))
+        args, extra = parser.parse_known_args(given)
         if extra and not getattr(args, "_accepts_extra", False):
-            given = list(sys.argv[1:] if argv is None else argv)
             before = given[: given.index(args.command)] if args.command in given else []
             misplaced = _misplaced(args.command, [a for a in extra if a in before])
             if misplaced is not None:
                 print(misplaced, file=sys.stderr)
                 return EXIT_USAGE
             where = f"{PROG} {args.command}" if args.command else PROG
-            print(f"{where}: error: unrecognized arguments: {' '.join(extra)} (see {where} --help)", file=sys.stderr)
+            message = f"unrecognized arguments: {' '.join(extra)}"
+            print(f"{where}: error: {message} (see {where} --help)", file=sys.stderr)
+            _json_error(args, CliError(message, EXIT_USAGE), EXIT_USAGE)
+            return EXIT_USAGE
+        lookalike = _own_option_lookalike(args.command, extra) if extra else None
+        if lookalike is not None:
+            print(f"{PROG} {args.command}: error: {lookalike}", file=sys.stderr)
+            _json_error(args, lookalike, EXIT_USAGE)
             return EXIT_USAGE
         args.extra_args = extra
-    except SystemExit as exc:  # --help, --version, usage errors
+    except UsageExit as exc:  # already said on stderr; under --json also on stdout
+        command = exc.prog.rsplit(" ", 1)[-1]
+        if "--json" in given and command in SUBPARSERS:
+            schema = SUBPARSERS[command].get_default("_schema")
+            _json_error(argparse.Namespace(json=True, _schema=schema), exc.error or CliError(exc.message, EXIT_USAGE), EXIT_USAGE)
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     run = getattr(args, "_run", None)
     if run is None:

@@ -43,8 +43,10 @@ JSON schema (``--json``), stable; keys are never removed within ``schema`` v1::
       "cuda": {"available": bool | null, "detail": str, "torch_version": str | null},
       "plugin": {"disabled_by_env": bool},   # DBO_RUNTIME_DISABLE as the plugin reads it
       "warnings": [str],                     # a mistyped DBO_RUNTIME_* switch, the line shown on stderr
-                                             # (core.switches.switch_problems), and DBO_RUNTIME_DISABLE in
-                                             # force in doctor's words; per-device ones are below
+                                             # (core.switches.switch_problems), DBO_RUNTIME_DISABLE in
+                                             # force in doctor's words, and a setting a server refuses at
+                                             # engine start (_common.settings_a_server_refuses, as doctor
+                                             # checks it); per-device ones are below
       "devices": [{
         "label": str,                      # "0", "0 MIG 1", "cuda:0", "profile"
         "kind": "gpu" | "mig" | "cuda" | "profile",
@@ -85,6 +87,7 @@ from dbo_runtime.cli._common import (
     disabled_warning,
     print_json,
     print_table,
+    warn_refused_settings,
     warn_switch_problems,
 )
 from dbo_runtime.cli._inputs import (
@@ -517,7 +520,10 @@ def render(doc: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     warn_switch_problems("sms")
-    doc = collect(settings_from_args(args))
+    settings = settings_from_args(args)
+    refused = warn_refused_settings("sms")  # warned, not refused: sms only computes the split
+    doc = collect(settings)
+    doc["warnings"] += refused
     if args.json:
         print_json(doc)
     else:

@@ -82,7 +82,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--values",
         default=",".join(str(v) for v in DEFAULT_VALUES),
         metavar="LIST",
-        help="comm-SM values to try: a comma-separated list, or 'all' (every even count up to DeepEP HT's 20); "
+        help="comm-SM values to try: a comma-separated list, each value once, or 'all' (lower case: every even count up to DeepEP HT's 20); "
         "the value in force today is always added (default 4,8,12,16,20)",
     )
     parser.add_argument(
@@ -356,7 +356,8 @@ def run(args: argparse.Namespace) -> int:
     extra = list(getattr(args, "extra_args", []) or [])
     engine_args, dp, notes = split_engine_args(extra, "tune")
     require_dbo_parallelism(engine_args, dp, "tune", dp_given=has_flag(extra, *DP_SIZE_FLAGS))
-    notes = [*switch_notes(), *(n for n in notes if "data-parallel size 1" not in n)]
+    environment = switch_notes()
+    notes = [*environment, *(n for n in notes if "data-parallel size 1" not in n)]
     problem = comm_sms_problem(engine_args, os.environ)
     if problem is not None:  # the same words as verify and sms for the same value
         raise problem
@@ -370,14 +371,17 @@ def run(args: argparse.Namespace) -> int:
     # usage errors before vLLM's parser and the GPU check, which can only say "cannot run"; nothing is created yet
     workdir = check_dir(args.workdir, "--workdir", "tune") if args.workdir is not None else None
     png = check_png(args.png, "tune") if args.png is not None else None
-    # where this machine cannot run the sweep, that one line is all tune prints: the notes describe a sweep
-    # that will not happen
+    # where this machine cannot run the sweep, that one line is all tune prints of the sweep: its notes describe
+    # a sweep that will not happen. The environment's (a misspelt DBO_RUNTIME_ name) come first, as verify's
+    # do: they are true on any machine, and the operator fixing the machine would otherwise meet them later.
+    progress = Progress("[tune]")
+    for note in environment:
+        progress.say(f"note: {note}")
     check_with_vllm(plan[0].engine_args, "tune")
     visible, need = visible_gpus(), gpus_needed(engine_args, dp)
     if visible < need:
         raise CliError(f"needs {need} GPU(s) (data-parallel {dp} x tensor x pipeline parallel); {visible} visible", EXIT_RUN_FAILED)
-    progress = Progress("[tune]")
-    for note in notes:
+    for note in notes[len(environment) :]:
         progress.say(f"note: {note}")
     progress.say("engine arguments checked with vLLM's parser")
     # only once the engines will start: a refused run leaves nothing behind

@@ -68,8 +68,8 @@ def plan_sweep(
     ceiling = DEEPEP_HT_MANAGER_NUM_SMS
     env_raw = environ.get("VLLM_DBO_COMM_SMS")
     default = parse_comm_sms(env_raw) if env_raw is not None else DEFAULT_COMM_SMS["cuda"]
-    text = raw_values.strip().lower()
-    if text == "all":
+    text = raw_values.strip()
+    if text == "all":  # exact, lower case, as every word flag of the CLI (--shape, vLLM's choices)
         values = list(range(2, ceiling + 1, 2))
     else:
         values = []
@@ -81,6 +81,9 @@ def plan_sweep(
     for value in values:
         if value != 0 and (value % 2 or not 2 <= value <= ceiling):
             raise ConfigError("--values", raw_values, _allowed(ceiling))
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:  # a list typed with a repeat is a slip, not a request to measure a value twice
+        raise ConfigError("--values", raw_values, f"{_allowed(ceiling)}, each once ({', '.join(map(str, twice))} given more than once)")
     notes = []
     if default not in values:
         values.append(default)

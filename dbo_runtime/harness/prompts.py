@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.errors import ConfigError, shown
 
 MAX_PROMPTS = 100_000
 MAX_PROMPT_LEN = 1 << 20
@@ -48,11 +48,42 @@ def synthetic(spec: PromptSpec, vocab_size: int) -> list[dict[str, Any]]:
     return out
 
 
-def from_file(path: str) -> list[dict[str, Any]]:
-    """``.jsonl``: one ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}`` per line; else one text prompt per line."""
-    p = Path(path)
+JSON_LINES_SUFFIXES = (".jsonl", ".json")
+"""Prompt-file suffixes read as JSON lines, in any letter case; any other file is one text prompt per line."""
+PROMPT_OBJECTS = (
+    'objects with a non-empty "prompt_token_ids" list of non-negative integers (not true/false), or a non-empty "prompt" text'
+)
+
+
+class PromptFileLineError(ConfigError):
+    """A refused line of a JSON-lines prompt file: the line number stands outside the quoted path, so the path
+    reads (and can be copied) as typed; ``value`` stays the path, ``line`` the 1-based line number."""
+
+    def __init__(self, path: str, line: int, allowed: str) -> None:
+        super().__init__("--prompt-file", path, allowed)
+        self.line = line
+        self.args = (f"--prompt-file={shown(path)} line {line} is not allowed; allowed values: {allowed}",)
+
+
+def _not_a_file(p: Path) -> str | None:
+    """Why ``p`` cannot be a prompt file, in words about what it is; None for a regular file."""
+    if not p.exists():
+        return "an existing file (.jsonl/.json lines of prompt_token_ids/prompt, or text lines)"
+    if p.is_dir():
+        return f"a regular file ({p} is a folder)"
     if not p.is_file():
-        raise ConfigError("--prompt-file", path, "an existing file (.jsonl of prompt_token_ids/prompt, or text lines)")
+        return f"a regular file ({p} is a device, pipe or socket, not a regular file)"
+    return None
+
+
+def from_file(path: str) -> list[dict[str, Any]]:
+    """``.jsonl``/``.json`` (any case): one ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}`` per line;
+    else one text prompt per line. A token id must be an ``int`` proper: JSON's ``true`` is one in Python, and
+    would reach the engine as token 1."""
+    p = Path(path)
+    problem = _not_a_file(p)
+    if problem is not None:
+        raise ConfigError("--prompt-file", path, problem)
     try:
         lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
     except UnicodeDecodeError as exc:
@@ -60,27 +91,25 @@ def from_file(path: str) -> list[dict[str, Any]]:
     except OSError as exc:
         raise ConfigError("--prompt-file", path, f"a readable UTF-8 text file (cannot be read: {exc.strerror or exc})") from exc
     if not lines:
-        raise ConfigError("--prompt-file", path, "a file with at least one prompt")
+        raise ConfigError("--prompt-file", path, "a file with at least one prompt (this one is empty or only blank lines)")
     if len(lines) > MAX_PROMPTS:
         raise ConfigError("--prompt-file", path, f"at most {MAX_PROMPTS} prompts")
-    if p.suffix != ".jsonl":
+    if p.suffix.lower() not in JSON_LINES_SUFFIXES:
         return [{"prompt": line} for line in lines]
     out: list[dict[str, Any]] = []
     for number, line in enumerate(lines, 1):
         try:
             item = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ConfigError("--prompt-file", f"{path}:{number}", f"one JSON object per line ({exc.msg})") from exc
+            raise PromptFileLineError(path, number, f"one JSON object per line ({exc.msg})") from exc
         ids = item.get("prompt_token_ids") if isinstance(item, dict) else None
         text = item.get("prompt") if isinstance(item, dict) else None
-        if isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids):
+        if isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids):
             out.append({"prompt_token_ids": ids})
         elif isinstance(text, str) and text:
             out.append({"prompt": text})
         else:
-            raise ConfigError(
-                "--prompt-file", f"{path}:{number}", 'objects with "prompt_token_ids" (non-negative ints) or "prompt" (text)'
-            )
+            raise PromptFileLineError(path, number, PROMPT_OBJECTS)
     return out
 
 

@@ -178,7 +178,9 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     result["import_s"] = time.perf_counter() - t0
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm"))
+    # no abbreviations, as in the CLI's check (``cli._engine.check_with_vllm``): an abbreviated option would
+    # slip past every check that reads the engine arguments by their full names
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm", allow_abbrev=False))
     engine_args = EngineArgs.from_cli_args(parser.parse_args(spec["engine_args"]))
     t1 = time.perf_counter()
     llm = LLM.from_engine_args(engine_args)

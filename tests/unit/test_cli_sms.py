@@ -450,3 +450,68 @@ def test_console_script_and_module_entry_in_subprocesses() -> None:
     assert probe.returncode == 0, probe.stderr
     mod = subprocess.run([sys.executable, "-m", "dbo_runtime", "sms", "--total-sms", "132"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert mod.returncode == 0 and "132/20/112" in mod.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "said"),
+    [
+        ("DBO_RUNTIME_TOPK_LAYOUT", "bogus", "DBO_RUNTIME_TOPK_LAYOUT='bogus' is not allowed"),
+        ("DBO_RUNTIME_PLANNER_WARM_MAX_BATCH", "-1", "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH=-1 is not allowed"),
+        ("VLLM_DEEP_GEMM_WARMUP", "FULL", "VLLM_DEEP_GEMM_WARMUP='FULL' is not allowed"),
+    ],
+)
+def test_a_setting_a_server_refuses_is_a_warning_the_split_still_shown(
+    name: str, value: str, said: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sms does not read these settings, but doctor and the server refuse them: warned in the same words."""
+    monkeypatch.setenv(name, value)
+    assert main(["sms", "--json", "--total-sms", "132"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    [line] = err.splitlines()
+    assert line.startswith(f"dbo-runtime sms: warning: {said}") and "a server refuses it at engine start" in line
+    assert line.removeprefix("dbo-runtime sms: warning: ") in doc["warnings"]
+    assert split(doc["devices"][0]) == (132, 20, 112)
+
+
+def test_the_plugins_settings_are_not_warned_about_while_it_is_disabled(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """As doctor: DBO_RUNTIME_DISABLE=1 never reads them (vLLM's own are still read)."""
+    monkeypatch.setenv("DBO_RUNTIME_DISABLE", "1")
+    monkeypatch.setenv("DBO_RUNTIME_TOPK_LAYOUT", "bogus")
+    assert main(["sms", "--total-sms", "132"]) == 0
+    assert "TOPK_LAYOUT" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "unused"),
+    [
+        (["--all2all-backend", "deepep_low_latency", "--comm-sms", "99999999999"], "deepep_low_latency with expert parallelism reserves no comm SMs"),
+        (["--all2all-backend", "nixl_ep", "--comm-sms", "132"], "nixl_ep with expert parallelism reserves no comm SMs"),
+        (["--platform", "rocm", "--comm-sms", "200"], "ROCm with DeepEP high-throughput reserves no CUs"),
+    ],
+)
+def test_a_comm_share_the_device_cannot_hold_is_refused_with_every_backend(
+    args: list[str], unused: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM never applies it there (it lowers the share to 0 first), but the same variable stops an engine whose
+    backend differs: refused as under high-throughput, with the device's range."""
+    assert main(["sms", "--total-sms", "132", *args]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    value = args[-1]
+    assert line.startswith(f"dbo-runtime sms: error: --comm-sms={value} is not allowed; allowed values: integers in [0, 131]")
+    assert unused in line
+
+
+def test_a_comm_share_the_device_holds_stays_accepted_where_it_is_unused(capsys: pytest.CaptureFixture[str]) -> None:
+    [dev] = run_json(capsys, "--total-sms", "132", "--all2all-backend", "deepep_low_latency", "--comm-sms", "131")["devices"]
+    assert split(dev) == (132, 0, 132)
+    [dev] = run_json(capsys, "--total-sms", "132", "--platform", "rocm", "--comm-sms", "131")["devices"]
+    assert dev["budget"]["rocm_override"] is True
+
+
+def test_the_environments_comm_share_gets_the_same_refusal_in_verify_and_tune(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dbo_runtime.cli._engine import comm_sms_problem
+
+    env = {"VLLM_DBO_COMM_SMS": "500"}
+    problem = comm_sms_problem(["--all2all-backend", "deepep_low_latency"], env)
+    assert problem is not None and problem.parameter == "VLLM_DBO_COMM_SMS" and "integers in [0, 131]" in problem.allowed

@@ -42,6 +42,20 @@ def test_all_is_every_even_count_deepep_accepts() -> None:
     assert _sweep("0,2,4,6,8,10,12,14,16,18").values == (0, *range(2, 21, 2))  # eleven engines: the most there can be
 
 
+@pytest.mark.parametrize("raw", ["ALL", "All"])
+def test_all_is_lower_case_as_every_word_flag(raw: str) -> None:
+    """As ``--shape PREFILL`` is refused: one rule for the case of a word."""
+    with pytest.raises(ConfigError) as err:
+        _sweep(raw)
+    assert err.value.parameter == "--values" and err.value.value == raw
+
+
+def test_a_value_listed_twice_is_refused_not_silently_dropped() -> None:
+    with pytest.raises(ConfigError) as err:
+        _sweep("8,12,8")
+    assert str(err.value).endswith("each once (8 given more than once)")
+
+
 @pytest.mark.parametrize("raw", ["3", "22", "4,x", "-2", "", "4;8"])
 def test_values_deepep_refuses_are_one_line_naming_values(raw: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -243,6 +257,25 @@ def test_without_gpus_it_cannot_run(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     assert "needs 2 GPU(s)" in _one_line(capsys)
 
 
+def test_a_misspelt_setting_is_noted_before_the_machine_refuses_the_sweep(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As verify: the environment's note is true on any machine, so it comes before "cannot run here"."""
+    from dbo_runtime.cli._common import CliError
+
+    def no_platform(args: list[str], command: str) -> None:
+        raise CliError("engine arguments not checked: vLLM cannot build its parser here (no GPU platform); tune needs a GPU machine", 3)
+
+    monkeypatch.setenv("DBO_RUNTIME_DISABEL", "1")
+    monkeypatch.setattr(tune, "check_with_vllm", no_platform)
+    assert main(["tune", *ENGINE]) == 3
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 2
+    assert lines[0].startswith("[tune] note: DBO_RUNTIME_DISABEL is not a dbo_runtime setting") and "did you mean DBO_RUNTIME_DISABLE?" in lines[0]
+    assert lines[1].startswith("dbo-runtime tune: engine arguments not checked")
+
+
 def test_without_gpus_the_refusal_is_all_it_prints(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The notes (prefix caching off, the memory split) describe a sweep that will not run: on a machine that
     cannot run one, the refusal is the only line, whether the GPU count or vLLM's parser says so."""
@@ -349,6 +382,35 @@ def test_a_png_that_cannot_be_drawn_is_refused_before_any_engine(
     if where == "proc":
         assert line.endswith("(/proc is not writable: its file system takes no new files)"), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_a_png_suffix_matplotlib_cannot_write_is_refused_before_any_engine(
+    installed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """matplotlib would say "Format 'txt' is not supported" only after the whole sweep. Without matplotlib to ask,
+    the formats every matplotlib writes."""
+    from dbo_runtime.cli import _paths
+
+    _no_engine(monkeypatch)
+    monkeypatch.setattr(_paths, "matplotlib_installed", lambda: installed)
+    png = tmp_path / "c.txt"
+    assert main(["tune", "--png", str(png), *ENGINE]) == 2
+    line = _one_line(capsys)
+    assert line.startswith(f"dbo-runtime tune: error: --png='{png}' is not allowed; allowed values: a file name ending in a format matplotlib writes: ")
+    assert ".png" in line and ".txt" not in line.split("allowed values:")[1]
+    if not installed:
+        assert line.endswith("writes: .pdf, .png, .svg")
+
+
+def test_a_png_path_is_the_file_matplotlib_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No suffix: matplotlib appends .png, so that is the path tune reports; a suffix in any case is its format."""
+    from dbo_runtime.cli import _paths
+
+    monkeypatch.setattr(_paths, "matplotlib_installed", lambda: True)
+    monkeypatch.setattr(_paths, "plot_formats", lambda: _paths.FORMATS_WITHOUT_MATPLOTLIB)
+    assert _paths.check_png(str(tmp_path / "curve"), "tune") == tmp_path / "curve.png"
+    assert _paths.check_png(str(tmp_path / "curve.SVG"), "tune") == tmp_path / "curve.SVG"
 
 
 def test_a_drawing_that_fails_is_a_note_after_the_result(

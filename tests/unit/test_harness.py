@@ -104,6 +104,42 @@ def test_round_robin_ranks_cover_every_prompt_once() -> None:
     assert got == list(range(10))
 
 
+@pytest.mark.parametrize("name", ["p.json", "p.JSONL", "p.Json"])
+def test_a_json_lines_prompt_file_is_read_as_such_whatever_its_suffixs_case(tmp_path: Path, name: str) -> None:
+    f = tmp_path / name
+    f.write_text('{"prompt_token_ids": [5, 6]}\n{"prompt": "hi"}\n')
+    assert from_file(str(f)) == [{"prompt_token_ids": [5, 6]}, {"prompt": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "line", ['{"prompt_token_ids": [true]}', '{"prompt_token_ids": [3, false]}', '{"prompt_token_ids": []}', '{"prompt": ""}', "[1, 2]"]
+)
+def test_a_bad_json_line_is_named_by_its_number_outside_the_quoted_path(tmp_path: Path, line: str) -> None:
+    """A bool is an int in Python (``true`` would be token 1); empty prompts say that they must not be."""
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(ConfigError) as err:
+        from_file(str(f))
+    assert str(err.value) == (
+        f"--prompt-file='{f}' line 2 is not allowed; allowed values: objects with a non-empty \"prompt_token_ids\" list "
+        'of non-negative integers (not true/false), or a non-empty "prompt" text'
+    )
+    assert err.value.value == str(f) and err.value.parameter == "--prompt-file"
+
+
+def test_a_prompt_file_that_is_no_regular_file_says_what_it_is(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_file("/dev/null")
+    assert "a regular file (/dev/null is a device, pipe or socket, not a regular file)" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        from_file(str(tmp_path))
+    assert f"({tmp_path} is a folder)" in str(err.value)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    with pytest.raises(ConfigError, match="at least one prompt \\(this one is empty or only blank lines\\)"):
+        from_file(str(empty))
+
+
 def test_prompt_file_formats_and_errors(tmp_path: Path) -> None:
     jl = tmp_path / "p.jsonl"
     jl.write_text('{"prompt_token_ids": [1, 2, 3]}\n{"prompt": "hello"}\n')
@@ -113,8 +149,9 @@ def test_prompt_file_formats_and_errors(tmp_path: Path) -> None:
     assert from_file(str(txt)) == [{"prompt": "one"}, {"prompt": "two"}]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt_token_ids": [-1]}\n')
-    with pytest.raises(ConfigError, match=r"bad\.jsonl:1"):
+    with pytest.raises(ConfigError) as err:
         from_file(str(bad))
+    assert str(err.value).startswith(f"--prompt-file='{bad}' line 1 is not allowed; allowed values: objects with a non-empty")
     with pytest.raises(ConfigError, match="--prompt-file"):
         from_file(str(tmp_path / "absent.jsonl"))
     with pytest.raises(ConfigError, match="--prompts"):

@@ -1,0 +1,81 @@
+"""``dbo-runtime``'s own parsing (``cli.main``): abbreviations, engine-argument look-alikes, parser errors under
+``--json``. CPU only: nothing here reaches an engine (``check_with_vllm`` is replaced where a run would get that far)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dbo_runtime.cli import main as cli_main
+from dbo_runtime.cli import tune, verify
+from dbo_runtime.cli.main import main
+
+ENGINE = ["--model", "m", "-dp", "2", "--enable-expert-parallel", "--all2all-backend", "deepep_high_throughput"]
+
+
+def _reached(*_: object) -> None:
+    pytest.fail("an argument that looks like the command's own option reached the engine-argument check")
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["tune", "--rep", "8"], "--rep is not a tune option (did you mean --reps?)"),
+        (["tune", "--rep=8"], "--rep is not a tune option (did you mean --reps?)"),
+        (["tune", "--decode", "4"], "--decode is not a tune option (did you mean --decode-batch?)"),
+        (["tune", "--prompt_lenght", "8"], "--prompt_lenght is not a tune option (did you mean --prompt-len?)"),
+        (["verify", "--max-tok", "8"], "--max-tok is not a verify option (did you mean --max-tokens?)"),
+        (["verify", "--noise-flor"], "--noise-flor is not a verify option (did you mean --noise-floor?)"),
+    ],
+)
+def test_an_abbreviated_or_misspelt_own_option_never_becomes_an_engine_argument(
+    argv: list[str], said: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's parser takes abbreviations: ``tune --rep 8`` would start engines with ``--replayssm-buffer-len 8``."""
+    monkeypatch.setattr(tune, "check_with_vllm", _reached)
+    monkeypatch.setattr(verify, "check_with_vllm", _reached)
+    assert main([*argv, *ENGINE]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert err.startswith(f"dbo-runtime {argv[0]}: error: {said}; allowed values: {argv[0]}'s own options spelt in full")
+
+
+def test_a_real_vllm_option_that_resembles_an_own_option_still_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--max-logprobs`` (vLLM) is close to verify's ``--max-dlogprob``, and it is vLLM's: handed on."""
+    monkeypatch.setattr(cli_main, "_vllm_option_names", lambda: {"--max-logprobs", "--seed"})
+    assert cli_main._own_option_lookalike("verify", ["--max-logprobs", "3"]) is None
+    cli_main.build_parser()
+    for extra in (["--seed", "1"], ["--max-num-seqs", "8"], ["--enforce-eager"], ["--max-model-len=4096"]):
+        assert cli_main._own_option_lookalike("tune", extra) is None, extra
+
+
+@pytest.mark.parametrize("argv", [["sms", "--total", "132"], ["sms", "--json", "--total=132"], ["simulate", "--step", "1"], ["doctor", "--js"]])
+def test_no_parser_takes_an_abbreviation(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "schema", "parameter"),
+    [
+        (["simulate", "--json", "--mode", "bogus"], "dbo-runtime/simulate/v1", "--mode"),
+        (["simulate", "--json", "--steps"], "dbo-runtime/simulate/v1", None),
+        (["sms", "--json", "--bogus"], "dbo-runtime/sms/v1", None),
+        (["doctor", "--json", "extra"], "dbo-runtime/doctor/v2", None),
+        (["tune", "--json", "--rep", "8", *ENGINE], "dbo-runtime/tune/v1", "--rep"),
+    ],
+)
+def test_a_parser_error_under_json_is_a_json_error_document_too(
+    argv: list[str], schema: str, parameter: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["schema"] == schema and doc["exit_code"] == 2 and doc["error"]["parameter"] == parameter
+    assert doc["error"]["message"] in err and len(err.splitlines()) == 1
+
+
+def test_a_parser_error_without_json_leaves_stdout_empty(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--mode", "bogus"]) == 2
+    assert capsys.readouterr().out == ""
