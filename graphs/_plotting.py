@@ -9,7 +9,8 @@ from typing import Any
 
 def pyplot() -> Any | None:
     """``matplotlib.pyplot`` on the Agg backend, or None when matplotlib is not installed (said once on stderr, so
-    a missing PNG is never a silent gap: matplotlib is not one of the project's dependencies)."""
+    a missing PNG is never a silent gap: the plugin does not depend on matplotlib, only the development set-up
+    installs it, and a GPU machine may lack it)."""
     try:
         import matplotlib
 

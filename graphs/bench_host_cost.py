@@ -483,20 +483,36 @@ def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
+    """Two panels, one bar per configuration. A value a row lacks (no vanilla engine finished, so no ratio or
+    share) is written "n/a" on the axis instead of drawn as a zero bar, which would read as "costs nothing". Bars
+    are coloured by the records they came from: a matrix merged from several leases mixes code versions, and the
+    figure has to say which rows measured which."""
     plt = pyplot()
     if plt is None:
         return
     labels = [r["label"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    ratios = [(r["plugin_over_vanilla_paired"] or {}).get("median") or 0 for r in rows]
-    axes[0].bar(range(len(rows)), ratios)
-    axes[0].axhline(1.0, color="k", lw=0.8)
-    axes[0].set_ylabel("dbo_runtime / vanilla step (paired median)")
-    shares = [100 * (r["self_share_of_step"] or 0) for r in rows]
-    axes[1].bar(range(len(rows)), shares)
-    axes[1].set_ylabel("plugin self time, % of a vanilla step")
-    for ax in axes:
+    sources = [Path(r["source"]).name if r.get("source") else "this run" for r in rows]
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour_of = {s: palette[i % len(palette)] for i, s in enumerate(dict.fromkeys(sources))}
+    colours = [colour_of[s] for s in sources]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    ratios = [(r["plugin_over_vanilla_paired"] or {}).get("median") for r in rows]
+    shares = [None if r["self_net_share_of_step"] is None else 100 * r["self_net_share_of_step"] for r in rows]
+    panels = (
+        (axes[0], ratios, "dbo_runtime / vanilla step (paired median)"),
+        (axes[1], shares, "plugin self time net of the timer, % of a vanilla step"),
+    )
+    for ax, values, ylabel in panels:
+        ax.bar(range(len(rows)), [v or 0 for v in values], color=colours)
+        for i, v in enumerate(values):
+            if v is None:
+                ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
+        ax.set_ylabel(ylabel)
         ax.set_xticks(range(len(rows)), labels, rotation=35, ha="right", fontsize=7)
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    if len(colour_of) > 1:
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colour_of.values()]
+        axes[1].legend(handles, list(colour_of), fontsize=7, title="records", title_fontsize=7)
     fig.suptitle("dbo_runtime host cost at depth, real vLLM engine, one GPU (three engines per configuration, timed in turns)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -753,3 +753,32 @@ def test_host_cost_bench_refuses_records_it_cannot_use(tmp_path: Path, capsys: p
         with pytest.raises(SystemExit):
             mod.main(["--from-records", *bad, *argv])
         assert "argument --from-records" in capsys.readouterr().err
+
+
+def test_host_cost_plot_says_na_for_a_row_without_vanilla_and_colours_by_records(tmp_path: Path) -> None:
+    """A row whose vanilla engine never finished has no ratio and no share: the figure says n/a rather than
+    drawing a zero bar (which reads as "costs nothing"), and rows merged from two leases get two colours."""
+    from graphs._plotting import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        pytest.fail("matplotlib is a dev dependency (make setup): the plot cannot be checked without it")
+    mod = load("bench_host_cost.py")
+    measured = {"label": "v32-6L-eager-dbo-off", "plugin_over_vanilla_paired": {"median": 1.01}, "self_net_share_of_step": 0.0004,
+                "source": "docs/gpu-runs/2026-12-04-lease20-hostcost"}  # fmt: skip
+    unmeasured = {"label": "v32-61L-eager-dbo-off", "plugin_over_vanilla_paired": None, "self_net_share_of_step": None,
+                  "source": "docs/gpu-runs/2026-12-02-lease14-hostcost"}  # fmt: skip
+    drawn: list = []
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    try:
+        mod._plot([measured, unmeasured], tmp_path / "plot.png")
+    finally:
+        monkeypatch.undo()
+    (fig,) = drawn
+    for ax in fig.axes[:2]:
+        assert [t.get_text() for t in ax.texts] == ["n/a"] and ax.texts[0].get_position()[0] == 1
+        bars = ax.patches
+        assert bars[0].get_facecolor() != bars[1].get_facecolor()
+    assert [t.get_text() for t in fig.axes[1].get_legend().get_texts()] == ["2026-12-04-lease20-hostcost", "2026-12-02-lease14-hostcost"]
+    plt.close(fig)
