@@ -23,7 +23,7 @@ from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.planner_shapes import dbo_planner_shapes
 from dbo_runtime.integration import activation, guard
-from dbo_runtime.integration.features import Feature, Probe, Upstream
+from dbo_runtime.integration.features import REGISTRY, Feature, Probe, Upstream
 from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import PATCH_MARK, ArgSlots, Patch, require_parameters
 from dbo_runtime.integration.ubatch_failures import record, shields_itself
@@ -254,9 +254,29 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
         cache.register_profile(device, profile, full_sms=None)
         return profile
     cache.register_profile(device, profile, full_sms=int(builder.num_sms))
-    # the logits of one call: a row per decode token (B x next_n), at most a full step's
-    reserve_placeholders(builder.device, int(config.model_config.max_model_len), min(max_seqs * q, max_tokens))
     return profile
+
+
+def reserve_builder_placeholders(builder: Any) -> None:
+    """Reserve the guard's placeholder logits for a DBO engine's indexer builder, apart from the planner profile:
+    ``register_builder`` is an optimisation whose failure is only logged, while the placeholders are what keeps an
+    out-of-memory error at the call site on a microbatch thread from hanging the step. A builder whose sizes cannot
+    be read marks the guard broken, so the worker check refuses DBO instead of starting without them."""
+    if not _may_microbatch(builder) or guard.platform() == "rocm":  # ROCm: no DeepGEMM call site to stand in for
+        return
+    try:
+        config = builder.vllm_config
+        sched = config.scheduler_config
+        q = 1 + int(getattr(builder, "num_speculative_tokens", 0))
+        # the logits of one call: a row per decode token (B x next_n), at most a full step's
+        rows = min(int(sched.max_num_seqs) * q, int(sched.max_num_batched_tokens))
+        max_model_len = int(config.model_config.max_model_len)
+        device = builder.device
+    except Exception as exc:
+        REGISTRY.mark("ubatch_guard", "broken", f"the indexer builder's sizes could not be read to reserve the placeholder logits ({exc!r})")
+        logger.error("dbo_runtime: the placeholder logits could not be sized (%r), so DBO is refused for DSA models", exc)
+        return
+    reserve_placeholders(device, max_model_len, rows)  # marks the guard broken itself when the allocation fails
 
 
 def _may_microbatch(builder: Any) -> bool:
@@ -298,6 +318,7 @@ def _make_builder_init(original: Any) -> Any:
             logger.error("dbo_runtime: %s", exc)
         except Exception as exc:
             _log_once("register_builder", "dbo_runtime: indexer planner profile not registered (%r); planners compile on first use", exc)
+        reserve_builder_placeholders(self)
 
     return __init__
 

@@ -571,15 +571,45 @@ def test_a_rocm_builder_warms_and_reserves_nothing(env: Env, monkeypatch: pytest
     monkeypatch.delenv("VLLM_DEEP_GEMM_WARMUP", raising=False)
     reserved: list[Any] = []
     monkeypatch.setattr(indexer_hooks, "reserve_placeholders", lambda *a, **k: reserved.append(a))
-    builder = env.builder()
-    builder.device = torch.device("cpu")
     monkeypatch.setattr(guard, "platform", lambda: "rocm")
+    builder = env.builder()  # vLLM's __init__, hooked: on ROCm neither a profile nor placeholders
+    builder.device = torch.device("cpu")
     assert indexer_hooks.register_builder(builder, device_index=0) is None
+    indexer_hooks.reserve_builder_placeholders(builder)
     stats = env.cache.stats
     assert (stats.warmups, stats.warm_failures, env.dg.plan_calls, reserved) == (0, 0, [], [])
     monkeypatch.setattr(guard, "platform", lambda: "cuda")
     assert indexer_hooks.register_builder(builder, device_index=0) is not None
+    indexer_hooks.reserve_builder_placeholders(builder)
     assert env.cache.stats.warmups > 0 and reserved
+
+
+def test_a_dbo_builder_reserves_the_placeholders_even_when_its_profile_fails(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner profile is an optimisation (its failure is logged and the engine starts); the placeholder logits
+    are what keeps an out-of-memory error at the call site on a microbatch thread from hanging the step, so vLLM's
+    builder ``__init__`` reserves them whatever the profile did, and sizes it cannot read mark the guard broken."""
+    from dbo_runtime.integration import guard
+
+    monkeypatch.setattr(guard, "platform", lambda: "cuda")
+    reserved: list[Any] = []
+    monkeypatch.setattr(indexer_hooks, "reserve_placeholders", lambda *a, **k: reserved.append(a))
+
+    def failing(*_: Any, **__: Any) -> None:
+        raise RuntimeError("profile shapes could not be read")
+
+    monkeypatch.setattr(indexer_hooks, "register_builder", failing)
+    builder = env.builder()  # vLLM's __init__, hooked: the profile fails, the reservation still happens
+    sched = builder.vllm_config.scheduler_config
+    q = 1 + int(getattr(builder, "num_speculative_tokens", 0))
+    assert reserved and reserved[-1][1:] == (builder.vllm_config.model_config.max_model_len, min(sched.max_num_seqs * q, sched.max_num_batched_tokens))
+    reserved.clear()
+    indexer_hooks.reserve_builder_placeholders(env.builder(dbo=False))
+    assert reserved == []  # an engine that never microbatches needs no placeholder
+    marks: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(indexer_hooks.REGISTRY, "mark", lambda *a: marks.append(a))
+    monkeypatch.setattr(builder, "vllm_config", SimpleNamespace(parallel_config=builder.vllm_config.parallel_config))
+    indexer_hooks.reserve_builder_placeholders(builder)
+    assert reserved == [] and [m[:2] for m in marks] == [("ubatch_guard", "broken")] and "placeholder" in marks[0][2]
 
 
 def test_an_engine_that_never_microbatches_warms_nothing(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
