@@ -180,6 +180,16 @@ def _forget_runtime_state() -> None:
     topk = sys.modules.get("dbo_runtime.integration.topk_hooks")
     state = topk.current_state() if topk is not None else None
     if state is not None:
+        alive = state.attached_alive()
+        if alive:
+            # uninstall() cannot refuse (it is teardown), but a model built under the plugin that runs on would
+            # share its top-k state across microbatches again: vanilla vLLM's silent accuracy loss.
+            logger.error(
+                "dbo_runtime: uninstalled while %d index group(s) or model buffer(s) with per-microbatch top-k state "
+                "are alive: a DBO step of that model would share top-k across microbatches again (vLLM's bug); "
+                "shut that engine down before it runs another step",
+                alive,
+            )
         state.clear()
 
 

@@ -221,6 +221,12 @@ class UbatchTopkState:
             for key in [k for k, ref in table.items() if ref() is None]:
                 del table[key]
 
+    def attached_alive(self) -> int:
+        """How many attached index groups and model buffers are still alive (a model that may still run DBO)."""
+        with self._lock:
+            self._prune()
+            return len(self._groups) + len(self._model_buffers)
+
     def clear(self) -> None:
         with self._lock:
             for ref in list(self._groups.values()):

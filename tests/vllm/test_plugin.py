@@ -313,3 +313,30 @@ def test_uninstall_forgets_what_the_hooks_built_at_run_time(unpatched: dict[str,
     ubatch_failures.FAILURES.pending.append(("x", 1, RuntimeError("left over")))
     plugin.uninstall()
     assert ubatch_guard._RESERVED == {} and ubatch_failures.FAILURES.pending == []
+
+
+def test_uninstall_under_a_live_model_with_topk_state_is_an_error(unpatched: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """uninstall() cannot refuse (it is teardown), but a live model whose index groups carry per-microbatch top-k
+    state would run DBO steps on vLLM's shared state again: that is said at ERROR, and only then."""
+    import logging
+
+    import torch
+
+    from dbo_runtime.integration import topk_hooks
+
+    class Group:  # an index group: weak-referenceable, with a __dict__ for its state
+        def __init__(self) -> None:
+            self.logical_topk_indices = torch.zeros(8, 2, dtype=torch.int32)
+
+    caplog.set_level(logging.INFO, logger="vllm.dbo_runtime")
+    plugin.register()
+    plugin.uninstall()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    plugin.register()
+    state = topk_hooks.default_state()
+    group = Group()
+    state.attach(group, 2, object)
+    plugin.uninstall()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "1 index group(s) or model buffer(s)" in errors[0] and "shut that engine down" in errors[0]
+    assert not hasattr(group, "_dbo_runtime_topk_state")  # and the state is still taken off the group
