@@ -115,6 +115,12 @@ def register() -> None:
             patches = all_patches()
             states = feature_states(patches)
             skip = excluded_optional(patches, _recorded())
+            topk = importlib.import_module("dbo_runtime.integration.topk_hooks")  # all_patches() loaded it
+            if topk.FA4_SCALARS in skip:
+                topk.default_state().windows_unsafe = (
+                    f"{topk.FA4_SCALARS} is not installed ({skip[topk.FA4_SCALARS]}), so FA4 sparse MLA would "
+                    "cache three device tensors per split point, never evicted"
+                )
         except Exception as exc:
             REGISTRY.clear()
             if strict:

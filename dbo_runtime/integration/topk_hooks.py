@@ -403,6 +403,10 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
     )
 
 
+FA4_SCALARS = "topk.fa4_varlen_scalars"
+"""Optional: skipped where FA4 sparse MLA is absent; where its code differs, the windows layout is not used."""
+
+
 def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:
     """FA4 sparse MLA caches per-token scalars keyed on ``topk_indices_buffer.shape[0]``.
 
@@ -427,7 +431,7 @@ def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:
         return _fa4_varlen_scalars
 
     return Patch(
-        name="topk.fa4_varlen_scalars",
+        name=FA4_SCALARS,
         module=_FA4_SPARSE,
         attr="_fa4_varlen_scalars",
         make=make,

@@ -161,8 +161,8 @@ class PlannerWarmup:
         profiles = self._profiles.get(device_index, [])
         if not profiles:
             return 0
-        # Published on every DBO step ("entered"): once a count is warm for the current
-        # profile set, return before any probe, env read or bucket walk.
+        # Called for every announced budget and every newly registered builder: once a count is warm for
+        # the current profile set, return before any probe, env read or bucket walk.
         done = (device_index, num_sms, dbo, len(profiles))
         if done in self._warm_done:
             return 0

@@ -10,7 +10,9 @@ upstream's (one buffer and one workspace per extra microbatch; 216 MiB for GLM-5
 ``WINDOWS`` (default) allocates nothing: microbatch *i* uses the rows from its token offset, correct because
 vLLM's microbatch slices are consecutive and disjoint, every reader and writer indexes from row 0 of its own
 slice, and the padded total never exceeds ``max_num_batched_tokens``; a FULL graph's split point is fixed per
-graph size, so replays reuse the same disjoint rows. A window that does not fit the physical workspace makes
+graph size, so replays reuse the same disjoint rows. vLLM's padded decode path writes ``B x next_n`` rows, more than
+the microbatch's tokens when the split cuts a request in two; DeepGEMM's paged-MQA logits refuse that shape first
+(their weights hold one row per token), with or without dbo_runtime, so no write passes a window's end. A window that does not fit the physical workspace makes
 vLLM's ``_convert_once`` convert per layer from the (windowed) logical buffer, as upstream does for any step
 larger than the workspace. No vLLM import: tensors, events and streams are duck-typed (the GPU twin drives the
 same code with real CUDA objects).
@@ -28,7 +30,10 @@ from typing import Any
 import torch
 
 from dbo_runtime.core.errors import DboRuntimeError
+from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.settings import LAYOUT_ENV, TopkLayout, parse_layout
+
+logger = get_logger("dbo_runtime.topk_state")
 
 UbatchLocator = Callable[[], tuple[int, int]]
 """Returns ``(microbatch id, token offset)`` of the calling thread; ``(0, 0)`` outside DBO."""
@@ -158,6 +163,9 @@ class UbatchTopkState:
         """``None``: read ``DBO_RUNTIME_TOPK_LAYOUT`` at the first ``attach`` (model construction)."""
         self._layout_given = layout
         """What ``clear`` returns ``layout`` to: a later model in the process reads the setting in force then."""
+        self.windows_unsafe: str | None = None
+        """Why ``WINDOWS`` is not safe in this process (a cache keyed on a window's length that dbo_runtime could
+        not key on the whole buffer), or None. Then the default layout is ``COPIES``."""
         self._lock = threading.Lock()
         self._model_buffers: dict[int, weakref.ref[torch.Tensor]] = {}
         self._logical: dict[int, weakref.ref[_LogicalState]] = {}
@@ -187,7 +195,7 @@ class UbatchTopkState:
         with self._lock:
             self._prune()
             if self.layout is None:
-                self.layout = parse_layout(os.environ.get(LAYOUT_ENV))
+                self.layout = self._chosen_layout()
             if self._group_state(group) is not None:
                 return
             ref = self._logical.get(id(base))
@@ -207,13 +215,32 @@ class UbatchTopkState:
         with self._lock:
             self._prune()
             if self.layout is None:
-                self.layout = parse_layout(os.environ.get(LAYOUT_ENV))
+                self.layout = self._chosen_layout()
             ref = self._logical.get(id(base))
             state = ref() if ref is not None else None
             if state is None or state.base_ref() is not base:
                 state = _LogicalState(base, self.layout, num_ubatches)
                 self._logical[id(base)] = weakref.ref(state)
             return state
+
+    def _chosen_layout(self) -> TopkLayout:
+        """``DBO_RUNTIME_TOPK_LAYOUT``, or ``COPIES`` instead of the default ``WINDOWS`` where windows are not safe
+        in this process (a window per split point would grow a never-evicted cache): said once, at model build."""
+        raw = os.environ.get(LAYOUT_ENV)
+        layout = parse_layout(raw)
+        if layout is not TopkLayout.WINDOWS or self.windows_unsafe is None:
+            return layout
+        if raw is None or raw.strip() == "":
+            logger.warning(
+                "dbo_runtime: per-microbatch top-k uses the copies layout (extra device memory, counted in vLLM's "
+                "profile) instead of windows: %s", self.windows_unsafe,
+            )
+            return TopkLayout.COPIES
+        logger.warning(
+            "dbo_runtime: %s=windows kept as asked, although %s; unset it (or set copies) to avoid that",
+            LAYOUT_ENV, self.windows_unsafe,
+        )
+        return layout
 
     def _prune(self) -> None:
         """Drop registry entries whose object is gone (caller holds the lock)."""
@@ -237,6 +264,7 @@ class UbatchTopkState:
             self._logical.clear()
             self._groups.clear()
             self.layout = self._layout_given
+            self.windows_unsafe = None
 
     # -- hot path ----------------------------------------------------------------------------------
     def _group_state(self, group: Any) -> _GroupState | None:

@@ -130,3 +130,29 @@ def test_clear_lets_the_next_model_read_the_layout_in_force_then(monkeypatch: py
     pinned = UbatchTopkState(lambda: (0, 0), TopkLayout.COPIES)
     pinned.clear()
     assert pinned.layout is TopkLayout.COPIES  # a layout given at construction stays
+
+
+@pytest.mark.parametrize("setting", [None, "", "windows", "copies"])
+def test_windows_that_are_not_safe_in_this_process_become_copies_unless_asked_for(
+    setting: str | None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where FA4's never-evicted scalar cache could not be keyed on the whole buffer, a window per split point
+    would grow it: the default becomes COPIES (said once); an explicit windows setting is kept with a warning."""
+    import logging
+
+    from dbo_runtime.core.settings import LAYOUT_ENV
+
+    caplog.set_level(logging.WARNING)
+    if setting is None:
+        monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(LAYOUT_ENV, setting)
+    st = UbatchTopkState(lambda: (0, 0))
+    st.windows_unsafe = "topk.fa4_varlen_scalars is not installed (code differs)"
+    group = _group(torch.zeros(8, 2, dtype=torch.int32))
+    st.attach(group, 2, object)
+    expected = TopkLayout.WINDOWS if setting == "windows" else TopkLayout.COPIES
+    warned = [r.getMessage() for r in caplog.records if "fa4_varlen_scalars" in r.getMessage()]
+    assert st.layout is expected and len(warned) == (0 if setting == "copies" else 1)
+    st.clear()
+    assert st.windows_unsafe is None and st.layout is None  # a later model is judged again

@@ -340,3 +340,23 @@ def test_uninstall_under_a_live_model_with_topk_state_is_an_error(unpatched: dic
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "1 index group(s) or model buffer(s)" in errors[0] and "shut that engine down" in errors[0]
     assert not hasattr(group, "_dbo_runtime_topk_state")  # and the state is still taken off the group
+
+
+def test_a_differing_fa4_scalar_cache_turns_the_default_topk_layout_to_copies(
+    unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``topk.fa4_varlen_scalars`` is optional (FA4 sparse MLA may be absent), but where its code differs from
+    vLLM 0.33.0 the windows layout would grow FA4's never-evicted cache: the registry is told before any model."""
+    from dbo_runtime.integration import topk_hooks
+
+    real = plugin.excluded_optional
+    monkeypatch.setattr(
+        plugin, "excluded_optional", lambda patches, recorded: {**real(patches, recorded), topk_hooks.FA4_SCALARS: "code differs from vLLM 0.33.0"}
+    )
+    plugin.register()
+    try:
+        reason = topk_hooks.default_state().windows_unsafe
+        assert reason is not None and "code differs" in reason and "never evicted" in reason
+    finally:
+        plugin.uninstall()
+    assert topk_hooks.default_state().windows_unsafe is None
