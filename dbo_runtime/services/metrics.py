@@ -59,7 +59,8 @@ class MetricsExporter:
             PREFIX + "planner_jit_at_start", "Planner variants first launched by vLLM's start-up runs (profile, warm-up, capture)", registry=reg
         )
         self._cache = cache
-        self._last: dict[str, int] = {}
+        self._last: dict[tuple[int, str | None], int] = {}
+        self._children: dict[tuple[int, str | None], Any] = {}
         self._lock = threading.Lock()
         self._attached: set[int] = set()
 
@@ -85,10 +86,20 @@ class MetricsExporter:
             self._cache = schedule_cache()
         return self._cache
 
-    def _delta(self, key: str, value: int) -> int:
+    def _add(self, counter: Any, label: str | None, value: int) -> None:
+        """Move ``counter`` (its ``label`` child) up to the running total ``value``. A delta of 0 touches nothing,
+        and a child is looked up once: ``labels()`` takes a lock and, in multiprocess mode, ``inc`` writes an mmap,
+        on the main thread between the microbatches' join and the step's return."""
+        key = (id(counter), label)
         previous = self._last.get(key, 0)
+        if value <= previous:
+            self._last[key] = value
+            return
         self._last[key] = value
-        return max(0, value - previous)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = counter if label is None else counter.labels(label)
+        child.inc(value - previous)
 
     def on_budget(self, event: BudgetEvent) -> None:
         device = str(event.budget.device)
@@ -100,19 +111,16 @@ class MetricsExporter:
             return
         with self._lock:
             stats = event.control.stats
-            self.partitions.labels(device).inc(self._delta(f"partitions{device}", stats.partitions_entered))
-            self.knob_switches.labels(device).inc(self._delta(f"switches{device}", stats.switches))
+            self._add(self.partitions, device, stats.partitions_entered)
+            self._add(self.knob_switches, device, stats.switches)
             cache = self._schedule_cache().stats
-            for kind, value in (
-                ("call_site", cache.replans),
-                ("captured", cache.captured_replans),
-                ("untracked", cache.untracked_replans),
-            ):
-                self.replans.labels(kind).inc(self._delta(f"replans.{kind}", value))
-            self.planned_ahead.inc(self._delta("planned_ahead", cache.planned_ahead))
-            self.warmups.inc(self._delta("warmups", cache.warmups))
-            self.jit_in_step.inc(self._delta("jit_in_step", cache.jit_in_step))
-            self.jit_at_start.inc(self._delta("jit_at_start", cache.jit_at_start))
+            self._add(self.replans, "call_site", cache.replans)
+            self._add(self.replans, "captured", cache.captured_replans)
+            self._add(self.replans, "untracked", cache.untracked_replans)
+            self._add(self.planned_ahead, None, cache.planned_ahead)
+            self._add(self.warmups, None, cache.warmups)
+            self._add(self.jit_in_step, None, cache.jit_in_step)
+            self._add(self.jit_at_start, None, cache.jit_at_start)
 
 
 _EXPORTER: MetricsExporter | None = None

@@ -70,3 +70,39 @@ def test_a_failing_metrics_export_never_stops_the_sm_context(monkeypatch: pytest
     monkeypatch.setattr(sm_hooks, "budget_from_vllm", lambda parallel_config: (budget, None, None))
     ctx = sm_hooks.create_sm_control_context(object())
     assert ctx.compute_sms == 112 and "Prometheus metrics not exported" in caplog.text
+
+
+def test_a_step_touches_only_the_counters_that_moved_and_looks_each_child_up_once() -> None:
+    """The export runs on the main thread inside every DBO step: a counter whose total did not move is not
+    touched, and a labelled child is looked up once (``labels()`` takes a lock; multiprocess ``inc`` writes)."""
+    import prometheus_client
+
+    registry = prometheus_client.CollectorRegistry()
+    cache = FakeCacheStats()
+    exporter = MetricsExporter(registry=registry, cache=cache)
+    control = SMControl(0, 132)
+    budget = compute_budget(
+        total_sms=132, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_high_throughput"
+    )
+    exporter.attach(control)
+    control.announce(budget)
+    calls: list[str] = []
+    for name in ("partitions", "knob_switches", "replans"):
+        counter = getattr(exporter, name)
+        real = counter.labels
+        counter.labels = lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a)  # type: ignore[method-assign]
+    incs: list[str] = []
+    for name in ("planned_ahead", "warmups", "jit_in_step", "jit_at_start"):
+        counter = getattr(exporter, name)
+        real_inc = counter.inc
+        counter.inc = lambda amount=1, _real=real_inc, _name=name: incs.append(_name) or _real(amount)  # type: ignore[method-assign]
+    for _ in range(4):
+        with control.partition(budget):
+            pass
+    cache.stats.jit_in_step += 1
+    with control.partition(budget):
+        pass
+    assert sorted(calls) == ["knob_switches", "partitions"]  # once each; the re-plan kinds never moved
+    assert incs == ["jit_in_step"]
+    assert _value(registry, "dbo_runtime_sm_partitions_total", {"device": "0"}) == 5
+    assert _value(registry, "dbo_runtime_planner_jit_in_step_total") == 1
