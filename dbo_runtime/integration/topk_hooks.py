@@ -442,6 +442,8 @@ def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:
         lazy=True,
         optional=True,
         runs_on_ubatch_thread=True,
+        # vLLM's own key is the whole buffer's rows until something reads a window: the same entry this one makes
+        armed_at_first_microbatch=True,
     )
 
 
