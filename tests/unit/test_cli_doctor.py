@@ -164,6 +164,20 @@ def test_vllm_not_installed_is_reported_and_fails(capsys: pytest.CaptureFixture[
     assert "vLLM not installed" in capsys.readouterr().out
 
 
+def test_vllm_that_does_not_import_is_one_problem_not_a_warning_per_target(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Installed but broken (a missing CUDA library, a bad wheel): every patch target is unchecked for that one
+    reason, which the problem names; a warning per target would repeat it 36 times."""
+    from dbo_runtime.cli import doctor
+
+    monkeypatch.setattr(doctor, "_vllm_import_error", lambda: "ImportError: libcudart.so.13: cannot open shared object file")
+    rc, doc = doctor_json(capsys)
+    assert rc == 1
+    assert [p for p in doc["problems"] if "does not import" in p] and "libcudart" in doc["problems"][0]
+    assert not [w for w in doc["warnings"] if "not checked here" in w]
+
+
 def test_table_lists_every_target(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor"]) == 0
     out, err = capsys.readouterr()
