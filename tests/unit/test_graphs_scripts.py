@@ -85,6 +85,30 @@ BAD_VALUES = {
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
+def test_an_option_given_twice_is_one_line_before_any_gpu_check(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse would keep the last value without a word; the scripts refuse the second one (``graphs._args.Parser``),
+    in either spelling, before any GPU check."""
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "jit"))
+    first, second = tmp_path / "a", tmp_path / "b"
+    with pytest.raises(SystemExit) as exit_:
+        load(name).main(["--out", str(first), f"--out={second}"])
+    assert exit_.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == f"{name[:-3]}: error: argument --out: given twice ({str(first)!r}, then {str(second)!r}); give it once (see --help)"
+    assert not first.exists() and not second.exists()
+
+
+def test_host_cost_bench_refuses_reps_given_twice(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        load("bench_host_cost.py").main(["--reps", "4", "--reps", "5"])
+    assert exit_.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == "bench_host_cost: error: argument --reps: given twice (4, then 5); give it once (see --help)"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_a_bad_value_is_one_line_before_any_gpu_check(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -753,3 +777,4 @@ def test_host_cost_bench_refuses_records_it_cannot_use(tmp_path: Path, capsys: p
         with pytest.raises(SystemExit):
             mod.main(["--from-records", *bad, *argv])
         assert "argument --from-records" in capsys.readouterr().err
+
