@@ -2,7 +2,8 @@
 
 argparse prints its usage block before an error, and a range only checked after the "needs a GPU"
 refusal is only caught on the GPU machine. The project's rule for bad
-input: one line naming the parameter and the allowed values, exit 2, nothing run. A machine that cannot
+input: one line naming the parameter and the allowed values, exit 2, nothing run; an option that takes one
+value given twice is such input too (``cli._common.OnceArgumentParser``), not its last value. A machine that cannot
 run a script (no CUDA, no DeepGEMM, no vLLM, too few GPUs) is exit 3, as for every ``dbo-runtime`` command.
 
 Output goes to ``graphs/results/local/`` unless ``--out`` says otherwise: that folder is git-ignored, so

@@ -14,7 +14,8 @@ the JSON), and planner JIT compilations inside steps.
 
     python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs]
         [--dbo off,dp1] [--reps 5] [--steps 16] [--graphs-steps 128] [--at-once 1] [--out graphs/results]
-    python graphs/bench_host_cost.py --from-runs DIR | --from-records PREFIX[,PREFIX...]   (no engines: stored runs)
+    python graphs/bench_host_cost.py --from-runs DIR | --from-records PREFIX[,PREFIX...] [--only ...] [--models ...]
+        [--depths ...] [--modes ...] [--dbo ...] [--out DIR]   (no engines: stored runs; the engine options are refused)
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ ENGINE_GIB = ((6, 7.0), (78, 16.0))
 """(layers, GiB) of GPU memory one engine of this benchmark holds once it has run its first prefill (32 prompts of
 300-600 tokens), measured on an H200 (``docs/results.md``: about 6.5 GiB at 6 layers, 10-16 GiB at 61 and 78); other
 depths on the line through the two (weights and activations grow with layers, the KV cache is fixed)."""
+ENGINE_ONLY = ("reps", "steps", "graphs_steps", "at_once")
+"""Options that shape the engines' runs (timed reps, decode steps, engines alive together): with ``--from-records``
+or ``--from-runs`` no engine starts, so one of them given there is refused, not silently ignored; the filters
+(``--models``, ``--depths``, ``--modes``, ``--dbo``, ``--only``) pick the stored rows and ``--out`` the folder."""
 AT_ONCE = 1
 """Configurations whose engines are alive together, by default: one configuration's three engines. Twelve deep engines
 outgrow one H200 part-way (``ENGINE_GIB``), and every engine alive competes for the host's cores."""
@@ -299,18 +304,26 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--from-runs", default=None, metavar="DIR",
-        help="summarize the run directories a stopped benchmark left in DIR (its bench_host_cost_runs) instead of running engines",
+        help="summarize the run directories a stopped benchmark left in DIR (its bench_host_cost_runs) instead of running engines "
+        "(--reps, --steps, --graphs-steps and --at-once are refused with it)",
     )  # fmt: skip
     parser.add_argument(
         "--from-records", default=None, metavar="PREFIX[,PREFIX...]",
         help="summarize the records tools/gpu/collect_records.py wrote, PREFIX-real-engine-LABEL.json (e.g. "
         "docs/gpu-runs/2026-12-02-lease15-hostcost), instead of running engines; with several prefixes each configuration "
-        "comes whole from the last one that holds any of its engines",
+        "comes whole from the last one that holds any of its engines (--reps, --steps, --graphs-steps and --at-once are refused with it)",
     )  # fmt: skip
     add_out(parser)
     args = parser.parse_args(argv)
     if args.from_runs is not None and args.from_records is not None:
         parser.error("argument --from-records: not allowed with --from-runs (give one source of runs)")
+    source = "--from-records" if args.from_records is not None else "--from-runs" if args.from_runs is not None else None
+    ignored = [parser.given_options[d][0] for d in ENGINE_ONLY if d in parser.given_options]
+    if source is not None and ignored:
+        parser.error(
+            f"argument {ignored[0]}: not allowed with {source}: it only applies when the benchmark starts engines "
+            f"({source} summarizes stored runs; it takes --models, --depths, --modes, --dbo, --only and --out)"
+        )
     configs = configurations(
         _choices(parser, "models", args.models, tuple(MODELS)),
         _depths(parser, args.depths),
@@ -374,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         if row["label"] in env_facts.get("source_by_config", {}):
             row["source"] = env_facts["source_by_config"][row["label"]]
-    doc = {"bench": "bench_host_cost", "args": vars(args), "environment": env_facts, "configs": rows}
+    # a summary of stored runs records only the options it used: the engine options' defaults describe no run of it
+    used = {k: v for k, v in vars(args).items() if not (summarized and k in ENGINE_ONLY)}
+    doc = {"bench": "bench_host_cost", "args": used, "environment": env_facts, "configs": rows}
     (out / "bench_host_cost.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     _plot(rows, out / "bench_host_cost.png")
     print(json.dumps([{k: r[k] for k in ("label", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step", "step_time_warnings", "engine_failures")} for r in rows], indent=1, default=str))

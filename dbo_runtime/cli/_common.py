@@ -1,4 +1,8 @@
-"""Exit codes, the one-line error type and output helpers shared by subcommands.
+"""Exit codes, the one-line error type, the argument parser's base and output helpers shared by subcommands.
+
+The parser base (``OnceArgumentParser``) lives here, stdlib only, because every command line of the project
+builds on it: ``dbo-runtime``'s parsers, the ``graphs/`` scripts and the ``tools/`` scripts, one of which
+runs before anything is installed.
 
 ``rich`` renders the tables for people, but the GPU machine has no package
 registry and may lack it, so a plain fixed-width table is the fallback; JSON
@@ -7,6 +11,7 @@ output never depends on either.
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -33,6 +38,53 @@ class CliError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_PROBLEM) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def _shown_value(value: Any) -> str:
+    """A stored option value as the error line shows it, in ``ConfigError``'s way (``core.errors.shown``: a
+    number bare, text quoted); a parsed value (a path) as the text it was parsed from."""
+    from dbo_runtime.core.errors import shown
+
+    if isinstance(value, (list, tuple)):
+        return " ".join(_shown_value(v) for v in value)
+    return shown(value if isinstance(value, (str, int, float)) else str(value))
+
+
+class StoreOnce(argparse._StoreAction):
+    """argparse's ``store`` that refuses a second value: argparse keeps the last one without a word, so
+    ``--preset glm53 --preset small`` would run ``small`` while the command line also says ``glm53``.
+
+    Tracked per destination, so two spellings of one setting (``-o``/``--out``, an abbreviation where a parser
+    allows them, ``--flag=value`` and ``--flag value``) count as the same option. Only ``store``: ``append`` and
+    ``count`` exist to be repeated, and a repeated switch (``store_true``) asks for the same thing twice."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        given: dict[str, tuple[str, Any]] | None = getattr(parser, "given_options", None)
+        if option_string is not None and given is not None:
+            if self.dest in given:
+                first, before = given[self.dest]
+                then, now = _shown_value(before), _shown_value(values)
+                if first != option_string:  # two spellings of one setting: say which came with which value
+                    then, now = f"{first} {then}", f"{option_string} {now}"
+                raise argparse.ArgumentError(self, f"given twice ({then}, then {now}); give it once")
+            given[self.dest] = (option_string, values)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class OnceArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose single-value options refuse a second value (``StoreOnce``), with
+    ``given_options``: the destinations the last parse set from the command line (dest -> (the option's name,
+    its value)), so a caller can tell an option typed at its default value from one left out."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, StoreOnce)
+        self.register("action", "store", StoreOnce)
+        self.given_options: dict[str, tuple[str, Any]] = {}
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        self.given_options = {}
+        return super().parse_known_args(args, namespace)
 
 
 DISABLED_WARNING = (

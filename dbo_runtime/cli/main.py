@@ -34,7 +34,7 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from dbo_runtime import __version__
-from dbo_runtime.cli._common import EXIT_NO_DEVICE, EXIT_USAGE, CliError
+from dbo_runtime.cli._common import EXIT_NO_DEVICE, EXIT_USAGE, CliError, OnceArgumentParser
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.settings import StateError
 
@@ -57,7 +57,7 @@ class UsageExit(SystemExit):
         self.error = error
 
 
-class OneLineArgumentParser(argparse.ArgumentParser):
+class OneLineArgumentParser(OnceArgumentParser):
     """argparse prints the whole usage block on a bad flag; operators asked for one line.
 
     A value outside a flag's choices is worded as every other refused value (``ConfigError``'s
@@ -66,7 +66,9 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
     Abbreviations are off for every parser (``allow_abbrev=False``): argparse would read ``--total 132`` as
     ``--total-sms 132``, so a typo could silently pick a flag, and a command that hands unknown arguments on
-    (``verify``, ``tune``) must see an abbreviation of its own option as unknown to be able to refuse it."""
+    (``verify``, ``tune``) must see an abbreviation of its own option as unknown to be able to refuse it.
+
+    A single-value option given twice is refused (``OnceArgumentParser``), not read as its last value."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)

@@ -68,7 +68,7 @@ GLM53_CPU_STEPS, GLM53_CPU_REQUESTS = 2, 8
 The GPU preset (20 steps x 32 requests) takes about 10 minutes on a 2-core CPU (about 8.5 s
 per DBO step with its reference run, 3.5 runs' worth of steps). Both bugs show on the first
 step, and a second one shows that steady state needs no re-plan, so the CPU default keeps the
-GLM-5.3 indexer shapes and runs 2 steps of 8 requests: about 15 s there."""
+GLM-5.3 indexer shapes and runs 2 steps of 8 requests: 14-32 s there (``docs/results.md``)."""
 GLM53_GPU_RUN = "20 steps x 32 requests"
 GLM53_CPU_RUN = f"{GLM53_CPU_STEPS} steps x {GLM53_CPU_REQUESTS} requests"
 WIDTH = 100
@@ -156,15 +156,39 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"error: the scenario could not be set up: {first}", EXIT_USAGE) from None
 
 
-CPU_SECONDS_PER_UNIT = 2e-10
-"""Seconds per (leader x request x next_n x context x head x dim) of a CPU step, reference run
-included: measured 8.5 s per ``--preset glm53`` step (32 requests) on a 2-core box."""
+CPU_SECONDS_PER_UNIT = 1.8e-10
+"""Seconds per (leader x request x next_n x context x head x dim) of a CPU step, its unsplit reference run
+included: the fp32 logits einsum, the part that grows with the indexer's width.
+
+Fitted with ``CPU_SECONDS_PER_ROW``, ``CPU_SECONDS_PER_RUN`` and ``CPU_START_SECONDS`` to the wall time of ``dbo-runtime simulate
+--backend cpu`` on a 2-core CPU, with and without ``--no-contrast``: ``--preset small`` at 1-20 steps of 2-256
+requests, and ``--preset glm53`` at 1-4 steps of 8-32 requests (``docs/results.md``, "simulate's up-front
+estimate, refit"), as the geometric mean of each command's timed runs: the same command varied up to 3x in
+wall time there from one run to the next, with the host's load, so the estimate is the middle of that spread,
+not a bound."""
+CPU_SECONDS_PER_ROW = 3e-7
+"""Seconds per (leader x request x next_n x context position) of a CPU step, whatever the indexer's width: the
+per-position work of the mask, the top-k sort and the key gather, which the small preset's toy widths leave
+dominant (fitted with ``CPU_SECONDS_PER_UNIT``)."""
+CPU_SECONDS_PER_RUN = 0.8
+"""Seconds each run (the dbo_runtime run, each contrast) costs besides its steps: building the scenario and its
+planner warm-ups (fitted with ``CPU_SECONDS_PER_UNIT``)."""
+CPU_START_SECONDS = 1.8
+"""Seconds before the first run: the interpreter, torch's import and the checks of every flag (fitted with
+``CPU_SECONDS_PER_UNIT``)."""
+
+
+def step_seconds(config: Any, leaders: int) -> float:
+    """A rough CPU time of one DBO step with its unsplit reference run."""
+    rows = leaders * config.num_requests * config.next_n * config.max_context
+    return rows * (CPU_SECONDS_PER_ROW + CPU_SECONDS_PER_UNIT * config.heads * config.head_dim)
 
 
 def estimated_seconds(config: Any, leaders: int, runs: list[Any]) -> float:
-    """A rough CPU run time, for the up-front line of a long simulation (a contrast that crashes costs half a step)."""
-    per_step = 0.1 + CPU_SECONDS_PER_UNIT * leaders * config.num_requests * config.next_n * config.max_context * config.heads * config.head_dim
-    return sum(per_step * (0.5 if c.expect == "assertion" else config.steps) for c in runs)
+    """A rough CPU wall time of the command, for the up-front line of a long simulation: the start, then each
+    run's fixed cost and its steps (a contrast that crashes on its first DBO step costs half a step)."""
+    step = step_seconds(config, leaders)
+    return CPU_START_SECONDS + sum(CPU_SECONDS_PER_RUN + step * (0.5 if c.expect == "assertion" else config.steps) for c in runs)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -194,8 +194,8 @@ def test_usage_errors_are_one_line_naming_the_command(argv: list[str], line: str
         (["sms", "--total-sms", "132", "--comm-sms", "131"], "--comm-sms=131"),
         (["sms", "--total-sms", "132", "--comm-sms", " 1x"], "--comm-sms=' 1x'"),
         (["sms", "--total-sms", ""], "--total-sms=''"),
-        (["simulate", *FAST, "--steps", "0"], "--steps=0"),
-        (["simulate", *FAST, "--requests", "3.5"], "--requests=3.5"),
+        (["simulate", "--backend", "cpu", "--no-contrast", "--steps", "0"], "--steps=0"),
+        (["simulate", "--backend", "cpu", "--no-contrast", "--steps", "1", "--requests", "3.5"], "--requests=3.5"),
         (["tune", "--reps", "0", "--model", "m", "-dp", "2", "-ep"], "--reps=0"),
         (["tune", "--reps", "3", "--model", "m", "-dp", "2", "-ep", "--all2all-backend", "deepep_high_throughput"], "--reps=3"),  # after parsing
         (["verify", "--timeout", "x", "--model", "m", "-dp", "2"], "--timeout='x'"),
@@ -231,3 +231,98 @@ def test_sms_and_simulate_warn_about_the_same_split_in_the_same_words(capsys: py
     assert sorted(line[len(prefix) :] for line in err.splitlines() if line.startswith(prefix)) == sms
     assert main(["sms", "--total-sms", "132", "--comm-sms", "3", "--no-expert-parallel"]) == 0
     assert "warning: device profile: 1 SM idle" in capsys.readouterr().out  # 129 compute SMs rounded down to 128
+
+
+# -- a single-value option given twice ---------------------------------------------------------------
+
+
+def _single_value_options() -> list[tuple[str, str, tuple[str, str]]]:
+    """(command, option, two values it takes) for every single-value option of every subcommand."""
+    import argparse
+
+    from dbo_runtime.cli.main import SUBPARSERS, build_parser
+
+    build_parser()
+    found = []
+    for command, sub in sorted(SUBPARSERS.items()):
+        for action in sub._actions:
+            if type(action).__name__ != "StoreOnce" or not action.option_strings:
+                continue
+            assert isinstance(action, argparse.Action)
+            values = tuple(action.choices)[:1] + tuple(action.choices)[-1:] if action.choices else ("1", "2")
+            found.append((command, action.option_strings[-1], (str(values[0]), str(values[-1]))))
+    return found
+
+
+SINGLE_VALUE_OPTIONS = _single_value_options()
+
+
+def test_every_value_option_of_every_command_is_given_once() -> None:
+    """Every option that takes one value goes through the refusing store (an option added later included)."""
+    from dbo_runtime.cli.main import SUBPARSERS
+
+    commands = {command for command, _, _ in SINGLE_VALUE_OPTIONS}
+    assert {"sms", "simulate", "tune", "verify"} <= commands <= set(SUBPARSERS)
+    assert ("simulate", "--preset", ("small", "glm53")) in SINGLE_VALUE_OPTIONS
+    for sub in SUBPARSERS.values():
+        assert all(type(a).__name__ != "_StoreAction" for a in sub._actions)
+
+
+@pytest.mark.parametrize(("command", "option", "values"), SINGLE_VALUE_OPTIONS, ids=lambda v: v if isinstance(v, str) else None)
+def test_a_single_value_option_given_twice_is_refused(
+    command: str, option: str, values: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse keeps the last value without a word: ``--preset glm53 --preset small`` would run small while the
+    command line also says glm53. One line naming the option and both values, before anything runs; in either
+    spelling (``--flag value``, ``--flag=value``)."""
+    first, second = values
+    from dbo_runtime.core.errors import shown
+
+    said = f"argument {option}: given twice ({shown(first)}, then {shown(second)}); give it once (see dbo-runtime {command} --help)"
+    assert error_line(capsys, [command, option, first, f"{option}={second}"]) == said
+    assert error_line(capsys, [command, f"{option}={first}", option, second]) == said
+
+
+def test_the_refusal_is_a_json_document_under_json(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert main(["simulate", "--json", "--preset", "glm53", "--preset", "small"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == (
+        "dbo-runtime simulate: error: argument --preset: given twice ('glm53', then 'small'); give it once (see dbo-runtime simulate --help)"
+    )
+    doc = json.loads(out)
+    assert doc["schema"] == "dbo-runtime/simulate/v1" and doc["exit_code"] == 2
+    assert doc["error"]["message"] == "argument --preset: given twice ('glm53', then 'small'); give it once"
+
+
+def test_a_switch_given_twice_asks_for_the_same_thing_and_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """Only options that take a value are refused: ``--no-contrast --no-contrast`` cannot mean two things."""
+    assert main(["simulate", *FAST, "--no-contrast", "--json", "--json"]) == 0
+    assert '"verdict": "PASS"' in capsys.readouterr().out
+
+
+def test_the_base_parser_refuses_per_setting_in_every_spelling(capsys: pytest.CaptureFixture[str]) -> None:
+    """``OnceArgumentParser`` (the base of every parser): two spellings of one setting are one option, an
+    abbreviation (where a parser takes them) too; ``append`` and ``count`` are meant to repeat; ``given_options``
+    names what the last parse read from the command line."""
+    from dbo_runtime.cli._common import OnceArgumentParser
+
+    parser = OnceArgumentParser(prog="p", allow_abbrev=True)
+    parser.add_argument("-o", "--out")
+    parser.add_argument("--level", type=int, default=3)
+    parser.add_argument("--tag", action="append")
+    parser.add_argument("-v", action="count")
+    args = parser.parse_args(["--tag", "a", "--tag", "b", "-v", "-v", "--lev", "4"])
+    assert (args.tag, args.v, args.level, args.out) == (["a", "b"], 2, 4, None)
+    assert parser.given_options == {"level": ("--level", 4)}
+    assert parser.parse_args([]).level == 3 and parser.given_options == {}
+    for argv, said in (
+        (["-o", "a", "--out", "b"], "argument -o/--out: given twice (-o 'a', then --out 'b'); give it once"),
+        (["--lev", "4", "--level=5"], "argument --level: given twice (4, then 5); give it once"),
+        (["--level", "4", "--le", "4"], "argument --level: given twice (4, then 4); give it once"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(argv)
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"p: error: {said}"

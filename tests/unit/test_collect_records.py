@@ -63,3 +63,15 @@ def test_a_record_is_written_under_its_date_and_run(runs: Path, tmp_path: Path) 
     (tmp_path / "file").write_text("")
     proc = run(str(runs), str(tmp_path / "file"), "--date", "2026-12-02")
     assert proc.returncode == 2 and "argument docs_dir" in proc.stderr
+
+
+def test_an_option_given_twice_is_one_line_and_writes_nothing(runs: Path, tmp_path: Path) -> None:
+    """argparse would file the records under the last ``--date`` without a word about the first."""
+    proc = run(str(runs), str(tmp_path / "docs"), "--date", "2026-12-02", "--date=2026-12-03")
+    assert proc.returncode == 2 and proc.stdout == ""
+    [line] = proc.stderr.strip().splitlines()
+    assert line == (
+        "collect_records.py: error: argument --date: given twice ('2026-12-02', then '2026-12-03'); give it once "
+        "(see collect_records.py --help)"
+    )
+    assert not (tmp_path / "docs").exists()

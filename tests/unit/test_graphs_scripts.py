@@ -85,6 +85,30 @@ BAD_VALUES = {
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
+def test_an_option_given_twice_is_one_line_before_any_gpu_check(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse would keep the last value without a word; the scripts refuse the second one (``graphs._args.Parser``),
+    in either spelling, before any GPU check."""
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "jit"))
+    first, second = tmp_path / "a", tmp_path / "b"
+    with pytest.raises(SystemExit) as exit_:
+        load(name).main(["--out", str(first), f"--out={second}"])
+    assert exit_.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == f"{name[:-3]}: error: argument --out: given twice ({str(first)!r}, then {str(second)!r}); give it once (see --help)"
+    assert not first.exists() and not second.exists()
+
+
+def test_host_cost_bench_refuses_reps_given_twice(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        load("bench_host_cost.py").main(["--reps", "4", "--reps", "5"])
+    assert exit_.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == "bench_host_cost: error: argument --reps: given twice (4, then 5); give it once (see --help)"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_a_bad_value_is_one_line_before_any_gpu_check(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -561,11 +585,12 @@ def test_host_cost_bench_summarizes_a_run_a_limit_stopped(tmp_path: Path) -> Non
             reps[1].update(plugin_self_us_per_step=900.0, plugin_calls_per_step=450.0, plugin_self_us_per_step_by_patch={"p": 900.0})
         (run / "rank0.partial.json").write_text(json.dumps({"bench": {"reps": reps}}))
     out = tmp_path / "out"
-    assert mod.main(["--from-runs", str(runs), "--only", config["label"], "--reps", "2", "--out", str(out)]) == 0
+    assert mod.main(["--from-runs", str(runs), "--only", config["label"], "--out", str(out)]) == 0
     doc = json.loads((out / "bench_host_cost.json").read_text())
     [row] = doc["configs"]
     assert row["plugin_over_vanilla_paired"]["median"] == pytest.approx(1.01) and row["self_us_per_step"] == 900.0
     assert row["self_us_per_step_by_patch"] == {"p": 900.0} and doc["environment"]["stopped_by_session_limit"] is True
+    assert not set(mod.ENGINE_ONLY) & set(doc["args"])  # no engine option's default recorded for runs it did not shape
 
 
 def test_host_cost_bench_refuses_a_runs_directory_it_cannot_use(tmp_path: Path) -> None:
@@ -782,3 +807,24 @@ def test_host_cost_plot_says_na_for_a_row_without_vanilla_and_colours_by_records
         assert bars[0].get_facecolor() != bars[1].get_facecolor()
     assert [t.get_text() for t in fig.axes[1].get_legend().get_texts()] == ["2026-12-04-lease20-hostcost", "2026-12-02-lease14-hostcost"]
     plt.close(fig)
+
+
+@pytest.mark.parametrize("source", ["--from-records", "--from-runs"])
+@pytest.mark.parametrize("option", [["--reps", "5"], ["--steps", "16"], ["--graphs-steps=128"], ["--at-once", "1"]])
+def test_host_cost_bench_refuses_engine_options_with_stored_runs(
+    source: str, option: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stored runs start no engine: an option that only shapes the engines' runs (even typed at its default) would be
+    ignored without a word, and the summary would read as if it had applied. One line, nothing read or written."""
+    mod = load("bench_host_cost.py")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        mod.main([source, str(tmp_path / "nothing"), "--only", "glm53-6L-eager-dbo-off", *option, "--out", str(out)])
+    assert exit_.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    flag = option[0].split("=")[0]
+    assert line == (
+        f"bench_host_cost: error: argument {flag}: not allowed with {source}: it only applies when the benchmark starts "
+        f"engines ({source} summarizes stored runs; it takes --models, --depths, --modes, --dbo, --only and --out) (see --help)"
+    )
+    assert not out.exists()

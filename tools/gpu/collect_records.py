@@ -24,6 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from dbo_runtime.cli.main import OneLineArgumentParser
 from dbo_runtime.harness.compare import Request, compare
 from dbo_runtime.harness.launch import reassemble
 
@@ -93,7 +94,7 @@ def _doc(label: str, rec: dict[str, Any], runs: dict[str, dict[str, Any]], args:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("docs_dir", type=Path)
     ap.add_argument("--date", required=True)
