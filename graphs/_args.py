@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from dbo_runtime.cli._common import EXIT_NO_DEVICE
+from dbo_runtime.cli._common import EXIT_NO_DEVICE, interruptible
 from dbo_runtime.cli.main import OneLineArgumentParser
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -25,7 +25,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SCRATCH = RESULTS / "local"
 """The default output folder: git-ignored."""
 
-__all__ = ["EXIT_NO_DEVICE", "RESULTS", "SCRATCH", "Parser", "add_out", "integer", "out_folder", "positive_seconds"]
+__all__ = ["EXIT_NO_DEVICE", "RESULTS", "SCRATCH", "Parser", "add_out", "integer", "interruptible", "out_folder", "positive_seconds"]
 
 
 class Parser(OneLineArgumentParser):

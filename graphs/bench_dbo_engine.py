@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 GROUPS: dict[str, tuple[str, bool]] = {"ht": ("shared-topk", False), "ll": ("shared-topk-h2048", True)}
@@ -193,4 +193,4 @@ def _plot(rows: dict, summary: dict, ratio_names: list[str], path: Path) -> None
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(interruptible(main, "bench_dbo_engine"))

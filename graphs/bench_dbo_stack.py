@@ -35,7 +35,7 @@ from dbo_runtime.core.topk_memory import topk_memory_bytes
 from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import GLM53, Scenario, capture_dbo_graph
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible
 from graphs._plotting import pyplot
 
 VARIANTS = {
@@ -210,4 +210,4 @@ def _plot(doc: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(interruptible(main, "bench_dbo_stack"))

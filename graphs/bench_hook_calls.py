@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 MODULES = (
@@ -549,4 +549,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(interruptible(main, "bench_hook_calls"))

@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 MODELS = {
@@ -534,4 +534,4 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(interruptible(main, "bench_host_cost"))

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible
 from graphs._plotting import pyplot
 
 HEADS, DIM, BLOCK = 32, 128, 64
@@ -385,4 +385,4 @@ def _run(args: Any) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(interruptible(main, "bench_indexer_schedule"))

@@ -42,7 +42,7 @@ import graphs._torch  # noqa: E402, F401  (exits 3 with one line when torch is m
 
 # isort: split
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 BLOCK = 64
@@ -190,4 +190,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(interruptible(main, "bench_planner_warmup"))

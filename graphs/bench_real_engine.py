@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dbo_runtime.harness.machine import refuse_without_engine  # noqa: E402
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, positive_seconds  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, positive_seconds  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 
@@ -192,4 +192,4 @@ def _plot(runs: list[dict], summary: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(interruptible(main, "bench_real_engine"))

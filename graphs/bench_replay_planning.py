@@ -48,7 +48,7 @@ import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing
 
 # isort: split
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible
 from graphs._plotting import pyplot
 
 VARIANTS = {"plan_at_build": {"defer_plan_ahead": False}, "deferred": {"defer_plan_ahead": True}}
@@ -312,4 +312,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(interruptible(main, "bench_replay_planning"))

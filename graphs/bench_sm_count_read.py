@@ -26,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import Parser, add_out, integer  # noqa: E402
+from graphs._args import Parser, add_out, integer, interruptible  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 
@@ -142,4 +142,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(interruptible(main, "bench_sm_count_read"))

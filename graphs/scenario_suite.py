@@ -28,7 +28,7 @@ import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing
 from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import CONTRASTS, GLM53, MODES, run_scenario
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible
 from graphs._plotting import pyplot
 
 
@@ -88,4 +88,4 @@ def _plot(doc: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(interruptible(main, "scenario_suite"))

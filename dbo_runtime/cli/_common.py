@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 EXIT_OK = 0
@@ -30,6 +30,18 @@ EXIT_NO_DEVICE = 3
 no CUDA or DeepGEMM where real kernels or CUDA graphs were asked for, too few GPUs, no vLLM or torch.
 A bad argument is ``EXIT_USAGE`` even where the machine could not run it anyway, so a script can tell the
 two apart: fix the command line, or move to another machine."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (SIGINT): the shell's 128 + 2, after one line saying so instead of Python's traceback."""
+
+
+def interruptible(main: Callable[[], int], prog: str) -> int:
+    """Run a script's ``main``; Ctrl-C ends it with one line and ``EXIT_INTERRUPTED``. The ``finally`` blocks
+    between (engines stopped, temporary folders removed) have run by the time it reaches here."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 class CliError(Exception):

@@ -34,7 +34,14 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from dbo_runtime import __version__
-from dbo_runtime.cli._common import EXIT_NO_DEVICE, EXIT_USAGE, CliError, OnceArgumentParser
+from dbo_runtime.cli._common import (
+    EXIT_INTERRUPTED,
+    EXIT_NO_DEVICE,
+    EXIT_USAGE,
+    CliError,
+    OnceArgumentParser,
+    interruptible,
+)
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.settings import StateError
 
@@ -181,7 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code (130 after Ctrl-C)."""
+    return interruptible(lambda: _main(argv), PROG)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     given = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -221,6 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = f"{PROG} {args.command}"
     try:
         return int(run(args))
+    except KeyboardInterrupt:
+        interrupted = CliError("interrupted", EXIT_INTERRUPTED)
+        print(f"{where}: {interrupted}", file=sys.stderr)
+        _json_error(args, interrupted, EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
     except ConfigError as exc:
         print(f"{where}: error: {exc}", file=sys.stderr)
         _json_error(args, exc, EXIT_USAGE)

@@ -79,3 +79,40 @@ def test_a_parser_error_under_json_is_a_json_error_document_too(
 def test_a_parser_error_without_json_leaves_stdout_empty(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--mode", "bogus"]) == 2
     assert capsys.readouterr().out == ""
+
+
+def test_ctrl_c_during_a_command_is_one_line_exit_130_and_a_json_document(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C inside a subcommand: one line naming it, exit 130 (the shell's 128 + SIGINT), and under --json the
+    error document a script parsing stdout waits for; never Python's traceback."""
+    from dbo_runtime.cli import simulate
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulate, "run", interrupted)
+    assert main(["simulate"]) == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == ["dbo-runtime simulate: interrupted"]
+    assert main(["simulate", "--json"]) == 130
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exit_code"] == 130 and "interrupted" in json.dumps(doc)
+
+
+def test_a_real_sigint_ends_the_command_without_a_traceback(tmp_path: object) -> None:
+    """The same with a real SIGINT to a running ``dbo-runtime simulate`` (sent once it reports its first step)."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dbo_runtime", "simulate", "--preset", "small", "--steps", "64"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    first = proc.stderr.readline()
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, (first, rest)
+    assert "Traceback" not in rest and rest.splitlines()[-1] == "dbo-runtime simulate: interrupted"

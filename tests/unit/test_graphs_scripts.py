@@ -828,3 +828,19 @@ def test_host_cost_bench_refuses_engine_options_with_stored_runs(
         f"engines ({source} summarizes stored runs; it takes --models, --depths, --modes, --dbo, --only and --out) (see --help)"
     )
     assert not out.exists()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_ctrl_c_ends_every_script_with_one_line_and_exit_130(script: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each script's entry point runs its main through ``interruptible``: Ctrl-C is one line, not a traceback."""
+    from graphs._args import interruptible
+
+    source = (ROOT / "graphs" / script).read_text()
+    name = script.removesuffix(".py")
+    assert f'(interruptible(main, "{name}"))' in source.split('if __name__ == "__main__":')[-1]
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    assert interruptible(interrupted, name) == 130
+    assert capsys.readouterr().err == f"{name}: interrupted\n"
