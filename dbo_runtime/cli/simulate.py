@@ -191,6 +191,35 @@ def estimated_seconds(config: Any, leaders: int, runs: list[Any]) -> float:
     return CPU_START_SECONDS + sum(CPU_SECONDS_PER_RUN + step * (0.5 if c.expect == "assertion" else config.steps) for c in runs)
 
 
+CPU_BASE_BYTES = 350 << 20
+"""Resident bytes of a CPU simulation before its per-request tensors: the interpreter, torch and vLLM-free
+services (measured peak RSS 302-336 MiB at the intercept of ``--steps 1 --no-contrast`` runs)."""
+CPU_BYTES_MARGIN = 1.2
+"""The per-request count below under-reads the measured peak RSS by 3-11 % (allocator slack, the random
+inputs' temporaries); 1.2 keeps the estimate above it: ``--preset glm53`` measured 21.6 MiB per request
+(16 and 64 requests), ``--preset small`` 0.9 MiB (64 and 1024), against 23.4 and 0.93 estimated."""
+
+
+def estimated_bytes(config: Any, leaders: int) -> int:
+    """Peak host memory of a CPU simulation: per request, the fp32 KV of its context, the same keys gathered
+    for the logits, the per-head scores and logits of one pass, the leaders' persistent logits and top-k."""
+    n, c = config.next_n, config.max_context
+    per_request = c * (8 * config.head_dim + 4 * n * config.heads + 4 * leaders * n + 4 * n) + 4 * leaders * n * config.index_topk
+    return int(CPU_BASE_BYTES + CPU_BYTES_MARGIN * config.num_requests * per_request)
+
+
+def available_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` (Linux); None where the machine does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
     from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout, vllm_setting_problems, warm_max_batch
     from dbo_runtime.core.topk_memory import index_leaders
@@ -245,6 +274,14 @@ def _run(args: argparse.Namespace) -> int:
     runs = _runs(args, int(config.comm_sms))
     if backend.simulated:
         leaders = sum(index_leaders(config.num_layers, config.index_topk_freq, config.index_skip_topk_offset))
+        need, have = estimated_bytes(config, leaders), available_bytes()
+        if have is not None and need > have:  # refused before any tensor exists, not killed by the OOM killer later
+            raise CliError(
+                f"error: --requests {config.num_requests} with --preset {args.preset} needs about {need / 2**30:.1f} "
+                f"GiB of memory on the CPU simulation; this machine has {have / 2**30:.1f} GiB available (lower "
+                "--requests, or use --preset small)",
+                EXIT_NO_DEVICE,
+            )
         expected = estimated_seconds(config, leaders, runs)
         if expected > LONG_RUN_SECONDS:
             print(

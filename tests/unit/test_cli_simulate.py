@@ -79,3 +79,32 @@ def test_every_warmup_mode_vllm_takes_runs(mode: str, capsys: pytest.CaptureFixt
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", mode)
     assert main(["simulate", *FAST]) == 0
     assert "VLLM_DEEP_GEMM_WARMUP" not in capsys.readouterr().err
+
+
+def test_a_simulation_the_machine_cannot_hold_is_refused_before_it_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--requests 1024 --preset glm53`` peaks near 23 GiB of host memory on the CPU simulation: where that is
+    more than the machine has, one line and exit 3 before any tensor exists, not the kernel's OOM killer later."""
+    from dbo_runtime.cli import simulate
+
+    monkeypatch.setattr(simulate, "available_bytes", lambda: 8 << 30)
+    assert main(["simulate", "--backend", "cpu", "--preset", "glm53", "--requests", "1024", "--steps", "1"]) == 3
+    out, err = capsys.readouterr()
+    [line] = err.splitlines()
+    assert out == "" and line.startswith("dbo-runtime simulate: error: --requests 1024 with --preset glm53 needs about 23.")
+    assert line.endswith("GiB of memory on the CPU simulation; this machine has 8.0 GiB available (lower --requests, or use --preset small)")
+
+
+def test_the_memory_estimate_grows_with_the_requests_and_stays_above_the_measured_peaks() -> None:
+    """The estimate against the peak RSS measured on the development CPU (``--steps 1 --no-contrast``):
+    glm53 647 / 1683 MiB at 16 / 64 requests, small 385 / 1234 MiB at 64 / 1024; above each, by at most 15 %."""
+    import dataclasses
+
+    from dbo_runtime.cli.simulate import estimated_bytes
+    from dbo_runtime.sim.scenario import GLM53, SMALL
+
+    measured = {(GLM53, 16): 647, (GLM53, 64): 1683, (SMALL, 64): 385, (SMALL, 1024): 1234}
+    for (base, requests), mib in measured.items():
+        estimate = estimated_bytes(dataclasses.replace(base, num_requests=requests), 21) / 2**20
+        assert mib < estimate < 1.15 * mib, (base.heads, requests, estimate)
