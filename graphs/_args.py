@@ -25,7 +25,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SCRATCH = RESULTS / "local"
 """The default output folder: git-ignored."""
 
-__all__ = ["EXIT_NO_DEVICE", "RESULTS", "SCRATCH", "Parser", "add_out", "integer", "interruptible", "out_folder", "positive_seconds"]
+__all__ = ["EXIT_NO_DEVICE", "RESULTS", "SCRATCH", "Parser", "add_out", "integer", "interruptible", "out_folder", "positive_seconds", "say_written"]
 
 
 class Parser(OneLineArgumentParser):
@@ -92,3 +92,12 @@ def add_out(parser: argparse.ArgumentParser) -> None:
         default=str(SCRATCH),
         help="output folder (default graphs/results/local/, git-ignored; --out graphs/results updates the committed results)",
     )
+
+
+def say_written(prog: str, *paths: Path) -> None:
+    """One line on stderr naming the files a benchmark wrote (a PNG only where matplotlib made it): its stdout is
+    the measurement, and the default folder (``graphs/results/local/``) is not where a reader looks first."""
+    import sys
+
+    written = [str(p) for p in paths if p.is_file()]
+    print(f"{prog}: wrote {', '.join(written) if written else 'nothing'}", file=sys.stderr)

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 GROUPS: dict[str, tuple[str, bool]] = {"ht": ("shared-topk", False), "ll": ("shared-topk-h2048", True)}
@@ -124,6 +124,7 @@ def _run_group(args: argparse.Namespace, group: str, out: Path, env_facts: dict)
     doc = {"bench": "bench_dbo_engine", "group": group, "args": vars(args), "environment": env_facts, "summary": summary, "configs": rows}
     (out / f"bench_dbo_engine_{group}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     _plot(rows, summary, list(RATIOS[group]), out / f"bench_dbo_engine_{group}.png")
+    say_written("bench_dbo_engine", out / f"bench_dbo_engine_{group}.json", out / f"bench_dbo_engine_{group}.png")
     print(json.dumps({"group": group, "summary": summary, "configs": {k: {kk: v[kk] for kk in ("ok", "median_step_ms", "median_tok_per_s")} for k, v in rows.items()}}, indent=1))
 
 

@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 MODULES = (
@@ -545,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.tick_params(axis="y", labelsize=7)
         fig.tight_layout()
         fig.savefig(out / f"{stem}.png", dpi=120)
+    say_written("bench_hook_calls", out / f"{stem}.json", out / f"{stem}.png")
     return 0
 
 

@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 MODELS = {
@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"bench": "bench_host_cost", "args": used, "environment": env_facts, "configs": rows}
     (out / "bench_host_cost.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     _plot(rows, out / "bench_host_cost.png")
+    say_written("bench_host_cost", out / "bench_host_cost.json", out / "bench_host_cost.png")
     print(json.dumps([{k: r[k] for k in ("label", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step", "step_time_warnings", "engine_failures")} for r in rows], indent=1, default=str))
     return 0
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dbo_runtime.harness.machine import refuse_without_engine  # noqa: E402
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, positive_seconds  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, positive_seconds, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = write(True)
     _plot(runs, summary, out / "bench_real_engine.png")
+    say_written("bench_real_engine", out / "bench_real_engine.json", out / "bench_real_engine.png")
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -26,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import Parser, add_out, integer, interruptible  # noqa: E402
+from graphs._args import Parser, add_out, integer, interruptible, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['reader']:<36} {r['other_thread_busy']!s:<11} {r['median_ns']:10.0f} {r['p99_ns']:12.0f} {r['mean_ns']:12.0f}")
     plt = pyplot()
     if plt is None:
+        say_written("bench_sm_count_read", out / "bench_sm_count_read.json")
         return 0
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for ax, key in zip(axes, ("median_ns", "mean_ns"), strict=True):
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     fig.savefig(out / "bench_sm_count_read.png", dpi=120)
+    say_written("bench_sm_count_read", out / "bench_sm_count_read.json", out / "bench_sm_count_read.png")
     return 0
 
 

@@ -844,3 +844,14 @@ def test_ctrl_c_ends_every_script_with_one_line_and_exit_130(script: str, capsys
 
     assert interruptible(interrupted, name) == 130
     assert capsys.readouterr().err == f"{name}: interrupted\n"
+
+
+def test_a_benchmark_says_which_files_it_wrote(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One stderr line with the files that exist (no PNG named where matplotlib did not make one)."""
+    from graphs._args import say_written
+
+    (tmp_path / "x.json").write_text("{}")
+    say_written("bench_x", tmp_path / "x.json", tmp_path / "x.png")
+    assert capsys.readouterr().err == f"bench_x: wrote {tmp_path / 'x.json'}\n"
+    say_written("bench_x", tmp_path / "y.json")
+    assert capsys.readouterr().err == "bench_x: wrote nothing\n"
