@@ -150,3 +150,16 @@ def test_bundle_refuses_a_folder_it_would_delete(folder: str, tmp_path: Path) ->
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"bundle.sh: folder '{folder}' is not allowed; allowed values: ")
     assert (tmp_path / "docs" / "notes.md").read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["docs"]
+
+
+def test_install_without_the_bundle_parts_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """install.sh before the parts were copied: one line naming the folder and what to do, nothing written."""
+    proc = subprocess.run(
+        ["bash", str(ROOT / "tools" / "gpu" / "install.sh")], env={**os.environ, "DBO_BUNDLE_PARTS": str(tmp_path)},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"tools/gpu/install.sh: no bundle parts in {tmp_path}: copy .gpu-vllm/p0..p6 there first (tools/gpu/README.md)"
+    ]
+    assert list(tmp_path.iterdir()) == []
