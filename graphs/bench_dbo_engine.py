@@ -72,11 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated all2all backend groups, run one after the other in the order given: ht, ll (default ht,ll)",
     )
     args = parser.parse_args(argv)
-    backends = list(dict.fromkeys(b.strip() for b in args.backends.split(",") if b.strip()))
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in GROUPS]
     if unknown or not backends:
         shown = ", ".join(repr(b) for b in unknown) or repr(args.backends)
         parser.error(f"argument --backends: {shown} is not allowed; allowed values: ht, ll (comma-separated)")
+    twice = [b for b in dict.fromkeys(backends) if backends.count(b) > 1]
+    if twice:  # a group is run once: a repeat is more likely a typo for the other one than a wish
+        parser.error(f"argument --backends: {', '.join(repr(b) for b in twice)} listed twice; allowed values: ht, ll, each once (comma-separated)")
     from dbo_runtime.harness.machine import refuse_without_engine
 
     refused = refuse_without_engine("bench_dbo_engine", 2)

@@ -71,7 +71,10 @@ def _choices(parser: argparse.ArgumentParser, name: str, raw: str, allowed: tupl
     if bad or empty:
         shown = empty or ", ".join(repr(v) for v in bad)
         parser.error(f"argument --{name}: {shown} is not allowed; allowed values: {', '.join(allowed)} (comma-separated)")
-    return list(dict.fromkeys(items))
+    twice = [v for v in dict.fromkeys(items) if items.count(v) > 1]
+    if twice:  # each is one axis of the matrix: a repeat is a typo for another value, not a wish to run it twice
+        parser.error(f"argument --{name}: {', '.join(repr(v) for v in twice)} listed twice; allowed values: {', '.join(allowed)}, each once (comma-separated)")
+    return items
 
 
 def _depths(parser: argparse.ArgumentParser, raw: str) -> list[int]:
@@ -82,7 +85,10 @@ def _depths(parser: argparse.ArgumentParser, raw: str) -> list[int]:
         depths = []
     if empty or not depths or any(d < 1 for d in depths):
         parser.error(f"argument --depths: {empty or repr(raw)} is not allowed; allowed values: comma-separated layer counts >= 1")
-    return list(dict.fromkeys(depths))  # a depth given twice is one configuration, as a model given twice is
+    twice = [d for d in dict.fromkeys(depths) if depths.count(d) > 1]
+    if twice:  # as for a model: a repeated depth is a typo for another one, not a wish to run it twice
+        parser.error(f"argument --depths: {', '.join(map(str, twice))} listed twice; allowed values: comma-separated layer counts >= 1, each once")
+    return depths
 
 
 def configurations(models: list[str], depths: list[int], modes: list[str], dbo: list[str]) -> list[dict]:

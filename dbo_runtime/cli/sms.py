@@ -206,7 +206,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     comm = comm_input(args.comm_sms, platform)
     if args.max_sms_used is None:
         max_sms, max_source = BACKEND_MAX_SMS_USED.get(backend), "vllm-0.33.0-manager"
-    elif args.max_sms_used.strip().lower() == "none":
+    elif args.max_sms_used == "none":
         max_sms, max_source = None, "--max-sms-used"
     else:
         max_sms = parse_int(args.max_sms_used, "--max-sms-used", 0, also="'none'")

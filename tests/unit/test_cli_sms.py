@@ -186,6 +186,7 @@ def test_odd_comm_is_fine_when_deepep_ht_is_not_used(capsys: pytest.CaptureFixtu
         (["--total-sms", "abc"], None, "--total-sms='abc'", "integers in [21, 1024], above the comm share 20"),
         (["--platform", "tpu"], None, "--platform='tpu'", "'cuda', 'rocm'"),
         (["--max-sms-used", "-1"], None, "--max-sms-used=-1", "integers >= 0, or 'none'"),
+        (["--max-sms-used", "None"], None, "--max-sms-used='None'", "integers >= 0, or 'none'"),  # word options are lower case
         ([], "abc", "VLLM_DBO_COMM_SMS='abc'", "integers >= 0"),
         ([], "140", "VLLM_DBO_COMM_SMS=140", "[0, 130]"),
     ],

@@ -855,3 +855,20 @@ def test_a_benchmark_says_which_files_it_wrote(tmp_path: Path, capsys: pytest.Ca
     assert capsys.readouterr().err == f"bench_x: wrote {tmp_path / 'x.json'}\n"
     say_written("bench_x", tmp_path / "y.json")
     assert capsys.readouterr().err == "bench_x: wrote nothing\n"
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "line"),
+    [
+        ("bench_dbo_engine.py", ["--backends", "ht,ht"], "bench_dbo_engine: error: argument --backends: 'ht' listed twice; allowed values: ht, ll, each once (comma-separated) (see --help)"),
+        ("bench_host_cost.py", ["--models", "v32,v32"], "bench_host_cost: error: argument --models: 'v32' listed twice; allowed values: glm53, v32, each once (comma-separated) (see --help)"),
+        ("bench_host_cost.py", ["--depths", "61,78,61"], "bench_host_cost: error: argument --depths: 61 listed twice; allowed values: comma-separated layer counts >= 1, each once (see --help)"),
+        ("bench_host_cost.py", ["--modes", "eager,eager"], "bench_host_cost: error: argument --modes: 'eager' listed twice; allowed values: eager, graphs, each once (comma-separated) (see --help)"),
+    ],
+)  # fmt: skip
+def test_a_value_listed_twice_is_refused_not_dropped(script: str, argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A list with a repeat runs as if typed once: more likely a typo for the other value, so refused as tune does."""
+    with pytest.raises(SystemExit) as exc:
+        load(script).main(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [line]
