@@ -449,7 +449,7 @@ def test_dbo_engine_bench_runs_one_backend_group_at_a_time(
     assert set(ht["summary"]) == {"ht_dbo_plugin_over_off", "ht_dbo_plugin_over_off_paired", "ht_plugin_self_us_per_step"}
 
     groups.clear()
-    assert mod.main(["--backends", "ll,ht,ll", "--out", str(tmp_path / "order")]) == 0  # the order given, once each
+    assert mod.main(["--backends", "ll,ht", "--out", str(tmp_path / "order")]) == 0  # the order given
     assert [g[0][0] for g in groups] == ["ll-dbo-off", "ht-dbo-off"]
     capsys.readouterr()
     for bad, shown in [("xx", "'xx'"), ("ht,zz", "'zz'"), (",", "','")]:
@@ -649,10 +649,13 @@ def test_host_cost_bench_refuses_an_empty_item(
     assert not (tmp_path / "out").exists()
 
 
-def test_host_cost_bench_counts_a_repeated_depth_once() -> None:
+def test_host_cost_bench_keeps_the_order_typed_and_refuses_a_repeat() -> None:
     mod = load("bench_host_cost.py")
     parser = mod.Parser(prog="bench_host_cost")
-    assert mod._depths(parser, "6, 78,6") == [6, 78] and mod._choices(parser, "models", "v32,glm53,v32", tuple(mod.MODELS)) == ["v32", "glm53"]
+    assert mod._depths(parser, "78, 6") == [78, 6] and mod._choices(parser, "models", "v32,glm53", tuple(mod.MODELS)) == ["v32", "glm53"]
+    for call in (lambda: mod._depths(parser, "6, 78,6"), lambda: mod._choices(parser, "models", "v32,glm53,v32", tuple(mod.MODELS))):
+        with pytest.raises(SystemExit):
+            call()
 
 
 def test_host_cost_bench_runs_graph_rows_with_their_own_step_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
