@@ -32,7 +32,7 @@ from dbo_runtime.integration.features import Feature, Probe, Upstream
 from dbo_runtime.integration.patching import Patch, require_parameters
 from dbo_runtime.integration.ubatch_failures import MicrobatchAttr, record, shields_itself
 from dbo_runtime.integration.ubatch_ids import THREAD_TABLE
-from dbo_runtime.services.topk_state import UbatchTopkState
+from dbo_runtime.services.topk_state import UbatchTopkState, window_end_reachable
 
 UPSTREAM_PR = "vllm#60734 (per-microbatch DSA shared-indexer top-k); see also vllm#56476 dbo_select_buffer"
 REMOVAL = "remove when the supported vLLM keeps shared top-k state per DBO microbatch (vllm#60734 merged)"
@@ -91,6 +91,32 @@ def _num_ubatches(vllm_config: Any) -> int:
     from vllm.v1.worker.ubatch_utils import get_num_ubatches
 
     return int(get_num_ubatches(vllm_config.parallel_config))
+
+
+def _check_window_end(state: UbatchTopkState, vllm_config: Any, num_ubatches: int) -> None:
+    """Tell ``state`` before it lays out a buffer whether this engine's padded decode rows can pass a window's
+    end (``window_end_reachable``); sizes that cannot be read count as reachable (copies cost memory, a short
+    window writes past a buffer)."""
+    try:
+        sched = vllm_config.scheduler_config
+        spec = getattr(vllm_config, "speculative_config", None)
+        next_n = 1 + int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 1
+        seqs, tokens = int(sched.max_num_seqs), int(sched.max_num_batched_tokens)
+        compilation = vllm_config.compilation_config
+        mode = compilation.cudagraph_mode
+        full = mode is not None and mode.has_full_cudagraphs()
+        largest_graph = max((int(x) for x in compilation.cudagraph_capture_sizes or ()), default=0) if full else 0
+    except Exception as exc:
+        state.windows_too_short = f"the scheduler's sizes could not be read to bound a window ({exc!r})"
+        return
+    rows = max(seqs * next_n, largest_graph)
+    if window_end_reachable(rows, tokens, next_n, num_ubatches):
+        state.windows_too_short = (
+            f"with {next_n - 1} speculative tokens a decode microbatch can write up to {rows} top-k rows "
+            f"(max_num_seqs {seqs} x {next_n}" + (f", FULL-graph capture sizes up to {largest_graph}" if largest_graph else "")
+            + f"), more than the {tokens // num_ubatches} a window past the split is sure to hold "
+            f"(max_num_batched_tokens {tokens} over {num_ubatches} microbatches)"
+        )
 
 
 def _make_event() -> Any:
@@ -183,6 +209,7 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
                 self, is_index_producing_layer, vllm_config, head_size=head_size, kv_cache_dtype=kv_cache_dtype
             )
             if follower and num_ubatches > 1 and not state.is_attached(result[0]):
+                _check_window_end(state, config, num_ubatches)
                 state.attach(result[0], num_ubatches, _make_event)
                 # Once per process at INFO (the first group with followers); the rest at DEBUG.
                 log = logger.info if state.num_groups() == 1 else logger.debug
@@ -328,7 +355,11 @@ class TopkIndicesBufferAttr(MicrobatchAttr):
         if self.marks_model_buffer:
             self.state.mark_model_buffer(value)
         if self.registers:
-            views = self.state.register_logical(value, _num_ubatches(_current_config()))
+            config = _current_config()
+            num_ubatches = _num_ubatches(config)
+            if num_ubatches > 1:
+                _check_window_end(self.state, config, num_ubatches)
+            views = self.state.register_logical(value, num_ubatches)
             anchor = f"_dbo_runtime_views_{self.name}"
             if views is not None:
                 obj.__dict__[anchor] = views

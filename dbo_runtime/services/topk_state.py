@@ -10,9 +10,10 @@ upstream's (one buffer and one workspace per extra microbatch; 216 MiB for GLM-5
 ``WINDOWS`` (default) allocates nothing: microbatch *i* uses the rows from its token offset, correct because
 vLLM's microbatch slices are consecutive and disjoint, every reader and writer indexes from row 0 of its own
 slice, and the padded total never exceeds ``max_num_batched_tokens``; a FULL graph's split point is fixed per
-graph size, so replays reuse the same disjoint rows. vLLM's padded decode path writes ``B x next_n`` rows, more than
-the microbatch's tokens when the split cuts a request in two; DeepGEMM's paged-MQA logits refuse that shape first
-(their weights hold one row per token), with or without dbo_runtime, so no write passes a window's end. A window that does not fit the physical workspace makes
+graph size, so replays reuse the same disjoint rows. One writer can pass a window's end: vLLM's padded decode path
+(MTP, a decode batch whose lengths differ, as when the split cuts a request in two) writes ``B x next_n`` top-k
+rows, more than the microbatch's tokens, and a window past the split holds only the rows after it; so where
+``window_end_reachable`` says a configuration can get there, the layout is ``COPIES`` (each a full buffer). A window that does not fit the physical workspace makes
 vLLM's ``_convert_once`` convert per layer from the (windowed) logical buffer, as upstream does for any step
 larger than the workspace. No vLLM import: tensors, events and streams are duck-typed (the GPU twin drives the
 same code with real CUDA objects).
@@ -37,6 +38,20 @@ logger = get_logger("dbo_runtime.topk_state")
 
 UbatchLocator = Callable[[], tuple[int, int]]
 """Returns ``(microbatch id, token offset)`` of the calling thread; ``(0, 0)`` outside DBO."""
+
+def window_end_reachable(max_decode_rows: int, max_num_batched_tokens: int, next_n: int, num_ubatches: int) -> bool:
+    """Whether a microbatch after the first can need more top-k rows than its window holds.
+
+    A window past a split starts at most at ``max_num_batched_tokens * (n - 1) / n`` and so holds at least
+    ``max_num_batched_tokens // n`` rows. Without speculative tokens every decode request is one row, one token, and
+    no microbatch writes past its tokens. With ``next_n > 1`` vLLM's padded decode path writes ``next_n`` rows for
+    each request of the microbatch, padding requests included: at most ``max_decode_rows``, the larger of
+    ``max_num_seqs * next_n`` and, under FULL CUDA graphs, the largest capture size (a uniform decode batch is
+    padded with requests up to it)."""
+    if next_n <= 1 or num_ubatches < 2:
+        return False
+    return max_decode_rows > max_num_batched_tokens // num_ubatches
+
 
 # -- per-microbatch views ------------------------------------------------------------------------
 @dataclass
@@ -166,6 +181,9 @@ class UbatchTopkState:
         self.windows_unsafe: str | None = None
         """Why ``WINDOWS`` is not safe in this process (a cache keyed on a window's length that dbo_runtime could
         not key on the whole buffer), or None. Then the default layout is ``COPIES``."""
+        self.windows_too_short: str | None = None
+        """Why a window can be shorter than what vLLM writes into it (``window_end_reachable``), or None. Then the
+        layout is ``COPIES`` whatever ``DBO_RUNTIME_TOPK_LAYOUT`` asks: a write past a window's end is no choice."""
         self._lock = threading.Lock()
         self._model_buffers: dict[int, weakref.ref[torch.Tensor]] = {}
         self._logical: dict[int, weakref.ref[_LogicalState]] = {}
@@ -194,7 +212,7 @@ class UbatchTopkState:
         base = group.logical_topk_indices
         with self._lock:
             self._prune()
-            if self.layout is None:
+            if self.layout is None or (self.layout is TopkLayout.WINDOWS and self.windows_too_short is not None):
                 self.layout = self._chosen_layout()
             if self._group_state(group) is not None:
                 return
@@ -214,7 +232,7 @@ class UbatchTopkState:
             return None
         with self._lock:
             self._prune()
-            if self.layout is None:
+            if self.layout is None or (self.layout is TopkLayout.WINDOWS and self.windows_too_short is not None):
                 self.layout = self._chosen_layout()
             ref = self._logical.get(id(base))
             state = ref() if ref is not None else None
@@ -228,6 +246,13 @@ class UbatchTopkState:
         in this process (a window per split point would grow a never-evicted cache): said once, at model build."""
         raw = os.environ.get(LAYOUT_ENV)
         layout = parse_layout(raw)
+        if layout is TopkLayout.WINDOWS and self.windows_too_short is not None:
+            logger.warning(
+                "dbo_runtime: per-microbatch top-k uses the copies layout (extra device memory, counted in vLLM's "
+                "profile)%s: %s", "" if raw is None or raw.strip() == "" else f", not {LAYOUT_ENV}=windows",
+                self.windows_too_short,
+            )
+            return TopkLayout.COPIES
         if layout is not TopkLayout.WINDOWS or self.windows_unsafe is None:
             return layout
         if raw is None or raw.strip() == "":
@@ -265,6 +290,7 @@ class UbatchTopkState:
             self._groups.clear()
             self.layout = self._layout_given
             self.windows_unsafe = None
+            self.windows_too_short = None
 
     # -- hot path ----------------------------------------------------------------------------------
     def _group_state(self, group: Any) -> _GroupState | None:
@@ -350,4 +376,4 @@ class UbatchTopkState:
             return len(self._logical)
 
 
-__all__ = ["LAYOUT_ENV", "GroupView", "TopkLayout", "UbatchTopkState", "parse_layout"]
+__all__ = ["LAYOUT_ENV", "GroupView", "TopkLayout", "UbatchTopkState", "parse_layout", "window_end_reachable"]

@@ -156,3 +156,30 @@ def test_windows_that_are_not_safe_in_this_process_become_copies_unless_asked_fo
     assert st.layout is expected and len(warned) == (0 if setting == "copies" else 1)
     st.clear()
     assert st.windows_unsafe is None and st.layout is None  # a later model is judged again
+
+
+@pytest.mark.parametrize("setting", [None, "windows", "copies"])
+def test_a_window_that_can_be_too_short_is_never_used(
+    setting: str | None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where vLLM's padded decode rows can pass a window's end, the layout is COPIES whatever is asked (a write past
+    a buffer is no choice), said once; the flag is re-read for a layout already chosen as windows."""
+    import logging
+
+    from dbo_runtime.core.settings import LAYOUT_ENV
+
+    caplog.set_level(logging.WARNING)
+    if setting is None:
+        monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(LAYOUT_ENV, setting)
+    st = UbatchTopkState(lambda: (0, 0))
+    st.attach(_group(torch.zeros(8, 2, dtype=torch.int32)), 2, object)
+    assert st.layout is (TopkLayout.COPIES if setting == "copies" else TopkLayout.WINDOWS)
+    st.windows_too_short = "a decode microbatch can write 512 rows, more than the 510 a window holds"
+    group = _group(torch.zeros(8, 2, dtype=torch.int32))
+    st.attach(group, 2, object)
+    assert st.layout is TopkLayout.COPIES and st.extra_bytes() > 0
+    warned = [r.getMessage() for r in caplog.records if "510 a window holds" in r.getMessage()]
+    assert len(warned) == (0 if setting == "copies" else 1)
+    assert [w for w in warned if "not DBO_RUNTIME_TOPK_LAYOUT=windows" in w] == (warned if setting == "windows" else [])
