@@ -89,19 +89,25 @@ def run_interleaved(
     total = int(specs[0].bench.get("warmup", 1)) + reps if specs and specs[0].bench else 0
     order: list[tuple[int, str]] = []
     expired = False
-    for rep in range(total):
-        shift = rep % len(specs)
-        for spec in [*specs[shift:], *specs[:shift]]:
-            outcome = _turn(barriers[spec.label], rep, spec.dp, deadline, _finished(records, spec.label))
-            if progress is not None:
-                progress(f"rep {rep}: {spec.label} {outcome}")
-            if outcome == "done":
-                order.append((rep, spec.label))
-            expired = outcome.endswith("(time limit)")
+    try:
+        for rep in range(total):
+            shift = rep % len(specs)
+            for spec in [*specs[shift:], *specs[:shift]]:
+                outcome = _turn(barriers[spec.label], rep, spec.dp, deadline, _finished(records, spec.label))
+                if progress is not None:
+                    progress(f"rep {rep}: {spec.label} {outcome}")
+                if outcome == "done":
+                    order.append((rep, spec.label))
+                expired = outcome.endswith("(time limit)")
+                if expired:
+                    break
             if expired:
                 break
-        if expired:
-            break
+    except BaseException:
+        # Ctrl-C (or any failure) here: the engines run in sessions of their own, which a terminal's SIGINT does not
+        # reach, and their launch threads are daemons whose clean-up never runs at exit. Kill them before leaving.
+        kill_all()
+        raise
     if expired:
         if progress is not None:
             progress(f"time limit of {timeout_s:.0f} s: no further turn started; every engine killed")

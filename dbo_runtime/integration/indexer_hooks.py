@@ -23,6 +23,7 @@ from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.planner_shapes import dbo_planner_shapes
 from dbo_runtime.integration import activation, guard
+from dbo_runtime.integration.engine_config import decode_rows
 from dbo_runtime.integration.features import REGISTRY, Feature, Probe, Upstream
 from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import PATCH_MARK, ArgSlots, Patch, require_parameters
@@ -266,10 +267,7 @@ def reserve_builder_placeholders(builder: Any) -> None:
         return
     try:
         config = builder.vllm_config
-        sched = config.scheduler_config
-        q = 1 + int(getattr(builder, "num_speculative_tokens", 0))
-        # the logits of one call: a row per decode token (B x next_n), at most a full step's
-        rows = min(int(sched.max_num_seqs) * q, int(sched.max_num_batched_tokens))
+        _, rows = decode_rows(config)  # the logits of one call: a row per padded decode token (B x next_n)
         max_model_len = int(config.model_config.max_model_len)
         device = builder.device
     except Exception as exc:

@@ -28,6 +28,7 @@ from dbo_runtime.core import coverage
 from dbo_runtime.core.errors import UnsupportedConfiguration
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration import guard
+from dbo_runtime.integration.engine_config import decode_rows
 from dbo_runtime.integration.features import Feature, Probe, Upstream
 from dbo_runtime.integration.patching import Patch, require_parameters
 from dbo_runtime.integration.ubatch_failures import MicrobatchAttr, record, shields_itself
@@ -98,24 +99,16 @@ def _check_window_end(state: UbatchTopkState, vllm_config: Any, num_ubatches: in
     end (``window_end_reachable``); sizes that cannot be read count as reachable (copies cost memory, a short
     window writes past a buffer)."""
     try:
-        sched = vllm_config.scheduler_config
-        spec = getattr(vllm_config, "speculative_config", None)
-        next_n = 1 + int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 1
-        seqs, tokens = int(sched.max_num_seqs), int(sched.max_num_batched_tokens)
-        compilation = vllm_config.compilation_config
-        mode = compilation.cudagraph_mode
-        full = mode is not None and mode.has_full_cudagraphs()
-        largest_graph = max((int(x) for x in compilation.cudagraph_capture_sizes or ()), default=0) if full else 0
+        next_n, rows = decode_rows(vllm_config)
+        tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
     except Exception as exc:
-        state.windows_too_short = f"the scheduler's sizes could not be read to bound a window ({exc!r})"
+        state.windows_too_short = f"the engine's sizes could not be read to bound a window ({exc!r})"
         return
-    rows = max(seqs * next_n, largest_graph)
     if window_end_reachable(rows, tokens, next_n, num_ubatches):
         state.windows_too_short = (
             f"with {next_n - 1} speculative tokens a decode microbatch can write up to {rows} top-k rows "
-            f"(max_num_seqs {seqs} x {next_n}" + (f", FULL-graph capture sizes up to {largest_graph}" if largest_graph else "")
-            + f"), more than the {tokens // num_ubatches} a window past the split is sure to hold "
-            f"(max_num_batched_tokens {tokens} over {num_ubatches} microbatches)"
+            f"(max_num_seqs x {next_n}, or a FULL-graph capture size), more than the {tokens // num_ubatches} a "
+            f"window past the split is sure to hold (max_num_batched_tokens {tokens} over {num_ubatches} microbatches)"
         )
 
 

@@ -163,3 +163,29 @@ def test_install_without_the_bundle_parts_is_one_line_and_exit_2(tmp_path: Path)
         f"tools/gpu/install.sh: no bundle parts in {tmp_path}: copy .gpu-vllm/p0..p6 there first (tools/gpu/README.md)"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_host_cost_summarizes_a_stopped_run_with_the_row_filters_only(tmp_path: Path) -> None:
+    """When the limit stops the benchmark, the script summarizes the finished reps with ``--from-runs``, which
+    refuses the options that start engines: it passes the row filters on and drops ``--reps``/``--at-once``/...
+    (a ``python3`` stand-in records the calls; the real benchmark's refusal has its own test)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    (bin_dir / "python3").write_text(
+        "#!/bin/bash\n"
+        f'echo "$*" >> {calls}\n'
+        'case "$*" in *--from-runs*) exit 0 ;; *graphs/bench_host_cost.py*) mkdir -p /tmp/host-cost/bench_host_cost_runs; exit 124 ;; esac\n'
+        "exit 0\n"
+    )
+    (bin_dir / "python3").chmod(0o755)
+    env_sh = tmp_path / "env.sh"
+    env_sh.write_text(f"export PATH={bin_dir}:$PATH\n")
+    argv = ["60", "--only", "v32-78L-eager-dbo-off", "--reps", "4", "--at-once=2", "--steps", "8", "--graphs-steps", "64"]
+    proc = _run("session-host-cost.sh", argv, tmp_path, DBO_GPU_ENV=str(env_sh))
+    assert proc.returncode == 124, proc.stderr
+    runs = [line for line in calls.read_text().splitlines() if "graphs/bench_host_cost.py" in line]
+    assert runs == [
+        "graphs/bench_host_cost.py --out /tmp/host-cost --only v32-78L-eager-dbo-off --reps 4 --at-once=2 --steps 8 --graphs-steps 64",
+        "graphs/bench_host_cost.py --from-runs /tmp/host-cost/bench_host_cost_runs --out /tmp/host-cost --only v32-78L-eager-dbo-off",
+    ]

@@ -578,3 +578,25 @@ def test_an_engine_whose_run_folder_was_taken_over_stops_and_writes_nothing(tmp_
     spec.write_text(json.dumps({"label": "old"}))
     monkeypatch.setattr(runner, "run", lambda spec, rank, size, result: None)
     assert runner.main([str(spec), str(out)]) == 1 and not out.exists()
+
+
+def test_ctrl_c_during_the_turns_kills_every_engine_before_it_propagates(
+    tmp_path: Path, fake_runner: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engines run in sessions of their own (a terminal's SIGINT does not reach them) under daemon launch
+    threads (whose clean-up never runs at exit): a KeyboardInterrupt in the turn loop kills them first."""
+    from dbo_runtime.harness import turns
+
+    killed: list[bool] = []
+    real_kill_all = turns.kill_all
+    monkeypatch.setattr(turns, "kill_all", lambda: (killed.append(True), real_kill_all())[1])
+    bench = {"max_tokens": 4, "reps": 1, "warmup": 0, "coordinated": True}
+    alive = RunSpec("alive", ["--model", "m"], meta={"fake": {}}, bench={**bench, "reps": 2}, timeout_s=120)
+
+    def interrupt(message: str) -> None:
+        raise KeyboardInterrupt
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        turns.run_interleaved([alive], tmp_path, reps=2, timeout_s=60, progress=interrupt)  # after its first turn
+    assert killed and time.monotonic() - started < 30

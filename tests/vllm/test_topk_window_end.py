@@ -67,3 +67,11 @@ def test_the_hook_reads_the_engine_config(seqs: int, tokens: int, spec: int, gra
     unreadable = UbatchTopkState(lambda: (0, 0))
     topk_hooks._check_window_end(unreadable, SimpleNamespace(), 2)
     assert unreadable.windows_too_short is not None and "could not be read" in unreadable.windows_too_short
+
+
+def test_padded_decode_rows_counts_graph_padding_and_caps_at_the_step() -> None:
+    from dbo_runtime.core.topk_memory import padded_decode_rows
+
+    assert padded_decode_rows(256, 2, 8192) == 512  # eager: next_n rows per request
+    assert padded_decode_rows(256, 2, 8192, largest_full_graph=1024) == 1024  # graphs pad whole requests up to it
+    assert padded_decode_rows(4096, 4, 8192) == 8192  # never more than a step holds

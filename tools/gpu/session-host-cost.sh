@@ -17,8 +17,18 @@ timeout "$LIMIT" python3 graphs/bench_host_cost.py --out /tmp/host-cost "$@" > /
 rc=$?
 echo "exit $rc" >> /tmp/host-cost/bench.log
 if [ "$rc" != 0 ] && [ -d /tmp/host-cost/bench_host_cost_runs ]; then
-  # the limit stopped it: summarize the reps every engine finished (rankN.partial.json)
-  python3 graphs/bench_host_cost.py --from-runs /tmp/host-cost/bench_host_cost_runs --out /tmp/host-cost "$@" >> /tmp/host-cost/bench.log 2>&1
+  # the limit stopped it: summarize the reps every engine finished (rankN.partial.json), with the row filters
+  # only (--from-runs refuses the options that start engines)
+  filters=(); skip=0
+  for a in "$@"; do
+    if [ "$skip" = 1 ]; then skip=0; continue; fi
+    case "$a" in
+      --reps|--steps|--graphs-steps|--at-once) skip=1 ;;
+      --reps=*|--steps=*|--graphs-steps=*|--at-once=*) ;;
+      *) filters+=("$a") ;;
+    esac
+  done
+  python3 graphs/bench_host_cost.py --from-runs /tmp/host-cost/bench_host_cost_runs --out /tmp/host-cost "${filters[@]}" >> /tmp/host-cost/bench.log 2>&1
   echo "summarized from the run directories: exit $?" >> /tmp/host-cost/bench.log
 fi
 cp /tmp/host-cost/bench_host_cost.json /tmp/host-cost/bench_host_cost.png "$OUT/" 2>/dev/null

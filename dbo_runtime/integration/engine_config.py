@@ -1,0 +1,27 @@
+"""What dbo_runtime reads from a vLLM engine config in more than one hook, read in one place.
+
+The top-k layout and the guard's placeholder logits both size themselves by the most decode rows one indexer call
+can write (``core.topk_memory.padded_decode_rows``); the config fields behind that bound live here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dbo_runtime.core.topk_memory import padded_decode_rows
+
+
+def decode_rows(vllm_config: Any) -> tuple[int, int]:
+    """``(next_n, padded decode rows)`` of an engine config; raises when a field cannot be read (callers fail
+    closed: a wrong bound is worse than none)."""
+    sched = vllm_config.scheduler_config
+    spec = getattr(vllm_config, "speculative_config", None)
+    next_n = 1 + int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 1
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    full = mode is not None and mode.has_full_cudagraphs()
+    largest = max((int(x) for x in compilation.cudagraph_capture_sizes or ()), default=0) if full else 0
+    return next_n, padded_decode_rows(int(sched.max_num_seqs), next_n, int(sched.max_num_batched_tokens), largest)
+
+
+__all__ = ["decode_rows"]
