@@ -209,15 +209,24 @@ def estimated_bytes(config: Any, leaders: int) -> int:
 
 
 def available_bytes() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` (Linux); None where the machine does not say."""
+    """What this process can still allocate: ``MemAvailable`` of ``/proc/meminfo``, lowered to what is left under a
+    cgroup v2 memory limit (a container's OOM killer acts at ``memory.max``); None where the machine says neither."""
+    found: list[int] = []
     try:
         with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            found += [int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:")]
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as fh:
+            limit = fh.read().strip()
+        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as fh:
+            current = int(fh.read().strip())
+        if limit.isdigit():  # "max": no limit
+            found.append(max(0, int(limit) - current))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -276,10 +285,11 @@ def _run(args: argparse.Namespace) -> int:
         leaders = sum(index_leaders(config.num_layers, config.index_topk_freq, config.index_skip_topk_offset))
         need, have = estimated_bytes(config, leaders), available_bytes()
         if have is not None and need > have:  # refused before any tensor exists, not killed by the OOM killer later
+            what = f"--requests {config.num_requests}" if args.requests is not None else f"{config.num_requests} requests"
+            way_out = "lower --requests" + ("" if args.preset == "small" else ", or use --preset small")
             raise CliError(
-                f"error: --requests {config.num_requests} with --preset {args.preset} needs about {need / 2**30:.1f} "
-                f"GiB of memory on the CPU simulation; this machine has {have / 2**30:.1f} GiB available (lower "
-                "--requests, or use --preset small)",
+                f"error: {what} with --preset {args.preset} needs about {need / 2**30:.1f} GiB of memory on the CPU "
+                f"simulation; this machine has {have / 2**30:.1f} GiB available ({way_out})",
                 EXIT_NO_DEVICE,
             )
         expected = estimated_seconds(config, leaders, runs)

@@ -116,7 +116,7 @@ def register() -> None:
             states = feature_states(patches)
             skip = excluded_optional(patches, _recorded())
             topk = importlib.import_module("dbo_runtime.integration.topk_hooks")  # all_patches() loaded it
-            if topk.FA4_SCALARS in skip:
+            if topk.FA4_SCALARS in skip and topk.fa4_module_present():  # absent FA4: no cache to grow
                 topk.default_state().windows_unsafe = (
                     f"{topk.FA4_SCALARS} is not installed ({skip[topk.FA4_SCALARS]}), so FA4 sparse MLA would "
                     "cache three device tensors per split point, never evicted"
@@ -186,6 +186,9 @@ def _forget_runtime_state() -> None:
     topk = sys.modules.get("dbo_runtime.integration.topk_hooks")
     state = topk.current_state() if topk is not None else None
     if state is not None:
+        import gc
+
+        gc.collect()  # an engine already shut down but held in a reference cycle is not a live model
         alive = state.attached_alive()
         if alive:
             # uninstall() cannot refuse (it is teardown), but a model built under the plugin that runs on would

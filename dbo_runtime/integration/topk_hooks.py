@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import os
 import threading
 from typing import Any
 
@@ -429,6 +431,19 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
 
 FA4_SCALARS = "topk.fa4_varlen_scalars"
 """Optional: skipped where FA4 sparse MLA is absent; where its code differs, the windows layout is not used."""
+
+
+def fa4_module_present() -> bool:
+    """Whether this vLLM ships FA4 sparse MLA at all (its source file, found without importing it: the module needs
+    the CUDA flash-attention extensions)."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    relative = _FA4_SPARSE.split(".", 1)[1].replace(".", "/") + ".py"
+    return any(os.path.isfile(os.path.join(root, relative)) for root in spec.submodule_search_locations)
 
 
 def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:

@@ -108,3 +108,39 @@ def test_the_memory_estimate_grows_with_the_requests_and_stays_above_the_measure
     for (base, requests), mib in measured.items():
         estimate = estimated_bytes(dataclasses.replace(base, num_requests=requests), 21) / 2**20
         assert mib < estimate < 1.15 * mib, (base.heads, requests, estimate)
+
+
+def test_available_memory_is_the_lower_of_the_machine_and_its_cgroup_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a container the OOM killer acts at the cgroup's ``memory.max``, which ``MemAvailable`` does not show."""
+    import builtins
+    import io
+
+    from dbo_runtime.cli import simulate
+
+    files = {"/proc/meminfo": "MemTotal: 25165824 kB\nMemAvailable: 20971520 kB\n"}
+    real_open = builtins.open
+
+    def fake_open(path: object, *args: object, **kwargs: object) -> object:
+        if str(path) in ("/proc/meminfo", "/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"):
+            if str(path) not in files:
+                raise FileNotFoundError(path)
+            return io.StringIO(files[str(path)])
+        return real_open(path, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert simulate.available_bytes() == 20 << 30  # no cgroup files: the machine's figure
+    files.update({"/sys/fs/cgroup/memory.max": "max\n", "/sys/fs/cgroup/memory.current": "1073741824\n"})
+    assert simulate.available_bytes() == 20 << 30  # no limit
+    files["/sys/fs/cgroup/memory.max"] = str(8 << 30)
+    assert simulate.available_bytes() == 7 << 30  # 8 GiB limit, 1 GiB in use
+    del files["/proc/meminfo"]
+    assert simulate.available_bytes() == 7 << 30
+
+
+def test_the_memory_refusal_names_what_was_given(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from dbo_runtime.cli import simulate
+
+    monkeypatch.setattr(simulate, "available_bytes", lambda: 1 << 20)
+    assert main(["simulate", "--backend", "cpu"]) == 3
+    [line] = capsys.readouterr().err.splitlines()
+    assert " error: 16 requests with --preset small needs about " in line and line.endswith("available (lower --requests)")

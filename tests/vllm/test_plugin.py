@@ -360,3 +360,9 @@ def test_a_differing_fa4_scalar_cache_turns_the_default_topk_layout_to_copies(
     finally:
         plugin.uninstall()
     assert topk_hooks.default_state().windows_unsafe is None
+    monkeypatch.setattr(topk_hooks, "fa4_module_present", lambda: False)  # a build without FA4: no cache to grow
+    plugin.register()
+    try:
+        assert topk_hooks.default_state().windows_unsafe is None
+    finally:
+        plugin.uninstall()
