@@ -25,7 +25,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SCRATCH = RESULTS / "local"
 """The default output folder: git-ignored."""
 
-__all__ = ["EXIT_NO_DEVICE", "RESULTS", "SCRATCH", "Parser", "add_out", "integer", "interruptible", "out_folder", "positive_seconds", "say_written"]
+__all__ = ["EXIT_NO_DEVICE", "RESULTS", "SCRATCH", "Parser", "add_out", "integer", "interruptible", "out_folder", "positive_seconds", "refuse_repeats", "say_written"]
 
 
 class Parser(OneLineArgumentParser):
@@ -101,3 +101,13 @@ def say_written(prog: str, *paths: Path) -> None:
 
     written = [str(p) for p in paths if p.is_file()]
     print(f"{prog}: wrote {', '.join(written) if written else 'nothing'}", file=sys.stderr)
+
+
+def refuse_repeats(parser: argparse.ArgumentParser, option: str, items: list, allowed: str) -> None:
+    """A comma-separated list with a value in it twice, refused in one line: each value is one axis or group of a
+    benchmark and runs once, so a repeat is more likely a typo for another value than a wish (``tune --values``
+    refuses it the same way). ``allowed`` ends the line, as in every refused value."""
+    twice = [v for v in dict.fromkeys(items) if items.count(v) > 1]
+    if twice:
+        shown = ", ".join(repr(v) if isinstance(v, str) else str(v) for v in twice)
+        parser.error(f"argument {option}: {shown} listed twice; allowed values: {allowed}")

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, say_written  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, refuse_repeats, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 GROUPS: dict[str, tuple[str, bool]] = {"ht": ("shared-topk", False), "ll": ("shared-topk-h2048", True)}
@@ -77,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not backends:
         shown = ", ".join(repr(b) for b in unknown) or repr(args.backends)
         parser.error(f"argument --backends: {shown} is not allowed; allowed values: ht, ll (comma-separated)")
-    twice = [b for b in dict.fromkeys(backends) if backends.count(b) > 1]
-    if twice:  # a group is run once: a repeat is more likely a typo for the other one than a wish
-        parser.error(f"argument --backends: {', '.join(repr(b) for b in twice)} listed twice; allowed values: ht, ll, each once (comma-separated)")
+    refuse_repeats(parser, "--backends", backends, "ht, ll, each once (comma-separated)")
     from dbo_runtime.harness.machine import refuse_without_engine
 
     refused = refuse_without_engine("bench_dbo_engine", 2)

@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, say_written  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, refuse_repeats, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 MODELS = {
@@ -71,9 +71,7 @@ def _choices(parser: argparse.ArgumentParser, name: str, raw: str, allowed: tupl
     if bad or empty:
         shown = empty or ", ".join(repr(v) for v in bad)
         parser.error(f"argument --{name}: {shown} is not allowed; allowed values: {', '.join(allowed)} (comma-separated)")
-    twice = [v for v in dict.fromkeys(items) if items.count(v) > 1]
-    if twice:  # each is one axis of the matrix: a repeat is a typo for another value, not a wish to run it twice
-        parser.error(f"argument --{name}: {', '.join(repr(v) for v in twice)} listed twice; allowed values: {', '.join(allowed)}, each once (comma-separated)")
+    refuse_repeats(parser, f"--{name}", items, f"{', '.join(allowed)}, each once (comma-separated)")
     return items
 
 
@@ -85,9 +83,7 @@ def _depths(parser: argparse.ArgumentParser, raw: str) -> list[int]:
         depths = []
     if empty or not depths or any(d < 1 for d in depths):
         parser.error(f"argument --depths: {empty or repr(raw)} is not allowed; allowed values: comma-separated layer counts >= 1")
-    twice = [d for d in dict.fromkeys(depths) if depths.count(d) > 1]
-    if twice:  # as for a model: a repeated depth is a typo for another one, not a wish to run it twice
-        parser.error(f"argument --depths: {', '.join(map(str, twice))} listed twice; allowed values: comma-separated layer counts >= 1, each once")
+    refuse_repeats(parser, "--depths", depths, "comma-separated layer counts >= 1, each once")
     return depths
 
 
