@@ -13,10 +13,10 @@ slice, and the padded total never exceeds ``max_num_batched_tokens``; a FULL gra
 graph size, so replays reuse the same disjoint rows. One writer can pass a window's end: vLLM's padded decode path
 (MTP, a decode batch whose lengths differ, as when the split cuts a request in two) writes ``B x next_n`` top-k
 rows, more than the microbatch's tokens, and a window past the split holds only the rows after it; so where
-``window_end_reachable`` says a configuration can get there, the layout is ``COPIES`` (each a full buffer). A window that does not fit the physical workspace makes
-vLLM's ``_convert_once`` convert per layer from the (windowed) logical buffer, as upstream does for any step
-larger than the workspace. No vLLM import: tensors, events and streams are duck-typed (the GPU twin drives the
-same code with real CUDA objects).
+``window_end_reachable`` says a configuration can get there, the layout is ``COPIES`` (each a full buffer). A
+window that does not fit the physical workspace makes vLLM's ``_convert_once`` convert per layer from the
+(windowed) logical buffer, as upstream does for any step larger than the workspace. No vLLM import: tensors, events
+and streams are duck-typed (the GPU twin drives the same code with real CUDA objects).
 """
 
 from __future__ import annotations
@@ -212,8 +212,7 @@ class UbatchTopkState:
         base = group.logical_topk_indices
         with self._lock:
             self._prune()
-            if self.layout is None or (self.layout is TopkLayout.WINDOWS and self.windows_too_short is not None):
-                self.layout = self._chosen_layout()
+            self._settle_layout()
             if self._group_state(group) is not None:
                 return
             ref = self._logical.get(id(base))
@@ -232,8 +231,7 @@ class UbatchTopkState:
             return None
         with self._lock:
             self._prune()
-            if self.layout is None or (self.layout is TopkLayout.WINDOWS and self.windows_too_short is not None):
-                self.layout = self._chosen_layout()
+            self._settle_layout()
             ref = self._logical.get(id(base))
             state = ref() if ref is not None else None
             if state is None or state.base_ref() is not base:
@@ -241,9 +239,16 @@ class UbatchTopkState:
                 self._logical[id(base)] = weakref.ref(state)
             return state
 
+    def _settle_layout(self) -> None:
+        """Choose the layout at the first buffer (caller holds the lock), and again where windows were chosen and a
+        later buffer's engine can write past a window's end."""
+        if self.layout is None or (self.layout is TopkLayout.WINDOWS and self.windows_too_short is not None):
+            self.layout = self._chosen_layout()
+
     def _chosen_layout(self) -> TopkLayout:
-        """``DBO_RUNTIME_TOPK_LAYOUT``, or ``COPIES`` instead of the default ``WINDOWS`` where windows are not safe
-        in this process (a window per split point would grow a never-evicted cache): said once, at model build."""
+        """``DBO_RUNTIME_TOPK_LAYOUT``, with ``COPIES`` in two cases: always where a window can be shorter than what
+        vLLM writes into it (``windows_too_short``), and instead of the default ``WINDOWS`` where a window per split
+        point would grow a never-evicted cache (``windows_unsafe``). Said once, at model build."""
         raw = os.environ.get(LAYOUT_ENV)
         layout = parse_layout(raw)
         if layout is TopkLayout.WINDOWS and self.windows_too_short is not None:
