@@ -212,15 +212,15 @@ class UbatchTopkState:
         base = group.logical_topk_indices
         with self._lock:
             self._prune()
-            self._settle_layout()
+            layout = self._settle_layout()
             if self._group_state(group) is not None:
                 return
             ref = self._logical.get(id(base))
             logical = ref() if ref is not None else None
             if logical is None or logical.base_ref() is not base:
-                logical = _LogicalState(base, self.layout, num_ubatches)
+                logical = _LogicalState(base, layout, num_ubatches)
                 self._logical[id(base)] = weakref.ref(logical)
-            setattr(group, STATE_ATTR, _GroupState(self, group, logical, self.layout, num_ubatches, make_event))
+            setattr(group, STATE_ATTR, _GroupState(self, group, logical, layout, num_ubatches, make_event))
             self._groups[id(group)] = weakref.ref(group)
 
     def register_logical(self, base: Any, num_ubatches: int) -> _LogicalState | None:
@@ -231,19 +231,20 @@ class UbatchTopkState:
             return None
         with self._lock:
             self._prune()
-            self._settle_layout()
+            layout = self._settle_layout()
             ref = self._logical.get(id(base))
             state = ref() if ref is not None else None
             if state is None or state.base_ref() is not base:
-                state = _LogicalState(base, self.layout, num_ubatches)
+                state = _LogicalState(base, layout, num_ubatches)
                 self._logical[id(base)] = weakref.ref(state)
             return state
 
-    def _settle_layout(self) -> None:
-        """Choose the layout at the first buffer (caller holds the lock), and again where windows were chosen and a
-        later buffer's engine can write past a window's end."""
+    def _settle_layout(self) -> TopkLayout:
+        """The layout for a new buffer (caller holds the lock): chosen at the first one, and again where windows
+        were chosen and a later buffer's engine can write past a window's end."""
         if self.layout is None or (self.layout is TopkLayout.WINDOWS and self.windows_too_short is not None):
             self.layout = self._chosen_layout()
+        return self.layout
 
     def _chosen_layout(self) -> TopkLayout:
         """``DBO_RUNTIME_TOPK_LAYOUT``, with ``COPIES`` in two cases: always where a window can be shorter than what
