@@ -25,8 +25,10 @@ def _value(registry: object, name: str, labels: dict[str, str] | None = None) ->
     return float(got)
 
 
-def test_exporter_reports_budget_and_step_deltas() -> None:
+def _exporter() -> tuple[Any, FakeCacheStats, MetricsExporter, SMControl, Any]:
+    """A registry of its own, the exporter on it, and an SMControl for an H200 under DeepEP HT (112 compute SMs)."""
     import prometheus_client  # a vLLM dependency, pinned in the lock
+
     registry = prometheus_client.CollectorRegistry()
     cache = FakeCacheStats()
     exporter = MetricsExporter(registry=registry, cache=cache)
@@ -34,6 +36,11 @@ def test_exporter_reports_budget_and_step_deltas() -> None:
     budget = compute_budget(
         total_sms=132, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_high_throughput"
     )
+    return registry, cache, exporter, control, budget
+
+
+def test_exporter_reports_budget_and_step_deltas() -> None:
+    registry, cache, exporter, control, budget = _exporter()
     exporter.attach(control)
     exporter.attach(control)  # idempotent: one subscription
     control.announce(budget)
@@ -75,15 +82,7 @@ def test_a_failing_metrics_export_never_stops_the_sm_context(monkeypatch: pytest
 def test_a_step_touches_only_the_counters_that_moved_and_looks_each_child_up_once() -> None:
     """The export runs on the main thread inside every DBO step: a counter whose total did not move is not
     touched, and a labelled child is looked up once (``labels()`` takes a lock; multiprocess ``inc`` writes)."""
-    import prometheus_client
-
-    registry = prometheus_client.CollectorRegistry()
-    cache = FakeCacheStats()
-    exporter = MetricsExporter(registry=registry, cache=cache)
-    control = SMControl(0, 132)
-    budget = compute_budget(
-        total_sms=132, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_high_throughput"
-    )
+    registry, cache, exporter, control, budget = _exporter()
     exporter.attach(control)
     control.announce(budget)
     calls: list[str] = []

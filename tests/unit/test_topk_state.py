@@ -132,12 +132,8 @@ def test_clear_lets_the_next_model_read_the_layout_in_force_then(monkeypatch: py
     assert pinned.layout is TopkLayout.COPIES  # a layout given at construction stays
 
 
-@pytest.mark.parametrize("setting", [None, "", "windows", "copies"])
-def test_windows_that_are_not_safe_in_this_process_become_copies_unless_asked_for(
-    setting: str | None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Where FA4's never-evicted scalar cache could not be keyed on the whole buffer, a window per split point
-    would grow it: the default becomes COPIES (said once); an explicit windows setting is kept with a warning."""
+def _layout_setting(setting: str | None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``DBO_RUNTIME_TOPK_LAYOUT`` as a server would find it (None: unset), warnings captured."""
     import logging
 
     from dbo_runtime.core.settings import LAYOUT_ENV
@@ -147,6 +143,15 @@ def test_windows_that_are_not_safe_in_this_process_become_copies_unless_asked_fo
         monkeypatch.delenv(LAYOUT_ENV, raising=False)
     else:
         monkeypatch.setenv(LAYOUT_ENV, setting)
+
+
+@pytest.mark.parametrize("setting", [None, "", "windows", "copies"])
+def test_windows_that_are_not_safe_in_this_process_become_copies_unless_asked_for(
+    setting: str | None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where FA4's never-evicted scalar cache could not be keyed on the whole buffer, a window per split point
+    would grow it: the default becomes COPIES (said once); an explicit windows setting is kept with a warning."""
+    _layout_setting(setting, monkeypatch, caplog)
     st = UbatchTopkState(lambda: (0, 0))
     st.windows_unsafe = "topk.fa4_varlen_scalars is not installed (code differs)"
     group = _group(torch.zeros(8, 2, dtype=torch.int32))
@@ -164,15 +169,7 @@ def test_a_window_that_can_be_too_short_is_never_used(
 ) -> None:
     """Where vLLM's padded decode rows can pass a window's end, the layout is COPIES whatever is asked (a write past
     a buffer is no choice), said once; the flag is re-read for a layout already chosen as windows."""
-    import logging
-
-    from dbo_runtime.core.settings import LAYOUT_ENV
-
-    caplog.set_level(logging.WARNING)
-    if setting is None:
-        monkeypatch.delenv(LAYOUT_ENV, raising=False)
-    else:
-        monkeypatch.setenv(LAYOUT_ENV, setting)
+    _layout_setting(setting, monkeypatch, caplog)
     st = UbatchTopkState(lambda: (0, 0))
     st.attach(_group(torch.zeros(8, 2, dtype=torch.int32)), 2, object)
     assert st.layout is (TopkLayout.COPIES if setting == "copies" else TopkLayout.WINDOWS)
