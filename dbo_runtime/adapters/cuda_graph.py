@@ -9,7 +9,8 @@ a capture through events share it. We read it through the CUDA runtime library
 torch already loaded, with ctypes. When the library or symbol cannot be found
 the answer is None and callers must assume nothing is shared (record again).
 
-Not on the hot path: only called while a capture is underway.
+Not on the hot path: only called while a capture is underway. The entry point is looked up at
+the first ``capture_begin`` (``counting_capture_begin``), before any capture starts.
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ CAPTURES = CaptureCounter()
 
 def counting_capture_begin(original: Any) -> Any:
     def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # The capture-info entry point is found here, before the capture, not at the first re-plan inside
+        # it: the search reads /proc/self/maps and dlopens libraries (cached after the first capture).
+        _get_capture_info()
         # Counted before the capture starts: a layer on another thread must not take the
         # fast path while this capture is being set up.
         CAPTURES.active += 1

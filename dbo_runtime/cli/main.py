@@ -258,8 +258,10 @@ def _main(argv: Sequence[str] | None) -> int:
 def _json_error(args: argparse.Namespace, exc: Exception, exit_code: int) -> None:
     """Under ``--json`` a failure is a JSON document on stdout too: a script parsing stdout gets an answer.
 
-    ``{"schema": <the command's schema>, "error": {"message", "parameter", "value", "allowed"}, "exit_code"}``
-    (``parameter``/``value``/``allowed`` are null unless a value was refused).
+    ``{"schema": <the command's schema>, "error": {"message", "parameter", "value", "state", "allowed"}, "exit_code"}``
+    (``parameter``/``allowed`` are null unless a parameter was refused; ``value`` is the value refused, null when
+    the parameter was refused for its state -- missing, given without a value, not an option -- which ``state``
+    then names).
     """
     if not getattr(args, "json", False):
         return
@@ -272,7 +274,8 @@ def _json_error(args: argparse.Namespace, exc: Exception, exit_code: int) -> Non
             "error": {
                 "message": str(exc),
                 "parameter": config.parameter if config else None,
-                "value": None if config is None else str(config.value),
+                "value": None if config is None or isinstance(config, StateError) else str(config.value),
+                "state": config.state if isinstance(config, StateError) else None,
                 "allowed": config.allowed if config else None,
             },
             "exit_code": exit_code,

@@ -26,10 +26,11 @@ class StateError(ConfigError):
 
     ``ConfigError`` quotes the value it was given, and a placeholder such as ``'(missing)'`` read as if
     the operator had typed it; so the line says "--model is missing" and keeps the parameter, the state
-    and the allowed values as attributes (``--json`` error documents read them)."""
+    and the allowed values as attributes (``--json`` error documents read them: ``value`` null, ``state`` set)."""
 
     def __init__(self, parameter: str, state: str, allowed: str) -> None:
         super().__init__(parameter, state, allowed)
+        self.state = state
         self.args = (f"{parameter} is {state}; allowed values: {allowed}",)
 
 

@@ -427,6 +427,11 @@ class IndexerScheduleCache:
 
     def on_budget(self, event: BudgetEvent) -> None:
         budget = event.budget
+        if event.kind == "announced" and not budget.compute_knob:
+            # The latest engine's split leaves DeepGEMM's count alone (LL, NIXL, DBO off): a count an earlier
+            # engine of this process announced must not be planned ahead for, or every build would re-plan.
+            self._dbo_sms.pop(budget.device, None)
+            return
         if not budget.compute_knob:
             return
         if event.kind == "announced":

@@ -217,8 +217,10 @@ class SMControl:
         """
         self._check_device(budget)
         with self._lock:
-            if budget not in self.announced:
-                self.announced.append(budget)
+            # Latest last: a subscriber that joins later replays them in order and ends on the budget in force.
+            if budget in self.announced:
+                self.announced.remove(budget)
+            self.announced.append(budget)
         self._publish("announced", budget, self._active)
 
     # -- partition -------------------------------------------------------------------------

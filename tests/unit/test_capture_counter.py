@@ -48,6 +48,18 @@ def test_counter_follows_begin_end_and_failed_begin() -> None:
     assert CAPTURES.active == start and calls == ["begin", "end"]
 
 
+def test_capture_info_entry_point_is_looked_up_before_the_capture_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Resolving the entry point reads /proc/self/maps and dlopens the CUDA runtime: it must happen before the
+    # original capture_begin runs, never at the first re-plan inside the capture.
+    order: list[str] = []
+    monkeypatch.setattr(cuda_graph, "_get_capture_info", lambda: order.append("lookup"))
+    begin = counting_capture_begin(lambda self, *a, **k: order.append("begin"))
+    end = counting_capture_end(lambda self: order.append("end"))
+    begin(object())
+    end(object())
+    assert order == ["lookup", "begin", "end"]
+
+
 class FakeCountingPlanner(FakeSchedulePlanner):
     """Fake for the DeepGEMM planner + CUDA capture probe; counts probes.
 

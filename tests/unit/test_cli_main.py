@@ -76,6 +76,15 @@ def test_a_parser_error_under_json_is_a_json_error_document_too(
     assert doc["error"]["message"] in err and len(err.splitlines()) == 1
 
 
+def test_a_json_error_for_a_refused_state_names_the_state_not_a_value(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", "--json", "--rep", "8", *ENGINE]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["value"] is None and error["state"] == "not a tune option (did you mean --reps?)"
+    assert main(["simulate", "--json", "--mode", "bogus"]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["state"] is None and error["value"] is not None
+
+
 def test_a_parser_error_without_json_leaves_stdout_empty(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--mode", "bogus"]) == 2
     assert capsys.readouterr().out == ""

@@ -244,6 +244,35 @@ def test_no_plan_ahead_for_budget_without_compute_knob() -> None:
         assert cache.plan_ahead_sms(0) is None
 
 
+def test_a_later_engine_without_compute_knob_ends_an_earlier_engines_plan_ahead() -> None:
+    # Two engines in one process (an HT engine, then an LL one): the second leaves DeepGEMM's count at 132, so
+    # planning its microbatched builds for the first engine's 112 would re-plan at every call site.
+    _, _, cache = _setup()
+    control = SMControl(0, 132)
+    cache.attach(control)
+    control.announce(_dbo_budget())  # type: ignore[arg-type]
+    with cache.microbatched_build():
+        assert cache.plan_ahead_sms(0) == 112
+    low_latency = compute_budget(
+        total_sms=132, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_low_latency",
+        max_sms_used=0,
+    )
+    control.announce(low_latency)
+    with cache.microbatched_build():
+        assert cache.plan_ahead_sms(0) is None
+    late = IndexerScheduleCache(FakeSchedulePlanner(FakeDeepGemm(total_sms=132)))
+    late.attach(control)  # a subscriber told both announcements in order ends where the live one did
+    with late.microbatched_build():
+        assert late.plan_ahead_sms(0) is None
+    control.announce(_dbo_budget())  # type: ignore[arg-type]  # the HT engine again: the latest announcement wins
+    later = IndexerScheduleCache(FakeSchedulePlanner(FakeDeepGemm(total_sms=132)))
+    later.attach(control)
+    with later.microbatched_build():
+        assert later.plan_ahead_sms(0) == 112
+    with cache.microbatched_build():
+        assert cache.plan_ahead_sms(0) == 112
+
+
 def test_steady_state_plan_ahead_needs_zero_replans_upstream_needs_one_per_step() -> None:
     dg, planner, cache = _setup()
     control = SMControl(0, 132)
