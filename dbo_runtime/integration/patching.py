@@ -276,6 +276,12 @@ class _LazyFinder(importlib.abc.MetaPathFinder):
         owner = self.owner
 
         class _Loader(importlib.abc.Loader):
+            # Everything but execution is the original loader's: ``inspect.getsource``, ``linecache`` (source
+            # lines in tracebacks), ``importlib.resources`` and pickling by module read ``get_source``,
+            # ``get_filename``, ``get_resource_reader`` and the like from ``module.__loader__``.
+            def __getattr__(self, name: str) -> Any:
+                return getattr(loader, name)
+
             def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
                 return loader.create_module(spec)
 

@@ -244,6 +244,25 @@ def test_lazy_patch_applies_on_first_import_and_uninstall_disarms(target: str) -
     assert importlib.import_module(target).func(1) == 2  # finder removed
 
 
+def test_a_lazily_patched_module_keeps_its_loaders_source_and_file(target: str) -> None:
+    import importlib
+    import inspect
+    import linecache
+
+    ps = PatchSet([p("lazy", target, "func", lazy=True)])
+    ps.install()
+    try:
+        mod = importlib.import_module(target)
+        loader = mod.__loader__
+        assert "def func(x):" in loader.get_source(target)
+        assert loader.get_filename(target) == mod.__file__ and not loader.is_package(target)
+        assert "class Klass(Base):" in inspect.getsource(mod)
+        linecache.clearcache()
+        assert "return x + 1" in "".join(linecache.getlines(mod.__file__, mod.__dict__))
+    finally:
+        ps.uninstall()
+
+
 def test_lazy_patch_on_already_imported_module_is_eager(target: str) -> None:
     import importlib
 
