@@ -9,8 +9,8 @@ a capture through events share it. We read it through the CUDA runtime library
 torch already loaded, with ctypes. When the library or symbol cannot be found
 the answer is None and callers must assume nothing is shared (record again).
 
-Not on the hot path: only called while a capture is underway. The entry point is looked up at
-the first ``capture_begin`` (``counting_capture_begin``), before any capture starts.
+Not on the hot path: only called while a capture is underway. The entry point is looked up
+before any capture (``prepare_capture_id``, at indexer-builder registration of a DBO engine).
 """
 
 from __future__ import annotations
@@ -34,13 +34,22 @@ def _loaded_cudart_paths() -> list[str]:
                 path = line.rsplit(" ", 1)[-1].strip()
                 if "libcudart.so" in path and path not in paths:
                     paths.append(path)
-    except OSError:
+    except (OSError, ValueError):  # no /proc, or a mapped path that is not text: the fixed names below remain
         pass
     return paths
 
 
 _RUNTIME_SYMBOLS = ("cudaStreamGetCaptureInfo_v3", "cudaStreamGetCaptureInfo_v2", "cudaStreamGetCaptureInfo")
 _DRIVER_SYMBOLS = ("cuStreamGetCaptureInfo_v3", "cuStreamGetCaptureInfo_v2", "cuStreamGetCaptureInfo")
+
+
+def prepare_capture_id() -> None:
+    """Find the capture-info entry point now, outside any capture: the search reads ``/proc/self/maps`` and
+    dlopens libraries, which must not happen at the first re-plan inside a capture. Never raises."""
+    try:
+        _get_capture_info()
+    except Exception as exc:  # an unreadable map or a broken library: capture_id() answers None, as without one
+        logger.warning("dbo_runtime: stream capture-info lookup failed (%r); captured re-plans are not shared", exc)
 
 
 @functools.cache
@@ -84,7 +93,10 @@ def capture_id(stream_handle: int | None = None) -> int | None:
 
     if stream_handle is None:
         stream_handle = torch.cuda.current_stream().cuda_stream
-    fn = _get_capture_info()
+    try:
+        fn = _get_capture_info()
+    except Exception:  # prepare_capture_id() logged it; every capture records its own re-plan
+        return None
     if fn is None:
         return None
     status = ctypes.c_int(0)
@@ -126,9 +138,6 @@ CAPTURES = CaptureCounter()
 
 def counting_capture_begin(original: Any) -> Any:
     def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # The capture-info entry point is found here, before the capture, not at the first re-plan inside
-        # it: the search reads /proc/self/maps and dlopens libraries (cached after the first capture).
-        _get_capture_info()
         # Counted before the capture starts: a layer on another thread must not take the
         # fast path while this capture is being set up.
         CAPTURES.active += 1

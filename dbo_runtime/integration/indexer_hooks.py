@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from dbo_runtime.adapters.cuda_graph import prepare_capture_id
 from dbo_runtime.adapters.deep_gemm import LIVE_NUM_SMS, next_n_of
 from dbo_runtime.core import coverage
 from dbo_runtime.core.errors import PatchError
@@ -252,8 +253,9 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
         width=1 if per_token else q,
     )
     if not parallel.use_ubatching:  # nothing microbatches: vLLM's own planning, untouched
-        cache.register_profile(device, profile, full_sms=None)
+        cache.register_profile(device, profile, full_sms=None, microbatches=False)
         return profile
+    prepare_capture_id()  # a DBO engine's captures may re-plan: find the capture-id entry point before any
     cache.register_profile(device, profile, full_sms=int(builder.num_sms))
     return profile
 

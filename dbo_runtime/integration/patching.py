@@ -278,8 +278,11 @@ class _LazyFinder(importlib.abc.MetaPathFinder):
         class _Loader(importlib.abc.Loader):
             # Everything but execution is the original loader's: ``inspect.getsource``, ``linecache`` (source
             # lines in tracebacks), ``importlib.resources`` and pickling by module read ``get_source``,
-            # ``get_filename``, ``get_resource_reader`` and the like from ``module.__loader__``.
+            # ``get_filename``, ``get_resource_reader`` and the like from ``module.__loader__``. Not ``get_code``:
+            # ``runpy`` would execute the module through it, without its patches.
             def __getattr__(self, name: str) -> Any:
+                if name == "get_code":
+                    raise AttributeError(name)
                 return getattr(loader, name)
 
             def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:

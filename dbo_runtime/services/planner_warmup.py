@@ -123,16 +123,22 @@ class PlannerWarmup:
         """vLLM's start-up is over (``Worker.compile_or_warm_up_model`` returned): first launches count in-step."""
         self.serving = True
 
-    def register_profile(self, device_index: int, profile: PlannerProfile, *, full_sms: int | None = None) -> None:
+    def register_profile(
+        self, device_index: int, profile: PlannerProfile, *, full_sms: int | None = None, microbatches: bool = True
+    ) -> None:
         """An indexer builder exists for ``device_index``: warm it for its own SM count (``full_sms``, the
         steps that do not microbatch; None when the engine never microbatches, as vanilla does nothing
-        there either) and for every announced DBO count."""
+        there either) and for every announced DBO count -- unless its engine never microbatches
+        (``microbatches`` False): a DBO count an earlier engine of the process announced is not one its steps
+        meet."""
         with self._lock:
             profiles = self._profiles.setdefault(device_index, [])
             if profile not in profiles:
                 profiles.append(profile)
         if full_sms is not None:
             self.warm(device_index, int(full_sms), dbo=False)
+        if not microbatches:
+            return
         sms = self._dbo_sms(device_index)
         if sms is not None:
             self.warm(device_index, sms)

@@ -291,9 +291,11 @@ class IndexerScheduleCache:
             and live() == state.planned_sms
         )
 
-    def register_profile(self, device_index: int, profile: PlannerProfile, *, full_sms: int | None = None) -> None:
+    def register_profile(
+        self, device_index: int, profile: PlannerProfile, *, full_sms: int | None = None, microbatches: bool = True
+    ) -> None:
         """An indexer builder exists: warm its planners (``PlannerWarmup.register_profile``)."""
-        self.warmup.register_profile(device_index, profile, full_sms=full_sms)
+        self.warmup.register_profile(device_index, profile, full_sms=full_sms, microbatches=microbatches)
 
     def warm(self, device_index: int, num_sms: int, *, dbo: bool = True) -> int:
         return self.warmup.warm(device_index, num_sms, dbo=dbo)
@@ -427,16 +429,19 @@ class IndexerScheduleCache:
 
     def on_budget(self, event: BudgetEvent) -> None:
         budget = event.budget
-        if event.kind == "announced" and not budget.compute_knob:
-            # The latest engine's split leaves DeepGEMM's count alone (LL, NIXL, DBO off): a count an earlier
-            # engine of this process announced must not be planned ahead for, or every build would re-plan.
-            self._dbo_sms.pop(budget.device, None)
+        if event.kind != "announced":
+            return
+        announced = event.control.announced
+        if announced and budget is not announced[-1]:
+            # A replay to a late subscriber of a budget a later engine superseded: not planned, not warmed.
             return
         if not budget.compute_knob:
+            # The latest DBO engine's split leaves DeepGEMM's count alone (LL, NIXL): a count an earlier engine
+            # of this process announced must not be planned ahead for, or every build would re-plan.
+            self._dbo_sms.pop(budget.device, None)
             return
-        if event.kind == "announced":
-            self._dbo_sms[budget.device] = budget.compute
-            self.warm(budget.device, budget.compute)
+        self._dbo_sms[budget.device] = budget.compute
+        self.warm(budget.device, budget.compute)
         # A budget nobody announced is only met when it is entered, inside a live step while the DP peers wait in
         # all-to-all: nothing is warmed then; the call site compiles the one variant it needs (``jit_in_step``).
 

@@ -256,6 +256,7 @@ def test_a_lazily_patched_module_keeps_its_loaders_source_and_file(target: str) 
         loader = mod.__loader__
         assert "def func(x):" in loader.get_source(target)
         assert loader.get_filename(target) == mod.__file__ and not loader.is_package(target)
+        assert not hasattr(loader, "get_code")  # runpy would run the module through it, without its patches
         assert "class Klass(Base):" in inspect.getsource(mod)
         linecache.clearcache()
         assert "return x + 1" in "".join(linecache.getlines(mod.__file__, mod.__dict__))

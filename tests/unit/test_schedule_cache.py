@@ -260,10 +260,13 @@ def test_a_later_engine_without_compute_knob_ends_an_earlier_engines_plan_ahead(
     control.announce(low_latency)
     with cache.microbatched_build():
         assert cache.plan_ahead_sms(0) is None
-    late = IndexerScheduleCache(FakeSchedulePlanner(FakeDeepGemm(total_sms=132)))
-    late.attach(control)  # a subscriber told both announcements in order ends where the live one did
+    late_dg = FakeDeepGemm(total_sms=132)
+    late = IndexerScheduleCache(FakeSchedulePlanner(late_dg))
+    late.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 1),)))
+    late.attach(control)  # a subscriber told both announcements ends where the live one did, and warms no 112
     with late.microbatched_build():
         assert late.plan_ahead_sms(0) is None
+    assert late_dg.plan_calls == [] and late.stats.warmups == 0
     control.announce(_dbo_budget())  # type: ignore[arg-type]  # the HT engine again: the latest announcement wins
     later = IndexerScheduleCache(FakeSchedulePlanner(FakeDeepGemm(total_sms=132)))
     later.attach(control)

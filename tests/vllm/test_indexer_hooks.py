@@ -627,6 +627,36 @@ def test_an_engine_that_never_microbatches_warms_nothing(env: Env, monkeypatch: 
     assert not env.cache.steps_aside  # a builder that may microbatch: every build is tracked again
 
 
+def test_a_later_engine_that_never_microbatches_warms_no_earlier_engines_dbo_count(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two engines in one process: an HT DBO engine announced 112, then one without ``--enable-dbo`` registers its
+    builder. Its steps never run at 112, so nothing is compiled for it (1-2 s per variant on a cold cache)."""
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
+    _announce_dbo()
+    builder = env.builder(dbo=False)
+    builder.device = torch.device("cpu")
+    indexer_hooks.register_builder(builder, device_index=0)
+    assert env.dg.plan_calls == [] and env.cache.stats.warmups == 0
+
+
+def test_only_a_dbo_engines_builder_looks_up_the_capture_id_entry_point(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Captures of a DBO engine may re-plan and read the capture id: its entry point is found at model load, not
+    inside the first capture. An engine that never microbatches never re-plans: no lookup."""
+    seen: list[int] = []
+    monkeypatch.setattr(indexer_hooks, "prepare_capture_id", lambda: seen.append(1))
+    builder = env.builder(dbo=False)
+    builder.device = torch.device("cpu")
+    indexer_hooks.register_builder(builder, device_index=0)
+    assert seen == []
+    builder = env.builder()
+    builder.device = torch.device("cpu")
+    indexer_hooks.register_builder(builder, device_index=0)
+    assert seen == [1]
+
+
 def test_an_engine_that_never_microbatches_gets_vllms_build_and_call_site(
     arming: Any, env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
