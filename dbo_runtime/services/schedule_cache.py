@@ -246,7 +246,15 @@ class IndexerScheduleCache:
         return state
 
     def _run_deferred(self, state: ScheduleState, schedule: Any) -> None:
-        """Plan a deferred schedule into its own tensor (eager only: never inside a capture)."""
+        """Plan a deferred schedule into its own tensor (eager only: never inside a capture).
+
+        This runs at the first call site of a microbatched step, on a microbatch thread, and allocates: DeepGEMM's
+        planner returns a new ``slots + 1``-row tensor (a few hundred bytes, from the caching allocator's small
+        pool), which is copied into the builder's buffer. vLLM's own build would have made the same allocation on
+        the main thread. An allocation failure here is caught by the call-site shield, which hands out the
+        placeholder logits reserved at model load, and the step then raises after the join, naming the call
+        site; the step neither hangs nor computes with a wrong schedule.
+        """
         deferred = state.deferred
         assert deferred is not None
         plan = self._plan(deferred.context_lens, state.block_kv, deferred.sms, deferred.indices)
