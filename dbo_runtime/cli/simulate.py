@@ -288,7 +288,7 @@ def _run(args: argparse.Namespace) -> int:
             what = f"--requests {config.num_requests}" if args.requests is not None else f"{config.num_requests} requests"
             way_out = "lower --requests" + ("" if args.preset == "small" else ", or use --preset small")
             raise CliError(
-                f"error: {what} with --preset {args.preset} needs about {need / 2**30:.1f} GiB of memory on the CPU "
+                f"{what} with --preset {args.preset} needs about {need / 2**30:.1f} GiB of memory on the CPU "
                 f"simulation; this machine has {have / 2**30:.1f} GiB available ({way_out})",
                 EXIT_NO_DEVICE,
             )

@@ -17,6 +17,9 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+# numpy first: torch's C initialisation imports numpy and swallows any exception from that import, a Ctrl-C
+# included, so an interrupt in that window would be lost and the simulation would run on to the end.
+import numpy  # noqa: F401
 import torch
 
 from dbo_runtime.core import reference_planner as ref

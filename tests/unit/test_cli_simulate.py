@@ -92,7 +92,7 @@ def test_a_simulation_the_machine_cannot_hold_is_refused_before_it_starts(
     assert main(["simulate", "--backend", "cpu", "--preset", "glm53", "--requests", "1024", "--steps", "1"]) == 3
     out, err = capsys.readouterr()
     [line] = err.splitlines()
-    assert out == "" and line.startswith("dbo-runtime simulate: error: --requests 1024 with --preset glm53 needs about 23.")
+    assert out == "" and line.startswith("dbo-runtime simulate: --requests 1024 with --preset glm53 needs about 23.")
     assert line.endswith("GiB of memory on the CPU simulation; this machine has 8.0 GiB available (lower --requests, or use --preset small)")
 
 
@@ -143,4 +143,4 @@ def test_the_memory_refusal_names_what_was_given(capsys: pytest.CaptureFixture[s
     monkeypatch.setattr(simulate, "available_bytes", lambda: 1 << 20)
     assert main(["simulate", "--backend", "cpu"]) == 3
     [line] = capsys.readouterr().err.splitlines()
-    assert " error: 16 requests with --preset small needs about " in line and line.endswith("available (lower --requests)")
+    assert "simulate: 16 requests with --preset small needs about " in line and line.endswith("available (lower --requests)")
