@@ -439,10 +439,6 @@ class IndexerScheduleCache:
         budget = event.budget
         if event.kind != "announced":
             return
-        announced = event.control.announced
-        if announced and budget is not announced[-1]:
-            # A replay to a late subscriber of a budget a later engine superseded: not planned, not warmed.
-            return
         if not budget.compute_knob:
             # The latest DBO engine's split leaves DeepGEMM's count alone (LL, NIXL): a count an earlier engine
             # of this process announced must not be planned ahead for, or every build would re-plan.

@@ -163,12 +163,14 @@ class SMControl:
 
     # -- subscribers -----------------------------------------------------------------------
     def subscribe(self, callback: Subscriber, *, name: str | None = None, replay: bool = True) -> Subscription:
-        """Register ``callback``; with ``replay`` it is told every budget announced so far."""
+        """Register ``callback``; with ``replay`` it is told the budget announced last, the one a partition will
+        use: an earlier engine's announcement that a later one superseded is history (``announced``), not a count
+        to plan or warm for."""
         with self._lock:
             label = name or str(getattr(callback, "__qualname__", None) or repr(callback))
             sub = Subscription(self, label, callback, next(self._tokens))
             self._subscribers[sub.token] = sub
-            announced = list(self.announced) if replay else []
+            announced = self.announced[-1:] if replay else []
         for budget in announced:
             self._deliver(sub, BudgetEvent("announced", budget, self._active, self))
         return sub
@@ -217,7 +219,7 @@ class SMControl:
         """
         self._check_device(budget)
         with self._lock:
-            # Latest last: a subscriber that joins later replays them in order and ends on the budget in force.
+            # Latest last: a subscriber that joins later is told the budget in force (``subscribe``).
             if budget in self.announced:
                 self.announced.remove(budget)
             self.announced.append(budget)

@@ -220,6 +220,10 @@ def test_unsubscribe_and_replay_of_announced() -> None:
     with ctl.subscribe(lambda e: got.append(e.kind), replay=False):
         ctl.announce(budget(24))
     assert got[-1] == "announced"
+    late: list[int] = []
+    ctl.subscribe(lambda e: late.append(e.budget.compute))
+    assert late == [108]  # only the budget announced last; the superseded 112 stays history in ``announced``
+    assert [b.compute for b in ctl.announced] == [112, 108]
 
 
 def test_active_readable_from_microbatch_threads_while_main_holds(rec: FakeKnobs) -> None:
