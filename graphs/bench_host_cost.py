@@ -128,6 +128,10 @@ def _reps(rec: dict) -> list[dict]:
     return [r for r in (per_rank[0].get("reps", []) if per_rank else []) if not r.get("warmup")]
 
 
+def _device(rec: dict) -> str | None:
+    return rec.get("device") or (rec.get("versions") or {}).get("device")
+
+
 def summarize(config: dict, records: dict[str, dict]) -> dict:
     """One configuration's row (pure: the CPU test feeds it synthetic records)."""
     label = config["label"]
@@ -156,8 +160,12 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
     depth = int(config["depth"])
     self_med = med(self_us)
     calls_med = med(calls)
+    devices = sorted({str(d) for v, _ in VARIANTS if (d := _device(records.get(f"{label}-{v}", {}))) is not None})
     return {
         **config,
+        # the GPU its engines reported: a matrix merged from several leases can mix devices, and a row's ratio and
+        # share hold only for the device that ran it
+        "device": " + ".join(devices) or None,
         "ok": {v: records.get(f"{label}-{v}", {}).get("ok") for v, _ in VARIANTS},
         "reps_done": {v: len(_reps(records.get(f"{label}-{v}", {}))) for v, _ in VARIANTS},
         "errors": {v: records.get(f"{label}-{v}", {}).get("error") for v, _ in VARIANTS if not records.get(f"{label}-{v}", {}).get("ok")},
@@ -395,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "bench_host_cost.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     _plot(rows, out / "bench_host_cost.png")
     say_written("bench_host_cost", out / "bench_host_cost.json", out / "bench_host_cost.png")
-    print(json.dumps([{k: r[k] for k in ("label", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step", "step_time_warnings", "engine_failures")} for r in rows], indent=1, default=str))
+    print(json.dumps([{k: r[k] for k in ("label", "device", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step", "step_time_warnings", "engine_failures")} for r in rows], indent=1, default=str))
     return 0
 
 
@@ -493,7 +501,17 @@ def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
         absent = [label.rsplit("-", 1)[1] for label in labels if label.startswith(f"{config}-") and label not in records]
         if absent:
             print(f"bench_host_cost: {config}: no run of {', '.join(absent)} (its figures are left empty)", file=sys.stderr)
-    versions = next((r.get("versions") for r in records.values() if r.get("versions")), None) or {}
+    # the versions and device every engine reported; a key the records disagree on (a matrix merged from leases on
+    # an H100 and an H200) lists every value rather than the first record's, and is named on stderr
+    seen: dict[str, list[Any]] = {}
+    for r in records.values():
+        for key, value in (r.get("versions") or {}).items():
+            if value is not None and value not in seen.setdefault(key, []):
+                seen[key].append(value)
+    versions = {key: values[0] if len(values) == 1 else sorted(values, key=str) for key, values in seen.items() if values}
+    for key, value in versions.items():
+        if isinstance(value, list):
+            print(f"bench_host_cost: the records differ in {key}: {', '.join(map(str, value))} (each row's 'device' says which ran it)", file=sys.stderr)
     stopped = sorted(label for label, r in records.items() if r.get("stopped_by_session_limit"))
     for label in stopped:
         print(f"bench_host_cost: {label} was stopped by the limit: {len(_reps(records[label]))} timed rep(s) kept", file=sys.stderr)
@@ -509,7 +527,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     if plt is None:
         return
     labels = [r["label"] for r in rows]
-    sources = [Path(r["source"]).name if r.get("source") else "this run" for r in rows]
+    sources = [(Path(r["source"]).name if r.get("source") else "this run") + (f" ({r['device']})" if r.get("device") else "") for r in rows]
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     colour_of = {s: palette[i % len(palette)] for i, s in enumerate(dict.fromkeys(sources))}
     colours = [colour_of[s] for s in sources]

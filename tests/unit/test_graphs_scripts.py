@@ -726,17 +726,19 @@ def test_host_cost_bench_refuses_more_engines_at_once_than_the_gpu_holds(
     assert line.startswith("bench_host_cost: error: argument --at-once: 4 is not allowed for these rows on this GPU")
 
 
-def test_host_cost_bench_merges_stored_records_a_configuration_whole(tmp_path: Path) -> None:
+def test_host_cost_bench_merges_stored_records_a_configuration_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--from-records``: the matrix rebuilt from ``collect_records.py``'s records of two leases. A configuration
     comes whole from the last prefix holding any of its engines (a row's ratio pairs engines that ran side by
-    side), and the row says which prefix it came from."""
+    side), and the row says which prefix it came from and which GPU ran it: leases on an H200 and an H100 merge
+    into a matrix whose environment lists both devices, never only the first record's."""
     mod = load("bench_host_cost.py")
 
     def rec(label: str, step_ms: float) -> dict:
         reps = [{"rep": 0, "warmup": True, "decode_step_ms": 99.0}, {"rep": 1, "warmup": False, "decode_step_ms": step_ms}]
         if label.endswith("-selftime"):
             reps[1].update(plugin_self_us_per_step=50.0, plugin_calls_per_step=5.0)
-        return {"label": label, "ok": True, "bench": [{"reps": reps}]}
+        device = "NVIDIA H100 80GB HBM3" if step_ms == 10.0 else "NVIDIA H200"
+        return {"label": label, "ok": True, "bench": [{"reps": reps}], "device": device, "versions": {"vllm": "0.33.0", "device": device}}
 
     old, new = tmp_path / "2026-01-01-leaseA-hostcost", tmp_path / "2026-01-02-leaseB-hostcost"
     for prefix, config, variants, step in (
@@ -755,6 +757,13 @@ def test_host_cost_bench_merges_stored_records_a_configuration_whole(tmp_path: P
     dp1 = rows["glm53-6L-eager-dbo-dp1"]
     assert dp1["source"] == str(new) and dp1["reps_done"] == {"plugin": 1, "vanilla": 0, "selftime": 0}
     assert dp1["engine_failures"] == ["vanilla: no run", "selftime: no run"]
+    assert (dp1["device"], rows["glm53-6L-eager-dbo-off"]["device"]) == ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+    env = json.loads((out / "bench_host_cost.json").read_text())["environment"]
+    assert env["device"] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"] and env["vllm"] == "0.33.0"
+    assert "the records differ in device: NVIDIA H100 80GB HBM3, NVIDIA H200" in capsys.readouterr().err
+    assert mod.main(["--from-records", str(old), *argv]) == 0  # one lease, one device: a plain value
+    assert json.loads((out / "bench_host_cost.json").read_text())["environment"]["device"] == "NVIDIA H200"
+    assert "differ" not in capsys.readouterr().err
 
 
 def test_host_cost_bench_refuses_records_it_cannot_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
