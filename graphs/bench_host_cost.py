@@ -506,9 +506,9 @@ def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
     seen: dict[str, list[Any]] = {}
     for r in records.values():
         for key, value in (r.get("versions") or {}).items():
-            if value is not None and value not in seen.setdefault(key, []):
+            if value not in seen.setdefault(key, []):
                 seen[key].append(value)
-    versions = {key: values[0] if len(values) == 1 else sorted(values, key=str) for key, values in seen.items() if values}
+    versions = {key: values[0] if len(values) == 1 else sorted(values, key=str) for key, values in seen.items()}
     for key, value in versions.items():
         if isinstance(value, list):
             print(f"bench_host_cost: the records differ in {key}: {', '.join(map(str, value))} (each row's 'device' says which ran it)", file=sys.stderr)
