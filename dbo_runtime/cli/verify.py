@@ -249,8 +249,9 @@ def _synthetic_defaults(args: argparse.Namespace) -> None:
             setattr(args, dest, default)
 
 
-def _numbers(args: argparse.Namespace, max_prompts: int) -> None:
-    """Numeric options arrive as text so that a non-number gets the same one line as a bad number."""
+def _numbers(args: argparse.Namespace, max_prompts: int) -> dict[str, object]:
+    """Numeric options arrive as text so that a non-number gets the same one line as a bad number; the text
+    comes back, by destination, so that a number out of range is echoed as typed (``0``, not ``0.0``)."""
     allowed = {
         "prompts": (int, f"an integer in [1, {max_prompts}]"),
         "prompt_seed": (int, "an integer"),
@@ -259,13 +260,15 @@ def _numbers(args: argparse.Namespace, max_prompts: int) -> None:
         "min_agreement": (float, "a number in [0, 1]"),
         "max_dlogprob": (float, "a finite number >= 0"),
     }
+    typed: dict[str, object] = {}
     for dest, (kind, what) in allowed.items():
-        raw = getattr(args, dest)
+        raw = typed[dest] = getattr(args, dest)
         if isinstance(raw, str):
             try:
                 setattr(args, dest, kind(raw))
             except ValueError:
                 raise ConfigError("--" + dest.replace("_", "-"), raw, what) from None
+    return typed
 
 
 def run(args: argparse.Namespace) -> int:
@@ -275,16 +278,19 @@ def run(args: argparse.Namespace) -> int:
 
     # verify's own options first: a bad one is named as itself, not as whatever the engine arguments lack
     _synthetic_defaults(args)
-    _numbers(args, MAX_PROMPTS)
+    typed = _numbers(args, MAX_PROMPTS)
     low, high = _int_range(args.prompt_len, "--prompt-len")
     if not 1 <= args.prompts <= MAX_PROMPTS:
-        raise ConfigError("--prompts", args.prompts, f"an integer in [1, {MAX_PROMPTS}]")
+        raise ConfigError("--prompts", typed["prompts"], f"an integer in [1, {MAX_PROMPTS}]")
     if not 1 <= args.max_tokens <= 4096:
-        raise ConfigError("--max-tokens", args.max_tokens, "an integer in [1, 4096]")
+        raise ConfigError("--max-tokens", typed["max_tokens"], "an integer in [1, 4096]")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise ConfigError("--timeout", args.timeout, "a positive number of seconds")
+        raise ConfigError("--timeout", typed["timeout"], "a positive number of seconds")
     thresholds = Thresholds(args.min_agreement, args.max_dlogprob)
-    thresholds.validate()
+    try:
+        thresholds.validate()
+    except ConfigError as exc:
+        raise ConfigError(exc.parameter, typed[exc.parameter[2:].replace("-", "_")], exc.allowed) from None
     prompts = PromptSpec(num=args.prompts, min_len=low, max_len=high, seed=args.prompt_seed, file=args.prompt_file)
     prompts.validate()
     loaded: list[Any] = []
