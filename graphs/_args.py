@@ -19,6 +19,7 @@ from pathlib import Path
 
 from dbo_runtime.cli._common import EXIT_NO_DEVICE, interruptible
 from dbo_runtime.cli.main import OneLineArgumentParser
+from dbo_runtime.core.errors import shown
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """The committed results (``docs/results.md`` cites them)."""
@@ -47,7 +48,7 @@ def integer(low: int, high: int | None = None, *, multiple: int = 1) -> Callable
         except ValueError:
             value = None
         if value is None or value < low or (high is not None and value > high) or value % multiple:
-            raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed values: {allowed}")
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not allowed; allowed values: {allowed}")
         return value
 
     return parse
@@ -60,7 +61,7 @@ def positive_seconds(text: str) -> float:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed values: a finite number of seconds > 0")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not allowed; allowed values: a finite number of seconds > 0")
     return value
 
 
@@ -109,5 +110,5 @@ def refuse_repeats(parser: argparse.ArgumentParser, option: str, items: list, al
     refuses it the same way). ``allowed`` ends the line, as in every refused value."""
     twice = [v for v in dict.fromkeys(items) if items.count(v) > 1]
     if twice:
-        shown = ", ".join(repr(v) if isinstance(v, str) else str(v) for v in twice)
-        parser.error(f"argument {option}: {shown} listed twice; allowed values: {allowed}")
+        listed = ", ".join(repr(v) if isinstance(v, str) else str(v) for v in twice)
+        parser.error(f"argument {option}: {listed} listed twice; allowed values: {allowed}")

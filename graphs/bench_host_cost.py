@@ -30,6 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dbo_runtime.core.errors import shown  # noqa: E402
 from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, refuse_repeats, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
@@ -69,8 +70,8 @@ def _choices(parser: argparse.ArgumentParser, name: str, raw: str, allowed: tupl
     items, empty = _items(raw)
     bad = [v for v in dict.fromkeys(items) if v and v not in allowed]
     if bad or empty:
-        shown = empty or ", ".join(repr(v) for v in bad)
-        parser.error(f"argument --{name}: {shown} is not allowed; allowed values: {', '.join(allowed)} (comma-separated)")
+        said = empty or ", ".join(repr(v) for v in bad)
+        parser.error(f"argument --{name}: {said} is not allowed; allowed values: {', '.join(allowed)} (comma-separated)")
     refuse_repeats(parser, f"--{name}", items, f"{', '.join(allowed)}, each once (comma-separated)")
     return items
 
@@ -82,7 +83,7 @@ def _depths(parser: argparse.ArgumentParser, raw: str) -> list[int]:
     except ValueError:
         depths = []
     if empty or not depths or any(d < 1 for d in depths):
-        parser.error(f"argument --depths: {empty or repr(raw)} is not allowed; allowed values: comma-separated layer counts >= 1")
+        parser.error(f"argument --depths: {empty or shown(raw)} is not allowed; allowed values: comma-separated layer counts >= 1")
     refuse_repeats(parser, "--depths", depths, "comma-separated layer counts >= 1, each once")
     return depths
 

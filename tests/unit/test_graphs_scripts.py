@@ -17,6 +17,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from dbo_runtime.core.errors import shown
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.name for p in (ROOT / "graphs").glob("*.py") if not p.name.startswith("_"))  # _plotting.py: a helper
 ENGINE = {
@@ -120,7 +122,7 @@ def test_a_bad_value_is_one_line_before_any_gpu_check(
         load(name).main([flag, value, "--out", str(tmp_path / "out")])
     assert exit_.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert line == f"{name[:-3]}: error: argument {flag}: {value!r} is not allowed; allowed values: {allowed} (see --help)"
+    assert line == f"{name[:-3]}: error: argument {flag}: {shown(value)} is not allowed; allowed values: {allowed} (see --help)"
     assert not (tmp_path / "out").exists()
 
 
@@ -131,7 +133,7 @@ def test_the_indexer_benchmark_takes_even_sm_counts_and_two_different_ones(
     monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "jit"))
     mod = load("bench_indexer_schedule.py")
     for argv, line in (
-        (["--dbo-sms", "111"], "argument --dbo-sms: '111' is not allowed; allowed values: an integer >= 2, a multiple of 2"),
+        (["--dbo-sms", "111"], "argument --dbo-sms: 111 is not allowed; allowed values: an integer >= 2, a multiple of 2"),
         (["--cold-sms", "112"], "argument --cold-sms: 112 is not allowed; allowed values: an even count other than --dbo-sms (112)"),
     ):
         with pytest.raises(SystemExit) as exit_:
@@ -452,13 +454,13 @@ def test_dbo_engine_bench_runs_one_backend_group_at_a_time(
     assert mod.main(["--backends", "ll,ht", "--out", str(tmp_path / "order")]) == 0  # the order given
     assert [g[0][0] for g in groups] == ["ll-dbo-off", "ht-dbo-off"]
     capsys.readouterr()
-    for bad, shown in [("xx", "'xx'"), ("ht,zz", "'zz'"), (",", "','")]:
+    for bad, said in [("xx", "'xx'"), ("ht,zz", "'zz'"), (",", "','")]:
         with pytest.raises(SystemExit) as exit_:
             mod.main(["--backends", bad, "--out", str(tmp_path)])
         assert exit_.value.code == 2
         [line] = capsys.readouterr().err.strip().splitlines()
         assert line == (
-            f"bench_dbo_engine: error: argument --backends: {shown} is not allowed; allowed values: ht, ll (comma-separated) (see --help)"
+            f"bench_dbo_engine: error: argument --backends: {said} is not allowed; allowed values: ht, ll (comma-separated) (see --help)"
         )
 
 
