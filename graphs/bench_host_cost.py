@@ -130,7 +130,8 @@ def _reps(rec: dict) -> list[dict]:
 
 
 def _device(rec: dict) -> str | None:
-    return rec.get("device") or (rec.get("versions") or {}).get("device")
+    versions = rec.get("versions")
+    return rec.get("device") or (versions.get("device") if isinstance(versions, dict) else None)
 
 
 def summarize(config: dict, records: dict[str, dict]) -> dict:
@@ -468,6 +469,7 @@ def from_records(prefixes: list[str], labels: list[str]) -> tuple[dict[str, dict
     records: dict[str, dict] = {}
     source: dict[str, str] = {}
     for config in sorted({label.rsplit("-", 1)[0] for label in labels}):
+        empty: tuple[str, dict[str, dict]] | None = None  # the latest prefix whose engines of it finished no timed rep
         for prefix in reversed(prefixes):
             found = {}
             for variant, _ in VARIANTS:
@@ -477,10 +479,20 @@ def from_records(prefixes: list[str], labels: list[str]) -> tuple[dict[str, dict
                         found[f"{config}-{variant}"] = _checked(path, json.loads(path.read_text()), "a record", f"{config}-{variant}")
                     except (OSError, ValueError) as exc:
                         raise RunsUnreadable(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None
+            if found and not any(_reps(r) for r in found.values()):
+                # engines a limit or a failure stopped before any timed rep: an earlier lease's measured row stands
+                empty = empty or (prefix, found)
+                continue
             if found:
                 records.update(found)
                 source[config] = prefix
+                if empty is not None:
+                    print(f"bench_host_cost: {config}: no engine of {empty[0]} finished a timed rep; the row comes from {prefix}", file=sys.stderr)
                 break
+        else:
+            if empty is not None:  # no prefix measured it: the row shows the latest engines and why they stopped
+                records.update(empty[1])
+                source[config] = empty[0]
     if not records:
         raise RunsUnreadable(
             f"none of {', '.join(prefixes)} holds a record of the {len(labels) // len(VARIANTS)} configurations asked for "
@@ -506,13 +518,25 @@ def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
     # an H100 and an H200) lists every value rather than the first record's, and is named on stderr
     seen: dict[str, list[Any]] = {}
     for r in records.values():
-        for key, value in (r.get("versions") or {}).items():
+        reported = r.get("versions")
+        for key, value in (reported.items() if isinstance(reported, dict) else ()):
             if value not in seen.setdefault(key, []):
                 seen[key].append(value)
-    versions = {key: values[0] if len(values) == 1 else sorted(values, key=str) for key, values in seen.items()}
-    for key, value in versions.items():
-        if isinstance(value, list):
-            print(f"bench_host_cost: the records differ in {key}: {', '.join(map(str, value))} (each row's 'device' says which ran it)", file=sys.stderr)
+    # a row measured by engines none of which reported its GPU (each stopped before its result, by an older runner)
+    unknown = [
+        c for c in configurations
+        if any(_reps(r) for label, r in records.items() if label.startswith(f"{c}-"))
+        and not any(_device(r) for label, r in records.items() if label.startswith(f"{c}-"))
+    ]  # fmt: skip
+    if unknown:
+        print(f"bench_host_cost: no engine of {', '.join(unknown)} reported its GPU: those rows' device is unknown", file=sys.stderr)
+        if seen.get("device") and "unknown" not in seen["device"]:
+            seen["device"].append("unknown")
+    differ = {key for key, values in seen.items() if len(values) > 1}
+    versions = {key: sorted(values, key=str) if key in differ else values[0] for key, values in seen.items()}
+    for key in sorted(differ):
+        why = " (each row's 'device' says which ran it)" if key == "device" else ""
+        print(f"bench_host_cost: the records differ in {key}: {', '.join(map(str, versions[key]))}{why}", file=sys.stderr)
     stopped = sorted(label for label, r in records.items() if r.get("stopped_by_session_limit"))
     for label in stopped:
         print(f"bench_host_cost: {label} was stopped by the limit: {len(_reps(records[label]))} timed rep(s) kept", file=sys.stderr)

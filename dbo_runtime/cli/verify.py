@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         thresholds.validate()
     except ConfigError as exc:
-        raise ConfigError(exc.parameter, typed[exc.parameter[2:].replace("-", "_")], exc.allowed) from None
+        raise ConfigError(exc.parameter, typed.get(exc.parameter[2:].replace("-", "_"), exc.value), exc.allowed) from None
     prompts = PromptSpec(num=args.prompts, min_len=low, max_len=high, seed=args.prompt_seed, file=args.prompt_file)
     prompts.validate()
     loaded: list[Any] = []
@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     require_dbo_parallelism(engine_args, dp, "verify", expert_parallel=False, dp_given=has_flag(extra, *DP_SIZE_FLAGS))
     notes = [*switch_notes(), *(n for n in notes if "data-parallel size 1" not in n)]
     if args.prompts < dp and args.prompt_file is None:
-        raise ConfigError("--prompts", args.prompts, f"at least the data-parallel size ({dp}): every rank needs prompts")
+        raise ConfigError("--prompts", typed["prompts"], f"at least the data-parallel size ({dp}): every rank needs prompts")
     if args.prompt_file is not None and len(loaded) < dp:
         raise ConfigError("--prompt-file", args.prompt_file, f"at least {dp} prompts (one per data-parallel rank)")
     for problem in (

@@ -351,12 +351,15 @@ def _load_ranks(root: Path, dp: int, why_missing: Callable[[int], str]) -> list[
         if not result.get("bench"):  # killed, or failed mid-benchmark (a turn or barrier timeout): keep its reps
             partial = partial_path(path)
             try:
-                bench = json.loads(partial.read_text())["bench"] if partial.exists() else None
-            except (OSError, ValueError, KeyError, TypeError):
-                bench = None
+                kept = json.loads(partial.read_text()) if partial.exists() else None
+                bench, versions = (kept["bench"], kept.get("versions")) if kept is not None else (None, None)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                bench, versions = None, None
             if isinstance(bench, dict):
                 result["bench"] = bench
                 result["bench_partial"] = True
+                if isinstance(versions, dict) and not result.get("versions"):
+                    result["versions"] = versions  # the GPU that measured the reps kept
         ranks.append(result)
     return ranks
 

@@ -34,6 +34,9 @@ BARRIER_TIMEOUT_S = 600.0
 _KEEP: list[Any] = []
 _PARTIAL: list[Path] = []
 """Where ``main`` writes the benchmark's reps so far (``rankN.partial.json``)."""
+_VERSIONS: dict[str, Any] = {}
+"""This engine's versions and GPU (``_versions``), once it is up: kept with the partial reps, so that a run a limit
+stopped still says which GPU measured it (a matrix merged from several leases can mix devices)."""
 
 
 def _log(msg: str) -> None:
@@ -65,7 +68,7 @@ def _save_partial(bench: dict[str, Any]) -> None:
     for path in _PARTIAL:
         try:
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"bench": bench}))
+            tmp.write_text(json.dumps({"bench": bench, **({"versions": _VERSIONS} if _VERSIONS else {})}))
             tmp.replace(path)
         except OSError as exc:
             _log(f"could not keep the reps so far in {path}: {exc}")
@@ -188,6 +191,8 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
     result["start_s"] = time.perf_counter() - t1
     _log(f"engine ready in {result['start_s']:.1f} s")
     result["versions"] = _versions()
+    _VERSIONS.clear()
+    _VERSIONS.update(result["versions"])
     vocab = int(llm.llm_engine.model_config.get_vocab_size())
     prompts = load(PromptSpec(**spec["prompts"]), vocab)
     mine = for_rank(prompts, rank, size)

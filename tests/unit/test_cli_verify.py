@@ -211,3 +211,11 @@ def test_a_missing_dp_size_is_named_as_vllms_default(command: str, capsys: pytes
     assert "--data-parallel-size=1 is not allowed; allowed values: 2 or more (none given; vLLM's default is 1)" in _one_line(capsys)
     assert main([command, "--model", "m", "-dp", "1", "--enable-expert-parallel"]) == 2
     assert "--data-parallel-size=1 is not allowed; allowed values: 2 or more: vLLM" in _one_line(capsys)
+
+
+def test_fewer_prompts_than_ranks_is_echoed_as_typed(capsys: pytest.CaptureFixture[str], no_engine: None) -> None:
+    """The prompt count is checked against the DP size after the engine arguments are read; the refusal shows
+    ``--prompts`` as it was typed, like every other refusal of a number (``+1``, not ``1``)."""
+    assert main(["verify", "--prompts", "+1", "--model", "m", "-dp", "2"]) == 2
+    line = _one_line(capsys)
+    assert "--prompts=+1 is not allowed; allowed values: at least the data-parallel size (2)" in line, line

@@ -768,6 +768,44 @@ def test_host_cost_bench_merges_stored_records_a_configuration_whole(tmp_path: P
     assert "differ" not in capsys.readouterr().err
 
 
+def test_host_cost_bench_keeps_a_measured_row_over_a_later_lease_that_measured_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A later lease whose engines of a configuration finished no timed rep (a limit stopped them during start) does
+    not empty an earlier lease's measured row, and says so; a row no engine of which reported its GPU is named, and
+    the environment lists "unknown" beside the known device rather than claim one GPU for every row. A version
+    that is not a dict (an old record) is read as none, not a traceback."""
+    mod = load("bench_host_cost.py")
+    reps = [{"rep": 0, "warmup": True, "decode_step_ms": 99.0}, {"rep": 1, "warmup": False, "decode_step_ms": 20.0,
+            "plugin_self_us_per_step": 30.0, "plugin_calls_per_step": 2.0}]  # fmt: skip
+    old, late, other = (tmp_path / f"2026-01-0{i}-lease{i}-hostcost" for i in (1, 2, 3))
+    for v in ("plugin", "vanilla", "selftime"):
+        label = f"glm53-6L-graphs-dbo-off-{v}"
+        Path(f"{old}-real-engine-{label}.json").write_text(json.dumps(
+            {"label": label, "ok": True, "bench": [{"reps": reps}], "device": "NVIDIA H200", "versions": {"device": "NVIDIA H200", "torch": "2.11"}}))
+        Path(f"{late}-real-engine-{label}.json").write_text(json.dumps(
+            {"label": label, "ok": False, "stopped_by_session_limit": True, "bench": None, "device": None, "versions": None}))
+        label = f"v32-6L-graphs-dbo-off-{v}"  # killed after its reps by an older runner: no GPU, versions as text
+        Path(f"{other}-real-engine-{label}.json").write_text(json.dumps(
+            {"label": label, "ok": False, "stopped_by_session_limit": True, "bench": [{"reps": reps}], "versions": "n/a"}))
+    out = tmp_path / "out"
+    argv = ["--only", "glm53-6L-graphs-dbo-off,v32-6L-graphs-dbo-off", "--out", str(out)]
+    assert mod.main(["--from-records", f"{old},{late},{other}", *argv]) == 0
+    doc = json.loads((out / "bench_host_cost.json").read_text())
+    rows = {r["label"]: r for r in doc["configs"]}
+    glm = rows["glm53-6L-graphs-dbo-off"]
+    assert glm["source"] == str(old) and glm["reps_done"] == {"plugin": 1, "vanilla": 1, "selftime": 1} and glm["device"] == "NVIDIA H200"
+    assert rows["v32-6L-graphs-dbo-off"]["device"] is None
+    assert doc["environment"]["device"] == ["NVIDIA H200", "unknown"] and doc["environment"]["torch"] == "2.11"
+    err = capsys.readouterr().err
+    assert f"glm53-6L-graphs-dbo-off: no engine of {late} finished a timed rep; the row comes from {old}" in err
+    assert "no engine of v32-6L-graphs-dbo-off reported its GPU" in err
+    assert "the records differ in device: NVIDIA H200, unknown (each row's 'device' says which ran it)" in err
+    # only the lease that measured nothing: its row shows those engines, not a row from nowhere
+    assert mod.main(["--from-records", str(late), "--only", "glm53-6L-graphs-dbo-off", "--out", str(out)]) == 2
+    assert "finished a timed rep" in capsys.readouterr().err
+
+
 def test_host_cost_bench_refuses_records_it_cannot_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A prefix that names no record, an unreadable record, an empty item or both sources at once: one error, and
     nothing written."""

@@ -493,10 +493,12 @@ def test_a_benchmark_stopped_by_a_limit_keeps_the_reps_it_finished(tmp_path: Pat
     spec = RunSpec("hc-selftime", ["--model", "m"], dp=1)
     (tmp_path / "spec.json").write_text(json.dumps(asdict(spec), default=str))
     monkeypatch.setattr(runner, "_PARTIAL", [runner.partial_path(tmp_path / "rank0.json")])
+    monkeypatch.setattr(runner, "_VERSIONS", {"vllm": "0.33.0", "device": "NVIDIA H100 80GB HBM3"})  # the engine is up
     runner._bench(LLM(), Params, [1, 2], {"max_tokens": 8, "reps": 2, "warmup": 1}, 0, 1)
     assert runner.partial_path(tmp_path / "rank0.json") == tmp_path / "rank0.partial.json"
     record = reassemble(tmp_path)  # no rank0.json: the engine was killed after its reps
     assert record is not None and not record["ok"] and record["stopped_by_session_limit"]
+    assert record["device"] == "NVIDIA H100 80GB HBM3" and record["versions"]["vllm"] == "0.33.0"  # which GPU measured them
     [bench] = record["bench"]
     assert [r["rep"] for r in bench["reps"]] == [0, 1, 2] and [r["warmup"] for r in bench["reps"]] == [True, False, False]
     (tmp_path / "rank0.partial.json").write_text("{not json")
