@@ -4,6 +4,7 @@ at that point at the latest). The verdict logic and the fake-engine runs are in 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -219,3 +220,6 @@ def test_fewer_prompts_than_ranks_is_echoed_as_typed(capsys: pytest.CaptureFixtu
     assert main(["verify", "--prompts", "+1", "--model", "m", "-dp", "2"]) == 2
     line = _one_line(capsys)
     assert "--prompts=+1 is not allowed; allowed values: at least the data-parallel size (2)" in line, line
+    assert main(["verify", "--json", "--timeout", "0", "--model", "m", "-dp", "2"]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert (error["parameter"], error["value"]) == ("--timeout", "0")  # as typed, not 0.0
