@@ -62,7 +62,7 @@ def test_split_engine_args_refuses_with_the_parameter_named(argv: list[str], par
         (["--prompt-len", "abc", "--model", "m", "-dp", "2"], "--prompt-len='abc'"),
         (["--max-tokens", "0", "--model", "m", "-dp", "2"], "--max-tokens=0"),
         (["--min-agreement", "1.5", "--model", "m", "-dp", "2"], "--min-agreement=1.5"),
-        (["--timeout", "-1", "--model", "m", "-dp", "2"], "--timeout=-1.0"),
+        (["--timeout", "-1", "--model", "m", "-dp", "2"], "--timeout=-1"),
         (["--prompt-file", "/nonexistent.jsonl", "--model", "m", "-dp", "2"], "--prompt-file='/nonexistent.jsonl'"),
         (["--prompts", "x", "--model", "m", "-dp", "2"], "--prompts='x' is not allowed; allowed values: an integer"),
         (["--model", "m"], "--data-parallel-size=1 is not allowed; allowed values: 2 or more"),
