@@ -131,19 +131,32 @@ def flag_set(engine_args: list[str], on: str, off: str) -> bool:
     return last == on
 
 
+def misspelt(engine_args: list[str], flag: str) -> str:
+    """`` (--data-paralel-size is given: did you mean --data-parallel-size?)`` when an option in ``engine_args``
+    is a near miss of ``flag``, else empty. The real-engine commands check the DP size and expert parallelism
+    before vLLM's own parser runs (that parser needs a GPU platform to be built at all), so without this a
+    misspelt flag would be reported as a missing one."""
+    import difflib
+
+    names = {normal_arg(a).split("=", 1)[0] for a in engine_args if a.startswith("--")}
+    near = difflib.get_close_matches(flag, sorted(names - {flag}), n=1, cutoff=0.85)
+    return f" ({near[0]} is given: did you mean {flag}?)" if near else ""
+
+
 def require_dbo_parallelism(
     engine_args: list[str], dp: int, command: str, *, expert_parallel: bool = True, dp_given: bool = True
 ) -> None:
     """DBO microbatches only with data parallelism, and its comm SMs serve the expert-parallel all2all: a run
     without them would prove nothing about DBO (vLLM never splits a step). ``dp_given``: whether the operator
-    passed a DP size at all (the refusal then says the 1 is vLLM's default)."""
+    passed a DP size at all (the refusal then says the 1 is vLLM's default, and names a near miss)."""
     if dp < 2:
-        unset = "" if dp_given else " (none given; vLLM's default is 1)"
+        unset = "" if dp_given else f" (none given; vLLM's default is 1){misspelt(engine_args, DP_SIZE_FLAGS[0])}"
         raise ConfigError(
             "--data-parallel-size", dp, f"2 or more{unset}: vLLM microbatches only with data parallelism ({command} needs DBO to run)"
         )
     if expert_parallel and not (flag_set(engine_args, "--enable-expert-parallel", "--no-enable-expert-parallel") or "-ep" in engine_args):
-        raise StateError("--enable-expert-parallel", "missing", "given (DBO overlaps the expert-parallel all2all)")
+        hint = misspelt(engine_args, "--enable-expert-parallel")
+        raise StateError("--enable-expert-parallel", "missing", f"given (DBO overlaps the expert-parallel all2all){hint}")
 
 
 def comm_sms_problem(engine_args: list[str], environ: Any, *, backend: str | None = None) -> ConfigError | None:
@@ -249,6 +262,7 @@ __all__ = [
     "engine_arg",
     "flag_set",
     "has_flag",
+    "misspelt",
     "normal_arg",
     "require_dbo_parallelism",
     "same_runner_env",

@@ -352,6 +352,9 @@ def run(args: argparse.Namespace) -> int:
     from dbo_runtime.harness.turns import run_interleaved
 
     opts = options(args)
+    # its own paths are usage errors checked before the engine arguments, as verify's options are; nothing is created yet
+    workdir = check_dir(args.workdir, "--workdir", "tune") if args.workdir is not None else None
+    png = check_png(args.png, "tune") if args.png is not None else None
     _require_plugin()
     extra = list(getattr(args, "extra_args", []) or [])
     engine_args, dp, notes = split_engine_args(extra, "tune")
@@ -368,9 +371,6 @@ def run(args: argparse.Namespace) -> int:
     notes += list(sweep.notes)
     plan, metric, counter, more = specs(engine_args, dp, sweep, opts, os.environ)
     notes += more
-    # usage errors before vLLM's parser and the GPU check, which can only say "cannot run"; nothing is created yet
-    workdir = check_dir(args.workdir, "--workdir", "tune") if args.workdir is not None else None
-    png = check_png(args.png, "tune") if args.png is not None else None
     # where this machine cannot run the sweep, that one line is all tune prints of the sweep: its notes describe
     # a sweep that will not happen. The environment's (a misspelt DBO_RUNTIME_ name) come first, as verify's
     # do: they are true on any machine, and the operator fixing the machine would otherwise meet them later.

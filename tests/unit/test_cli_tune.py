@@ -384,6 +384,20 @@ def test_a_png_that_cannot_be_drawn_is_refused_before_any_engine(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
+@pytest.mark.parametrize("flag", ["--png", "--workdir"])
+def test_its_own_paths_are_checked_before_the_engine_arguments(
+    flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad tune path is named as itself even when the engine arguments also lack the DP size, as verify's
+    options are: the operator fixes tune's own options first, then the engine's."""
+    _no_engine(monkeypatch)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["tune", flag, str(afile / "x.png"), "--model", "m"]) == 2
+    line = _one_line(capsys)
+    assert line.startswith(f"dbo-runtime tune: error: {flag}="), line
+
+
 @pytest.mark.parametrize("installed", [True, False])
 def test_a_png_suffix_matplotlib_cannot_write_is_refused_before_any_engine(
     installed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

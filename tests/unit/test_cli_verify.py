@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from dbo_runtime.cli._engine import misspelt
 from dbo_runtime.cli import verify
 from dbo_runtime.cli.main import main
 
@@ -212,6 +213,23 @@ def test_a_missing_dp_size_is_named_as_vllms_default(command: str, capsys: pytes
     assert "--data-parallel-size=1 is not allowed; allowed values: 2 or more (none given; vLLM's default is 1)" in _one_line(capsys)
     assert main([command, "--model", "m", "-dp", "1", "--enable-expert-parallel"]) == 2
     assert "--data-parallel-size=1 is not allowed; allowed values: 2 or more: vLLM" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("command", ["verify", "tune"])
+def test_a_misspelt_dp_or_ep_flag_is_named(command: str, capsys: pytest.CaptureFixture[str], no_engine: None) -> None:
+    """vLLM's parser runs only after these checks (it needs a GPU platform), so a typo in the DP size flag is
+    named as a near miss instead of being reported only as a missing DP size; the same for expert parallelism."""
+    assert main([command, "--model", "m", "--data-paralel-size", "2", "--enable-expert-parallel"]) == 2
+    line = _one_line(capsys)
+    assert "(none given; vLLM's default is 1) (--data-paralel-size is given: did you mean --data-parallel-size?)" in line, line
+    assert misspelt(["--data_parallel_size=2"], "--data-parallel-size") == ""  # vLLM's own spelling, not a miss
+    assert misspelt(["--max-model-len", "8"], "--data-parallel-size") == ""
+    if command == "tune":
+        assert main([command, "--model", "m", "-dp", "2", "--enable-expert-paralel"]) == 2
+        line = _one_line(capsys)
+        assert "--enable-expert-parallel is missing" in line and "did you mean --enable-expert-parallel?" in line, line
+    assert main([command, "--model", "m", "--enable-expert-parallel"]) == 2
+    assert "did you mean" not in _one_line(capsys)
 
 
 def test_fewer_prompts_than_ranks_is_echoed_as_typed(capsys: pytest.CaptureFixture[str], no_engine: None) -> None:
