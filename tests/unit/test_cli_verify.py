@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dbo_runtime.cli._engine import misspelt
 from dbo_runtime.cli import verify
+from dbo_runtime.cli._engine import misspelt
 from dbo_runtime.cli.main import main
 
 HT = ["--model", "m", "-dp", "2", "--enable-expert-parallel", "--all2all-backend", "deepep_high_throughput"]
