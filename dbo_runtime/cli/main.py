@@ -90,7 +90,7 @@ class OneLineArgumentParser(OnceArgumentParser):
             except (ValueError, SyntaxError):
                 value = choice["value"]
             config = ConfigError(choice["parameter"], value, choice["choices"])
-            message = str(config)
+            message = str(config) + _did_you_mean(str(value), choice["choices"])
         sys.stderr.write(f"{self.prog}: error: {message} (see {self.help_hint()})\n")
         raise UsageExit(self.prog, message, config)
 
@@ -110,6 +110,28 @@ def subcommand_modules() -> list[ModuleType]:
         if callable(getattr(module, "add_parser", None)) and callable(getattr(module, "run", None)):
             modules.append(module)
     return modules
+
+
+def _did_you_mean(given: str, choices: str | list[str]) -> str:
+    """`` (did you mean 'simulate'?)`` for the closest of ``choices`` (argparse's quoted list, or names), else empty."""
+    names = re.findall(r"'([^']*)'", choices) if isinstance(choices, str) else choices
+    close = difflib.get_close_matches(given, names, n=1, cutoff=0.8)  # 0.8: 'gpu' is not offered 'cpu'
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _unrecognized(command: str | None, extra: list[str]) -> str:
+    """argparse's "unrecognized arguments" with the closest option of ``command`` for each unknown ``--`` one."""
+    sub = SUBPARSERS.get(command or "")
+    own = sorted(o for o in sub._option_string_actions if o.startswith("--")) if sub is not None else []
+    hints = []
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if name.startswith("--") and own:
+            close = difflib.get_close_matches(name.replace("_", "-"), own, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{close[0]} for {name}")
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    return f"unrecognized arguments: {' '.join(extra)}{hint}"
 
 
 SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
@@ -206,7 +228,7 @@ def _main(argv: Sequence[str] | None) -> int:
                 print(misplaced, file=sys.stderr)
                 return EXIT_USAGE
             where = f"{PROG} {args.command}" if args.command else PROG
-            message = f"unrecognized arguments: {' '.join(extra)}"
+            message = _unrecognized(args.command, extra)
             print(f"{where}: error: {message} (see {where} --help)", file=sys.stderr)
             _json_error(args, CliError(message, EXIT_USAGE), EXIT_USAGE)
             return EXIT_USAGE
@@ -218,8 +240,8 @@ def _main(argv: Sequence[str] | None) -> int:
         args.extra_args = extra
     except UsageExit as exc:  # already said on stderr; under --json also on stdout
         command = exc.prog.rsplit(" ", 1)[-1]
-        if "--json" in given and command in SUBPARSERS:
-            schema = SUBPARSERS[command].get_default("_schema")
+        if "--json" in given:  # a misspelt COMMAND too: no schema to name then, but still a document
+            schema = SUBPARSERS[command].get_default("_schema") if command in SUBPARSERS else None
             _json_error(argparse.Namespace(json=True, _schema=schema), exc.error or CliError(exc.message, EXIT_USAGE), EXIT_USAGE)
         return EXIT_USAGE
     except SystemExit as exc:  # --help, --version

@@ -8,6 +8,8 @@ set the variable.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dbo_runtime.cli.main import main
@@ -166,6 +168,13 @@ def test_simulate_integer_flags_are_bounded_and_worded_alike(
             "dbo-runtime: error: COMMAND='bogus' is not allowed; allowed values: 'sms', 'doctor', 'simulate', 'tune', 'verify' "
             "(see dbo-runtime --help)",
         ),
+        (
+            ["simulat"],
+            "dbo-runtime: error: COMMAND='simulat' is not allowed; allowed values: 'sms', 'doctor', 'simulate', 'tune', 'verify' "
+            "(did you mean 'simulate'?) (see dbo-runtime --help)",
+        ),
+        (["sms", "--totl", "3"], "dbo-runtime sms: error: unrecognized arguments: --totl 3 (did you mean --total-sms for --totl?) (see dbo-runtime sms --help)"),
+        (["doctor", "--jsn"], "dbo-runtime doctor: error: unrecognized arguments: --jsn (did you mean --json for --jsn?) (see dbo-runtime doctor --help)"),
         (
             ["simulate", "--backend", "gpu"],
             "dbo-runtime simulate: error: --backend='gpu' is not allowed; allowed values: 'auto', 'cpu', 'deep_gemm' "
@@ -326,3 +335,12 @@ def test_the_base_parser_refuses_per_setting_in_every_spelling(capsys: pytest.Ca
             parser.parse_args(argv)
         assert exit_.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1] == f"p: error: {said}"
+
+
+def test_a_misspelt_command_under_json_is_still_a_json_document(capsys: pytest.CaptureFixture[str]) -> None:
+    """``dbo-runtime simulat --json``: no command, so no schema to name, but a script parsing stdout still gets
+    an error document rather than nothing."""
+    assert main(["simulat", "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] is None and doc["exit_code"] == 2
+    assert (doc["error"]["parameter"], doc["error"]["value"]) == ("COMMAND", "simulat")
