@@ -571,11 +571,19 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.set_xticks(range(len(rows)), labels, rotation=35, ha="right", fontsize=7)
     axes[0].axhline(1.0, color="k", lw=0.8)
-    if len(colour_of) > 1:
+    bottom = 0.0
+    if len(colour_of) > 1:  # below the panels: inside one it covers bars
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colour_of.values()]
-        axes[1].legend(handles, list(colour_of), fontsize=7, title="records", title_fontsize=7)
-    fig.suptitle("dbo_runtime host cost at depth, real vLLM engine, one GPU (three engines per configuration, timed in turns)")
-    fig.tight_layout()
+        columns = min(3, len(colour_of))
+        fig.legend(handles, list(colour_of), loc="lower center", ncol=columns, fontsize=7, title="records", title_fontsize=7)
+        bottom = 0.05 + 0.035 * -(-len(colour_of) // columns)
+    devices = sorted({d for r in rows for d in str(r.get("device") or "device not recorded").split(" + ")})
+    fig.suptitle(
+        f"dbo_runtime host cost at depth, real vLLM engine, one GPU: {' / '.join(devices)}\n"
+        "(three engines per configuration, timed in turns)",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.savefig(path, dpi=110)
 
 

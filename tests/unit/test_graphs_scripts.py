@@ -857,7 +857,32 @@ def test_host_cost_plot_says_na_for_a_row_without_vanilla_and_colours_by_records
         assert [t.get_text() for t in ax.texts] == ["n/a"] and ax.texts[0].get_position()[0] == 1
         bars = ax.patches
         assert bars[0].get_facecolor() != bars[1].get_facecolor()
-    assert [t.get_text() for t in fig.axes[1].get_legend().get_texts()] == ["2026-12-04-lease20-hostcost", "2026-12-02-lease14-hostcost"]
+    (legend,) = fig.legends  # the figure's, below the panels: inside a panel it covered bars
+    assert fig.axes[1].get_legend() is None
+    assert [t.get_text() for t in legend.get_texts()] == ["2026-12-04-lease20-hostcost", "2026-12-02-lease14-hostcost"]
+    assert "one GPU: device not recorded" in fig._suptitle.get_text()
+    plt.close(fig)
+
+
+def test_host_cost_plot_names_the_device_even_when_one_lease_drew_it(tmp_path: Path) -> None:
+    """A figure drawn from one lease has no legend; its title still says which GPU the numbers hold for."""
+    from graphs._plotting import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        pytest.fail("matplotlib is a dev dependency (make setup): the plot cannot be checked without it")
+    mod = load("bench_host_cost.py")
+    row = {"label": "v32-6L-eager-dbo-dp1", "plugin_over_vanilla_paired": {"median": 1.0}, "self_net_share_of_step": 0.002,
+           "source": "docs/gpu-runs/2026-12-05-lease21-hostcost", "device": "NVIDIA H100 80GB HBM3"}  # fmt: skip
+    drawn: list = []
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    try:
+        mod._plot([row, {**row, "label": "glm53-6L-eager-dbo-dp1"}], tmp_path / "plot.png")
+    finally:
+        monkeypatch.undo()
+    (fig,) = drawn
+    assert not fig.legends and "one GPU: NVIDIA H100 80GB HBM3\n" in fig._suptitle.get_text()
     plt.close(fig)
 
 
