@@ -507,7 +507,8 @@ def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
     if not any(_reps(r) for r in records.values()):
         raise RunsUnreadable(f"{where}: none of its {len(records)} run(s) finished a timed rep: there is nothing to summarize")
     configurations = sorted({label.rsplit("-", 1)[0] for label in labels})
-    missing = [c for c in configurations if not any(label.startswith(f"{c}-") for label in records)]
+    of = {c: [r for label, r in records.items() if label.startswith(f"{c}-")] for c in configurations}  # its engines' records
+    missing = [c for c in configurations if not of[c]]
     if missing:
         print(f"bench_host_cost: no runs for {len(missing)} configuration(s), left out: {', '.join(missing)}", file=sys.stderr)
     for config in (c for c in configurations if c not in missing):
@@ -523,11 +524,7 @@ def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
             if value not in seen.setdefault(key, []):
                 seen[key].append(value)
     # a row measured by engines none of which reported its GPU (each stopped before its result, by an older runner)
-    unknown = [
-        c for c in configurations
-        if any(_reps(r) for label, r in records.items() if label.startswith(f"{c}-"))
-        and not any(_device(r) for label, r in records.items() if label.startswith(f"{c}-"))
-    ]  # fmt: skip
+    unknown = [c for c in configurations if any(_reps(r) for r in of[c]) and not any(_device(r) for r in of[c])]
     if unknown:
         print(f"bench_host_cost: no engine of {', '.join(unknown)} reported its GPU: those rows' device is unknown", file=sys.stderr)
         if seen.get("device") and "unknown" not in seen["device"]:
