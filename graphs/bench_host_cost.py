@@ -580,7 +580,7 @@ def _plot(rows: list[dict], path: Path) -> None:
         "(three engines per configuration, timed in turns)",
         fontsize=10,
     )
-    fig.tight_layout(rect=(0, bottom, 1, 1))
+    fig.tight_layout(rect=(0, bottom, 1, 0.93))  # the two-line title above the panels
     fig.savefig(path, dpi=110)
 
 
