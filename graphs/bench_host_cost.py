@@ -507,7 +507,7 @@ def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
     if not any(_reps(r) for r in records.values()):
         raise RunsUnreadable(f"{where}: none of its {len(records)} run(s) finished a timed rep: there is nothing to summarize")
     configurations = sorted({label.rsplit("-", 1)[0] for label in labels})
-    of = {c: [r for label, r in records.items() if label.startswith(f"{c}-")] for c in configurations}  # its engines' records
+    of = {c: [r for label, r in records.items() if label.rsplit("-", 1)[0] == c] for c in configurations}  # its engines' records
     missing = [c for c in configurations if not of[c]]
     if missing:
         print(f"bench_host_cost: no runs for {len(missing)} configuration(s), left out: {', '.join(missing)}", file=sys.stderr)

@@ -131,16 +131,34 @@ def flag_set(engine_args: list[str], on: str, off: str) -> bool:
     return last == on
 
 
-def misspelt(engine_args: list[str], flag: str) -> str:
-    """`` (--data-paralel-size is given: did you mean --data-parallel-size?)`` when an option in ``engine_args``
-    is a near miss of ``flag``, else empty. The real-engine commands check the DP size and expert parallelism
-    before vLLM's own parser runs (that parser needs a GPU platform to be built at all), so without this a
-    misspelt flag would be reported as a missing one."""
+def vllm_option_names() -> set[str]:
+    """vLLM's engine-argument names (``--field-name`` and ``--no-field-name`` per ``EngineArgs`` field); empty
+    without vLLM. Read from the dataclass, which imports on a machine without a GPU, unlike vLLM's parser."""
+    try:
+        import dataclasses
+
+        from vllm.engine.arg_utils import EngineArgs
+    except Exception:
+        return set()
+    names = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(EngineArgs)}
+    return names | {"--no-" + n[2:] for n in names}
+
+
+def misspelt(engine_args: list[str], flag: str) -> str | None:
+    """The option in ``engine_args`` that is a near miss of ``flag`` and no vLLM option, else None. The real-engine
+    commands check the DP size and expert parallelism before vLLM's own parser runs (that parser needs a GPU
+    platform to be built at all), so without this a misspelt flag would be reported as a missing one."""
     import difflib
 
     names = {normal_arg(a).split("=", 1)[0] for a in engine_args if a.startswith("--")}
     near = difflib.get_close_matches(flag, sorted(names - {flag}), n=1, cutoff=0.85)
-    return f" ({near[0]} is given: did you mean {flag}?)" if near else ""
+    return near[0] if near and near[0] not in vllm_option_names() else None
+
+
+def _refuse_misspelt(engine_args: list[str], flag: str) -> None:
+    near = misspelt(engine_args, flag)
+    if near is not None:
+        raise StateError(near, f"not a vLLM engine argument (did you mean {flag}?)", "vLLM's engine arguments spelt in full")
 
 
 def require_dbo_parallelism(
@@ -148,15 +166,19 @@ def require_dbo_parallelism(
 ) -> None:
     """DBO microbatches only with data parallelism, and its comm SMs serve the expert-parallel all2all: a run
     without them would prove nothing about DBO (vLLM never splits a step). ``dp_given``: whether the operator
-    passed a DP size at all (the refusal then says the 1 is vLLM's default, and names a near miss)."""
+    passed a DP size at all (the refusal then says the 1 is vLLM's default, or names the near miss typed)."""
     if dp < 2:
-        unset = "" if dp_given else f" (none given; vLLM's default is 1){misspelt(engine_args, DP_SIZE_FLAGS[0])}"
+        if not dp_given:
+            _refuse_misspelt(engine_args, DP_SIZE_FLAGS[0])
+        unset = "" if dp_given else " (none given; vLLM's default is 1)"
         raise ConfigError(
             "--data-parallel-size", dp, f"2 or more{unset}: vLLM microbatches only with data parallelism ({command} needs DBO to run)"
         )
     if expert_parallel and not (flag_set(engine_args, "--enable-expert-parallel", "--no-enable-expert-parallel") or "-ep" in engine_args):
-        hint = misspelt(engine_args, "--enable-expert-parallel")
-        raise StateError("--enable-expert-parallel", "missing", f"given (DBO overlaps the expert-parallel all2all){hint}")
+        _refuse_misspelt(engine_args, "--enable-expert-parallel")
+        off = has_flag(engine_args, "--no-enable-expert-parallel")
+        state = "turned off (--no-enable-expert-parallel given last)" if off else "missing"
+        raise StateError("--enable-expert-parallel", state, "given (DBO overlaps the expert-parallel all2all)")
 
 
 def comm_sms_problem(engine_args: list[str], environ: Any, *, backend: str | None = None) -> ConfigError | None:
@@ -269,4 +291,5 @@ __all__ = [
     "split_engine_args",
     "switch_notes",
     "visible_gpus",
+    "vllm_option_names",
 ]

@@ -42,6 +42,7 @@ from dbo_runtime.cli._common import (
     OnceArgumentParser,
     interruptible,
 )
+from dbo_runtime.cli._engine import vllm_option_names
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.settings import StateError
 
@@ -91,6 +92,7 @@ class OneLineArgumentParser(OnceArgumentParser):
                 value = choice["value"]
             config = ConfigError(choice["parameter"], value, choice["choices"])
             message = str(config) + _did_you_mean(str(value), choice["choices"])
+            config.args = (message,)  # the --json document's message says the hint stderr says
         sys.stderr.write(f"{self.prog}: error: {message} (see {self.help_hint()})\n")
         raise UsageExit(self.prog, message, config)
 
@@ -122,15 +124,15 @@ def _did_you_mean(given: str, choices: str | list[str]) -> str:
 def _unrecognized(command: str | None, extra: list[str]) -> str:
     """argparse's "unrecognized arguments" with the closest option of ``command`` for each unknown ``--`` one."""
     sub = SUBPARSERS.get(command or "")
-    own = sorted(o for o in sub._option_string_actions if o.startswith("--")) if sub is not None else []
+    own = sorted(o for o in sub._option_string_actions if o.startswith("--") and o != "--help") if sub is not None else []
     hints = []
     for arg in extra:
         name = arg.split("=", 1)[0]
-        if name.startswith("--") and own:
-            close = difflib.get_close_matches(name.replace("_", "-"), own, n=1, cutoff=0.6)
+        if name.startswith("--") and own:  # 0.8, as for verify's and tune's own options: --version is not --json
+            close = difflib.get_close_matches(name.replace("_", "-"), own, n=1, cutoff=0.8)
             if close:
-                hints.append(f"{close[0]} for {name}")
-    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+                hints.append(f"{name}: did you mean {close[0]}?")
+    hint = f" ({'; '.join(hints)})" if hints else ""
     return f"unrecognized arguments: {' '.join(extra)}{hint}"
 
 
@@ -170,7 +172,7 @@ def _own_option_lookalike(command: str, extra: list[str]) -> ConfigError | None:
         name = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
         prefixed = [o for o in own if o.startswith(name)]
         close = prefixed or difflib.get_close_matches(name, own, n=1, cutoff=0.8)
-        if not close or (not prefixed and name in _vllm_option_names()):
+        if not close or (not prefixed and name in vllm_option_names()):
             continue
         return StateError(
             arg.split("=", 1)[0],
@@ -179,19 +181,6 @@ def _own_option_lookalike(command: str, extra: list[str]) -> ConfigError | None:
             f"as one of its own options; see {PROG} {command} --help)",
         )
     return None
-
-
-def _vllm_option_names() -> set[str]:
-    """vLLM's engine-argument names (``--field-name`` and ``--no-field-name`` per ``EngineArgs`` field); empty
-    without vLLM (``verify`` and ``tune`` then stop at their vLLM check anyway)."""
-    try:
-        import dataclasses
-
-        from vllm.engine.arg_utils import EngineArgs
-    except Exception:
-        return set()
-    names = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(EngineArgs)}
-    return names | {"--no-" + n[2:] for n in names}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,11 +215,13 @@ def _main(argv: Sequence[str] | None) -> int:
             misplaced = _misplaced(args.command, [a for a in extra if a in before])
             if misplaced is not None:
                 print(misplaced, file=sys.stderr)
+                schema = SUBPARSERS[args.command].get_default("_schema")
+                _json_error(_json_args(argparse.Namespace(_schema=schema), given), CliError(misplaced.split(": error: ", 1)[1], EXIT_USAGE), EXIT_USAGE)
                 return EXIT_USAGE
             where = f"{PROG} {args.command}" if args.command else PROG
             message = _unrecognized(args.command, extra)
             print(f"{where}: error: {message} (see {where} --help)", file=sys.stderr)
-            _json_error(args, CliError(message, EXIT_USAGE), EXIT_USAGE)
+            _json_error(_json_args(args, given), CliError(message, EXIT_USAGE), EXIT_USAGE)
             return EXIT_USAGE
         lookalike = _own_option_lookalike(args.command, extra) if extra else None
         if lookalike is not None:
@@ -249,7 +240,9 @@ def _main(argv: Sequence[str] | None) -> int:
     run = getattr(args, "_run", None)
     if run is None:
         commands = ", ".join(m.__name__.rsplit(".", 1)[-1] for m in subcommand_modules())
-        print(f"{PROG}: error: a COMMAND is required: one of {commands} (see {PROG} --help)", file=sys.stderr)
+        message = f"a COMMAND is required: one of {commands}"
+        print(f"{PROG}: error: {message} (see {PROG} --help)", file=sys.stderr)
+        _json_error(_json_args(args, given), StateError("COMMAND", "missing", commands), EXIT_USAGE)
         return EXIT_USAGE
     where = f"{PROG} {args.command}"
     try:
@@ -275,6 +268,14 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"{where}: {missing}", file=sys.stderr)
         _json_error(args, missing, EXIT_NO_DEVICE)
         return EXIT_NO_DEVICE
+
+
+def _json_args(args: argparse.Namespace, given: list[str]) -> argparse.Namespace:
+    """``args`` as ``_json_error`` reads them: a ``--json`` typed where no subcommand took it (``dbo-runtime --json``,
+    ``dbo-runtime --json --bogus``) still asks for an error document, with no schema to name."""
+    if getattr(args, "json", False) or "--json" not in given:
+        return args
+    return argparse.Namespace(json=True, _schema=getattr(args, "_schema", None))
 
 
 def _json_error(args: argparse.Namespace, exc: Exception, exit_code: int) -> None:

@@ -173,8 +173,8 @@ def test_simulate_integer_flags_are_bounded_and_worded_alike(
             "dbo-runtime: error: COMMAND='simulat' is not allowed; allowed values: 'sms', 'doctor', 'simulate', 'tune', 'verify' "
             "(did you mean 'simulate'?) (see dbo-runtime --help)",
         ),
-        (["sms", "--totl", "3"], "dbo-runtime sms: error: unrecognized arguments: --totl 3 (did you mean --total-sms for --totl?) (see dbo-runtime sms --help)"),
-        (["doctor", "--jsn"], "dbo-runtime doctor: error: unrecognized arguments: --jsn (did you mean --json for --jsn?) (see dbo-runtime doctor --help)"),
+        (["doctor", "--jsn"], "dbo-runtime doctor: error: unrecognized arguments: --jsn (--jsn: did you mean --json?) (see dbo-runtime doctor --help)"),
+        (["doctor", "--version"], "dbo-runtime doctor: error: unrecognized arguments: --version (see dbo-runtime doctor --help)"),  # not --json
         (
             ["simulate", "--backend", "gpu"],
             "dbo-runtime simulate: error: --backend='gpu' is not allowed; allowed values: 'auto', 'cpu', 'deep_gemm' "
@@ -344,3 +344,24 @@ def test_a_misspelt_command_under_json_is_still_a_json_document(capsys: pytest.C
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] is None and doc["exit_code"] == 2
     assert (doc["error"]["parameter"], doc["error"]["value"]) == ("COMMAND", "simulat")
+
+
+@pytest.mark.parametrize(
+    ("argv", "schema", "message"),
+    [
+        (["--json"], None, "unrecognized arguments: --json"),
+        (["--json", "--bogus"], None, "unrecognized arguments: --json --bogus"),
+        (["--json", "sms"], "dbo-runtime/sms/v1", "argument --json belongs to 'sms': give it after the subcommand (dbo-runtime sms --json)"),
+        (["simulat", "--json"], None, "COMMAND='simulat' is not allowed; allowed values: 'sms', 'doctor', 'simulate', 'tune', 'verify' (did you mean 'simulate'?)"),
+    ],
+)
+def test_every_usage_error_under_json_is_one_document_saying_what_stderr_says(
+    argv: list[str], schema: str | None, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Wherever ``--json`` was typed, a script reading stdout gets exactly one error document, its message the
+    line stderr shows (hint included)."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert (doc["schema"], doc["error"]["message"], doc["exit_code"]) == (schema, message, 2)
+    assert message in captured.err

@@ -43,7 +43,7 @@ def test_an_abbreviated_or_misspelt_own_option_never_becomes_an_engine_argument(
 
 def test_a_real_vllm_option_that_resembles_an_own_option_still_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--max-logprobs`` (vLLM) is close to verify's ``--max-dlogprob``, and it is vLLM's: handed on."""
-    monkeypatch.setattr(cli_main, "_vllm_option_names", lambda: {"--max-logprobs", "--seed"})
+    monkeypatch.setattr(cli_main, "vllm_option_names", lambda: {"--max-logprobs", "--seed"})
     assert cli_main._own_option_lookalike("verify", ["--max-logprobs", "3"]) is None
     cli_main.build_parser()
     for extra in (["--seed", "1"], ["--max-num-seqs", "8"], ["--enforce-eager"], ["--max-model-len=4096"]):

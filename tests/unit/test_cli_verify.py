@@ -218,16 +218,24 @@ def test_a_missing_dp_size_is_named_as_vllms_default(command: str, capsys: pytes
 @pytest.mark.parametrize("command", ["verify", "tune"])
 def test_a_misspelt_dp_or_ep_flag_is_named(command: str, capsys: pytest.CaptureFixture[str], no_engine: None) -> None:
     """vLLM's parser runs only after these checks (it needs a GPU platform), so a typo in the DP size flag is
-    named as a near miss instead of being reported only as a missing DP size; the same for expert parallelism."""
+    refused as itself, not reported as a missing DP size of 1 the operator never typed; the same for expert
+    parallelism."""
     assert main([command, "--model", "m", "--data-paralel-size", "2", "--enable-expert-parallel"]) == 2
     line = _one_line(capsys)
-    assert "(none given; vLLM's default is 1) (--data-paralel-size is given: did you mean --data-parallel-size?)" in line, line
-    assert misspelt(["--data_parallel_size=2"], "--data-parallel-size") == ""  # vLLM's own spelling, not a miss
-    assert misspelt(["--max-model-len", "8"], "--data-parallel-size") == ""
+    assert line.endswith(
+        "error: --data-paralel-size is not a vLLM engine argument (did you mean --data-parallel-size?); "
+        "allowed values: vLLM's engine arguments spelt in full"
+    ), line
+    assert misspelt(["--data_parallel_size=2"], "--data-parallel-size") is None  # vLLM's own spelling, not a miss
+    assert misspelt(["--max-model-len", "8"], "--data-parallel-size") is None
+    assert misspelt(["--data-parallel-size-local", "1"], "--data-parallel-size") is None  # a real vLLM option
     if command == "tune":
         assert main([command, "--model", "m", "-dp", "2", "--enable-expert-paralel"]) == 2
         line = _one_line(capsys)
-        assert "--enable-expert-parallel is missing" in line and "did you mean --enable-expert-parallel?" in line, line
+        assert "error: --enable-expert-paralel is not a vLLM engine argument (did you mean --enable-expert-parallel?)" in line, line
+        assert main([command, "--model", "m", "-dp", "2", "--enable-expert-parallel", "--no-enable-expert-parallel"]) == 2
+        line = _one_line(capsys)  # vLLM's own off switch is no typo: it is named as what turned the flag off
+        assert "--enable-expert-parallel is turned off (--no-enable-expert-parallel given last)" in line and "did you mean" not in line, line
     assert main([command, "--model", "m", "--enable-expert-parallel"]) == 2
     assert "did you mean" not in _one_line(capsys)
 
