@@ -512,7 +512,7 @@ def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
     if missing:
         print(f"bench_host_cost: no runs for {len(missing)} configuration(s), left out: {', '.join(missing)}", file=sys.stderr)
     for config in (c for c in configurations if c not in missing):
-        absent = [label.rsplit("-", 1)[1] for label in labels if label.startswith(f"{config}-") and label not in records]
+        absent = [label.rsplit("-", 1)[1] for label in labels if label.rsplit("-", 1)[0] == config and label not in records]
         if absent:
             print(f"bench_host_cost: {config}: no run of {', '.join(absent)} (its figures are left empty)", file=sys.stderr)
     # the versions and device every engine reported; a key the records disagree on (a matrix merged from leases on

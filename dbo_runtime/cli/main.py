@@ -121,17 +121,25 @@ def _did_you_mean(given: str, choices: str | list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _own_options(command: str | None) -> list[str]:
+    """``command``'s own ``--`` options, ``--help`` left out: the names a misspelt option is matched against."""
+    sub = SUBPARSERS.get(command or "")
+    return sorted(o for o in sub._option_string_actions if o.startswith("--") and o != "--help") if sub is not None else []
+
+
+def _closest(name: str, own: list[str]) -> list[str]:
+    """The one option of ``own`` close to ``name`` (0.8: ``--version`` is not offered ``--json``), or none."""
+    return difflib.get_close_matches(name, own, n=1, cutoff=0.8)
+
+
 def _unrecognized(command: str | None, extra: list[str]) -> str:
     """argparse's "unrecognized arguments" with the closest option of ``command`` for each unknown ``--`` one."""
-    sub = SUBPARSERS.get(command or "")
-    own = sorted(o for o in sub._option_string_actions if o.startswith("--") and o != "--help") if sub is not None else []
+    own = _own_options(command)
     hints = []
     for arg in extra:
         name = arg.split("=", 1)[0]
-        if name.startswith("--") and own:  # 0.8, as for verify's and tune's own options: --version is not --json
-            close = difflib.get_close_matches(name.replace("_", "-"), own, n=1, cutoff=0.8)
-            if close:
-                hints.append(f"{name}: did you mean {close[0]}?")
+        if name.startswith("--") and (close := _closest(name.replace("_", "-"), own)):
+            hints.append(f"{name}: did you mean {close[0]}?")
     hint = f" ({'; '.join(hints)})" if hints else ""
     return f"unrecognized arguments: {' '.join(extra)}{hint}"
 
@@ -148,7 +156,7 @@ def _misplaced(command: str | None, extra: list[str]) -> str | None:
         return None
     for arg in extra:
         if arg.split("=", 1)[0] in sub._option_string_actions:
-            return f"{PROG}: error: argument {arg.split('=', 1)[0]} belongs to '{command}': give it after the subcommand ({PROG} {command} {arg})"
+            return f"argument {arg.split('=', 1)[0]} belongs to '{command}': give it after the subcommand ({PROG} {command} {arg})"
     return None
 
 
@@ -162,16 +170,13 @@ def _own_option_lookalike(command: str, extra: list[str]) -> ConfigError | None:
     engine while the command's own option stays at its default. A real vLLM option that only resembles one
     (``--max-logprobs``, close to verify's ``--max-dlogprob``) is not refused: vLLM's option names are looked up
     only when a close match is found, so the usual path imports no vLLM."""
-    sub = SUBPARSERS.get(command)
-    if sub is None:
-        return None
-    own = sorted(o for o in sub._option_string_actions if o.startswith("--") and o != "--help")
+    own = _own_options(command)
     for arg in extra:
         if not arg.startswith("--") or arg == "--":
             continue
         name = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
         prefixed = [o for o in own if o.startswith(name)]
-        close = prefixed or difflib.get_close_matches(name, own, n=1, cutoff=0.8)
+        close = prefixed or _closest(name, own)
         if not close or (not prefixed and name in vllm_option_names()):
             continue
         return StateError(
@@ -214,9 +219,9 @@ def _main(argv: Sequence[str] | None) -> int:
             before = given[: given.index(args.command)] if args.command in given else []
             misplaced = _misplaced(args.command, [a for a in extra if a in before])
             if misplaced is not None:
-                print(misplaced, file=sys.stderr)
+                print(f"{PROG}: error: {misplaced}", file=sys.stderr)
                 schema = SUBPARSERS[args.command].get_default("_schema")
-                _json_error(_json_args(argparse.Namespace(_schema=schema), given), CliError(misplaced.split(": error: ", 1)[1], EXIT_USAGE), EXIT_USAGE)
+                _json_error(_json_args(argparse.Namespace(_schema=schema), given), CliError(misplaced, EXIT_USAGE), EXIT_USAGE)
                 return EXIT_USAGE
             where = f"{PROG} {args.command}" if args.command else PROG
             message = _unrecognized(args.command, extra)
@@ -231,9 +236,8 @@ def _main(argv: Sequence[str] | None) -> int:
         args.extra_args = extra
     except UsageExit as exc:  # already said on stderr; under --json also on stdout
         command = exc.prog.rsplit(" ", 1)[-1]
-        if "--json" in given:  # a misspelt COMMAND too: no schema to name then, but still a document
-            schema = SUBPARSERS[command].get_default("_schema") if command in SUBPARSERS else None
-            _json_error(argparse.Namespace(json=True, _schema=schema), exc.error or CliError(exc.message, EXIT_USAGE), EXIT_USAGE)
+        schema = SUBPARSERS[command].get_default("_schema") if command in SUBPARSERS else None  # a misspelt COMMAND: none
+        _json_error(_json_args(argparse.Namespace(_schema=schema), given), exc.error or CliError(exc.message, EXIT_USAGE), EXIT_USAGE)
         return EXIT_USAGE
     except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
