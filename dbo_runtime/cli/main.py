@@ -43,7 +43,7 @@ from dbo_runtime.cli._common import (
     interruptible,
 )
 from dbo_runtime.cli._engine import vllm_option_names
-from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.errors import ConfigError, did_you_mean
 from dbo_runtime.core.settings import StateError
 
 PROG = "dbo-runtime"
@@ -116,9 +116,7 @@ def subcommand_modules() -> list[ModuleType]:
 
 def _did_you_mean(given: str, choices: str | list[str]) -> str:
     """`` (did you mean 'simulate'?)`` for the closest of ``choices`` (argparse's quoted list, or names), else empty."""
-    names = re.findall(r"'([^']*)'", choices) if isinstance(choices, str) else choices
-    close = difflib.get_close_matches(given, names, n=1, cutoff=0.8)  # 0.8: 'gpu' is not offered 'cpu'
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return did_you_mean(given, re.findall(r"'([^']*)'", choices) if isinstance(choices, str) else choices)
 
 
 def _own_options(command: str | None) -> list[str]:

@@ -7,6 +7,7 @@ engine start, in a log that is usually far away from the flag they set.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 
 
@@ -30,16 +31,31 @@ def shown(value: object) -> str:
     return repr(value)
 
 
+def did_you_mean(given: str, names: Iterable[str]) -> str:
+    """`` (did you mean 'rocm'?)`` for the name of ``names`` that ``given`` differs from only in case, else the closest.
+
+    The cutoff 0.8 keeps unrelated short names apart ('gpu' is not offered 'cpu'); a case-only difference is
+    always offered, because a choice typed in capitals ('ROCM', 'ALL') is the commonest miss and scores low."""
+    names = list(names)
+    same_but_case = [n for n in names if n.lower() == given.lower()]
+    close = same_but_case or difflib.get_close_matches(given, names, n=1, cutoff=0.8)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class ConfigError(DboRuntimeError, ValueError):
     """A parameter has a value dbo_runtime cannot run with: ``PARAMETER=VALUE is not allowed; allowed values: ...``."""
 
     def __init__(self, parameter: str, value: object, allowed: str | Iterable[object]) -> None:
+        hint = ""
         if not isinstance(allowed, str):
+            allowed = list(allowed)
+            if isinstance(value, str) and all(isinstance(a, str) for a in allowed):
+                hint = did_you_mean(value, [str(a) for a in allowed])
             allowed = ", ".join(repr(a) for a in allowed)
         self.parameter = parameter
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{parameter}={shown(value)} is not allowed; allowed values: {allowed}")
+        super().__init__(f"{parameter}={shown(value)} is not allowed; allowed values: {allowed}{hint}")
 
 
 class PatchError(DboRuntimeError):

@@ -365,3 +365,17 @@ def test_every_usage_error_under_json_is_one_document_saying_what_stderr_says(
     doc = json.loads(captured.out)
     assert (doc["schema"], doc["error"]["message"], doc["exit_code"]) == (schema, message, 2)
     assert message in captured.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["sms", "--platform", "ROCM"], "--platform='ROCM' is not allowed; allowed values: 'cuda', 'rocm' (did you mean 'rocm'?)"),
+        (["sms", "--platform", "rocn"], "--platform='rocn' is not allowed; allowed values: 'cuda', 'rocm'"),
+        (["simulate", "--backend", "CPU"], "--backend='CPU' is not allowed; allowed values: 'auto', 'cpu', 'deep_gemm' (did you mean 'cpu'?)"),
+    ],
+)
+def test_a_choice_typed_in_another_case_is_offered_the_right_one(capsys: pytest.CaptureFixture[str], argv: list[str], said: str) -> None:
+    """A choice in capitals scores below the closeness cutoff; it is offered anyway, and a far miss still is not."""
+    line = error_line(capsys, argv)
+    assert line in (said, f"{said} (see dbo-runtime {argv[0]} --help)"), line
