@@ -71,16 +71,19 @@ def plan_sweep(
     text = raw_values.strip()
     if text == "all":  # exact, lower case, as every word flag of the CLI (--shape, vLLM's choices)
         values = list(range(2, ceiling + 1, 2))
+    elif text.lower() == "all":
+        raise ConfigError("--values", raw_values, f"{_allowed(ceiling)} (did you mean 'all'?)")
     else:
         values = []
         for part in (p.strip() for p in text.split(",")):
             try:
                 values.append(int(part))
             except ValueError:
-                raise ConfigError("--values", raw_values, _allowed(ceiling)) from None
+                raise ConfigError("--values", raw_values, f"{_allowed(ceiling)} ({f'{part!r} is not an integer' if part else 'an entry is empty'})") from None
     for value in values:
         if value != 0 and (value % 2 or not 2 <= value <= ceiling):
-            raise ConfigError("--values", raw_values, _allowed(ceiling))
+            why = "odd" if 2 <= value <= ceiling else f"outside [2, {ceiling}]"
+            raise ConfigError("--values", raw_values, f"{_allowed(ceiling)} ({value} is {why})")
     twice = sorted({v for v in values if values.count(v) > 1})
     if twice:  # a list typed with a repeat is a slip, not a request to measure a value twice
         raise ConfigError("--values", raw_values, f"{_allowed(ceiling)}, each once ({', '.join(map(str, twice))} given more than once)")

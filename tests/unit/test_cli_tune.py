@@ -48,6 +48,7 @@ def test_all_is_lower_case_as_every_word_flag(raw: str) -> None:
     with pytest.raises(ConfigError) as err:
         _sweep(raw)
     assert err.value.parameter == "--values" and err.value.value == raw
+    assert str(err.value).endswith("(did you mean 'all'?)")
 
 
 def test_a_value_listed_twice_is_refused_not_silently_dropped() -> None:
@@ -56,11 +57,24 @@ def test_a_value_listed_twice_is_refused_not_silently_dropped() -> None:
     assert str(err.value).endswith("each once (8 given more than once)")
 
 
-@pytest.mark.parametrize("raw", ["3", "22", "4,x", "-2", "", "4;8"])
-def test_values_deepep_refuses_are_one_line_naming_values(raw: str) -> None:
+@pytest.mark.parametrize(
+    ("raw", "which"),
+    [
+        ("3", "(3 is odd)"),
+        ("4,3", "(3 is odd)"),
+        ("22", "(22 is outside [2, 20])"),
+        ("-2", "(-2 is outside [2, 20])"),
+        ("4,x", "('x' is not an integer)"),
+        ("4;8", "('4;8' is not an integer)"),
+        ("", "(an entry is empty)"),
+        ("4,,8", "(an entry is empty)"),
+    ],
+)
+def test_values_deepep_refuses_are_one_line_naming_the_wrong_value(raw: str, which: str) -> None:
     with pytest.raises(ConfigError) as err:
         _sweep(raw)
     assert err.value.parameter == "--values" and "even integers in [2, 20]" in str(err.value)
+    assert str(err.value).endswith(which), str(err.value)
 
 
 def test_only_the_high_throughput_backend_has_comm_sms_to_tune() -> None:
