@@ -574,9 +574,13 @@ def _plot(rows: list[dict], path: Path) -> None:
         columns = min(3, len(colour_of))
         fig.legend(handles, list(colour_of), loc="lower center", ncol=columns, fontsize=7, title="records", title_fontsize=7)
         bottom = 0.05 + 0.035 * -(-len(colour_of) // columns)
-    devices = sorted({d for r in rows for d in str(r.get("device") or "device not recorded").split(" + ")})
+    devices = sorted({d for r in rows if r.get("device") for d in str(r["device"]).split(" + ")})
+    unrecorded = sum(1 for r in rows if not r.get("device"))
+    on = " / ".join(devices) or "not recorded"
+    if devices and unrecorded:
+        on += f" ({unrecorded} row(s) with no device recorded)"
     fig.suptitle(
-        f"dbo_runtime host cost at depth, real vLLM engine, one GPU: {' / '.join(devices)}\n"
+        f"dbo_runtime host cost at depth, real vLLM engine, one GPU: {on}\n"
         "(three engines per configuration, timed in turns)",
         fontsize=10,
     )

@@ -860,7 +860,16 @@ def test_host_cost_plot_says_na_for_a_row_without_vanilla_and_colours_by_records
     (legend,) = fig.legends  # the figure's, below the panels: inside a panel it covered bars
     assert fig.axes[1].get_legend() is None
     assert [t.get_text() for t in legend.get_texts()] == ["2026-12-04-lease20-hostcost", "2026-12-02-lease14-hostcost"]
-    assert "one GPU: device not recorded" in fig._suptitle.get_text()
+    assert "one GPU: not recorded\n" in fig._suptitle.get_text()
+    plt.close(fig)
+    drawn.clear()
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    try:  # a mixed set names the device it has and counts the rows without one, never as a device of its own
+        mod._plot([{**measured, "device": "NVIDIA H200"}, unmeasured], tmp_path / "plot.png")
+    finally:
+        monkeypatch.undo()
+    (fig,) = drawn
+    assert "one GPU: NVIDIA H200 (1 row(s) with no device recorded)\n" in fig._suptitle.get_text()
     plt.close(fig)
 
 
