@@ -558,7 +558,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     shares = [None if r["self_net_share_of_step"] is None else 100 * r["self_net_share_of_step"] for r in rows]
     panels = (
         (axes[0], ratios, "dbo_runtime / vanilla step (paired median)"),
-        (axes[1], shares, "plugin self time net of the timer, % of a vanilla step"),
+        (axes[1], shares, "plugin self time net of the timer,\n% of a vanilla step"),
     )
     for ax, values, ylabel in panels:
         ax.bar(range(len(rows)), [v or 0 for v in values], color=colours)
@@ -568,6 +568,15 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.set_xticks(range(len(rows)), labels, rotation=35, ha="right", fontsize=7)
     axes[0].axhline(1.0, color="k", lw=0.8)
+    # the pairs' spread: fresh engines differ more than the plugin's cost, and a median alone hides that
+    spread = [(i, p) for i, p in enumerate(r["plugin_over_vanilla_paired"] or {} for r in rows) if p.get("min") is not None]
+    if spread:
+        xs = [i for i, _ in spread]
+        medians = [p["median"] for _, p in spread]
+        low = [p["median"] - p["min"] for _, p in spread]
+        high = [p["max"] - p["median"] for _, p in spread]
+        axes[0].errorbar(xs, medians, yerr=[low, high], fmt="none", ecolor="k", elinewidth=0.8, capsize=3)
+        axes[0].set_ylabel("dbo_runtime / vanilla step\n(paired median, min-max)")
     bottom = 0.0
     if len(colour_of) > 1:  # below the panels: inside one it covers bars
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colour_of.values()]

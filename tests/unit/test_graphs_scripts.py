@@ -958,3 +958,31 @@ def test_a_value_listed_twice_is_refused_not_dropped(script: str, argv: list[str
         load(script).main(argv)
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_host_cost_plot_draws_the_pairs_spread_around_each_median(tmp_path: Path) -> None:
+    """Fresh engines differ more than the plugin costs: the ratio panel shows each row's min-max of the pairs, so
+    a median of 1.31 from pairs that reach 1.03 is not read as a 31 % cost. A row without a spread gets none."""
+    from graphs._plotting import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        pytest.fail("matplotlib is a dev dependency (make setup): the plot cannot be checked without it")
+    mod = load("bench_host_cost.py")
+    spread = {"label": "v32-61L-eager-dbo-off", "plugin_over_vanilla_paired": {"median": 1.31, "min": 1.03, "max": 1.31, "n": 3},
+              "self_net_share_of_step": 0.00006, "device": "NVIDIA H100 80GB HBM3"}  # fmt: skip
+    bare = {**spread, "label": "glm53-61L-eager-dbo-off", "plugin_over_vanilla_paired": {"median": 0.92}}
+    drawn: list = []
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    try:
+        mod._plot([bare, spread], tmp_path / "plot.png")
+    finally:
+        monkeypatch.undo()
+    (fig,) = drawn
+    (bars,) = fig.axes[0].collections  # one errorbar set: the row with a spread only
+    (segment,) = bars.get_segments()
+    assert segment[0][0] == segment[1][0] == 1
+    assert sorted(round(float(y), 2) for _, y in segment) == [1.03, 1.31]
+    assert fig.axes[0].get_ylabel().endswith("(paired median, min-max)")
+    plt.close(fig)
