@@ -569,7 +569,7 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.set_xticks(range(len(rows)), labels, rotation=35, ha="right", fontsize=7)
     axes[0].axhline(1.0, color="k", lw=0.8)
     # the pairs' spread: fresh engines differ more than the plugin's cost, and a median alone hides that
-    spread = [(i, p) for i, p in enumerate(r["plugin_over_vanilla_paired"] or {} for r in rows) if p.get("min") is not None]
+    spread = [(i, p) for i, p in enumerate(r["plugin_over_vanilla_paired"] or {} for r in rows) if None not in (p.get("median"), p.get("min"), p.get("max"))]
     if spread:
         xs = [i for i, _ in spread]
         medians = [p["median"] for _, p in spread]

@@ -23,7 +23,7 @@ from dbo_runtime.core.budget import (
     compute_budget,
     parse_comm_sms,
 )
-from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.errors import ConfigError, did_you_mean
 from dbo_runtime.core.settings import StateError
 
 TUNABLE_BACKEND = "deepep_high_throughput"
@@ -72,14 +72,15 @@ def plan_sweep(
     if text == "all":  # exact, lower case, as every word flag of the CLI (--shape, vLLM's choices)
         values = list(range(2, ceiling + 1, 2))
     elif text.lower() == "all":
-        raise ConfigError("--values", raw_values, f"{_allowed(ceiling)} (did you mean 'all'?)")
+        raise ConfigError("--values", raw_values, _allowed(ceiling) + did_you_mean(text, ["all"]))
     else:
         values = []
         for part in (p.strip() for p in text.split(",")):
             try:
                 values.append(int(part))
             except ValueError:
-                raise ConfigError("--values", raw_values, f"{_allowed(ceiling)} ({f'{part!r} is not an integer' if part else 'an entry is empty'})") from None
+                why = f"{part!r} is not an integer" if part else "an entry is empty"
+                raise ConfigError("--values", raw_values, f"{_allowed(ceiling)} ({why})") from None
     for value in values:
         if value != 0 and (value % 2 or not 2 <= value <= ceiling):
             why = "odd" if 2 <= value <= ceiling else f"outside [2, {ceiling}]"
