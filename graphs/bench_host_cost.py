@@ -573,8 +573,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     if spread:
         xs = [i for i, _ in spread]
         medians = [p["median"] for _, p in spread]
-        low = [p["median"] - p["min"] for _, p in spread]
-        high = [p["max"] - p["median"] for _, p in spread]
+        low = [max(0.0, p["median"] - p["min"]) for _, p in spread]  # hand-merged records may disagree
+        high = [max(0.0, p["max"] - p["median"]) for _, p in spread]
         axes[0].errorbar(xs, medians, yerr=[low, high], fmt="none", ecolor="k", elinewidth=0.8, capsize=3)
         axes[0].set_ylabel("dbo_runtime / vanilla step\n(paired median, min-max)")
     bottom = 0.0

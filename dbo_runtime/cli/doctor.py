@@ -314,8 +314,10 @@ def _collect() -> dict[str, Any]:
     warnings_ = [disabled_line] if disabled_line else []
     # where vLLM does not import, every target is unchecked for that one reason, which the problem already names
     warnings_ += [
-        f"required patch target not checked here: {p['target']} ({p['name']}): {p['detail']}; "
-        "a worker that imports it checks it then, and a model that needs it is refused under DBO if it does not match"
+        f"required patch target not checked here: {p['target']} ({p['name']}): {p['detail']}; its module's "
+        "fingerprint is read from source, but whether the target resolves is known only when a worker imports the "
+        "module: if the patch does not apply there, the feature is marked broken and the worker refuses a DBO model "
+        "that needs it"
         for p in patches
         if usable and p["state"] == "skipped" and not p["optional"]
     ]

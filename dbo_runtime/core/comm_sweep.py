@@ -11,6 +11,7 @@ conservative (``choose``): a value replaces the default only when it beats it in
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,14 +74,21 @@ def plan_sweep(
         values = list(range(2, ceiling + 1, 2))
     elif text.lower() == "all":
         raise ConfigError("--values", raw_values, _allowed(ceiling) + did_you_mean(text, ["all"]))
+    elif not text:
+        raise ConfigError("--values", raw_values, f"{_allowed(ceiling)} (no value given)")
     else:
         values = []
         for part in (p.strip() for p in text.split(",")):
-            try:
-                values.append(int(part))
-            except ValueError:
-                why = f"{part!r} is not an integer" if part else "an entry is empty"
-                raise ConfigError("--values", raw_values, f"{_allowed(ceiling)} ({why})") from None
+            if not re.fullmatch(r"[+-]?[0-9]{1,6}", part):  # ASCII digits only: int() also reads '1_0' and full-width digits
+                shown_part = repr(part if len(part) <= 12 else part[:12] + "...")
+                why = (
+                    "an entry is empty" if not part
+                    else "'all' stands alone" if part.lower() == "all"
+                    else f"{shown_part} is not an integer" if not re.fullmatch(r"[+-]?[0-9]+", part)
+                    else f"{shown_part} is outside [2, {ceiling}]"
+                )
+                raise ConfigError("--values", raw_values, f"{_allowed(ceiling)} ({why})")
+            values.append(int(part))
     for value in values:
         if value != 0 and (value % 2 or not 2 <= value <= ceiling):
             why = "odd" if 2 <= value <= ceiling else f"outside [2, {ceiling}]"

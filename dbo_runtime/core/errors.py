@@ -37,6 +37,8 @@ def did_you_mean(given: str, names: Iterable[str]) -> str:
     The cutoff 0.8 keeps unrelated short names apart ('gpu' is not offered 'cpu'); a case-only difference is
     always offered, because a choice typed in capitals ('ROCM', 'ALL') is the commonest miss and scores low."""
     names = list(names)
+    if given in names:
+        return ""
     same_but_case = [n for n in names if n.lower() == given.lower()]
     close = same_but_case or difflib.get_close_matches(given, names, n=1, cutoff=0.8)
     return f" (did you mean {close[0]!r}?)" if close else ""

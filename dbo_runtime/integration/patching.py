@@ -577,14 +577,17 @@ class PatchSet:
 def probe_target(patch: Patch) -> PatchStatus:
     """Check that a patch's target exists without installing it (``dbo-runtime doctor``)."""
     module = sys.modules.get(patch.module)
-    try:
-        if module is None:
+    if module is None:
+        try:
             module = importlib.import_module(patch.module)
+        except Exception as exc:  # a lazy module may need what this machine lacks (GLM-5-Next: torchvision)
+            state = "skipped" if patch.optional or patch.lazy else "missing"
+            return PatchStatus(patch, state, f"{type(exc).__name__}: {exc}")
+    try:
         if patch.adds:
             resolve_owner(module, patch.attr)
         else:
             current_value(module, patch.attr)
-    except Exception as exc:
-        state = "skipped" if patch.optional or patch.lazy else "missing"
-        return PatchStatus(patch, state, f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # the module imported and the target is not in it: checked, and missing
+        return PatchStatus(patch, "skipped" if patch.optional else "missing", f"{type(exc).__name__}: {exc}")
     return PatchStatus(patch, "found")

@@ -66,8 +66,14 @@ def test_a_value_listed_twice_is_refused_not_silently_dropped() -> None:
         ("-2", "(-2 is outside [2, 20])"),
         ("4,x", "('x' is not an integer)"),
         ("4;8", "('4;8' is not an integer)"),
-        ("", "(an entry is empty)"),
+        ("", "(no value given)"),
+        ("  ", "(no value given)"),
         ("4,,8", "(an entry is empty)"),
+        ("1_0", "('1_0' is not an integer)"),
+        ("\uff14", "('\uff14' is not an integer)"),
+        ("9" * 5000, "('999999999999...' is outside [2, 20])"),
+        ("all,4", "('all' stands alone)"),
+        ("ALL,4", "('all' stands alone)"),
     ],
 )
 def test_values_deepep_refuses_are_one_line_naming_the_wrong_value(raw: str, which: str) -> None:

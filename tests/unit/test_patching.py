@@ -286,6 +286,15 @@ def test_probe_target(target: str) -> None:
     assert probe_target(p("y", target, "nope", optional=True)).state == "skipped"
 
 
+def test_probe_target_of_a_lazy_patch_is_skipped_only_when_its_module_cannot_import(target: str) -> None:
+    """A lazy module that imports here is checked like any other: a target gone from it is missing, not "not
+    checked here" (doctor would otherwise call a checked, absent target unchecked)."""
+    assert probe_target(p("gone", target, "nope", lazy=True)).state == "missing"
+    assert probe_target(p("here", target, "func", lazy=True)).state == "found"
+    unimportable = probe_target(p("away", "dbo_no_such_module_here.sub", "func", lazy=True))
+    assert unimportable.state == "skipped" and "ModuleNotFoundError" in unimportable.detail
+
+
 def test_a_patch_that_runs_on_microbatch_threads_is_shielded_by_the_set(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``runs_on_ubatch_thread`` is applied by PatchSet, not by each hook: on a microbatch thread a failure is
     recorded and the fallback (default: vLLM's original) answers; off one it raises as it came."""
