@@ -32,6 +32,9 @@ A bad argument is ``EXIT_USAGE`` even where the machine could not run it anyway,
 two apart: fix the command line, or move to another machine."""
 EXIT_INTERRUPTED = 130
 """Ctrl-C (SIGINT): the shell's 128 + 2, after one line saying so instead of Python's traceback."""
+EXIT_BROKEN_PIPE = 141
+"""The reader of stdout went away (``| head``): the shell's 128 + SIGPIPE, as a tool killed by the signal reports,
+so ``set -o pipefail`` still sees that the output was cut, without a traceback."""
 
 
 def interruptible(main: Callable[[], int], prog: str) -> int:
@@ -42,6 +45,12 @@ def interruptible(main: Callable[[], int], prog: str) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Python turns SIGPIPE into this exception; stdout is pointed at /dev/null so that the flush at exit
+        # does not raise it again (the recipe of Python's signal documentation)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 class CliError(Exception):

@@ -125,3 +125,20 @@ def test_a_real_sigint_ends_the_command_without_a_traceback(tmp_path: object) ->
     rest = proc.stderr.read()
     assert proc.wait(timeout=60) == 130, (first, rest)
     assert "Traceback" not in rest and rest.splitlines()[-1] == "dbo-runtime simulate: interrupted"
+
+
+def test_a_reader_that_stops_early_ends_the_command_with_141_and_no_traceback() -> None:
+    """``simulate | head -1``: Python raises BrokenPipeError where a C tool would die of SIGPIPE. The command ends
+    with the shell's 128 + SIGPIPE (so ``pipefail`` sees the cut) and no traceback, never exit 1, which means a
+    check failed."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dbo_runtime", "simulate", "--steps", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the import is done (seconds): every write to stdout then meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err
