@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -832,6 +833,19 @@ def test_host_cost_bench_refuses_records_it_cannot_use(tmp_path: Path, capsys: p
         assert "argument --from-records" in capsys.readouterr().err
 
 
+def _host_cost_figure(plt: Any, mod: Any, rows: list[dict], tmp_path: Path) -> Any:
+    """The one figure ``bench_host_cost._plot`` draws for ``rows``, caught at ``savefig``."""
+    drawn: list = []
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    try:
+        mod._plot(rows, tmp_path / "plot.png")
+    finally:
+        monkeypatch.undo()
+    (fig,) = drawn
+    return fig
+
+
 def test_host_cost_plot_says_na_for_a_row_without_vanilla_and_colours_by_records(tmp_path: Path) -> None:
     """A row whose vanilla engine never finished has no ratio and no share: the figure says n/a rather than
     drawing a zero bar (which reads as "costs nothing"), and rows merged from two leases get two colours."""
@@ -845,14 +859,7 @@ def test_host_cost_plot_says_na_for_a_row_without_vanilla_and_colours_by_records
                 "source": "docs/gpu-runs/2026-12-04-lease20-hostcost"}  # fmt: skip
     unmeasured = {"label": "v32-61L-eager-dbo-off", "plugin_over_vanilla_paired": None, "self_net_share_of_step": None,
                   "source": "docs/gpu-runs/2026-12-02-lease14-hostcost"}  # fmt: skip
-    drawn: list = []
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
-    try:
-        mod._plot([measured, unmeasured], tmp_path / "plot.png")
-    finally:
-        monkeypatch.undo()
-    (fig,) = drawn
+    fig = _host_cost_figure(plt, mod, [measured, unmeasured], tmp_path)
     for ax in fig.axes[:2]:
         assert [t.get_text() for t in ax.texts] == ["n/a"] and ax.texts[0].get_position()[0] == 1
         bars = ax.patches
@@ -862,13 +869,8 @@ def test_host_cost_plot_says_na_for_a_row_without_vanilla_and_colours_by_records
     assert [t.get_text() for t in legend.get_texts()] == ["2026-12-04-lease20-hostcost", "2026-12-02-lease14-hostcost"]
     assert "one GPU: not recorded\n" in fig._suptitle.get_text()
     plt.close(fig)
-    drawn.clear()
-    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
-    try:  # a mixed set names the device it has and counts the rows without one, never as a device of its own
-        mod._plot([{**measured, "device": "NVIDIA H200"}, unmeasured], tmp_path / "plot.png")
-    finally:
-        monkeypatch.undo()
-    (fig,) = drawn
+    # a mixed set names the device it has and counts the rows without one, never as a device of its own
+    fig = _host_cost_figure(plt, mod, [{**measured, "device": "NVIDIA H200"}, unmeasured], tmp_path)
     assert "one GPU: NVIDIA H200 (1 row(s) with no device recorded)\n" in fig._suptitle.get_text()
     plt.close(fig)
 
@@ -883,14 +885,7 @@ def test_host_cost_plot_names_the_device_even_when_one_lease_drew_it(tmp_path: P
     mod = load("bench_host_cost.py")
     row = {"label": "v32-6L-eager-dbo-dp1", "plugin_over_vanilla_paired": {"median": 1.0}, "self_net_share_of_step": 0.002,
            "source": "docs/gpu-runs/2026-12-05-lease21-hostcost", "device": "NVIDIA H100 80GB HBM3"}  # fmt: skip
-    drawn: list = []
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
-    try:
-        mod._plot([row, {**row, "label": "glm53-6L-eager-dbo-dp1"}], tmp_path / "plot.png")
-    finally:
-        monkeypatch.undo()
-    (fig,) = drawn
+    fig = _host_cost_figure(plt, mod, [row, {**row, "label": "glm53-6L-eager-dbo-dp1"}], tmp_path)
     assert not fig.legends and "one GPU: NVIDIA H100 80GB HBM3\n" in fig._suptitle.get_text()
     plt.close(fig)
 
@@ -972,14 +967,7 @@ def test_host_cost_plot_draws_the_pairs_spread_around_each_median(tmp_path: Path
     spread = {"label": "v32-61L-eager-dbo-off", "plugin_over_vanilla_paired": {"median": 1.31, "min": 1.03, "max": 1.31, "n": 3},
               "self_net_share_of_step": 0.00006, "device": "NVIDIA H100 80GB HBM3"}  # fmt: skip
     bare = {**spread, "label": "glm53-61L-eager-dbo-off", "plugin_over_vanilla_paired": {"median": 0.92}}
-    drawn: list = []
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
-    try:
-        mod._plot([bare, spread], tmp_path / "plot.png")
-    finally:
-        monkeypatch.undo()
-    (fig,) = drawn
+    fig = _host_cost_figure(plt, mod, [bare, spread], tmp_path)
     (bars,) = fig.axes[0].collections  # one errorbar set: the row with a spread only
     (segment,) = bars.get_segments()
     assert segment[0][0] == segment[1][0] == 1
