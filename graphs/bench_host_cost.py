@@ -325,8 +325,18 @@ def main(argv: list[str] | None = None) -> int:
         "docs/gpu-runs/2026-12-02-lease15-hostcost), instead of running engines; with several prefixes each configuration "
         "comes whole from the last one that holds any of its engines (--reps, --steps, --graphs-steps and --at-once are refused with it)",
     )  # fmt: skip
+    parser.add_argument(
+        "--replot", default=None, metavar="JSON",
+        help="redraw the PNG next to a JSON this benchmark wrote (same name, .png) from the rows in it, without engines "
+        "or records; takes no other option",
+    )  # fmt: skip
     add_out(parser)
     args = parser.parse_args(argv)
+    if args.replot is not None:
+        others = [opt for dest, (opt, _) in parser.given_options.items() if dest != "replot"]
+        if others:
+            parser.error(f"argument {others[0]}: not allowed with --replot (it redraws a stored JSON's figure and takes no other option)")
+        return replot(Path(args.replot))
     if args.from_runs is not None and args.from_records is not None:
         parser.error("argument --from-records: not allowed with --from-runs (give one source of runs)")
     source = "--from-records" if args.from_records is not None else "--from-runs" if args.from_runs is not None else None
@@ -406,6 +416,35 @@ def main(argv: list[str] | None = None) -> int:
     _plot(rows, out / "bench_host_cost.png")
     say_written("bench_host_cost", out / "bench_host_cost.json", out / "bench_host_cost.png")
     print(json.dumps([{k: r[k] for k in ("label", "device", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step", "step_time_warnings", "engine_failures")} for r in rows], indent=1, default=str))
+    return 0
+
+
+def replot(path: Path) -> int:
+    """``--replot``: the figure of a stored JSON drawn again by the current ``_plot``, so a change to the figure
+    reaches the committed PNGs without a GPU; the JSON itself is read, never written."""
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as exc:
+        print(f"bench_host_cost: error: argument --replot: {shown(str(path))} cannot be read ({exc.strerror or type(exc).__name__})", file=sys.stderr)
+        return 2
+    except (UnicodeDecodeError, ValueError):
+        print(f"bench_host_cost: error: argument --replot: {shown(str(path))} is not JSON", file=sys.stderr)
+        return 2
+    rows = doc.get("configs") if isinstance(doc, dict) and doc.get("bench") == "bench_host_cost" else None
+    drawn = ("label", "plugin_over_vanilla_paired", "self_net_share_of_step")
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and all(k in r for k in drawn) for r in rows):
+        print(
+            f"bench_host_cost: error: argument --replot: {shown(str(path))} is not a JSON this benchmark wrote "
+            f"(it needs rows under 'configs' with {', '.join(drawn)})",
+            file=sys.stderr,
+        )
+        return 2
+    if pyplot() is None:
+        print("bench_host_cost: error: argument --replot: matplotlib is not installed, so there is nothing to draw with", file=sys.stderr)
+        return 2
+    png = path.with_suffix(".png")
+    _plot(rows, png)
+    say_written("bench_host_cost", png)
     return 0
 
 

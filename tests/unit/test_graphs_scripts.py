@@ -974,3 +974,40 @@ def test_host_cost_plot_draws_the_pairs_spread_around_each_median(tmp_path: Path
     assert sorted(round(float(y), 2) for _, y in segment) == [1.03, 1.31]
     assert fig.axes[0].get_ylabel().endswith("(paired median, min-max)")
     plt.close(fig)
+
+
+def test_host_cost_replot_redraws_a_stored_json_and_refuses_what_it_cannot_draw(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--replot``: a committed JSON's figure is drawn again by the current ``_plot`` (the JSON untouched);
+    anything else is one error line with exit 2 and nothing written, and no other option is taken with it."""
+    from graphs._plotting import pyplot
+
+    if pyplot() is None:
+        pytest.fail("matplotlib is a dev dependency (make setup): the figure cannot be checked without it")
+    mod = load("bench_host_cost.py")
+    row = {"label": "v32-61L-graphs-dbo-dp1", "plugin_over_vanilla_paired": {"median": 0.95, "min": 0.94, "max": 1.1, "n": 5},
+           "self_net_share_of_step": 0.005}  # fmt: skip
+    stored = tmp_path / "bench_host_cost_x.json"
+    text = json.dumps({"bench": "bench_host_cost", "args": {}, "environment": {}, "configs": [row]})
+    stored.write_text(text)
+    assert mod.main(["--replot", str(stored)]) == 0
+    assert (tmp_path / "bench_host_cost_x.png").stat().st_size > 0 and stored.read_text() == text
+    assert "bench_host_cost: wrote " in capsys.readouterr().err
+    bad = {
+        "missing.json": None,
+        "text.json": "{not json",
+        "other.json": json.dumps({"bench": "bench_hook_calls", "configs": [row]}),
+        "rowless.json": json.dumps({"bench": "bench_host_cost", "configs": []}),
+        "partial.json": json.dumps({"bench": "bench_host_cost", "configs": [{"label": "x"}]}),
+    }
+    for name, content in bad.items():
+        if content is not None:
+            (tmp_path / name).write_text(content)
+        assert mod.main(["--replot", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("bench_host_cost: error: argument --replot: "), err
+        assert not (tmp_path / name).with_suffix(".png").exists()
+    with pytest.raises(SystemExit):
+        mod.main(["--replot", str(stored), "--out", str(tmp_path)])
+    assert "argument --out: not allowed with --replot" in capsys.readouterr().err
