@@ -108,7 +108,7 @@ from dbo_runtime.core.budget import (
     PLATFORMS,
     SMBudget,
 )
-from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.errors import ConfigError, did_you_mean
 from dbo_runtime.core.switches import parse_switch, switch_problems
 
 SCHEMA = "dbo-runtime/sms/v1"
@@ -201,7 +201,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if backend not in allowed_backends:
         known = "a vLLM backend without DBO support" if backend in ALL2ALL_BACKENDS else "not a vLLM backend"
         raise ConfigError(
-            "--all2all-backend", backend, f"{', '.join(allowed_backends)} (the backends vLLM allows with DBO on {platform}; {backend!r} is {known})"
+            "--all2all-backend",
+            backend,
+            f"{', '.join(allowed_backends)} (the backends vLLM allows with DBO on {platform}; {backend!r} is {known})"
+            + did_you_mean(str(backend), ALL2ALL_BACKENDS),
         )
     comm = comm_input(args.comm_sms, platform)
     if args.max_sms_used is None:

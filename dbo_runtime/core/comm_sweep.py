@@ -65,7 +65,7 @@ def plan_sweep(
         )
         if backend is None:
             raise StateError("--all2all-backend", "not given", why)
-        raise ConfigError("--all2all-backend", backend, why)
+        raise ConfigError("--all2all-backend", backend, why + did_you_mean(backend, (TUNABLE_BACKEND,)))
     ceiling = DEEPEP_HT_MANAGER_NUM_SMS
     env_raw = environ.get("VLLM_DBO_COMM_SMS")
     default = parse_comm_sms(env_raw) if env_raw is not None else DEFAULT_COMM_SMS["cuda"]

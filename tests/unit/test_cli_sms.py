@@ -178,6 +178,7 @@ def test_odd_comm_is_fine_when_deepep_ht_is_not_used(capsys: pytest.CaptureFixtu
     [
         (["--all2all-backend", "foo"], None, "--all2all-backend='foo'", "deepep_high_throughput, deepep_low_latency, nixl_ep"),
         (["--all2all-backend", "naive"], None, "--all2all-backend='naive'", "with DBO on cuda"),
+        (["--all2all-backend", "DEEPEP_LOW_LATENCY"], None, "--all2all-backend='DEEPEP_LOW_LATENCY'", "(did you mean 'deepep_low_latency'?)"),
         (["--comm-sms", "132"], None, "--comm-sms=132", "[0, 130]"),  # the H200 profile is SM90: DeepGEMM keeps an even share
         (["--comm-sms", "19"], None, "--comm-sms=19", "even integers"),
         (["--comm-sms", "-4"], None, "--comm-sms=-4", "integers >= 0"),

@@ -88,6 +88,11 @@ def test_only_the_high_throughput_backend_has_comm_sms_to_tune() -> None:
         with pytest.raises(ConfigError) as err:
             _sweep(backend=backend)
         assert err.value.parameter == "--all2all-backend" and "reserve no comm SMs" in str(err.value)
+        assert "did you mean" not in str(err.value)  # another backend is a choice, not a typo
+    for typed in ("DEEPEP_HIGH_THROUGHPUT", "deepep_high_thruput"):
+        with pytest.raises(ConfigError) as err:
+            _sweep(backend=typed)
+        assert str(err.value).endswith("(did you mean 'deepep_high_throughput'?)"), str(err.value)
     with pytest.raises(ConfigError, match="ROCm vLLM forces 0 comm SMs"):
         _sweep(platform="rocm")
     with pytest.raises(ConfigError) as err:
