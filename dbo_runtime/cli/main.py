@@ -151,6 +151,13 @@ def _misplaced(command: str | None, extra: list[str]) -> str | None:
     argparse reads it as the top level's and says only "unrecognized"."""
     sub = SUBPARSERS.get(command or "")
     if sub is None:
+        for arg in extra if command is None else ():
+            owners = [name for name, p in SUBPARSERS.items() if arg.split("=", 1)[0] in p._option_string_actions]
+            if owners:
+                return (
+                    f"argument {arg.split('=', 1)[0]} belongs to a subcommand ({', '.join(owners)}): give one first "
+                    f"({PROG} {owners[0]} {arg})"
+                )
         return None
     for arg in extra:
         if arg.split("=", 1)[0] in sub._option_string_actions:
@@ -214,11 +221,11 @@ def _main(argv: Sequence[str] | None) -> int:
         # arguments it does not know; every other subcommand rejects them as argparse would.
         args, extra = parser.parse_known_args(given)
         if extra and not getattr(args, "_accepts_extra", False):
-            before = given[: given.index(args.command)] if args.command in given else []
+            before = given if args.command is None else given[: given.index(args.command)] if args.command in given else []
             misplaced = _misplaced(args.command, [a for a in extra if a in before])
             if misplaced is not None:
                 print(f"{PROG}: error: {misplaced}", file=sys.stderr)
-                schema = SUBPARSERS[args.command].get_default("_schema")
+                schema = SUBPARSERS[args.command].get_default("_schema") if args.command else None
                 _json_error(_json_args(argparse.Namespace(_schema=schema), given), CliError(misplaced, EXIT_USAGE), EXIT_USAGE)
                 return EXIT_USAGE
             where = f"{PROG} {args.command}" if args.command else PROG

@@ -161,6 +161,7 @@ def test_simulate_integer_flags_are_bounded_and_worded_alike(
         ([], "dbo-runtime: error: a COMMAND is required: one of sms, doctor, simulate, tune, verify (see dbo-runtime --help)"),
         (["sms", "--bogus"], "dbo-runtime sms: error: unrecognized arguments: --bogus (see dbo-runtime sms --help)"),
         (["--bogus"], "dbo-runtime: error: unrecognized arguments: --bogus (see dbo-runtime --help)"),
+        (["--total-sms=3"], "dbo-runtime: error: argument --total-sms belongs to a subcommand (sms, simulate): give one first (dbo-runtime sms --total-sms=3)"),
         (["--json", "sms"], "dbo-runtime: error: argument --json belongs to 'sms': give it after the subcommand (dbo-runtime sms --json)"),
         (["--bogus", "sms"], "dbo-runtime sms: error: unrecognized arguments: --bogus (see dbo-runtime sms --help)"),
         (
@@ -349,8 +350,8 @@ def test_a_misspelt_command_under_json_is_still_a_json_document(capsys: pytest.C
 @pytest.mark.parametrize(
     ("argv", "schema", "message"),
     [
-        (["--json"], None, "unrecognized arguments: --json"),
-        (["--json", "--bogus"], None, "unrecognized arguments: --json --bogus"),
+        (["--json"], None, "argument --json belongs to a subcommand (sms, doctor, simulate, tune, verify): give one first (dbo-runtime sms --json)"),
+        (["--bogus", "--json"], None, "argument --json belongs to a subcommand (sms, doctor, simulate, tune, verify): give one first (dbo-runtime sms --json)"),
         (["--json", "sms"], "dbo-runtime/sms/v1", "argument --json belongs to 'sms': give it after the subcommand (dbo-runtime sms --json)"),
         (["simulat", "--json"], None, "COMMAND='simulat' is not allowed; allowed values: 'sms', 'doctor', 'simulate', 'tune', 'verify' (did you mean 'simulate'?)"),
     ],
