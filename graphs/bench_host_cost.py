@@ -16,6 +16,7 @@ the JSON), and planner JIT compilations inside steps.
         [--dbo off,dp1] [--reps 5] [--steps 16] [--graphs-steps 128] [--at-once 1] [--out graphs/results]
     python graphs/bench_host_cost.py --from-runs DIR | --from-records PREFIX[,PREFIX...] [--only ...] [--models ...]
         [--depths ...] [--modes ...] [--dbo ...] [--out DIR]   (no engines: stored runs; the engine options are refused)
+    python graphs/bench_host_cost.py --replot JSON [--out DIR]   (the stored JSON's figure drawn again, as DIR/NAME.png)
 """
 
 from __future__ import annotations
@@ -327,16 +328,16 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--replot", default=None, metavar="JSON",
-        help="redraw the PNG next to a JSON this benchmark wrote (same name, .png) from the rows in it, without engines "
-        "or records; takes no other option",
+        help="draw the figure of a JSON this benchmark wrote again, from the rows in it, into --out as the JSON's name "
+        "with .png (no engines, no records; takes only --out)",
     )  # fmt: skip
     add_out(parser)
     args = parser.parse_args(argv)
     if args.replot is not None:
-        others = [opt for dest, (opt, _) in parser.given_options.items() if dest != "replot"]
+        others = [opt for dest, (opt, _) in parser.given_options.items() if dest not in ("replot", "out")]
         if others:
-            parser.error(f"argument {others[0]}: not allowed with --replot (it redraws a stored JSON's figure and takes no other option)")
-        return replot(Path(args.replot))
+            parser.error(f"argument {others[0]}: not allowed with --replot (it redraws a stored JSON's figure and takes only --out)")
+        return replot(args.replot, Path(args.out))
     if args.from_runs is not None and args.from_records is not None:
         parser.error("argument --from-records: not allowed with --from-runs (give one source of runs)")
     source = "--from-records" if args.from_records is not None else "--from-runs" if args.from_runs is not None else None
@@ -419,31 +420,62 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def replot(path: Path) -> int:
+def _number(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def _drawable(row: Any) -> bool:
+    """A row ``_plot`` can draw: the label a string, the paired ratio None or a dict of numbers (or None), the
+    share a number or None, and a source and device, where present, text. A hand-edited JSON is the input this
+    guards, so a wrong type is one refusal, not a traceback or a figure of nonsense."""
+    if not isinstance(row, dict) or not isinstance(row.get("label"), str):
+        return False
+    ratio = row.get("plugin_over_vanilla_paired", "absent")
+    if not (ratio is None or (isinstance(ratio, dict) and all(_number(ratio.get(k)) for k in ("median", "min", "max")))):
+        return False
+    if "self_net_share_of_step" not in row or not _number(row["self_net_share_of_step"]):
+        return False
+    return all(row.get(k) is None or isinstance(row[k], str) for k in ("source", "device"))
+
+
+def replot(raw: str, out: Path) -> int:
     """``--replot``: the figure of a stored JSON drawn again by the current ``_plot``, so a change to the figure
-    reaches the committed PNGs without a GPU; the JSON itself is read, never written."""
+    reaches the committed PNGs without a GPU. The JSON is only read; the PNG, named after it, goes to ``--out``
+    like every other output (the committed ``graphs/results/`` only when named), written whole or not at all."""
+    from dbo_runtime.cli._paths import matplotlib_installed
+
+    def refuse(why: str) -> int:
+        print(f"bench_host_cost: error: argument --replot: {shown(raw)} {why}", file=sys.stderr)
+        return 2
+
+    path = Path(raw)
+    if not raw.strip():
+        return refuse("is not allowed; allowed values: the path of a JSON this benchmark wrote")
     try:
         doc = json.loads(path.read_text())
     except OSError as exc:
-        print(f"bench_host_cost: error: argument --replot: {shown(str(path))} cannot be read ({exc.strerror or type(exc).__name__})", file=sys.stderr)
-        return 2
+        return refuse(f"cannot be read ({exc.strerror or type(exc).__name__})")
     except (UnicodeDecodeError, ValueError):
-        print(f"bench_host_cost: error: argument --replot: {shown(str(path))} is not JSON", file=sys.stderr)
-        return 2
+        return refuse("is not JSON")
     rows = doc.get("configs") if isinstance(doc, dict) and doc.get("bench") == "bench_host_cost" else None
-    drawn = ("label", "plugin_over_vanilla_paired", "self_net_share_of_step")
-    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and all(k in r for k in drawn) for r in rows):
-        print(
-            f"bench_host_cost: error: argument --replot: {shown(str(path))} is not a JSON this benchmark wrote "
-            f"(it needs rows under 'configs' with {', '.join(drawn)})",
-            file=sys.stderr,
+    if not isinstance(rows, list) or not rows or not all(_drawable(r) for r in rows):
+        return refuse(
+            "is not a JSON this benchmark wrote (it needs rows under 'configs', each with a label, "
+            "plugin_over_vanilla_paired (numbers or null) and self_net_share_of_step (a number or null))"
         )
-        return 2
-    if pyplot() is None:
-        print("bench_host_cost: error: argument --replot: matplotlib is not installed, so there is nothing to draw with", file=sys.stderr)
-        return 2
-    png = path.with_suffix(".png")
-    _plot(rows, png)
+    if not matplotlib_installed():
+        return refuse("cannot be drawn: matplotlib is not installed (pip install matplotlib)")
+    png = out / f"{path.stem}.png"
+    if png.is_dir():
+        return refuse(f"cannot be drawn to {png}: it is a folder")
+    partial = png.with_name(f".{png.stem}.partial.png")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _plot(rows, partial)
+        partial.replace(png)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        return refuse(f"cannot be drawn to {png} ({exc.strerror or type(exc).__name__})")
     say_written("bench_host_cost", png)
     return 0
 

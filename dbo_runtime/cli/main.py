@@ -146,23 +146,45 @@ SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 """Each subcommand's parser by name (``build_parser``): to tell an option given before its subcommand."""
 
 
-def _misplaced(command: str | None, extra: list[str]) -> str | None:
-    """An unknown argument that is an option of ``command`` was given before it (``dbo-runtime --json sms``):
-    argparse reads it as the top level's and says only "unrecognized"."""
-    sub = SUBPARSERS.get(command or "")
-    if sub is None:
-        for arg in extra if command is None else ():
-            owners = [name for name, p in SUBPARSERS.items() if arg.split("=", 1)[0] in p._option_string_actions]
-            if owners:
-                return (
-                    f"argument {arg.split('=', 1)[0]} belongs to a subcommand ({', '.join(owners)}): give one first "
-                    f"({PROG} {owners[0]} {arg})"
-                )
+def _misplaced(top: argparse.ArgumentParser, given: list[str]) -> tuple[str | None, str] | None:
+    """A subcommand's option typed before the subcommand, or with none (``dbo-runtime --json sms``,
+    ``dbo-runtime --total-sms 3``): (the subcommand named, if any; the one line that says where it goes).
+
+    Read from the arguments as typed, before argparse: argparse takes such an option as the top level's and says
+    only "unrecognized", and with no subcommand it takes the option's value for COMMAND (``COMMAND=3 is not
+    allowed``). Options no subcommand knows are left to argparse, except that the line names them too."""
+    at = next((i for i, a in enumerate(given) if a in SUBPARSERS), None)
+    command = None if at is None else given[at]
+    head = given if at is None else given[:at]
+    found: tuple[str, list[str]] | None = None  # (the option as typed with its value, the subcommands that take it)
+    unknown: list[str] = []
+    i = 0
+    while i < len(head):
+        token = head[i]
+        name = token.split("=", 1)[0]
+        i += 1
+        if not token.startswith("-") and command is None and found is None:
+            return None  # a word where COMMAND goes: argparse's "COMMAND='simulat' is not allowed" says more
+        if not token.startswith("-") or name in top._option_string_actions:
+            continue
+        owners = [c for c, sub in SUBPARSERS.items() if name in sub._option_string_actions]
+        if not owners:
+            unknown.append(token)
+            continue
+        typed = token
+        if "=" not in token and SUBPARSERS[owners[0]]._option_string_actions[name].nargs != 0 and i < len(head):
+            typed, i = f"{token} {head[i]}", i + 1
+        found = found or (typed, owners)
+    if found is None:
         return None
-    for arg in extra:
-        if arg.split("=", 1)[0] in sub._option_string_actions:
-            return f"argument {arg.split('=', 1)[0]} belongs to '{command}': give it after the subcommand ({PROG} {command} {arg})"
-    return None
+    typed, owners = found
+    name = typed.split("=", 1)[0].split(" ", 1)[0]
+    also = f"; also unrecognized: {' '.join(unknown)}" if unknown else ""
+    if command is None:
+        return None, f"argument {name} belongs to a subcommand ({', '.join(owners)}): give one first ({PROG} {owners[0]} {typed}){also}"
+    if command not in owners:  # argparse would take its value for COMMAND
+        return command, f"argument {name} is not an option of '{command}': it belongs to {', '.join(owners)}{also}"
+    return command, f"argument {name} belongs to '{command}': give it after the subcommand ({PROG} {command} {typed}){also}"
 
 
 def _own_option_lookalike(command: str, extra: list[str]) -> ConfigError | None:
@@ -219,15 +241,15 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         # A subcommand that wraps another program (verify: vLLM's engine arguments) takes the
         # arguments it does not know; every other subcommand rejects them as argparse would.
+        misplaced = _misplaced(parser, given)
+        if misplaced is not None:
+            command, message = misplaced
+            print(f"{PROG}: error: {message}", file=sys.stderr)
+            schema = SUBPARSERS[command].get_default("_schema") if command else None
+            _json_error(_json_args(argparse.Namespace(_schema=schema), given), CliError(message, EXIT_USAGE), EXIT_USAGE)
+            return EXIT_USAGE
         args, extra = parser.parse_known_args(given)
         if extra and not getattr(args, "_accepts_extra", False):
-            before = given if args.command is None else given[: given.index(args.command)] if args.command in given else []
-            misplaced = _misplaced(args.command, [a for a in extra if a in before])
-            if misplaced is not None:
-                print(f"{PROG}: error: {misplaced}", file=sys.stderr)
-                schema = SUBPARSERS[args.command].get_default("_schema") if args.command else None
-                _json_error(_json_args(argparse.Namespace(_schema=schema), given), CliError(misplaced, EXIT_USAGE), EXIT_USAGE)
-                return EXIT_USAGE
             where = f"{PROG} {args.command}" if args.command else PROG
             message = _unrecognized(args.command, extra)
             print(f"{where}: error: {message} (see {where} --help)", file=sys.stderr)

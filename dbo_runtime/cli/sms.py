@@ -204,7 +204,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "--all2all-backend",
             backend,
             f"{', '.join(allowed_backends)} (the backends vLLM allows with DBO on {platform}; {backend!r} is {known})"
-            + did_you_mean(str(backend), ALL2ALL_BACKENDS),
+            + did_you_mean(str(backend), allowed_backends),  # never a backend the same check refuses
         )
     comm = comm_input(args.comm_sms, platform)
     if args.max_sms_used is None:

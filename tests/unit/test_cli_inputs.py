@@ -162,6 +162,12 @@ def test_simulate_integer_flags_are_bounded_and_worded_alike(
         (["sms", "--bogus"], "dbo-runtime sms: error: unrecognized arguments: --bogus (see dbo-runtime sms --help)"),
         (["--bogus"], "dbo-runtime: error: unrecognized arguments: --bogus (see dbo-runtime --help)"),
         (["--total-sms=3"], "dbo-runtime: error: argument --total-sms belongs to a subcommand (sms, simulate): give one first (dbo-runtime sms --total-sms=3)"),
+        # the value typed apart: argparse alone would take it for COMMAND ("COMMAND=3 is not allowed")
+        (["--total-sms", "3"], "dbo-runtime: error: argument --total-sms belongs to a subcommand (sms, simulate): give one first (dbo-runtime sms --total-sms 3)"),
+        (["--platform", "rocm"], "dbo-runtime: error: argument --platform belongs to a subcommand (sms): give one first (dbo-runtime sms --platform rocm)"),
+        (["--comm-sms", "4", "sms"], "dbo-runtime: error: argument --comm-sms belongs to 'sms': give it after the subcommand (dbo-runtime sms --comm-sms 4)"),
+        (["--reps", "3", "sms"], "dbo-runtime: error: argument --reps is not an option of 'sms': it belongs to tune"),
+        (["--bogus", "--json"], "dbo-runtime: error: argument --json belongs to a subcommand (sms, doctor, simulate, tune, verify): give one first (dbo-runtime sms --json); also unrecognized: --bogus"),
         (["--json", "sms"], "dbo-runtime: error: argument --json belongs to 'sms': give it after the subcommand (dbo-runtime sms --json)"),
         (["--bogus", "sms"], "dbo-runtime sms: error: unrecognized arguments: --bogus (see dbo-runtime sms --help)"),
         (
@@ -351,7 +357,8 @@ def test_a_misspelt_command_under_json_is_still_a_json_document(capsys: pytest.C
     ("argv", "schema", "message"),
     [
         (["--json"], None, "argument --json belongs to a subcommand (sms, doctor, simulate, tune, verify): give one first (dbo-runtime sms --json)"),
-        (["--bogus", "--json"], None, "argument --json belongs to a subcommand (sms, doctor, simulate, tune, verify): give one first (dbo-runtime sms --json)"),
+        (["--bogus", "--json"], None, "argument --json belongs to a subcommand (sms, doctor, simulate, tune, verify): give one first (dbo-runtime sms --json); also unrecognized: --bogus"),
+        (["--total-sms", "3", "--json"], None, "argument --total-sms belongs to a subcommand (sms, simulate): give one first (dbo-runtime sms --total-sms 3)"),
         (["--json", "sms"], "dbo-runtime/sms/v1", "argument --json belongs to 'sms': give it after the subcommand (dbo-runtime sms --json)"),
         (["simulat", "--json"], None, "COMMAND='simulat' is not allowed; allowed values: 'sms', 'doctor', 'simulate', 'tune', 'verify' (did you mean 'simulate'?)"),
     ],

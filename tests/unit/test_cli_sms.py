@@ -517,3 +517,12 @@ def test_the_environments_comm_share_gets_the_same_refusal_in_verify_and_tune(mo
     env = {"VLLM_DBO_COMM_SMS": "500"}
     problem = comm_sms_problem(["--all2all-backend", "deepep_low_latency"], env)
     assert problem is not None and problem.parameter == "VLLM_DBO_COMM_SMS" and "integers in [0, 131]" in problem.allowed
+
+
+@pytest.mark.parametrize("typed", ["NAIVE", "ALLGATHER_REDUCESCATTER"])
+def test_no_backend_hint_points_at_a_backend_the_same_check_refuses(typed: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """naive has no DBO and allgather_reducescatter is ROCm's: offering either on CUDA would only earn a second
+    refusal, so the case hint comes from the backends this platform allows."""
+    assert main(["sms", "--total-sms", "132", "--all2all-backend", typed]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.endswith(f"{typed!r} is not a vLLM backend)") and "did you mean" not in line, line

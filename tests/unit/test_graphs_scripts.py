@@ -977,37 +977,63 @@ def test_host_cost_plot_draws_the_pairs_spread_around_each_median(tmp_path: Path
 
 
 def test_host_cost_replot_redraws_a_stored_json_and_refuses_what_it_cannot_draw(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``--replot``: a committed JSON's figure is drawn again by the current ``_plot`` (the JSON untouched);
-    anything else is one error line with exit 2 and nothing written, and no other option is taken with it."""
+    """``--replot``: a stored JSON's rows are drawn again by the current ``_plot`` into ``--out`` (the JSON
+    untouched, the committed folder only when named); anything it cannot draw, read or write is one error line
+    with exit 2 and no PNG, and no option but ``--out`` is taken with it."""
     from graphs._plotting import pyplot
 
     if pyplot() is None:
         pytest.fail("matplotlib is a dev dependency (make setup): the figure cannot be checked without it")
     mod = load("bench_host_cost.py")
     row = {"label": "v32-61L-graphs-dbo-dp1", "plugin_over_vanilla_paired": {"median": 0.95, "min": 0.94, "max": 1.1, "n": 5},
-           "self_net_share_of_step": 0.005}  # fmt: skip
+           "self_net_share_of_step": 0.005, "source": "docs/gpu-runs/x", "device": "NVIDIA H200"}  # fmt: skip
     stored = tmp_path / "bench_host_cost_x.json"
-    text = json.dumps({"bench": "bench_host_cost", "args": {}, "environment": {}, "configs": [row]})
+    text = json.dumps({"bench": "bench_host_cost", "args": {}, "environment": {}, "configs": [row, {**row, "plugin_over_vanilla_paired": None}]})
     stored.write_text(text)
-    assert mod.main(["--replot", str(stored)]) == 0
-    assert (tmp_path / "bench_host_cost_x.png").stat().st_size > 0 and stored.read_text() == text
-    assert "bench_host_cost: wrote " in capsys.readouterr().err
+    out = tmp_path / "figs"
+    drawn: list = []
+    real_plot = mod._plot
+    monkeypatch.setattr(mod, "_plot", lambda rows, path: (drawn.append(rows), real_plot(rows, path)))
+    assert mod.main(["--replot", str(stored), "--out", str(out)]) == 0
+    assert drawn == [json.loads(text)["configs"]]  # the stored rows, as stored
+    assert (out / "bench_host_cost_x.png").read_bytes()[:4] == b"\x89PNG" and stored.read_text() == text
+    assert sorted(p.name for p in out.iterdir()) == ["bench_host_cost_x.png"]  # no partial file left
+    assert capsys.readouterr().err == f"bench_host_cost: wrote {out / 'bench_host_cost_x.png'}\n"
     bad = {
-        "missing.json": None,
-        "text.json": "{not json",
-        "other.json": json.dumps({"bench": "bench_hook_calls", "configs": [row]}),
-        "rowless.json": json.dumps({"bench": "bench_host_cost", "configs": []}),
-        "partial.json": json.dumps({"bench": "bench_host_cost", "configs": [{"label": "x"}]}),
+        "missing.json": (None, "cannot be read (No such file or directory)"),
+        "text.json": ("{not json", "is not JSON"),
+        "other.json": (json.dumps({"bench": "bench_hook_calls", "configs": [row]}), "is not a JSON this benchmark wrote"),
+        "rowless.json": (json.dumps({"bench": "bench_host_cost", "configs": []}), "is not a JSON this benchmark wrote"),
+        "partial.json": (json.dumps({"bench": "bench_host_cost", "configs": [{"label": "x"}]}), "is not a JSON this benchmark wrote"),
+        "ratio.json": (json.dumps({"bench": "bench_host_cost", "configs": [{**row, "plugin_over_vanilla_paired": 1.0}]}), "is not a JSON"),
+        "share.json": (json.dumps({"bench": "bench_host_cost", "configs": [{**row, "self_net_share_of_step": "0.1"}]}), "is not a JSON"),
+        "source.json": (json.dumps({"bench": "bench_host_cost", "configs": [{**row, "source": 5}]}), "is not a JSON"),
+        "flag.json": (json.dumps({"bench": "bench_host_cost", "configs": [{**row, "self_net_share_of_step": True}]}), "is not a JSON"),
     }
-    for name, content in bad.items():
+    for name, (content, why) in bad.items():
         if content is not None:
             (tmp_path / name).write_text(content)
-        assert mod.main(["--replot", str(tmp_path / name)]) == 2
+        assert mod.main(["--replot", str(tmp_path / name), "--out", str(out)]) == 2, name
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("bench_host_cost: error: argument --replot: "), err
-        assert not (tmp_path / name).with_suffix(".png").exists()
+        assert err.count("\n") == 1 and err.startswith(f"bench_host_cost: error: argument --replot: {str(tmp_path / name)!r} {why}"), err
+        assert not (out / name).with_suffix(".png").exists()
+    assert mod.main(["--replot", "", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("bench_host_cost: error: argument --replot: '' is not allowed; allowed values: ")
+    (out / "blocked.png").mkdir()  # the destination is a folder: refused before drawing
+    (tmp_path / "blocked.json").write_text(text)
+    assert mod.main(["--replot", str(tmp_path / "blocked.json"), "--out", str(out)]) == 2
+    assert "cannot be drawn to" in capsys.readouterr().err and (out / "blocked.png").is_dir()
+    monkeypatch.setattr(mod, "_plot", lambda rows, path: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    assert mod.main(["--replot", str(stored), "--out", str(tmp_path / "denied")]) == 2  # a failed write: one line
+    assert capsys.readouterr().err.endswith("(Permission denied)\n")
+    import dbo_runtime.cli._paths as paths
+
+    monkeypatch.setattr(paths, "matplotlib_installed", lambda: False)
+    assert mod.main(["--replot", str(stored), "--out", str(tmp_path / "nompl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "matplotlib is not installed" in err and not (tmp_path / "nompl").exists()
     with pytest.raises(SystemExit):
-        mod.main(["--replot", str(stored), "--out", str(tmp_path)])
-    assert "argument --out: not allowed with --replot" in capsys.readouterr().err
+        mod.main(["--replot", str(stored), "--reps", "3"])
+    assert "argument --reps: not allowed with --replot" in capsys.readouterr().err
