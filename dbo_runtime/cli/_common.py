@@ -40,6 +40,11 @@ so ``set -o pipefail`` still sees that the output was cut, without a traceback."
 def interruptible(main: Callable[[], int], prog: str) -> int:
     """Run a script's ``main``; Ctrl-C ends it with one line and ``EXIT_INTERRUPTED``. The ``finally`` blocks
     between (engines stopped, temporary folders removed) have run by the time it reaches here."""
+    if sys.stdout is None:  # started with stdout closed (``>&-``): every print would fail half-way
+        print(f"{prog}: error: stdout is closed; it needs an open stdout (a terminal, a pipe, a file or > /dev/null)", file=sys.stderr)
+        return EXIT_NO_DEVICE
+    watch = _StdoutWatch(sys.stdout)
+    sys.stdout = watch  # type: ignore[assignment]
     try:
         return main()
     except KeyboardInterrupt:
@@ -48,9 +53,53 @@ def interruptible(main: Callable[[], int], prog: str) -> int:
     except BrokenPipeError:
         # Python turns SIGPIPE into this exception; stdout is pointed at /dev/null so that the flush at exit
         # does not raise it again (the recipe of Python's signal documentation)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _silence(watch.stream)
         return EXIT_BROKEN_PIPE
+    except OSError as exc:
+        if exc is not watch.failed:
+            raise  # another file's error: the command's own handling (or a traceback) says it
+        print(f"{prog}: error: stdout cannot be written ({exc.strerror or type(exc).__name__}); the output is lost", file=sys.stderr)
+        _silence(watch.stream)
+        return EXIT_NO_DEVICE
+    finally:
+        if sys.stdout is watch:
+            sys.stdout = watch.stream
+
+
+class _StdoutWatch:
+    """stdout, noting the ``OSError`` a write or flush of it raised (a full disk, ``/dev/full``, an I/O error):
+    the print that fails sits anywhere in a command, and only the stream can tell its error from another
+    file's. Everything else is the stream's own."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.failed: OSError | None = None
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self.stream.write(text))
+        except OSError as exc:
+            self.failed = exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as exc:
+            self.failed = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _silence(stream: Any) -> None:
+    """Point the failed stdout at /dev/null, so that the flush at exit does not raise (and print) again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass  # no descriptor to point (a captured stream): nothing is flushed at exit either
 
 
 class CliError(Exception):

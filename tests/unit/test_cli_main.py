@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -142,3 +143,43 @@ def test_a_reader_that_stops_early_ends_the_command_with_141_and_no_traceback() 
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "stdout", "said"),
+    [
+        (["sms", "--total-sms", "132"], "closed", "dbo-runtime: error: stdout is closed; it needs an open stdout"),
+        (["doctor", "--json"], "closed", "dbo-runtime: error: stdout is closed; it needs an open stdout"),
+        (["sms", "--total-sms", "132"], "/dev/full", "dbo-runtime: error: stdout cannot be written (No space left on device); the output is lost"),
+        (["doctor", "--json"], "/dev/full", "dbo-runtime: error: stdout cannot be written (No space left on device); the output is lost"),
+    ],
+)
+def test_a_stdout_that_cannot_be_written_is_one_line_and_exit_3(argv: list[str], stdout: str, said: str) -> None:
+    """``>&-`` or a full disk: the output cannot reach anyone, so the command says so in one line on stderr and
+    ends with 3 ("cannot run here"), never a traceback and exit 1 ("a check failed")."""
+    import os
+    import subprocess
+    import sys
+
+    if stdout == "/dev/full" and not os.path.exists("/dev/full"):
+        pytest.fail("/dev/full is part of every Linux machine this suite runs on")
+    shell = f"exec {sys.executable} -m dbo_runtime {' '.join(argv)} " + (">&-" if stdout == "closed" else "> /dev/full")
+    proc = subprocess.run(["/bin/sh", "-c", shell], stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(said) and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_another_files_os_error_is_not_taken_for_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    """Only an error stdout itself raised becomes "stdout cannot be written": a command's own file error keeps its
+    own handling (here: it propagates), and stdout is the original stream again afterwards."""
+    from dbo_runtime.cli._common import interruptible
+
+    before = sys.stdout
+
+    def fails() -> int:
+        print("some output")
+        raise OSError(28, "No space left on device", "/tmp/x.json")
+
+    with pytest.raises(OSError):
+        interruptible(fails, "x")
+    assert sys.stdout is before and capsys.readouterr().out == "some output\n"
