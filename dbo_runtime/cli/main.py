@@ -168,11 +168,15 @@ def _misplaced(top: argparse.ArgumentParser, given: list[str]) -> tuple[str | No
         if not token.startswith("-") or name in top._option_string_actions:
             continue
         owners = [c for c, sub in SUBPARSERS.items() if name in sub._option_string_actions]
+        if not owners and command is not None and SUBPARSERS[command].get_default("_accepts_extra"):
+            owners = [command]  # verify / tune hand it to vLLM's parser, which reads it after the subcommand only
         if not owners:
             unknown.append(token)
             continue
+        action = SUBPARSERS[owners[0]]._option_string_actions.get(name)
+        takes_value = action.nargs != 0 if action is not None else i < len(head) and not head[i].startswith("-")
         typed = token
-        if "=" not in token and SUBPARSERS[owners[0]]._option_string_actions[name].nargs != 0 and i < len(head):
+        if "=" not in token and takes_value and i < len(head):
             typed, i = f"{token} {head[i]}", i + 1
         found = found or (typed, owners)
     if found is None:

@@ -167,6 +167,8 @@ def test_simulate_integer_flags_are_bounded_and_worded_alike(
         (["--platform", "rocm"], "dbo-runtime: error: argument --platform belongs to a subcommand (sms): give one first (dbo-runtime sms --platform rocm)"),
         (["--comm-sms", "4", "sms"], "dbo-runtime: error: argument --comm-sms belongs to 'sms': give it after the subcommand (dbo-runtime sms --comm-sms 4)"),
         (["--reps", "3", "sms"], "dbo-runtime: error: argument --reps is not an option of 'sms': it belongs to tune"),
+        # an engine argument verify / tune hand to vLLM: its value would be taken for COMMAND
+        (["--model", "m", "verify"], "dbo-runtime: error: argument --model belongs to 'verify': give it after the subcommand (dbo-runtime verify --model m)"),
         (["--bogus", "--json"], "dbo-runtime: error: argument --json belongs to a subcommand (sms, doctor, simulate, tune, verify): give one first (dbo-runtime sms --json); also unrecognized: --bogus"),
         (["--json", "sms"], "dbo-runtime: error: argument --json belongs to 'sms': give it after the subcommand (dbo-runtime sms --json)"),
         (["--bogus", "sms"], "dbo-runtime sms: error: unrecognized arguments: --bogus (see dbo-runtime sms --help)"),
