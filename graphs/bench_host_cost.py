@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -421,21 +422,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _number(value: Any) -> bool:
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
 
 
-def _drawable(row: Any) -> bool:
-    """A row ``_plot`` can draw: the label a string, the paired ratio None or a dict of numbers (or None), the
-    share a number or None, and a source and device, where present, text. A hand-edited JSON is the input this
-    guards, so a wrong type is one refusal, not a traceback or a figure of nonsense."""
-    if not isinstance(row, dict) or not isinstance(row.get("label"), str):
-        return False
+def _undrawable(row: Any) -> str | None:
+    """Why ``_plot`` cannot draw ``row``, or None: the label a string, the paired ratio null or an object whose
+    median, min and max are finite numbers (or null), the share a finite number or null, and a source and device,
+    where present, text. A hand-edited JSON is the input this guards, so a wrong type is one refusal naming the
+    field, not a traceback or a figure of nonsense."""
+    if not isinstance(row, dict):
+        return "is not an object"
+    if not isinstance(row.get("label"), str):
+        return "has no text 'label'"
     ratio = row.get("plugin_over_vanilla_paired", "absent")
     if not (ratio is None or (isinstance(ratio, dict) and all(_number(ratio.get(k)) for k in ("median", "min", "max")))):
-        return False
+        return "needs 'plugin_over_vanilla_paired' null or {median, min, max} of finite numbers or null"
     if "self_net_share_of_step" not in row or not _number(row["self_net_share_of_step"]):
-        return False
-    return all(row.get(k) is None or isinstance(row[k], str) for k in ("source", "device"))
+        return "needs 'self_net_share_of_step' a finite number or null"
+    bad = [k for k in ("source", "device") if not (row.get(k) is None or isinstance(row[k], str))]
+    return f"needs '{bad[0]}' text or null" if bad else None
 
 
 def replot(raw: str, out: Path) -> int:
@@ -457,12 +462,16 @@ def replot(raw: str, out: Path) -> int:
         return refuse(f"cannot be read ({exc.strerror or type(exc).__name__})")
     except (UnicodeDecodeError, ValueError):
         return refuse("is not JSON")
-    rows = doc.get("configs") if isinstance(doc, dict) and doc.get("bench") == "bench_host_cost" else None
-    if not isinstance(rows, list) or not rows or not all(_drawable(r) for r in rows):
-        return refuse(
-            "is not a JSON this benchmark wrote (it needs rows under 'configs', each with a label, "
-            "plugin_over_vanilla_paired (numbers or null) and self_net_share_of_step (a number or null))"
-        )
+    if not isinstance(doc, dict) or doc.get("bench") != "bench_host_cost":
+        return refuse("is not a JSON this benchmark wrote (its \"bench\" is not \"bench_host_cost\")")
+    rows = doc.get("configs")
+    if not isinstance(rows, list) or not rows:
+        return refuse("is not a JSON this benchmark wrote (no rows under \"configs\")")
+    for n, row in enumerate(rows):
+        why = _undrawable(row)
+        if why is not None:
+            label = f" ({shown(row['label'])})" if isinstance(row, dict) and isinstance(row.get("label"), str) else ""
+            return refuse(f"cannot be drawn: configs[{n}]{label} {why}")
     if not matplotlib_installed():
         return refuse("cannot be drawn: matplotlib is not installed (pip install matplotlib)")
     png = out / f"{path.stem}.png"

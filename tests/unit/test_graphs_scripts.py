@@ -1004,13 +1004,16 @@ def test_host_cost_replot_redraws_a_stored_json_and_refuses_what_it_cannot_draw(
     bad = {
         "missing.json": (None, "cannot be read (No such file or directory)"),
         "text.json": ("{not json", "is not JSON"),
-        "other.json": (json.dumps({"bench": "bench_hook_calls", "configs": [row]}), "is not a JSON this benchmark wrote"),
-        "rowless.json": (json.dumps({"bench": "bench_host_cost", "configs": []}), "is not a JSON this benchmark wrote"),
-        "partial.json": (json.dumps({"bench": "bench_host_cost", "configs": [{"label": "x"}]}), "is not a JSON this benchmark wrote"),
-        "ratio.json": (json.dumps({"bench": "bench_host_cost", "configs": [{**row, "plugin_over_vanilla_paired": 1.0}]}), "is not a JSON"),
-        "share.json": (json.dumps({"bench": "bench_host_cost", "configs": [{**row, "self_net_share_of_step": "0.1"}]}), "is not a JSON"),
-        "source.json": (json.dumps({"bench": "bench_host_cost", "configs": [{**row, "source": 5}]}), "is not a JSON"),
-        "flag.json": (json.dumps({"bench": "bench_host_cost", "configs": [{**row, "self_net_share_of_step": True}]}), "is not a JSON"),
+        "other.json": (json.dumps({"bench": "bench_hook_calls", "configs": [row]}), 'is not a JSON this benchmark wrote (its "bench" is not'),
+        "rowless.json": (json.dumps({"bench": "bench_host_cost", "configs": []}), 'is not a JSON this benchmark wrote (no rows under "configs")'),
+        "partial.json": (json.dumps({"bench": "bench_host_cost", "configs": [{"label": "x"}]}), "cannot be drawn: configs[0] ('x') needs 'plugin_over_vanilla_paired'"),
+        "ratio.json": (json.dumps({"bench": "bench_host_cost", "configs": [{**row, "plugin_over_vanilla_paired": 1.0}]}), "cannot be drawn: configs[0] ('v32-61L-graphs-dbo-dp1') needs 'plugin_"),
+        "share.json": (json.dumps({"bench": "bench_host_cost", "configs": [{**row, "self_net_share_of_step": "0.1"}]}), "cannot be drawn: configs[0] ('v32-61L-graphs-dbo-dp1') needs 'self_net_"),
+        "source.json": (json.dumps({"bench": "bench_host_cost", "configs": [{**row, "source": 5}]}), "cannot be drawn: configs[0] ('v32-61L-graphs-dbo-dp1') needs 'source' text or null"),
+        "flag.json": (json.dumps({"bench": "bench_host_cost", "configs": [{**row, "self_net_share_of_step": True}]}), "cannot be drawn: configs[0] ('v32-61L-graphs-dbo-dp1') needs 'self_net_"),
+        "nan.json": ('{"bench": "bench_host_cost", "configs": [{"label": "x", "plugin_over_vanilla_paired": null, "self_net_share_of_step": NaN}]}',
+                     "cannot be drawn: configs[0] ('x') needs 'self_net_share_of_step' a finite number or null"),
+        "second.json": (json.dumps({"bench": "bench_host_cost", "configs": [row, [1]]}), "cannot be drawn: configs[1] is not an object"),
     }
     for name, (content, why) in bad.items():
         if content is not None:
