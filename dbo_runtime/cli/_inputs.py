@@ -95,7 +95,7 @@ def split_warnings(budget: SMBudget) -> list[str]:
     if budget.idle:
         out.append(
             f"{budget.idle} SM idle: DeepGEMM's count rounded down to {budget.compute} of {budget.total - budget.comm}, "
-            f"a multiple of {budget.reason.compute_multiple} (SM90 paged-MQA logits at next_n 4 launches 2-CTA clusters)"
+            f"a multiple of {budget.reason.compute_multiple} (kept even on SM90 whatever the next_n: an MTP-3 indexer, next_n 4, launches 2-CTA clusters, and the split is fixed before the model is known)"
         )
     return out
 

@@ -136,7 +136,7 @@ class SMBudget:
         if self.idle:
             parts.append(
                 f"{self.idle} SM idle: DeepGEMM's count rounded down to a multiple of {r.compute_multiple} "
-                "(SM90 paged-MQA logits at next_n 4 launches 2-CTA clusters)"
+                "(kept even on SM90 whatever the next_n: an MTP-3 indexer, next_n 4, launches 2-CTA clusters)"
             )
         if r.note:
             parts.append(r.note)

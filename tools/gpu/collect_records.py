@@ -94,11 +94,14 @@ def _doc(label: str, rec: dict[str, Any], runs: dict[str, dict[str, Any]], args:
 
 
 def main() -> int:
-    ap = OneLineArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", type=Path)
-    ap.add_argument("docs_dir", type=Path)
-    ap.add_argument("--date", required=True)
-    ap.add_argument("--session", default="")
+    ap = OneLineArgumentParser(
+        description="Turn the raw run directories of a GPU session (tests/e2e/.out, DBO_E2E_OUT, or a benchmark's "
+        "*_runs folder) into DOCS_DIR/<date>[-<run>]-real-engine-<label>.json records, also for runs a time limit stopped."
+    )
+    ap.add_argument("run_dir", type=Path, help="the folder holding one directory per run (each with spec.json)")
+    ap.add_argument("docs_dir", type=Path, help="where the records go (docs/gpu-runs)")
+    ap.add_argument("--date", required=True, help="the session's date, YYYY-MM-DD, the records' name prefix")
+    ap.add_argument("--session", default="", help="a free-text note stored in every record (default none)")
     ap.add_argument("--run", default="", help="a tag for this session's files, e.g. runNN")
     ap.add_argument("--repo-root", default="/work/main", help="the checkout's path on the GPU machine (made relative)")
     args = ap.parse_args()
