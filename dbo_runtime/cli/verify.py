@@ -77,7 +77,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--prompt-file",
         metavar="PATH",
-        help="prompts instead of synthetic ids: .jsonl or .json (any case) with one prompt_token_ids or prompt object per line, or one text prompt per line",
+        help="prompts instead of synthetic ids: .jsonl or .json (any case) with one prompt_token_ids or prompt object per line (a .json file may be one array of them), or one text prompt per line",
     )
     parser.add_argument("--prompt-seed", type=str, default=None, metavar="S", help="seed of the synthetic prompts (default 0)")
     parser.add_argument("--max-tokens", type=str, default=32, metavar="T", help="greedy tokens per prompt (default 32)")

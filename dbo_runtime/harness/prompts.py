@@ -59,16 +59,16 @@ class PromptFileLineError(ConfigError):
     """A refused line of a JSON-lines prompt file: the line number stands outside the quoted path, so the path
     reads (and can be copied) as typed; ``value`` stays the path, ``line`` the 1-based line number."""
 
-    def __init__(self, path: str, line: int, allowed: str) -> None:
+    def __init__(self, path: str, line: int, allowed: str, where: str = "line") -> None:
         super().__init__("--prompt-file", path, allowed)
         self.line = line
-        self.args = (f"--prompt-file={shown(path)} line {line} is not allowed; allowed values: {allowed}",)
+        self.args = (f"--prompt-file={shown(path)} {where} {line} is not allowed; allowed values: {allowed}",)
 
 
 def _not_a_file(p: Path) -> str | None:
     """Why ``p`` cannot be a prompt file, in words about what it is; None for a regular file."""
     if not p.exists():
-        return "an existing file (.jsonl/.json lines of prompt_token_ids/prompt, or text lines)"
+        return "an existing file (.jsonl/.json lines of prompt_token_ids/prompt objects, a .json array of them, or text lines)"
     if p.is_dir():
         return f"a regular file ({p} is a folder)"
     if not p.is_file():
@@ -77,8 +77,8 @@ def _not_a_file(p: Path) -> str | None:
 
 
 def from_file(path: str) -> list[dict[str, Any]]:
-    """``.jsonl``/``.json`` (any case): one ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}`` per line;
-    else one text prompt per line. A token id must be an ``int`` proper: JSON's ``true`` is one in Python, and
+    """``.jsonl``/``.json`` (any case): one ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}`` per line, or a
+    ``.json`` file holding one JSON array of them; else one text prompt per line. A token id must be an ``int`` proper: JSON's ``true`` is one in Python, and
     would reach the engine as token 1."""
     p = Path(path)
     problem = _not_a_file(p)
@@ -96,21 +96,46 @@ def from_file(path: str) -> list[dict[str, Any]]:
         raise ConfigError("--prompt-file", path, f"at most {MAX_PROMPTS} prompts")
     if p.suffix.lower() not in JSON_LINES_SUFFIXES:
         return [{"prompt": line} for line in lines]
+    items: list[tuple[int, Any]] = []
+    where = "line"
+    whole = _whole_json(lines) if p.suffix.lower() == ".json" else None
+    if whole is not None:  # a .json file that is one JSON document: an array of prompt objects (or one object)
+        items, where = list(enumerate(whole, 1)), "item"
+        if len(items) > MAX_PROMPTS:
+            raise ConfigError("--prompt-file", path, f"at most {MAX_PROMPTS} prompts")
+    else:
+        for number, line in enumerate(lines, 1):
+            try:
+                items.append((number, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                one_document = " or, in a .json file, one JSON array of such objects" if p.suffix.lower() == ".json" else ""
+                raise PromptFileLineError(path, number, f"one JSON object per line{one_document} ({exc.msg})") from exc
     out: list[dict[str, Any]] = []
-    for number, line in enumerate(lines, 1):
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PromptFileLineError(path, number, f"one JSON object per line ({exc.msg})") from exc
+    for number, item in items:
         ids = item.get("prompt_token_ids") if isinstance(item, dict) else None
         text = item.get("prompt") if isinstance(item, dict) else None
+        if ids is not None and text is not None:
+            raise PromptFileLineError(path, number, f"{PROMPT_OBJECTS}; one of the two, not both", where)
         if isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids):
             out.append({"prompt_token_ids": ids})
         elif isinstance(text, str) and text:
             out.append({"prompt": text})
         else:
-            raise PromptFileLineError(path, number, PROMPT_OBJECTS)
+            raise PromptFileLineError(path, number, PROMPT_OBJECTS, where)
+    if not out:
+        raise ConfigError("--prompt-file", path, "a file with at least one prompt (this one is an empty JSON array)")
     return out
+
+
+def _whole_json(lines: list[str]) -> list[Any] | None:
+    """The prompts of a ``.json`` file written as one JSON document (an array, or one pretty-printed object), or
+    None where the file is JSON lines (two or more documents, one per line). Both are what a ``.json`` holds in
+    practice; a file that is neither is reported line by line."""
+    try:
+        doc = json.loads("\n".join(lines))
+    except json.JSONDecodeError:
+        return None
+    return doc if isinstance(doc, list) else [doc]
 
 
 def load(spec: PromptSpec, vocab_size: int) -> list[dict[str, Any]]:

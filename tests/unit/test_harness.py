@@ -128,6 +128,29 @@ def test_a_bad_json_line_is_named_by_its_number_outside_the_quoted_path(tmp_path
     assert err.value.value == str(f) and err.value.parameter == "--prompt-file"
 
 
+def test_a_json_prompt_file_may_be_one_json_document(tmp_path: Path) -> None:
+    """A ``.json`` file is as often one array (or one pretty-printed object) as JSON lines: both are read, a bad
+    element is named by its item number, and a line giving both keys is refused rather than one silently winning."""
+    f = tmp_path / "p.json"
+    f.write_text('[{"prompt": "a"},\n {"prompt_token_ids": [7]}]\n')
+    assert from_file(str(f)) == [{"prompt": "a"}, {"prompt_token_ids": [7]}]
+    f.write_text('{\n  "prompt": "a"\n}\n')
+    assert from_file(str(f)) == [{"prompt": "a"}]
+    f.write_text('[{"prompt": "a"}, {"prompt": ""}]')
+    with pytest.raises(ConfigError, match=r"item 2 is not allowed; allowed values: objects with a non-empty"):
+        from_file(str(f))
+    f.write_text("[]")
+    with pytest.raises(ConfigError, match=r"at least one prompt \(this one is an empty JSON array\)"):
+        from_file(str(f))
+    f.write_text('{"prompt": "a"}\n{"prompt": "b"\n')
+    with pytest.raises(ConfigError, match=r"line 2 is not allowed; allowed values: one JSON object per line or, in a .json file, one JSON array"):
+        from_file(str(f))
+    both = tmp_path / "both.jsonl"
+    both.write_text('{"prompt": "a", "prompt_token_ids": [1]}\n')
+    with pytest.raises(ConfigError, match=r"line 1 is not allowed; .*; one of the two, not both$"):
+        from_file(str(both))
+
+
 def test_a_prompt_file_that_is_no_regular_file_says_what_it_is(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         from_file("/dev/null")
