@@ -30,7 +30,7 @@ from dbo_runtime.core.budget import (
     deep_gemm_compute_multiple,
     min_compute_sms,
 )
-from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.errors import ConfigError, shown
 
 COMM_ENV = "VLLM_DBO_COMM_SMS"
 
@@ -157,6 +157,23 @@ def comm_input(flag: str | None, platform: str, environ: Mapping[str, str] | Non
         return Input(parse_int(raw, COMM_ENV, 0, also=also), COMM_ENV)
     default = DEFAULT_COMM_SMS["rocm" if platform == "rocm" else "cuda"]
     return Input(default, "default", f"vLLM's {COMM_ENV} default on {platform.upper()}")
+
+
+def shadowed_comm_env(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """A ``VLLM_DBO_COMM_SMS`` that ``--comm-sms`` hides and vLLM would refuse: the flag is a what-if, so the run
+    goes on, but a server started from this environment parses the variable with a bare ``int()`` and fails at
+    model load, which the answer computed for the flag must not let pass unsaid."""
+    raw = (os.environ if environ is None else environ).get(COMM_ENV)
+    if flag is None or raw is None:
+        return None
+    try:
+        parse_int(raw, COMM_ENV, 0)
+    except ConfigError:
+        return (
+            f"{COMM_ENV}={shown(raw)} in this environment is not an integer >= 0: --comm-sms {flag} stands in for it "
+            "here, but vLLM started from this environment would fail at model load"
+        )
+    return None
 
 
 def _valid(kwargs: Mapping[str, Any], **change: Any) -> SMBudget | None:

@@ -56,7 +56,16 @@ from dbo_runtime.cli._common import (
     print_table,
     warn_switch_problems,
 )
-from dbo_runtime.cli._inputs import MAX_SMS, Input, budget_for, comm_input, parse_int, parse_total, split_warnings
+from dbo_runtime.cli._inputs import (
+    MAX_SMS,
+    Input,
+    budget_for,
+    comm_input,
+    parse_int,
+    parse_total,
+    shadowed_comm_env,
+    split_warnings,
+)
 from dbo_runtime.cli._progress import Progress, seconds
 from dbo_runtime.core.budget import H200_SMS
 from dbo_runtime.core.errors import ConfigError
@@ -274,7 +283,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         total = Input(backend.total_sms, "hardware", f"{backend.name} on this GPU")
     budget = _split(total, comm, backend.sm_major, "the simulated device" if backend.simulated else "this GPU")
-    for warning in split_warnings(budget):  # the lines `sms` shows for the same split
+    shadowed = shadowed_comm_env(args.comm_sms)
+    for warning in split_warnings(budget) + ([shadowed] if shadowed else []):  # the lines `sms` shows for the same split
         print(f"dbo-runtime simulate: warning: {warning}", file=sys.stderr)
         warnings.append(warning)
     if disabled is not None:

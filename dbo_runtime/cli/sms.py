@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -98,6 +99,7 @@ from dbo_runtime.cli._inputs import (
     deepep_sms,
     parse_int,
     parse_total,
+    shadowed_comm_env,
     split_warnings,
 )
 from dbo_runtime.core.budget import (
@@ -525,6 +527,10 @@ def run(args: argparse.Namespace) -> int:
     warn_switch_problems("sms")
     settings = settings_from_args(args)
     refused = warn_refused_settings("sms")  # warned, not refused: sms only computes the split
+    shadowed = shadowed_comm_env(args.comm_sms)
+    if shadowed is not None:
+        print(f"dbo-runtime sms: warning: {shadowed}", file=sys.stderr)
+        refused.append(shadowed)
     doc = collect(settings)
     doc["warnings"] += refused
     if args.json:

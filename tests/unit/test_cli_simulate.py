@@ -144,3 +144,15 @@ def test_the_memory_refusal_names_what_was_given(capsys: pytest.CaptureFixture[s
     assert main(["simulate", "--backend", "cpu"]) == 3
     [line] = capsys.readouterr().err.splitlines()
     assert "simulate: 16 requests with --preset small needs about " in line and line.endswith("available (lower --requests)")
+
+
+def test_a_bad_comm_env_hidden_by_the_flag_is_warned(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--comm-sms`` runs the what-if, and the ``VLLM_DBO_COMM_SMS`` a server would fail on is still said, on
+    stderr and in the JSON's warnings, as ``sms`` says it."""
+    import json
+
+    monkeypatch.setenv("VLLM_DBO_COMM_SMS", "abc")
+    assert main(["simulate", *FAST, "--comm-sms", "10", "--json"]) == 0
+    out, err = capsys.readouterr()
+    [said] = [w for w in json.loads(out)["warnings"] if "VLLM_DBO_COMM_SMS" in w]
+    assert said.startswith("VLLM_DBO_COMM_SMS='abc' in this environment is not an integer >= 0") and said in err

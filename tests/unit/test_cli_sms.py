@@ -526,3 +526,18 @@ def test_no_backend_hint_points_at_a_backend_the_same_check_refuses(typed: str, 
     assert main(["sms", "--total-sms", "132", "--all2all-backend", typed]) == 2
     line = capsys.readouterr().err.strip()
     assert line.endswith(f"{typed!r} is not a vLLM backend)") and "did you mean" not in line, line
+
+
+def test_a_bad_comm_env_hidden_by_the_flag_is_still_said(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--comm-sms`` is a what-if and wins, but a ``VLLM_DBO_COMM_SMS`` vLLM would refuse stays in the environment
+    a server starts from: one warning on stderr and in the JSON, never silence. A valid one the flag overrides is
+    no problem."""
+    monkeypatch.setenv("VLLM_DBO_COMM_SMS", "abc")
+    assert main(["sms", "--json", "--total-sms", "132", "--comm-sms", "10"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    [said] = [w for w in doc["warnings"] if "VLLM_DBO_COMM_SMS" in w]
+    assert said.startswith("VLLM_DBO_COMM_SMS='abc' in this environment is not an integer >= 0: --comm-sms 10 stands in")
+    assert split(doc["devices"][0]) == (132, 10, 122) and f"dbo-runtime sms: warning: {said}" in err
+    monkeypatch.setenv("VLLM_DBO_COMM_SMS", "16")
+    assert not [w for w in run_json(capsys, "--total-sms", "132", "--comm-sms", "10")["warnings"] if "VLLM_DBO_COMM_SMS" in w]
