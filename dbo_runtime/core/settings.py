@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
-from dbo_runtime.core.errors import ConfigError
+from dbo_runtime.core.errors import ConfigError, did_you_mean
 
 LAYOUT_ENV = "DBO_RUNTIME_TOPK_LAYOUT"
 WARM_MAX_BATCH_ENV = "DBO_RUNTIME_PLANNER_WARM_MAX_BATCH"
@@ -74,7 +74,9 @@ def parse_layout(value: str | None) -> TopkLayout:
     try:
         return TopkLayout(value.strip().lower())
     except ValueError:
-        raise ConfigError(LAYOUT_ENV, value, [m.value for m in TopkLayout]) from None
+        names = [m.value for m in TopkLayout]
+        hint = did_you_mean(value.strip().lower(), names)
+        raise ConfigError(LAYOUT_ENV, value, f"{', '.join(map(repr, names))} in any case, or unset (windows){hint}") from None
 
 
 def warm_max_batch(environ: Mapping[str, str] | None = None) -> int | None:

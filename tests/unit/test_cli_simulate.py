@@ -156,3 +156,17 @@ def test_a_bad_comm_env_hidden_by_the_flag_is_warned(capsys: pytest.CaptureFixtu
     out, err = capsys.readouterr()
     [said] = [w for w in json.loads(out)["warnings"] if "VLLM_DBO_COMM_SMS" in w]
     assert said.startswith("VLLM_DBO_COMM_SMS='abc' in this environment is not an integer >= 0") and said in err
+
+
+def test_the_layout_variable_says_it_takes_any_case() -> None:
+    """The variable is read in any case (``Copies`` works) while ``--topk-layout`` takes the lower-case choice:
+    the variable's refusal says so, and offers the near miss."""
+    from dbo_runtime.core.errors import ConfigError
+    from dbo_runtime.core.settings import TopkLayout, parse_layout
+
+    assert parse_layout("Copies") is TopkLayout.COPIES and parse_layout(" ") is TopkLayout.WINDOWS
+    with pytest.raises(ConfigError) as err:
+        parse_layout("Copis")
+    assert str(err.value) == (
+        "DBO_RUNTIME_TOPK_LAYOUT='Copis' is not allowed; allowed values: 'windows', 'copies' in any case, or unset (windows) (did you mean 'copies'?)"
+    )
