@@ -332,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         help="draw the figure of a JSON this benchmark wrote again, from the rows in it, into --out as the JSON's name "
         "with .png (no engines, no records; takes only --out)",
     )  # fmt: skip
+    parser.add_argument(
+        "--check", action="store_true",
+        help="check the arguments and exit 0 without starting anything (tools/gpu/session-host-cost.sh runs this before it installs)",
+    )  # fmt: skip
     add_out(parser)
     args = parser.parse_args(argv)
     if args.replot is not None:
@@ -357,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.only is not None:
         keep = set(_choices(parser, "only", args.only, tuple(c["label"] for c in configs)))
         configs = [c for c in configs if c["label"] in keep]
+    if args.check:
+        print(f"bench_host_cost: arguments ok: {len(configs)} configuration(s)", file=sys.stderr)
+        return 0
+
     def steps_of(config: dict) -> int:
         return int(args.graphs_steps if config["mode"] == "graphs" else args.steps)
 

@@ -57,7 +57,8 @@ def test_without_install_sh_one_line_and_exit_2(script: str, tmp_path: Path) -> 
         ("session-tune.sh", ["nosuch"], {}, "MODEL 'nosuch' is not allowed; allowed values: glm53-width, v32-width"),
         ("session-tune.sh", ["v32-width", "30"], {}, "seconds '30' is not allowed; allowed values: an integer in [61, 3600]"),
         ("session-tune.sh", [], {}, "MODEL '' is not allowed; allowed values: glm53-width, v32-width"),
-        ("session-tune.sh", ["v32-width", "540", "8,,12"], {}, "VALUES '8,,12' is not allowed"),
+        ("session-tune.sh", ["v32-width", "540", "8,,12"], {}, "VALUES: --values='8,,12' is not allowed; allowed values: 'all', or "),
+        ("session-tune.sh", ["v32-width", "540", "7"], {}, "VALUES: --values=7 is not allowed; allowed values: 'all', or "),  # tune's rule
         ("session-tune.sh", ["v32-width", "540", "8", "extra"], {}, "arguments 'v32-width 540 8 extra' are not allowed"),
         ("session-host-cost.sh", ["abc"], {}, "seconds 'abc' is not allowed; allowed values: an integer in [1, 3600]"),
         ("session-host-cost.sh", [""], {}, "seconds '' is not allowed; allowed values: an integer in [1, 3600]"),
@@ -78,6 +79,9 @@ def test_without_install_sh_one_line_and_exit_2(script: str, tmp_path: Path) -> 
         ("session-e2e.sh", [], {"TWINS": "true"}, "TWINS 'true' is not allowed; allowed values: 0 (off), 1 (on)"),
         ("session-e2e.sh", [], {"E2E": "0", "TWINS": "0"}, "E2E=0 with TWINS=0 is not allowed"),
         ("session-bench.sh", ["0", "0"], {}, "seconds '0 0' are not allowed"),
+        # the benchmark's own parser, before env.sh, the install and the clean-up of /tmp/host-cost
+        ("session-host-cost.sh", ["300", "--bogus"], {}, "bench_host_cost: error: unrecognized arguments: --bogus"),
+        ("session-host-cost.sh", ["300", "--only", "glm53-7L-eager-dbo-off"], {}, "bench_host_cost: error: argument --only: 'glm53-7L-eager-dbo-off' is not allowed"),
     ],
 )
 def test_a_bad_argument_is_one_line_before_anything_runs(

@@ -1040,3 +1040,15 @@ def test_host_cost_replot_redraws_a_stored_json_and_refuses_what_it_cannot_draw(
     with pytest.raises(SystemExit):
         mod.main(["--replot", str(stored), "--reps", "3"])
     assert "argument --reps: not allowed with --replot" in capsys.readouterr().err
+
+
+def test_host_cost_check_parses_and_starts_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--check`` (what the GPU session script runs before installing): the arguments are parsed by the one
+    parser, a good set exits 0 having written nothing, a bad one is the same one line as a real run."""
+    mod = load("bench_host_cost.py")
+    out = tmp_path / "out"
+    assert mod.main(["--check", "--only", "glm53-78L-eager-dbo-off", "--at-once", "1", "--out", str(out)]) == 0
+    assert capsys.readouterr().err == "bench_host_cost: arguments ok: 1 configuration(s)\n" and not out.exists()
+    with pytest.raises(SystemExit):
+        mod.main(["--check", "--modes", "eagre"])
+    assert "argument --modes: 'eagre' is not allowed" in capsys.readouterr().err

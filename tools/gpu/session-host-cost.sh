@@ -8,6 +8,8 @@ need_out session-host-cost.sh
 LIMIT=${1-540}
 need_int session-host-cost.sh seconds "$LIMIT" 1 3600
 shift || true
+# the benchmark's own parser checks its arguments before anything is installed or deleted (it needs no vLLM)
+checked=$(python3 graphs/bench_host_cost.py --check "$@" 2>&1) || { echo "session-host-cost.sh: $checked" | tail -1 >&2; exit 2; }
 . tools/gpu/env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"

@@ -12,7 +12,10 @@ LIMIT=${2-540}
 need_int session-tune.sh seconds "$LIMIT" 61 3600
 VALUES=${3-8,12,16}
 [ "$#" -le 3 ] || { echo "session-tune.sh: arguments '$*' are not allowed; allowed values: MODEL [SECONDS] [VALUES]" >&2; exit 2; }
-case "$VALUES" in ''|,*|*,|*,,*|*[!0-9,]*) echo "session-tune.sh: VALUES '$VALUES' is not allowed; allowed values: comma-separated comm SM counts, e.g. 8,12,16" >&2; exit 2 ;; esac
+# tune's own rule (core.comm_sweep, no vLLM needed): 'all' or even counts in [2, 20] and 0, before anything is installed
+python3 -c 'import sys; from dbo_runtime.core.comm_sweep import plan_sweep; from dbo_runtime.core.errors import ConfigError
+try: plan_sweep(sys.argv[1], backend="deepep_high_throughput", platform="cuda", environ={})
+except ConfigError as exc: sys.exit(f"session-tune.sh: VALUES: {exc}")' "$VALUES" || exit 2
 . tools/gpu/env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
