@@ -79,6 +79,9 @@ def test_without_install_sh_one_line_and_exit_2(script: str, tmp_path: Path) -> 
         ("session-e2e.sh", [], {"TWINS": "true"}, "TWINS 'true' is not allowed; allowed values: 0 (off), 1 (on)"),
         ("session-e2e.sh", [], {"E2E": "0", "TWINS": "0"}, "E2E=0 with TWINS=0 is not allowed"),
         ("session-bench.sh", ["0", "0"], {}, "seconds '0 0' are not allowed"),
+        ("session-e2e.sh", [], {"TWIN_BENCHES": "bench_nope.py"}, "TWIN_BENCHES 'bench_nope.py' is not allowed"),
+        ("session-e2e.sh", [], {"DBO_E2E_MAX_ENGINES": "abc"}, "DBO_E2E_MAX_ENGINES='abc' is not allowed; allowed values: an integer >= 1"),
+        ("session-e2e.sh", [], {"DBO_E2E_LOAD_FORMAT": "foo"}, "DBO_E2E_LOAD_FORMAT='foo' is not allowed; allowed values: 'dummy', 'dbo_runtime_random'"),
         # the benchmark's own parser, before env.sh, the install and the clean-up of /tmp/host-cost
         ("session-host-cost.sh", ["300", "--bogus"], {}, "bench_host_cost: error: unrecognized arguments: --bogus"),
         ("session-host-cost.sh", ["300", "--only", "glm53-7L-eager-dbo-off"], {}, "bench_host_cost: error: argument --only: 'glm53-7L-eager-dbo-off' is not allowed"),

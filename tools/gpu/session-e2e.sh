@@ -21,6 +21,14 @@ need_int session-e2e.sh TWIN_LIMIT "${TWIN_LIMIT-300}" 1 3600
 need_switch session-e2e.sh E2E "${E2E-1}"
 need_switch session-e2e.sh TWINS "${TWINS-1}"
 [ "${E2E-1}" = 1 ] || [ "${TWINS-1}" = 1 ] || { echo "session-e2e.sh: E2E=0 with TWINS=0 is not allowed; allowed values: at least one of them 1 (nothing would run)" >&2; exit 2; }
+for b in ${TWIN_BENCHES-}; do
+  [ -f "graphs/$b" ] || { echo "session-e2e.sh: TWIN_BENCHES '$b' is not allowed; allowed values: graphs/ script names, space-separated (e.g. bench_planner_warmup.py), or empty" >&2; exit 2; }
+done
+if [ "${E2E-1}" = 1 ]; then
+  # the e2e suites' own settings (plan.env_problems, what collection would refuse), before anything is installed
+  problems=$(python3 -c 'from tests.e2e import plan; print("; ".join(plan.env_problems()))' 2>/dev/null)
+  [ -z "$problems" ] || { echo "session-e2e.sh: $problems" >&2; exit 2; }
+fi
 if [ "${TWINS-1}" = 1 ] && ! ls .whl/tokenspeed_deepgemm*.whl >/dev/null 2>&1; then
   echo "session-e2e.sh: TWINS=1 is not allowed without .whl/tokenspeed_deepgemm*.whl (the twins' DeepGEMM); allowed values: carry .whl with this command, or TWINS=0" >&2; exit 2
 fi
