@@ -28,13 +28,14 @@ def engine_missing(gpus: int) -> str | None:
 
 
 def refuse_without_engine(script: str, gpus: int, done: str = "nothing measured") -> int | None:
-    """Exit status 2 with one line on stderr when ``script`` cannot run the engine here, else None."""
+    """Exit status 3 ("cannot run here", the README's code for every command and script) with one line on stderr
+    when ``script`` cannot run the engine here, else None."""
     missing = engine_missing(gpus)
     if missing is None:
         return None
     need = {1: "a CUDA GPU", 2: "two CUDA GPUs"}.get(gpus, f"{gpus} CUDA GPUs")
     print(f"{script}: needs {need} and vLLM 0.33: {missing}; {done}", file=sys.stderr)
-    return 2
+    return 3
 
 
 __all__ = ["engine_missing", "refuse_without_engine"]

@@ -627,3 +627,14 @@ def test_ctrl_c_during_the_turns_kills_every_engine_before_it_propagates(
     with pytest.raises(KeyboardInterrupt):
         turns.run_interleaved([alive], tmp_path, reps=2, timeout_s=60, progress=interrupt)  # after its first turn
     assert killed and time.monotonic() - started < 30
+
+
+def test_a_machine_that_cannot_run_the_engine_is_exit_3(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """README: 3 is "cannot run here" for every command and script; check_load_format returns this value as is."""
+    from dbo_runtime.harness import machine
+
+    monkeypatch.setattr(machine, "engine_missing", lambda gpus: "no CUDA device")
+    assert machine.refuse_without_engine("check_load_format", 1, "nothing checked") == 3
+    assert capsys.readouterr().err == "check_load_format: needs a CUDA GPU and vLLM 0.33: no CUDA device; nothing checked\n"
+    monkeypatch.setattr(machine, "engine_missing", lambda gpus: None)
+    assert machine.refuse_without_engine("x", 1) is None

@@ -4,8 +4,8 @@ One tiny engine (shared-top-k, eager, DBO off, one GPU), 8 prompts x 8 greedy to
 every logprob is finite and the prompts do not all continue alike (the failure mode of vLLM's
 ``dummy`` weights: nearly every request starts with the same token, the top logprob is near
 uniform); exit 1 otherwise, and ``session-e2e.sh`` then falls back to ``--load-format dummy``.
-Exit 2 for bad arguments or a machine that cannot run the engine (no CUDA, no vLLM): that is not
-a verdict on the format, and the session stops rather than silently changing the weights.
+Exit 2 for bad arguments, 3 for a machine that cannot run the engine (no CUDA, no vLLM): neither is a
+verdict on the format, and the session stops rather than silently changing the weights.
 
     python3 tools/gpu/check_load_format.py WORKDIR
 """
@@ -23,8 +23,9 @@ sys.path.insert(0, str(ROOT))
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: check_load_format.py WORKDIR   (a directory for the run's logs; see the module docstring)", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        helped = bool(argv) and argv[0] in ("-h", "--help")
+        print("usage: check_load_format.py WORKDIR   (a directory for the run's logs; see the module docstring)", file=sys.stdout if helped else sys.stderr)
+        return 0 if helped else 2
     from dbo_runtime.harness.machine import refuse_without_engine
 
     refused = refuse_without_engine("check_load_format", 1, "nothing checked")
