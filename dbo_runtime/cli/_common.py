@@ -46,11 +46,15 @@ def interruptible(main: Callable[[], int], prog: str) -> int:
     watch = _StdoutWatch(sys.stdout)
     sys.stdout = watch  # type: ignore[assignment]
     try:
-        return main()
+        code = main()
+        watch.flush()  # a buffered stdout's last write fails here, not at exit where no one could say it in one line
+        return code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except BrokenPipeError:
+    except BrokenPipeError as exc:
+        if exc is not watch.failed:
+            raise  # another pipe's: not the reader of stdout going away
         # Python turns SIGPIPE into this exception; stdout is pointed at /dev/null so that the flush at exit
         # does not raise it again (the recipe of Python's signal documentation)
         _silence(watch.stream)
@@ -75,9 +79,9 @@ class _StdoutWatch:
         self.stream = stream
         self.failed: OSError | None = None
 
-    def write(self, text: str) -> int:
+    def write(self, text: str) -> Any:
         try:
-            return int(self.stream.write(text))
+            return self.stream.write(text)  # as the stream returns it (some wrappers return None)
         except OSError as exc:
             self.failed = exc
             raise

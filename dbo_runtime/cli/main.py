@@ -153,6 +153,10 @@ def _misplaced(top: argparse.ArgumentParser, given: list[str]) -> tuple[str | No
     Read from the arguments as typed, before argparse: argparse takes such an option as the top level's and says
     only "unrecognized", and with no subcommand it takes the option's value for COMMAND (``COMMAND=3 is not
     allowed``). Options no subcommand knows are left to argparse, except that the line names them too."""
+    if "--" in given:
+        given = given[: given.index("--")]  # what follows is positional, never an option to move
+    if any(a in ("-h", "--help", "--version") for a in given):
+        return None  # help and the version win, as argparse gives them
     at = next((i for i, a in enumerate(given) if a in SUBPARSERS), None)
     command = None if at is None else given[at]
     head = given if at is None else given[:at]
@@ -169,6 +173,9 @@ def _misplaced(top: argparse.ArgumentParser, given: list[str]) -> tuple[str | No
             continue
         owners = [c for c, sub in SUBPARSERS.items() if name in sub._option_string_actions]
         if not owners and command is not None and SUBPARSERS[command].get_default("_accepts_extra"):
+            lookalike = _own_option_lookalike(command, [token])
+            if lookalike is not None:  # moved after the subcommand it would be refused there: say it now
+                return command, str(lookalike)
             owners = [command]  # verify / tune hand it to vLLM's parser, which reads it after the subcommand only
         if not owners:
             unknown.append(token)
@@ -188,6 +195,11 @@ def _misplaced(top: argparse.ArgumentParser, given: list[str]) -> tuple[str | No
         return None, f"argument {name} belongs to a subcommand ({', '.join(owners)}): give one first ({PROG} {owners[0]} {typed}){also}"
     if command not in owners:  # argparse would take its value for COMMAND
         return command, f"argument {name} is not an option of '{command}': it belongs to {', '.join(owners)}{also}"
+    if name not in SUBPARSERS[command]._option_string_actions:
+        return command, (
+            f"argument {name} is no {PROG} option: {command} takes vLLM's engine arguments after the subcommand "
+            f"({PROG} {command} {typed}){also}"
+        )
     return command, f"argument {name} belongs to '{command}': give it after the subcommand ({PROG} {command} {typed}){also}"
 
 

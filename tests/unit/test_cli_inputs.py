@@ -168,7 +168,16 @@ def test_simulate_integer_flags_are_bounded_and_worded_alike(
         (["--comm-sms", "4", "sms"], "dbo-runtime: error: argument --comm-sms belongs to 'sms': give it after the subcommand (dbo-runtime sms --comm-sms 4)"),
         (["--reps", "3", "sms"], "dbo-runtime: error: argument --reps is not an option of 'sms': it belongs to tune"),
         # an engine argument verify / tune hand to vLLM: its value would be taken for COMMAND
-        (["--model", "m", "verify"], "dbo-runtime: error: argument --model belongs to 'verify': give it after the subcommand (dbo-runtime verify --model m)"),
+        (["--model", "m", "verify"], "dbo-runtime: error: argument --model is no dbo-runtime option: verify takes vLLM's engine arguments after the subcommand (dbo-runtime verify --model m)"),
+        (  # moved after the subcommand it would be refused there, so that is said now
+            ["--rep", "3", "tune"],
+            "dbo-runtime: error: --rep is not a tune option (did you mean --reps?); allowed values: tune's own options spelt in full, "
+            "then vLLM's engine arguments (vLLM would read an abbreviation as one of its own options; see dbo-runtime tune --help)",
+        ),
+        (  # after --, nothing is an option to move
+            ["--", "verify"],
+            "dbo-runtime: error: COMMAND='--' is not allowed; allowed values: 'sms', 'doctor', 'simulate', 'tune', 'verify' (see dbo-runtime --help)",
+        ),
         (["--bogus", "--json"], "dbo-runtime: error: argument --json belongs to a subcommand (sms, doctor, simulate, tune, verify): give one first (dbo-runtime sms --json); also unrecognized: --bogus"),
         (["--json", "sms"], "dbo-runtime: error: argument --json belongs to 'sms': give it after the subcommand (dbo-runtime sms --json)"),
         (["--bogus", "sms"], "dbo-runtime sms: error: unrecognized arguments: --bogus (see dbo-runtime sms --help)"),
@@ -389,3 +398,9 @@ def test_a_choice_typed_in_another_case_is_offered_the_right_one(capsys: pytest.
     """A choice in capitals scores below the closeness cutoff; it is offered anyway, and a far miss still is not."""
     line = error_line(capsys, argv)
     assert line in (said, f"{said} (see dbo-runtime {argv[0]} --help)"), line
+
+
+def test_help_wins_over_a_misplaced_option(capsys: pytest.CaptureFixture[str]) -> None:
+    """``dbo-runtime --help --model m verify``: help is what was asked for, as argparse gives it."""
+    assert main(["--help", "--model", "m", "verify"]) == 0
+    assert capsys.readouterr().out.startswith("usage: dbo-runtime")

@@ -128,16 +128,17 @@ def test_a_real_sigint_ends_the_command_without_a_traceback(tmp_path: object) ->
     assert "Traceback" not in rest and rest.splitlines()[-1] == "dbo-runtime simulate: interrupted"
 
 
-def test_a_reader_that_stops_early_ends_the_command_with_141_and_no_traceback() -> None:
+@pytest.mark.parametrize("argv", [["simulate", "--steps", "1"], ["sms", "--total-sms", "132"]])
+def test_a_reader_that_stops_early_ends_the_command_with_141_and_no_traceback(argv: list[str]) -> None:
     """``simulate | head -1``: Python raises BrokenPipeError where a C tool would die of SIGPIPE. The command ends
     with the shell's 128 + SIGPIPE (so ``pipefail`` sees the cut) and no traceback, never exit 1, which means a
     check failed."""
+    import os
     import subprocess
     import sys
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dbo_runtime", "simulate", "--steps", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a small output waits in the buffer to the end
+    proc = subprocess.Popen([sys.executable, "-m", "dbo_runtime", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # before the import is done (seconds): every write to stdout then meets a closed pipe
     err = proc.stderr.read().decode()
@@ -164,7 +165,8 @@ def test_a_stdout_that_cannot_be_written_is_one_line_and_exit_3(argv: list[str],
     if stdout == "/dev/full" and not os.path.exists("/dev/full"):
         pytest.fail("/dev/full is part of every Linux machine this suite runs on")
     shell = f"exec {sys.executable} -m dbo_runtime {' '.join(argv)} " + (">&-" if stdout == "closed" else "> /dev/full")
-    proc = subprocess.run(["/bin/sh", "-c", shell], stderr=subprocess.PIPE, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as on an operator's shell
+    proc = subprocess.run(["/bin/sh", "-c", shell], stderr=subprocess.PIPE, text=True, timeout=300, env=env)
     assert proc.returncode == 3, proc.stderr
     assert proc.stderr.splitlines()[-1].startswith(said) and "Traceback" not in proc.stderr, proc.stderr
 
