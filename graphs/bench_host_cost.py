@@ -338,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     add_out(parser)
     args = parser.parse_args(argv)
+    if args.replot is not None and args.check:
+        parser.error("argument --check: not allowed with --replot (--check starts nothing; --replot draws)")
     if args.replot is not None:
         others = [opt for dest, (opt, _) in parser.given_options.items() if dest not in ("replot", "out")]
         if others:
@@ -430,7 +432,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _number(value: Any) -> bool:
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+    if value is None:
+        return True
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float: no figure can draw it
+        return False
 
 
 def _undrawable(row: Any) -> str | None:

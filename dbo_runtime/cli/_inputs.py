@@ -160,9 +160,9 @@ def comm_input(flag: str | None, platform: str, environ: Mapping[str, str] | Non
 
 
 def shadowed_comm_env(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
-    """A ``VLLM_DBO_COMM_SMS`` that ``--comm-sms`` hides and vLLM would refuse: the flag is a what-if, so the run
-    goes on, but a server started from this environment parses the variable with a bare ``int()`` and fails at
-    model load, which the answer computed for the flag must not let pass unsaid."""
+    """A ``VLLM_DBO_COMM_SMS`` that ``--comm-sms`` hides and a server would not run with: the flag is a what-if, so
+    the run goes on, but vLLM parses the variable with a bare ``int()`` at model load (a word fails there) and
+    dbo_runtime refuses a negative count, which the answer computed for the flag must not let pass unsaid."""
     raw = (os.environ if environ is None else environ).get(COMM_ENV)
     if flag is None or raw is None:
         return None
@@ -171,7 +171,8 @@ def shadowed_comm_env(flag: str | None, environ: Mapping[str, str] | None = None
     except ConfigError:
         return (
             f"{COMM_ENV}={shown(raw)} in this environment is not an integer >= 0: --comm-sms {flag} stands in for it "
-            "here, but vLLM started from this environment would fail at model load"
+            "here, but a server started from this environment would not run with it (vLLM fails on a non-integer at "
+            "model load; dbo_runtime refuses a negative count)"
         )
     return None
 

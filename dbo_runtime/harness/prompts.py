@@ -85,24 +85,25 @@ def from_file(path: str) -> list[dict[str, Any]]:
     if problem is not None:
         raise ConfigError("--prompt-file", path, problem)
     try:
-        lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = p.read_text(encoding="utf-8")
+        lines = [line.rstrip("\r") for line in text.split("\n") if line.strip()]  # only \n ends a line: U+2028 may sit in a prompt
     except UnicodeDecodeError as exc:
         raise ConfigError("--prompt-file", path, f"a readable UTF-8 text file (byte {exc.start} is not UTF-8)") from exc
     except OSError as exc:
         raise ConfigError("--prompt-file", path, f"a readable UTF-8 text file (cannot be read: {exc.strerror or exc})") from exc
     if not lines:
         raise ConfigError("--prompt-file", path, "a file with at least one prompt (this one is empty or only blank lines)")
-    if len(lines) > MAX_PROMPTS:
-        raise ConfigError("--prompt-file", path, f"at most {MAX_PROMPTS} prompts")
-    if p.suffix.lower() not in JSON_LINES_SUFFIXES:
-        return [{"prompt": line} for line in lines]
     items: list[tuple[int, Any]] = []
     where = "line"
-    whole = _whole_json(lines) if p.suffix.lower() == ".json" else None
+    whole = _whole_json(text, path) if p.suffix.lower() == ".json" else None
     if whole is not None:  # a .json file that is one JSON document: an array of prompt objects (or one object)
         items, where = list(enumerate(whole, 1)), "item"
         if len(items) > MAX_PROMPTS:
             raise ConfigError("--prompt-file", path, f"at most {MAX_PROMPTS} prompts")
+    elif len(lines) > MAX_PROMPTS:
+        raise ConfigError("--prompt-file", path, f"at most {MAX_PROMPTS} prompts")
+    elif p.suffix.lower() not in JSON_LINES_SUFFIXES:
+        return [{"prompt": line} for line in lines]
     else:
         for number, line in enumerate(lines, 1):
             try:
@@ -127,13 +128,16 @@ def from_file(path: str) -> list[dict[str, Any]]:
     return out
 
 
-def _whole_json(lines: list[str]) -> list[Any] | None:
+def _whole_json(text: str, path: str) -> list[Any] | None:
     """The prompts of a ``.json`` file written as one JSON document (an array, or one pretty-printed object), or
     None where the file is JSON lines (two or more documents, one per line). Both are what a ``.json`` holds in
-    practice; a file that is neither is reported line by line."""
+    practice. A file that opens an array and does not parse is a broken array, reported where the parser
+    stopped; any other is read line by line."""
     try:
-        doc = json.loads("\n".join(lines))
-    except json.JSONDecodeError:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if text.lstrip().startswith("["):
+            raise PromptFileLineError(path, exc.lineno, f"one JSON array of prompt objects ({exc.msg}, column {exc.colno})") from exc
         return None
     return doc if isinstance(doc, list) else [doc]
 

@@ -84,6 +84,7 @@ def test_without_install_sh_one_line_and_exit_2(script: str, tmp_path: Path) -> 
         ("session-e2e.sh", [], {"DBO_E2E_LOAD_FORMAT": "foo"}, "DBO_E2E_LOAD_FORMAT='foo' is not allowed; allowed values: 'dummy', 'dbo_runtime_random'"),
         # the benchmark's own parser, before env.sh, the install and the clean-up of /tmp/host-cost
         ("session-host-cost.sh", ["300", "--bogus"], {}, "bench_host_cost: error: unrecognized arguments: --bogus"),
+        ("session-host-cost.sh", ["300", "--out", "/tmp/x"], {}, "bench_host_cost: error: argument --out: given twice"),  # the run adds its own
         ("session-host-cost.sh", ["300", "--only", "glm53-7L-eager-dbo-off"], {}, "bench_host_cost: error: argument --only: 'glm53-7L-eager-dbo-off' is not allowed"),
     ],
 )
@@ -196,3 +197,11 @@ def test_host_cost_summarizes_a_stopped_run_with_the_row_filters_only(tmp_path: 
         "graphs/bench_host_cost.py --out /tmp/host-cost --only v32-78L-eager-dbo-off --reps 4 --at-once=2 --steps 8 --graphs-steps 64",
         "graphs/bench_host_cost.py --from-runs /tmp/host-cost/bench_host_cost_runs --out /tmp/host-cost --only v32-78L-eager-dbo-off",
     ]
+
+
+def test_tune_values_all_passes_the_early_check(tmp_path: Path) -> None:
+    """``all`` is tune's own value: the early check lets it through (to the missing install here), and the script
+    then asks tune for the rounds its sign test needs for ten values rather than a fixed 6 it would refuse."""
+    proc = _run("session-tune.sh", ["v32-width", "540", "all"], tmp_path)
+    assert proc.returncode == 2 and "is missing: send the seven bundle parts" in proc.stderr, proc.stderr
+    assert '--reps "$REPS"' in (ROOT / "tools" / "gpu" / "session-tune.sh").read_text()

@@ -1014,6 +1014,8 @@ def test_host_cost_replot_redraws_a_stored_json_and_refuses_what_it_cannot_draw(
         "nan.json": ('{"bench": "bench_host_cost", "configs": [{"label": "x", "plugin_over_vanilla_paired": null, "self_net_share_of_step": NaN}]}',
                      "cannot be drawn: configs[0] ('x') needs 'self_net_share_of_step' a finite number or null"),
         "second.json": (json.dumps({"bench": "bench_host_cost", "configs": [row, [1]]}), "cannot be drawn: configs[1] is not an object"),
+        "huge.json": ('{"bench": "bench_host_cost", "configs": [{"label": "x", "plugin_over_vanilla_paired": null, "self_net_share_of_step": 1' + "0" * 400 + "}]}",
+                      "cannot be drawn: configs[0] ('x') needs 'self_net_share_of_step' a finite number or null"),
     }
     for name, (content, why) in bad.items():
         if content is not None:
@@ -1049,6 +1051,9 @@ def test_host_cost_check_parses_and_starts_nothing(tmp_path: Path, capsys: pytes
     out = tmp_path / "out"
     assert mod.main(["--check", "--only", "glm53-78L-eager-dbo-off", "--at-once", "1", "--out", str(out)]) == 0
     assert capsys.readouterr().err == "bench_host_cost: arguments ok: 1 configuration(s)\n" and not out.exists()
+    with pytest.raises(SystemExit):
+        mod.main(["--check", "--replot", str(tmp_path / "x.json"), "--out", str(out)])
+    assert "argument --check: not allowed with --replot" in capsys.readouterr().err and not out.exists()
     with pytest.raises(SystemExit):
         mod.main(["--check", "--modes", "eagre"])
     assert "argument --modes: 'eagre' is not allowed" in capsys.readouterr().err

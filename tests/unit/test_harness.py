@@ -145,6 +145,17 @@ def test_a_json_prompt_file_may_be_one_json_document(tmp_path: Path) -> None:
     f.write_text('{"prompt": "a"}\n{"prompt": "b"\n')
     with pytest.raises(ConfigError, match=r"line 2 is not allowed; allowed values: one JSON object per line or, in a .json file, one JSON array"):
         from_file(str(f))
+    # counted after parsing: a pretty-printed array spends a line per token id
+    f.write_text(json.dumps([{"prompt_token_ids": list(range(1200))}] * 100, indent=2))
+    assert len(f.read_text().splitlines()) > 100_000 and len(from_file(str(f))) == 100
+    f.write_text(json.dumps([{"prompt": "a\u2028b"}], ensure_ascii=False))  # a line separator inside a prompt
+    assert from_file(str(f)) == [{"prompt": "a\u2028b"}]
+    f.write_text('[\n  {"prompt": "a"},\n  {"prompt": "b"},\n]\n')  # a trailing comma: where the parser stopped
+    with pytest.raises(ConfigError, match=r"line 4 is not allowed; allowed values: one JSON array of prompt objects \(Expecting value"):
+        from_file(str(f))
+    crlf = tmp_path / "p.txt"
+    crlf.write_bytes(b"one\r\ntwo\r\n")
+    assert from_file(str(crlf)) == [{"prompt": "one"}, {"prompt": "two"}]
     both = tmp_path / "both.jsonl"
     both.write_text('{"prompt": "a", "prompt_token_ids": [1]}\n')
     with pytest.raises(ConfigError, match=r"line 1 is not allowed; .*; one of the two, not both$"):

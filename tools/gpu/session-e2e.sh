@@ -26,7 +26,8 @@ for b in ${TWIN_BENCHES-}; do
 done
 if [ "${E2E-1}" = 1 ]; then
   # the e2e suites' own settings (plan.env_problems, what collection would refuse), before anything is installed
-  problems=$(python3 -c 'from tests.e2e import plan; print("; ".join(plan.env_problems()))' 2>/dev/null)
+  problems=$(python3 -c 'from tests.e2e import plan; print("; ".join(plan.env_problems()))' 2>&1) || {
+    echo "session-e2e.sh: the e2e settings could not be checked: ${problems##*$'\n'}" >&2; exit 2; }
   [ -z "$problems" ] || { echo "session-e2e.sh: $problems" >&2; exit 2; }
 fi
 if [ "${TWINS-1}" = 1 ] && ! ls .whl/tokenspeed_deepgemm*.whl >/dev/null 2>&1; then

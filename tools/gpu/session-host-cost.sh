@@ -9,7 +9,8 @@ LIMIT=${1-540}
 need_int session-host-cost.sh seconds "$LIMIT" 1 3600
 shift || true
 # the benchmark's own parser checks its arguments before anything is installed or deleted (it needs no vLLM)
-checked=$(python3 graphs/bench_host_cost.py --check "$@" 2>&1) || { echo "session-host-cost.sh: $checked" | tail -1 >&2; exit 2; }
+# (with the --out the run adds, so a second --out is refused here, not after the install)
+checked=$(python3 graphs/bench_host_cost.py --check --out /tmp/host-cost "$@" 2>&1) || { echo "session-host-cost.sh: ${checked##*$'\n'}" >&2; exit 2; }
 . tools/gpu/env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
