@@ -114,13 +114,13 @@ def from_file(path: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for number, item in items:
         ids = item.get("prompt_token_ids") if isinstance(item, dict) else None
-        text = item.get("prompt") if isinstance(item, dict) else None
-        if ids is not None and text is not None:
+        prompt = item.get("prompt") if isinstance(item, dict) else None
+        if ids is not None and prompt is not None:
             raise PromptFileLineError(path, number, f"{PROMPT_OBJECTS}; one of the two, not both", where)
         if isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids):
             out.append({"prompt_token_ids": ids})
-        elif isinstance(text, str) and text:
-            out.append({"prompt": text})
+        elif isinstance(prompt, str) and prompt:
+            out.append({"prompt": prompt})
         else:
             raise PromptFileLineError(path, number, PROMPT_OBJECTS, where)
     if not out:
