@@ -39,7 +39,9 @@ so ``set -o pipefail`` still sees that the output was cut, without a traceback."
 
 def interruptible(main: Callable[[], int], prog: str) -> int:
     """Run a script's ``main``; Ctrl-C ends it with one line and ``EXIT_INTERRUPTED``. The ``finally`` blocks
-    between (engines stopped, temporary folders removed) have run by the time it reaches here."""
+    between (engines stopped, temporary folders removed) have run by the time it reaches here. stdout is flushed
+    before it returns: a reader that left is ``EXIT_BROKEN_PIPE``, and a closed or unwritable stdout one line and
+    ``EXIT_NO_DEVICE`` (the output cannot reach anyone), never Python's "Exception ignored" at exit."""
     if sys.stdout is None:  # started with stdout closed (``>&-``): every print would fail half-way
         print(f"{prog}: error: stdout is closed; it needs an open stdout (a terminal, a pipe, a file or > /dev/null)", file=sys.stderr)
         return EXIT_NO_DEVICE
