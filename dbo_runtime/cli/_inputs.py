@@ -25,6 +25,7 @@ from typing import Any
 from dbo_runtime.core.budget import (
     DEEPEP_HT_MANAGER_NUM_SMS,
     DEFAULT_COMM_SMS,
+    EVEN_COMPUTE_WHY,
     SMBudget,
     compute_budget,
     deep_gemm_compute_multiple,
@@ -95,7 +96,7 @@ def split_warnings(budget: SMBudget) -> list[str]:
     if budget.idle:
         out.append(
             f"{budget.idle} SM idle: DeepGEMM's count rounded down to {budget.compute} of {budget.total - budget.comm}, "
-            f"a multiple of {budget.reason.compute_multiple} (kept even on SM90 whatever the next_n: an MTP-3 indexer, next_n 4, launches 2-CTA clusters, and the split is fixed before the model is known)"
+            f"a multiple of {budget.reason.compute_multiple} ({EVEN_COMPUTE_WHY}, and the split is fixed before the model is known)"
         )
     return out
 

@@ -160,7 +160,7 @@ def _misplaced(top: argparse.ArgumentParser, given: list[str]) -> tuple[str | No
     at = next((i for i, a in enumerate(given) if a in SUBPARSERS), None)
     command = None if at is None else given[at]
     head = given if at is None else given[:at]
-    found: tuple[str, list[str]] | None = None  # (the option as typed with its value, the subcommands that take it)
+    found: tuple[str, str, list[str]] | None = None  # (its name, as typed with its value, the subcommands that take it)
     unknown: list[str] = []
     i = 0
     while i < len(head):
@@ -185,11 +185,10 @@ def _misplaced(top: argparse.ArgumentParser, given: list[str]) -> tuple[str | No
         typed = token
         if "=" not in token and takes_value and i < len(head):
             typed, i = f"{token} {head[i]}", i + 1
-        found = found or (typed, owners)
+        found = found or (name, typed, owners)
     if found is None:
         return None
-    typed, owners = found
-    name = typed.split("=", 1)[0].split(" ", 1)[0]
+    name, typed, owners = found
     also = f"; also unrecognized: {' '.join(unknown)}" if unknown else ""
     if command is None:
         return None, f"argument {name} belongs to a subcommand ({', '.join(owners)}): give one first ({PROG} {owners[0]} {typed}){also}"

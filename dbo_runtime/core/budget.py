@@ -51,6 +51,8 @@ DEEPEP_HT_MANAGER_NUM_SMS = 20
 #: multicast cluster per scheduler task and launches over *all* of DeepGEMM's SMs, so an odd count
 #: fails to launch with ``CUDA_ERROR_INVALID_CLUSTER_SIZE`` (measured on the H200 at 113 and 131).
 DEEP_GEMM_COMPUTE_MULTIPLE: dict[int, int] = {9: 2}
+EVEN_COMPUTE_WHY = "kept even on SM90 whatever the next_n: an MTP-3 indexer, next_n 4, launches 2-CTA clusters"
+"""Why DeepGEMM's share is rounded on SM90, in the words every refusal and warning of the split uses."""
 
 
 def deep_gemm_compute_multiple(sm_major: int) -> int:
@@ -135,8 +137,7 @@ class SMBudget:
         parts.append(f"VLLM_DBO_COMM_SMS={r.env_comm_sms}")
         if self.idle:
             parts.append(
-                f"{self.idle} SM idle: DeepGEMM's count rounded down to a multiple of {r.compute_multiple} "
-                "(kept even on SM90 whatever the next_n: an MTP-3 indexer, next_n 4, launches 2-CTA clusters)"
+                f"{self.idle} SM idle: DeepGEMM's count rounded down to a multiple of {r.compute_multiple} ({EVEN_COMPUTE_WHY})"
             )
         if r.note:
             parts.append(r.note)
@@ -307,8 +308,8 @@ def compute_budget(
             "VLLM_DBO_COMM_SMS",
             env_value,
             f"integers in [0, {total_sms - compute_multiple}] on this device ({total_sms} SMs): DeepGEMM's count "
-            f"must be a multiple of {compute_multiple} here (SM90 paged-MQA logits at next_n 4 launches 2-CTA "
-            f"clusters), and {total_sms} - {comm} leaves fewer compute SMs than that",
+            f"must be a multiple of {compute_multiple} here ({EVEN_COMPUTE_WHY}), and {total_sms} - {comm} leaves fewer "
+            "compute SMs than that",
         )
 
     return SMBudget(

@@ -96,12 +96,10 @@ def from_file(path: str) -> list[dict[str, Any]]:
     items: list[tuple[int, Any]] = []
     where = "line"
     whole = _whole_json(text, path) if p.suffix.lower() == ".json" else None
+    if len(whole if whole is not None else lines) > MAX_PROMPTS:  # prompts, not the lines a pretty-printed array spends
+        raise ConfigError("--prompt-file", path, f"at most {MAX_PROMPTS} prompts")
     if whole is not None:  # a .json file that is one JSON document: an array of prompt objects (or one object)
         items, where = list(enumerate(whole, 1)), "item"
-        if len(items) > MAX_PROMPTS:
-            raise ConfigError("--prompt-file", path, f"at most {MAX_PROMPTS} prompts")
-    elif len(lines) > MAX_PROMPTS:
-        raise ConfigError("--prompt-file", path, f"at most {MAX_PROMPTS} prompts")
     elif p.suffix.lower() not in JSON_LINES_SUFFIXES:
         return [{"prompt": line} for line in lines]
     else:
