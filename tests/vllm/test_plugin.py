@@ -69,9 +69,8 @@ def test_register_twice_is_once_and_uninstall_restores_identity(unpatched: dict[
 
 def test_a_version_string_is_not_what_is_trusted(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Another version string over identical code: every feature installs (the code is what is verified)."""
-    from dbo_runtime.integration.features import REGISTRY
-
     from dbo_runtime.integration import releases
+    from dbo_runtime.integration.features import REGISTRY
 
     monkeypatch.setattr(releases, "installed_version", lambda: "0.99.1")
     plugin.register()
