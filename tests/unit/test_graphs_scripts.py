@@ -224,7 +224,7 @@ def test_gpus_without_vllm_one_line_and_exit_3(
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_without_out_nothing_committed_is_written(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A script run without --out writes into graphs/results/local/, which git ignores, so trying one never
-    rewrites the committed graphs/results/*.json that docs/results.md cites; those take --out graphs/results."""
+    rewrites the committed graphs/results/*.json that docs/performance.md cites; those take --out graphs/results."""
     import argparse
 
     from graphs._args import RESULTS, SCRATCH
