@@ -7,7 +7,7 @@ value given twice is such input too (``cli._common.OnceArgumentParser``), not it
 run a script (no CUDA, no DeepGEMM, no vLLM, too few GPUs) is exit 3, as for every ``dbo-runtime`` command.
 
 Output goes to ``graphs/results/local/`` unless ``--out`` says otherwise: that folder is git-ignored, so
-trying a script never rewrites the committed results in ``graphs/results/`` that ``docs/results.md``
+trying a script never rewrites the committed results in ``graphs/results/`` that ``docs/performance.md``
 cites; updating those takes an explicit ``--out graphs/results``."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dbo_runtime.cli.main import OneLineArgumentParser
 from dbo_runtime.core.errors import shown
 
 RESULTS = Path(__file__).resolve().parent / "results"
-"""The committed results (``docs/results.md`` cites them)."""
+"""The committed results (``docs/performance.md`` cites them)."""
 SCRATCH = RESULTS / "local"
 """The default output folder: git-ignored."""
 

@@ -281,7 +281,7 @@ PER_STEP_78L = {
     "fp8_fp4_paged_mqa_logits call site (stub kernel)": 22,
 }
 """Hooked calls per eager decode step of the 78-layer GLM-5.3 pattern, as the self-timer counted them in the real
-engine (H200, lease 11, ``calls_per_step_by_patch``); the 156 property reads are split by the 21 leaders, whose
+engine (H200, ``calls_per_step_by_patch``); the 156 property reads are split by the 21 leaders, whose
 reads go through their indexer; of the 78 ``set_logical_topk_ready`` calls, the 57 of follower layers return at
 once and the 21 of leaders call through to vLLM's event record, priced here as a ``_convert_once`` call (the same
 one check and one call through; the record itself needs a GPU). The two kernel-calling hooks are timed around a

@@ -48,7 +48,7 @@ MAX_STEPS = 3000
 VARIANTS = (("plugin", {}), ("vanilla", {"DBO_RUNTIME_DISABLE": "1"}), ("selftime", {"DBO_RUNTIME_SELF_TIME": "1"}))
 ENGINE_GIB = ((6, 7.0), (78, 16.0))
 """(layers, GiB) of GPU memory one engine of this benchmark holds once it has run its first prefill (32 prompts of
-300-600 tokens), measured on an H200 (``docs/results.md``: about 6.5 GiB at 6 layers, 10-16 GiB at 61 and 78); other
+300-600 tokens), measured on an H200 (``docs/performance.md``: about 6.5 GiB at 6 layers, 10-16 GiB at 61 and 78); other
 depths on the line through the two (weights and activations grow with layers, the KV cache is fixed)."""
 ENGINE_ONLY = ("reps", "steps", "graphs_steps", "at_once")
 """Options that shape the engines' runs (timed reps, decode steps, engines alive together): with ``--from-records``
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--from-records", default=None, metavar="PREFIX[,PREFIX...]",
         help="summarize the records tools/gpu/collect_records.py wrote, PREFIX-real-engine-LABEL.json (e.g. "
-        "docs/gpu-runs/2026-12-02-lease15-hostcost), instead of running engines; with several prefixes each configuration "
+        "runs/2026-12-02-hostcost), instead of running engines; with several prefixes each configuration "
         "comes whole from the last one that holds any of its engines (--reps, --steps, --graphs-steps and --at-once are refused with it)",
     )  # fmt: skip
     parser.add_argument(
@@ -557,7 +557,7 @@ def _checked(where: Path, record: Any, what: str, label: str) -> dict:
 
 def from_records(prefixes: list[str], labels: list[str]) -> tuple[dict[str, dict], dict]:
     """The records ``tools/gpu/collect_records.py`` wrote (``PREFIX-real-engine-LABEL.json``), to rebuild a matrix
-    from ``docs/gpu-runs`` once the run directories are gone, several leases merged. A configuration comes whole
+    once the run directories are gone, several sessions merged. A configuration comes whole
     from the last prefix holding any of its engines, never engine by engine: a row's step ratio pairs engines that
     ran side by side, on one host, with one code."""
     for prefix in prefixes:

@@ -77,7 +77,7 @@ GLM53_CPU_STEPS, GLM53_CPU_REQUESTS = 2, 8
 The GPU preset (20 steps x 32 requests) takes about 10 minutes on a 2-core CPU (about 8.5 s
 per DBO step with its reference run, 3.5 runs' worth of steps). Both bugs show on the first
 step, and a second one shows that steady state needs no re-plan, so the CPU default keeps the
-GLM-5.3 indexer shapes and runs 2 steps of 8 requests: 14-32 s there (``docs/results.md``)."""
+GLM-5.3 indexer shapes and runs 2 steps of 8 requests: 14-32 s there (``docs/performance.md``)."""
 GLM53_GPU_RUN = "20 steps x 32 requests"
 GLM53_CPU_RUN = f"{GLM53_CPU_STEPS} steps x {GLM53_CPU_REQUESTS} requests"
 WIDTH = 100
@@ -171,7 +171,7 @@ included: the fp32 logits einsum, the part that grows with the indexer's width.
 
 Fitted with ``CPU_SECONDS_PER_ROW``, ``CPU_SECONDS_PER_RUN`` and ``CPU_START_SECONDS`` to the wall time of ``dbo-runtime simulate
 --backend cpu`` on a 2-core CPU, with and without ``--no-contrast``: ``--preset small`` at 1-20 steps of 2-256
-requests, and ``--preset glm53`` at 1-4 steps of 8-32 requests (``docs/results.md``, "simulate's up-front
+requests, and ``--preset glm53`` at 1-4 steps of 8-32 requests (``docs/performance.md``, "simulate's up-front
 estimate, refit"), as the geometric mean of each command's timed runs: the same command varied up to 3x in
 wall time there from one run to the next, with the host's load, so the estimate is the middle of that spread,
 not a bound."""

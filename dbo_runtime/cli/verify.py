@@ -156,7 +156,7 @@ def _batched_tokens(engine_args: list[str]) -> int | None:
 def ll_qp_depth_problem(engine_args: list[str], environ: Any) -> ConfigError | None:
     """DeepEP LL asserts ``nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2`` on its
     first dispatch, and vLLM 0.33 sizes that dispatch by ``max_num_batched_tokens``. Every LL engine
-    with 2048 tokens dies at start-up (measured on two H200s, docs/results.md). Said before any engine starts, instead of
+    with 2048 tokens dies at start-up (measured on two H200s, docs/accuracy.md). Said before any engine starts, instead of
     after minutes of start-up. LL kernels only run with expert parallelism; left unset, vLLM takes 256
     tokens for LL with EP (``use_batched_dp_moe``; verify always runs DP >= 2 there), doubled by
     ``--performance-mode throughput`` (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``)."""
