@@ -125,7 +125,7 @@ _V1 = (
         "create_forward_context",
         ("attn_metadata", "vllm_config", "dp_metadata", "cudagraph_runtime_mode", "batch_descriptor", "ubatch_slices"),
     ),
-    Target("vllm.v1.worker.gpu_ubatch_wrapper", "UBatchWrapper.__call__"),
+    Target("vllm.v1.worker.gpu_ubatch_wrapper", "UBatchWrapper._run_ubatches", ("self", "ubatch_metadata", "model")),
 )
 _V2 = (
     Target(
@@ -137,6 +137,7 @@ _V2 = (
     Target("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model", ("self", "scheduler_output")),
     Target("vllm.v1.worker.gpu.dp_utils", "DPSyncState.num_tokens_across_dp"),
     Target("vllm.v1.worker.gpu.ubatch_utils", "UBatchRunner", ("vllm_config", "device", "model_state", "attn_groups", "kv_cache_config", "max_num_reqs")),
+    Target("vllm.v1.worker.gpu.ubatch_utils", "UBatchRunner.begin_capturable_run", ("self", "model", "model_inputs", "ubatch_state")),
     Target("vllm.v1.worker.gpu.cudagraph_utils", "BatchExecutionDescriptor.num_ubatches"),
     Target("vllm.v1.worker.gpu.cudagraph_utils", "BatchExecutionDescriptor.cg_mode"),
 )
@@ -330,6 +331,30 @@ def _patch_v1_runner(module: Any) -> None:
 
     cls._determine_batch_execution_and_padding = determine_with_peer
     cls.execute_model = _step("v1", cls.execute_model)
+    from vllm.v1.worker.gpu_ubatch_wrapper import UBatchWrapper
+
+    run = UBatchWrapper._run_ubatches
+
+    @functools.wraps(run)
+    def run_logged(self: Any, ubatch_metadata: Any, model: Any) -> Any:
+        return run(self, ubatch_metadata, _logged(model))
+
+    UBatchWrapper._run_ubatches = run_logged
+
+
+def _logged(model: Callable[..., Any]) -> Callable[..., Any]:
+    """The model as a microbatch thread runs it, printing what it raises: vLLM keeps a microbatch's exception
+    until the join, and a sibling parked on a handoff that never comes turns the crash into a silent hang."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return model(*args, **kwargs)
+        except BaseException as exc:
+            sys.stderr.write(f"{NAME}: microbatch raised {type(exc).__name__}: {exc}\n")
+            sys.stderr.flush()
+            raise
+
+    return forward
 
 
 def _patch_v2_runner(module: Any) -> None:
@@ -364,6 +389,13 @@ def _patch_v2_runner(module: Any) -> None:
             return UBatchRunner(vllm_config, *args, **kwargs)
         return build(vllm_config, *args, **kwargs)
 
+    begin = UBatchRunner.begin_capturable_run
+
+    @functools.wraps(begin)
+    def begin_logged(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        return begin(self, _logged(model), *args, **kwargs)
+
+    UBatchRunner.begin_capturable_run = begin_logged
     module.dispatch_cg_and_sync_dp = dispatch_with_peer
     module.maybe_build_ubatch_runner = build_at_dp1
     module.GPUModelRunner.execute_model = _step("v2", module.GPUModelRunner.execute_model)
