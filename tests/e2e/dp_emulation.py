@@ -16,7 +16,9 @@ Everything else is vLLM's own: the microbatch wrapper or runner, its threads, SM
 
 Counters (per worker, ``llm.collective_rpc("dbo_emulation_counters")``): steps, microbatched steps (those
 replayed from a FULL graph apart), yields inside steps. With ``DBO_EMULATE_TOPK_CHECK=1`` (eager only) every
-follower layer's top-k read under microbatching is compared on the GPU with its own microbatch's leader's.
+follower layer's top-k read under microbatching is compared on the GPU with its own microbatch's leader's, and
+DeepSeek-V4's MTP hidden buffer, after both microbatches joined, with each microbatch's rows at its token offset
+(what the drafter reads in global token order).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ _COMMON = (
     Target("vllm.forward_context", "DPMetadata.num_tokens_across_dp_cpu"),
     Target("vllm.v1.worker.ubatching", "dbo_enabled"),
     Target("vllm.v1.worker.ubatching", "dbo_current_ubatch_id"),
+    Target("vllm.v1.worker.ubatching", "dbo_current_ubatch_token_offset"),
     Target("vllm.v1.worker.ubatching", "dbo_yield_and_switch_from_compute_to_comm"),
     Target("vllm.v1.worker.ubatching", "dbo_yield_and_switch_from_comm_to_compute"),
     Target("vllm.v1.worker.ubatching", "dbo_switch_to_compute_sync"),
@@ -107,6 +110,8 @@ _COMMON = (
         "DeepseekV32Attention._sparse_indexer_and_attn",
         ("self", "positions"),
     ),
+    Target("vllm.models.deepseek_v4.nvidia.model", "DeepseekV4Model.forward", ("self",)),
+    Target("vllm.models.deepseek_v4.nvidia.model", "hc_head_fused_kernel_tilelang", ("hs_flat",)),
 )
 _V1 = (
     Target(
@@ -211,6 +216,8 @@ class _Counters:
         self.yields_outside_steps = 0
         self.topk_reads = 0
         self.topk_wrong: Any = None  # a device int64 tensor, created on the first check
+        self.mtp_hidden_checks = 0
+        self.mtp_hidden_wrong: Any = None  # the same, for microbatches whose MTP hidden rows are not their own
 
     def snapshot(self) -> dict[str, Any]:
         eager = self.microbatched_steps - self.microbatched_graph_steps
@@ -229,6 +236,8 @@ class _Counters:
             "yields_per_eager_microbatched_step": (self.yields_in_steps / eager) if eager else None,
             "topk_reads": self.topk_reads,
             "topk_wrong_reads": int(self.topk_wrong.item()) if self.topk_wrong is not None else 0,
+            "mtp_hidden_checks": self.mtp_hidden_checks,
+            "mtp_hidden_wrong": int(self.mtp_hidden_wrong.item()) if self.mtp_hidden_wrong is not None else 0,
         }
 
 
@@ -337,7 +346,9 @@ def _patch_v1_runner(module: Any) -> None:
 
     @functools.wraps(run)
     def run_logged(self: Any, ubatch_metadata: Any, model: Any) -> Any:
-        return run(self, ubatch_metadata, _logged(model))
+        out = run(self, ubatch_metadata, _logged(model))
+        _after_join()
+        return out
 
     UBatchWrapper._run_ubatches = run_logged
 
@@ -393,7 +404,14 @@ def _patch_v2_runner(module: Any) -> None:
 
     @functools.wraps(begin)
     def begin_logged(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        return begin(self, _logged(model), *args, **kwargs)
+        finish = begin(self, _logged(model), *args, **kwargs)
+
+        def finish_checked() -> Any:
+            out = finish()
+            _after_join()
+            return out
+
+        return finish_checked
 
     UBatchRunner.begin_capturable_run = begin_logged
     module.dispatch_cg_and_sync_dp = dispatch_with_peer
@@ -516,6 +534,56 @@ def _patch_topk_check(module: Any) -> None:
     cls._sparse_indexer_and_attn = checked
 
 
+_MTP_ROWS: list[tuple[int, Any, Any]] = []
+"""(token offset, rows written, the whole buffer) per microbatch of the step under way (V4 MTP hidden check)."""
+_V4_MODEL = threading.local()
+
+
+def _patch_mtp_hidden_check(module: Any) -> None:
+    """Record what each microbatch writes into V4's MTP hidden buffer (the rows handed to the hc head right after
+    the copy); ``_after_join`` compares the buffer with them at each microbatch's own offset."""
+    from vllm.v1.worker import ubatching
+
+    cls = module.DeepseekV4Model
+    forward, head = cls.forward, module.hc_head_fused_kernel_tilelang
+
+    @functools.wraps(forward)
+    def forward_tracked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _V4_MODEL.model = self
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _V4_MODEL.model = None
+
+    @functools.wraps(head)
+    def head_recorded(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        model = getattr(_V4_MODEL, "model", None)
+        if model is not None and ubatching.dbo_enabled():
+            buffer = model._mtp_hidden_buffer  # the plugin's view on a microbatch thread: its base is the buffer
+            if buffer is not None:
+                whole = buffer if buffer._base is None else buffer._base
+                _MTP_ROWS.append((ubatching.dbo_current_ubatch_token_offset(), hidden_states.flatten(1).clone(), whole))
+        return head(hidden_states, *args, **kwargs)
+
+    cls.forward = forward_tracked
+    module.hc_head_fused_kernel_tilelang = head_recorded
+
+
+def _after_join() -> None:
+    """After both microbatches joined: each one's MTP hidden rows must sit at its own token offset."""
+    if not _MTP_ROWS:
+        return
+    rows = list(_MTP_ROWS)
+    _MTP_ROWS.clear()
+    with COUNTERS.lock:
+        for offset, written, whole in rows:
+            wrong = (whole[offset : offset + written.shape[0]] != written).any()
+            if COUNTERS.mtp_hidden_wrong is None:
+                COUNTERS.mtp_hidden_wrong = wrong.new_zeros((), dtype=_int64())
+            COUNTERS.mtp_hidden_wrong += wrong
+            COUNTERS.mtp_hidden_checks += 1
+
+
 def _int64() -> Any:
     import torch
 
@@ -542,7 +610,10 @@ PATCHES: dict[str, Callable[[Any], None]] = {
     "vllm.v1.worker.gpu_worker": _patch_worker,
 }
 """Module -> what is patched right after that module is imported."""
-CHECK_PATCHES: dict[str, Callable[[Any], None]] = {"vllm.models.deepseek_v32.attention": _patch_topk_check}
+CHECK_PATCHES: dict[str, Callable[[Any], None]] = {
+    "vllm.models.deepseek_v32.attention": _patch_topk_check,
+    "vllm.models.deepseek_v4.nvidia.model": _patch_mtp_hidden_check,
+}
 PATCHED: list[str] = []
 
 

@@ -15,7 +15,16 @@ Rows (MODE is ``eager`` or ``graphs``, FULL_DECODE_ONLY):
 - ``a-control-MODE``: the same pair on the control without followers: bit-identical;
 - ``b-MODE``: dbo_runtime with comm SMs 20 against 0: bit-identical (the re-plan is exact);
 - ``c``: eager, each follower's top-k read against its own microbatch's leader's: 0 wrong with dbo_runtime,
-  more than 0 vanilla.
+  more than 0 vanilla;
+- ``mtp-kK`` (K 1, 2, 3: DeepGEMM's paged MQA ``next_n`` 2, 1 (K + 1 = 3 is flattened to single rows) and 4 on
+  SM90), eager, the GLM-5.3 model with one MTP layer: dbo_runtime comm 20 against comm 0 bit-identical (the b
+  rule), vanilla comm 0 beside them; microbatched steps and draft acceptance recorded for all three;
+- ``v4-mtp``: eager, DeepSeek-V4 with one MTP layer, vanilla against dbo_runtime at comm 0: the MTP hidden buffer
+  after both microbatches joined holds each microbatch's rows at its own offset (0 wrong with dbo_runtime, more
+  than 0 vanilla, which writes every microbatch from row 0); draft acceptance recorded with and without the fix;
+- ``t-MODE``: DBO off, no emulation: dbo_runtime against vanilla token- and logprob-identical on a tiny model
+  (``--model`` glm53, v32, v4 or ml4: ``glm53-geometry``, ``deepseek-v32``, ``deepseek-v4``, ``mistral-large4``),
+  recorded in ``transparency.jsonl`` with ``dp_emulated`` false.
 
 DBO-on against DBO-off is no verdict here: on random-weight models it diverges after a few tokens for vanilla and
 dbo_runtime alike (a noise floor, not a check).
@@ -51,7 +60,31 @@ GIB_PER_ENGINE = {("glm53", 61): 18, ("glm53", 78): 22, ("glm53-pattern", 61): 1
 ACCURACY_PROMPTS = {"num": 32, "min_len": 300, "max_len": 2500, "seed": 40}
 ACCURACY_TOKENS = 16
 FRESH_LONG = {"num": 16, "min_len": 2500, "max_len": 3500, "seed": 19}
-ROWS = ("repro", "a-eager", "a-control-eager", "b-eager", "c", "a-graphs", "a-control-graphs", "b-graphs")
+MTP_MODEL = "glm53-emu-mtp"
+"""``glm53-emu`` plus one MTP layer (``num_nextn_predict_layers`` 1)."""
+V4_MTP_MODEL = "deepseek-v4-mtp"
+TRANSPARENCY = {"glm53": "glm53-geometry", "v32": "deepseek-v32", "v4": "deepseek-v4", "ml4": "mistral-large4"}
+"""DBO-off transparency's tiny models; ``mistral-large4`` is a Mistral-format ``params.json``."""
+MTP_TOKENS = 48
+MTP_ROWS = {"mtp-k1": 1, "mtp-k2": 2, "mtp-k3": 3}
+"""Row -> speculative tokens K; DeepGEMM's SM90 paged MQA takes ``next_n`` K + 1 in {1, 2, 4}, others flattened."""
+ROWS = (
+    "repro", "a-eager", "a-control-eager", "b-eager", "c", "a-graphs", "a-control-graphs", "b-graphs",
+    *MTP_ROWS, "v4-mtp", "t-eager", "t-graphs",
+)  # fmt: skip
+MODELS_OF = {
+    **{row: tuple(FOLLOWERS) for row in ROWS},
+    **{row: ("glm53",) for row in MTP_ROWS},
+    "v4-mtp": ("v4",),
+    "t-eager": tuple(TRANSPARENCY),
+    "t-graphs": tuple(TRANSPARENCY),
+}
+"""The ``--model`` values a row takes."""
+
+
+def kernel_next_n(k: int) -> int:
+    """The ``next_n`` DeepGEMM's SM90 paged MQA logits kernel runs with K speculative tokens (others flattened)."""
+    return k + 1 if k + 1 in (1, 2, 4) else 1
 KV_CACHE_DTYPE = os.environ.get("DBO_EMU_KV_CACHE_DTYPE", "fp8")
 """The reproducer's KV cache dtype (vllm#60732), kept for every row so one engine can serve several rows."""
 
@@ -64,37 +97,56 @@ class Engine:
     mode: str
     layers: int
     runner: str
+    dbo: bool = True
+    spec_tokens: int = 0
+    self_time: bool = False
 
     @property
     def label(self) -> str:
-        return f"{self.model}-{self.layers}L-{self.runner}-{self.mode}-{'plugin' if self.plugin else 'vanilla'}-comm{self.comm_sms}"
+        depth = f"{self.layers}L" if self.layers else "asis"
+        extra = ("" if self.dbo else "-dbooff") + (f"-mtp{self.spec_tokens}" if self.spec_tokens else "") + ("-selftime" if self.self_time else "")
+        return f"{self.model}-{depth}-{self.runner}-{self.mode}-{'plugin' if self.plugin else 'vanilla'}-comm{self.comm_sms}{extra}"
 
     def args(self) -> list[str]:
+        """vLLM's CLI for this engine. ``layers`` 0 keeps the config's depth; DBO-off engines keep vLLM's defaults
+        (no EP, the KV cache dtype the model picks), the same for plugin and vanilla."""
         compilation = {"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 64}
-        return [
+        mistral = (MODELS / self.model / "params.json").exists()
+        out = [
             "--model", str(MODELS / self.model),
             "--load-format", "dummy", "--skip-tokenizer-init",
-            "--hf-overrides", json.dumps({"num_hidden_layers": self.layers}),
+            *(["--config-format", "mistral"] if mistral else []),
+            *(["--hf-overrides", json.dumps({"num_hidden_layers": self.layers})] if self.layers else []),
             "--max-model-len", "4096", "--max-num-seqs", "64", "--max-num-batched-tokens", "8192",
-            "--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(1 << 30),
-            "--kv-cache-dtype", KV_CACHE_DTYPE, "--enable-prefix-caching", "--seed", "0",
+            "--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0",
+            *(["--enforce-eager"] if self.mode == "eager" else ["--compilation-config", json.dumps(compilation)]),
+        ]  # fmt: skip
+        if self.spec_tokens:
+            out += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": self.spec_tokens})]
+        if not self.dbo:
+            return out
+        return [
+            *out,
+            *(["--kv-cache-dtype", KV_CACHE_DTYPE] if self.model != V4_MTP_MODEL else []),
+            "--enable-prefix-caching",
             "--enable-expert-parallel", "--all2all-backend", "deepep_high_throughput", "--enable-dbo",
             "--dbo-decode-token-threshold", "4", "--dbo-prefill-token-threshold", "32",
-            *(["--enforce-eager"] if self.mode == "eager" else ["--compilation-config", json.dumps(compilation)]),
         ]  # fmt: skip
 
     def env(self) -> dict[str, str]:
         env = {
             "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            dp_emulation.ENV: "1",
-            "VLLM_DBO_COMM_SMS": str(self.comm_sms),
             "VLLM_USE_V2_MODEL_RUNNER": "1" if self.runner == "v2" else "0",
             "VLLM_DEEP_GEMM_WARMUP": "skip",
         }
-        if self.mode == "eager":
-            env[dp_emulation.CHECK_ENV] = "1"
+        if self.self_time:
+            env["DBO_RUNTIME_SELF_TIME"] = "1"
         if not self.plugin:
             env["DBO_RUNTIME_DISABLE"] = "1"
+        if not self.dbo:
+            return env
+        env[dp_emulation.ENV] = "1"
+        env["VLLM_DBO_COMM_SMS"] = str(self.comm_sms)
         return env
 
 
@@ -106,8 +158,17 @@ class Settings:
 
 
 def needs(row: str, s: Settings) -> list[tuple[Engine, str]]:
-    """The engines a row compares and the pass each must run (``accuracy`` or ``repro``)."""
+    """The engines a row compares and the pass each must run (``accuracy``, ``repro`` or ``mtp``)."""
+    if s.model not in MODELS_OF[row]:
+        raise ValueError(f"row {row} takes --model {' or '.join(MODELS_OF[row])}, not {s.model}")
     mode = "graphs" if row.endswith("graphs") else "eager"
+    if row in MTP_ROWS:
+        k = MTP_ROWS[row]
+        return [(Engine(MTP_MODEL, p, c, mode, s.layers, s.runner, spec_tokens=k), "mtp") for p, c in ((False, 0), (True, 0), (True, 20))]
+    if row == "v4-mtp":
+        return [(Engine(V4_MTP_MODEL, p, 0, mode, 0, s.runner, spec_tokens=1), "mtp") for p in (False, True)]
+    if row.startswith("t-"):
+        return [(Engine(TRANSPARENCY[s.model], p, 0, mode, 0, s.runner, dbo=False), "accuracy") for p in (False, True)]
     model = FOLLOWERS[s.model]
 
     def e(m: str, plugin: bool, comm: int) -> Engine:
@@ -150,7 +211,20 @@ def _requests(outputs: list[Any]) -> list[dict[str, Any]]:
 
 
 def _counters(llm: Any) -> list[dict[str, Any]]:
-    return list(llm.collective_rpc(dp_emulation.RPC, timeout=60))
+    """The emulation's counters per worker (none for an engine run without the emulation: DBO off)."""
+    return list(llm.collective_rpc(dp_emulation.RPC, timeout=60)) if dp_emulation.enabled() else []
+
+
+SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+
+
+def _spec_metrics(llm: Any) -> dict[str, int]:
+    """vLLM's speculative-decoding counters (summed over labels), from its Prometheus snapshot."""
+    out = dict.fromkeys(SPEC_METRICS, 0)
+    for metric in llm.get_metrics():
+        if metric.name in out:
+            out[metric.name] += int(getattr(metric, "value", 0))
+    return {k.removeprefix("vllm:spec_decode_"): v for k, v in out.items()}
 
 
 def engine_main(spec_path: str, out_path: str) -> int:
@@ -183,10 +257,16 @@ def engine_main(spec_path: str, out_path: str) -> int:
         result["passes"][what] = {"started": True}
         save()
         before = _counters(llm)
-        if what == "accuracy":
+        spec_before = _spec_metrics(llm) if what == "mtp" else {}
+        if what == "mtp":
+            prompts = load(PromptSpec(**ACCURACY_PROMPTS), vocab)
+            outputs = llm.generate(prompts, SamplingParams(max_tokens=MTP_TOKENS, logprobs=1, **greedy), use_tqdm=False)
+            after = _spec_metrics(llm)
+            done: dict[str, Any] = {"requests": _requests(outputs), "spec": {k: after[k] - spec_before[k] for k in after}}
+        elif what == "accuracy":
             prompts = load(PromptSpec(**ACCURACY_PROMPTS), vocab)
             outputs = llm.generate(prompts, SamplingParams(max_tokens=ACCURACY_TOKENS, logprobs=1, **greedy), use_tqdm=False)
-            done: dict[str, Any] = {"requests": _requests(outputs)}
+            done = {"requests": _requests(outputs)}
         else:
             first = load(PromptSpec(file=str(REPRO)), vocab)
             fresh = load(PromptSpec(**FRESH_LONG), vocab)
@@ -266,19 +346,37 @@ def _counted(result: dict[str, Any], what: str) -> dict[str, Any]:
     """This engine's emulation counters over one pass (summed over workers)."""
     p = result["passes"].get(what, {})
     before, after = p.get("counters_before") or [], p.get("counters_after") or []
-    keys = ("steps", "microbatched_steps", "microbatched_graph_steps", "yields_in_steps", "topk_reads", "topk_wrong_reads")
-    out = {k: sum(w[k] for w in after) - sum(w[k] for w in before) for k in keys} if after else {}
+    keys = (
+        "steps", "microbatched_steps", "microbatched_graph_steps", "yields_in_steps", "topk_reads", "topk_wrong_reads",
+        "mtp_hidden_checks", "mtp_hidden_wrong",
+    )  # fmt: skip
+    out = {k: sum(w.get(k, 0) for w in after) - sum(w.get(k, 0) for w in before) for k in keys} if after else {}
     eager = out.get("microbatched_steps", 0) - out.get("microbatched_graph_steps", 0)
     out["yields_per_step"] = round(out["yields_in_steps"] / eager, 2) if out and eager else None
     return out
 
 
+def acceptance(spec: dict[str, int] | None) -> float | None:
+    """Accepted draft tokens per draft token (None when no draft ran)."""
+    if not spec or not spec.get("num_draft_tokens"):
+        return None
+    return round(spec["num_accepted_tokens"] / spec["num_draft_tokens"], 4)
+
+
 def verdict(row: str, s: Settings, out: Path) -> dict[str, Any]:
     """One row's record numbers and ``pass`` (bool) from its engines' results."""
-    (e1, what), (e2, _) = needs(row, s)
+    engines = needs(row, s)
+    if row in MTP_ROWS or row == "v4-mtp":
+        return _verdict_mtp(row, engines, out)
+    (e1, what), (e2, _) = engines
     r1, r2 = _load(out, e1), _load(out, e2)
     c1, c2 = _counted(r1, what), _counted(r2, what)
     rec: dict[str, Any] = {"engines": [e1.label, e2.label], "counters": [c1, c2]}
+    if row.startswith("t-"):
+        if not (r1.get("ok") and r2.get("ok")):
+            return {**rec, "error": [r.get("log_tail") for r in (r1, r2) if not r.get("ok")], "pass": False}
+        a, b = r1["passes"]["accuracy"]["requests"], r2["passes"]["accuracy"]["requests"]
+        return {**rec, "sequences": len(a), "differing": differing(a, b), "pass": differing(a, b) == 0}
     if row == "repro":
         served = r2["passes"].get("repro", {})
         rec.update(
@@ -306,6 +404,44 @@ def verdict(row: str, s: Settings, out: Path) -> dict[str, Any]:
     return rec
 
 
+def _verdict_mtp(row: str, engines: list[tuple[Engine, str]], out: Path) -> dict[str, Any]:
+    """``mtp-kK``: engines vanilla comm 0, dbo_runtime comm 0, dbo_runtime comm 20; ``v4-mtp``: vanilla and
+    dbo_runtime at comm 0."""
+    results = [_load(out, e) for e, _ in engines]
+    counters = [_counted(r, "mtp") for r in results]
+    specs = [r["passes"].get("mtp", {}).get("spec") for r in results]
+    rec: dict[str, Any] = {
+        "engines": [e.label for e, _ in engines],
+        "counters": counters,
+        "spec_tokens": engines[0][0].spec_tokens,
+        "kernel_next_n": kernel_next_n(engines[0][0].spec_tokens),
+        "draft": specs,
+        "acceptance": [acceptance(x) for x in specs],
+    }
+    if not all(r.get("ok") for r in results):
+        return {**rec, "error": [r.get("log_tail") for r in results if not r.get("ok")], "pass": False}
+    reqs = [r["passes"]["mtp"]["requests"] for r in results]
+    steps = [c.get("microbatched_steps", 0) for c in counters]
+    if row == "v4-mtp":
+        (cv, cp), microbatched = counters, steps[0] > 0 and steps[0] == steps[1]
+        rec.update(
+            same_microbatching=microbatched, sequences=len(reqs[0]), differing=differing(reqs[0], reqs[1]),
+            vanilla_hidden_checks=cv["mtp_hidden_checks"], vanilla_hidden_wrong=cv["mtp_hidden_wrong"],
+            plugin_hidden_checks=cp["mtp_hidden_checks"], plugin_hidden_wrong=cp["mtp_hidden_wrong"],
+        )  # fmt: skip
+        rec["pass"] = microbatched and cv["mtp_hidden_wrong"] > 0 and cp["mtp_hidden_checks"] > 0 and cp["mtp_hidden_wrong"] == 0
+        return rec
+    microbatched = steps[1] > 0 and steps[1] == steps[2]
+    rec.update(
+        same_microbatching=microbatched,
+        sequences=len(reqs[1]),
+        differing=differing(reqs[1], reqs[2]),
+        vanilla_differing=differing(reqs[0], reqs[1]),
+    )
+    rec["pass"] = microbatched and rec["differing"] == 0 and steps[0] > 0
+    return rec
+
+
 def _versions() -> dict[str, Any]:
     from importlib import metadata
 
@@ -318,22 +454,30 @@ def _versions() -> dict[str, Any]:
     return info
 
 
+def _gib(rows: list[str], s: Settings) -> int:
+    """The largest engine's estimated GPU share: tiny models (DBO off, V4) fit vLLM's 0.2 of the GPU each."""
+    if any(not (r.startswith("t-") or r == "v4-mtp") for r in rows):
+        return GIB_PER_ENGINE[("glm53" if any(r in MTP_ROWS for r in rows) else s.model, s.layers)]
+    return 16
+
+
 def session(rows: list[str], s: Settings, out: Path, seconds: float, at_once: int | None, command: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     work = plan(rows, s)
-    at_once = at_once or max(1, int(72 // GIB_PER_ENGINE[(s.model, s.layers)]))
+    at_once = at_once or max(1, int(72 // _gib(rows, s)))
     run_engines(work, out, at_once, t0 + seconds)
     info = _versions()
     failed = 0
-    with (out / "emulated.jsonl").open("a") as records:
-        for row in rows:
-            rec = verdict(row, s, out)
-            counters = rec["counters"]
+    for row in rows:
+        rec = verdict(row, s, out)
+        counters = rec["counters"]
+        transparency = row.startswith("t-")
+        with (out / ("transparency.jsonl" if transparency else "emulated.jsonl")).open("a") as records:
             record = {
-                "family": "one-gpu-dbo-emulation",
-                "emulation": dp_emulation.NAME,
-                "dp_emulated": True,
+                "family": "dbo-off-transparency" if transparency else "one-gpu-dbo-emulation",
+                **({} if transparency else {"emulation": dp_emulation.NAME}),
+                "dp_emulated": not transparency,
                 "device": info["device"],
                 "vllm": info["vllm"],
                 "date": datetime.date.today().isoformat(),
@@ -341,9 +485,10 @@ def session(rows: list[str], s: Settings, out: Path, seconds: float, at_once: in
                 "row": row,
                 "runner": s.runner,
                 "mode": "graphs" if row.endswith("graphs") else "eager",
-                "comm_sms": [20, 0] if row.startswith("b-") else (20 if row == "repro" else 0),
-                "layers": s.layers,
+                "comm_sms": [20, 0] if row.startswith("b-") else [0, 0, 20] if row in MTP_ROWS else (20 if row == "repro" else 0),
+                "layers": s.layers if not (transparency or row == "v4-mtp") else None,
                 "model": s.model,
+                "model_dir": needs(row, s)[0][0].model,
                 "steps": [c.get("steps") for c in counters],
                 "microbatched_steps": [c.get("microbatched_steps") for c in counters],
                 "yields_per_step": [c.get("yields_per_step") for c in counters],
@@ -362,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.e2e.emulated", description="The one-GPU DBO emulation matrix.")
     p.add_argument("cmd", choices=["session", "plan"])
     p.add_argument("--rows", default="repro,a-eager,a-control-eager,b-eager,c", help=f"comma-separated, from {','.join(ROWS)}")
-    p.add_argument("--model", default="glm53", choices=sorted(FOLLOWERS))
+    p.add_argument("--model", default="glm53", choices=sorted(set(FOLLOWERS) | set(TRANSPARENCY)))
     p.add_argument("--layers", type=int, default=61, choices=[61, 78])
     p.add_argument("--runner", default="v2", choices=["v1", "v2"])
     p.add_argument("--out", type=Path, default=Path("emulated-out"))
@@ -374,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown row(s) {','.join(bad)}; rows are {','.join(ROWS)}")
     s = Settings(a.model, a.layers, a.runner)
+    wrong = [r for r in rows if a.model not in MODELS_OF[r]]
+    if wrong:
+        p.error(f"row(s) {','.join(wrong)} do not take --model {a.model} (" + "; ".join(f"{r}: {','.join(MODELS_OF[r])}" for r in wrong) + ")")
     if a.cmd == "plan":
         for engine, passes in plan(rows, s).items():
             print(engine.label, ",".join(passes))

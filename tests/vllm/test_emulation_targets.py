@@ -85,6 +85,7 @@ import vllm.v1.worker.gpu.model_runner as mr2
 import vllm.v1.worker.gpu_worker as gw
 import vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep as pf
 import vllm.models.deepseek_v32.attention as attn
+import vllm.models.deepseek_v4.nvidia.model as v4
 from vllm.config import ParallelConfig
 import torch
 from tests.e2e import dp_emulation as d
@@ -110,6 +111,7 @@ print(json.dumps({
     "dbo": [c.supports_dbo(c.__new__(c)) for c in (pf.MoEPrepareAndFinalizeNoDPEPModular, pf.MoEPrepareAndFinalizeNoDPEPMonolithic)],
     "deferred": [c.supports_deferred_moe_finalize(c.__new__(c)) for c in (pf.MoEPrepareAndFinalizeNoDPEPModular, pf.MoEPrepareAndFinalizeNoDPEPMonolithic)],
     "checked": attn.DeepseekV32Attention._sparse_indexer_and_attn.__name__,
+    "v4_checked": [hasattr(v4.DeepseekV4Model.forward, "__wrapped__"), hasattr(v4.hc_head_fused_kernel_tilelang, "__wrapped__")],
     "counters": d.COUNTERS.snapshot(),
 }))
 """
@@ -134,6 +136,7 @@ def test_sitecustomize_patches_every_target_module_of_the_release(child: dict) -
     assert expected <= set(child["patched"]), child["patched"]
     assert child["rpc"] and child["dbo"] == [True, True] and child["deferred"] == [False, False]
     assert child["checked"] == "_sparse_indexer_and_attn"
+    assert child["v4_checked"] == [True, True], "the V4 MTP hidden check wraps the model's forward and its hc head"
 
 
 def test_the_patched_v2_dispatch_microbatches_by_vllms_thresholds_at_dp1(child: dict) -> None:
@@ -153,3 +156,27 @@ def test_the_patched_v2_dispatch_microbatches_by_vllms_thresholds_at_dp1(child: 
 
 def test_dp_metadata_is_made_for_one_rank(child: dict) -> None:
     assert child["meta"] == [7]
+
+
+def test_the_mtp_hidden_check_counts_microbatches_whose_rows_are_not_at_their_offset() -> None:
+    """What V4 writes per microbatch (rows 0-2 and 3-6 of a step): vanilla copies both from row 0 (the second
+    overwrites the first, rows 3-6 keep the previous step's), the fixed model at each microbatch's offset."""
+    counters = dp_emulation.COUNTERS
+    saved = (counters.mtp_hidden_checks, counters.mtp_hidden_wrong)
+    try:
+        first, second = torch.arange(12.0).view(3, 4), 100 + torch.arange(16.0).view(4, 4)
+        counters.mtp_hidden_checks, counters.mtp_hidden_wrong = 0, None
+        vanilla = torch.zeros(8, 4)
+        vanilla[:3] = first
+        vanilla[:4] = second
+        dp_emulation._MTP_ROWS.extend([(0, first, vanilla), (3, second, vanilla)])
+        dp_emulation._after_join()
+        assert (counters.mtp_hidden_checks, int(counters.mtp_hidden_wrong)) == (2, 2)
+        fixed = torch.zeros(8, 4)
+        fixed[:3], fixed[3:7] = first, second
+        dp_emulation._MTP_ROWS.extend([(0, first, fixed), (3, second, fixed)])
+        dp_emulation._after_join()
+        assert (counters.mtp_hidden_checks, int(counters.mtp_hidden_wrong)) == (4, 2)
+        assert dp_emulation._MTP_ROWS == []
+    finally:
+        counters.mtp_hidden_checks, counters.mtp_hidden_wrong = saved
