@@ -1,0 +1,128 @@
+"""Replays the one-GPU DBO emulation's records (``docs/records/emulated.jsonl``) and DBO-off transparency's
+(``docs/records/transparency.jsonl``) on CPU: each record's verdict must follow from the numbers it carries.
+
+A record is written by ``tests/e2e/emulated.py`` on the GPU machine; this re-derives ``pass`` from its counters
+and comparisons by each row's rule, so a record whose claim its own numbers do not support (or a hand-edited
+one) fails here. Until the lead has recorded a run, no record anywhere may claim to be emulated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e import emulated
+
+RECORDS = Path(__file__).resolve().parents[2] / "docs" / "records"
+EMULATED = RECORDS / "emulated.jsonl"
+TRANSPARENCY = RECORDS / "transparency.jsonl"
+COMMON = ("device", "vllm", "date", "command", "dp_emulated", "row", "pass")
+
+
+def _all_positive(values: list[Any]) -> bool:
+    return bool(values) and all(isinstance(v, (int, float)) and v > 0 for v in values)
+
+
+def problems(rec: dict[str, Any]) -> list[str]:
+    """What in one record does not follow from its own numbers (empty: the record is consistent)."""
+    out = [f"no {k}" for k in COMMON if k not in rec]
+    row = rec.get("row", "")
+    transparency = row.startswith("t-")
+    if rec.get("dp_emulated") is not (not transparency):
+        out.append(f"dp_emulated is {rec.get('dp_emulated')} on a {'DBO-off' if transparency else 'microbatched'} row")
+    if row not in emulated.ROWS:
+        return [*out, f"unknown row {row!r}"]
+    if transparency:
+        want = rec.get("differing") == 0 and rec.get("sequences", 0) > 0
+        return out + ([] if want == rec["pass"] else [f"pass {rec['pass']} but {rec.get('differing')} of {rec.get('sequences')} differ"])
+    steps, batched = rec.get("steps") or [], rec.get("microbatched_steps") or []
+    if rec["pass"]:
+        if row != "repro" and not (_all_positive(batched) and len(set(batched[-2:])) == 1):
+            out.append(f"passed without the same microbatching: {batched}")
+        if any(b is not None and s is not None and b > s for b, s in zip(batched, steps, strict=False)):
+            out.append(f"more microbatched steps than steps: {batched} of {steps}")
+        if rec.get("mode") == "eager" and row != "repro" and not _all_positive(rec.get("yields_per_step") or []):
+            out.append(f"eager row passed without yields in its microbatched steps: {rec.get('yields_per_step')}")
+    want = _expected(row, rec)
+    if want is not None and want != rec["pass"]:
+        out.append(f"pass is {rec['pass']}, its numbers say {want}")
+    return out
+
+
+def _expected(row: str, rec: dict[str, Any]) -> bool | None:
+    """The row's rule on the record's comparisons (the microbatching part is checked by the caller)."""
+    if rec.get("error"):
+        return False
+    if row == "repro":
+        served = rec.get("plugin_requests") is not None and rec.get("plugin_completed") == rec.get("plugin_requests")
+        return bool(rec.get("vanilla_assertion")) and not rec.get("vanilla_served") and served
+    if row == "c":
+        return rec["vanilla_wrong_reads"] > 0 and rec["plugin_reads"] > 0 and rec["plugin_wrong_reads"] == 0
+    if row == "v4-mtp":
+        return rec["vanilla_hidden_wrong"] > 0 and rec["plugin_hidden_checks"] > 0 and rec["plugin_hidden_wrong"] == 0
+    same = rec.get("same_microbatching") is True
+    if row in ("a-eager", "a-graphs") and rec.get("model") != "v32":
+        return same and rec["differing"] > 0
+    return same and rec["differing"] == 0
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+GOOD = {
+    "device": "NVIDIA H100 80GB HBM3", "vllm": "0.34.0", "date": "2027-01-01", "command": "python -m tests.e2e.emulated session",
+    "dp_emulated": True, "model": "glm53", "mode": "eager", "steps": [35, 35], "microbatched_steps": [35, 35],
+    "yields_per_step": [348.0, 348.0], "same_microbatching": True, "sequences": 32,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rec", "consistent"),
+    [
+        ({**GOOD, "row": "a-eager", "differing": 22, "pass": True}, True),
+        ({**GOOD, "row": "a-eager", "differing": 0, "pass": True}, False),
+        ({**GOOD, "row": "a-control-eager", "differing": 0, "pass": True}, True),
+        ({**GOOD, "row": "b-eager", "differing": 1, "pass": True}, False),
+        ({**GOOD, "row": "b-eager", "differing": 0, "pass": True, "microbatched_steps": [35, 30]}, False),
+        ({**GOOD, "row": "b-eager", "differing": 0, "pass": True, "yields_per_step": [None, None]}, False),
+        ({**GOOD, "row": "b-eager", "differing": 0, "pass": True, "dp_emulated": False}, False),
+        ({**GOOD, "row": "c", "vanilla_wrong_reads": 9, "plugin_reads": 400, "plugin_wrong_reads": 0, "pass": True}, True),
+        ({**GOOD, "row": "c", "vanilla_wrong_reads": 0, "plugin_reads": 400, "plugin_wrong_reads": 0, "pass": True}, False),
+        ({**GOOD, "row": "repro", "vanilla_assertion": True, "vanilla_served": False, "plugin_requests": 8, "plugin_completed": 8, "pass": True}, True),
+        ({**GOOD, "row": "repro", "vanilla_assertion": False, "vanilla_served": True, "plugin_requests": 8, "plugin_completed": 8, "pass": True}, False),
+        ({**GOOD, "row": "mtp-k3", "microbatched_steps": [20, 20, 20], "differing": 0, "pass": True}, True),
+        ({**GOOD, "row": "v4-mtp", "vanilla_hidden_wrong": 5, "plugin_hidden_checks": 10, "plugin_hidden_wrong": 0, "pass": True}, True),
+        ({**GOOD, "row": "v4-mtp", "vanilla_hidden_wrong": 5, "plugin_hidden_checks": 10, "plugin_hidden_wrong": 1, "pass": True}, False),
+        ({**GOOD, "row": "t-graphs", "dp_emulated": False, "differing": 0, "pass": True}, True),
+        ({**GOOD, "row": "t-graphs", "dp_emulated": True, "differing": 0, "pass": True}, False),
+        ({**GOOD, "row": "a-graphs", "error": ["Traceback"], "differing": 0, "pass": False}, True),
+    ],
+)
+def test_the_replay_rules_tell_a_consistent_record_from_an_inconsistent_one(rec: dict[str, Any], consistent: bool) -> None:
+    assert (problems(rec) == []) is consistent, problems(rec)
+
+
+def test_every_recorded_emulated_row_is_consistent_with_its_numbers() -> None:
+    if not EMULATED.exists():
+        claimed = [p.name for p in RECORDS.glob("*.jsonl") if any(r.get("dp_emulated") for r in _read(p))]
+        assert claimed == [], f"{claimed} claim emulated rows while {EMULATED.name} is absent"
+        return
+    records = _read(EMULATED)
+    assert records, f"{EMULATED.name} is empty"
+    bad = {f"{r.get('row')} ({r.get('date')}, {r.get('vllm')})": problems(r) for r in records}
+    assert {k: v for k, v in bad.items() if v} == {}
+    assert all(r["family"] == "one-gpu-dbo-emulation" and r["dp_emulated"] is True for r in records)
+
+
+def test_every_recorded_transparency_row_is_consistent_with_its_numbers() -> None:
+    if not TRANSPARENCY.exists():
+        claimed = [p.name for p in RECORDS.glob("*.jsonl") if any(r.get("family") == "dbo-off-transparency" for r in _read(p))]
+        assert claimed == [], f"{claimed} hold transparency rows while {TRANSPARENCY.name} is absent"
+        return
+    records = _read(TRANSPARENCY)
+    assert records and all(r["dp_emulated"] is False and r["row"].startswith("t-") for r in records)
+    assert {r.get("row"): problems(r) for r in records if problems(r)} == {}
