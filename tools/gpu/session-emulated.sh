@@ -2,7 +2,9 @@
 # On the GPU machine, after install.sh: the one-GPU DBO emulation matrix (tests/e2e/emulated.py), one record per
 # row appended to $OUT/emulated.jsonl, engine logs and results in $OUT/emulated-runs.tgz.
 #   tools/gpu/session-emulated.sh [seconds] [tests.e2e.emulated session arguments: --rows --model --layers --runner --at-once]
-# Rows: repro, a-eager, a-control-eager, b-eager, c (default), a-graphs, a-control-graphs, b-graphs.
+# Rows: repro, a-eager, a-control-eager, b-eager, c (default), a-graphs, a-control-graphs, b-graphs,
+# mtp-k1, mtp-k2, mtp-k3 (--model glm53), v4-mtp (--model v4), t-eager, t-graphs (DBO off: --model glm53|v32|v4|ml4,
+# appended to $OUT/transparency.jsonl).
 set -u
 cd "$(dirname "$0")/../.."
 . tools/gpu/_checks.sh
@@ -21,7 +23,7 @@ echo "engines: $(echo "$checked" | tr '\n' ';')"
 timeout "$LIMIT" python3 -m tests.e2e.emulated session --out /tmp/emulated --seconds $((LIMIT - 20)) "$@" > /tmp/emulated/session.log 2>&1
 rc=$?
 echo "exit $rc" >> /tmp/emulated/session.log
-cp /tmp/emulated/emulated.jsonl "$OUT/" 2>/dev/null
+cp /tmp/emulated/emulated.jsonl /tmp/emulated/transparency.jsonl "$OUT/" 2>/dev/null
 tar czf "$OUT/emulated-runs.tgz" -C /tmp emulated 2>/dev/null
 tail -20 /tmp/emulated/session.log
 exit "$rc"
