@@ -24,7 +24,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dbo_runtime.cli.main import OneLineArgumentParser
 from dbo_runtime.harness.compare import Request, compare
 from dbo_runtime.harness.launch import reassemble
 
@@ -94,7 +93,7 @@ def _doc(label: str, rec: dict[str, Any], runs: dict[str, dict[str, Any]], args:
 
 
 def main() -> int:
-    ap = OneLineArgumentParser(
+    ap = argparse.ArgumentParser(
         description="Turn the raw run directories of a GPU session (tests/e2e/.out, DBO_E2E_OUT, or a benchmark's "
         "*_runs folder) into DOCS_DIR/<date>[-<run>]-real-engine-<label>.json records, also for runs a time limit stopped."
     )
