@@ -159,13 +159,17 @@ def check_with_vllm(engine_args: list[str], command: str) -> None:
     parser.parse_args(engine_args)
 
 
-def require_gpus(need: int, why: str) -> None:
+def visible_gpus() -> int:
     try:
         import torch
 
-        visible = int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
     except Exception:
-        visible = 0
+        return 0
+
+
+def require_gpus(need: int, why: str) -> None:
+    visible = visible_gpus()
     if visible < need:
         raise CliError(f"needs {need} GPU(s) ({why}); {visible} visible", EXIT_NO_DEVICE)
 
