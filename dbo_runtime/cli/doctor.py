@@ -36,7 +36,7 @@ ENTRY_POINT_VALUE = "dbo_runtime.integration.plugin:register"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("doctor", help="check that dbo_runtime's fixes are in force with the installed vLLM", description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser("doctor", help="check that dbo_runtime's fixes are in force with the installed vLLM", description="Check, installing nothing, that dbo_runtime's fixes are in force with the installed vLLM.")
     p.add_argument("--json", action="store_true", help=f"print the result as JSON ({SCHEMA})")
     return p
 

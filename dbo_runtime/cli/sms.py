@@ -26,6 +26,7 @@ from dbo_runtime.cli._common import (
     print_table,
     release_line,
     settings_a_server_refuses,
+    warn,
 )
 from dbo_runtime.cli._split import budget_for, comm_sms, deepep_sms, split_warnings
 from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, DBO_BACKENDS, H200_SMS, PLATFORMS, SMBudget
@@ -71,12 +72,21 @@ def _max_sms(text: str) -> int | None:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("sms", help="SMs per GPU and the DBO compute/comm split vLLM would apply", description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "sms",
+        help="SMs per GPU and the DBO compute/comm split vLLM would apply",
+        description="SMs per GPU (CUDA, NVML, MIG) and the DBO compute/comm split vLLM applies under --enable-dbo.",
+    )
     p.add_argument("--json", action="store_true", help=f"print the result as JSON ({SCHEMA})")
     p.add_argument("--total-sms", type=int_in(1, 1024), metavar="N", help="skip the hardware: one N-SM device (132: the H200 profile, SM90)")
-    p.add_argument("--all2all-backend", default="deepep_high_throughput", choices=sorted({b for v in BACKENDS.values() for b in v}))
+    p.add_argument(
+        "--all2all-backend",
+        default="deepep_high_throughput",
+        choices=sorted({b for v in BACKENDS.values() for b in v}),
+        help="the all2all backend (default deepep_high_throughput)",
+    )
     p.add_argument("--comm-sms", type=int, metavar="N", help="VLLM_DBO_COMM_SMS (default: $VLLM_DBO_COMM_SMS, else 20 CUDA / 64 ROCm)")
-    p.add_argument("--platform", default="cuda", choices=PLATFORMS)
+    p.add_argument("--platform", default="cuda", choices=PLATFORMS, help="cuda (default) or rocm")
     p.add_argument("--no-expert-parallel", action="store_true", help="as without --enable-expert-parallel")
     p.add_argument("--max-sms-used", type=_max_sms, metavar="N|none", help="override the all2all manager's max_sms_used()")
     p.add_argument("--no-deep-gemm", action="store_true", help="as if DeepGEMM were not installed (compute knob untouched)")
@@ -279,6 +289,8 @@ def render(doc: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for problem in switch_problems():  # the line the worker log would show
+        warn("sms", problem)
     doc = collect(args)
     print_json(doc) if args.json else render(doc)
     return 0

@@ -59,7 +59,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "tune",
         help="measure the DBO step time for each VLLM_DBO_COMM_SMS value and say which to use",
-        description=__doc__.split("\n\n")[1] + " Put tune's own options first, then your `vllm serve` engine arguments.",
+        description=__doc__.split("\n\n")[1].replace("``", "") + " Put tune's own options first, then your `vllm serve` engine arguments.",
         allow_abbrev=False,
     )
     p.add_argument("--shape", default="prefill", choices=("prefill", "decode"), help="the workload timed (default prefill, HT's regime)")

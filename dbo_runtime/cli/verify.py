@@ -53,7 +53,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "verify",
         help="run the model with DBO off and on and say whether DBO changes its outputs",
-        description=__doc__.split("\n\n")[1] + " Put verify's own options first, then your `vllm serve` engine arguments.",
+        description=__doc__.split("\n\n")[1].replace("``", "") + " Put verify's own options first, then your `vllm serve` engine arguments.",
         allow_abbrev=False,
     )
     p.add_argument("--prompts", type=int, default=64, metavar="N", help="synthetic prompts (default 64)")

@@ -71,7 +71,7 @@ def test_code_that_differs_from_the_release_is_named_with_what_to_do(capsys: pyt
 
     edit = {"vllm.v1.attention.backends.mla.indexer": replace_once("self.num_sms = sm_count", "self.num_sms = int(sm_count)")}
     with edited_sources(edit):
-        rc, doc, out = doctor(capsys)
+        rc, doc, _out = doctor(capsys)
     [indexer] = [f for f in doc["features"] if f["name"] == "indexer"]
     assert rc == 1 and indexer["verdict"] == "unverified" and not indexer["in_force"]
     assert any(line.startswith("indexer (") and "refused at engine start" in line for line in doc["problems"])

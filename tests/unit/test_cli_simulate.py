@@ -24,7 +24,7 @@ def test_the_verdict_and_the_installed_vllm_in_json_and_text(capsys: pytest.Capt
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == "dbo-runtime/simulate/v2" and doc["verdict"] == "PASS" and doc["protected"] is True
     assert doc["vllm"]["installed"] and doc["vllm"]["in_force"] is True and doc["exit_code"] == 0
-    assert [r["name"] for r in doc["runs"]][0] == "dbo_runtime" and all(r["as_expected"] for r in doc["runs"])
+    assert next(r["name"] for r in doc["runs"]) == "dbo_runtime" and all(r["as_expected"] for r in doc["runs"])
     assert main(QUICK) == 0
     out = capsys.readouterr().out
     assert all(len(line) <= 100 for line in out.splitlines()), max(out.splitlines(), key=len)
