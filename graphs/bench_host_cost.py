@@ -29,7 +29,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dbo_runtime.core.errors import shown  # noqa: E402
 from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
@@ -54,33 +53,19 @@ AT_ONCE = 1
 outgrow one H200 part-way (``ENGINE_GIB``), and every engine alive competes for the host's cores."""
 
 
-def _items(raw: str) -> tuple[list[str], str | None]:
-    """The comma-separated items, and how to show ``raw`` when one is empty (None when none is).
-
-    An empty item is refused, not dropped: ``glm53,,v32`` is more likely a name left out than a stray comma, and
-    a matrix quietly smaller than the one typed costs a GPU session."""
-    items = [v.strip() for v in raw.split(",")]
-    return items, (f"{raw!r} (an empty item)" if "" in items else None)
-
-
 def _choices(parser: argparse.ArgumentParser, name: str, raw: str, allowed: tuple[str, ...]) -> list[str]:
-    items, empty = _items(raw)
-    bad = [v for v in dict.fromkeys(items) if v and v not in allowed]
-    if bad or empty:
-        said = empty or ", ".join(repr(v) for v in bad)
-        parser.error(f"argument --{name}: {said} is not allowed; allowed values: {', '.join(allowed)} (comma-separated)")
+    items = [v.strip() for v in raw.split(",")]
+    bad = [v for v in items if v not in allowed]
+    if bad:
+        parser.error(f"argument --{name}: invalid value {bad[0]!r}: allowed {', '.join(allowed)} (comma-separated)")
     return items
 
 
 def _depths(parser: argparse.ArgumentParser, raw: str) -> list[int]:
-    items, empty = _items(raw)
-    try:
-        depths = [int(v) for v in items]
-    except ValueError:
-        depths = []
-    if empty or not depths or any(d < 1 for d in depths):
-        parser.error(f"argument --depths: {empty or shown(raw)} is not allowed; allowed values: comma-separated layer counts >= 1")
-    return depths
+    items = [v.strip() for v in raw.split(",")]
+    if not all(v.isdigit() and int(v) >= 1 for v in items):
+        parser.error(f"argument --depths: invalid value {raw!r}: allowed comma-separated layer counts >= 1")
+    return [int(v) for v in items]
 
 
 def configurations(models: list[str], depths: list[int], modes: list[str], dbo: list[str]) -> list[dict]:
@@ -344,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             records, env_facts = from_runs(Path(args.from_runs), [s.label for s in specs])
         except RunsUnreadable as exc:
-            parser.error(f"argument --from-runs: {exc}")
+            print(f"bench_host_cost: error: --from-runs: {exc}", file=sys.stderr)
+            return 2
     else:
         from dbo_runtime.harness.machine import refuse_without_engine
 
