@@ -1,6 +1,10 @@
-# The two commands of the README. Both set up ./.venv first (see .ci/setup-venv).
+# The two commands of the README. `make setup` builds both venvs first (see .ci/setup-venv):
+# .venv with vLLM 0.34.0 (the current release) and .venv-0.33 with vLLM 0.33.0.
 VENV ?= .venv
+VENV33 ?= .venv-0.33
 PY := $(VENV)/bin/python
+PY33 := $(VENV33)/bin/python
+PYTEST := -m pytest -q -p no:cacheprovider -m "not gpu and not e2e and not e2e_dp2"
 
 .PHONY: help run test setup lint
 
@@ -8,23 +12,23 @@ PY := $(VENV)/bin/python
 help:
 	@awk '/^## /{text=substr($$0, 4); next} /^[a-z]+:/{if (text != "") printf "make %-6s %s\n", substr($$1, 1, length($$1)-1), text; text=""}' Makefile
 
-## Create ./.venv with vLLM 0.33.0 and the project (one to two minutes; every other target runs it first).
+## Create .venv (vLLM 0.34.0) and .venv-0.33 (vLLM 0.33.0) with the project (about a minute each).
 setup:
-	@VENV=$(VENV) bash .ci/setup-venv
+	@VENV=$(VENV) VLLM=0.34.0 bash .ci/setup-venv
+	@VENV=$(VENV33) VLLM=0.33.0 bash .ci/setup-venv
 
-## Main job: the DBO + DSA scenario on the embedded default (CPU: simulated H200, 132 SMs; GPU + DeepGEMM: real kernels).
+## Main job: the DBO + DSA scenario against the installed vLLM 0.34.0 (CPU: simulated H200; GPU + DeepGEMM: real kernels).
 run: setup
 	@$(VENV)/bin/dbo-runtime simulate
 
-## Whole CPU test suite + lint + types + repository hygiene (what CI runs). The GPU twins (tests/gpu) are deselected: see README.
+## CPU tests: unit tests once, the vLLM-facing tests against 0.34.0 and 0.33.0; then lint, types, hygiene (what CI runs).
 test: setup
-	$(PY) -m pytest -q -m "not gpu and not e2e and not e2e_dp2"
-	$(VENV)/bin/ruff check dbo_runtime tests graphs tools
-	$(VENV)/bin/mypy dbo_runtime
-	$(PY) tools/lint_repo.py
+	$(PY) $(PYTEST) tests
+	$(PY33) $(PYTEST) tests/vllm tests/unit/test_install.py
+	$(MAKE) --no-print-directory lint
 
 ## ruff, mypy and repository hygiene only.
-lint: setup
+lint:
 	$(VENV)/bin/ruff check dbo_runtime tests graphs tools
 	$(VENV)/bin/mypy dbo_runtime
 	$(PY) tools/lint_repo.py

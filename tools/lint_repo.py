@@ -7,9 +7,10 @@ Prints one line per violation, ``path:line: message``, and exits 1 if there is a
 * a file points outside the repository (a sibling ``../shared`` directory, a machine's absolute
   path): a reader of a clone can follow none of them;
 * a file cites a ``docs/*.md`` that does not exist;
-* a comment or docstring in the code (``dbo_runtime/``, ``tests/``, ``graphs/``, ``tools/``) tells when
-  or who (a run number, a review, an issue item, "used to") instead of why. History belongs in git
-  and in the GPU records, not in the code.
+* a comment or docstring in the code (``dbo_runtime/``, ``tests/``, ``graphs/``, ``tools/``), or a line of
+  the docs (``docs/``, ``README.md``), tells when or who (a lease, a session or run number, a review, an
+  issue item, "used to") instead of why. History belongs in git; the GPU records (``docs/records``) are
+  data and may carry dates.
 
 Stdlib only, so it runs before anything is installed.
 """
@@ -27,8 +28,8 @@ from pathlib import Path
 
 SCANNED = ["README.md", "Makefile", "pyproject.toml", ".ci", "dbo_runtime", "tests", "graphs", "docs", "requirements"]
 """Where no file may point outside the repository and every cited doc must exist."""
-RAW_RECORDS = ("docs/gpu-runs/", "graphs/results/")
-"""Raw logs and JSON written by GPU runs: records of what ran there, not text a reader follows."""
+RAW_RECORDS = ("docs/records/", "graphs/results/")
+"""Records and JSON written by GPU runs: data about what ran there, not text a reader follows."""
 BINARY = {".png", ".pyc", ".whl", ".tgz", ".gz"}
 
 OUTSIDE = [
@@ -39,9 +40,13 @@ OUTSIDE = [
 ]
 CITED_DOC = re.compile(r"\bdocs/([\w.-]+\.md)\b")
 
-HISTORY_SCANNED = ["dbo_runtime", "tests", "graphs", "tools"]
-"""Code whose comments and docstrings say why, never when or who."""
+HISTORY_SCANNED = ["dbo_runtime", "tests", "graphs", "tools", "docs", "README.md"]
+"""Code whose comments and docstrings, and docs whose lines, say why, never when or who."""
 HISTORY = [
+    re.compile(r"\bleases? \d+", re.IGNORECASE),
+    re.compile(r"\blease\d+", re.IGNORECASE),
+    re.compile(r"\b\w+(?:st|nd|rd|th) lease\b", re.IGNORECASE),
+    re.compile(r"\bsessions? \d+", re.IGNORECASE),
     re.compile(r"\brun \d+\b", re.IGNORECASE),
     re.compile(r"\bruns \d+-\d+", re.IGNORECASE),
     re.compile(r"\bbefore item \d", re.IGNORECASE),

@@ -91,7 +91,7 @@ def _not_affected(arch: str, module: str, why: str) -> Coverage:
 
 
 _E2E = "tests/e2e/test_engine_1gpu.py"
-_FAMILY_E2E = "tests/e2e/test_family_1gpu.py (docs/gpu-runs/2026-12-0*-lease*-1gpu-<model>-*)"
+_FAMILY_E2E = "tests/e2e/test_family_1gpu.py (docs/records/e2e.jsonl, 1gpu-<model>-*)"
 _CALL_SITES = "tests/gpu/test_call_site_gpu.py"
 """The real engine on one H200: plugin vs vanilla DBO off (eager, graphs) token-identical, DBO at DP 1 starts."""
 _V41_EVIDENCE = ("tests/vllm/test_topk_v41.py", "tests/gpu/test_topk_isolation_gpu.py", _FAMILY_E2E, _CALL_SITES)
@@ -100,7 +100,7 @@ ROWS: tuple[Coverage, ...] = (
     _v32_family(
         "DeepseekV32ForCausalLM",
         "vllm.models.deepseek_v32",
-        evidence=("tests/vllm/test_topk_isolation.py", "docs/gpu-runs (two-GPU A/B records)", _E2E),
+        evidence=("tests/vllm/test_topk_isolation.py", "docs/records/e2e.jsonl (two-GPU A/B records)", _E2E),
     ),
     _v32_family(
         "GlmMoeDsaForCausalLM",

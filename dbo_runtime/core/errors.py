@@ -8,7 +8,7 @@ engine start, in a log that is usually far away from the flag they set.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class DboRuntimeError(RuntimeError):
@@ -97,3 +97,15 @@ class MicrobatchFailure(DboRuntimeError):
         # __cause__ makes Python's traceback printer skip __context__: vLLM's own error (``also``)
         # is therefore named in the message, not only chained.
         self.__cause__ = first
+
+
+def ways_out(*, verified: Sequence[str] = (), also: str = "") -> str:
+    """The ways out of every refusal, in one place. ``verified``: the vLLM releases dbo_runtime verifies, named
+    where installing one of them would lift the refusal; ``also``: one more way, specific to the refusal."""
+    ways = ["start without --enable-dbo or --ubatch-size (parallel_config.enable_dbo=False, ubatch_size=1)"]
+    if also:
+        ways.append(also)
+    if verified:
+        ways.append(f"install a vLLM release dbo_runtime verifies ({' or '.join(verified)}), or one that ships the upstream fix")
+    ways.append("set DBO_RUNTIME_DISABLE=1 to accept vLLM's own DBO behaviour knowingly")
+    return "Ways out: " + "; or ".join(ways) + "."

@@ -2,7 +2,7 @@
 
 Why this exists: under DBO the indexer's schedule must be re-planned for the compute SM budget,
 and the logits kernel trusts the schedule blindly on CUDA-graph replay (a stale plan returns
-wrong logits without an error: the replay-safety row of docs/results.md). CPU tests and the budget simulation
+wrong logits without an error: the replay-safety row of docs/accuracy.md). CPU tests and the budget simulation
 need to know *exactly* what ``deep_gemm.get_paged_mqa_logits_metadata`` returns for a given SM
 count without a GPU, so this module reproduces it bit-for-bit with vectorised torch ops
 (``tests/gpu/test_reference_planner_gpu.py`` checks that against the real kernel). It is a

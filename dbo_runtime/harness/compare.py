@@ -69,7 +69,7 @@ class Comparison:
         return asdict(self)
 
     def record_facts(self, reference: str, reference_requests: int) -> dict[str, Any]:
-        """The keys a run record carries for its comparison with ``reference`` (``docs/gpu-runs``)."""
+        """The keys a run record carries for its comparison with ``reference`` (``docs/records/e2e.jsonl``)."""
         return {
             "reference": reference,
             "agreement": self.agreement,
@@ -169,7 +169,7 @@ class Thresholds:
     reference token's logprob on the shared prefix by little; a wrong top-k moves it far, which
     ``max_dlogprob`` judges (with a lower bound where the token left the returned top-k). These
     assume a model whose next-token margins are wider than DBO's numerical noise, as a trained model's
-    are; on a random-weight model that is not so (docs/results.md).
+    are; on a random-weight model that is not so (docs/accuracy.md).
     """
 
     min_agreement: float = 0.95
@@ -187,7 +187,7 @@ class FloorRule:
     """How far a DBO-on comparison may sit from a noise-floor comparison and still count as noise.
 
     Why a floor: DBO changes batch shapes, and a model's greedy output can be as sensitive to that
-    as to a real defect (a random-weight model diverges within a few tokens, docs/results.md runs
+    as to a real defect (a random-weight model diverges within a few tokens, docs/accuracy.md runs
     11-13). A run that changes only batch shapes -- DBO off, fewer sequences at a time -- shows how
     much the model moves for reasons that are not DBO's semantics; DBO may move it that much, not more.
     """

@@ -7,7 +7,7 @@ import sys
 
 
 def engine_missing(gpus: int) -> str | None:
-    """Why the real engine cannot run here (None when it can): torch, CUDA GPUs, then vLLM 0.33."""
+    """Why the real engine cannot run here (None when it can): torch, CUDA GPUs, then a verified vLLM release."""
     try:
         import torch
     except ImportError:
@@ -16,14 +16,14 @@ def engine_missing(gpus: int) -> str | None:
         return "no CUDA device (torch.cuda.is_available() is False)"
     if torch.cuda.device_count() < gpus:
         return f"needs {gpus} GPUs, {torch.cuda.device_count()} visible"
-    from dbo_runtime.integration.plugin import VERIFIED_VLLM, vllm_version
+    from dbo_runtime.integration import releases
 
-    version = vllm_version()
-    if version is None:
+    if releases.installed_version() is None:
         return "vLLM is not installed"
-    if version.split("+")[0] != VERIFIED_VLLM:
-        # The suites' expectations (records, thresholds) were measured on the release itself.
-        return f"needs vLLM {VERIFIED_VLLM}, found {version}"
+    match = releases.identify()
+    if match.release is None:
+        # The suites' expectations (records, thresholds) were measured on the releases themselves.
+        return f"needs a vLLM release dbo_runtime verifies, found {match.describe()}"
     return None
 
 

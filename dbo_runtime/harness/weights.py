@@ -7,7 +7,7 @@ from the same seed (``weight_utils.initialize_single_dummy_weight``). Each linea
 then scales its input down about 50x; the tiny models' next-token distribution is
 nearly flat (top logprob -8.03 against a uniform -8.32) and nearly every request
 starts with the same token: the shared top-k corruption of vanilla DBO moved logprobs by 3.4e-4 on
-average and flipped no greedy token on two H200s (docs/results.md).
+average and flipped no greedy token on two H200s (docs/accuracy.md).
 
 This format keeps everything the ``dummy`` loader does (no files, deterministic,
 fp8/online-quant handling) and then re-initialises the tensors the way a trained
@@ -36,7 +36,7 @@ Two gains shape how the network responds, set with
 
 Why: with both at 1 the tiny model is chaotic. DBO on vs off -- vanilla with ``VLLM_DBO_COMM_SMS=0``
 and dbo_runtime alike, on the model without followers -- agreed on 6-11 % of greedy tokens on two
-H200s (docs/results.md): a request's first divergence came within ~4 tokens, because DBO is not
+H200s (docs/accuracy.md): a request's first divergence came within ~4 tokens, because DBO is not
 bit-identical (different GEMM shapes) and a random MoE router turns every near-tie into a different
 expert. A trained model is not like that. Small MLP updates keep routing flips small, and sharp
 attention keeps the model sensitive to which positions it reads -- which is exactly what a

@@ -78,9 +78,10 @@ def emitted_in_this_process() -> bool:
 
 
 def summary_line(
-    patch_set: PatchSet, features: Mapping[str, FeatureState], version: str | None, skipped: Mapping[str, str]
+    patch_set: PatchSet, features: Mapping[str, FeatureState], release: str, skipped: Mapping[str, str]
 ) -> str:
-    """``dbo_runtime: N patches installed for vLLM 0.33.0 (...) -- feature: patches; ...; guard: on -- not in force``."""
+    """``dbo_runtime: N patches installed for vLLM 0.34.0 (verified by its code) (...) -- feature: patches; ...;
+    guard: on -- not in force``; ``release`` is ``ReleaseMatch.describe()``."""
     from dbo_runtime import __version__
 
     groups: dict[str, list[str]] = {}
@@ -95,7 +96,7 @@ def summary_line(
     listing = "; ".join(f"{feature}: {', '.join(names)}" for feature, names in groups.items())
     others = [f"{name}: {state.describe()}" for name, state in features.items() if state.verdict != "verified"]
     text = (
-        f"dbo_runtime: {len(patch_set.patches)} patches installed for vLLM {version} (dbo_runtime {__version__}; "
+        f"dbo_runtime: {len(patch_set.patches)} patches installed for {release} (dbo_runtime {__version__}; "
         f"{applied} applied in this process, {waiting} apply when vLLM imports their module"
         + (f", {armable} of them from the first microbatched run on" if armable else "")
         + (f", {len(optional)} optional skipped: {', '.join(optional)}" if optional else "")

@@ -27,7 +27,6 @@ _COMMON = dict(
     ),
     upstream_pr="none (torch has no cheap capture-in-progress flag)",
     removal="torch exposes a cheap process-wide capture flag, or vLLM re-plans inside its own call site",
-    vllm_version="0.33.0 (torch.cuda.graphs)",
     anchors=(),  # torch's capture_begin/end are wrapped through unchanged: no vLLM code relied on
 )
 

@@ -4,7 +4,7 @@ A feature is the set of patches that share a name prefix (``indexer.*``, ``topk.
 anything is installed each feature gets a verdict: *provided by vLLM* when the installed vLLM
 already carries the upstream fix (a capability probe on its source: then none of the
 feature's patches install, because two owners of one piece of state fight); *unverified* when
-the code a patch relies on differs from vLLM 0.33.0 (a fingerprint mismatch); *needs X* when a
+the code a patch relies on differs from the release it is checked against (a fingerprint mismatch); *needs X* when a
 feature it depends on is not in force; otherwise *verified*, and it installs. At run time a lazy
 module whose patches fail marks its feature *broken*. The guard (``guard.py``) reads these
 states to refuse a DBO model that needs a fix which is not in force.
@@ -13,7 +13,7 @@ states to refuse a DBO model that needs a fix which is not in force.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -97,12 +97,16 @@ class FeatureState:
 
 
 def verify(
-    features: Sequence[Feature], patches: Sequence[Patch], recorded: dict[str, str]
+    features: Sequence[Feature], patches: Sequence[Patch], recorded: Mapping[str, str], against: str
 ) -> dict[str, FeatureState]:
-    """A verdict per feature, from vLLM's source as it is on disk (nothing is imported or installed)."""
+    """A verdict per feature, from vLLM's source as it is on disk (nothing is imported or installed).
+
+    ``recorded`` is one release's fingerprints and ``against`` names it; a patch that release records as
+    ``missing`` is not part of its set and is left out of the verdict."""
     by_feature: dict[str, list[Patch]] = {}
     for patch in patches:
-        by_feature.setdefault(patch.feature, []).append(patch)
+        if not patch.fingerprint_anchors or recorded.get(patch.name) != fingerprints.MISSING:
+            by_feature.setdefault(patch.feature, []).append(patch)
     states: dict[str, FeatureState] = {}
     for feature in features:
         own = by_feature.get(feature.name, [])
@@ -113,7 +117,7 @@ def verify(
         mismatched = [p.name for p in own if not p.optional and _mismatch(p, recorded)]
         if mismatched:
             states[feature.name] = FeatureState(
-                feature, "unverified", "code differs from vLLM 0.33.0 at " + ", ".join(mismatched), names
+                feature, "unverified", f"code differs from {against} at " + ", ".join(mismatched), names
             )
             continue
         states[feature.name] = FeatureState(feature, "verified", "", names)
@@ -125,7 +129,7 @@ def verify(
     return states
 
 
-def _mismatch(patch: Patch, recorded: dict[str, str]) -> bool:
+def _mismatch(patch: Patch, recorded: Mapping[str, str]) -> bool:
     anchors = patch.fingerprint_anchors
     if not anchors:
         return False
@@ -133,9 +137,9 @@ def _mismatch(patch: Patch, recorded: dict[str, str]) -> bool:
     return want is None or fingerprints.fingerprint(anchors) != want
 
 
-def excluded_optional(patches: Iterable[Patch], recorded: dict[str, str]) -> dict[str, str]:
+def excluded_optional(patches: Iterable[Patch], recorded: Mapping[str, str], against: str) -> dict[str, str]:
     """Optional patches whose anchors differ: skipped alone (their feature still installs)."""
-    return {p.name: "code differs from vLLM 0.33.0" for p in patches if p.optional and _mismatch(p, recorded)}
+    return {p.name: f"code differs from {against}" for p in patches if p.optional and _mismatch(p, recorded)}
 
 
 class FeatureRegistry:

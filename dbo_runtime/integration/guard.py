@@ -23,9 +23,10 @@ from typing import Any, Literal
 
 from dbo_runtime.core import coverage
 from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, decide_comm
-from dbo_runtime.core.errors import ConfigError, DboRefusal
+from dbo_runtime.core.errors import ConfigError, DboRefusal, ways_out
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.settings import setting_problems
+from dbo_runtime.integration import fingerprints, releases
 from dbo_runtime.integration.features import REGISTRY
 from dbo_runtime.integration.mtp_hooks import rocm_model_writes_per_microbatch
 from dbo_runtime.integration.patching import Patch, PatchSet
@@ -163,17 +164,6 @@ def _not_in_force(feature: str, arch: str, stage: Stage, runner: str | None = No
     return ""
 
 
-def ways_out(*, verified_build_helps: bool, also: str = "") -> str:
-    """The ways out of every refusal, in one place (``also``: one more, specific to the refusal)."""
-    ways = ["start without --enable-dbo or --ubatch-size (parallel_config.enable_dbo=False, ubatch_size=1)"]
-    if also:
-        ways.append(also)
-    if verified_build_helps:
-        ways.append("install a vLLM build dbo_runtime verifies (vLLM 0.33.0, or one that ships the upstream fix)")
-    ways.append("set DBO_RUNTIME_DISABLE=1 to accept vLLM's own DBO behaviour knowingly")
-    return "Ways out: " + "; or ".join(ways) + "."
-
-
 def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
     """The refusal for this configuration in this process ("" when it may start)."""
     parallel = getattr(vllm_config, "parallel_config", None)
@@ -192,12 +182,12 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
             return (
                 f"{head}: {shared}, and dbo_runtime does not know how this architecture hands top-k between layers, "
                 "so under DBO one microbatch could read the other's selection with no error. "
-                + ways_out(verified_build_helps=False)
+                + ways_out()
             )
         if row.status == "refused":
-            return f"{head}: {shared}, but {row.refusal}. " + ways_out(verified_build_helps=False)
+            return f"{head}: {shared}, but {row.refusal}. " + ways_out()
         if platform_name == "rocm" and row.refusal:
-            return f"{head} on ROCm: {shared}, but {row.refusal}. " + ways_out(verified_build_helps=False)
+            return f"{head} on ROCm: {shared}, but {row.refusal}. " + ways_out()
         for feature in row.needs:
             if feature == coverage.MTP_HIDDEN:
                 continue
@@ -205,7 +195,7 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
             if why:
                 return (
                     f"{head}: {shared}, and {why}; vLLM's own DBO would let one microbatch read the other's "
-                    "top-k with no error (silently wrong tokens). " + ways_out(verified_build_helps=True)
+                    "top-k with no error (silently wrong tokens). " + ways_out(verified=releases.SUPPORTED)
                 )
     if coverage.uses_indexer(arch, hf) and platform_name == "cuda" and partitions_deep_gemm(parallel, platform_name, stage):
         why = _not_in_force(coverage.INDEXER, arch, stage, runner)
@@ -213,7 +203,7 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
             return (
                 f"{head}: DBO lowers DeepGEMM's SM count for the DSA indexer, and {why}; DeepGEMM would assert "
                 "'_schedule_meta_size == num_sms + 1' in the middle of serving. "
-                + ways_out(verified_build_helps=True)
+                + ways_out(verified=releases.SUPPORTED)
                 + " (VLLM_DBO_COMM_SMS=0 also avoids the partition.)"
             )
     return ""
@@ -279,14 +269,20 @@ def _guard_problem(vllm_config: Any) -> str:
     if not why:
         return ""
     arch, _ = _model(vllm_config)
-    return f"dbo_runtime refuses {arch} with microbatching: {why}. " + ways_out(verified_build_helps=True)
+    return f"dbo_runtime refuses {arch} with microbatching: {why}. " + ways_out(verified=releases.SUPPORTED)
+
+
+V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 
 
 def runner_of(worker: Any) -> str | None:
-    """The model runner a vLLM worker runs (``Worker.use_v2_model_runner``, set in its ``__init__``)."""
+    """The model runner a vLLM worker runs: ``Worker.use_v2_model_runner`` where the build has both runners,
+    ``"mrv2"`` where it has no V1 runner at all (a release without it has no such attribute either)."""
     value = getattr(worker, "use_v2_model_runner", None)
     if value is None:
-        return None
+        has_v2_only = fingerprints.module_file(V1_RUNNER_MODULE) is None and fingerprints.module_file(WORKER_MODULE) is not None
+        return "mrv2" if has_v2_only else None
     return "mrv2" if bool(value) else "mrv1"
 
 
@@ -413,7 +409,7 @@ def check_without_worker_hooks() -> None:
     raise DboRefusal(
         f"dbo_runtime refuses {arch} with microbatching: {_hooks_failed[0].removeprefix('dbo_runtime: ')}, so this "
         "worker cannot check that "
-        "dbo_runtime's fixes applied. " + ways_out(verified_build_helps=True)
+        "dbo_runtime's fixes applied. " + ways_out(verified=releases.SUPPORTED)
     )
 
 
@@ -481,5 +477,4 @@ __all__ = [
     "pending_required",
     "problem",
     "runner_of",
-    "ways_out",
 ]

@@ -64,7 +64,6 @@ class Patch:
     reason: str
     upstream_pr: str
     removal: str
-    vllm_version: str = "0.33.0"
     lazy: bool = False
     """Apply when ``module`` is first imported instead of importing it at install."""
     optional: bool = False
@@ -77,8 +76,8 @@ class Patch:
     on_uninstall: Callable[[], None] | None = None
     """Called after the original is back, also on a rolled-back install."""
     anchors: tuple[str, ...] | None = None
-    """``module:qualname`` of the vLLM code the patch relies on, fingerprinted against vLLM 0.33.0
-    (``fingerprints.py``). None: the target itself (a function or method); ``()``: not bound to vLLM code."""
+    """``module:qualname`` of the vLLM code the patch relies on, fingerprinted per release
+    (``fingerprints.py``, ``releases.py``). None: the target itself (a function or method); ``()``: not bound to vLLM code."""
     architectures: tuple[str, ...] = ()
     """Architectures whose fix needs this patch (empty: every architecture that needs its feature)."""
     runner: str | None = None

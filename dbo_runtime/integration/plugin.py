@@ -1,10 +1,11 @@
 """The vLLM general plugin: ``register()`` and ``uninstall()``.
 
 vLLM calls every ``vllm.general_plugins`` entry point with no arguments, once per process (API
-server, engine core, workers), without a ``try`` (``plugins/__init__.py:77-90``). So
+server, engine core, workers), without a ``try``. So
 ``register`` is idempotent, never initialises CUDA, and installs in this order: the guard
 (always, unless ``DBO_RUNTIME_DISABLE=1``), then every feature whose vLLM code matches the
-recorded fingerprints and that vLLM does not already fix itself, as one transaction. A feature
+fingerprints recorded for the release this build is (``releases.py``) and that vLLM does not already fix
+itself, as one transaction. A feature
 that cannot be installed is no error by itself (vLLM without DBO needs none of them); the guard
 refuses a DBO model that needs it. ``DBO_RUNTIME_STRICT=1`` turns every such shortfall into an
 error at ``register()``.
@@ -14,67 +15,32 @@ from __future__ import annotations
 
 import importlib
 import threading
-from importlib import metadata
 
 from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.switches import parse_switch, switch_problems
-from dbo_runtime.integration import activation, guard, selftime
-from dbo_runtime.integration.features import REGISTRY, Feature, FeatureState, excluded_optional, verify
+from dbo_runtime.integration import activation, guard, releases, selftime
+from dbo_runtime.integration.catalog import all_features, all_patches
+from dbo_runtime.integration.features import REGISTRY, FeatureState, excluded_optional, verify
 from dbo_runtime.integration.patching import Patch, PatchSet
+from dbo_runtime.integration.releases import ReleaseMatch
 
 logger = get_logger("dbo_runtime.plugin")
-
-VERIFIED_VLLM = "0.33.0"
-"""The vLLM release the patches were written against and the fingerprints recorded from. Other builds are
-trusted feature by feature, by fingerprint, never by version string."""
-
-FEATURE_MODULES: tuple[str, ...] = (
-    "dbo_runtime.integration.ubatch_guard",
-    "dbo_runtime.integration.capture_hooks",
-    "dbo_runtime.integration.sm_hooks",
-    "dbo_runtime.integration.indexer_hooks",
-    "dbo_runtime.integration.topk_hooks",
-    "dbo_runtime.integration.topk_v41_hooks",
-    "dbo_runtime.integration.mtp_hooks",
-    "dbo_runtime.integration.worker_stats",
-)
-"""Each module exposes ``FEATURES: list[Feature]`` and ``patches() -> list[Patch]``; order is install order
-(a feature's dependencies come first)."""
 
 _lock = threading.Lock()
 _patch_set: PatchSet | None = None
 _guard_set: PatchSet | None = None
 
 
-def vllm_version() -> str | None:
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def all_patches() -> list[Patch]:
-    out: list[Patch] = []
-    for name in FEATURE_MODULES:
-        out.extend(importlib.import_module(name).patches())
-    return out
-
-
-def all_features() -> list[Feature]:
-    out: list[Feature] = []
-    for name in FEATURE_MODULES:
-        out.extend(importlib.import_module(name).FEATURES)
-    return out
-
-
 def installed_patch_set() -> PatchSet | None:
     return _patch_set
 
 
-def feature_states(patches: list[Patch] | None = None) -> dict[str, FeatureState]:
+def feature_states(patches: list[Patch] | None = None, match: ReleaseMatch | None = None) -> dict[str, FeatureState]:
     """Every feature's verdict against the vLLM on disk (what ``register`` would install; ``doctor``)."""
-    return verify(all_features(), patches if patches is not None else all_patches(), _recorded())
+    chosen = patches if patches is not None else all_patches()
+    match = match or releases.identify(chosen)
+    return verify(all_features(), chosen, match.recorded, match.label)
 
 
 def _install_guard() -> None:
@@ -89,8 +55,8 @@ def _install_guard() -> None:
         # Without the guard a DBO model could run vanilla's silent corruption: vLLM must not start.
         raise PatchError(
             f"dbo_runtime cannot install its guard in this vLLM ({exc!r}); nothing is patched. Ways out: install a "
-            "vLLM build dbo_runtime verifies (vLLM 0.33.0), or set DBO_RUNTIME_DISABLE=1 to run vLLM without "
-            "dbo_runtime"
+            f"vLLM release dbo_runtime verifies ({', '.join(releases.SUPPORTED)}), or set DBO_RUNTIME_DISABLE=1 to "
+            "run vLLM without dbo_runtime"
         ) from exc
     _guard_set = guard_set
 
@@ -109,12 +75,13 @@ def register() -> None:
             return
         strict = parse_switch("DBO_RUNTIME_STRICT")
         _install_guard()
-        version = vllm_version()
         try:
             # Building the list imports the feature modules; reading the fingerprints reads vLLM's files.
-            patches = all_patches()
-            states = feature_states(patches)
-            skip = excluded_optional(patches, _recorded())
+            every = all_patches()
+            match = releases.identify(every)
+            patches = [p for p in every if releases.part_of(p, match.recorded)]
+            states = feature_states(patches, match)
+            skip = excluded_optional(patches, match.recorded, match.label)
             topk = importlib.import_module("dbo_runtime.integration.topk_hooks")  # all_patches() loaded it
             if topk.FA4_SCALARS in skip and topk.fa4_module_present():  # absent FA4: no cache to grow
                 topk.default_state().windows_unsafe = (
@@ -131,8 +98,7 @@ def register() -> None:
         shortfall = {name: s for name, s in states.items() if not s.in_force}
         if shortfall and strict:
             raise PatchError(
-                "dbo_runtime (DBO_RUNTIME_STRICT=1): not in force on vLLM "
-                f"{version}: " + "; ".join(f"{n}: {s.describe()}" for n, s in shortfall.items())
+                f"dbo_runtime (DBO_RUNTIME_STRICT=1): not in force on {match.describe()}: " + "; ".join(f"{n}: {s.describe()}" for n, s in shortfall.items())
             )
         chosen = [p for p in patches if states[p.feature].installs and p.name not in skip]
         patch_set = PatchSet(chosen, instrument=selftime if selftime.enabled() else None)
@@ -150,15 +116,9 @@ def register() -> None:
         guard.bind_patch_set(patch_set)
         patch_set.failure_listeners.append(_on_lazy_failure)
         patch_set.lazy_listeners.append(_flush_activation)
-        activation.set_summary(lambda: activation.summary_line(patch_set, REGISTRY.all(), version, skip))
+        activation.set_summary(lambda: activation.summary_line(patch_set, REGISTRY.all(), match.describe(), skip))
     # Outside the lock: the line may be pending until vLLM configures logging (see activation.py).
     activation.flush()
-
-
-def _recorded() -> dict[str, str]:
-    from dbo_runtime.integration.recorded_fingerprints import FINGERPRINTS
-
-    return FINGERPRINTS
 
 
 def _on_lazy_failure(patches: list[Patch], message: str) -> None:

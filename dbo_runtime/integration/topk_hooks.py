@@ -27,9 +27,8 @@ import threading
 from typing import Any
 
 from dbo_runtime.core import coverage
-from dbo_runtime.core.errors import UnsupportedConfiguration
+from dbo_runtime.core.errors import UnsupportedConfiguration, ways_out
 from dbo_runtime.core.log import get_logger
-from dbo_runtime.integration import guard
 from dbo_runtime.integration.engine_config import decode_rows
 from dbo_runtime.integration.features import Feature, Probe, Upstream
 from dbo_runtime.integration.patching import Patch, require_parameters
@@ -135,7 +134,7 @@ def _refuse_hisparse() -> None:
         "dbo_runtime refuses HiSparse (attention_config.hisparse_config) with --enable-dbo and layers that reuse "
         "an earlier layer's top-k: HiSparse stages the shared top-k without a microbatch dimension and holds the "
         "index group's stream and events by reference, so microbatches would read each other's selection. "
-        + guard.ways_out(verified_build_helps=False, also="start without HiSparse")
+        + ways_out(also="start without HiSparse")
     )
 
 
@@ -154,7 +153,7 @@ def _refuse(vllm_config: Any, default_reason: str) -> None:
     raise UnsupportedConfiguration(
         f"dbo_runtime refuses {arch} with --enable-dbo: its layers reuse an earlier layer's top-k, but {reason}, "
         "so under DBO one microbatch would read the other's selection with no error. "
-        + guard.ways_out(verified_build_helps=False)
+        + ways_out()
     )
 
 

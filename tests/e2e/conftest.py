@@ -9,7 +9,7 @@ the first test that asks for records starts all runs of the selected tests at on
 (``harness.pool``), bounded by ``DBO_E2E_MAX_ENGINES`` engines (default 12). Each run's
 record lands in ``DBO_E2E_OUT`` (default ``tests/e2e/.out``); with ``DBO_E2E_RECORD_DIR``
 set, the records (requests stripped, comparisons added by the tests) are also written there as
-``<date>-real-engine-<label>.json`` (the files under ``docs/gpu-runs/``).
+``<date>-real-engine-<label>.json`` (``tools/gpu/collect_records.py`` turns a session's runs into ``docs/records``).
 
 With ``DBO_E2E_REPLAY=<dir>`` (a session's run directory, e.g. an extracted ``e2e.tgz``'s
 ``e2e-out``) no engine starts: the tests judge that session's recorded runs again

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from dbo_runtime.integration.releases import SUPPORTED
 from tests.e2e import plan
 from tests.e2e.conftest import Records
 from tests.e2e.test_engine_1gpu import _identical, _ok
@@ -16,7 +17,7 @@ from tests.e2e.test_engine_1gpu import _identical, _ok
 pytestmark = pytest.mark.e2e
 
 FAMILY = list(plan.FAMILY)
-WAYS_OUT = ("without --enable-dbo", "install a vLLM build dbo_runtime verifies", "DBO_RUNTIME_DISABLE=1")
+WAYS_OUT = ("without --enable-dbo", f"install a vLLM release dbo_runtime verifies ({' or '.join(SUPPORTED)})", "DBO_RUNTIME_DISABLE=1")
 
 
 @pytest.mark.runs("1gpu-guard-unverified-dbo-refused", "1gpu-guard-unverified-dbo-disabled")

@@ -1,9 +1,8 @@
 """``FakePynvml``: a stand-in for ``import pynvml`` at the NVML driver boundary.
 
 This CPU box has no NVIDIA driver, so real NVML cannot report a GPU here. The
-fake reproduces the behaviour measured on the H200 (``docs/results.md``, ``dbo-runtime sms`` row;
-``docs/gpu-runs/2026-11-29-run2-cli_sms.json``)
-that the adapter depends on: ``nvmlDeviceGetNumGpuCores`` = 16896 and compute
+fake reproduces the behaviour measured on the H200 (the ``dbo-runtime sms`` result, ``cli_sms``, in
+``docs/records/twins.jsonl``) that the adapter depends on: ``nvmlDeviceGetNumGpuCores`` = 16896 and compute
 capability 9.0 on a full H200, ``nvmlDeviceGetAttributes_v2`` raising
 NotSupported on a non-MIG handle, MIG mode as ``[current, pending]``, empty MIG
 slots raising NotFound. Fields can be made to raise NotSupported one by one.

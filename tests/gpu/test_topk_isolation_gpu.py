@@ -358,7 +358,7 @@ def _build_and_run_dropped(
 
     No weak reference to a ``torch.cuda.Stream`` or ``torch.cuda.Event``: with torch 2.11.0+cu130 one to a used
     stream made the process segfault at a later garbage collection, and with only the events' the same twin
-    segfaulted once more, when the test's frame released them (docs/results.md). Events are counted instead
+    segfaulted once more, when the test's frame released them (docs/accuracy.md). Events are counted instead
     (``live_events``); a side stream holds no device memory and lives exactly as long as its group, whose weak
     reference is watched."""
     import weakref

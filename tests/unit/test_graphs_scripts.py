@@ -169,7 +169,7 @@ def test_gpus_without_vllm_one_line_and_exit_3(
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_without_out_nothing_committed_is_written(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A script run without --out writes into graphs/results/local/, which git ignores, so trying one never
-    rewrites the committed graphs/results/*.json that docs/results.md cites; those take --out graphs/results."""
+    rewrites the committed graphs/results/*.json that docs/performance.md cites; those take --out graphs/results."""
     import argparse
 
     from graphs._args import RESULTS, SCRATCH
@@ -488,7 +488,7 @@ def test_host_cost_bench_names_the_engines_that_failed_and_why() -> None:
 
 
 def test_host_cost_bench_says_when_its_step_times_are_not_a_measurement() -> None:
-    """The shapes of lease 13's 78-layer graphs run: one pair of reps, a rep 160x the other, a rep whose 1-token
+    """The shapes of a measured 78-layer graphs run: one pair of reps, a rep 160x the other, a rep whose 1-token
     pass outlasted the full one (a compile in it), and decode steps a third of the timed pass."""
     mod = load("bench_host_cost.py")
     [config] = [c for c in mod.configurations(["glm53"], [78], ["graphs"], ["dp1"])]

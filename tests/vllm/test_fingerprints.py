@@ -1,4 +1,4 @@
-"""The recorded fingerprints are vLLM 0.33.0's, and they see code, not comments or formatting."""
+"""The recorded fingerprints are the installed release's, and they see code, not comments or formatting."""
 
 from __future__ import annotations
 
@@ -6,19 +6,25 @@ from importlib import metadata
 
 import pytest
 
-from dbo_runtime.integration import fingerprints, plugin
-from dbo_runtime.integration.recorded_fingerprints import FINGERPRINTS, RECORDED_FROM
+from dbo_runtime.integration import fingerprints, plugin, releases
+from dbo_runtime.integration.recorded_fingerprints import RELEASES
 from tests.fakes.vllm_build import edited_sources, replace_once
 
 INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
 ANCHOR = (f"{INDEX_GROUP}:SparseMLAIndexGroupBuilder.register_layer",)
 
 
+def _installed_record() -> dict[str, str]:
+    return RELEASES[metadata.version("vllm")]
+
+
 def test_recorded_from_the_installed_release() -> None:
-    assert RECORDED_FROM == metadata.version("vllm") == plugin.VERIFIED_VLLM
     fingerprints.clear_caches()
     computed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in plugin.all_patches() if p.fingerprint_anchors}
-    assert computed == FINGERPRINTS, "regenerate: python -m dbo_runtime.integration.fingerprints --write"
+    assert computed == _installed_record(), "review, then: python tools/record_release.py VERSION --write"
+    match = releases.identify()
+    assert match.release == metadata.version("vllm") and not match.differing
+    assert match.describe() == f"vLLM {match.release} (verified by its code)"
 
 
 def test_every_patch_of_vllm_code_names_what_it_relies_on() -> None:
@@ -109,7 +115,7 @@ def test_the_recorded_fingerprints_match_on_every_python_on_this_machine(tmp_pat
             [python, "-c", script, fingerprints.__file__, str(root), json.dumps(anchors)], capture_output=True, text=True, timeout=120
         )
         assert out.returncode == 0, f"{python}: {out.stderr[-2000:]}"
-        assert json.loads(out.stdout) == FINGERPRINTS, python
+        assert json.loads(out.stdout) == _installed_record(), python
         checked.append(python)
     if not pythons:
         pytest.skip("no other CPython on this machine")  # the running one is checked by test_recorded_from_the_installed_release

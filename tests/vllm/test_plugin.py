@@ -69,16 +69,19 @@ def test_register_twice_is_once_and_uninstall_restores_identity(unpatched: dict[
 
 def test_a_version_string_is_not_what_is_trusted(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Another version string over identical code: every feature installs (the code is what is verified)."""
+    from dbo_runtime.integration import releases
     from dbo_runtime.integration.features import REGISTRY
 
-    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.34.1")
+    monkeypatch.setattr(releases, "installed_version", lambda: "0.99.1")
     plugin.register()
     ps = plugin.installed_patch_set()
     assert ps is not None and ps.installed
     assert all(state.verdict == "verified" for state in REGISTRY.all().values())
     from dbo_runtime.integration import activation
 
-    assert "patches installed for vLLM 0.34.1 " in activation._summary()  # type: ignore[misc]
+    release = releases.identify().release
+    assert release in releases.SUPPORTED
+    assert f"patches installed for vLLM {release} (verified by its code) " in activation._summary()  # type: ignore[misc]
 
 
 def test_strict_mode_raises_on_an_unverified_feature(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,7 +89,7 @@ def test_strict_mode_raises_on_an_unverified_feature(unpatched: dict[str, Any], 
 
     monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")
     moved = {"vllm.v1.attention.backends.mla.index_group": replace_once("workspace_rows = self.max_decode_rows", "workspace_rows = self.max_decode_rows + 0")}
-    with edited_sources(moved), pytest.raises(PatchError, match=r"topk: unverified \(code differs from vLLM 0\.33\.0 at topk\.builder_register_layer"):
+    with edited_sources(moved), pytest.raises(PatchError, match=r"topk: unverified \(code differs from vLLM [0-9.]+ at topk\.builder_register_layer"):
         plugin.register()
 
 
@@ -162,10 +165,10 @@ def test_every_patch_documents_itself() -> None:
 def test_docs_patch_table_is_generated_from_the_patches() -> None:
     from pathlib import Path
 
-    from dbo_runtime.integration.patch_table import render
+    from tools.patch_table import render
 
     committed = (Path(__file__).parents[2] / "docs" / "patches.md").read_text()
-    assert committed == render(), "regenerate: python -m dbo_runtime.integration.patch_table > docs/patches.md"
+    assert committed == render(), "regenerate: python tools/patch_table.py > docs/patches.md"
 
 
 def test_fresh_process_patches_runner_modules_imported_after_register() -> None:
@@ -351,7 +354,7 @@ def test_a_differing_fa4_scalar_cache_turns_the_default_topk_layout_to_copies(
 
     real = plugin.excluded_optional
     monkeypatch.setattr(
-        plugin, "excluded_optional", lambda patches, recorded: {**real(patches, recorded), topk_hooks.FA4_SCALARS: "code differs from vLLM 0.33.0"}
+        plugin, "excluded_optional", lambda patches, recorded, against: {**real(patches, recorded, against), topk_hooks.FA4_SCALARS: f"code differs from {against}"}
     )
     plugin.register()
     try:

@@ -1,15 +1,12 @@
-"""Turn the raw run directories of a GPU session (``tests/e2e/.out`` or ``DBO_E2E_OUT``) into the
-``docs/gpu-runs/<date>-real-engine-<label>.json`` records, also for runs a time limit stopped.
+"""Turn the raw run directories of a GPU session (``tests/e2e/.out``, ``DBO_E2E_OUT`` or a benchmark's
+``*_runs`` folder) into compact records appended to ``docs/records/<family>.jsonl``.
 
-    python tools/gpu/collect_records.py RUN_DIR DOCS_DIR --date YYYY-MM-DD [--run runNN] [--session NOTE]
+    python tools/gpu/collect_records.py RUN_DIR --date YYYY-MM-DD --command "CMD" [--records docs/records]
 
-With ``--run`` the files are ``<date>-<run>-real-engine-<label>.json``, so several sessions of one day
-do not overwrite each other.
-
-Each record keeps the issue's keys (vllm_version, device, dp, runner, graphs, dbo, plugin, model, ok,
-error, tokens_identical_to, plugin_log_lines, all2all_backend, microbatched_steps, counters, agreement,
-max_abs_dlogprob, reference); comparisons are recomputed from the per-request tokens and logprobs.
-Microbatched steps are recomputed from the per-worker counters in the rank files.
+One JSON object per line and run: ``device``, ``vllm`` (release), ``date``, ``command``, ``dp_emulated`` and the
+run's numbers. A benchmark engine (``bench_host_cost``) goes to ``host-cost.jsonl``, every other run to
+``e2e.jsonl``. Comparisons are recomputed from the per-request tokens and logprobs; the tokens themselves, logs
+and engine arguments are not kept (the command reproduces them).
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,33 +45,112 @@ PAIRS.update(
         "verify-deepseek-v32-vanilla-crash/dbo-on": "verify-deepseek-v32-vanilla-crash/dbo-off",
     }
 )
-
 for model, runners in (("deepseek-v32-h2048", ("v1",)), ("shared-topk-h2048", ("v1", "v2"))):
     for runner in runners:
         for variant in ("plugin", "vanilla"):
             PAIRS[f"dp2-ll-dbo-{model}-{runner}-{variant}"] = f"dp2-ll-ref-{model}-{runner}"
 
+DROPPED = (
+    "requests", "log_tail", "stderr_tail", "plugin_log_lines", "engine_args", "versions", "vllm_version", "session",
+    "workdir", "start_s", "import_s", "generate_s", "run",
+)  # fmt: skip
+"""Keys a compact record leaves out: tokens, logs and paths are raw data; the command reproduces them."""
+REP_KEYS = (
+    "rep", "warmup", "prefill_s", "total_s", "decode_step_ms", "jit_in_step", "microbatched_builds", "decode_partitions",
+    "plugin_self_us_per_step", "plugin_self_net_us_per_step", "plugin_calls_per_step", "plugin_calls_per_step_by_patch",
+    "plugin_self_us_per_step_by_patch", "armed_patches",
+)  # fmt: skip
+"""What a compact record keeps of each timed rep of a benchmark engine (warm-up reps are left out)."""
+TEXT = 240
+"""Longest free text a record keeps (an error, a refusal): its first line names the cause."""
 
-TAG = re.compile(r"[A-Za-z0-9_-]+")
+
+def _small(value: Any) -> Any:
+    """``value`` with floats at 4 significant digits, long text cut and zero entries of per-patch maps dropped."""
+    if isinstance(value, float):
+        return None if value != value else float(f"{value:.4g}")
+    if isinstance(value, str):
+        return value if len(value) <= TEXT else value[:TEXT] + "..."
+    if isinstance(value, dict):
+        return {k: _small(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_small(v) for v in value]
+    return value
 
 
-def _is_date(raw: str) -> bool:
-    if not re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", raw):
-        return False
+def _rep(rep: dict[str, Any]) -> dict[str, Any]:
+    kept = {k: rep[k] for k in REP_KEYS if k in rep and not (k in ("microbatched_builds", "decode_partitions") and not rep[k])}
+    for key in ("plugin_calls_per_step_by_patch", "plugin_self_us_per_step_by_patch"):
+        if isinstance(kept.get(key), dict):
+            kept[key] = {name: v for name, v in kept[key].items() if v}
+    return kept
+
+
+def _base(rec: dict[str, Any]) -> dict[str, Any]:
+    versions = rec.get("versions") if isinstance(rec.get("versions"), dict) else {}
+    doc = {k: v for k, v in rec.items() if k not in DROPPED}
+    doc["device"] = rec.get("device") or versions.get("device")
+    doc["vllm"] = rec.get("vllm_version") or versions.get("vllm")
+    doc["dp_emulated"] = bool(rec.get("dp_emulated", False))
+    if isinstance(rec.get("meta"), dict):
+        doc["meta"] = {k: v for k, v in rec["meta"].items() if k == "what"}
+    if isinstance(rec.get("plugin_log_lines"), list):
+        doc["plugin_log_lines"] = len(rec["plugin_log_lines"])
+    return doc
+
+
+def compact_e2e(rec: dict[str, Any]) -> dict[str, Any]:
+    """An engine, verify or job run's compact record: its outcome, counters and comparison, no tokens or logs."""
+    doc = _base(rec)
+    if isinstance(doc.get("bench"), list):
+        doc["bench"] = [{**{k: v for k, v in rank.items() if k != "reps"}, "reps": [_rep(r) for r in rank.get("reps", [])]} for rank in doc["bench"]]
+    if isinstance(doc.get("verify"), dict):
+        doc["verify"] = {k: v for k, v in doc["verify"].items() if k != "runs"}
+    return _small(doc)
+
+
+def compact_host_cost(rec: dict[str, Any]) -> dict[str, Any]:
+    """A ``bench_host_cost`` engine's compact record: rank 0's reps with the step time, self time and hooked calls."""
+    doc = _base(rec)
+    bench = rec.get("bench") if isinstance(rec.get("bench"), list) else []
+    doc["bench"] = [
+        {**{k: v for k, v in rank.items() if k != "reps"}, "reps": [_rep(r) for r in rank.get("reps", []) if not r.get("warmup")]}
+        for rank in bench[:1]
+    ]
+    doc.pop("meta", None)  # the label names model, depth, mode, DBO and variant
+    return _small(doc)
+
+
+def family_of(rec: dict[str, Any]) -> str:
+    meta = rec.get("meta") if isinstance(rec.get("meta"), dict) else {}
+    return "host-cost" if meta.get("what") == "bench_host_cost" else "e2e"
+
+
+def write_family(path: Path, records: list[dict[str, Any]], append: bool = False) -> None:
+    """Records as JSON lines, keys in a stable order (the common ones first)."""
+    first = ("date", "device", "vllm", "dp_emulated", "command", "label")
+    lines = []
+    for rec in records:
+        ordered = {k: rec[k] for k in first if k in rec} | {k: v for k, v in rec.items() if k not in first}
+        lines.append(json.dumps(ordered, separators=(",", ":"), allow_nan=True, default=str))
+    with path.open("a" if append else "w") as out:
+        out.writelines(line + "\n" for line in lines)
+
+
+def read_family(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _date(raw: str) -> str:
     try:
-        datetime.date.fromisoformat(raw)
+        return datetime.date.fromisoformat(raw).isoformat()
     except ValueError:
-        return False
-    return True
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a date YYYY-MM-DD") from None
 
 
-def _doc(label: str, rec: dict[str, Any], runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    """One run's record, compared with its reference run where the tests make that comparison."""
-    doc = {k: v for k, v in rec.items() if k not in ("requests", "log_tail")}
-    doc.setdefault("reference", None)
-    doc.setdefault("agreement", None)
-    doc.setdefault("max_abs_dlogprob", None)
-    doc.setdefault("tokens_identical_to", None)
+def _compared(label: str, rec: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``rec`` with its comparison against its reference run, where the tests make that comparison."""
+    doc = dict(rec)
     ref_label = PAIRS.get(label)
     ref = runs.get(ref_label) if ref_label else None
     if ref_label and ref and ref.get("requests") and rec.get("requests"):
@@ -84,76 +159,56 @@ def _doc(label: str, rec: dict[str, Any], runs: dict[str, dict[str, Any]], args:
     elif ref_label:
         doc["reference"] = ref_label
         doc["comparison_missing"] = f"{ref_label if not ref or not ref.get('requests') else label} has no tokens"
-    doc["date"] = args.date
-    if args.run:
-        doc["run"] = args.run
-    if args.session:
-        doc["session"] = args.session
     return doc
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(
-        description="Turn the raw run directories of a GPU session (tests/e2e/.out, DBO_E2E_OUT, or a benchmark's "
-        "*_runs folder) into DOCS_DIR/<date>[-<run>]-real-engine-<label>.json records, also for runs a time limit stopped."
-    )
-    ap.add_argument("run_dir", type=Path, help="the folder holding one directory per run (each with spec.json)")
-    ap.add_argument("docs_dir", type=Path, help="where the records go (docs/gpu-runs)")
-    ap.add_argument("--date", required=True, help="the session's date, YYYY-MM-DD, the records' name prefix")
-    ap.add_argument("--session", default="", help="a free-text note stored in every record (default none)")
-    ap.add_argument("--run", default="", help="a tag for this session's files, e.g. runNN")
-    ap.add_argument("--repo-root", default="/work/main", help="the checkout's path on the GPU machine (made relative)")
-    args = ap.parse_args()
-    # Everything is checked before anything is read or written: a file name is built from --date and --run.
-    if not _is_date(args.date):
-        ap.error(f"argument --date: {args.date!r} is not allowed; allowed values: a date YYYY-MM-DD")
-    if args.run and not TAG.fullmatch(args.run):
-        ap.error(f"argument --run: {args.run!r} is not allowed; allowed values: letters, digits, '-' and '_' (e.g. lease13)")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="collect_records.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", type=Path, help="the folder holding one directory per run (each with spec.json or record.json)")
+    ap.add_argument("--date", required=True, type=_date, help="the session's date, YYYY-MM-DD")
+    ap.add_argument("--command", required=True, help="the command that produced these runs (it reproduces them)")
+    ap.add_argument("--records", type=Path, default=Path("docs/records"), help="where the <family>.jsonl files are (default docs/records)")
+    ap.add_argument("--device", default=None, help="the GPU, for runs that stopped before reporting theirs")
+    ap.add_argument("--vllm", default=None, help="the vLLM release, for runs that stopped before reporting theirs")
+    ap.add_argument("--dp-emulated", action="store_true", help="the runs used the one-GPU DBO emulation")
+    args = ap.parse_args(argv)
     if not args.run_dir.is_dir():
-        ap.error(f"argument run_dir: {str(args.run_dir)!r} is not allowed; allowed values: an existing folder of run directories")
-    if args.docs_dir.exists() and not args.docs_dir.is_dir():
-        ap.error(f"argument docs_dir: {str(args.docs_dir)!r} is not allowed; allowed values: a folder (it is a file)")
+        ap.error(f"argument run_dir: {str(args.run_dir)!r} is not an existing folder of run directories")
     runs: dict[str, dict[str, Any]] = {}
     try:
         for spec_path in sorted(args.run_dir.glob("**/spec.json")):
-            label = str(spec_path.parent.relative_to(args.run_dir))
-            rec = reassemble(spec_path.parent)  # assembled again from ranks and logs
+            rec = reassemble(spec_path.parent)  # assembled again from ranks and logs, also when a limit stopped it
             if rec is not None:
-                runs[label] = rec
+                runs[str(spec_path.parent.relative_to(args.run_dir))] = rec
         for job in sorted(args.run_dir.glob("*/record.json")):
-            label = job.parent.name
-            if label not in runs:
+            if job.parent.name not in runs:
                 loaded = json.loads(job.read_text())
                 if not isinstance(loaded, dict):
                     raise ValueError(f"{job}: a record is a JSON object, this is {type(loaded).__name__}")
-                runs[label] = loaded
+                runs[job.parent.name] = loaded
+        docs = [_compared(label, rec, runs) | {"label": label} for label, rec in runs.items()]
     except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
-        print(f"collect_records: run_dir {str(args.run_dir)!r}: a run cannot be read back ({type(exc).__name__}: {exc}); nothing written", file=sys.stderr)
+        print(f"collect_records: {args.run_dir}: a run cannot be read back ({type(exc).__name__}: {exc}); nothing written", file=sys.stderr)
         return 2
     if not runs:
-        print(f"collect_records: run_dir {str(args.run_dir)!r} holds no run (no spec.json or record.json below it); nothing written", file=sys.stderr)
+        print(f"collect_records: {args.run_dir} holds no run (no spec.json or record.json below it); nothing written", file=sys.stderr)
         return 2
-    try:
-        args.docs_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        print(f"collect_records: docs_dir {str(args.docs_dir)!r} cannot be created ({exc}); nothing written", file=sys.stderr)
-        return 2
-    try:
-        docs = [(label, _doc(label, rec, runs, args)) for label, rec in runs.items()]
-    except (ValueError, TypeError, AttributeError, KeyError) as exc:
-        print(f"collect_records: run_dir {str(args.run_dir)!r}: a run's requests cannot be compared ({type(exc).__name__}: {exc}); nothing written", file=sys.stderr)
-        return 2
-    written = []
-    stem = f"{args.date}-{args.run}" if args.run else args.date
-    for label, doc in docs:  # every document is built before the first is written
-        name = label.replace("/", "-")
-        path = args.docs_dir / f"{stem}-real-engine-{name}.json"
-        # Paths of the checkout on the GPU machine become repository-relative.
-        text = json.dumps(doc, indent=1, default=str).replace(args.repo_root.rstrip("/") + "/", "")
-        path.write_text(text + "\n")
-        written.append((name, doc.get("ok"), doc.get("error"), doc.get("microbatched_steps"), doc.get("agreement"), doc.get("max_abs_dlogprob")))
-    for row in written:
-        print(*row, sep=" | ")
+    families: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        compact = compact_host_cost(doc) if family_of(doc) == "host-cost" else compact_e2e(doc)
+        compact.update(date=args.date, command=args.command, dp_emulated=args.dp_emulated or compact["dp_emulated"])
+        compact["device"] = compact["device"] or args.device
+        compact["vllm"] = compact["vllm"] or args.vllm
+        if not compact["device"] or not compact["vllm"]:
+            missing = "--device" if not compact["device"] else "--vllm"
+            print(f"collect_records: run {doc['label']} reported no {missing[2:]}: give {missing}; nothing written", file=sys.stderr)
+            return 2
+        families.setdefault(family_of(doc), []).append(compact)
+    args.records.mkdir(parents=True, exist_ok=True)
+    for family, recs in sorted(families.items()):
+        write_family(args.records / f"{family}.jsonl", recs, append=True)
+        for rec in recs:
+            print(family, rec["label"], rec.get("ok"), rec.get("microbatched_steps"), rec.get("agreement"), sep=" | ")
     return 0
 
 

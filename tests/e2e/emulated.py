@@ -1,0 +1,390 @@
+"""The one-GPU DBO emulation's matrix: rows, the engines they need, and one JSON-lines record per row.
+
+``python -m tests.e2e.emulated session --rows ROWS --out DIR`` (``tools/gpu/session-emulated.sh``) starts the
+engines the chosen rows need (one child process each, ``python -m tests.e2e.emulated engine SPEC OUT``, a few at
+once), then compares them and appends one record per row to ``DIR/emulated.jsonl``. Every engine runs with the
+emulation (``dp_emulation``) on ``PYTHONPATH``; vanilla engines add ``DBO_RUNTIME_DISABLE=1``.
+
+Rows (MODE is ``eager`` or ``graphs``, FULL_DECODE_ONLY):
+
+- ``repro``: the upstream reproducer workload (exact repeats of 64k+1-token prompts, each a prefix-cache hit that
+  leaves a 1-token extend, mixed with fresh long prompts), comm SMs 20, eager: vanilla must die on DeepGEMM's
+  ``_schedule_meta_size`` assertion, dbo_runtime must serve every request;
+- ``a-MODE``: vanilla (comm SMs 0, so it cannot crash) against dbo_runtime (comm 0), same microbatching: they
+  must differ on a model with followers (bug B);
+- ``a-control-MODE``: the same pair on the control without followers: bit-identical;
+- ``b-MODE``: dbo_runtime with comm SMs 20 against 0: bit-identical (the re-plan is exact);
+- ``c``: eager, each follower's top-k read against its own microbatch's leader's: 0 wrong with dbo_runtime,
+  more than 0 vanilla.
+
+DBO-on against DBO-off is no verdict here: on random-weight models it diverges after a few tokens for vanilla and
+dbo_runtime alike (a noise floor, not a check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from tests.e2e import dp_emulation
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+MODELS = HERE / "models"
+SITE = HERE / "emulate" / "dp_peer"
+FOLLOWERS = {"glm53": "glm53-emu", "glm53-pattern": "glm53-emu-pattern", "v32": "v32-emu"}
+"""The model under test by name; ``v32`` (DeepSeek-V3.2, every layer its own indexer) has no followers."""
+CONTROL = "glm53-emu-control"
+"""GLM-5.3 geometry with ``index_topk_freq`` 1: no followers, so dbo_runtime must change nothing."""
+GIB_PER_ENGINE = {("glm53", 61): 18, ("glm53", 78): 22, ("glm53-pattern", 61): 18, ("glm53-pattern", 78): 22, ("v32", 61): 21, ("v32", 78): 26}
+"""Estimated GPU memory of one engine (fp8 weights with 8 experts of 256, 1 GiB of KV, workspaces)."""
+ACCURACY_PROMPTS = {"num": 32, "min_len": 300, "max_len": 2500, "seed": 40}
+ACCURACY_TOKENS = 16
+FRESH_LONG = {"num": 16, "min_len": 2500, "max_len": 3500, "seed": 19}
+ROWS = ("repro", "a-eager", "a-control-eager", "b-eager", "c", "a-graphs", "a-control-graphs", "b-graphs")
+KV_CACHE_DTYPE = os.environ.get("DBO_EMU_KV_CACHE_DTYPE", "fp8")
+"""The reproducer's KV cache dtype (vllm#60732), kept for every row so one engine can serve several rows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    model: str
+    plugin: bool
+    comm_sms: int
+    mode: str
+    layers: int
+    runner: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.model}-{self.layers}L-{self.runner}-{self.mode}-{'plugin' if self.plugin else 'vanilla'}-comm{self.comm_sms}"
+
+    def args(self) -> list[str]:
+        compilation = {"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 64}
+        return [
+            "--model", str(MODELS / self.model),
+            "--load-format", "dummy", "--skip-tokenizer-init",
+            "--hf-overrides", json.dumps({"num_hidden_layers": self.layers}),
+            "--max-model-len", "4096", "--max-num-seqs", "64", "--max-num-batched-tokens", "8192",
+            "--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(1 << 30),
+            "--kv-cache-dtype", KV_CACHE_DTYPE, "--enable-prefix-caching", "--seed", "0",
+            "--enable-expert-parallel", "--all2all-backend", "deepep_high_throughput", "--enable-dbo",
+            "--dbo-decode-token-threshold", "4", "--dbo-prefill-token-threshold", "32",
+            *(["--enforce-eager"] if self.mode == "eager" else ["--compilation-config", json.dumps(compilation)]),
+        ]  # fmt: skip
+
+    def env(self) -> dict[str, str]:
+        env = {
+            "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            dp_emulation.ENV: "1",
+            "VLLM_DBO_COMM_SMS": str(self.comm_sms),
+            "VLLM_USE_V2_MODEL_RUNNER": "1" if self.runner == "v2" else "0",
+            "VLLM_DEEP_GEMM_WARMUP": "skip",
+        }
+        if self.mode == "eager":
+            env[dp_emulation.CHECK_ENV] = "1"
+        if not self.plugin:
+            env["DBO_RUNTIME_DISABLE"] = "1"
+        return env
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    model: str = "glm53"
+    layers: int = 61
+    runner: str = "v2"
+
+
+def needs(row: str, s: Settings) -> list[tuple[Engine, str]]:
+    """The engines a row compares and the pass each must run (``accuracy`` or ``repro``)."""
+    mode = "graphs" if row.endswith("graphs") else "eager"
+    model = FOLLOWERS[s.model]
+
+    def e(m: str, plugin: bool, comm: int) -> Engine:
+        return Engine(m, plugin, comm, mode, s.layers, s.runner)
+
+    if row == "repro":
+        return [(e(model, False, 20), "repro"), (e(model, True, 20), "repro")]
+    if row in ("a-eager", "a-graphs", "c"):
+        return [(e(model, False, 0), "accuracy"), (e(model, True, 0), "accuracy")]
+    if row.startswith("a-control"):
+        return [(e(CONTROL, False, 0), "accuracy"), (e(CONTROL, True, 0), "accuracy")]
+    if row.startswith("b-"):
+        return [(e(model, True, 20), "accuracy"), (e(model, True, 0), "accuracy")]
+    raise ValueError(row)
+
+
+def plan(rows: Iterable[str], s: Settings) -> dict[Engine, list[str]]:
+    """Each engine once, with every pass its rows need (``accuracy`` first)."""
+    out: dict[Engine, list[str]] = {}
+    for row in rows:
+        for engine, what in needs(row, s):
+            passes = out.setdefault(engine, [])
+            if what not in passes:
+                passes.append(what)
+    for passes in out.values():
+        passes.sort(key=lambda p: p != "accuracy")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- one engine
+
+
+def _requests(outputs: list[Any]) -> list[dict[str, Any]]:
+    out = []
+    for o in outputs:
+        c = o.outputs[0]
+        lps = [{str(t): float(lp.logprob) for t, lp in pos.items()} for pos in (c.logprobs or [])]
+        out.append({"tokens": list(c.token_ids), "logprobs": lps})
+    return out
+
+
+def _counters(llm: Any) -> list[dict[str, Any]]:
+    return list(llm.collective_rpc(dp_emulation.RPC, timeout=60))
+
+
+def engine_main(spec_path: str, out_path: str) -> int:
+    """One engine: every pass of its spec, the result rewritten after each (a crash keeps what ran)."""
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(out_path)
+    result: dict[str, Any] = {"label": spec["label"], "passes": {}}
+
+    def save() -> None:
+        out.write_text(json.dumps(result))
+
+    from vllm import LLM, SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from dbo_runtime.harness.prompts import PromptSpec, load
+    from tests.e2e.reproducer import PROMPTS as REPRO
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm", allow_abbrev=False))
+    t0 = time.perf_counter()
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(parser.parse_args(spec["args"])))
+    result["start_s"] = round(time.perf_counter() - t0, 1)
+    import torch
+
+    result["device"] = torch.cuda.get_device_name(0)
+    save()
+    vocab = int(llm.llm_engine.model_config.get_vocab_size())
+    greedy = {"temperature": 0.0, "ignore_eos": True, "detokenize": False}
+    for what in spec["passes"]:
+        result["passes"][what] = {"started": True}
+        save()
+        before = _counters(llm)
+        if what == "accuracy":
+            prompts = load(PromptSpec(**ACCURACY_PROMPTS), vocab)
+            outputs = llm.generate(prompts, SamplingParams(max_tokens=ACCURACY_TOKENS, logprobs=1, **greedy), use_tqdm=False)
+            done: dict[str, Any] = {"requests": _requests(outputs)}
+        else:
+            first = load(PromptSpec(file=str(REPRO)), vocab)
+            fresh = load(PromptSpec(**FRESH_LONG), vocab)
+            params = SamplingParams(max_tokens=8, **greedy)
+            llm.generate(first, params, use_tqdm=False)
+            mixed = [p for i in range(max(len(first), len(fresh))) for p in (first[i : i + 1] + fresh[i : i + 1])]
+            outputs = llm.generate(mixed, params, use_tqdm=False)
+            done = {"requests": len(mixed), "completed": sum(1 for o in outputs if len(o.outputs[0].token_ids) == 8)}
+        done["counters_before"], done["counters_after"] = before, _counters(llm)
+        result["passes"][what] = done
+        save()
+    result["ok"] = True
+    save()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- the session
+
+
+def _start(engine: Engine, passes: list[str], out: Path) -> tuple[subprocess.Popen[bytes], float]:
+    spec = out / f"{engine.label}.spec.json"
+    spec.write_text(json.dumps({"label": engine.label, "args": engine.args(), "passes": passes}))
+    log = open(out / f"{engine.label}.log", "wb")  # noqa: SIM115 -- the child's, closed with the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.e2e.emulated", "engine", str(spec), str(out / f"{engine.label}.json")],
+        cwd=ROOT, env={**os.environ, **engine.env()}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    return proc, time.monotonic()
+
+
+def run_engines(work: dict[Engine, list[str]], out: Path, at_once: int, deadline: float) -> None:
+    """Start up to ``at_once`` engines, each stopped (its process group) when it outlives the session."""
+    pending = list(work.items())
+    running: list[tuple[Engine, subprocess.Popen[bytes]]] = []
+    while pending or running:
+        while pending and len(running) < at_once and time.monotonic() < deadline:
+            engine, passes = pending.pop(0)
+            running.append((engine, _start(engine, passes, out)[0]))
+        if not running:
+            break
+        time.sleep(2)
+        for engine, proc in list(running):
+            late = time.monotonic() > deadline or (not engine.plugin and engine.comm_sms > 0 and _crashed(out, engine))
+            if proc.poll() is not None or late:
+                if late and proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                running.remove((engine, proc))
+
+
+ASSERTION = "_schedule_meta_size == num_sms"
+
+
+def _crashed(out: Path, engine: Engine) -> bool:
+    """A vanilla engine that hit DeepGEMM's assertion: stopped at once (on V2 its step would hang until vLLM's
+    RPC timeout, holding its GPU share)."""
+    log = out / f"{engine.label}.log"
+    return log.exists() and ASSERTION in log.read_text(errors="replace")
+
+
+def _load(out: Path, engine: Engine) -> dict[str, Any]:
+    path = out / f"{engine.label}.json"
+    result = json.loads(path.read_text()) if path.exists() else {"passes": {}}
+    log = out / f"{engine.label}.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    result["assertion_seen"] = ASSERTION in text
+    result["log_tail"] = text[-600:]
+    return result
+
+
+def differing(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
+    """Sequences whose tokens or logprobs differ in any bit."""
+    return sum(1 for x, y in zip(a, b, strict=True) if x != y)
+
+
+def _counted(result: dict[str, Any], what: str) -> dict[str, Any]:
+    """This engine's emulation counters over one pass (summed over workers)."""
+    p = result["passes"].get(what, {})
+    before, after = p.get("counters_before") or [], p.get("counters_after") or []
+    keys = ("steps", "microbatched_steps", "microbatched_graph_steps", "yields_in_steps", "topk_reads", "topk_wrong_reads")
+    out = {k: sum(w[k] for w in after) - sum(w[k] for w in before) for k in keys} if after else {}
+    eager = out.get("microbatched_steps", 0) - out.get("microbatched_graph_steps", 0)
+    out["yields_per_step"] = round(out["yields_in_steps"] / eager, 2) if out and eager else None
+    return out
+
+
+def verdict(row: str, s: Settings, out: Path) -> dict[str, Any]:
+    """One row's record numbers and ``pass`` (bool) from its engines' results."""
+    (e1, what), (e2, _) = needs(row, s)
+    r1, r2 = _load(out, e1), _load(out, e2)
+    c1, c2 = _counted(r1, what), _counted(r2, what)
+    rec: dict[str, Any] = {"engines": [e1.label, e2.label], "counters": [c1, c2]}
+    if row == "repro":
+        served = r2["passes"].get("repro", {})
+        rec.update(
+            vanilla_assertion=r1["assertion_seen"],
+            vanilla_served=bool(r1.get("ok")),
+            plugin_requests=served.get("requests"),
+            plugin_completed=served.get("completed"),
+        )
+        requests = served.get("requests")
+        rec["pass"] = rec["vanilla_assertion"] and not rec["vanilla_served"] and requests is not None and served.get("completed") == requests
+        return rec
+    if not (r1.get("ok") and r2.get("ok")):
+        rec.update(error=[r.get("log_tail") for r in (r1, r2) if not r.get("ok")], **{"pass": False})
+        return rec
+    microbatched = c1.get("microbatched_steps", 0) > 0 and c1.get("microbatched_steps") == c2.get("microbatched_steps")
+    rec["same_microbatching"] = microbatched
+    if row == "c":
+        rec.update(vanilla_reads=c1["topk_reads"], vanilla_wrong_reads=c1["topk_wrong_reads"], plugin_reads=c2["topk_reads"], plugin_wrong_reads=c2["topk_wrong_reads"])
+        rec["pass"] = microbatched and c1["topk_wrong_reads"] > 0 and c2["topk_reads"] > 0 and c2["topk_wrong_reads"] == 0
+        return rec
+    a, b = r1["passes"]["accuracy"]["requests"], r2["passes"]["accuracy"]["requests"]
+    rec.update(sequences=len(a), differing=differing(a, b))
+    want_differ = row in ("a-eager", "a-graphs") and s.model != "v32"
+    rec["pass"] = microbatched and ((rec["differing"] > 0) if want_differ else (rec["differing"] == 0))
+    return rec
+
+
+def _versions() -> dict[str, Any]:
+    from importlib import metadata
+
+    info: dict[str, Any] = {"vllm": metadata.version("vllm")}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        info["device"] = out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        info["device"] = None
+    return info
+
+
+def session(rows: list[str], s: Settings, out: Path, seconds: float, at_once: int | None, command: str) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    work = plan(rows, s)
+    at_once = at_once or max(1, int(72 // GIB_PER_ENGINE[(s.model, s.layers)]))
+    run_engines(work, out, at_once, t0 + seconds)
+    info = _versions()
+    failed = 0
+    with (out / "emulated.jsonl").open("a") as records:
+        for row in rows:
+            rec = verdict(row, s, out)
+            counters = rec["counters"]
+            record = {
+                "family": "one-gpu-dbo-emulation",
+                "emulation": dp_emulation.NAME,
+                "dp_emulated": True,
+                "device": info["device"],
+                "vllm": info["vllm"],
+                "date": datetime.date.today().isoformat(),
+                "command": command,
+                "row": row,
+                "runner": s.runner,
+                "mode": "graphs" if row.endswith("graphs") else "eager",
+                "comm_sms": [20, 0] if row.startswith("b-") else (20 if row == "repro" else 0),
+                "layers": s.layers,
+                "model": s.model,
+                "steps": [c.get("steps") for c in counters],
+                "microbatched_steps": [c.get("microbatched_steps") for c in counters],
+                "yields_per_step": [c.get("yields_per_step") for c in counters],
+                **{k: v for k, v in rec.items() if k != "counters"},
+            }
+            records.write(json.dumps(record) + "\n")
+            print(json.dumps({k: record[k] for k in ("row", "pass", "microbatched_steps", "yields_per_step")}), flush=True)
+            failed += not record["pass"]
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["engine"]:
+        return engine_main(*argv[1:3])
+    p = argparse.ArgumentParser(prog="python -m tests.e2e.emulated", description="The one-GPU DBO emulation matrix.")
+    p.add_argument("cmd", choices=["session", "plan"])
+    p.add_argument("--rows", default="repro,a-eager,a-control-eager,b-eager,c", help=f"comma-separated, from {','.join(ROWS)}")
+    p.add_argument("--model", default="glm53", choices=sorted(FOLLOWERS))
+    p.add_argument("--layers", type=int, default=61, choices=[61, 78])
+    p.add_argument("--runner", default="v2", choices=["v1", "v2"])
+    p.add_argument("--out", type=Path, default=Path("emulated-out"))
+    p.add_argument("--seconds", type=float, default=540.0)
+    p.add_argument("--at-once", type=int, default=None)
+    a = p.parse_args(argv)
+    rows = [r for r in a.rows.split(",") if r]
+    bad = [r for r in rows if r not in ROWS]
+    if bad:
+        p.error(f"unknown row(s) {','.join(bad)}; rows are {','.join(ROWS)}")
+    s = Settings(a.model, a.layers, a.runner)
+    if a.cmd == "plan":
+        for engine, passes in plan(rows, s).items():
+            print(engine.label, ",".join(passes))
+        return 0
+    from importlib import metadata
+
+    release = dp_emulation.release_of(metadata.version("vllm"))
+    if release is None or a.runner not in dp_emulation.RUNNERS[release]:
+        p.error(f"--runner {a.runner} is not emulated on vLLM {metadata.version('vllm')} (tables: {dp_emulation.RUNNERS})")
+    return session(rows, s, a.out, a.seconds, a.at_once, "python -m tests.e2e.emulated " + " ".join(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

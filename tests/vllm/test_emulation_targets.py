@@ -1,0 +1,155 @@
+"""The one-GPU DBO emulation (``tests/e2e/dp_emulation.py``) against the installed vLLM release.
+
+Every target in the release's table exists with the parameters the emulation relies on; the emulation's vote
+is vLLM's own DP vote with a peer that runs the same batch (checked against vLLM's post-processing of the
+all-reduced DP tensor on V1, and against ``check_ubatch_thresholds`` through the patched V2 dispatch); and the
+sitecustomize loader patches a fresh process's vLLM by name. The patches themselves run only in a child
+process: they change vLLM for the whole process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e import dp_emulation
+
+ROOT = Path(__file__).resolve().parents[2]
+SITE = ROOT / "tests" / "e2e" / "emulate" / "dp_peer"
+RELEASE = dp_emulation.release_of(metadata.version("vllm"))
+
+
+def test_the_installed_vllm_has_a_target_table() -> None:
+    assert RELEASE is not None, f"no emulation target table for vLLM {metadata.version('vllm')}"
+
+
+@pytest.mark.skipif(RELEASE is None, reason="no table for this vLLM (the test above fails)")
+def test_every_target_exists_with_the_parameters_the_emulation_relies_on() -> None:
+    assert dp_emulation.problems(RELEASE) == []  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(RELEASE is None, reason="no table for this vLLM (the test above fails)")
+def test_each_release_table_names_only_its_runners() -> None:
+    modules = {t.module for t in dp_emulation.TARGETS[RELEASE]}  # type: ignore[index]
+    assert ("vllm.v1.worker.gpu_model_runner" in modules) == ("v1" in dp_emulation.RUNNERS[RELEASE])  # type: ignore[index]
+    assert "vllm.v1.worker.gpu.model_runner" in modules
+
+
+def _config(decode: int = 4, prefill: int = 8) -> object:
+    from vllm.config import ParallelConfig
+
+    return ParallelConfig(enable_dbo=True, dbo_decode_token_threshold=decode, dbo_prefill_token_threshold=prefill)
+
+
+def test_the_v1_vote_is_vllms_dp_vote_with_a_peer_running_the_same_batch() -> None:
+    """What a DP-2 rank decides after the all-reduce when the peer's row equals its own."""
+    from vllm.v1.worker.dp_utils import _post_process_ubatch
+    from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds
+
+    config = _config()
+    seen = set()
+    for tokens in range(1, 20):
+        for pad in range(0, 12, 3):
+            padded = tokens + pad
+            for uniform in (False, True):
+                for allow in (False, True):
+                    should, across = dp_emulation.peer_vote(config, tokens, padded, allow, uniform, 0)
+                    attempt = allow and check_ubatch_thresholds(config, tokens, uniform_decode=uniform)
+                    column = [tokens, padded, int(attempt), 0]
+                    reduced = torch.tensor([[v, v] for v in column], dtype=torch.int32)
+                    assert should == _post_process_ubatch(reduced, 2), (tokens, padded, uniform, allow)
+                    assert across.tolist() == [padded]
+                    seen.add(should)
+    assert seen == {False, True}
+
+
+def test_the_peer_config_changes_only_the_dp_view() -> None:
+    config = _config(decode=6, prefill=10)
+    peer = dp_emulation.PeerConfig(config)
+    assert (peer.data_parallel_size, peer.data_parallel_rank) == (2, 0)
+    assert (peer.dbo_decode_token_threshold, peer.num_ubatches, peer.use_ubatching) == (6, 2, True)
+    assert config.data_parallel_size == 1
+
+
+CHILD = """
+import json, sys
+import vllm.forward_context as fc
+import vllm.v1.worker.gpu.model_runner as mr2
+import vllm.v1.worker.gpu_worker as gw
+import vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep as pf
+import vllm.models.deepseek_v32.attention as attn
+from vllm.config import ParallelConfig
+import torch
+from tests.e2e import dp_emulation as d
+if "v1" in d.RUNNERS[d.release_of(__import__("importlib.metadata").metadata.version("vllm"))]:
+    import vllm.v1.worker.gpu_model_runner  # noqa: F401
+
+config = ParallelConfig(enable_dbo=True, dbo_decode_token_threshold=4, dbo_prefill_token_threshold=8)
+v2 = []
+for tokens in range(1, 20):
+    for uniform in (False, True):
+        desc, sync = mr2.dispatch_cg_and_sync_dp(
+            None, tokens, tokens, 1 if uniform else None, 1, 0, need_eager=True,
+            parallel_config=config, allow_ubatching=True, uniform_decode=uniform)
+        v2.append([tokens, uniform, desc.num_ubatches, desc.num_tokens, sync.num_tokens_across_dp.tolist()])
+off = mr2.dispatch_cg_and_sync_dp(None, 9, 9, None, 1, 0, need_eager=True, parallel_config=config, allow_ubatching=False)
+meta = fc.DPMetadata.make(config, 7, torch.tensor([7], dtype=torch.int32))
+print(json.dumps({
+    "patched": sorted(d.PATCHED),
+    "v2": v2,
+    "off": [off[0].num_ubatches, off[1] is None],
+    "meta": meta.num_tokens_across_dp_cpu.tolist(),
+    "rpc": hasattr(gw.Worker, d.RPC),
+    "dbo": [c.supports_dbo(c.__new__(c)) for c in (pf.MoEPrepareAndFinalizeNoDPEPModular, pf.MoEPrepareAndFinalizeNoDPEPMonolithic)],
+    "deferred": [c.supports_deferred_moe_finalize(c.__new__(c)) for c in (pf.MoEPrepareAndFinalizeNoDPEPModular, pf.MoEPrepareAndFinalizeNoDPEPMonolithic)],
+    "checked": attn.DeepseekV32Attention._sparse_indexer_and_attn.__name__,
+    "counters": d.COUNTERS.snapshot(),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def child() -> dict:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        dp_emulation.ENV: "1",
+        dp_emulation.CHECK_ENV: "1",
+    }
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(RELEASE is None, reason="no table for this vLLM (the test above fails)")
+def test_sitecustomize_patches_every_target_module_of_the_release(child: dict) -> None:
+    expected = {t.module for t in dp_emulation.TARGETS[RELEASE]} & (set(dp_emulation.PATCHES) | set(dp_emulation.CHECK_PATCHES))  # type: ignore[index]
+    assert expected <= set(child["patched"]), child["patched"]
+    assert child["rpc"] and child["dbo"] == [True, True] and child["deferred"] == [False, False]
+    assert child["checked"] == "_sparse_indexer_and_attn"
+
+
+def test_the_patched_v2_dispatch_microbatches_by_vllms_thresholds_at_dp1(child: dict) -> None:
+    from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds
+
+    config = _config()
+    for tokens, uniform, num_ubatches, num_tokens, across in child["v2"]:
+        expected = check_ubatch_thresholds(config, tokens, uniform_decode=uniform)
+        assert num_ubatches == (2 if expected else 1), (tokens, uniform)
+        assert across == [num_tokens], "one rank's DP row, the agreed padded count"
+    assert {row[2] for row in child["v2"]} == {1, 2}
+    assert child["off"] == [1, True], "a step that may not microbatch keeps DP 1's answer"
+    assert child["counters"]["votes_outside_steps"] == len(child["v2"])
+    assert child["counters"]["microbatched_outside_steps"] == sum(row[2] == 2 for row in child["v2"])
+    assert child["counters"]["dp_emulated"] is True
+
+
+def test_dp_metadata_is_made_for_one_rank(child: dict) -> None:
+    assert child["meta"] == [7]

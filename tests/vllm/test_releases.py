@@ -1,0 +1,89 @@
+"""A vLLM build is identified as a recorded release by its code, and each release installs its own set."""
+
+from __future__ import annotations
+
+import ast
+from importlib import metadata
+
+import pytest
+
+from dbo_runtime.integration import fingerprints, plugin, releases
+from dbo_runtime.integration.features import Feature, verify
+from dbo_runtime.integration.recorded_fingerprints import RELEASES
+from tests.fakes.vllm_build import edited_sources
+from tools import record_release
+
+INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
+
+
+def _edit_builder_register_layer(text: str) -> str:
+    """One parameter added to ``SparseMLAIndexGroupBuilder.register_layer`` (the group's own is left alone)."""
+    head, sep, tail = text.partition("class SparseMLAIndexGroupBuilder")
+    assert sep and "    def register_layer(\n        self," in tail
+    return head + sep + tail.replace("    def register_layer(\n        self,", "    def register_layer(\n        self, _edited=0,", 1)
+
+
+EDIT_REGISTER_LAYER = {INDEX_GROUP: _edit_builder_register_layer}
+
+
+def test_both_supported_releases_are_recorded_and_the_installed_one_is_among_them() -> None:
+    assert releases.SUPPORTED[:2] == ("0.33.0", "0.34.0")
+    assert metadata.version("vllm") in releases.SUPPORTED
+
+
+def test_an_edited_build_is_no_release_and_names_what_differs() -> None:
+    installed = metadata.version("vllm")
+
+    with edited_sources(EDIT_REGISTER_LAYER):
+        match = releases.identify()
+        states = plugin.feature_states()
+    assert match.release is None and match.closest == installed
+    assert "topk.builder_register_layer" in match.differing
+    assert match.describe().startswith(f"vLLM {installed}: not a release dbo_runtime verifies (closest {installed}")
+    assert states["topk"].verdict == "unverified" and f"vLLM {installed}" in states["topk"].detail
+    assert releases.identify().release == installed
+
+
+def test_a_patch_whose_target_a_release_lacks_is_not_part_of_its_set() -> None:
+    """Recorded ``missing`` (the V1 runner's patches in 0.34.0): left out, the feature still verifies."""
+    patches = [p for p in plugin.all_patches() if p.feature == "sm_control"]
+    assert {p.runner for p in patches} == {"mrv1", "mrv2"}
+    recorded = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in patches}
+    v1 = next(p for p in patches if p.runner == "mrv1")
+    recorded[v1.name] = fingerprints.MISSING
+    feature = Feature("sm_control", "the SM budget")
+    state = verify([feature], patches, recorded, "vLLM 9.9.9")["sm_control"]
+    assert state.verdict == "verified" and v1.name not in state.patches
+    assert not releases.part_of(v1, recorded) and all(releases.part_of(p, recorded) for p in patches if p is not v1)
+    del recorded[v1.name]  # not recorded at all: unknown, so the feature fails closed
+    assert verify([feature], patches, recorded, "vLLM 9.9.9")["sm_control"].verdict == "unverified"
+
+
+def test_record_release_reviews_the_installed_release_as_unchanged(capsys: pytest.CaptureFixture[str]) -> None:
+    installed = metadata.version("vllm")
+    root = fingerprints.module_file("vllm.config")
+    assert root is not None
+    assert record_release.main([installed, "--source", str(root.parents[1]), "--against", installed]) == 0
+    out = capsys.readouterr().out
+    assert f"vLLM {installed} against the record of {installed}:" in out
+    lines = [ln.split() for ln in out.splitlines() if ln.startswith("  ") and not ln.startswith("   ")]
+    statuses = {parts[0] for parts in lines[:-1]}
+    recorded = RELEASES[installed]
+    assert statuses <= {"unchanged", "missing"}, statuses
+    assert {parts[1] for parts in lines[:-1] if parts[0] == "missing"} == {n for n, v in recorded.items() if v == fingerprints.MISSING}
+
+
+def test_record_release_marks_a_changed_anchor_changed(capsys: pytest.CaptureFixture[str]) -> None:
+    installed = metadata.version("vllm")
+    root = fingerprints.module_file("vllm.config")
+    assert root is not None
+    with edited_sources(EDIT_REGISTER_LAYER):
+        record_release.main([installed, "--source", str(root.parents[1]), "--against", installed])
+    out = capsys.readouterr().out
+    assert any(ln.split()[:2] == ["changed", "topk.builder_register_layer"] for ln in out.splitlines() if ln.strip())
+
+
+def test_the_rendered_record_reads_back_as_the_same_releases() -> None:
+    tree = ast.parse(record_release.render(RELEASES))
+    [assign] = [n for n in tree.body if isinstance(n, ast.AnnAssign)]
+    assert ast.literal_eval(assign.value) == RELEASES

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On the GPU machine, after install.sh: the one-GPU DBO emulation matrix (tests/e2e/emulated.py), one record per
+# row appended to $OUT/emulated.jsonl, engine logs and results in $OUT/emulated-runs.tgz.
+#   tools/gpu/session-emulated.sh [seconds] [tests.e2e.emulated session arguments: --rows --model --layers --runner --at-once]
+# Rows: repro, a-eager, a-control-eager, b-eager, c (default), a-graphs, a-control-graphs, b-graphs.
+set -u
+cd "$(dirname "$0")/../.."
+. tools/gpu/_checks.sh
+need_out session-emulated.sh
+LIMIT=${1-540}
+need_int session-emulated.sh seconds "$LIMIT" 60 3600
+shift || true
+# the matrix's own parser checks the arguments before anything is installed (it needs no vLLM)
+checked=$(python3 -m tests.e2e.emulated plan "$@" 2>&1) || { echo "session-emulated.sh: ${checked##*$'\n'}" >&2; exit 2; }
+. tools/gpu/env.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} VLLM_DEEP_GEMM_WARMUP=skip
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
+rm -rf /tmp/emulated && mkdir -p /tmp/emulated
+echo "engines: $(echo "$checked" | tr '\n' ';')"
+# the engines stop 20 s before the limit, so the records are written for whatever ran
+timeout "$LIMIT" python3 -m tests.e2e.emulated session --out /tmp/emulated --seconds $((LIMIT - 20)) "$@" > /tmp/emulated/session.log 2>&1
+rc=$?
+echo "exit $rc" >> /tmp/emulated/session.log
+cp /tmp/emulated/emulated.jsonl "$OUT/" 2>/dev/null
+tar czf "$OUT/emulated-runs.tgz" -C /tmp emulated 2>/dev/null
+tail -20 /tmp/emulated/session.log
+exit "$rc"

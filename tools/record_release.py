@@ -1,0 +1,136 @@
+"""Record a vLLM release's fingerprints, and print the review list a maintainer works through.
+
+    python tools/record_release.py VERSION [--source DIR] [--against RELEASE] [--write]
+
+Reads the release's source (``pip download --no-deps vllm==VERSION``, unpacked; or ``--source``, a
+``vllm`` package directory), fingerprints every patch's anchors there and prints one line per patch:
+
+* ``unchanged``  the code the patch relies on is the same as in ``--against`` (default: the newest recorded);
+* ``changed``    it differs: review the hook against the new code before recording;
+* ``moved``      an anchor is gone from its module but a block of that name exists elsewhere (where);
+* ``missing``    an anchor exists nowhere: the patch is not part of this release's set;
+* ``new``        the patch has no record in ``--against``.
+
+``--write`` records this release in ``dbo_runtime/integration/recorded_fingerprints.py`` (other releases
+kept). Recording is the maintainer's sign-off: a recorded fingerprint makes the patch install there.
+The procedure: ``docs/new-release.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dbo_runtime.integration import fingerprints  # noqa: E402
+from dbo_runtime.integration.catalog import all_patches  # noqa: E402
+from dbo_runtime.integration.patching import Patch  # noqa: E402
+from dbo_runtime.integration.recorded_fingerprints import RELEASES  # noqa: E402
+
+RECORD = ROOT / "dbo_runtime" / "integration" / "recorded_fingerprints.py"
+
+
+def fetch_source(version: str, into: pathlib.Path) -> pathlib.Path:
+    """The ``vllm`` package directory of the official wheel (Python files only)."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"vllm=={version}", "-d", str(into)], check=True
+    )
+    wheel = next(into.glob(f"vllm-{version}-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(into, [n for n in archive.namelist() if n.startswith("vllm/") and n.endswith(".py")])
+    return into / "vllm"
+
+
+def _relocated(root: pathlib.Path, anchor: str) -> list[str]:
+    """Other ``module:qualname`` places in ``root`` that define the anchor's last name at the same nesting."""
+    module, _, qualname = anchor.partition(":")
+    leaf = qualname.split(".")[-1]
+    pattern = re.compile(rf"^\s*(?:async def|def|class) {re.escape(leaf)}\b", re.MULTILINE)
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if not pattern.search(text):
+            continue
+        candidate = "vllm." + ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        if candidate != module and fingerprints.source_block(candidate, qualname) is not None:
+            found.append(f"{candidate}:{qualname}")
+    return found
+
+
+def review(patch: Patch, printed: str, previous: dict[str, str], root: pathlib.Path) -> tuple[str, str]:
+    anchors = patch.fingerprint_anchors
+    if printed == fingerprints.MISSING:
+        gone = [a for a in anchors if fingerprints.anchor_fingerprint(a) == fingerprints.MISSING]
+        places = {a: _relocated(root, a) for a in gone}
+        moved = {a: p for a, p in places.items() if p}
+        if moved:
+            return "moved", "; ".join(f"{a} -> {', '.join(p)}" for a, p in moved.items())
+        return "missing", ", ".join(gone)
+    want = previous.get(patch.name)
+    if want is None:
+        return "new", printed
+    if want == printed:
+        return "unchanged", printed
+    return "changed", f"{want} -> {printed}"
+
+
+def render(releases: dict[str, dict[str, str]]) -> str:
+    lines = [
+        '"""Fingerprints of the vLLM code every patch relies on, per release.',
+        "",
+        "Written by ``python tools/record_release.py VERSION --write`` after review (``docs/new-release.md``);",
+        "a test recomputes the installed release's from its source. ``missing``: the patch's target does not",
+        'exist in that release, so the patch is not part of its set."""',
+        "",
+        "RELEASES: dict[str, dict[str, str]] = {",
+    ]
+    for release, prints in releases.items():
+        lines.append(f'    "{release}": {{')
+        lines.extend(f'        "{name}": "{value}",' for name, value in prints.items())
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) if part.isdigit() else -1 for part in re.split(r"[.+]", version))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="record_release.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("version", help="the vLLM release, e.g. 0.34.0")
+    parser.add_argument("--source", type=pathlib.Path, help="an unpacked vllm package directory (skips the download)")
+    parser.add_argument("--against", choices=sorted(RELEASES), help="compare with this recorded release")
+    parser.add_argument("--write", action="store_true", help="record this release's fingerprints")
+    args = parser.parse_args(argv)
+    against = args.against or max(RELEASES, key=_key)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.source or fetch_source(args.version, pathlib.Path(tmp))
+        if not (root / "__init__.py").is_file():
+            parser.error(f"--source {root} is not a vllm package directory (no __init__.py)")
+        patches = [p for p in all_patches() if p.fingerprint_anchors]
+        with fingerprints.use_source_root(root.resolve()):
+            printed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in patches}
+            rows = [(p.name, *review(p, printed[p.name], RELEASES[against], root)) for p in patches]
+    width = max(len(name) for name, _, _ in rows)
+    print(f"vLLM {args.version} against the record of {against}:")
+    for name, status, detail in rows:
+        print(f"  {status:<9} {name:<{width}}  {detail}")
+    counts = {s: sum(1 for _, st, _ in rows if st == s) for s in ("unchanged", "changed", "moved", "missing", "new")}
+    print("  " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    if args.write:
+        releases = {**RELEASES, args.version: printed}
+        RECORD.write_text(render(dict(sorted(releases.items(), key=lambda kv: _key(kv[0])))))
+        print(f"recorded vLLM {args.version} ({len(printed)} patches) in {RECORD.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
