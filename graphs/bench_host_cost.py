@@ -44,7 +44,7 @@ MAX_STEPS = 3000
 VARIANTS = (("plugin", {}), ("vanilla", {"DBO_RUNTIME_DISABLE": "1"}), ("selftime", {"DBO_RUNTIME_SELF_TIME": "1"}))
 ENGINE_GIB = ((6, 7.0), (78, 16.0))
 """(layers, GiB) of GPU memory one engine of this benchmark holds once it has run its first prefill (32 prompts of
-300-600 tokens), measured on an H200 (``docs/results.md``: about 6.5 GiB at 6 layers, 10-16 GiB at 61 and 78); other
+300-600 tokens), measured on an H200 (``docs/performance.md``: about 6.5 GiB at 6 layers, 10-16 GiB at 61 and 78); other
 depths on the line through the two (weights and activations grow with layers, the KV cache is fixed)."""
 ENGINE_ONLY = ("reps", "steps", "graphs_steps", "at_once")
 """Options that shape the engines' runs: not recorded in a ``--from-runs`` summary, where no engine starts."""

@@ -64,8 +64,8 @@ def release_line() -> str:
         from dbo_runtime.integration.releases import identify
 
         return identify().describe()
-    except ImportError as exc:
-        return f"vLLM release not identified ({exc})"
+    except Exception as exc:  # sms runs where vLLM or its files are missing: said, never a crash
+        return f"vLLM release not identified ({type(exc).__name__}: {exc})"
 
 
 def disabled_warning(environ: Mapping[str, str] | None = None) -> str | None:
@@ -174,9 +174,9 @@ def import_noise() -> Iterator[list[str]]:
 def protection() -> dict[str, Any]:
     """Whether dbo_runtime's fixes are in force on the vLLM installed here: ``installed`` (vLLM's version),
     ``verified`` (``identify().describe()``), ``in_force`` and ``detail`` (why not)."""
-    from dbo_runtime.integration import plugin
+    from dbo_runtime.integration import plugin, releases
 
-    out: dict[str, Any] = {"installed": plugin.vllm_version(), "verified": release_line(), "in_force": False}
+    out: dict[str, Any] = {"installed": releases.installed_version(), "verified": release_line(), "in_force": False}
     if out["installed"] is None:
         return {**out, "detail": "vLLM is not installed here"}
     try:

@@ -24,7 +24,6 @@ from dbo_runtime.cli._common import (
     disabled_warning,
     import_noise,
     print_json,
-    release_line,
     settings_a_server_refuses,
     wrapped,
 )
@@ -74,9 +73,10 @@ def _nvml() -> dict[str, Any]:
     return {"available": ok, "detail": detail}
 
 
-def _targets(usable: bool, differing: tuple[str, ...]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(patches, guard targets), each probed for its target and, for patches, its recorded fingerprint."""
-    from dbo_runtime.integration import patching, plugin
+def _targets(usable: bool, match: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(patches, guard targets), each probed for its target and, for patches, its fingerprint against the
+    release identified (``not in release``: its target does not exist there, so it is not part of the set)."""
+    from dbo_runtime.integration import patching, plugin, releases
     from dbo_runtime.integration.guard import guard_patches
 
     def probe(patch: Any) -> tuple[str, str]:
@@ -87,8 +87,13 @@ def _targets(usable: bool, differing: tuple[str, ...]) -> tuple[list[dict[str, A
 
     patches = []
     for p in plugin.all_patches():
-        state, detail = probe(p)
-        fingerprint = "not bound" if not p.fingerprint_anchors else ("differs" if p.name in differing or not usable else "match")
+        if not p.fingerprint_anchors:
+            fingerprint = "not bound"
+        elif not releases.part_of(p, match.recorded):
+            fingerprint = "not in release"
+        else:
+            fingerprint = "differs" if p.name in match.differing or not usable else "match"
+        state, detail = probe(p) if fingerprint != "not in release" else ("skipped", f"not part of {match.label}")
         patches.append({
             "name": p.name, "feature": p.feature, "target": p.target, "state": state, "fingerprint": fingerprint,
             "lazy": p.lazy, "optional": p.optional, "detail": detail, "upstream_pr": p.upstream_pr,
@@ -117,16 +122,6 @@ def _environment_problems() -> list[str]:
     return problems
 
 
-def _release() -> tuple[str, tuple[str, ...], tuple[str, ...]]:
-    """(what was verified, the supported releases, the patches whose fingerprints differ)."""
-    try:
-        from dbo_runtime.integration.releases import SUPPORTED, identify
-    except ImportError:
-        return release_line(), (), ()
-    match = identify()
-    return match.describe(), tuple(SUPPORTED), tuple(match.differing) if match.release is None else ()
-
-
 def collect() -> dict[str, Any]:
     """The ``--json`` document."""
     with import_noise() as noise:
@@ -136,12 +131,12 @@ def collect() -> dict[str, Any]:
 
 
 def _collect() -> dict[str, Any]:
-    from dbo_runtime.integration import plugin
+    from dbo_runtime.integration import plugin, releases
 
-    version = plugin.vllm_version()
+    version = releases.installed_version()
     import_error = _vllm_import_error() if version is not None else None
     usable = version is not None and not import_error
-    verified, supported, differing = _release()
+    match = releases.identify()
     entry_point = any(ep.value == ENTRY_POINT_VALUE for ep in metadata.entry_points(group=ENTRY_POINT_GROUP))
     disabled = parse_switch("DBO_RUNTIME_DISABLE")
     problems: list[str] = []
@@ -155,8 +150,8 @@ def _collect() -> dict[str, Any]:
     if not entry_point:
         problems.append(f"entry point {ENTRY_POINT_GROUP}:{ENTRY_POINT_VALUE} is not registered (is dbo-runtime pip-installed?)")
     try:
-        patches, guard = _targets(usable, differing)
-        states = plugin.feature_states() if usable else {}
+        patches, guard = _targets(usable, match)
+        states = plugin.feature_states(match=match) if usable else {}
         features = [
             {"name": n, "summary": s.feature.summary, "verdict": s.verdict, "in_force": s.in_force, "state": s.describe(), "detail": s.detail}
             for n, s in states.items()
@@ -178,17 +173,17 @@ def _collect() -> dict[str, Any]:
             f"{p['name']}: target not checked here ({p['detail']}); if it does not resolve in a worker, the feature "
             "is marked broken and the worker refuses a DBO model that needs it"
             for p in patches
-            if p["state"] == "skipped" and not p["optional"]
+            if p["state"] == "skipped" and not p["optional"] and p["fingerprint"] != "not in release"
         ]
     return {
         "schema": SCHEMA,
         "ok": not problems,
         "problems": problems,
         "warnings": warnings_,
-        "next": _next(problems, usable, entry_point, features, disabled, supported),
+        "next": _next(problems, usable, entry_point, features, disabled, releases.SUPPORTED),
         "dbo_runtime_version": __version__,
         "python": platform.python_version(),
-        "vllm": {"version": version, "verified": verified, "supported": list(supported)},
+        "vllm": {"version": version, "verified": match.describe(), "release": match.release, "supported": list(releases.SUPPORTED)},
         "plugin": {"entry_point": entry_point, "disabled_by_env": disabled, "strict": parse_switch("DBO_RUNTIME_STRICT")},
         "features": features,
         "guard": guard,

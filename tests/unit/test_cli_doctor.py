@@ -11,7 +11,7 @@ import json
 import pytest
 
 from dbo_runtime.cli.main import main
-from dbo_runtime.integration import plugin
+from dbo_runtime.integration import plugin, releases
 from dbo_runtime.integration.patching import Patch
 
 
@@ -44,7 +44,7 @@ def bogus_patch(**kw: object) -> Patch:
 def test_the_real_vllm_has_every_fix_in_force(capsys: pytest.CaptureFixture[str]) -> None:
     rc, doc, out = doctor(capsys)
     assert rc == 0 and doc["ok"] and doc["problems"] == [] and doc["schema"] == "dbo-runtime/doctor/v3"
-    assert doc["vllm"]["version"] == plugin.vllm_version() and doc["vllm"]["verified"] in out.replace("\n  ", " ")
+    assert doc["vllm"]["version"] == releases.installed_version() and doc["vllm"]["release"] and doc["vllm"]["verified"] in out.replace("\n  ", " ")
     assert {f["name"] for f in doc["features"]} == {f.name for f in plugin.all_features()}
     assert all(f["in_force"] for f in doc["features"])
     assert [p["name"] for p in doc["patches"]] == [p.name for p in plugin.all_patches()]
@@ -85,7 +85,7 @@ def test_vllm_missing_or_broken_is_one_problem(capsys: pytest.CaptureFixture[str
     rc, doc, out = doctor(capsys)
     assert rc == 1 and [p for p in doc["problems"] if "does not import" in p and "libcudart" in p]
     assert not [w for w in doc["warnings"] if "not checked here" in w] and "next: install vLLM" in out
-    monkeypatch.setattr(plugin, "vllm_version", lambda: None)
+    monkeypatch.setattr(releases, "installed_version", lambda: None)
     rc, doc, out = doctor(capsys)
     assert rc == 1 and "vLLM is not installed" in doc["problems"] and doc["features"] == []
 
