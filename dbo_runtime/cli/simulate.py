@@ -42,17 +42,11 @@ GLM53_CPU_STEPS, GLM53_CPU_REQUESTS = 2, 8
 state needs no re-plan; the GPU preset (20 x 32) would take about 10 minutes on a 2-core CPU."""
 LONG_RUN_SECONDS = 30.0
 """A CPU run expected to take longer says so up front."""
-CPU_SECONDS_PER_UNIT = 1.8e-10
-"""CPU seconds per (leader x request x next_n x context x head x dim) of a step with its reference run."""
-CPU_SECONDS_PER_ROW = 3e-7
-"""CPU seconds per (leader x request x next_n x context position): mask, top-k sort and gather."""
-CPU_SECONDS_PER_RUN = 0.8
-"""CPU seconds per run besides its steps: the scenario and its planner warm-ups."""
-CPU_START_SECONDS = 1.8
-"""CPU seconds before the first run: the interpreter and torch's import."""
+# A rough CPU cost model: seconds per (leader x request x next_n x context x head x dim) and per
+# (leader x request x next_n x context position) of a step with its reference run, per run, before the
+# first run; and the resident bytes before the per-request tensors.
+CPU_SECONDS_PER_UNIT, CPU_SECONDS_PER_ROW, CPU_SECONDS_PER_RUN, CPU_START_SECONDS = 1.8e-10, 3e-7, 0.8, 1.8
 CPU_BASE_BYTES = 350 << 20
-"""Resident bytes of a CPU simulation before its per-request tensors."""
-FLAG_FOR = {"steps": "--steps", "num_requests": "--requests"}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -145,10 +139,6 @@ def _runs(no_contrast: bool, comm: int) -> list[Any]:
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except ConfigError as exc:
-        if exc.parameter not in FLAG_FOR:
-            raise
-        raise ConfigError(FLAG_FOR[exc.parameter], exc.value, exc.allowed) from None
     except (RuntimeError, MemoryError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CliError(f"error: the scenario could not be set up: {first}", EXIT_NO_DEVICE) from None
@@ -170,10 +160,9 @@ def _run(args: argparse.Namespace) -> int:
     base = SMALL if args.preset == "small" else GLM53
     if backend.simulated and base is GLM53:
         base = dataclasses.replace(GLM53, steps=GLM53_CPU_STEPS, num_requests=GLM53_CPU_REQUESTS)
-    overrides: dict[str, Any] = {"comm_sms": comm[0], "seed": args.seed, "topk_layout": layout}
-    overrides.update({k: v for k, v in (("steps", args.steps), ("num_requests", args.requests)) if v is not None})
-    config = dataclasses.replace(base, **overrides)
-    config.validate()
+    config = dataclasses.replace(
+        base, comm_sms=comm[0], seed=args.seed, topk_layout=layout, steps=args.steps or base.steps, num_requests=args.requests or base.num_requests
+    )
     budget = budget_for(total=backend.total_sms, comm=comm, platform="cuda", all2all_backend="deepep_high_throughput", sm_major=backend.sm_major)
     warnings += split_warnings(budget)
     for line in warnings:
@@ -196,7 +185,8 @@ def _run(args: argparse.Namespace) -> int:
                 f"{len(runs)} runs x {config.steps} steps of {config.num_requests} requests on the CPU simulation: expect "
                 f"about {_duration(expected)} on a 2-core CPU; progress follows on stderr"
             )
-    results, started, total = [], time.monotonic(), len(runs) * config.steps
+    results: list[tuple[Any, Any]] = []
+    started, total = time.monotonic(), len(runs) * config.steps
 
     def progress(name: str) -> Any:
         def advance(done: int, steps: int) -> None:
@@ -214,13 +204,12 @@ def _run(args: argparse.Namespace) -> int:
     vllm = protection()
     code = 0 if passed and vllm["in_force"] else 1
     if args.json:
+        runs_json = [{"name": c.name, "expect": c.expect, "as_expected": c.as_expected(r), **r.to_json()} for c, r in results]
         print_json({
-            "schema": SCHEMA, "backend": backend.name, "simulated": backend.simulated, "mode": args.mode,
-            "budget": results[0][1].budget, "verdict": "PASS" if passed else "FAIL", "vllm": vllm,
-            "protected": vllm["in_force"] and disabled is None, "dbo_runtime_disabled_by_env": disabled is not None,
-            "server_runs": "vanilla vLLM" if disabled else "dbo_runtime",
-            "warnings": warnings, "exit_code": code,
-            "runs": [{"name": c.name, "expect": c.expect, "as_expected": c.as_expected(r), **r.to_json()} for c, r in results],
+            "schema": SCHEMA, "backend": backend.name, "simulated": backend.simulated, "mode": args.mode, "budget": results[0][1].budget,
+            "verdict": "PASS" if passed else "FAIL", "vllm": vllm, "protected": vllm["in_force"] and disabled is None,
+            "dbo_runtime_disabled_by_env": disabled is not None, "server_runs": "vanilla vLLM" if disabled else "dbo_runtime",
+            "warnings": warnings, "exit_code": code, "runs": runs_json,
         })  # fmt: skip
     else:
         _print_human(backend, args.mode, results, passed, vllm, disabled)

@@ -13,11 +13,8 @@ Exit 0 measured, 2 bad arguments, 3 could not run, 4 inconclusive (DBO never mic
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from dbo_runtime.cli._common import EXIT_INCONCLUSIVE, EXIT_NO_DEVICE, Progress, int_in, print_json, print_table
@@ -66,52 +63,32 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prefill-tokens", type=int_in(64, 1 << 20), default=8192, metavar="N", help="prefill tokens per rank per step (default 8192)")
     p.add_argument("--prompt-len", type=int_in(1, 1 << 20), default=1024, metavar="N", help="tokens per prompt (default 1024)")
     p.add_argument("--decode-batch", type=int_in(1, 65536), default=128, metavar="B", help="decode requests per rank (default 128)")
-    p.add_argument(
-        "--values",
-        default=",".join(map(str, DEFAULT_VALUES)),
-        metavar="LIST",
-        help="comm-SM values to try, comma-separated, or 'all' (every even count up to 20); today's value is always added",
-    )
+    p.add_argument("--values", default=",".join(map(str, DEFAULT_VALUES)), metavar="LIST", help="comm-SM values to try, comma-separated, or 'all'")
     p.add_argument("--reps", type=int_in(1, 100), metavar="N", help="measured rounds (default: what confirming a value against the others needs, at least 7)")
     p.add_argument("--warmup", type=int_in(1, 100), default=1, metavar="N", help="unmeasured rounds first (default 1)")
     p.add_argument("--steps", type=int_in(1, 64), default=4, metavar="N", help="prefill steps per turn (default 4)")
     p.add_argument("--min-gain", type=float, default=0.02, metavar="F", help="a value replaces today's only if this much faster (default 0.02)")
     p.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="seconds for the whole sweep (default 3600)")
     p.add_argument("--workdir", metavar="DIR", help="keep logs and records here (default: a temporary folder)")
-    p.add_argument("--png", metavar="PATH", help="also draw the curve here (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
     return p
 
 
-@dataclass(frozen=True)
-class Options:
-    shape: str = "prefill"
-    prefill_tokens: int = 8192
-    prompt_len: int = 1024
-    decode_batch: int = 128
-    reps: int | None = None
-    warmup: int = 1
-    steps: int = 4
-    min_gain: float = 0.02
-    timeout: float = 3600.0
+def options(args: argparse.Namespace) -> argparse.Namespace:
+    if not (math.isfinite(args.min_gain) and 0 <= args.min_gain < 1):
+        raise ConfigError("--min-gain", args.min_gain, "a number in [0, 1), e.g. 0.02 for 2 %")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ConfigError("--timeout", args.timeout, "a positive number of seconds")
+    return args
 
 
-def options(args: argparse.Namespace) -> Options:
-    opts = Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options)})
-    if not (math.isfinite(opts.min_gain) and 0 <= opts.min_gain < 1):
-        raise ConfigError("--min-gain", opts.min_gain, "a number in [0, 1), e.g. 0.02 for 2 %")
-    if not (math.isfinite(opts.timeout) and opts.timeout > 0):
-        raise ConfigError("--timeout", opts.timeout, "a positive number of seconds")
-    return opts
-
-
-def check_reps(opts: Options, sweep: Sweep) -> Options:
+def check_reps(opts: argparse.Namespace, sweep: Sweep) -> argparse.Namespace:
     """With ``k`` values besides today's, the all-faster sign test needs ``rounds_needed(k, ALPHA)`` rounds; fewer
     could only ever say "keep today's" after the whole sweep ran. Left out, ``--reps`` becomes what is needed."""
     others = len(sweep.values) - 1
     need = rounds_needed(others, ALPHA)
     if opts.reps is None:
-        return dataclasses.replace(opts, reps=max(7, need))
+        return argparse.Namespace(**{**vars(opts), "reps": max(7, need)})
     if opts.reps < need:
         raise ConfigError("--reps", opts.reps, f">= {need} to confirm one of {len(sweep.values)} values at {ALPHA:.0%}; or fewer --values")
     return opts
@@ -126,7 +103,7 @@ def decode_needs_eager(engine_args: list[str], dp: int) -> bool:
     return not (engine_arg(engine_args, "--all2all-backend") == "deepep_high_throughput" and dp > 1)
 
 
-def workload(engine_args: list[str], dp: int, opts: Options) -> tuple[list[str], Any, dict[str, Any], str, str, list[str]]:
+def workload(engine_args: list[str], dp: int, opts: argparse.Namespace) -> tuple[list[str], Any, dict[str, Any], str, str, list[str]]:
     """(engine arguments added, prompts, bench, metric, microbatch counter, notes) for the shape.
 
     The metric is the host time of each microbatched forward from SMControl's partition counters, so only
@@ -185,7 +162,7 @@ def memory_args(engine_args: list[str], engines: int) -> tuple[list[str], list[s
     return added, notes
 
 
-def specs(engine_args: list[str], dp: int, sweep: Sweep, opts: Options, environ: Any) -> tuple[list[Any], str, str, list[str]]:
+def specs(engine_args: list[str], dp: int, sweep: Sweep, opts: argparse.Namespace, environ: Any) -> tuple[list[Any], str, str, list[str]]:
     """One coordinated DBO run per value (``harness.turns`` gives them turns)."""
     from dbo_runtime.harness.launch import RunSpec
 
@@ -193,19 +170,11 @@ def specs(engine_args: list[str], dp: int, sweep: Sweep, opts: Options, environ:
     memory, memory_notes = memory_args(engine_args, len(sweep.values))
     env = same_runner_env(environ)
     out = [
-        RunSpec(
-            label=f"comm-{value:02d}",
-            engine_args=[*engine_args, *added, *memory, "--enable-dbo"],
-            dp=dp,
-            env={**env, "VLLM_DBO_COMM_SMS": str(value)},
-            prompts=prompts,
-            max_tokens=1,
-            bench=dict(bench),
-            timeout_s=opts.timeout,
-            meta={"comm_sms": value, "shape": opts.shape},
-        )
-        for value in sweep.values
-    ]
+        RunSpec(label=f"comm-{v:02d}", engine_args=[*engine_args, *added, *memory, "--enable-dbo"], dp=dp,
+                env={**env, "VLLM_DBO_COMM_SMS": str(v)}, prompts=prompts, max_tokens=1, bench=dict(bench),
+                timeout_s=opts.timeout, meta={"comm_sms": v, "shape": opts.shape})
+        for v in sweep.values
+    ]  # fmt: skip
     return out, metric, counter, notes + memory_notes
 
 
@@ -247,53 +216,14 @@ def run(args: argparse.Namespace) -> int:
         progress.set(f"starting {len(plan)} DBO engines of {dp} ranks (one per value), then {opts.warmup + (opts.reps or 0)} turns each")
         records = run_interleaved(plan, folder, opts.reps, timeout_s=opts.timeout, progress=progress.say)
     doc = choose(measurements(records, sweep, metric, counter), sweep.default, min_gain=opts.min_gain)
+    workload = {"prefill_tokens_per_step": opts.prefill_tokens, "steps_per_turn": opts.steps} if opts.shape == "prefill" else {"decode_batch_per_rank": opts.decode_batch}
     doc.update(
-        schema=SCHEMA,
-        shape=opts.shape,
-        workload={"prefill_tokens_per_step": opts.prefill_tokens, "steps_per_turn": opts.steps}
-        if opts.shape == "prefill"
-        else {"decode_batch_per_rank": opts.decode_batch},
+        schema=SCHEMA, shape=opts.shape, workload=workload, total_sms=sweep.total_sms, notes=notes, workdir=str(folder),
         measure="host ms per microbatched forward (SMControl partition), slowest rank, per paired round",
-        total_sms=sweep.total_sms,
-        notes=notes,
-        workdir=str(folder),
         turn_order=next(iter(records.values()), {}).get("turn_order"),
-    )
-    if args.png is not None and doc["verdict"] == "measured":
-        drawn = draw(doc, Path(args.png))
-        doc["notes"].append(f"curve drawn: {drawn}" if drawn else f"no PNG: {args.png}")
+    )  # fmt: skip
     render(doc, args.json)
     return {"measured": 0, "inconclusive": EXIT_INCONCLUSIVE}.get(doc["verdict"], EXIT_NO_DEVICE)
-
-
-def draw(doc: dict[str, Any], path: Path) -> str | None:
-    """The curve as an image; None where matplotlib is missing or the file cannot be written (the measured
-    result is printed either way)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = [r for r in doc["curve"] if r["median_ms"] is not None]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    lows, highs = [r["median_ms"] - r["min_ms"] for r in rows], [r["max_ms"] - r["median_ms"] for r in rows]
-    ax.errorbar([r["comm_sms"] for r in rows], [r["median_ms"] for r in rows], yerr=[lows, highs], marker="o", capsize=3)
-    ax.axvline(doc["default"], color="grey", linestyle="--", label=f"in force today ({doc['default']})")
-    ax.set_xlabel("VLLM_DBO_COMM_SMS (comm SMs per GPU)")
-    ax.set_ylabel(f"DBO {doc['shape']} step (ms, median, min-max)")
-    ax.set_title(f"dbo-runtime tune: fastest {doc['best']}, use {doc['chosen']}")
-    ax.legend()
-    fig.tight_layout()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-    except (OSError, ValueError):
-        return None
-    finally:
-        plt.close(fig)
-    return str(path)
 
 
 def render(doc: dict[str, Any], as_json: bool) -> None:

@@ -8,6 +8,7 @@ tests/e2e/test_width_2gpu.py.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -35,7 +36,7 @@ def _sweep(raw: str = "4,8,12,16,20", env: dict[str, str] | None = None) -> Any:
     return plan_sweep(raw, backend=HT, platform="cuda", environ=env or {})
 
 
-def _opts(*argv: str) -> tune.Options:
+def _opts(*argv: str) -> argparse.Namespace:
     return tune.check_reps(tune.options(build_parser().parse_args(["tune", *argv])), _sweep("12,16"))
 
 
