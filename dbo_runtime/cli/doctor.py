@@ -136,7 +136,7 @@ def _collect() -> dict[str, Any]:
     version = releases.installed_version()
     import_error = _vllm_import_error() if version is not None else None
     usable = version is not None and not import_error
-    match = releases.identify()
+    match: Any = None
     entry_point = any(ep.value == ENTRY_POINT_VALUE for ep in metadata.entry_points(group=ENTRY_POINT_GROUP))
     disabled = parse_switch("DBO_RUNTIME_DISABLE")
     problems: list[str] = []
@@ -150,6 +150,7 @@ def _collect() -> dict[str, Any]:
     if not entry_point:
         problems.append(f"entry point {ENTRY_POINT_GROUP}:{ENTRY_POINT_VALUE} is not registered (is dbo-runtime pip-installed?)")
     try:
+        match = releases.identify()
         patches, guard = _targets(usable, match)
         states = plugin.feature_states(match=match) if usable else {}
         features = [
@@ -183,7 +184,10 @@ def _collect() -> dict[str, Any]:
         "next": _next(problems, usable, entry_point, features, disabled, releases.SUPPORTED),
         "dbo_runtime_version": __version__,
         "python": platform.python_version(),
-        "vllm": {"version": version, "verified": match.describe(), "release": match.release, "supported": list(releases.SUPPORTED)},
+        "vllm": {
+            "version": version, "release": match and match.release, "supported": list(releases.SUPPORTED),
+            "verified": match.describe() if match else "not identified (the patch list does not import here)",
+        },
         "plugin": {"entry_point": entry_point, "disabled_by_env": disabled, "strict": parse_switch("DBO_RUNTIME_STRICT")},
         "features": features,
         "guard": guard,

@@ -139,6 +139,8 @@ def _runs(no_contrast: bool, comm: int) -> list[Any]:
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
+    except ConfigError:
+        raise  # a bad value (a RuntimeError too): exit 2 in main
     except (RuntimeError, MemoryError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CliError(f"error: the scenario could not be set up: {first}", EXIT_NO_DEVICE) from None
