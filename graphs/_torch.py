@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dbo_runtime.cli._common import EXIT_NO_DEVICE
+EXIT_NO_DEVICE = 3
 
 
 def exit_without_torch(script: str) -> None:

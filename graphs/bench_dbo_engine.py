@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, refuse_repeats, say_written  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 GROUPS: dict[str, tuple[str, bool]] = {"ht": ("shared-topk", False), "ll": ("shared-topk-h2048", True)}
@@ -62,7 +62,7 @@ RATIOS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="bench_dbo_engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="bench_dbo_engine", description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=integer(1), default=3, help="timed reps per configuration after one warm-up (default 3)")
     parser.add_argument("--steps", type=integer(2), default=64, help="decode steps per timed pass (default 64)")
     add_out(parser)
@@ -77,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not backends:
         shown = ", ".join(repr(b) for b in unknown) or repr(args.backends)
         parser.error(f"argument --backends: {shown} is not allowed; allowed values: ht, ll (comma-separated)")
-    refuse_repeats(parser, "--backends", backends, "ht, ll, each once (comma-separated)")
     from dbo_runtime.harness.machine import refuse_without_engine
 
     refused = refuse_without_engine("bench_dbo_engine", 2)
@@ -195,4 +194,4 @@ def _plot(rows: dict, summary: dict, ratio_names: list[str], path: Path) -> None
 
 
 if __name__ == "__main__":
-    raise SystemExit(interruptible(main, "bench_dbo_engine"))
+    raise SystemExit(main())

@@ -18,6 +18,7 @@ GLM-5.3 / GLM-5.1 with both top-k layouts.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 import sys
@@ -35,7 +36,7 @@ from dbo_runtime.core.topk_memory import topk_memory_bytes
 from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import GLM53, Scenario, capture_dbo_graph
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible
+from graphs._args import EXIT_NO_DEVICE, add_out, integer
 from graphs._plotting import pyplot
 
 VARIANTS = {
@@ -80,7 +81,7 @@ def time_graph(graph, reps: int) -> list[float]:  # type: ignore[no-untyped-def]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog="bench_dbo_stack", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="bench_dbo_stack", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=integer(1), default=40, help="timed reps per variant (default 40)")
     ap.add_argument("--requests", type=integer(2), default=GLM53.num_requests, help=f"decode requests, split over two microbatches (default {GLM53.num_requests})")
     ap.add_argument("--max-context", type=integer(GLM53.block_kv, multiple=GLM53.block_kv), default=GLM53.max_context, help=f"longest context in tokens (default {GLM53.max_context})")
@@ -210,4 +211,4 @@ def _plot(doc: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(interruptible(main, "bench_dbo_stack"))
+    raise SystemExit(main())

@@ -23,6 +23,7 @@ block), on both sides (the clock's own cost cancels in the difference).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import threading
@@ -35,7 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, say_written  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 MODULES = (
@@ -281,7 +282,7 @@ PER_STEP_78L = {
     "fp8_fp4_paged_mqa_logits call site (stub kernel)": 22,
 }
 """Hooked calls per eager decode step of the 78-layer GLM-5.3 pattern, as the self-timer counted them in the real
-engine (H200, ``calls_per_step_by_patch``); the 156 property reads are split by the 21 leaders, whose
+engine (``calls_per_step_by_patch``); the 156 property reads are split by the 21 leaders, whose
 reads go through their indexer; of the 78 ``set_logical_topk_ready`` calls, the 57 of follower layers return at
 once and the 21 of leaders call through to vLLM's event record, priced here as a ``_convert_once`` call (the same
 one check and one call through; the record itself needs a GPU). The two kernel-calling hooks are timed around a
@@ -492,7 +493,7 @@ def _environment_refusal() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="bench_hook_calls", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="bench_hook_calls", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--n", type=integer(100, 10_000_000), default=None,
         help="accesses per timed block (default 200000 back to back; 200 with --cold, where each is timed alone)",
@@ -550,4 +551,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(interruptible(main, "bench_hook_calls"))
+    sys.exit(main())

@@ -14,16 +14,13 @@ the JSON), and planner JIT compilations inside steps.
 
     python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs]
         [--dbo off,dp1] [--reps 5] [--steps 16] [--graphs-steps 128] [--at-once 1] [--out graphs/results]
-    python graphs/bench_host_cost.py --from-runs DIR | --from-records PREFIX[,PREFIX...] [--only ...] [--models ...]
-        [--depths ...] [--modes ...] [--dbo ...] [--out DIR]   (no engines: stored runs; the engine options are refused)
-    python graphs/bench_host_cost.py --replot JSON [--out DIR]   (the stored JSON's figure drawn again, as DIR/NAME.png)
+    python graphs/bench_host_cost.py --from-runs DIR [--only ...] [--out DIR]   (no engines: a stopped run's records)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -32,8 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dbo_runtime.core.errors import shown  # noqa: E402
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, refuse_repeats, say_written  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 MODELS = {
@@ -51,43 +47,25 @@ ENGINE_GIB = ((6, 7.0), (78, 16.0))
 300-600 tokens), measured on an H200 (``docs/performance.md``: about 6.5 GiB at 6 layers, 10-16 GiB at 61 and 78); other
 depths on the line through the two (weights and activations grow with layers, the KV cache is fixed)."""
 ENGINE_ONLY = ("reps", "steps", "graphs_steps", "at_once")
-"""Options that shape the engines' runs (timed reps, decode steps, engines alive together): with ``--from-records``
-or ``--from-runs`` no engine starts, so one of them given there is refused, not silently ignored; the filters
-(``--models``, ``--depths``, ``--modes``, ``--dbo``, ``--only``) pick the stored rows and ``--out`` the folder."""
+"""Options that shape the engines' runs: not recorded in a ``--from-runs`` summary, where no engine starts."""
 AT_ONCE = 1
 """Configurations whose engines are alive together, by default: one configuration's three engines. Twelve deep engines
 outgrow one H200 part-way (``ENGINE_GIB``), and every engine alive competes for the host's cores."""
 
 
-def _items(raw: str) -> tuple[list[str], str | None]:
-    """The comma-separated items, and how to show ``raw`` when one is empty (None when none is).
-
-    An empty item is refused, not dropped: ``glm53,,v32`` is more likely a name left out than a stray comma, and
-    a matrix quietly smaller than the one typed costs a GPU session."""
-    items = [v.strip() for v in raw.split(",")]
-    return items, (f"{raw!r} (an empty item)" if "" in items else None)
-
-
 def _choices(parser: argparse.ArgumentParser, name: str, raw: str, allowed: tuple[str, ...]) -> list[str]:
-    items, empty = _items(raw)
-    bad = [v for v in dict.fromkeys(items) if v and v not in allowed]
-    if bad or empty:
-        said = empty or ", ".join(repr(v) for v in bad)
-        parser.error(f"argument --{name}: {said} is not allowed; allowed values: {', '.join(allowed)} (comma-separated)")
-    refuse_repeats(parser, f"--{name}", items, f"{', '.join(allowed)}, each once (comma-separated)")
+    items = [v.strip() for v in raw.split(",")]
+    bad = [v for v in items if v not in allowed]
+    if bad:
+        parser.error(f"argument --{name}: invalid value {bad[0]!r}: allowed {', '.join(allowed)} (comma-separated)")
     return items
 
 
 def _depths(parser: argparse.ArgumentParser, raw: str) -> list[int]:
-    items, empty = _items(raw)
-    try:
-        depths = [int(v) for v in items]
-    except ValueError:
-        depths = []
-    if empty or not depths or any(d < 1 for d in depths):
-        parser.error(f"argument --depths: {empty or shown(raw)} is not allowed; allowed values: comma-separated layer counts >= 1")
-    refuse_repeats(parser, "--depths", depths, "comma-separated layer counts >= 1, each once")
-    return depths
+    items = [v.strip() for v in raw.split(",")]
+    if not all(v.isdigit() and int(v) >= 1 for v in items):
+        parser.error(f"argument --depths: invalid value {raw!r}: allowed comma-separated layer counts >= 1")
+    return [int(v) for v in items]
 
 
 def configurations(models: list[str], depths: list[int], modes: list[str], dbo: list[str]) -> list[dict]:
@@ -167,7 +145,7 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
     devices = sorted({str(d) for v, _ in VARIANTS if (d := _device(records.get(f"{label}-{v}", {}))) is not None})
     return {
         **config,
-        # the GPU its engines reported: a matrix merged from several leases can mix devices, and a row's ratio and
+        # the GPU its engines reported: a matrix merged from several runs can mix devices, and a row's ratio and
         # share hold only for the device that ran it
         "device": " + ".join(devices) or None,
         "ok": {v: records.get(f"{label}-{v}", {}).get("ok") for v, _ in VARIANTS},
@@ -296,7 +274,7 @@ def step_time_warnings(reps: dict[str, list[dict]], pairs: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="bench_host_cost", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="bench_host_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="glm53,v32", help="comma-separated: glm53, v32 (default both)")
     parser.add_argument("--depths", default="6,61,78", help="comma-separated layer counts (default 6,61,78)")
     parser.add_argument("--modes", default="eager,graphs", help="comma-separated: eager, graphs (default both)")
@@ -319,18 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--from-runs", default=None, metavar="DIR",
         help="summarize the run directories a stopped benchmark left in DIR (its bench_host_cost_runs) instead of running engines "
-        "(--reps, --steps, --graphs-steps and --at-once are refused with it)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--from-records", default=None, metavar="PREFIX[,PREFIX...]",
-        help="summarize the records tools/gpu/collect_records.py wrote, PREFIX-real-engine-LABEL.json (e.g. "
-        "runs/2026-12-02-hostcost), instead of running engines; with several prefixes each configuration "
-        "comes whole from the last one that holds any of its engines (--reps, --steps, --graphs-steps and --at-once are refused with it)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--replot", default=None, metavar="JSON",
-        help="draw the figure of a JSON this benchmark wrote again, from the rows in it, into --out as the JSON's name "
-        "with .png (no engines, no records; takes only --out)",
+        "(the engine options are not used then)",
     )  # fmt: skip
     parser.add_argument(
         "--check", action="store_true",
@@ -338,22 +305,6 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     add_out(parser)
     args = parser.parse_args(argv)
-    if args.replot is not None and args.check:
-        parser.error("argument --check: not allowed with --replot (--check starts nothing; --replot draws)")
-    if args.replot is not None:
-        others = [opt for dest, (opt, _) in parser.given_options.items() if dest not in ("replot", "out")]
-        if others:
-            parser.error(f"argument {others[0]}: not allowed with --replot (it redraws a stored JSON's figure and takes only --out)")
-        return replot(args.replot, Path(args.out))
-    if args.from_runs is not None and args.from_records is not None:
-        parser.error("argument --from-records: not allowed with --from-runs (give one source of runs)")
-    source = "--from-records" if args.from_records is not None else "--from-runs" if args.from_runs is not None else None
-    ignored = [parser.given_options[d][0] for d in ENGINE_ONLY if d in parser.given_options]
-    if source is not None and ignored:
-        parser.error(
-            f"argument {ignored[0]}: not allowed with {source}: it only applies when the benchmark starts engines "
-            f"({source} summarizes stored runs; it takes --models, --depths, --modes, --dbo, --only and --out)"
-        )
     configs = configurations(
         _choices(parser, "models", args.models, tuple(MODELS)),
         _depths(parser, args.depths),
@@ -373,24 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     specs_by_config = {c["label"]: specs_for(c, steps_of(c), args.reps) for c in configs}
     specs = [s for c in configs for s in specs_by_config[c["label"]]]
     out = Path(args.out)
-    stored: tuple[str, Any] | None = None  # (the flag, how it loads its runs) when rows come from stored runs, not engines
-    if args.from_records is not None:
-        prefixes, empty = _items(args.from_records)
-        if empty:
-            parser.error(f"argument --from-records: {empty} is not allowed; allowed values: comma-separated record prefixes")
-        stored = ("--from-records", lambda labels: from_records(prefixes, labels))
-    elif args.from_runs is not None:
-        runs = Path(args.from_runs)
-        if not args.from_runs or not runs.is_dir():
-            parser.error(f"--from-runs: {args.from_runs!r} is not a directory (give the bench_host_cost_runs of a stopped run)")
-        stored = ("--from-runs", lambda labels: from_runs(runs, labels))
-    summarized = stored is not None
-    if stored is not None:
-        flag, load = stored
+    summarized = args.from_runs is not None
+    if summarized:
         try:
-            records, env_facts = load([s.label for s in specs])
+            records, env_facts = from_runs(Path(args.from_runs), [s.label for s in specs])
         except RunsUnreadable as exc:
-            print(f"bench_host_cost: error: {flag}: {exc}", file=sys.stderr)
+            print(f"bench_host_cost: error: --from-runs: {exc}", file=sys.stderr)
             return 2
     else:
         from dbo_runtime.harness.machine import refuse_without_engine
@@ -418,9 +357,6 @@ def main(argv: list[str] | None = None) -> int:
             )
     out.mkdir(parents=True, exist_ok=True)
     rows = [summarize(c, records) for c in configs if not summarized or any(f"{c['label']}-{v}" in records for v, _ in VARIANTS)]
-    for row in rows:
-        if row["label"] in env_facts.get("source_by_config", {}):
-            row["source"] = env_facts["source_by_config"][row["label"]]
     # a summary of stored runs records only the options it used: the engine options' defaults describe no run of it
     used = {k: v for k, v in vars(args).items() if not (summarized and k in ENGINE_ONLY)}
     doc = {"bench": "bench_host_cost", "args": used, "environment": env_facts, "configs": rows}
@@ -428,81 +364,6 @@ def main(argv: list[str] | None = None) -> int:
     _plot(rows, out / "bench_host_cost.png")
     say_written("bench_host_cost", out / "bench_host_cost.json", out / "bench_host_cost.png")
     print(json.dumps([{k: r[k] for k in ("label", "device", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step", "step_time_warnings", "engine_failures")} for r in rows], indent=1, default=str))
-    return 0
-
-
-def _number(value: Any) -> bool:
-    if value is None:
-        return True
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer too large for a float: no figure can draw it
-        return False
-
-
-def _undrawable(row: Any) -> str | None:
-    """Why ``_plot`` cannot draw ``row``, or None: the label a string, the paired ratio null or an object whose
-    median, min and max are finite numbers (or null), the share a finite number or null, and a source and device,
-    where present, text. A hand-edited JSON is the input this guards, so a wrong type is one refusal naming the
-    field, not a traceback or a figure of nonsense."""
-    if not isinstance(row, dict):
-        return "is not an object"
-    if not isinstance(row.get("label"), str):
-        return "has no text 'label'"
-    ratio = row.get("plugin_over_vanilla_paired", "absent")
-    if not (ratio is None or (isinstance(ratio, dict) and all(_number(ratio.get(k)) for k in ("median", "min", "max")))):
-        return "needs 'plugin_over_vanilla_paired' null or {median, min, max} of finite numbers or null"
-    if "self_net_share_of_step" not in row or not _number(row["self_net_share_of_step"]):
-        return "needs 'self_net_share_of_step' a finite number or null"
-    bad = [k for k in ("source", "device") if not (row.get(k) is None or isinstance(row[k], str))]
-    return f"needs '{bad[0]}' text or null" if bad else None
-
-
-def replot(raw: str, out: Path) -> int:
-    """``--replot``: the figure of a stored JSON drawn again by the current ``_plot``, so a change to the figure
-    reaches the committed PNGs without a GPU. The JSON is only read; the PNG, named after it, goes to ``--out``
-    like every other output (the committed ``graphs/results/`` only when named), written whole or not at all."""
-    from dbo_runtime.cli._paths import matplotlib_installed
-
-    def refuse(why: str) -> int:
-        print(f"bench_host_cost: error: argument --replot: {shown(raw)} {why}", file=sys.stderr)
-        return 2
-
-    path = Path(raw)
-    if not raw.strip():
-        return refuse("is not allowed; allowed values: the path of a JSON this benchmark wrote")
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as exc:
-        return refuse(f"cannot be read ({exc.strerror or type(exc).__name__})")
-    except (UnicodeDecodeError, ValueError):
-        return refuse("is not JSON")
-    if not isinstance(doc, dict) or doc.get("bench") != "bench_host_cost":
-        return refuse("is not a JSON this benchmark wrote (its \"bench\" is not \"bench_host_cost\")")
-    rows = doc.get("configs")
-    if not isinstance(rows, list) or not rows:
-        return refuse("is not a JSON this benchmark wrote (no rows under \"configs\")")
-    for n, row in enumerate(rows):
-        why = _undrawable(row)
-        if why is not None:
-            label = f" ({shown(row['label'])})" if isinstance(row, dict) and isinstance(row.get("label"), str) else ""
-            return refuse(f"cannot be drawn: configs[{n}]{label} {why}")
-    if not matplotlib_installed():
-        return refuse("cannot be drawn: matplotlib is not installed (pip install matplotlib)")
-    png = out / f"{path.stem}.png"
-    if png.is_dir():
-        return refuse(f"cannot be drawn to {png}: it is a folder")
-    partial = png.with_name(f".{png.stem}.partial.png")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        _plot(rows, partial)
-        partial.replace(png)
-    except OSError as exc:
-        partial.unlink(missing_ok=True)
-        return refuse(f"cannot be drawn to {png} ({exc.strerror or type(exc).__name__})")
-    say_written("bench_host_cost", png)
     return 0
 
 
@@ -555,49 +416,6 @@ def _checked(where: Path, record: Any, what: str, label: str) -> dict:
     return record
 
 
-def from_records(prefixes: list[str], labels: list[str]) -> tuple[dict[str, dict], dict]:
-    """The records ``tools/gpu/collect_records.py`` wrote (``PREFIX-real-engine-LABEL.json``), to rebuild a matrix
-    once the run directories are gone, several sessions merged. A configuration comes whole
-    from the last prefix holding any of its engines, never engine by engine: a row's step ratio pairs engines that
-    ran side by side, on one host, with one code."""
-    for prefix in prefixes:
-        if not list(Path(prefix).parent.glob(f"{Path(prefix).name}-real-engine-*.json")):
-            raise RunsUnreadable(f"{prefix!r} names no records ({prefix}-real-engine-*.json): give a prefix collect_records.py wrote")
-    records: dict[str, dict] = {}
-    source: dict[str, str] = {}
-    for config in sorted({label.rsplit("-", 1)[0] for label in labels}):
-        empty: tuple[str, dict[str, dict]] | None = None  # the latest prefix whose engines of it finished no timed rep
-        for prefix in reversed(prefixes):
-            found = {}
-            for variant, _ in VARIANTS:
-                path = Path(f"{prefix}-real-engine-{config}-{variant}.json")
-                if path.is_file():
-                    try:
-                        found[f"{config}-{variant}"] = _checked(path, json.loads(path.read_text()), "a record", f"{config}-{variant}")
-                    except (OSError, ValueError) as exc:
-                        raise RunsUnreadable(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None
-            if found and not any(_reps(r) for r in found.values()):
-                # engines a limit or a failure stopped before any timed rep: an earlier lease's measured row stands
-                empty = empty or (prefix, found)
-                continue
-            if found:
-                records.update(found)
-                source[config] = prefix
-                if empty is not None:
-                    print(f"bench_host_cost: {config}: no engine of {empty[0]} finished a timed rep; the row comes from {prefix}", file=sys.stderr)
-                break
-        else:
-            if empty is not None:  # no prefix measured it: the row shows the latest engines and why they stopped
-                records.update(empty[1])
-                source[config] = empty[0]
-    if not records:
-        raise RunsUnreadable(
-            f"none of {', '.join(prefixes)} holds a record of the {len(labels) // len(VARIANTS)} configurations asked for "
-            f"(e.g. {labels[0] if labels else '-'}): give the --only / --models / --depths / --modes / --dbo they ran with"
-        )
-    return records, {"from_records": prefixes, "source_by_config": source, **_said_of(records, labels, ", ".join(prefixes))}
-
-
 def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
     """What a summary of stored runs must say: refused when no run finished a timed rep; on stderr, the
     configurations and engines it lacks and the runs a limit stopped; the versions the engines reported."""
@@ -612,7 +430,7 @@ def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
         absent = [label.rsplit("-", 1)[1] for label in labels if label.rsplit("-", 1)[0] == config and label not in records]
         if absent:
             print(f"bench_host_cost: {config}: no run of {', '.join(absent)} (its figures are left empty)", file=sys.stderr)
-    # the versions and device every engine reported; a key the records disagree on (a matrix merged from leases on
+    # the versions and device every engine reported; a key the records disagree on (a matrix merged from runs on
     # an H100 and an H200) lists every value rather than the first record's, and is named on stderr
     seen: dict[str, list[Any]] = {}
     for r in records.values():
@@ -640,7 +458,7 @@ def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
 def _plot(rows: list[dict], path: Path) -> None:
     """Two panels, one bar per configuration. A value a row lacks (no vanilla engine finished, so no ratio or
     share) is written "n/a" on the axis instead of drawn as a zero bar, which would read as "costs nothing". Bars
-    are coloured by the records they came from: a matrix merged from several leases mixes code versions, and the
+    are coloured by the records they came from: a matrix merged from several runs mixes code versions, and the
     figure has to say which rows measured which."""
     plt = pyplot()
     if plt is None:
@@ -695,4 +513,4 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(interruptible(main, "bench_host_cost"))
+    raise SystemExit(main())

@@ -21,6 +21,7 @@ when ``$OUT`` is set, a copy there. Numbers are never asserted (they are measure
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible
+from graphs._args import EXIT_NO_DEVICE, add_out, integer
 from graphs._plotting import pyplot
 
 HEADS, DIM, BLOCK = 32, 128, 64
@@ -301,7 +302,7 @@ def _plot(doc: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog="bench_indexer_schedule", description=(__doc__ or "").split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="bench_indexer_schedule", description=(__doc__ or "").split("\n\n")[0])
     add_out(ap)
     ap.add_argument("--steps", type=integer(1), default=20, help="DBO steps per variant (default 20)")
     ap.add_argument("--layers", type=integer(1), default=21, help="indexer layers per step (default 21)")
@@ -385,4 +386,4 @@ def _run(args: Any) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(interruptible(main, "bench_indexer_schedule"))
+    raise SystemExit(main())

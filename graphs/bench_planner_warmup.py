@@ -42,7 +42,7 @@ import graphs._torch  # noqa: E402, F401  (exits 3 with one line when torch is m
 
 # isort: split
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, add_out, integer  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 BLOCK = 64
@@ -139,7 +139,7 @@ def _plot(doc: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog="bench_planner_warmup", description=(__doc__ or "").split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="bench_planner_warmup", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--spec-tokens", type=integer(0, 3), default=3, help="speculative tokens (3: MTP, next_n 4; 0: none; default 3)")
     ap.add_argument("--max-num-seqs", type=integer(1), default=1024, help="vLLM max_num_seqs (default 1024)")
@@ -190,4 +190,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(interruptible(main, "bench_planner_warmup"))
+    raise SystemExit(main())

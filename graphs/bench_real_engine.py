@@ -17,6 +17,7 @@ Goals: decode-step overhead <= 1 %, start-up delta <= 3 s.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -27,12 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dbo_runtime.harness.machine import refuse_without_engine  # noqa: E402
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible, positive_seconds, say_written  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, add_out, integer, positive_seconds, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="bench_real_engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="bench_real_engine", description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=integer(1), default=5, help="engine starts per variant (default 5)")
     parser.add_argument("--decode-reps", type=integer(1), default=2, help="timed decode reps per engine after one warm-up (default 2)")
     parser.add_argument("--steps", type=integer(2), default=64, help="decode steps per timed pass (default 64)")
@@ -193,4 +194,4 @@ def _plot(runs: list[dict], summary: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(interruptible(main, "bench_real_engine"))
+    raise SystemExit(main())

@@ -36,6 +36,7 @@ Writes ``bench_replay_planning.json`` (+ ``.png`` with matplotlib) to ``--out``.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import statistics
@@ -48,7 +49,7 @@ import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing
 
 # isort: split
 
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible
+from graphs._args import EXIT_NO_DEVICE, add_out, integer
 from graphs._plotting import pyplot
 
 VARIANTS = {"plan_at_build": {"defer_plan_ahead": False}, "deferred": {"defer_plan_ahead": True}}
@@ -248,7 +249,7 @@ def _plot(doc: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog="bench_replay_planning", description=(__doc__ or "").split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="bench_replay_planning", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--steps", type=integer(1), default=10, help="replay steps per variant (default 10)")
     ap.add_argument("--requests", type=integer(2), default=16, help="decode requests, split over two microbatches (default 16)")
     ap.add_argument("--max-context", type=integer(64, multiple=64), default=8192, help="longest context in tokens, a multiple of 64 (default 8192)")
@@ -312,4 +313,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(interruptible(main, "bench_replay_planning"))
+    raise SystemExit(main())

@@ -15,6 +15,7 @@ the 99th percentile are the numbers to read, the mean shows the handoffs).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import threading
@@ -26,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import Parser, add_out, integer, interruptible, say_written  # noqa: E402
+from graphs._args import add_out, integer, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 
@@ -111,7 +112,7 @@ def measure(n: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="bench_sm_count_read", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="bench_sm_count_read", description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=integer(100, 10_000_000), default=20_000, help="calls timed per reader and condition (default 20000)")
     add_out(parser)
     args = parser.parse_args(argv)
@@ -144,4 +145,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(interruptible(main, "bench_sm_count_read"))
+    raise SystemExit(main())

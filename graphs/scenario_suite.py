@@ -15,6 +15,7 @@ present) and exits non-zero when a check fails.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 import time
@@ -28,12 +29,12 @@ import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing
 from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import CONTRASTS, GLM53, MODES, run_scenario
-from graphs._args import EXIT_NO_DEVICE, Parser, add_out, integer, interruptible
+from graphs._args import EXIT_NO_DEVICE, add_out, integer
 from graphs._plotting import pyplot
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = Parser(prog="scenario_suite", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="scenario_suite", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=integer(1), default=GLM53.steps, help=f"DBO steps per mode (default {GLM53.steps})")
     ap.add_argument("--requests", type=integer(2), default=GLM53.num_requests, help=f"decode requests, split over two microbatches (default {GLM53.num_requests})")
     ap.add_argument("--max-context", type=integer(GLM53.block_kv, multiple=GLM53.block_kv), default=GLM53.max_context, help=f"longest context in tokens (default {GLM53.max_context})")
@@ -88,4 +89,4 @@ def _plot(doc: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(interruptible(main, "scenario_suite"))
+    raise SystemExit(main())

@@ -12,13 +12,12 @@ Prints one line per violation, ``path:line: message``, and exits 1 if there is a
   issue item, "used to") instead of why. History belongs in git; the GPU records (``docs/records``) are
   data and may carry dates.
 
-Stdlib only, so it runs before anything is installed (its parser is the project's stdlib-only base,
-``dbo_runtime.cli._common.OnceArgumentParser``: an option given twice is refused, as on every command line
-of the project).
+Stdlib only, so it runs before anything is installed.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import io
 import re
@@ -26,10 +25,6 @@ import sys
 import tokenize
 from collections.abc import Iterator
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dbo_runtime.cli._common import OnceArgumentParser
 
 SCANNED = ["README.md", "Makefile", "pyproject.toml", ".ci", "dbo_runtime", "tests", "graphs", "docs", "requirements"]
 """Where no file may point outside the repository and every cited doc must exist."""
@@ -144,7 +139,7 @@ def violations(root: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OnceArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1], help="the checkout (default: this one)")
     args = ap.parse_args(argv)
     found = violations(args.root.resolve())

@@ -129,4 +129,5 @@ def test_module_entry_runs_without_vllm(cuda_device: torch.device, out_dir: path
     assert doc["nvml"]["available"] is True, doc["nvml"]
     if importlib.util.find_spec("vllm") is None:
         assert doctor.returncode == 1
-        assert doc["vllm"]["version"] is None and "vLLM not installed" in doc["problems"]
+        assert doc["vllm"]["version"] is None and "vLLM is not installed" in doc["problems"]
+        assert doc["next"].startswith("install vLLM ")

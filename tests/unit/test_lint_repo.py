@@ -58,16 +58,3 @@ def test_a_clean_checkout_passes(tmp_path: Path) -> None:
     plant(tmp_path, dirty=False)
     proc = lint(tmp_path)
     assert (proc.returncode, proc.stdout) == (0, ""), proc.stdout + proc.stderr
-
-
-def test_a_root_given_twice_is_refused(tmp_path: Path) -> None:
-    """argparse would lint the last ``--root`` only, and a clean exit would speak for the first one too."""
-    plant(tmp_path / "a", dirty=True)
-    plant(tmp_path / "b", dirty=False)
-    proc = subprocess.run(
-        [sys.executable, str(LINT), "--root", str(tmp_path / "a"), f"--root={tmp_path / 'b'}"], capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"lint_repo.py: error: argument --root: given twice ({str(tmp_path / 'a')!r}, then {str(tmp_path / 'b')!r}); give it once"
-    )

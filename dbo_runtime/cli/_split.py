@@ -1,0 +1,105 @@
+"""The DBO SM split as ``sms`` and ``simulate`` compute it: the same inputs, rules and warnings in both.
+
+The policy is ``core.budget.compute_budget`` (what the plugin applies); this module only reads the inputs
+(the comm share from ``--comm-sms``, else ``VLLM_DBO_COMM_SMS``, else vLLM's default) and says what makes a
+valid split a poor one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from dbo_runtime.core.budget import (
+    DEEPEP_HT_MANAGER_NUM_SMS,
+    DEFAULT_COMM_SMS,
+    EVEN_COMPUTE_WHY,
+    SMBudget,
+    compute_budget,
+    deep_gemm_compute_multiple,
+    parse_comm_sms,
+)
+from dbo_runtime.core.errors import ConfigError
+
+COMM_ENV = "VLLM_DBO_COMM_SMS"
+
+
+def comm_sms(flag: int | None, platform: str, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """(comm share, where it came from): ``--comm-sms``, else ``VLLM_DBO_COMM_SMS`` (an empty or negative value
+    is refused: vLLM fails on it at model load), else vLLM's platform default."""
+    if flag is not None:
+        return flag, "--comm-sms"
+    raw = (os.environ if environ is None else environ).get(COMM_ENV)
+    if raw is not None:
+        return parse_comm_sms(raw), COMM_ENV
+    return DEFAULT_COMM_SMS["rocm" if platform == "rocm" else "cuda"], "default"
+
+
+def budget_for(
+    *,
+    total: int,
+    comm: tuple[int, str],
+    platform: str,
+    all2all_backend: str | None,
+    max_sms_used: int | None = None,
+    expert_parallel: bool = True,
+    deep_gemm: bool = True,
+    device: int = 0,
+    sm_major: int | None = None,
+) -> SMBudget:
+    """vLLM's split, with the worker's one deviation: on SM90 DeepGEMM's share is rounded down to an even count.
+
+    A typed comm share at or above the device's SM count is refused with every backend: vLLM asserts
+    ``comm < total`` wherever it applies the share, so the same value stops an engine whose backend differs."""
+    value, source = comm
+    try:
+        budget = compute_budget(
+            total_sms=total,
+            platform=platform,
+            enable_dbo=True,
+            expert_parallel=expert_parallel,
+            all2all_backend=all2all_backend,
+            env_comm_sms=value,
+            max_sms_used=max_sms_used,
+            has_deep_gemm=deep_gemm,
+            device=device,
+            comm_cap=DEEPEP_HT_MANAGER_NUM_SMS if all2all_backend == "deepep_high_throughput" else None,
+            compute_multiple=deep_gemm_compute_multiple(sm_major) if sm_major is not None else 1,
+        )
+    except ConfigError as exc:
+        if exc.parameter == COMM_ENV and source == "--comm-sms":
+            raise ConfigError(source, value, exc.allowed) from None
+        raise
+    if source != "default" and value >= total:
+        raise ConfigError(source, value, f"integers in [0, {total - 1}] (the device has {total} SMs; vLLM asserts comm < total)")
+    return budget
+
+
+def deepep_sms(budget: SMBudget) -> int | None:
+    """The SMs DeepEP really gets: vLLM's HT manager clamps ``set_num_sms`` to the 20 its buffers were sized
+    for; every other manager's ``set_num_sms`` does nothing. None when no DeepEP knob turns."""
+    if not budget.comm_knob or budget.reason.all2all_backend != "deepep_high_throughput":
+        return None
+    return min(budget.comm, DEEPEP_HT_MANAGER_NUM_SMS)
+
+
+def split_warnings(budget: SMBudget) -> list[str]:
+    """What makes a valid split a poor one; warned, never refused (vLLM runs it as asked)."""
+    out = []
+    if budget.partitioned and budget.compute < budget.comm:
+        out.append(
+            f"compute {budget.compute} of {budget.total} SMs is less than the comm share {budget.comm}: the "
+            "compute kernels lose more than DBO's overlap can win back (lower VLLM_DBO_COMM_SMS / --comm-sms)"
+        )
+    used = deepep_sms(budget)
+    if used is not None and budget.comm > used:
+        out.append(
+            f"{budget.comm - used} of the {budget.comm} comm SMs stay idle: vLLM's DeepEP high-throughput manager "
+            f"clamps set_num_sms({budget.comm}) to {used}, the SM count its buffers were sized for"
+        )
+    if budget.idle:
+        out.append(
+            f"{budget.idle} SM idle: DeepGEMM's count rounded down to {budget.compute} of {budget.total - budget.comm}, "
+            f"a multiple of {budget.reason.compute_multiple} ({EVEN_COMPUTE_WHY})"
+        )
+    return out
