@@ -34,6 +34,7 @@ from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.switches import require_gpu
 from dbo_runtime.harness.machine import engine_missing
 from tests.e2e import plan
+from tests.load_format import put_on_pythonpath
 
 OUT = Path(os.environ.get("DBO_E2E_OUT", Path(__file__).parent / ".out"))
 REPLAY = os.environ.get("DBO_E2E_REPLAY") or None
@@ -58,6 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         problems = plan.env_problems()
         if problems:
             raise pytest.UsageError("; ".join(problems))
+        put_on_pythonpath()  # the engines these runs start can load --load-format dbo_runtime_random
     for item in items:
         if item.get_closest_marker("e2e_dp2") is not None:
             need = 2
