@@ -6,14 +6,14 @@ both (CI has no GPU; a skip is not coverage). Without vLLM/CUDA/enough GPUs they
 
 Every test names the runs it needs (``@pytest.mark.runs(...)`` with labels from ``plan.py``);
 the first test that asks for records starts all runs of the selected tests at once
-(``harness.pool``), bounded by ``DBO_E2E_MAX_ENGINES`` engines (default 12). Each run's
+(``tests/e2e/pool.py``), bounded by ``DBO_E2E_MAX_ENGINES`` engines (default 12). Each run's
 record lands in ``DBO_E2E_OUT`` (default ``tests/e2e/.out``); with ``DBO_E2E_RECORD_DIR``
 set, the records (requests stripped, comparisons added by the tests) are also written there as
 ``<date>-real-engine-<label>.json`` (the files under ``docs/gpu-runs/``).
 
 With ``DBO_E2E_REPLAY=<dir>`` (a session's run directory, e.g. an extracted ``e2e.tgz``'s
 ``e2e-out``) no engine starts: the tests judge that session's recorded runs again
-(``harness.pool.replay_all``), on any machine. Use it after correcting a criterion; it proves nothing
+(``pool.replay_all``), on any machine. Use it after correcting a criterion; it proves nothing
 new about the engine.
 """
 
@@ -96,13 +96,13 @@ class Records:
 
     def _run(self) -> dict[str, dict[str, Any]]:
         if self.records is None and REPLAY is not None:
-            from dbo_runtime.harness.pool import replay_all
+            from tests.e2e.pool import replay_all
 
             self.records = replay_all(Path(REPLAY), self.labels)
         if self.records is None:
             import torch
 
-            from dbo_runtime.harness.pool import run_all
+            from tests.e2e.pool import run_all
             from tests.e2e.jobs import all_jobs
 
             specs = plan.all_specs()
