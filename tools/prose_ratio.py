@@ -46,9 +46,14 @@ def prose_bytes(source: str) -> int:
 
 
 def share(path: Path) -> float:
+    """Prose share in percent; 0 for a file with no code at all (a package's ``__init__`` whose docstring
+    describes the package has nothing to weigh it against)."""
     source = path.read_text()
+    tree = ast.parse(source)
+    if not tree.body or tree.body == [tree.body[0]] and isinstance(tree.body[0], ast.Expr):
+        return 0.0
     size = len(source.encode())
-    return 100.0 * prose_bytes(source) / size if size else 0.0
+    return 100.0 * prose_bytes(source) / size
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ bug lives (an H200 with DeepGEMM). Both backends expose the same surface: a
 process-global SM count (DeepGEMM's device runtime), the paged-MQA planner, the
 logits kernel *with DeepGEMM's host-side schedule assertion*, and capture probes
 for the schedule cache. The CPU backend plans with
-``dbo_runtime.core.reference_planner`` (checked bit-for-bit against DeepGEMM on
+``dbo_runtime.sim.reference_planner`` (checked bit-for-bit against DeepGEMM on
 the H200, ``tests/gpu/test_reference_planner_gpu.py``) and computes the same
 logits formula in fp32, so the crash and its fix show up on a CPU exactly as on
 the GPU. The CPU backend is a simulation and says so in every report.
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy  # noqa: F401
 import torch
 
-from dbo_runtime.core import reference_planner as ref
+from dbo_runtime.sim import reference_planner as ref
 
 
 class ScheduleAssertion(RuntimeError):

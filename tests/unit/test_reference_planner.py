@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.reference_planner import (
+from dbo_runtime.sim.reference_planner import (
     SPLIT_KV_TOKENS,
     native_next_n_supported,
     num_kv_multicast,
