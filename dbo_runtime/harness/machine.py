@@ -1,5 +1,4 @@
-"""Can the real vLLM engine run here? One answer for the e2e tests, the engine benchmarks and the
-GPU-session checks, so they skip, fail or refuse for the same reasons in the same words."""
+"""Can the real vLLM engine run here? One answer, in the same words, for every caller."""
 
 from __future__ import annotations
 
@@ -22,14 +21,12 @@ def engine_missing(gpus: int) -> str | None:
     if version is None:
         return "vLLM is not installed"
     if version.split("+")[0] != VERIFIED_VLLM:
-        # The suites' expectations (records, thresholds) were measured on the release itself.
         return f"needs vLLM {VERIFIED_VLLM}, found {version}"
     return None
 
 
 def refuse_without_engine(script: str, gpus: int, done: str = "nothing measured") -> int | None:
-    """Exit status 3 ("cannot run here", the README's code for every command and script) with one line on stderr
-    when ``script`` cannot run the engine here, else None."""
+    """Exit status 3 ("cannot run here") with one line on stderr, else None."""
     missing = engine_missing(gpus)
     if missing is None:
         return None
