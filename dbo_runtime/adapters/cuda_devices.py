@@ -18,7 +18,7 @@ class CudaDevice:
     compute_capability: tuple[int, int]
     total_memory_bytes: int | None
     uuid: str | None
-    """As torch prints it (no ``GPU-``/``MIG-`` prefix), or None on older torch."""
+    """As torch prints it, or None on older torch."""
 
 
 @dataclass(frozen=True, slots=True)
