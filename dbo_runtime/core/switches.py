@@ -95,7 +95,7 @@ def unknown_names(environ: Mapping[str, str] | None = None) -> list[str]:
     lines = []
     for name in sorted(env):
         upper = name.upper()
-        for prefix, known, owner in ((PREFIX, NAMES, "a dbo_runtime setting"), (VLLM_PREFIX, VLLM_NAMES, "a vLLM 0.33.0 setting")):
+        for prefix, known, owner in ((PREFIX, NAMES, "a dbo_runtime setting"), (VLLM_PREFIX, VLLM_NAMES, "a vLLM setting")):
             if not upper.startswith(prefix) or name in known:
                 continue
             # without the shared prefix, which makes every name look close

@@ -261,8 +261,8 @@ def test_a_mistyped_setting_name_is_said_with_the_name_it_resembles(monkeypatch:
     [
         ("DBO_RUNTIME_disable", "DBO_RUNTIME_disable is not a dbo_runtime setting and is ignored (did you mean DBO_RUNTIME_DISABLE?"),
         ("dbo_runtime_disable", "dbo_runtime_disable is not a dbo_runtime setting and is ignored (did you mean DBO_RUNTIME_DISABLE?"),
-        ("VLLM_DBO_COMM_SM", "VLLM_DBO_COMM_SM is not a vLLM 0.33.0 setting and is ignored (did you mean VLLM_DBO_COMM_SMS? allowed names: VLLM_DBO_COMM_SMS)"),
-        ("vllm_dbo_comm_sms", "vllm_dbo_comm_sms is not a vLLM 0.33.0 setting and is ignored (did you mean VLLM_DBO_COMM_SMS?"),
+        ("VLLM_DBO_COMM_SM", "VLLM_DBO_COMM_SM is not a vLLM setting and is ignored (did you mean VLLM_DBO_COMM_SMS? allowed names: VLLM_DBO_COMM_SMS)"),
+        ("vllm_dbo_comm_sms", "vllm_dbo_comm_sms is not a vLLM setting and is ignored (did you mean VLLM_DBO_COMM_SMS?"),
     ],
 )
 def test_a_name_in_the_wrong_case_or_a_misspelt_vllm_dbo_name_is_named(name: str, line: str) -> None:
