@@ -50,7 +50,7 @@ def share(path: Path) -> float:
     describes the package has nothing to weigh it against)."""
     source = path.read_text()
     tree = ast.parse(source)
-    if not tree.body or tree.body == [tree.body[0]] and isinstance(tree.body[0], ast.Expr):
+    if not tree.body or (tree.body == [tree.body[0]] and isinstance(tree.body[0], ast.Expr)):
         return 0.0
     size = len(source.encode())
     return 100.0 * prose_bytes(source) / size
