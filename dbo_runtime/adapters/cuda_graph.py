@@ -98,9 +98,6 @@ class CaptureCounter:
         self.active = 0
         self.installed = False
 
-    def no_capture_possible(self) -> bool:
-        return self.installed and self.active == 0
-
 
 CAPTURES = CaptureCounter()
 

@@ -70,14 +70,6 @@ def parse_switch(name: str, environ: Mapping[str, str] | None = None) -> bool:
     return read_switch(name, environ).on
 
 
-def require_gpu(environ: Mapping[str, str] | None = None) -> bool:
-    """``DBO_REQUIRE_GPU``; an unrecognised value is refused: skipping GPU tests is what it prevents."""
-    switch = read_switch("DBO_REQUIRE_GPU", environ)
-    if not switch.recognised:
-        raise ConfigError("DBO_REQUIRE_GPU", switch.raw, ALLOWED)
-    return switch.on
-
-
 PREFIX = "DBO_RUNTIME_"
 NAMES = (*SWITCHES, LAYOUT_ENV, WARM_MAX_BATCH_ENV)
 """Every environment variable the plugin reads under its prefix."""

@@ -124,13 +124,3 @@ def plan_paged_mqa_schedule(
     out[slots, 0] = batch * atoms
     out[slots, 1] = 0
     return out.to(torch.int32)
-
-
-def plan_for_sm_budget(
-    context_lens: torch.Tensor, block_kv: int, num_sms: int, sm_major: int = 9
-) -> torch.Tensor:
-    """Plan for an SM budget as vLLM does: slots from ``next_n``, then plan."""
-    _check_context_lens(context_lens)
-    return plan_paged_mqa_schedule(
-        context_lens, block_kv, schedule_slots(num_sms, int(context_lens.shape[1]), sm_major), sm_major
-    )

@@ -31,10 +31,10 @@ from typing import Any
 import pytest
 
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.switches import require_gpu
 from dbo_runtime.harness.machine import engine_missing
 from tests.e2e import plan
 from tests.load_format import put_on_pythonpath
+from tests.require_gpu import require_gpu
 
 OUT = Path(os.environ.get("DBO_E2E_OUT", Path(__file__).parent / ".out"))
 REPLAY = os.environ.get("DBO_E2E_REPLAY") or None
@@ -102,8 +102,8 @@ class Records:
         if self.records is None:
             import torch
 
-            from tests.e2e.pool import run_all
             from tests.e2e.jobs import all_jobs
+            from tests.e2e.pool import run_all
 
             specs = plan.all_specs()
             gpus = list(range(torch.cuda.device_count()))
