@@ -15,8 +15,8 @@ from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.harness import launch as launch_mod
 from dbo_runtime.harness.compare import Request, Thresholds, compare, verdict
 from dbo_runtime.harness.launch import RunSpec, assemble, describe, launch
-from tests.e2e.pool import assign_gpus, run_all
 from dbo_runtime.harness.prompts import PromptSpec, for_rank, from_file, synthetic
+from tests.e2e.pool import assign_gpus, run_all
 
 
 def req(index: int, tokens: list[int], lps: list[dict[int, float]] | None = None) -> Request:
