@@ -205,7 +205,7 @@ class _StubPlanner:
         return (lambda: self.SMS), (lambda: False)
 
     def slots(self, num_sms: int, next_n: int) -> int:
-        from dbo_runtime.core.reference_planner import schedule_slots
+        from dbo_runtime.sim.reference_planner import schedule_slots
 
         return schedule_slots(num_sms, next_n)
 

@@ -131,7 +131,7 @@ def host_counts(sc: Any, inputs: list[tuple[Any, ...]], replay: Any) -> dict[str
 
     ``inputs``: per step ``(context_lens, block_table, q, weights)`` copied into the persistent buffers.
     """
-    from dbo_runtime.sim.counters import CopyCounter
+    from tests.copy_counter import CopyCounter
 
     targets = [*sc.sched_buf, sc.sched_full]
     totals = dict.fromkeys(HOST_KEYS, 0)

@@ -1,12 +1,5 @@
-"""CUDA device properties through torch, imported lazily.
-
-The SM count vLLM partitions is ``current_platform.num_compute_units`` =
-``torch.cuda.get_device_properties(i).multi_processor_count``
-(``platforms/cuda.py:703-705``), so that is the authoritative count the CLI
-shows for a device CUDA can see (including a MIG instance selected with
-``CUDA_VISIBLE_DEVICES``). ``get_device_properties`` initialises CUDA, so we
-only reach it after ``torch.cuda.is_available()`` said True: on a box without
-a GPU nothing is initialised and an empty list comes back with the reason.
+"""CUDA device properties through torch: the SM count vLLM partitions. CUDA is initialised only after
+``is_available()``, so a GPU-less box gets an empty list and the reason.
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ class CudaDevice:
     compute_capability: tuple[int, int]
     total_memory_bytes: int | None
     uuid: str | None
-    """As torch prints it (no ``GPU-``/``MIG-`` prefix), or None on older torch."""
+    """As torch prints it, or None on older torch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +30,7 @@ class CudaScan:
 
 
 def normalize_uuid(uuid: str | None) -> str | None:
-    """Compare torch's and NVML's spellings of a UUID (NVML prefixes ``GPU-`` / ``MIG-``)."""
+    """Compare torch's and NVML's spellings of a UUID."""
     if not uuid:
         return None
     text = str(uuid).strip().lower()
@@ -53,7 +46,7 @@ def _uuid(props: Any) -> str | None:
 
 
 def scan() -> CudaScan:
-    """Every CUDA device torch can see, without initialising CUDA when there is none."""
+    """Every CUDA device torch can see."""
     try:
         torch = importlib.import_module("torch")
     except ImportError as exc:

@@ -1,17 +1,5 @@
-"""The identity of the CUDA-graph capture the current stream belongs to.
-
-PyTorch exposes only ``torch.cuda.is_current_stream_capturing()``. The
-schedule cache needs more: a re-plan recorded into one capture may be reused by
-later indexer layers of *the same* capture only -- a graph-pool tensor read by
-another graph is whatever that other graph's last replay left there. CUDA gives
-every capture sequence an id (``cudaStreamGetCaptureInfo``); streams joined to
-a capture through events share it. We read it through the CUDA runtime library
-torch already loaded, with ctypes. When the library or symbol cannot be found
-the answer is None and callers must assume nothing is shared (record again).
-
-Not on the hot path: only called while a capture is underway. The entry point is looked up
-before any capture (``prepare_capture_id``, at indexer-builder registration of a DBO engine).
-"""
+"""The id of the CUDA-graph capture of the current stream: a re-plan recorded into one capture may be
+reused only within it. None when unreadable; callers then share nothing."""
 
 from __future__ import annotations
 
@@ -34,7 +22,7 @@ def _loaded_cudart_paths() -> list[str]:
                 path = line.rsplit(" ", 1)[-1].strip()
                 if "libcudart.so" in path and path not in paths:
                     paths.append(path)
-    except (OSError, ValueError):  # no /proc, or a mapped path that is not text: the fixed names below remain
+    except (OSError, ValueError):  # no /proc: the fixed names below remain
         pass
     return paths
 
@@ -44,23 +32,16 @@ _DRIVER_SYMBOLS = ("cuStreamGetCaptureInfo_v3", "cuStreamGetCaptureInfo_v2", "cu
 
 
 def prepare_capture_id() -> None:
-    """Find the capture-info entry point now, outside any capture: the search reads ``/proc/self/maps`` and
-    dlopens libraries, which must not happen at the first re-plan inside a capture. Never raises."""
+    """Find the capture-info entry point now, outside any capture (the search dlopens). Never raises."""
     try:
         _get_capture_info()
-    except Exception as exc:  # an unreadable map or a broken library: capture_id() answers None, as without one
+    except Exception as exc:
         logger.warning("dbo_runtime: stream capture-info lookup failed (%r); captured re-plans are not shared", exc)
 
 
 @functools.cache
 def _get_capture_info() -> Any | None:
-    """First usable capture-info entry point: the runtime torch loaded, then the driver.
-
-    Every variant (legacy v1, v2, v3, CUDA 13's) starts with ``(stream, status*, id*)`` and takes
-    only optional outputs after that, so calling with four extra NULLs is valid for each of them
-    (x86-64 SysV: surplus trailing arguments are ignored by the callee). Status 1 means "active"
-    in both the runtime and the driver enum.
-    """
+    """The runtime's capture-info entry point, else the driver's; extra NULL outputs suit every variant."""
     libraries = [*_loaded_cudart_paths(), "libcudart.so.13", "libcudart.so.12", "libcudart.so"]
     attempts = [(path, _RUNTIME_SYMBOLS) for path in libraries] + [("libcuda.so.1", _DRIVER_SYMBOLS)]
     for path, symbols in attempts:
@@ -88,14 +69,14 @@ def _get_capture_info() -> Any | None:
 
 
 def capture_id(stream_handle: int | None = None) -> int | None:
-    """Capture-sequence id of ``stream_handle`` (default: torch's current stream), None when not capturing."""
+    """Capture id of ``stream_handle`` (default: current stream), None when not capturing."""
     import torch
 
     if stream_handle is None:
         stream_handle = torch.cuda.current_stream().cuda_stream
     try:
         fn = _get_capture_info()
-    except Exception:  # prepare_capture_id() logged it; every capture records its own re-plan
+    except Exception:
         return None
     if fn is None:
         return None
@@ -108,20 +89,8 @@ def capture_id(stream_handle: int | None = None) -> int | None:
 
 
 class CaptureCounter:
-    """How many torch CUDA-graph captures are in progress in this process, if we are told.
-
-    ``torch.cuda.is_current_stream_capturing()`` costs 300-650 ns on the H200
-    host (a runtime call through the current-stream lookup), more than the
-    whole budget of the indexer call site, which runs once per indexer layer.
-    Captures are rare (engine start), so the call site first reads this
-    counter: with ``installed`` and ``active == 0`` no capture can be underway
-    and the precise check is skipped. ``installed`` is True only while the
-    capture hooks (``dbo_runtime.integration.capture_hooks``) wrap
-    ``torch.cuda.graphs.CUDAGraph.capture_begin/capture_end``; without them
-    callers must fall back to the precise check. Captures that bypass torch's
-    ``CUDAGraph`` (raw ``cudaStreamBeginCapture``) are not counted; vLLM
-    captures through ``torch.cuda.graph``.
-    """
+    """Captures in progress, counted by the capture hooks: with ``installed`` and ``active == 0`` the call
+    site skips the costly precise check."""
 
     __slots__ = ("active", "installed")
 
@@ -129,17 +98,13 @@ class CaptureCounter:
         self.active = 0
         self.installed = False
 
-    def no_capture_possible(self) -> bool:
-        return self.installed and self.active == 0
-
 
 CAPTURES = CaptureCounter()
 
 
 def counting_capture_begin(original: Any) -> Any:
     def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Counted before the capture starts: a layer on another thread must not take the
-        # fast path while this capture is being set up.
+        # Counted before the capture starts, so no other thread takes the fast path during set-up.
         CAPTURES.active += 1
         try:
             return original(self, *args, **kwargs)

@@ -1,22 +1,9 @@
-"""NVML (nvidia-ml-py, ``import pynvml``) as typed, per-GPU snapshots.
+"""NVML (``pynvml``, imported lazily) as typed per-GPU snapshots, without touching CUDA.
 
-Why NVML next to CUDA: CUDA only sees the devices this process may use and
-reports nothing about MIG slicing, clocks or utilisation, and importing torch's
-CUDA side initialises a context. NVML sees every GPU through the driver without
-a context. But NVML has no SM-count field for a *full* GPU --
-``nvmlDeviceGetAttributes_v2`` (``multiprocessorCount``) is MIG-only and raises
-NotSupported on a whole H200 (measured) -- so for a full GPU we derive a
-cross-check from ``nvmlDeviceGetNumGpuCores`` divided by the cores per SM of
-the compute capability (16896 / 128 = 132 on an H200), and the authoritative
-count comes from CUDA (``adapters/cuda_devices.py``), as vLLM and DeepGEMM use.
-
-Every per-field NVML call degrades to ``None`` on any ``NVMLError``
-(NotSupported on MIG handles and older boards, NoPermission in containers,
-FunctionNotFound on older drivers): one missing field must not hide the others.
-Only a failure to initialise NVML at all is reported, as ``NvmlUnavailable``.
-
-``pynvml`` is imported lazily, inside ``query``; this module imports nothing
-heavy and never touches CUDA.
+NVML sees every GPU through the driver, with MIG slicing and memory; it has no SM count for a full
+GPU, so it gives a cross-check (cores / cores per SM) while CUDA gives the authoritative count
+(``adapters.cuda_devices``). Each field degrades to None on its own ``NVMLError``; only a failure to
+start NVML at all is reported, as ``NvmlUnavailable``.
 """
 
 from __future__ import annotations
@@ -29,8 +16,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-#: CUDA cores per SM by compute capability (the table of CUDA samples'
-#: ``_ConvertSMVer2Cores``, ``helper_cuda.h``). Only used to cross-check.
+#: CUDA cores per SM by compute capability (CUDA samples' ``_ConvertSMVer2Cores``), for the cross-check.
 CORES_PER_SM: dict[tuple[int, int], int] = {
     (3, 0): 192,
     (3, 2): 192,
@@ -90,7 +76,7 @@ class NvmlMigDevice:
 
 @dataclass(frozen=True, slots=True)
 class NvmlGpu:
-    """One physical GPU as NVML sees it; every field may be None (see module docstring)."""
+    """One physical GPU as NVML sees it; every field may be None."""
 
     index: int
     name: str | None
@@ -225,11 +211,7 @@ def _gpu(r: _Reader, index: int) -> NvmlGpu:
 
 
 def query(nvml: ModuleType | None = None) -> NvmlSnapshot:
-    """Snapshot every GPU NVML sees. Raises ``NvmlUnavailable`` when NVML cannot start.
-
-    ``nvml`` defaults to ``import pynvml``; NVML is shut down again before returning
-    (init/shutdown are reference counted by the driver library).
-    """
+    """Snapshot every GPU NVML sees; raises ``NvmlUnavailable`` when NVML cannot start."""
     module = nvml if nvml is not None else _load()
     error: type[BaseException] = module.NVMLError
     try:
@@ -248,7 +230,7 @@ def query(nvml: ModuleType | None = None) -> NvmlSnapshot:
         for index in range(count):
             try:
                 gpus.append(_gpu(r, index))
-            except error:  # a handle that cannot be opened (e.g. GPU lost): skip it, report the others
+            except error:  # a GPU that cannot be opened: report the others
                 continue
         return NvmlSnapshot(
             driver_version=_text(r.call("nvmlSystemGetDriverVersion")),

@@ -1,9 +1,5 @@
-"""The SM budget and vLLM 0.33.0's partition policy, as a pure function.
-
-vLLM decides the compute/comm split in ``create_sm_control_context`` (``v1/worker/ubatch_utils.py:83-126``)
-and turns process-global knobs in the same breath. Subscribers (the schedule cache, the warm-up, the CLI) must
-know the decision before any kernel runs under it, and the CLI must reproduce it without a GPU, so the decision
-lives here, pure, checked against vLLM's function by the contract tests.
+"""vLLM's SM partition policy as a pure function: subscribers must know the split before any kernel runs
+under it, and the CLI must reproduce it without a GPU. Contract tests hold it equal to vLLM's.
 """
 
 from __future__ import annotations
@@ -16,14 +12,13 @@ from dbo_runtime.core.errors import ConfigError
 Platform = Literal["cuda", "rocm"]
 PLATFORMS: tuple[Platform, ...] = ("cuda", "rocm")
 
-#: SMs of an NVIDIA H200 (SM90): the CLI's embedded device profile when no GPU is visible.
+#: The CLI's device profile when no GPU is visible (an SM90 GPU with 132 SMs).
 H200_SMS = 132
 
-#: ``envs.VLLM_DBO_COMM_SMS`` defaults (``vllm/envs.py:2069-2077``).
+#: ``VLLM_DBO_COMM_SMS`` defaults.
 DEFAULT_COMM_SMS: dict[Platform, int] = {"cuda": 20, "rocm": 64}
 
-#: All2all backends vLLM 0.33.0 knows (``ParallelConfig.all2all_backend``).
-#: Only the first three may be combined with DBO on CUDA (``config/vllm.py:2180-2203``).
+#: The all2all backends vLLM accepts with DBO on CUDA.
 DBO_BACKENDS: tuple[str, ...] = ("deepep_high_throughput", "deepep_low_latency", "nixl_ep")
 ALL2ALL_BACKENDS: tuple[str, ...] = (
     "naive",
@@ -41,29 +36,25 @@ ALL2ALL_BACKENDS: tuple[str, ...] = (
     "flashinfer_nvlink_one_sided",
     "passthrough",
 )
-"""``typing.get_args(vllm.config.parallel.All2AllBackend)`` in 0.33.0 (a contract test keeps them equal)."""
+"""vLLM's ``All2AllBackend`` values (a contract test keeps them equal)."""
 
-#: ``DeepEPAll2AllManagerBase.num_sms`` in vLLM 0.33.0 (``all2all.py:216``): the HT manager clamps requests to it.
+#: ``DeepEPAll2AllManagerBase.num_sms``: the HT manager clamps requests to it.
 DEEPEP_HT_MANAGER_NUM_SMS = 20
 
-#: SM-count multiple that DeepGEMM's compute share must have, by compute-capability major (default 1).
-#: SM90: ``fp8_fp4_paged_mqa_logits`` at ``next_n == 4`` (MTP with 3 speculative tokens) runs one 2-CTA
-#: multicast cluster per scheduler task and launches over *all* of DeepGEMM's SMs, so an odd count
-#: fails to launch with ``CUDA_ERROR_INVALID_CLUSTER_SIZE`` (measured on the H200 at 113 and 131).
+#: Multiple DeepGEMM's SM count must have, by compute-capability major: on SM90 the MTP-3 logits kernel
+#: launches 2-CTA clusters over all of DeepGEMM's SMs, so an odd count fails to launch.
 DEEP_GEMM_COMPUTE_MULTIPLE: dict[int, int] = {9: 2}
 EVEN_COMPUTE_WHY = "kept even on SM90 whatever the next_n: an MTP-3 indexer, next_n 4, launches 2-CTA clusters"
-"""Why DeepGEMM's share is rounded on SM90, in the words every refusal and warning of the split uses."""
+"""Why DeepGEMM's share is rounded on SM90, as every refusal and warning says it."""
 
 
 def deep_gemm_compute_multiple(sm_major: int) -> int:
-    """The multiple DeepGEMM's SM count must have on a device of this major. Keyed by the major alone: vLLM
-    builds the SM-control context from the parallel config only (MRV2 before any indexer builder exists), so
-    the budget cannot know whether an MTP-3 indexer will run; the default split (132 - 20) is even anyway."""
+    """The multiple DeepGEMM's SM count must have on this major; by major alone, since vLLM builds the
+    SM context before it knows whether an MTP-3 indexer will run."""
     return DEEP_GEMM_COMPUTE_MULTIPLE.get(int(sm_major), 1)
 
 
-#: What ``max_sms_used()`` of each backend's all2all manager returns in vLLM 0.33.0
-#: (``None`` = "could use the whole GPU", base class; ``0`` = no SM reservation).
+#: ``max_sms_used()`` of each backend's all2all manager (None: the whole GPU; 0: no reservation).
 BACKEND_MAX_SMS_USED: dict[str, int | None] = {
     "deepep_high_throughput": None,
     "deepep_low_latency": 0,
@@ -85,14 +76,13 @@ class BudgetReason:
     compute_knob: bool
     note: str = ""
     compute_multiple: int = 1
-    """DeepGEMM's count must be a multiple of this when the compute knob is turned (2 on SM90)."""
+    """DeepGEMM's count multiple when the compute knob turns."""
 
 
 @dataclass(frozen=True, slots=True)
 class SMBudget:
-    """An immutable SM split, ``compute + comm + idle == total``, and which knobs vLLM turns for it (comm SMs
-    reserved on paper leave DeepGEMM untouched where it is absent, as in vLLM). ``idle``: SMs rounded off a
-    compute share DeepGEMM's cluster kernels cannot launch on (``compute_budget``)."""
+    """An immutable SM split, ``compute + comm + idle == total``, and which knobs vLLM turns for it;
+    ``idle`` is what rounding DeepGEMM's share left over."""
 
     total: int
     comm: int
@@ -166,14 +156,13 @@ def full_budget(total: int, device: int = 0, *, note: str = "no partition") -> S
 
 
 def min_compute_sms(compute_multiple: int, has_deep_gemm: bool) -> int:
-    """The fewest compute SMs a split may leave (DeepGEMM's count multiple, else 1); every refusal names
-    ``total - min_compute_sms``, so the bound it names is itself accepted."""
+    """The fewest compute SMs a split may leave; refusals name ``total - min_compute_sms``."""
     return compute_multiple if has_deep_gemm else 1
 
 
 def parse_comm_sms(raw: object, *, parameter: str = "VLLM_DBO_COMM_SMS") -> int:
-    """A comm-SM value from the environment or a flag: vLLM's bare ``int()`` lets a negative value through to
-    DeepGEMM, which fails far from the cause; refused here with the parameter's name."""
+    """A comm-SM value from the environment or a flag; a negative one is refused here, by name, instead
+    of failing in DeepGEMM far from the cause."""
     if isinstance(raw, bool):
         raise ConfigError(parameter, raw, "a non-negative integer")
     if isinstance(raw, int):
@@ -214,11 +203,8 @@ def decide_comm(
     has_deep_gemm: bool,
     allow_unknown_backend: bool = False,
 ) -> CommDecision:
-    """The comm share and knobs, in vLLM's order: (1) ``comm = VLLM_DBO_COMM_SMS`` (20 CUDA / 64 ROCm); (2) ROCm +
-    DBO + DeepEP HT forces 0; (3) under EP with a manager, ``max_sms_used()`` caps it (None: no cap) and the
-    comm knob turns when ``comm > 0``; (4) DeepGEMM's knob turns when DeepGEMM loads and ``comm > 0``, also
-    without EP. ``allow_unknown_backend``: a backend missing from ``ALL2ALL_BACKENDS`` (vLLM adds them) is taken
-    as it comes, with its manager's ``max_sms_used()``; the CLI keeps refusing typos."""
+    """The comm share and knobs, in vLLM's order. ``allow_unknown_backend`` takes a backend vLLM added
+    later as it comes; the CLI keeps refusing typos."""
     if platform not in PLATFORMS:
         raise ConfigError("platform", platform, PLATFORMS)
     if all2all_backend is not None and all2all_backend not in ALL2ALL_BACKENDS and not allow_unknown_backend:
@@ -256,14 +242,10 @@ def compute_budget(
     compute_multiple: int = 1,
     allow_unknown_backend: bool = False,
 ) -> SMBudget:
-    """vLLM 0.33.0 ``create_sm_control_context``, decision only: ``decide_comm`` (steps 1-4), then
-    ``comm < total`` (vLLM asserts; a named error here), DeepEP HT's even-count rule on the share that reaches
-    it (``comm_cap``: vLLM's HT manager clamps requests to the 20 SMs its buffers were sized for), and the one
-    deliberate deviation: where DeepGEMM's knob turns, its share is rounded *down* to ``compute_multiple`` (2 on
-    SM90, ``deep_gemm_compute_multiple``) and the leftover SM stays idle. DeepGEMM's count is only how many SMs
-    its persistent kernels spread over, so one fewer changes no result, while refusing would make the default
-    ``VLLM_DBO_COMM_SMS`` unusable on every odd-SM device; only a split that leaves no compute SM is refused.
-    """
+    """vLLM's ``create_sm_control_context``, decision only: ``decide_comm``, ``comm < total``, DeepEP HT's
+    even-count rule, and one deliberate deviation: DeepGEMM's share is rounded *down* to its multiple and
+    the leftover SM stays idle. That changes no result (the count only spreads persistent kernels), while
+    refusing would make the default ``VLLM_DBO_COMM_SMS`` unusable on odd-SM devices."""
     if platform not in PLATFORMS:
         raise ConfigError("platform", platform, PLATFORMS)
     if not isinstance(compute_multiple, int) or isinstance(compute_multiple, bool) or compute_multiple < 1:

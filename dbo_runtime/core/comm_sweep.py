@@ -1,11 +1,9 @@
-"""Which ``VLLM_DBO_COMM_SMS`` values to try, and which one the measurements support (``dbo-runtime tune``).
+"""Which ``VLLM_DBO_COMM_SMS`` values ``dbo-runtime tune`` tries, and which one the measurements support.
 
-vLLM's default comm share (20 SMs on CUDA) is not derived from anything the operator runs, and DeepEP only
-accepts some values: high-throughput buffers are sized for the manager's 20 SMs (vLLM clamps larger requests to
-them) and ``Buffer.set_num_sms`` asserts an even count. Low-latency and NIXL reserve no comm SM at all
-(``max_sms_used() == 0``), and ROCm with DeepEP HT forces 0, so there is nothing to tune there. The choice is
-conservative (``choose``): a value replaces the default only when it beats it in every paired round, by at least
-``min_gain``, with enough rounds that noise alone does so in at most 5 % of sweeps.
+vLLM's default comm share is not derived from the operator's workload, and DeepEP accepts only some
+values (HT: even, at most the manager's share). The choice is conservative: a value replaces the
+default only when it beats it in every paired round by at least ``min_gain``, with enough rounds that
+noise alone does so in at most 5 % of sweeps.
 """
 
 from __future__ import annotations
@@ -169,22 +167,15 @@ def rounds_needed(alternatives: int, alpha: float) -> int:
 
 
 def sign_test_p(faster: int, rounds: int, alternatives: int) -> float:
-    """One-sided sign test, Bonferroni over ``alternatives``: ``k * P(X >= faster)`` for X ~ Binomial(rounds, 1/2),
-    capped at 1; for a value faster in every round it is ``k * 2^-n``, the bound ``rounds_needed`` keeps under alpha."""
+    """One-sided sign test, Bonferroni over ``alternatives``."""
     tail = sum(math.comb(rounds, i) for i in range(faster, rounds + 1)) / 2**rounds
     return min(1.0, max(alternatives, 1) * tail)
 
 
 def choose(measurements: Sequence[Measurement], default: int, *, min_gain: float, alpha: float = ALPHA) -> dict[str, Any]:
-    """The verdict document: the curve, the fastest value, and the setting to use.
-
-    Every value is compared with the default *within each round* (the turns interleave, so drift and load
-    cancel in the ratio). A value replaces the default only when its median paired gain is at least
-    ``min_gain`` and it was faster in every paired round, with enough rounds that this happens by chance in at
-    most ``alpha`` of sweeps where no value is faster (sign test, Bonferroni over the values). Each row carries
-    its ``p_value``; ``best`` is the fastest value measured (``best_paired_speedup``), ``chosen`` the one to
-    set (``chosen_speedup``, 1.0 when today's is kept), and the two differ when the fastest is not confirmed;
-    the document's ``p_value`` is the chosen value's where it replaced today's, else the fastest one's."""
+    """The verdict: the curve, ``best`` (the fastest value measured) and ``chosen`` (the one to set).
+    Values are compared with the default within each round, so drift cancels; ``best`` and ``chosen``
+    differ when the fastest is not confirmed."""
     usable = [m for m in measurements if m.by_rep]
     base = next((m for m in usable if m.value == default), None)
     curve: list[dict[str, Any]] = []

@@ -1,9 +1,4 @@
-"""Errors raised by dbo_runtime.
-
-Every configuration error names the offending parameter, the value that was
-given and the values that are allowed, because the operator sees it once, at
-engine start, in a log that is usually far away from the flag they set.
-"""
+"""Errors raised by dbo_runtime; a configuration error names the parameter, value and allowed values."""
 
 from __future__ import annotations
 
@@ -12,16 +7,11 @@ from collections.abc import Iterable, Sequence
 
 
 class DboRuntimeError(RuntimeError):
-    """Base class for every error dbo_runtime raises on purpose."""
+    """Raised on purpose."""
 
 
 def shown(value: object) -> str:
-    """A refused value as an error line shows it: a number bare, anything else in Python's quotes.
-
-    Why one rule: a flag or a variable arrives as text, and a check made after parsing holds a number, so
-    ``repr`` alone would quote one flag two ways (``--total-sms='0'`` refused while parsing, ``--total-sms=10``
-    refused by the split). A number reads the same typed or parsed and is shown bare, as most refusals already
-    showed it; text keeps its quotes, so an empty value, a stray space or a word is still visible as typed."""
+    """A number bare, text quoted (an empty value stays visible)."""
     if isinstance(value, str) and value == value.strip() and value:
         try:
             float(value)
@@ -32,10 +22,7 @@ def shown(value: object) -> str:
 
 
 def did_you_mean(given: str, names: Iterable[str]) -> str:
-    """`` (did you mean 'rocm'?)`` for the name of ``names`` that ``given`` differs from only in case, else the closest.
-
-    The cutoff 0.8 keeps unrelated short names apart ('gpu' is not offered 'cpu'); a case-only difference is
-    always offered, because a choice typed in capitals ('ROCM', 'ALL') is the commonest miss and scores low."""
+    """`` (did you mean 'rocm'?)``: a case-only match, else the closest."""
     names = list(names)
     if given in names:
         return ""
@@ -45,7 +32,7 @@ def did_you_mean(given: str, names: Iterable[str]) -> str:
 
 
 class ConfigError(DboRuntimeError, ValueError):
-    """A parameter has a value dbo_runtime cannot run with: ``PARAMETER=VALUE is not allowed; allowed values: ...``."""
+    """``PARAMETER=VALUE is not allowed; allowed values: ...``."""
 
     def __init__(self, parameter: str, value: object, allowed: str | Iterable[object]) -> None:
         hint = ""
@@ -61,27 +48,19 @@ class ConfigError(DboRuntimeError, ValueError):
 
 
 class PatchError(DboRuntimeError):
-    """The vLLM patch set could not be installed; nothing was left applied."""
+    """Nothing was left applied."""
 
 
 class UnsupportedConfiguration(DboRuntimeError):
-    """A vLLM configuration that dbo_runtime refuses rather than run silently wrong."""
+    """A configuration refused rather than run silently wrong."""
 
 
 class DboRefusal(UnsupportedConfiguration):
-    """A DBO configuration that needs a dbo_runtime fix which is not in force: engine start stops.
-
-    The message is one line: the architecture, the cause and the ways out.
-    """
+    """A needed fix is not in force."""
 
 
 class MicrobatchFailure(DboRuntimeError):
-    """dbo_runtime code failed on a DBO microbatch thread; raised on the main thread after the join.
-
-    ``failures`` lists ``(where, microbatch id, exception)`` in the order they
-    were recorded; ``__cause__`` is the first exception (its traceback is the
-    failing microbatch's).
-    """
+    """Failures on microbatch threads, raised after the join."""
 
     def __init__(self, failures: list[tuple[str, int, BaseException]], also: BaseException | None = None) -> None:
         self.failures = failures
@@ -94,8 +73,7 @@ class MicrobatchFailure(DboRuntimeError):
             "the step with a placeholder so that its partner thread and the other DP ranks were not left "
             f"waiting; this step's output is discarded.{then}"
         )
-        # __cause__ makes Python's traceback printer skip __context__: vLLM's own error (``also``)
-        # is therefore named in the message, not only chained.
+        # __cause__ hides __context__: name vLLM's error here.
         self.__cause__ = first
 
 

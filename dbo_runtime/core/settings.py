@@ -1,9 +1,5 @@
-"""dbo_runtime's environment settings other than the on/off switches, parsed one way everywhere.
-
-The worker, ``doctor`` and ``simulate`` must read a setting identically, and ``doctor`` must do so
-without torch (it reports a missing torch instead of failing on it); so the parsers live here, with
-no import beyond the standard library.
-"""
+"""Environment settings other than the switches, parsed one way everywhere (stdlib only: ``doctor``
+runs without torch)."""
 
 from __future__ import annotations
 
@@ -22,11 +18,7 @@ VLLM_WARMUP_MODES = ("skip", "full", "relax")
 
 
 class StateError(ConfigError):
-    """A parameter refused for its state, not a value: left out, given without a value, unset, or given at all.
-
-    ``ConfigError`` quotes the value it was given, and a placeholder such as ``'(missing)'`` read as if
-    the operator had typed it; so the line says "--model is missing" and keeps the parameter, the state
-    and the allowed values as attributes (``--json`` error documents read them: ``value`` null, ``state`` set)."""
+    """A parameter refused for its state ("--model is missing"), not for a value."""
 
     def __init__(self, parameter: str, state: str, allowed: str) -> None:
         super().__init__(parameter, state, allowed)
@@ -35,10 +27,7 @@ class StateError(ConfigError):
 
 
 def vllm_warmup_mode(environ: Mapping[str, str] | None = None) -> str:
-    """``VLLM_DEEP_GEMM_WARMUP`` as vLLM 0.33 reads it (``env_with_choices``: exact, case-sensitive; unset:
-    ``relax``). A value it refuses is a ``ConfigError`` here: vLLM has no fallback for it, and raises
-    ``ValueError`` where it first reads the variable, at DeepGEMM warm-up or, at the latest, when
-    ``enable_envs_cache`` reads every variable at the end of engine start (an empty value included)."""
+    """``VLLM_DEEP_GEMM_WARMUP`` as vLLM reads it (exact; unset: ``relax``)."""
     raw = (os.environ if environ is None else environ).get(VLLM_WARMUP_ENV)
     if raw is None:
         return "relax"
@@ -52,9 +41,7 @@ def vllm_warmup_mode(environ: Mapping[str, str] | None = None) -> str:
 
 
 def vllm_setting_problems(environ: Mapping[str, str] | None = None) -> list[ConfigError]:
-    """vLLM's own settings that dbo_runtime follows, with a value vLLM refuses at engine start: checked by every
-    command that starts engines or shows what a server would do, whether or not the plugin is enabled (vLLM reads
-    them either way)."""
+    """vLLM's settings that dbo_runtime follows and vLLM would refuse at engine start."""
     try:
         vllm_warmup_mode(environ)
     except ConfigError as exc:
@@ -68,7 +55,7 @@ class TopkLayout(StrEnum):
 
 
 def parse_layout(value: str | None) -> TopkLayout:
-    """``None``/empty -> ``WINDOWS``; anything else must name a layout."""
+    """Empty -> ``WINDOWS``; else a layout name."""
     if value is None or value.strip() == "":
         return TopkLayout.WINDOWS
     try:
@@ -80,7 +67,7 @@ def parse_layout(value: str | None) -> TopkLayout:
 
 
 def warm_max_batch(environ: Mapping[str, str] | None = None) -> int | None:
-    """``DBO_RUNTIME_PLANNER_WARM_MAX_BATCH``: None when unset, else the bucket cap (``0``: no warm-up)."""
+    """The warm-up bucket cap, None when unset (``0``: no warm-up)."""
     raw = (os.environ if environ is None else environ).get(WARM_MAX_BATCH_ENV)
     if raw is None or raw.strip() == "":
         return None
@@ -95,8 +82,7 @@ def warm_max_batch(environ: Mapping[str, str] | None = None) -> int | None:
 
 
 def setting_problems(environ: Mapping[str, str] | None = None) -> list[ConfigError]:
-    """The plugin's own settings a DBO engine reads only at model load, where a bad value would stop the server
-    mid-start (the top-k layout) or be read as unset (the warm-up cap): checked before any engine starts."""
+    """The plugin's settings a DBO engine reads only at model load, checked before any engine starts."""
     env = os.environ if environ is None else environ
     problems = []
     try:
@@ -112,14 +98,7 @@ def setting_problems(environ: Mapping[str, str] | None = None) -> list[ConfigErr
 
 @dataclass(frozen=True)
 class WarmPolicy:
-    """Which paged-MQA planner variants to JIT-compile at model load.
-
-    vLLM's own convention decides (``VLLM_DEEP_GEMM_WARMUP``, default ``relax``: its DeepGEMM kernels are
-    compiled at start): ``all`` every 32-row bucket a decode step of this configuration can present, at
-    the full and the DBO SM count; under ``skip`` only the exact per-microbatch shapes DBO captures or
-    saturates (``minimal``). ``DBO_RUNTIME_PLANNER_WARM_MAX_BATCH=N`` caps the sweep at N rows; ``0`` turns
-    warm-up off.
-    """
+    """Planner variants to JIT-compile at model load, following ``VLLM_DEEP_GEMM_WARMUP``."""
 
     mode: Literal["all", "minimal", "off"]
     cap: int | None = None
@@ -135,7 +114,7 @@ def warm_policy(environ: Mapping[str, str] | None = None) -> WarmPolicy:
         return WarmPolicy("all", cap, f"{WARM_MAX_BATCH_ENV}={cap}")
     try:
         vllm_mode = vllm_warmup_mode(env)
-    except ConfigError:  # vLLM itself refuses the value where it reads it; the plan warms everything
+    except ConfigError:
         vllm_mode = "relax"
     if vllm_mode == "skip":
         return WarmPolicy("minimal", None, f"{VLLM_WARMUP_ENV}=skip")

@@ -1,11 +1,5 @@
-"""The on/off environment switches, read one way by the plugin, ``doctor``, ``sms`` and ``simulate``.
-
-vLLM calls the plugin's ``register()`` without a ``try``, so a switch value the plugin does not
-recognise must never raise (a typo would stop every vLLM process). It must not fail open either:
-a value outside the usual spellings reads as the choice that keeps dbo_runtime's protection
-(``DBO_RUNTIME_DISABLE=ture`` leaves the plugin and its guard active: only an explicit true value
-gives vanilla vLLM, which is what the A/B runs and ``verify`` rely on), and it is reported in one
-line naming the variable, the allowed values and how it was read.
+"""The on/off switches, read one way everywhere. vLLM calls ``register()`` without a ``try``, so an
+unrecognised value never raises; it reads as the choice that keeps the protection, reported in one line.
 """
 
 from __future__ import annotations
@@ -27,9 +21,7 @@ UNRECOGNISED_READS_AS: dict[str, bool] = {
     "DBO_RUNTIME_STRICT": False,
     "DBO_RUNTIME_SELF_TIME": False,
 }
-"""How a value outside ``ON``/``OFF`` is read: DISABLE off (the fixes and the guard stay), STRICT off (a typo
-must not stop engine start by itself), SELF_TIME off (timing wrappers cost a little on every patched call).
-(The test suites' ``DBO_REQUIRE_GPU`` is not read this way: ``require_gpu`` refuses such a value.)"""
+"""How a value outside ``ON``/``OFF`` is read."""
 
 ALLOWED = "'1', 'true', 'yes', 'on' (on); '0', 'false', 'no', 'off', '' (off); or not set (off); any case"
 
@@ -45,11 +37,9 @@ _EFFECT = {
 
 @dataclass(frozen=True)
 class Switch:
-    """One switch as read from the environment."""
 
     name: str
     raw: str | None
-    """The value as set, or None when the variable is not set."""
     on: bool
     recognised: bool
 
@@ -58,14 +48,14 @@ class Switch:
         return _EFFECT.get((self.name, self.on), "on" if self.on else "off")
 
     def problem(self) -> str:
-        """The one line every entry point shows for an unrecognised value ("" when recognised)."""
+        """The line shown for an unrecognised value ("" when recognised)."""
         if self.recognised:
             return ""
         return f"{ConfigError(self.name, self.raw, ALLOWED)}; read as {'on' if self.on else 'off'}: {self.effect}"
 
 
 def read_switch(name: str, environ: Mapping[str, str] | None = None) -> Switch:
-    """Read ``name``; never raises (see the module docstring for unrecognised values)."""
+    """Read ``name``; never raises."""
     raw = (os.environ if environ is None else environ).get(name)
     value = "" if raw is None else raw.strip().lower()
     if value in ON:
@@ -76,19 +66,8 @@ def read_switch(name: str, environ: Mapping[str, str] | None = None) -> Switch:
 
 
 def parse_switch(name: str, environ: Mapping[str, str] | None = None) -> bool:
-    """``read_switch(name).on``: whether the switch is in force."""
+    """Whether the switch is in force."""
     return read_switch(name, environ).on
-
-
-def require_gpu(environ: Mapping[str, str] | None = None) -> bool:
-    """``DBO_REQUIRE_GPU`` for the GPU and e2e test suites, which refuse a value they do not recognise.
-
-    Why refuse rather than warn: a CI job that sets ``DBO_REQUIRE_GPU=ture`` would otherwise skip every
-    GPU test and exit 0, the one outcome the switch exists to prevent."""
-    switch = read_switch("DBO_REQUIRE_GPU", environ)
-    if not switch.recognised:
-        raise ConfigError("DBO_REQUIRE_GPU", switch.raw, ALLOWED)
-    return switch.on
 
 
 PREFIX = "DBO_RUNTIME_"
@@ -98,22 +77,20 @@ NAMES = (*SWITCHES, LAYOUT_ENV, WARM_MAX_BATCH_ENV)
 
 VLLM_PREFIX = "VLLM_DBO_"
 VLLM_NAMES = ("VLLM_DBO_COMM_SMS",)
-"""vLLM 0.33.0's DBO variables (``envs.py``): a misspelt one leaves the comm share at its default without a word."""
+"""vLLM's DBO variables."""
 
 
 def unknown_names(environ: Mapping[str, str] | None = None) -> list[str]:
-    """One line per ``DBO_RUNTIME_*`` variable the plugin does not read, and per ``VLLM_DBO_*`` one vLLM does not,
-    in any letter case (environment names are case-sensitive): ``DBO_RUNTIME_DISABEL=1`` or
-    ``dbo_runtime_disable=1`` would otherwise leave every patch installed while the operator believes vLLM runs as
-    shipped, and ``VLLM_DBO_COMM_SM=8`` the comm share at its default."""
+    """One line per ``DBO_RUNTIME_*`` / ``VLLM_DBO_*`` name (any case) nobody reads: a misspelt DISABLE
+    would leave every patch installed."""
     env = os.environ if environ is None else environ
     lines = []
     for name in sorted(env):
         upper = name.upper()
-        for prefix, known, owner in ((PREFIX, NAMES, "a dbo_runtime setting"), (VLLM_PREFIX, VLLM_NAMES, "a vLLM 0.33.0 setting")):
+        for prefix, known, owner in ((PREFIX, NAMES, "a dbo_runtime setting"), (VLLM_PREFIX, VLLM_NAMES, "a vLLM setting")):
             if not upper.startswith(prefix) or name in known:
                 continue
-            # compared without the shared prefix, which alone would make every name look close
+            # without the shared prefix, which makes every name look close
             close = difflib.get_close_matches(upper[len(prefix) :], [n[len(prefix) :] for n in known], n=1, cutoff=0.75)
             hint = f"did you mean {prefix}{close[0]}? " if close else ""
             lines.append(f"{name} is not {owner} and is ignored ({hint}allowed names: {', '.join(known)})")
@@ -121,7 +98,6 @@ def unknown_names(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 def switch_problems(environ: Mapping[str, str] | None = None) -> list[str]:
-    """One line per switch whose value is not recognised, and per ``DBO_RUNTIME_*`` name the plugin does not
-    read (empty when all are fine)."""
+    """One line per unrecognised switch value or unread name."""
     values = [s.problem() for s in (read_switch(name, environ) for name in SWITCHES) if not s.recognised]
     return values + unknown_names(environ)

@@ -1,9 +1,8 @@
-"""Run the real vLLM engine and compare runs: the machinery behind ``dbo-runtime verify``,
-``tests/e2e`` and ``graphs/bench_real_engine.py``.
+"""Start real vLLM engines and compare their runs: the machinery behind ``dbo-runtime verify`` and
+``tune``, shared with the project's e2e tests so that the operator's canary and the project's proof
+are the same code.
 
-Why it lives in the package: the operator canary (``verify``) and the project's
-own real-engine proof must be the same code -- a test harness that diverged from
-what operators run would prove nothing about it. Nothing here is imported by the
-plugin itself; vLLM is imported only inside the child processes
-(``harness.runner``), so the parent (CLI, pytest) stays light and CUDA-free.
+Not part of the plugin, but not independent of it either: the engine child (``harness.runner``)
+loads vLLM with dbo_runtime installed and reads the plugin's state, and ``harness.machine`` asks the
+plugin which vLLM it supports. The parent process (CLI, pytest) imports neither vLLM nor CUDA.
 """

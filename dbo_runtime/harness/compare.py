@@ -1,22 +1,8 @@
-"""Compare two greedy runs request by request: the metric behind the accuracy A/B and ``verify``.
+"""Compare two greedy runs request by request: the metrics behind ``verify`` and the accuracy A/B.
 
-Why these metrics: DBO must not change what a model says. Greedy decoding makes
-that checkable token by token. After the first differing token the two runs
-continue from different contexts, so a logprob difference is only meaningful on
-the shared prefix; ``max_abs_dlogprob`` is therefore taken over every position
-up to and including the first divergence (where the reference token's logprob
-is looked up in the other run's returned top-k; if it is not there, the lowest
-returned logprob bounds the difference from below and the position counts in
-``dlogprob_bounded``; a position without logprobs counts in ``dlogprob_missing``).
-
-* ``agreement``: fraction of reference tokens equal, position by position, to
-  the other run's token (the issue's "fraction of tokens equal to the reference").
-* ``prefix_agreement``: mean over requests of (first divergence / length): how
-  far runs stay identical, insensitive to what happens after a divergence.
-* ``exact_requests``: requests whose whole output is identical.
-* ``agreement_se``: standard error of ``agreement`` from its per-request spread. One
-  near-tie early in a request flips everything after it, so agreement moves in
-  whole-request steps; a floor comparison needs to know how far that is noise.
+DBO must not change what a model says; greedy decoding makes that checkable token by token. After the
+first differing token the runs continue from different contexts, so logprob differences are taken
+only up to the first divergence (a lower bound where the token left the other run's top-k).
 """
 
 from __future__ import annotations
@@ -34,7 +20,7 @@ class Request:
     index: int
     tokens: Sequence[int]
     logprobs: Sequence[Mapping[int, float]]
-    """Per position: token id -> logprob for the returned top-k (always including the sampled token)."""
+    """Per position: token id -> logprob of the returned top-k."""
 
     @staticmethod
     def from_json(obj: Mapping[str, Any]) -> Request:
@@ -56,12 +42,10 @@ class Comparison:
     dlogprob_positions: int = 0
     dlogprob_missing: int = 0
     dlogprob_bounded: int = 0
-    """Positions where the reference token was not in the other run's returned top-k: counted in
-    ``max_abs_dlogprob`` with their lower bound (reference logprob minus the lowest returned one)."""
+    """Positions where the reference token was not in the other run's top-k (counted with a lower bound)."""
     nonfinite_logprobs: int = 0
     mean_abs_dlogprob_exact: float = 0.0
-    """Mean over the positions where the reference token was in the other run's top-k (no bounds): the
-    per-token noise, not dominated by how early a request diverged."""
+    """Mean over exact positions only: per-token noise, not how early a request diverged."""
     first_divergences: list[int | None] = field(default_factory=list)
     missing_requests: list[int] = field(default_factory=list)
 
@@ -69,7 +53,7 @@ class Comparison:
         return asdict(self)
 
     def record_facts(self, reference: str, reference_requests: int) -> dict[str, Any]:
-        """The keys a run record carries for its comparison with ``reference`` (``docs/records/e2e.jsonl``)."""
+        """The keys a run record carries for its comparison with ``reference``."""
         return {
             "reference": reference,
             "agreement": self.agreement,
@@ -84,9 +68,7 @@ class Comparison:
 
 
 def _dlogprob(ref: Request, other: Request, position: int) -> tuple[str, float]:
-    """(kind, |Δ logprob| of the reference token): kind ``exact``; ``bound`` when the token is not in
-    the other run's returned top-k (its logprob there is at most the lowest returned one, so the
-    difference is at least ``ref - lowest``); ``nonfinite``; or ``missing`` (no logprobs there)."""
+    """(kind, |Δ logprob| of the reference token), kind ``exact``, ``bound``, ``nonfinite`` or ``missing``."""
     if position >= len(ref.logprobs) or position >= len(other.logprobs):
         return "missing", 0.0
     token = ref.tokens[position]
@@ -161,16 +143,9 @@ def compare(reference: Sequence[Request], other: Sequence[Request]) -> Compariso
 
 @dataclass(frozen=True)
 class Thresholds:
-    """The pass line of ``dbo-runtime verify`` (its defaults are these).
-
-    Why these numbers: DBO changes batch shapes, so the DBO-on run is not bit-identical and a
-    near-tie can flip one greedy token, after which that request continues differently; one such
-    request among 64 costs up to 1.6 % of agreement. 0.95 tolerates about three. Noise moves a
-    reference token's logprob on the shared prefix by little; a wrong top-k moves it far, which
-    ``max_dlogprob`` judges (with a lower bound where the token left the returned top-k). These
-    assume a model whose next-token margins are wider than DBO's numerical noise, as a trained model's
-    are; on a random-weight model that is not so (docs/accuracy.md).
-    """
+    """The pass line of ``dbo-runtime verify``. DBO changes batch shapes, so a near-tie may flip a few
+    requests (0.95 agreement tolerates about three in 64); a wrong top-k moves logprobs far, which
+    ``max_dlogprob`` judges. Assumes a trained model, whose margins exceed DBO's numerical noise."""
 
     min_agreement: float = 0.95
     max_dlogprob: float = 0.25
@@ -184,31 +159,22 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class FloorRule:
-    """How far a DBO-on comparison may sit from a noise-floor comparison and still count as noise.
-
-    Why a floor: DBO changes batch shapes, and a model's greedy output can be as sensitive to that
-    as to a real defect (a random-weight model diverges within a few tokens, docs/accuracy.md runs
-    11-13). A run that changes only batch shapes -- DBO off, fewer sequences at a time -- shows how
-    much the model moves for reasons that are not DBO's semantics; DBO may move it that much, not more.
-    """
+    """How far a DBO-on comparison may sit from a noise floor (a run that changes only batch shapes)
+    and still count as noise: DBO may move the model as much as batch shapes do, not more."""
 
     agreement_slack: float = 0.02
-    """Agreement may sit this far below the floor's, or three standard errors of a difference of two
-    runs with the floor's per-request spread, whichever is larger."""
+    """Agreement may sit this far below the floor's, or three standard errors, whichever is larger."""
     dlogprob_factor: float = 3.0
     """Mean |dlogprob| on the shared prefix may be at most this many times the floor's..."""
     dlogprob_min: float = 1e-6
     """...taking the floor's as at least this (a batch-invariant floor would otherwise allow nothing)."""
 
     def degenerate(self, floor: Comparison) -> bool:
-        """A floor identical to the reference measured no noise at all: there is nothing to judge against."""
+        """A floor identical to the reference measured no noise: nothing to judge against."""
         return floor.exact_requests == floor.requests and floor.max_abs_dlogprob == 0.0 and not floor.missing_requests
 
     def judge(self, result: Comparison, floor: Comparison) -> tuple[bool, list[str]]:
-        """(within the floor, reasons it is not). Per-token noise is compared on exact positions only
-        (``mean_abs_dlogprob_exact``): a run that merely diverged earlier carries more lower-bound
-        positions, which says when it diverged, not how much it moved. No sampling error is modelled
-        for the ratio; the factor 3 is the margin."""
+        """(within the floor, reasons it is not); per-token noise compares exact positions only."""
         reasons = []
         slack = max(self.agreement_slack, 3.0 * math.sqrt(2.0) * floor.agreement_se)
         if result.agreement < floor.agreement - slack:

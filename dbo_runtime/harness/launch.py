@@ -1,10 +1,8 @@
 """Start one real-engine run (all its DP ranks), wait for it, and turn it into a record.
 
-Why the care about processes: a DP rank whose peer died blocks forever in a
-collective (vLLM wakes nobody), and vLLM's engine-core and worker processes can
-outlive a killed parent. Every rank therefore runs in its own session; once one
-rank fails the others get a grace period and then the whole process group is
-killed, and every group is killed at the end whatever happened.
+A DP rank whose peer died blocks forever in a collective, and vLLM's processes can outlive a killed
+parent: every rank runs in its own session, the others get a grace period once one fails, and every
+process group is killed at the end.
 """
 
 from __future__ import annotations
@@ -28,10 +26,10 @@ from dbo_runtime.harness.prompts import PromptSpec
 from dbo_runtime.harness.runner import BARRIER_ENV, partial_path, summary_delta
 
 RUNNER_MODULE_ENV = "DBO_HARNESS_RUNNER_MODULE"
-"""Module run per rank (default ``dbo_runtime.harness.runner``); CPU tests point it at a fake engine."""
+"""Module run per rank; CPU tests point it at a fake engine."""
 
 FAIL_GRACE_S = 20.0
-"""How long the other ranks may run on after one failed (they are normally stuck in a collective)."""
+"""How long the other ranks may run on after one failed."""
 
 SIGNATURES: dict[str, str] = {
     "deepgemm_schedule_assert": r"_schedule_meta_size == num_sms",
@@ -54,9 +52,8 @@ SIGNATURE_HINTS: dict[str, str] = {
 """What an operator can do about a known failure (``dbo-runtime verify`` prints it after the name)."""
 
 FATAL_IN_LOG = ("deepgemm_schedule_assert", "ubatch_thread_died")
-"""Failures after which vLLM 0.33 does not exit but hangs: a microbatch thread died and its partner
-(and the DP peer) wait forever (measured on 2x H200: vanilla DBO + DeepEP HT hung until vLLM's
-5-minute ``sample_tokens`` RPC timeout). Seeing one in a log counts as the rank having failed."""
+"""Failures after which vLLM hangs instead of exiting (a dead microbatch thread's partner waits
+forever): seen in a log, the rank counts as failed."""
 
 
 @dataclass
@@ -70,11 +67,9 @@ class RunSpec:
     logprobs: int = 5
     bench: dict[str, Any] | None = None
     repeat_mixed: PromptSpec | None = None
-    """A second pass after the first: every prompt again (a full prefix-cache hit leaves a one-token extend)
-    interleaved with these fresh prompts, so microbatched prefills mix short extends with long prefills."""
+    """A second pass mixing every prompt again (one-token extends) with these fresh ones."""
     stagger_max_tokens: bool = False
-    """Request i asks for ``max_tokens + i`` tokens: as they finish one per step, the decode batch takes every
-    size from the number of requests down to 1 (the planner-shape sweep)."""
+    """Request i asks for ``max_tokens + i`` tokens, so the decode batch takes every size down to 1."""
     cold_jit_cache: bool = False
     """Start with an empty ``DG_JIT_CACHE_DIR`` of the run's own, so nothing compiled before is found."""
     gpus: list[int] | None = None
@@ -91,8 +86,7 @@ class RunSpec:
 
 
 PORT_BLOCK = 16
-"""vLLM's offline DP derives more ports from ``VLLM_DP_MASTER_PORT`` (port, port + 1, ...,
-``config/parallel.py``), so parallel runs get whole free blocks, not single ports."""
+"""vLLM's offline DP derives more ports from ``VLLM_DP_MASTER_PORT``: runs get whole free blocks."""
 
 
 def free_port(block: int = 1) -> int:
@@ -117,8 +111,7 @@ def free_port(block: int = 1) -> int:
 
 
 def engine_arg(args: list[str], flag: str) -> str | None:
-    """The value vLLM's parser takes for ``flag``: the last one given, either ``--flag v`` or
-    ``--flag=v``, with underscores read as dashes (``--max_num_seqs``); None when absent."""
+    """The value vLLM's parser takes for ``flag`` (the last given, ``_`` as ``-``); None when absent."""
     found: str | None = None
     for i, arg in enumerate(args):
         name, eq, value = arg.partition("=")
@@ -137,7 +130,6 @@ def describe(spec: RunSpec) -> dict[str, Any]:
     except Exception:
         plugin = False
     v2 = env.get("VLLM_USE_V2_MODEL_RUNNER")
-    # vLLM 0.33 picks MRV2 by default and falls back to MRV1 under DBO unless forced.
     runner = "v2" if v2 == "1" else ("v1" if v2 == "0" or dbo else "v2")
     model = engine_arg(args, "--model") or ""
     compilation = engine_arg(args, "--compilation-config") or engine_arg(args, "-cc") or ""
@@ -173,14 +165,11 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 _LIVE: set[subprocess.Popen[bytes]] = set()
-"""Every engine process group a ``launch`` started and has not reaped: launches run on pool threads, whose
-``finally`` never runs when the launching process is terminated."""
+"""Engine process groups started and not reaped, killed when this process is terminated."""
 
 
 def kill_on_sigterm() -> None:
-    """Make SIGTERM (``timeout``'s signal: a session's limit) kill every engine this process started before it exits,
-    so nothing keeps the GPU or writes into the run directories after the limit (a stopped benchmark is then read
-    back as its engines left it, ``bench_host_cost.py --from-runs``)."""
+    """Make SIGTERM kill every engine this process started before it exits."""
 
     def handler(signum: int, frame: Any) -> None:
         kill_all()
@@ -190,8 +179,7 @@ def kill_on_sigterm() -> None:
 
 
 def kill_all() -> None:
-    """Kill every engine process group this process launched and has not reaped (a coordinator past its deadline:
-    an engine left waiting for a turn would otherwise outlive it)."""
+    """Kill every engine process group this process launched and has not reaped."""
     for proc in list(_LIVE):
         _kill_group(proc)
 
@@ -209,10 +197,8 @@ def clear_dir(path: Path) -> None:
 def launch(
     spec: RunSpec, workdir: Path, progress: Callable[[str], None] | None = None, *, barrier: Path | None = None
 ) -> dict[str, Any]:
-    """Run ``spec`` to completion (or failure/timeout) and return its record.
-
-    ``barrier``: the folder of this run's turn and rank files (default ``<workdir>/<label>/barrier``, emptied here);
-    a coordinator passes one it made for this run alone, so an engine of an earlier run can never answer for it."""
+    """Run ``spec`` to completion (or failure/timeout) and return its record; ``barrier`` is the folder
+    of this run's turn and rank files (default ``<workdir>/<label>/barrier``)."""
     if spec.dp < 1:
         raise ValueError("dp must be >= 1")
     root = workdir / spec.label
@@ -307,13 +293,9 @@ PLUGIN_LINE = re.compile(r"dbo_runtime[:/]")
 
 
 def reassemble(run: Path) -> dict[str, Any] | None:
-    """A run directory's record, assembled again from its spec, rank results and logs.
-
-    Why not read ``record.json``: it holds what ``assemble`` concluded when the run ended, and a
-    later ``assemble`` may know more (a new failure signature, a corrected count); a run that a
-    session's time limit killed has rank files and logs but no ``record.json`` at all. A job
-    directory (``dbo-runtime verify``, ``vllm serve``: no ``spec.json``) has only its record, which
-    is returned as written. None when the directory holds neither."""
+    """A run directory's record, assembled again from its spec, rank results and logs (a later
+    ``assemble`` may know more; a killed run has no ``record.json``). A job directory without
+    ``spec.json`` returns its record as written; None when there is neither."""
     spec_path, record_path = run / "spec.json", run / "record.json"
     stored = json.loads(record_path.read_text()) if record_path.exists() else None
     if not spec_path.exists():
@@ -328,8 +310,7 @@ def reassemble(run: Path) -> dict[str, Any] | None:
     logs = [path.read_text(errors="replace") for path in sorted(run.glob("rank*.log"))]
     record = assemble(spec, ranks, logs, wall_s=float(stored["wall_s"]) if stored else float("nan"))
     if stored is not None:
-        # ``describe`` also reads the launching process's environment (``dbo-runtime verify`` pins the
-        # runner there, a user may export DBO_RUNTIME_DISABLE): what the run was given, not this process.
+        # ``describe`` also reads the launching process's environment: what the run was given.
         record.update({key: stored[key] for key in describe(spec) if key in stored})
         if not record["ok"] and stored.get("error"):
             record["error"] = stored["error"]  # it names the exit codes, which only the launcher saw
@@ -339,8 +320,7 @@ def reassemble(run: Path) -> dict[str, Any] | None:
 
 
 def _load_ranks(root: Path, dp: int, why_missing: Callable[[int], str]) -> list[dict[str, Any]]:
-    """Each rank's result file, or a failed placeholder saying why it is missing; a rank without a benchmark result
-    gets the reps it finished before it stopped or failed (``runner.partial_path``), when there are any."""
+    """Each rank's result, or a failed placeholder saying why it is missing (with any reps it finished)."""
     ranks = []
     for rank in range(dp):
         path = root / f"rank{rank}.json"
@@ -369,8 +349,7 @@ def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s
     text = "\n".join(logs)
     signatures = [name for name, pattern in SIGNATURES.items() if re.search(pattern, text)]
     if "hang_killed" in signatures and sum(1 for log in logs if "engine ready in" in log) < spec.dp:
-        # a run that timed out before every engine was up is slow, not the DBO hang (16-32 engines
-        # starting together took 100-120 s each on 2x H200)
+        # a run that timed out before every engine was up is slow, not the DBO hang
         signatures = [("start_timeout" if name == "hang_killed" else name) for name in signatures]
     ok = all(r.get("ok") for r in ranks) and len(ranks) == spec.dp
     error = None
@@ -382,8 +361,7 @@ def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s
             error += f" | {detail}"
     requests = sorted((req for r in ranks for req in r.get("requests") or []), key=lambda q: q["index"])
     stats_end = [s for r in ranks for s in (r.get("stats_end") or [])]
-    # from the counter snapshots around the generate where a rank has them, so a record written by an older
-    # runner (whose own ``microbatched_builds`` could be wrong) is re-derived on replay
+    # from the counter snapshots around the generate, where a rank has them
     builds = [
         summary_delta(r["stats_start"], r["stats_end"], "microbatched_builds")
         if r.get("stats_start") and r.get("stats_end")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 
-
 def engine_missing(gpus: int) -> str | None:
     """Why the real engine cannot run here (None when it can): torch, CUDA GPUs, then a verified vLLM release."""
     try:
@@ -22,10 +21,9 @@ def engine_missing(gpus: int) -> str | None:
         return "vLLM is not installed"
     match = releases.identify()
     if match.release is None:
-        # The suites' expectations (records, thresholds) were measured on the releases themselves.
+
         return f"needs a vLLM release dbo_runtime verifies, found {match.describe()}"
     return None
-
 
 def refuse_without_engine(script: str, gpus: int, done: str = "nothing measured") -> int | None:
     """Exit status 3 ("cannot run here", the README's code for every command and script) with one line on stderr
@@ -36,6 +34,5 @@ def refuse_without_engine(script: str, gpus: int, done: str = "nothing measured"
     need = {1: "a CUDA GPU", 2: "two CUDA GPUs"}.get(gpus, f"{gpus} CUDA GPUs")
     print(f"{script}: needs {need} and vLLM 0.33: {missing}; {done}", file=sys.stderr)
     return 3
-
 
 __all__ = ["engine_missing", "refuse_without_engine"]

@@ -1,8 +1,5 @@
-"""Deterministic prompts: synthetic token ids by default, or an operator's prompt file.
-
-Synthetic ids need no tokenizer (the tiny test models have none) and are the
-same on every rank and every run, so two runs can be compared request by
-request. Ids start at 2 to stay clear of the usual BOS/EOS ids 0 and 1.
+"""Deterministic prompts: synthetic token ids (no tokenizer needed, the same on every rank and run, so
+runs compare request by request) or an operator's prompt file.
 """
 
 from __future__ import annotations
@@ -17,8 +14,7 @@ from dbo_runtime.core.errors import ConfigError, shown
 
 MAX_PROMPTS = 100_000
 MAX_PROMPT_LEN = 1 << 20
-"""Longest synthetic prompt (tokens), tune's ``--prompt-len`` bound too: above any model's context, low enough that a
-typo (``256-10240000``) is refused at once instead of drawing billions of ids in Python after the engine started."""
+"""Longest synthetic prompt: above any model's context, low enough to refuse a typo at once."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +52,7 @@ PROMPT_OBJECTS = (
 
 
 class PromptFileLineError(ConfigError):
-    """A refused line of a JSON-lines prompt file: the line number stands outside the quoted path, so the path
-    reads (and can be copied) as typed; ``value`` stays the path, ``line`` the 1-based line number."""
+    """A refused line of a JSON-lines prompt file; the path stays as typed, the line number beside it."""
 
     def __init__(self, path: str, line: int, allowed: str, where: str = "line") -> None:
         super().__init__("--prompt-file", path, allowed)
@@ -77,9 +72,8 @@ def _not_a_file(p: Path) -> str | None:
 
 
 def from_file(path: str) -> list[dict[str, Any]]:
-    """``.jsonl``/``.json`` (any case): one ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}`` per line, or a
-    ``.json`` file holding one JSON array of them; else one text prompt per line. A token id must be an ``int`` proper: JSON's ``true`` is one in Python, and
-    would reach the engine as token 1."""
+    """``.jsonl``/``.json``: one ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}`` per line, or one
+    JSON array of them; else one text prompt per line. A token id must be an ``int`` proper, not ``true``."""
     p = Path(path)
     problem = _not_a_file(p)
     if problem is not None:
@@ -127,10 +121,8 @@ def from_file(path: str) -> list[dict[str, Any]]:
 
 
 def _whole_json(text: str, path: str) -> list[Any] | None:
-    """The prompts of a ``.json`` file written as one JSON document (an array, or one pretty-printed object), or
-    None where the file is JSON lines (two or more documents, one per line). Both are what a ``.json`` holds in
-    practice. A file that opens an array and does not parse is a broken array, reported where the parser
-    stopped; any other is read line by line."""
+    """The prompts of a ``.json`` file that is one JSON document, or None where it is JSON lines; a file
+    that opens an array and does not parse is reported where the parser stopped."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:

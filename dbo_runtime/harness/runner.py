@@ -1,18 +1,10 @@
-"""One rank of one real-engine run (a child process): ``python -m dbo_runtime.harness.runner SPEC OUT``.
+"""One rank of one real-engine run, in a child process: ``python -m dbo_runtime.harness.runner SPEC OUT``.
 
-Why a child process per rank: vLLM's offline data parallelism is one process per
-DP rank with ``VLLM_DP_*`` set before the engine is created
-(``config/parallel.py:1023-1028``), a vanilla run must not inherit the plugin
-(``register()`` runs at ``EngineArgs`` creation in the process that makes the
-engine), and a crashing engine (the upstream DeepGEMM assertion) must not take
-the caller with it.
-
-The spec (JSON, written by ``harness.launch``) holds the vLLM CLI arguments, the
-prompts, the sampling length and an optional timing phase; the result (JSON)
-holds per-request greedy tokens and top-k logprobs, the engine start time, the
-plugin's per-worker counters before and after, and the timings. Ranks of one
-run meet at file barriers so timed phases start together (DP ranks step in
-lock-step; a rank that idles runs dummy batches and would skew the other's time).
+A child per rank because vLLM's offline DP is one process per rank with ``VLLM_DP_*`` set before the
+engine exists, a vanilla run must not inherit the plugin, and a crashing engine must not take the
+caller with it. The spec (from ``harness.launch``) holds the engine arguments, prompts and timing
+phase; the result holds greedy tokens, top-k logprobs, the plugin's counters and timings. Ranks meet
+at file barriers so timed phases start together.
 """
 
 from __future__ import annotations
@@ -33,10 +25,9 @@ BARRIER_ENV = "DBO_HARNESS_BARRIER_DIR"
 BARRIER_TIMEOUT_S = 600.0
 _KEEP: list[Any] = []
 _PARTIAL: list[Path] = []
-"""Where ``main`` writes the benchmark's reps so far (``rankN.partial.json``)."""
+"""Where ``main`` writes the benchmark's reps so far."""
 _VERSIONS: dict[str, Any] = {}
-"""This engine's versions and GPU (``_versions``), once it is up: kept with the partial reps, so that a run a limit
-stopped still says which GPU measured it (a matrix merged from several leases can mix devices)."""
+"""This engine's versions and GPU, kept with the partial reps."""
 
 
 def _log(msg: str) -> None:
@@ -50,19 +41,17 @@ def partial_path(out: Path) -> Path:
 
 
 class Superseded(TimeoutError):
-    """This run's turn folder was removed: a later run in the same directory took it over (``harness.turns``)."""
+    """A later run in the same directory took this run's turn folder over."""
 
 
 def _superseded() -> bool:
-    """Whether a later run removed this run's barrier folder: then this engine is an orphan of an earlier
-    coordinator, and nothing it writes may land among the later run's files."""
+    """Whether a later run removed this run's barrier folder (this engine is then an orphan)."""
     root = os.environ.get(BARRIER_ENV)
     return root is not None and not Path(root).is_dir()
 
 
 def _save_partial(bench: dict[str, Any]) -> None:
-    """Keep every finished rep on disk: a session's time limit kills the engine without a result file, and a
-    benchmark of 78-layer engines loses minutes of device time with it. Best effort: never fails the run."""
+    """Keep every finished rep on disk, for a run killed before its result file; never fails the run."""
     if _superseded():
         return
     for path in _PARTIAL:
@@ -89,8 +78,7 @@ def barrier(name: str, rank: int, size: int) -> None:
 
 
 def wait_turn(name: str, rank: int) -> None:
-    """Coordinated benchmarks: say ready, then wait until the coordinator starts this turn, so runs
-    of several engines alive at once are timed one at a time, interleaved (``harness.turns``)."""
+    """Say ready, then wait for the coordinator to start this turn (``harness.turns``)."""
     root = Path(os.environ[BARRIER_ENV])
     (root / f"ready-{name}.{rank}").touch()
     deadline = time.monotonic() + BARRIER_TIMEOUT_S
@@ -103,11 +91,7 @@ def wait_turn(name: str, rank: int) -> None:
 
 
 def _stats(llm: Any) -> list[dict[str, Any]] | None:
-    """Per-worker dbo_runtime counters, or None where the plugin is not installed (vanilla).
-
-    The workers inherit the plugin from this process (``register()`` ran when the engine
-    arguments were built here): without it, asking would only make vLLM log an AttributeError
-    traceback per worker."""
+    """Per-worker dbo_runtime counters, or None where the plugin is not installed (vanilla)."""
     from dbo_runtime.integration.plugin import installed_patch_set
 
     if installed_patch_set() is None:
@@ -158,8 +142,7 @@ def summary_delta(before: list[dict[str, Any]] | None, after: list[dict[str, Any
 
 
 def _per_decode_step(s0: Any, s1: Any, s2: Any, key: str, steps: int) -> float | None:
-    """A summary counter per decode step: the ``steps``-token pass (s1 -> s2) less the 1-token pass (s0 -> s1),
-    over ``steps - 1``; None where a pass has no counters."""
+    """A counter per decode step: the long pass less the 1-token pass, over ``steps - 1``."""
     one, full = summary_delta(s0, s1, key), summary_delta(s1, s2, key)
     if one is None or full is None:
         return None
@@ -181,8 +164,7 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     result["import_s"] = time.perf_counter() - t0
-    # no abbreviations, as in the CLI's check (``cli._engine.check_with_vllm``): an abbreviated option would
-    # slip past every check that reads the engine arguments by their full names
+    # no abbreviations: checks read the engine arguments by their full names
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm", allow_abbrev=False))
     engine_args = EngineArgs.from_cli_args(parser.parse_args(spec["engine_args"]))
     t1 = time.perf_counter()
@@ -209,8 +191,7 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
     first_params = params
     cache_at_ready = jit_cache_kernels() if spec.get("cold_jit_cache") else None  # start-up over, nothing served
     if spec.get("stagger_max_tokens"):
-        # prefill everything first: the staggered pass then re-reads the prompts' full blocks from the prefix
-        # cache and prefills only their tails, so its decode batch starts whole and shrinks about one per step
+        # prefill first, so the staggered pass's decode batch starts whole and shrinks one per step
         llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False), use_tqdm=False)
         first_params = staggered(params, len(batch))
     result["stats_start"] = _stats(llm)
@@ -234,9 +215,8 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
 
 
 def jit_cache_kernels(root: str | None = None) -> set[str]:
-    """The kernels DeepGEMM has compiled into ``DG_JIT_CACHE_DIR`` (each a directory holding ``kernel.cubin``), by
-    path relative to the cache: a run's own cold cache, listed when serving starts and after it, shows every
-    compile inside a step, whatever the plugin's own counters think DeepGEMM keys its kernels by."""
+    """The kernels DeepGEMM compiled into ``DG_JIT_CACHE_DIR``: listed before and after serving, a cold
+    cache shows every compile inside a step."""
     base = root if root is not None else os.environ.get("DG_JIT_CACHE_DIR")
     if not base or not os.path.isdir(base):
         return set()
@@ -252,8 +232,7 @@ def staggered(params: Any, n: int) -> list[Any]:
 
 
 def _repeat_mixed(llm: Any, params: Any, batch: list[Any], fresh_spec: PromptSpec, vocab: int, rank: int, size: int) -> dict[str, Any]:
-    """Every prompt of the first pass again, interleaved with fresh ones, in one generate: the repeats hit the
-    prefix cache in full and leave one-token extends beside long prefills (the upstream reproducer's mix)."""
+    """The first pass's prompts again (one-token extends) interleaved with fresh ones, in one generate."""
     fresh_all = load(fresh_spec, vocab)
     fresh = [fresh_all[i] for i in for_rank(fresh_all, rank, size)]
     mixed: list[Any] = []
@@ -285,9 +264,8 @@ def _repeat_mixed(llm: Any, params: Any, batch: list[Any], fresh_spec: PromptSpe
 
 
 def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], rank: int, size: int) -> dict[str, Any]:
-    """Decode timing on warm caches: per rep, a 1-token pass (prefill) and a T-token pass; the
-    difference over T-1 is the decode step. The plugin's own time per step comes from its
-    self-time counter (``DBO_RUNTIME_SELF_TIME=1``) read around both passes the same way."""
+    """Decode timing on warm caches: per rep a 1-token and a T-token pass; their difference over T-1
+    is the step, and the self-time counter is read the same way."""
     steps = int(bench["max_tokens"])
     one = sampling(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     full = sampling(temperature=0.0, max_tokens=steps, ignore_eos=True, detokenize=False)
@@ -361,9 +339,7 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
 
 
 def net_self_us(self_us: float, per_step: dict[str, float], snap: list[dict[str, Any]] | None) -> float | None:
-    """``self_us`` less what the self-timer's own clock charged: per access of a descriptor its calibrated
-    ``charged_ns_per_access``, per call of a function or property getter its ``charged_ns_per_call`` (measured in
-    the same worker, ``selftime.snapshot``). A lower estimate of the plugin's time, beside the raw upper bound."""
+    """``self_us`` less what the self-timer's own clock charged: a lower estimate beside the upper bound."""
     timer = next((w.get("self_time") for w in snap or [] if (w.get("self_time") or {}).get("charged_ns_per_call") is not None), None)
     if timer is None:
         return None
@@ -383,9 +359,7 @@ def _per_step_by_patch(
     key: str = "by_patch",
     index: int | None = None,
 ) -> dict[str, float]:
-    """A self-timer table per decode step, per patch (the T-token pass minus the 1-token pass): ``by_patch``
-    (hooked calls and accesses), ``ns_by_patch`` (exclusive time), ``long_by_patch`` (``index`` 0: charges over
-    ``selftime.LONG_NS``, 1: their time)."""
+    """A self-timer table per decode step, per patch (the T-token pass minus the 1-token pass)."""
 
     def counts(snap: list[dict[str, Any]] | None) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -438,8 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp.replace(out)  # before the exit barrier: a peer's failure must not cost this rank's result
     _watchdog(90.0)
     if result.get("ok"):
-        # Only a rank that succeeded waits for the others (DP ranks shut down together); a failed
-        # peer is killed by the launcher.
+        # Only a rank that succeeded waits for the others; the launcher kills a failed peer.
         try:
             barrier("exit", rank, size)
         except TimeoutError as exc:

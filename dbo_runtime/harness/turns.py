@@ -1,10 +1,8 @@
 """Interleaved timing of several live engines: start them all, then let one run a rep at a time.
 
-Why: comparing DBO on/off (or plugin/vanilla) needs the configurations measured under the same
-conditions. Restarting engines per rep costs a minute each; keeping every engine alive and giving
-them turns interleaves the reps at no start-up cost, while the engines that wait are idle (vLLM's
-engine core blocks on its input queue). The order rotates by one each rep (A B C, B C A, C A B, ...)
-so no configuration always runs first in a round; the cyclic neighbours stay the same.
+Configurations must be measured under the same conditions, and restarting engines per rep costs a
+minute each; waiting engines are idle. The order rotates by one each rep so no configuration always
+runs first.
 """
 
 from __future__ import annotations
@@ -28,12 +26,11 @@ def _wait(paths: Sequence[Path], deadline: float, give_up: Callable[[], bool]) -
 
 
 SHUTDOWN_S = 60.0
-"""How long an engine may take to exit after its last turn, per rank (``launch`` waits 30 s a rank, then kills)."""
+"""How long an engine may take to exit after its last turn, per rank."""
 
 
 def _turn(root: Path, rep: int, dp: int, deadline: float, finished: Callable[[], bool]) -> str:
-    """Run one turn: wait for every rank's ``ready``, start it, wait for every rank's ``done``. Returns ``done``,
-    or what stopped it: ``never ready`` / ``did not finish``, with ``(it ended)`` or ``(time limit)``."""
+    """Wait for every rank's ``ready``, start the turn, wait for ``done``; returns ``done`` or what stopped it."""
     ready = [root / f"ready-rep{rep}.{r}" for r in range(dp)]
     if not _wait(ready, deadline, finished) or time.monotonic() > deadline:
         return f"never ready ({'time limit' if time.monotonic() > deadline else 'it ended'})"
@@ -55,14 +52,9 @@ def run_interleaved(
     timeout_s: float = 1800.0,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Launch every spec (each with ``bench.coordinated``), then run turn ``rep r`` of each, the order
-    rotated by ``r``.
-
-    Each spec's turn files live in a folder made for this call (``<label>/barrier/run-<pid>-<ns>``), after every
-    earlier run's are removed: a reused ``--out`` / ``--workdir`` keeps an earlier run's ``ready-`` and ``done-``
-    files, and an engine of that run may still be alive and waiting for its turn. Past ``timeout_s`` no further turn
-    starts (a turn that starts then would overlap the one still running) and every engine is killed. ``kill_all`` kills
-    every engine this process launched: no caller runs another launch beside this one."""
+    """Launch every spec, then run turn ``rep r`` of each, the order rotated by ``r``. Turn files live in a
+    folder made for this call, so an earlier run's engine cannot answer; past ``timeout_s`` no turn starts
+    and every engine this process launched is killed."""
     for spec in specs:
         if not (spec.bench and spec.bench.get("coordinated")):
             raise ValueError(f"{spec.label}: bench.coordinated must be set")
@@ -104,16 +96,14 @@ def run_interleaved(
             if expired:
                 break
     except BaseException:
-        # Ctrl-C (or any failure) here: the engines run in sessions of their own, which a terminal's SIGINT does not
-        # reach, and their launch threads are daemons whose clean-up never runs at exit. Kill them before leaving.
+        # The engines run in sessions of their own that SIGINT does not reach: kill them before leaving.
         kill_all()
         raise
     if expired:
         if progress is not None:
             progress(f"time limit of {timeout_s:.0f} s: no further turn started; every engine killed")
         kill_all()
-    # After the last turn an engine still shuts down (its CUDA teardown, up to 30 s a rank in launch): wait for it,
-    # then kill what is left, so no record is missing for a run that finished and no engine outlives this call.
+    # Let the engines shut down, then kill what is left: no engine outlives this call.
     reap_s = max(SHUTDOWN_S * max((s.dp for s in specs), default=1) + SHUTDOWN_S, deadline - time.monotonic())
     for t in threads:
         t.join(timeout=max(1.0, reap_s))

@@ -1,8 +1,4 @@
-"""What dbo_runtime reads from a vLLM engine config in more than one hook, read in one place.
-
-The top-k layout and the guard's placeholder logits both size themselves by the most decode rows one indexer call
-can write (``core.topk_memory.padded_decode_rows``); the config fields behind that bound live here.
-"""
+"""The engine-config fields behind the decode-row bound that the top-k layout and the guard share."""
 
 from __future__ import annotations
 
@@ -12,8 +8,7 @@ from dbo_runtime.core.topk_memory import padded_decode_rows
 
 
 def decode_rows(vllm_config: Any) -> tuple[int, int]:
-    """``(next_n, padded decode rows)`` of an engine config; raises when a field cannot be read (callers fail
-    closed: a wrong bound is worse than none)."""
+    """``(next_n, padded decode rows)``; raises if unreadable (callers fail closed)."""
     sched = vllm_config.scheduler_config
     spec = getattr(vllm_config, "speculative_config", None)
     next_n = 1 + int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 1

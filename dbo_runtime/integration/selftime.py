@@ -1,16 +1,10 @@
 """Opt-in measurement of dbo_runtime's own host time inside a real engine (``DBO_RUNTIME_SELF_TIME=1``).
 
-Why: the plugin's cost per decode step is the number operators ask for, and it cannot be read off an
-A/B of whole engines (the run-to-run noise of an eager step is larger than the plugin). So every
-patched object is wrapped at install time and the time spent *in plugin code* is accumulated: the
-functions, and the data descriptors and properties (the top-k buffer attributes, read about 950
-times per eager DBO step at GLM-5.3 depth), whose accesses are timed the same way. Time inside the
-vLLM original a wrapper calls through is excluded (the ``original`` handed to ``Patch.make`` pauses
-the clock); a kernel the plugin launches itself (a re-plan) counts. Every call and access is also
-counted per patch, so a report can say calls per step and per layer. The wrappers' own cost is
-measured (``overhead_ns_per_call``, ``overhead_ns_per_access``) and reported next to the totals: the
-totals are an honest upper bound. The part of that cost the clock itself charges to the plugin
-(``charged_ns_per_call``, ``charged_ns_per_access``) is measured too, so a report can give a net figure beside it.
+The plugin's cost per step is smaller than the run-to-run noise of a whole-engine A/B, so every
+patched function, descriptor and property is wrapped at install time and the time spent *in plugin
+code* is accumulated, with calls per patch. Time inside the vLLM original a wrapper calls is
+excluded; a kernel the plugin launches counts. The wrappers' own cost is measured and reported
+beside the totals, which are therefore an upper bound.
 """
 
 from __future__ import annotations
@@ -30,8 +24,7 @@ _clock = time.perf_counter_ns
 
 
 class _ThreadClock:
-    """One thread's clock and its tables since its last fold (only this thread writes them: no lost updates when
-    the two microbatch threads hand the GIL to each other mid-increment)."""
+    """One thread's clock and tables since its last fold; only this thread writes them."""
 
     __slots__ = ("calls", "counts", "gc_count", "gc_ns", "gc_since", "in_plugin", "long", "name", "ns", "since", "total_ns")
 
@@ -56,23 +49,20 @@ class _Local(threading.local):
 
 _tls = _Local()
 _totals = [0, 0, 0, 0]
-"""[ns, calls, gc collections, gc ns] of every thread, folded in when a thread's outermost plugin call returns:
-vLLM starts two new microbatch threads per DBO step, so per-thread records would grow without bound. The last two
-are the garbage collections that ran inside plugin code (``_on_gc``) and their time, which is part of the ns."""
+"""[ns, calls, gc collections, gc ns] of all threads, folded in when a thread's outermost plugin call
+returns (vLLM starts new microbatch threads every step)."""
 _totals_lock = threading.Lock()
 _untimed: set[str] = set()
 _by_patch: dict[str, int] = {}
 """Calls (functions) and accesses (descriptors) per patch name, folded in under ``_totals_lock``."""
 _kinds: dict[str, str] = {}
 _ns_by_patch: dict[str, int] = {}
-"""Exclusive plugin time per patch (the innermost timed patch a thread is in gets each charge)."""
+"""Exclusive plugin time per patch."""
 MEASUREMENT = frozenset({"stats.worker_rpc"})
-"""Patches that only read the measurement out (the stats RPC, whose ``snapshot`` runs the calibration for
-milliseconds): left unwrapped, so the reading never lands in the plugin time a step pays (kind ``measurement``)."""
+"""Patches that only read the measurement out: left unwrapped, so reading costs no step time."""
 LONG_NS = 20_000
 _long_by_patch: dict[str, list[int]] = {}
-"""[count, ns] per patch of single charges over ``LONG_NS``: a kernel the plugin launches, or the thread losing the
-GIL or the CPU inside plugin code (wall time), told apart from the per-access cost they would otherwise swamp."""
+"""[count, ns] per patch of single charges over ``LONG_NS`` (a kernel launch, a lost GIL), kept apart."""
 
 
 def enabled() -> bool:
@@ -115,9 +105,7 @@ def _fold(clock: _ThreadClock) -> None:
 
 
 def _on_gc(phase: str, info: dict[str, Any]) -> None:
-    """A garbage collection runs on the thread whose allocation triggered it, inside whatever code runs there:
-    one that starts inside plugin code is charged to the plugin's clock like its own work, so it is counted apart
-    (a single long charge per step can be a collection the plugin's allocation happened to trigger, not its code)."""
+    """Count apart a garbage collection that starts inside plugin code: the clock charges it to the plugin."""
     clock = _tls.clock
     if clock is None:
         return
@@ -135,10 +123,7 @@ def _watch_gc() -> None:
 
 
 def time_plugin(fn: Any, name: str, *, fold: bool = True) -> Any:
-    """Wrap a replacement so its exclusive time is accumulated: functions, data descriptors, properties.
-
-    ``fold=False`` keeps the time in the calling thread's clock (calibration runs on a throwaway thread,
-    so it never reaches the totals)."""
+    """Wrap a replacement so its exclusive time is accumulated; ``fold=False`` keeps it thread-local."""
     _watch_gc()
     if name in MEASUREMENT:
         _kinds[name] = "measurement"
@@ -225,8 +210,7 @@ class TimedDescriptor:
 
 
 def _switch(clock: _ThreadClock, in_plugin: bool) -> bool:
-    """Charge the plugin time since the last switch (if the thread was in plugin code), enter
-    ``in_plugin`` mode and return the mode it left: the one step both wrappers take on entry and exit."""
+    """Charge the time since the last switch, enter ``in_plugin`` mode, return the mode left."""
     now = _clock()
     was = clock.in_plugin
     if was:
@@ -275,10 +259,8 @@ class _Plain:
 
 
 def _calibrate(samples: int = 2000) -> tuple[float, float, float, float]:
-    """Measured cost of the wrappers themselves, per function call and per descriptor access (the wall time they
-    add), and the part of it the clock charges to the plugin: a timed hook whose body only calls a paused
-    original, and a timed descriptor over a minimal one, each accrue that much plugin time per use with no plugin
-    work at all. Runs on a throwaway thread with non-folding wrappers: nothing reaches the plugin totals."""
+    """The wrappers' own cost per call and per access, and the part the clock charges to the plugin;
+    measured on a throwaway thread, so nothing reaches the totals."""
     result = [0.0, 0.0, 0.0, 0.0]
 
     def empty() -> None:

@@ -1,16 +1,8 @@
 """Per-worker counters through vLLM's own RPC: ``llm.collective_rpc("dbo_runtime_stats")``.
 
-Upstream target: ``vllm.v1.worker.gpu_worker.Worker`` (vLLM 0.33.0), a method
-*added* under the name ``dbo_runtime_stats``. Why a method on the worker: the
-counters live in the worker process (engine core with one GPU, a worker
-process per rank otherwise), and vLLM's ``collective_rpc`` resolves a string
-method on each worker (``v1/serial_utils.py:run_method``) without
-``VLLM_ALLOW_INSECURE_SERIALIZATION`` (which a callable would need). The
-offline ``LLM`` exposes it directly; under ``vllm serve`` the same counters go
-to ``/metrics`` (``services/metrics.py``).
-
-Retired by: a vLLM plugin-RPC/extension registry (``worker_extension_cls`` is
-a user option, not something a plugin may set).
+The counters live in the worker process, and ``collective_rpc`` resolves a method named by a string
+on each worker without insecure serialization, so the plugin adds that method to vLLM's ``Worker``.
+Under ``vllm serve`` the same counters go to ``/metrics``. Retired by a plugin RPC registry in vLLM.
 """
 
 from __future__ import annotations

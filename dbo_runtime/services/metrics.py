@@ -1,20 +1,9 @@
 """dbo_runtime's counters on vLLM's Prometheus endpoint.
 
-vLLM serves ``/metrics`` from the API-server process. In multiprocess mode --
-``PROMETHEUS_MULTIPROC_DIR`` set before engine cores and workers start, which
-``vllm serve`` does itself for ``--api-server-count > 1``
-(``entrypoints/cli/serve.py:282-283``) and honours when the operator sets it --
-``prometheus_client`` in a child process writes its values to that directory and
-the API server's multiprocess collector exports them. So the worker, where
-SMControl and the schedule cache live, only creates ordinary ``prometheus_client``
-metrics. Without multiprocess mode the values stay in the worker process and are
-not served (vLLM's own worker-side metrics behave the same way).
-
-The exporter is an SMControl subscriber: it sets the DBO budget gauges when a
-budget is announced, and at each ``exited`` event (once per DBO step, on the
-main thread, outside any kernel) it moves the counters by the deltas of
-``SMControl.stats`` and ``ScheduleCacheStats`` since the last step. Nothing runs
-on the per-layer hot path.
+In multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set before workers start) vLLM's API server
+exports what worker processes write, so the worker creates ordinary ``prometheus_client`` metrics;
+otherwise they are not served, like vLLM's own worker-side metrics. The exporter subscribes to
+SMControl and moves the counters once per DBO step, at ``exited``: never on the per-layer path.
 """
 
 from __future__ import annotations
@@ -70,8 +59,7 @@ class MetricsExporter:
             if id(control) in self._attached:
                 return
             self._attached.add(id(control))
-            # A labelled counter has no sample until its child exists: create them now so
-            # /metrics lists every DBO series from model load on, not from the first DBO step.
+            # Create the labelled children now, so /metrics lists every series from model load on.
             device = str(control.device)
             self.partitions.labels(device)
             self.knob_switches.labels(device)
@@ -87,9 +75,7 @@ class MetricsExporter:
         return self._cache
 
     def _add(self, counter: Any, label: str | None, value: int) -> None:
-        """Move ``counter`` (its ``label`` child) up to the running total ``value``. A delta of 0 touches nothing,
-        and a child is looked up once: ``labels()`` takes a lock and, in multiprocess mode, ``inc`` writes an mmap,
-        on the main thread between the microbatches' join and the step's return."""
+        """Move ``counter`` (its ``label`` child) up to the running total ``value``; a zero delta touches nothing."""
         key = (id(counter), label)
         previous = self._last.get(key, 0)
         if value <= previous:

@@ -1,12 +1,5 @@
-"""dbo_runtime's counters of one process, as one plain dict.
-
-Why one snapshot: an operator (and the real-engine tests) must see, per worker,
-that microbatched steps really happened and what the plugin did in them --
-partitions, re-plans by kind, plan-ahead, warm-ups, top-k attachments, planners
-recorded into CUDA graphs. Those counters live in three services; this module
-only reads them (no vLLM import) and adds the one counter no service owns: the
-microbatched metadata builds the runner hooks see, which is the only place that
-also counts FULL-graph replays (a replay skips vLLM's SM-control context).
+"""dbo_runtime's counters of one process as one dict: the services' counters (no vLLM import) and the
+microbatched metadata builds, the only count that includes FULL-graph replays.
 """
 
 from __future__ import annotations
@@ -20,10 +13,9 @@ from typing import Any
 @dataclasses.dataclass
 class StepCounters:
     microbatched_builds: int = 0
-    """Metadata builds for a microbatched step (MRV1 ``ubatch_slices``; MRV2 ``UBatchRunner.prepare``).
-    Includes vLLM's own dummy runs at start-up; compare two snapshots around a workload."""
+    """Microbatched metadata builds, start-up dummy runs included."""
     microbatched_capture_builds: int = 0
-    """MRV2 ``prepare(for_capture=True)``: metadata for capturing a microbatched graph."""
+    """Metadata builds for capturing a microbatched graph."""
 
 
 _STEPS = StepCounters()
@@ -35,8 +27,7 @@ def step_counters() -> StepCounters:
 
 
 def count_microbatched_build(for_capture: bool = False) -> None:
-    # Runs on the runner's main thread once per step; a lock keeps the count exact if a
-    # runner ever builds from two threads.
+    # the lock keeps the count exact across threads
     with _STEPS_LOCK:
         if for_capture:
             _STEPS.microbatched_capture_builds += 1
@@ -45,7 +36,7 @@ def count_microbatched_build(for_capture: bool = False) -> None:
 
 
 def collect() -> dict[str, Any]:
-    """The services' counters of this process (services never used report zeros)."""
+    """This process's counters (unused services report zeros)."""
     from dbo_runtime.services.schedule_cache import schedule_cache
     from dbo_runtime.services.sm_control import existing_controls
 

@@ -1,38 +1,10 @@
-"""SMControl: the single owner of the compute/comm SM knobs of one device.
+"""SMControl: the single owner of one device's compute/comm SM knobs.
 
-Why a service and not vLLM's ``SMControlContextManager``: vLLM flips
-process-global library state (DeepGEMM's device runtime, DeepEP's static
-``Buffer.num_sms``) and tells nobody. The DSA indexer plans its paged-MQA
-schedule for one SM count and DeepGEMM later asserts it against another (vLLM
-PR #60732). Whoever depends on the SM count must learn about a change *before*
-the first kernel runs under it, so the knob turning and the publication happen
-here, in one place, in a fixed order:
-
-* ``partition()`` pushes a budget, turns the comm knob then the compute knob
-  (vLLM's order), publishes ``entered`` to subscribers, runs the body, and on
-  exit turns the knobs back to the **previous** budget (not "all SMs"), then
-  publishes ``exited``. Nesting, exceptions and non-LIFO exits from other
-  threads all restore the budget that is still in force.
-* ``announce()`` lets an integration publish a budget that *will* be entered
-  later (vLLM builds its context at model load), so a subscriber can compile
-  what it needs outside any step and outside any CUDA-graph capture.
-* ``active`` is one attribute read: the two microbatch threads read it while
-  the main thread holds the partition.
-
-Subscribers are best effort. Every one of them is an optimisation or an
-observer -- the schedule cache's plan-ahead and planner warm-up (the indexer
-call site re-plans for DeepGEMM's *live* count whatever a subscriber did), the
-Prometheus exporter (writes ``prometheus_client`` multiprocess files) -- while
-the publication runs inside vLLM's DBO step (``SMControlContextManager``'s
-enter/exit in ``UBatchWrapper.__call__`` / ``UBatchRunner.begin_capturable_run``)
-or at model load (``announce``). A raising subscriber there would fail the step
-(or the engine start) for something that cannot make a result wrong. So a
-subscriber exception is caught, counted (``stats.subscriber_errors`` and
-``stats.subscriber_errors_by_name``), logged once per subscriber with its
-traceback (later ones at DEBUG), and publication goes on to the next
-subscriber. The knobs are never involved: they are turned before ``entered``
-and after the body, so the partition is always whole and exit always restores
-the previous budget exactly.
+vLLM flips process-global SM counts (DeepGEMM, DeepEP) and tells nobody, so the indexer planned for
+one count while DeepGEMM asserted another. Here the knobs turn and the change is published in one
+place: ``partition()`` turns comm then compute, publishes ``entered``, runs the body, restores the
+*previous* budget and publishes ``exited``; ``announce()`` publishes a budget ahead, at model load.
+Subscribers run inside vLLM's step: their exceptions are counted and logged, never propagated.
 """
 
 from __future__ import annotations
@@ -111,7 +83,7 @@ class SMControlStats:
     """Counters a Prometheus exporter or the CLI reads."""
 
     switches: int = 0
-    """Knob applications (enter and restore both count)."""
+    """Knob applications, enter and restore."""
     partitions_entered: int = 0
     subscriber_errors: int = 0
     """Subscriber callbacks that raised (caught: subscribers are best effort)."""
@@ -119,9 +91,7 @@ class SMControlStats:
     seconds_by_budget: dict[tuple[int, int], float] = field(default_factory=dict)
     """Wall time spent under each ``(compute, comm)`` split, the unpartitioned one included."""
     partition_seconds: float = 0.0
-    """Host time between entering and leaving partitions: in vLLM, the microbatched forward of each DBO step on
-    the main thread (start to join), which under DeepEP HT waits for the GPU at every dispatch. Read per step
-    (with ``partitions_entered``) it is skew-free across DP ranks: ``dbo-runtime tune``'s measure."""
+    """Host time inside partitions (the microbatched forward of each DBO step); ``dbo-runtime tune``'s measure."""
 
 
 @dataclass
@@ -151,7 +121,6 @@ class SMControl:
         self.announced: list[SMBudget] = []
         self._logged_failures: set[str] = set()
 
-    # -- reads -----------------------------------------------------------------------------
     @property
     def active(self) -> SMBudget:
         """The budget in force now; a single attribute read, safe from any thread."""
@@ -161,11 +130,8 @@ class SMControl:
     def depth(self) -> int:
         return len(self._stack)
 
-    # -- subscribers -----------------------------------------------------------------------
     def subscribe(self, callback: Subscriber, *, name: str | None = None, replay: bool = True) -> Subscription:
-        """Register ``callback``; with ``replay`` it is told the budget announced last, the one a partition will
-        use: an earlier engine's announcement that a later one superseded is history (``announced``), not a count
-        to plan or warm for."""
+        """Register ``callback``; with ``replay`` it is told the budget announced last."""
         with self._lock:
             label = name or str(getattr(callback, "__qualname__", None) or repr(callback))
             sub = Subscription(self, label, callback, next(self._tokens))
@@ -180,7 +146,7 @@ class SMControl:
             self._subscribers.pop(sub.token, None)
 
     def _deliver(self, sub: Subscription, event: BudgetEvent) -> None:
-        """Call one subscriber; an exception is counted and logged, never propagated (see module doc)."""
+        """Call one subscriber; an exception is counted and logged, never propagated."""
         try:
             sub.callback(event)
         except Exception as exc:
@@ -209,14 +175,8 @@ class SMControl:
         for sub in list(self._subscribers.values()):
             self._deliver(sub, event)
 
-    # -- announce --------------------------------------------------------------------------
     def announce(self, budget: SMBudget) -> None:
-        """Publish a budget a partition will use later (at model load, outside any step).
-
-        Subscribers are best effort here too: a warm-up that cannot compile only
-        moves the compile to the first step, and a metrics file that cannot be
-        written loses a gauge; neither is worth failing vLLM's model load.
-        """
+        """Publish a budget a partition will use later (at model load, outside any step)."""
         self._check_device(budget)
         with self._lock:
             # Latest last: a subscriber that joins later is told the budget in force (``subscribe``).
@@ -225,7 +185,6 @@ class SMControl:
             self.announced.append(budget)
         self._publish("announced", budget, self._active)
 
-    # -- partition -------------------------------------------------------------------------
     @contextmanager
     def partition(
         self,
@@ -242,7 +201,7 @@ class SMControl:
             self._exit(token)
 
     def enter(self, budget: SMBudget, *, comm_knob: SMKnob | None = None, compute_knob: SMKnob | None = None) -> int:
-        """Non-``with`` form for integrations whose enter and exit live in different calls."""
+        """Non-``with`` form, for enter and exit in different calls."""
         return self._enter(budget, comm_knob, compute_knob)
 
     def exit(self, token: int) -> None:
@@ -257,8 +216,7 @@ class SMControl:
             )
 
     def _apply(self, budget: SMBudget, comm_knob: SMKnob | None, compute_knob: SMKnob | None) -> None:
-        # vLLM's order: comm first, then compute. The unpartitioned budget hands the comm
-        # side the full count, as vLLM's __exit__ does (DeepEP HT clamps it to its own 20).
+        # vLLM's order: comm first, then compute; unpartitioned, comm gets the full count as in vLLM.
         if comm_knob is not None:
             comm_knob.set(budget.comm if budget.partitioned else budget.total)
         if compute_knob is not None:
@@ -303,8 +261,7 @@ class SMControl:
             frame = self._stack.pop(index)
             self.stats.partition_seconds += self._clock() - frame.started
             if index != len(self._stack):
-                # A partition below the top exited (another thread's scope ended first):
-                # the top one stays in force, nothing to turn.
+                # A partition below the top exited first: the top one stays in force.
                 return
             self._account()
             left = frame.budget

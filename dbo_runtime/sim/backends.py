@@ -1,14 +1,8 @@
-"""Kernel backends of the DBO scenario: real DeepGEMM on a GPU, a faithful simulation on a CPU.
+"""Kernel backends of the DBO scenario: real DeepGEMM on a GPU, a simulation on a CPU.
 
-The scenario must run where operators debug (a laptop, CI: no GPU) and where the
-bug lives (an H200 with DeepGEMM). Both backends expose the same surface: a
-process-global SM count (DeepGEMM's device runtime), the paged-MQA planner, the
-logits kernel *with DeepGEMM's host-side schedule assertion*, and capture probes
-for the schedule cache. The CPU backend plans with
-``dbo_runtime.core.reference_planner`` (checked bit-for-bit against DeepGEMM on
-the H200, ``tests/gpu/test_reference_planner_gpu.py``) and computes the same
-logits formula in fp32, so the crash and its fix show up on a CPU exactly as on
-the GPU. The CPU backend is a simulation and says so in every report.
+Both expose a process-global SM count, the paged-MQA planner, the logits kernel *with DeepGEMM's
+host-side schedule assertion*, and capture probes, so the crash and its fix show on a CPU as on the
+GPU. The CPU backend plans with ``sim.reference_planner`` and says it is a simulation in every report.
 """
 
 from __future__ import annotations
@@ -17,12 +11,11 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-# numpy first: torch's C initialisation imports numpy and swallows any exception from that import, a Ctrl-C
-# included, so an interrupt in that window would be lost and the simulation would run on to the end.
+# numpy first: torch's initialisation swallows a Ctrl-C raised while it imports numpy
 import numpy  # noqa: F401
 import torch
 
-from dbo_runtime.core import reference_planner as ref
+from dbo_runtime.sim import reference_planner as ref
 
 
 class ScheduleAssertion(RuntimeError):
@@ -54,12 +47,7 @@ class KernelBackend(Protocol):
 
 @dataclass
 class JitLedger:
-    """Which (kernel, aligned batch, SM slots) variants have been launched eagerly.
-
-    DeepGEMM JIT-compiles the planner per ``(aligned batch, slots)`` and the
-    logits kernel per SM count; a first launch inside a graph capture compiles
-    there. The scenario asserts that never happens.
-    """
+    """Variants launched eagerly: a first launch inside a capture would JIT-compile there."""
 
     seen: set[tuple[str, int, int]] = field(default_factory=set)
     compiled_in_capture: list[tuple[str, int, int]] = field(default_factory=list)
@@ -206,12 +194,7 @@ class DeepGemmBackend:
 
 
 def real_kernels_missing() -> str | None:
-    """Why ``DeepGemmBackend`` cannot run here, in one line (None when it can).
-
-    ``graphs/`` scripts and ``simulate --backend deep_gemm`` ask first, so a machine without
-    CUDA or DeepGEMM gets one line naming what is missing instead of a traceback from deep
-    inside an import (a DeepGEMM build that fails to load raises ImportError or OSError).
-    """
+    """Why ``DeepGemmBackend`` cannot run here, in one line (None when it can)."""
     if not torch.cuda.is_available():
         return "no CUDA device (torch.cuda.is_available() is False)"
     try:
@@ -223,8 +206,7 @@ def real_kernels_missing() -> str | None:
 
 
 def refuse_without_kernels(script: str, done: str = "nothing measured") -> int | None:
-    """Exit status 2 with one line on stderr when ``script`` cannot run real DeepGEMM kernels here,
-    else None: the kernel benchmarks' twin of ``harness.machine.refuse_without_engine``."""
+    """Exit status 2 with one line on stderr when ``script`` cannot run real DeepGEMM here, else None."""
     import sys
 
     missing = real_kernels_missing()

@@ -1,19 +1,7 @@
-"""Two microbatches on two threads, scheduled the way vLLM 0.33.0's DBO schedules them.
-
-The GPU box that proves dbo_runtime has no vLLM, and a CPU box has no CUDA, so
-the scenario and ``dbo-runtime simulate`` cannot call vLLM's
-``vllm.v1.worker.ubatching``. This module reproduces the part of it that
-decides *correctness* (``UBatchContext``, ``_run_ubatches``,
-``_capture_ubatches``): one thread per microbatch, registered by thread id;
-a barrier with the main thread; exactly one thread running Python at a time,
-handing over at each ``yield_`` (vLLM yields inside MoE dispatch/combine,
-i.e. between layers); a shared compute stream and a shared comm stream with
-per-microbatch done events; the main thread releases microbatch 0 and joins,
-inside ``torch.cuda.graph`` when capturing.
-
-``current_ubatch()`` returns ``(0, 0)`` on any thread that is not a microbatch
-thread -- unlike vLLM's ``dbo_current_ubatch_id``, which raises on the main
-thread while microbatch threads are parked.
+"""Two microbatches on two threads, scheduled the way vLLM's DBO schedules them, for ``simulate`` and
+the scenario where vLLM or CUDA is absent: one thread per microbatch, exactly one running Python at
+a time, handing over at each ``yield_``; shared compute and comm streams; the main thread releases
+microbatch 0 and joins. ``current_ubatch()`` is ``(0, 0)`` off the microbatch threads.
 """
 
 from __future__ import annotations
@@ -42,7 +30,7 @@ class _RunState:
 
 @dataclass
 class MicrobatchContext:
-    """One microbatch's thread-side context (vLLM's ``UBatchContext``, minus the forward context)."""
+    """One microbatch's thread-side context (vLLM's ``UBatchContext``)."""
 
     id: int
     wait_event: threading.Event
@@ -78,7 +66,7 @@ class MicrobatchContext:
             torch.cuda.set_stream(stream)
 
     def yield_(self) -> None:
-        """Hand the CPU to the other microbatch (what MoE dispatch/combine do in vLLM)."""
+        """Hand the CPU to the other microbatch."""
         self.yields += 1
         self.signal_event.set()
         self.wait_event.wait()
@@ -88,11 +76,7 @@ class MicrobatchContext:
         self._use(self.compute_stream)
 
     def comm(self, work: Callable[[], None]) -> None:
-        """Run ``work`` on the comm stream after this microbatch's compute, then come back.
-
-        vLLM's ``yield_and_switch_from_compute_to_comm`` / ``..._comm_to_compute``:
-        the all2all of one microbatch overlaps the other's compute.
-        """
+        """Run ``work`` on the comm stream after this microbatch's compute, then come back."""
         if self.comm_stream is None:
             self.yield_()
             work()
@@ -136,12 +120,7 @@ def start_microbatches(
     comm_stream: Any = None,
     device: int | None = None,
 ) -> MicrobatchRun:
-    """Start one parked thread per body; each runs ``body(ctx)`` inside its context.
-
-    Every body must yield the same number of times (vLLM's microbatches run the
-    same model): a microbatch that finished hands the CPU to the next one and
-    nobody wakes a thread that yields after its partner exited.
-    """
+    """Start one parked thread per body; every body must yield the same number of times."""
     n = len(bodies)
     barrier = threading.Barrier(n + 1)
     run_state = _RunState()

@@ -1,9 +1,4 @@
-"""Provenance for every figure and result file: device, versions, date, command.
-
-CI has no GPU, so a GPU number is only worth something with the machine and
-versions that produced it attached; every ``graphs/`` script and GPU summary
-goes through ``environment()``.
-"""
+"""Provenance for every figure and result file: device, versions, date, command."""
 
 from __future__ import annotations
 
@@ -26,10 +21,7 @@ def _dist_version(*names: str) -> str | None:
 
 
 def _vendored_deep_gemm() -> str | None:
-    """vLLM 0.33 wheels carry their own DeepGEMM (``vllm/third_party/deep_gemm``) and no distribution
-    of it, so a real-engine run would otherwise report ``deep_gemm: null``. Read the version from the
-    file: importing it would load its CUDA extension. Provenance must never cost a measurement, so
-    any failure (odd finder, unreadable or undecodable file) is "unknown"."""
+    """The version of the DeepGEMM vLLM vendors, read from its file (an import would load CUDA)."""
     import re
     from importlib.util import find_spec
 
@@ -46,8 +38,7 @@ def _vendored_deep_gemm() -> str | None:
 
 
 def _revision() -> str | None:
-    """The checkout's commit (``+dirty`` with local changes), so a result names the code that made it;
-    None where there is no git checkout (a lent GPU machine gets a copy of the tree without ``.git``)."""
+    """The checkout's commit (``+dirty`` with local changes); None outside a git checkout."""
     import subprocess
 
     root = Path(__file__).resolve().parents[2]

@@ -1,35 +1,11 @@
-"""A GLM-5.3-shaped DSA stack run the way vLLM 0.33.0 runs DBO, checked against an unsplit run.
+"""A DSA stack run the way vLLM runs DBO, checked bit for bit against an unsplit run.
 
-What it reproduces, and why each piece is there:
-
-* **Layers.** ``num_layers`` layers; leaders (``index_topk_freq`` / offset, the
-  formula of ``DeepseekV32Attention``) run the indexer: paged-MQA logits through
-  the kernel backend with the decode schedule, then a top-k written into the
-  model-wide logical top-k buffer. Followers read that buffer (what the sparse
-  MLA impl does) and fold it into an exact integer checksum per request.
-* **Microbatches.** Two threads, one compute and one comm stream, yielding
-  around a comm op after every layer (MoE dispatch/combine), so microbatch 1's
-  leader runs between microbatch 0's leader and its followers: the order that
-  corrupts shared top-k state (vllm#60734).
-* **SM budget.** The DBO step runs under ``SMControl.partition`` with vLLM's
-  policy (132 -> 112 on an H200 with DeepEP HT) turning the backend's
-  process-global SM count, so a schedule planned for the whole GPU trips the
-  logits kernel's assertion (vllm#60732).
-* **Metadata.** Each microbatch "builds" its decode schedule before the forward,
-  into a persistent per-microbatch buffer, planned for the builder's count (the
-  whole GPU) -- or, with dbo_runtime, for the DBO count (plan-ahead), deferred
-  to the first eager call site (``defer_plan_ahead``: a FULL-graph replay never
-  reads what the build planned). The call site resolves it through
-  ``IndexerScheduleCache``.
-* **Modes.** ``eager`` (``_run_ubatches``), ``mrv1`` (SM control around the
-  whole capture; threads released inside ``torch.cuda.graph``) and ``mrv2``
-  (SM control entered before the graph opens and exited inside it); graphs are
-  replayed with new inputs copied into the persistent buffers, without SM
-  control, as vLLM replays them.
-
-Checks per step: no assertion; every request's valid logits, top-k and follower
-checksums bit-identical to the unsplit reference run at full SMs; call-site
-re-plans; planner/logits variants first launched inside a capture (JIT there).
+Leader layers run the indexer (paged-MQA logits with the decode schedule, then a top-k into the
+model-wide buffer) and followers read that buffer into a checksum. Two microbatch threads yield after
+every layer, so microbatch 1's leader runs between microbatch 0's leader and followers: the order
+that corrupts shared top-k state. The step runs under ``SMControl.partition`` with vLLM's policy, so
+a schedule planned for the whole GPU trips the logits kernel's assertion. Modes: ``eager``, ``mrv1``
+and ``mrv2`` (graphs captured as each runner captures them, replayed without SM control).
 """
 
 from __future__ import annotations
@@ -72,9 +48,9 @@ class ScenarioConfig:
     steps: int = 4
     seed: int = 0
     fix_schedule: bool = True
-    """dbo_runtime's schedule cache at the call site (False: vLLM 0.33.0 behaviour)."""
+    """dbo_runtime's schedule cache at the call site (False: vLLM's behaviour)."""
     isolate_topk: bool = True
-    """Per-microbatch top-k state (False: vLLM 0.33.0's shared buffer)."""
+    """Per-microbatch top-k state (False: vLLM's shared buffer)."""
     plan_ahead: bool = True
     defer_plan_ahead: bool = True
     """Plan-ahead builds launch no planner; the first eager call site plans (False: plan at build)."""
@@ -97,8 +73,7 @@ SMALL = ScenarioConfig()
 """CPU default: the GLM-5.3 layer pattern at toy widths (runs in seconds)."""
 
 DEEPGEMM_INDEXER_SHAPES: tuple[tuple[int, int], ...] = ((32, 128), (64, 128))
-"""(heads, head_dim) of the DSA indexers DeepGEMM's paged-MQA logits kernel is built for
-(GLM-5.x: 32 x 128, DeepSeek-V3.2: 64 x 128); the toy widths of ``SMALL`` are not among them."""
+"""(heads, head_dim) of the DSA indexers DeepGEMM's logits kernel is built for."""
 
 
 def for_backend(config: ScenarioConfig, backend: KernelBackend) -> ScenarioConfig:
@@ -208,8 +183,7 @@ class Scenario:
             layout=TopkLayout(config.topk_layout),
         )
         self.topk.mark_model_buffer(self.logical)
-        # Held for the scenario's lifetime, like vLLM's groups live with the model: the per-microbatch
-        # state is anchored to the group (UbatchTopkState's lifetime rule).
+        # Held for the scenario's lifetime: the per-microbatch state is anchored to the group.
         self.topk_group = _SimIndexGroup(self.logical)
         if config.isolate_topk:
             self.topk.attach(self.topk_group, 2, self._make_event)
@@ -295,8 +269,7 @@ class Scenario:
             lens = self.context_lens[self.reqs(ub)]
             buf = self.sched_full if ub is None else self.sched_buf[ub]
             if self.cfg.fix_schedule and sms != builder_sms and self.cache.defer_plan_ahead:
-                # What the patched builder does (integration/indexer_hooks.py): no planner; the
-                # buffer's rows and the inputs are recorded, the first eager call site plans them.
+                # As the patched builder: record the rows and inputs; the first eager call site plans.
                 view = buf[: self.be.slots(sms, self.cfg.next_n) + 1]
                 self.cache.track_deferred(
                     view, planned_sms=sms, block_kv=self.cfg.block_kv, next_n=self.cfg.next_n, context_lens=lens,
@@ -426,7 +399,7 @@ CONTRASTS: tuple[Contrast, ...] = (
     Contrast("schedule fix only (vllm#60732)", "topk-mismatch", {"isolate_topk": False}),
     Contrast("upstream re-plan at call site", "pass", {"plan_ahead": False}),
 )
-"""What vLLM 0.33.0 does, what the upstream schedule fix alone does, and upstream's re-plan cost."""
+"""What vLLM does, what the upstream schedule fix alone does, and its re-plan cost."""
 
 
 def _sync(dev: torch.device) -> None:

@@ -6,14 +6,14 @@ both (CI has no GPU; a skip is not coverage). Without vLLM/CUDA/enough GPUs they
 
 Every test names the runs it needs (``@pytest.mark.runs(...)`` with labels from ``plan.py``);
 the first test that asks for records starts all runs of the selected tests at once
-(``harness.pool``), bounded by ``DBO_E2E_MAX_ENGINES`` engines (default 12). Each run's
+(``tests/e2e/pool.py``), bounded by ``DBO_E2E_MAX_ENGINES`` engines (default 12). Each run's
 record lands in ``DBO_E2E_OUT`` (default ``tests/e2e/.out``); with ``DBO_E2E_RECORD_DIR``
 set, the records (requests stripped, comparisons added by the tests) are also written there as
 ``<date>-real-engine-<label>.json`` (``tools/gpu/collect_records.py`` turns a session's runs into ``docs/records``).
 
 With ``DBO_E2E_REPLAY=<dir>`` (a session's run directory, e.g. an extracted ``e2e.tgz``'s
 ``e2e-out``) no engine starts: the tests judge that session's recorded runs again
-(``harness.pool.replay_all``), on any machine. Use it after correcting a criterion; it proves nothing
+(``pool.replay_all``), on any machine. Use it after correcting a criterion; it proves nothing
 new about the engine.
 """
 
@@ -31,9 +31,10 @@ from typing import Any
 import pytest
 
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.switches import require_gpu
 from dbo_runtime.harness.machine import engine_missing
 from tests.e2e import plan
+from tests.load_format import put_on_pythonpath
+from tests.require_gpu import require_gpu
 
 OUT = Path(os.environ.get("DBO_E2E_OUT", Path(__file__).parent / ".out"))
 REPLAY = os.environ.get("DBO_E2E_REPLAY") or None
@@ -58,6 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         problems = plan.env_problems()
         if problems:
             raise pytest.UsageError("; ".join(problems))
+        put_on_pythonpath()  # the engines these runs start can load --load-format dbo_runtime_random
     for item in items:
         if item.get_closest_marker("e2e_dp2") is not None:
             need = 2
@@ -94,14 +96,14 @@ class Records:
 
     def _run(self) -> dict[str, dict[str, Any]]:
         if self.records is None and REPLAY is not None:
-            from dbo_runtime.harness.pool import replay_all
+            from tests.e2e.pool import replay_all
 
             self.records = replay_all(Path(REPLAY), self.labels)
         if self.records is None:
             import torch
 
-            from dbo_runtime.harness.pool import run_all
             from tests.e2e.jobs import all_jobs
+            from tests.e2e.pool import run_all
 
             specs = plan.all_specs()
             gpus = list(range(torch.cuda.device_count()))

@@ -43,14 +43,14 @@ the dispatch by ``max_num_batched_tokens``, so 2048 tokens need a depth of at le
 
 LOAD_FORMAT = os.environ.get("DBO_E2E_LOAD_FORMAT", "dummy")  # LOAD_FORMATS[0], defined below
 """vLLM's ``dummy`` weights by default. ``DBO_E2E_LOAD_FORMAT=dbo_runtime_random`` loads random weights at
-a trained model's scale (``dbo_runtime.harness.weights``), which make greedy tokens sensitive -- and on
+a trained model's scale (``tests/load_format``), which make greedy tokens sensitive -- and on
 2x H200 (2026-11-30) showed that the tiny models are then too sensitive to prove anything by tokens:
 vanilla vLLM against itself (DBO off, one GPU) agreed on 67-79 % of tokens, every prompt longer than
 index_topk diverging at its first token, and DBO on vs off with DeepEP HT agreed on 5-11 % whether or
 not the model had followers or dbo_runtime was installed. With ``dummy`` weights vLLM repeats itself to
 1.9e-6 in logprob and the top-k corruption shows in logprobs only (11x dbo_runtime's, 2026-11-30)."""
 WEIGHT_GAINS = os.environ.get("DBO_E2E_WEIGHT_GAINS", json.dumps({"qk_gain": 2.0, "mlp_gain": 0.1}))
-"""Gains for ``dbo_runtime_random`` (see ``harness.weights``); gains 1 and these gave the same picture."""
+"""Gains for ``dbo_runtime_random`` (see ``tests/load_format``); gains 1 and these gave the same picture."""
 VANILLA_CRASH_TIMEOUT_S = 300.0
 """Vanilla DBO + DeepEP HT on MRV2 hangs silently until vLLM's 5-minute RPC timeout (2026-11-30);
 the launcher stops it earlier (``hang_killed``). A healthy run here starts in <= 120 s under load."""
@@ -81,7 +81,7 @@ def env_problems(environ: Mapping[str, str] | None = None) -> list[str]:
     on the GPU machine, where a typo would cost a traceback after the engines began to start. One line
     each, naming the variable and the allowed values."""
     from dbo_runtime.core.errors import ConfigError
-    from dbo_runtime.harness.weights import parse_gains
+    from tests.load_format.dbo_runtime_random import parse_gains
 
     env = os.environ if environ is None else environ
     problems = []
@@ -384,7 +384,7 @@ REPRODUCER_ARGS = [
 
 def _width_args(model: str, *, eager: bool, extra: list[str], memory: str = WIDTH_MEMORY["ht"]) -> list[str]:
     """Width runs always load ``dbo_runtime_random`` weights: greedy tokens must vary for agreement to mean
-    anything (``harness.weights``), and vLLM's ``dummy`` weights make every token a near-tie."""
+    anything (``tests/load_format``), and vLLM's ``dummy`` weights make every token a near-tie."""
     args = _with_memory(tiny_args(model, eager=eager, extra=extra), memory)
     i = args.index("--load-format")
     args[i + 1] = "dbo_runtime_random"

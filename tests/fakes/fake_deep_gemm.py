@@ -5,7 +5,7 @@ What it stands in for, and nothing more:
 * the process-global SM count (``get_num_sms`` / ``set_num_sms``, asserting ``0 <= n <= total``);
 * ``get_paged_mqa_logits_metadata(context_lens, block_kv, num_slots, indices=None)`` -- DeepGEMM's
   own signature, where the third argument is already the slot count (vLLM's wrapper divides by
-  2 for SM90 ``next_n == 4``). Values come from ``dbo_runtime.core.reference_planner``
+  2 for SM90 ``next_n == 4``). Values come from ``dbo_runtime.sim.reference_planner``
   (checked bit-for-bit against the real kernel by its GPU twin);
 * ``fp8_fp4_paged_mqa_logits`` -- performs DeepGEMM's host assertion
   (``csrc/apis/attention.hpp``: ``_schedule_meta_size == num_sms / num_kv_multicast + 1``) and
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dbo_runtime.core.reference_planner import plan_paged_mqa_schedule, schedule_slots
+from dbo_runtime.sim.reference_planner import plan_paged_mqa_schedule, schedule_slots
 
 
 @dataclass

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.switches import require_gpu
+from tests.require_gpu import require_gpu
 
 _REQUIRE = False
 """``DBO_REQUIRE_GPU`` (the project switches' spellings, 1/true/yes/on), read at collection."""

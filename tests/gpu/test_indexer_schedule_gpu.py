@@ -322,7 +322,7 @@ def test_replay_after_deferred_build_is_correct(deep_gemm: ModuleType, cuda_devi
     graph, out = _capture(lambda: _logits(deep_gemm, case, cache.resolve(schedule, case.context_lens, None, BLOCK)))
     assert cache.stats.captured_replans == 1  # the graph's own planner
 
-    from dbo_runtime.sim.counters import CopyCounter
+    from tests.copy_counter import CopyCounter
 
     gen = torch.Generator().manual_seed(17)
     worst, launches, copies = 0.0, [], []

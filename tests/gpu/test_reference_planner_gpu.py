@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from dbo_runtime.core.reference_planner import plan_paged_mqa_schedule, schedule_slots
+from dbo_runtime.sim.reference_planner import plan_paged_mqa_schedule, schedule_slots
 
 SLOT_COUNTS = (1, 3, 33, 56, 65, 66, 112, 132)  # 65/66/56: SM90 next_n=4 budgets 130-132 / 112-113
 BATCH_BUCKETS = (32, 160, 512)  # align(batch, 32); draws take batch in (bucket - 32, bucket]

@@ -15,8 +15,8 @@ from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.harness import launch as launch_mod
 from dbo_runtime.harness.compare import Request, Thresholds, compare, verdict
 from dbo_runtime.harness.launch import RunSpec, assemble, describe, launch
-from dbo_runtime.harness.pool import assign_gpus, run_all
 from dbo_runtime.harness.prompts import PromptSpec, for_rank, from_file, synthetic
+from tests.e2e.pool import assign_gpus, run_all
 
 
 def req(index: int, tokens: list[int], lps: list[dict[int, float]] | None = None) -> Request:
@@ -479,7 +479,7 @@ def test_bench_reports_the_collections_inside_plugin_code_per_step(monkeypatch: 
 
 def test_replay_reads_a_finished_session_back(tmp_path: Path) -> None:
     """DBO_E2E_REPLAY: the recorded runs of a GPU session are judged again without an engine."""
-    from dbo_runtime.harness.pool import replay_all
+    from tests.e2e.pool import replay_all
 
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "record.json").write_text(json.dumps({"label": "a", "ok": True, "requests": [{"index": 0, "tokens": [1]}]}))
@@ -500,7 +500,7 @@ def test_replay_assembles_runs_again_also_those_a_time_limit_cut_off(tmp_path: P
     is judged too."""
     from dataclasses import asdict
 
-    from dbo_runtime.harness.pool import replay_all
+    from tests.e2e.pool import replay_all
 
     spec = RunSpec("ll", ["--model", "m"], dp=2)
     run = tmp_path / "ll"
@@ -561,7 +561,7 @@ def test_pool_admits_runs_by_their_memory_share_on_each_gpu(tmp_path: Path, monk
     fit beside each other wait, whatever the engine budget allows (the launcher is a recording stand-in)."""
     import threading
 
-    from dbo_runtime.harness import pool
+    from tests.e2e import pool
 
     lock = threading.Lock()
     live: dict[str, float] = {}

@@ -1,4 +1,4 @@
-"""``--load-format dbo_runtime_random`` (harness/weights.py): realistic random weights for the tiny models.
+"""``--load-format dbo_runtime_random`` (tests/load_format): realistic random weights for the tiny models.
 
 The GPU twin is every e2e run in ``tests/e2e`` (they load the tiny DSA models with this format).
 """
@@ -6,13 +6,15 @@ The GPU twin is every e2e run in ``tests/e2e`` (they load the tiny DSA models wi
 from __future__ import annotations
 
 import math
+import os
 from importlib import metadata
 
 import pytest
 import torch
 from torch import nn
 
-from dbo_runtime.harness import weights
+from tests.load_format import DIRECTORY, put_on_pythonpath
+from tests.load_format import dbo_runtime_random as weights
 
 
 class RMSNorm(nn.Module):
@@ -133,9 +135,11 @@ def test_entry_point_registers_the_format_with_vllm() -> None:
     from vllm.model_executor import model_loader
     from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 
-    eps = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
-    assert eps.get("dbo_runtime_weights") == "dbo_runtime.harness.weights:register"
-    assert eps.get("dbo_runtime") == "dbo_runtime.integration.plugin:register"  # separate: DISABLE must not drop it
+    installed = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
+    assert "dbo_runtime_random" not in installed  # test-only: not in the wheel
+    assert installed.get("dbo_runtime") == "dbo_runtime.integration.plugin:register"
+    found = {ep.name: ep.value for ep in metadata.distributions(path=[str(DIRECTORY)]) for ep in ep.entry_points}
+    assert found == {"dbo_runtime_random": "dbo_runtime_random:register"}  # what a process with the dir on its path sees
     before = dict(model_loader._LOAD_FORMAT_TO_MODEL_LOADER)
     try:
         model_loader._LOAD_FORMAT_TO_MODEL_LOADER.pop(weights.LOAD_FORMAT, None)
@@ -267,3 +271,10 @@ def test_row_parallel_shards_use_the_global_fan_in() -> None:
     layer = RowParallelLinear()
     weights.initialize(layer)
     assert layer.weight.std().item() == pytest.approx(1 / math.sqrt(2048), rel=0.05)
+
+
+def test_put_on_pythonpath_prepends_the_directory_once() -> None:
+    env = {"PYTHONPATH": "/a"}
+    put_on_pythonpath(env)
+    put_on_pythonpath(env)
+    assert env["PYTHONPATH"] == f"{DIRECTORY}{os.pathsep}/a"

@@ -16,12 +16,11 @@ import pytest
 import torch
 
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.reference_planner import (
+from dbo_runtime.sim.reference_planner import (
     SPLIT_KV_TOKENS,
     native_next_n_supported,
     num_kv_multicast,
     num_next_n_atoms,
-    plan_for_sm_budget,
     plan_paged_mqa_schedule,
     schedule_slots,
 )
@@ -221,13 +220,6 @@ def test_schedule_slots_sm90_next_n_4_is_one_slot_per_cluster() -> None:
     assert schedule_slots(148, 4, sm_major=12) == 148
 
 
-def test_plan_for_sm_budget_uses_the_slot_rule() -> None:
-    lens = torch.full((3, 4), 1000, dtype=torch.int32)
-    assert tuple(plan_for_sm_budget(lens, 64, 112).shape) == (57, 2)
-    assert tuple(plan_for_sm_budget(lens[:, :2].contiguous(), 64, 112).shape) == (113, 2)
-    assert tuple(plan_for_sm_budget(lens, 64, 112, sm_major=10).shape) == (113, 2)
-
-
 def test_native_next_n_supported() -> None:
     assert [n for n in range(1, 9) if native_next_n_supported(n)] == [1, 2, 4]
     assert all(native_next_n_supported(n, sm_major=10) for n in range(1, 9))
@@ -285,7 +277,7 @@ def test_vllm_wrapper_passes_slots_as_num_sms(
     lens = torch.tensor([[100, 101, 102, 103], [5000, 5001, 5002, 5003]], dtype=torch.int32)
     got = vdg.get_paged_mqa_logits_metadata(lens, 64, 112)
     assert fake.calls == [(64, 56)]
-    assert got.tolist() == plan_for_sm_budget(lens, 64, 112).tolist()
+    assert got.tolist() == plan_paged_mqa_schedule(lens, 64, schedule_slots(112, 4)).tolist()
 
 
 # --------------------------------------------------------------------------- bad input
@@ -328,4 +320,4 @@ def test_bad_slot_rule_inputs() -> None:
     _raises("next_n", lambda: schedule_slots(132, 0))
     _raises("next_n", lambda: native_next_n_supported(0))
     _raises("sm_major", lambda: schedule_slots(132, 1, sm_major=0))
-    _raises("num_sms", lambda: plan_for_sm_budget(torch.ones((1, 4), dtype=torch.int32), 64, 1))
+    _raises("num_sms", lambda: schedule_slots(1, 4))

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -93,15 +91,18 @@ def test_cli_json_verdict(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(r["as_expected"] for r in doc["runs"])
 
 
-def test_cli_bad_value_is_argparses_line_and_exit_2() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "dbo_runtime", "simulate", "--requests", "1", "--backend", "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("dbo-runtime simulate: error: argument --requests: invalid value '1'")
+def _exit_code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
+def test_cli_bad_value_is_argparses_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(["simulate", "--requests", "1", "--backend", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("dbo-runtime simulate: error: argument --requests: invalid value '1'")
 
 
 def test_a_failing_microbatch_never_leaves_the_other_parked() -> None:
@@ -211,27 +212,29 @@ def _lines(text: str) -> list[str]:
     return text.splitlines()
 
 
-def test_output_fits_100_columns_without_trailing_padding(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_text_report_fits_100_columns_and_explains_the_red_rows(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """One run, the whole text report: no line wider than 100 or padded; the crashed contrast shows no counts
+    for steps that never ran; the verdict says the red rows are vLLM's failures, reproduced."""
     monkeypatch.delenv("COLUMNS", raising=False)
     assert main(["simulate", "--backend", "cpu", "--steps", "2", "--requests", "6"]) == 0
-    out = capsys.readouterr().out
-    too_wide = [line for line in _lines(out) if len(line) > 100]
-    padded = [line for line in _lines(out) if line != line.rstrip()]
+    lines = _lines(capsys.readouterr().out)
+    too_wide = [line for line in lines if len(line) > 100]
+    padded = [line for line in lines if line != line.rstrip()]
     assert not too_wide and not padded, (too_wide, padded)
-
-
-def test_crash_row_shows_no_counts_for_steps_that_never_ran(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "--backend", "cpu", "--steps", "2", "--requests", "6"]) == 0
-    [row] = [line for line in _lines(capsys.readouterr().out) if line.startswith("vLLM 0.33.0 (no dbo_runtime)")]
+    [row] = [line for line in lines if line.startswith("vLLM 0.33.0 (no dbo_runtime)")]
     cells = row.split()
     assert "0/2" in cells and "crash: assertion" in row
     assert cells[-5:-1] == ["-", "-", "-", "-"], row  # logits, top-k, follower reads, re-plans: no step ran
+    assert lines[-1].startswith("verdict: PASS: ") and "rows are vLLM's bugs" in lines[-1]
 
 
 def test_verdict_line_explains_the_red_rows(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--backend", "cpu", "--steps", "1", "--requests", "4"]) == 0
     verdict = _lines(capsys.readouterr().out)[-1]
     assert verdict.startswith("verdict: PASS: ") and "rows are vLLM's bugs" in verdict
+
+
+def test_without_contrast_the_verdict_is_the_fix_alone(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]) == 0
     assert _lines(capsys.readouterr().out)[-1].startswith("verdict: PASS: bit-identical at every step")
 
@@ -328,17 +331,11 @@ def test_help_is_plain_text_and_every_option_says_what_it_does() -> None:
             assert action.help and action.help.strip(), (name, action.option_strings)
 
 
-def test_comm_sms_zero_expects_the_topk_bug_not_the_crash() -> None:
-    """VLLM_DBO_COMM_SMS=0: no partition, so vLLM 0.33.0 does not assert; only the top-k bug is left."""
-    import json
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "dbo_runtime", "simulate", "--comm-sms", "0", "--json", "--steps", "2"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    doc = json.loads(proc.stdout)
-    assert proc.returncode == 0 and doc["verdict"] == "PASS", proc.stdout[-2000:]
+def test_comm_sms_zero_expects_the_topk_bug_not_the_crash(capsys: pytest.CaptureFixture[str]) -> None:
+    """VLLM_DBO_COMM_SMS=0: no partition, so vLLM does not assert; only the top-k bug is left."""
+    rc = _exit_code(["simulate", "--comm-sms", "0", "--json", "--steps", "2"])
+    out = capsys.readouterr().out
+    doc = json.loads(out)
+    assert rc == 0 and doc["verdict"] == "PASS", out[-2000:]
     vanilla = next(r for r in doc["runs"] if r["name"].startswith("vLLM 0.33.0"))
     assert vanilla["expect"] == "topk-mismatch" and vanilla["as_expected"]

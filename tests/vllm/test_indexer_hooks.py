@@ -343,7 +343,7 @@ def test_planners_and_schedule_copies_per_dbo_step_never_scale_with_layers(env: 
     ``copy_`` decides whether to launch anything (``CopyCounter``). A FULL-graph DBO step is the build
     followed by a replay, which runs no Python (no call site); an eager step runs every indexer layer's
     call site. Neither count may depend on the number of layers."""
-    from dbo_runtime.sim.counters import CopyCounter
+    from tests.copy_counter import CopyCounter
 
     env.cache.defer_plan_ahead = defer
     builders = [env.builder(), env.builder()]  # one builder (and schedule buffer) per microbatch

@@ -34,6 +34,9 @@ def main(argv: list[str]) -> int:
     from dbo_runtime.harness.launch import RunSpec, launch
     from dbo_runtime.harness.prompts import PromptSpec
     from tests.e2e import plan
+    from tests.load_format import put_on_pythonpath
+
+    put_on_pythonpath()
 
     spec = RunSpec(
         label="load-format-check",

@@ -18,9 +18,9 @@ values are U(-1, 1) and the ``*_scale_inv`` blocks are sqrt(3)/sqrt(fan_in), whi
 gives the same effective standard deviation. The output is random text, but
 attention now matters and a corrupted top-k changes tokens.
 
-It is registered by its own ``vllm.general_plugins`` entry point
-(``dbo_runtime_weights``), not by the dbo_runtime plugin: vanilla runs
-(``DBO_RUNTIME_DISABLE=1``) must load the identical weights. Registering a load
+It is a test-only plugin with its own ``vllm.general_plugins`` entry point (the ``.dist-info`` next
+to this file, found when ``tests/load_format`` is on ``PYTHONPATH``), not part of the dbo_runtime
+wheel: vanilla runs (``DBO_RUNTIME_DISABLE=1``) must load the identical weights. Registering a load
 format patches nothing in vLLM; it only adds a name to
 ``vllm.model_executor.model_loader._LOAD_FORMAT_TO_MODEL_LOADER``.
 
@@ -236,7 +236,7 @@ def loader_class() -> type[Any]:
 
 
 def register() -> None:
-    """Entry point ``dbo_runtime_weights`` (``vllm.general_plugins``): add the load format once per process.
+    """Entry point ``dbo_runtime_random`` (``vllm.general_plugins``): add the load format once per process.
 
     Never raises: vLLM's plugin loader does not catch, and an exception here would stop every vLLM
     process from starting for the sake of a test-only load format.
