@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+
 def engine_missing(gpus: int) -> str | None:
     """Why the real engine cannot run here (None when it can): torch, CUDA GPUs, then a verified vLLM release."""
     try:
@@ -21,9 +22,9 @@ def engine_missing(gpus: int) -> str | None:
         return "vLLM is not installed"
     match = releases.identify()
     if match.release is None:
-
         return f"needs a vLLM release dbo_runtime verifies, found {match.describe()}"
     return None
+
 
 def refuse_without_engine(script: str, gpus: int, done: str = "nothing measured") -> int | None:
     """Exit status 3 ("cannot run here", the README's code for every command and script) with one line on stderr
