@@ -26,14 +26,18 @@ from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, decide_comm
 from dbo_runtime.core.errors import ConfigError, DboRefusal, ways_out
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.settings import setting_problems
-from dbo_runtime.integration import fingerprints, releases
+from dbo_runtime.integration import fingerprints
 from dbo_runtime.integration.features import REGISTRY
 from dbo_runtime.integration.mtp_hooks import rocm_model_writes_per_microbatch
 from dbo_runtime.integration.patching import Patch, PatchSet
+from dbo_runtime.integration.recorded_fingerprints import RELEASES
 
 logger = get_logger(__name__)
 
 Stage = Literal["config", "worker"]
+
+VERIFIED: tuple[str, ...] = tuple(RELEASES)
+"""The vLLM releases a refusal names as a way out (those with recorded fingerprints)."""
 
 _PATCH_SET: PatchSet | None = None
 """The main patch set, once installed (its statuses say which patches applied in this process)."""
@@ -42,6 +46,11 @@ _PATCH_SET: PatchSet | None = None
 def bind_patch_set(patch_set: PatchSet | None) -> None:
     global _PATCH_SET
     _PATCH_SET = patch_set
+
+
+def bound_patch_set() -> PatchSet | None:
+    """The main patch set the plugin installed in this process (None before, or without one)."""
+    return _PATCH_SET
 
 
 def _model(vllm_config: Any) -> tuple[str, Any]:
@@ -195,7 +204,7 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
             if why:
                 return (
                     f"{head}: {shared}, and {why}; vLLM's own DBO would let one microbatch read the other's "
-                    "top-k with no error (silently wrong tokens). " + ways_out(verified=releases.SUPPORTED)
+                    "top-k with no error (silently wrong tokens). " + ways_out(verified=VERIFIED)
                 )
     if coverage.uses_indexer(arch, hf) and platform_name == "cuda" and partitions_deep_gemm(parallel, platform_name, stage):
         why = _not_in_force(coverage.INDEXER, arch, stage, runner)
@@ -203,7 +212,7 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
             return (
                 f"{head}: DBO lowers DeepGEMM's SM count for the DSA indexer, and {why}; DeepGEMM would assert "
                 "'_schedule_meta_size == num_sms + 1' in the middle of serving. "
-                + ways_out(verified=releases.SUPPORTED)
+                + ways_out(verified=VERIFIED)
                 + " (VLLM_DBO_COMM_SMS=0 also avoids the partition.)"
             )
     return ""
@@ -269,7 +278,7 @@ def _guard_problem(vllm_config: Any) -> str:
     if not why:
         return ""
     arch, _ = _model(vllm_config)
-    return f"dbo_runtime refuses {arch} with microbatching: {why}. " + ways_out(verified=releases.SUPPORTED)
+    return f"dbo_runtime refuses {arch} with microbatching: {why}. " + ways_out(verified=VERIFIED)
 
 
 V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
@@ -409,7 +418,7 @@ def check_without_worker_hooks() -> None:
     raise DboRefusal(
         f"dbo_runtime refuses {arch} with microbatching: {_hooks_failed[0].removeprefix('dbo_runtime: ')}, so this "
         "worker cannot check that "
-        "dbo_runtime's fixes applied. " + ways_out(verified=releases.SUPPORTED)
+        "dbo_runtime's fixes applied. " + ways_out(verified=VERIFIED)
     )
 
 
@@ -469,6 +478,7 @@ def guard_patches() -> list[Patch]:
 
 __all__ = [
     "bind_patch_set",
+    "bound_patch_set",
     "check",
     "guard_patches",
     "microbatching",

@@ -19,7 +19,7 @@ from dbo_runtime.integration.patching import Patch
 from dbo_runtime.integration.recorded_fingerprints import RELEASES
 
 SUPPORTED: tuple[str, ...] = tuple(RELEASES)
-"""The releases whose fingerprints are recorded, oldest first."""
+"""The releases whose fingerprints are recorded, oldest first (``guard.VERIFIED`` reads the same record)."""
 
 
 def installed_version() -> str | None:

@@ -52,7 +52,6 @@ def _identity(worker: Any) -> dict[str, Any]:
 
 def collect(worker: Any = None) -> dict[str, Any]:
     """Everything dbo_runtime counts in this process, plus which worker it is."""
-    from dbo_runtime.integration.plugin import installed_patch_set
     from dbo_runtime.integration.topk_hooks import current_state
     from dbo_runtime.services.runtime_stats import collect as services
 
@@ -64,7 +63,7 @@ def collect(worker: Any = None) -> dict[str, Any]:
         "layout": str(state.layout) if state is not None and state.layout is not None else None,
         "extra_bytes": state.extra_bytes() if state is not None else 0,
     }
-    patch_set = installed_patch_set()
+    patch_set = guard.bound_patch_set()
     statuses = patch_set.status() if patch_set is not None else []
     snap["patches"] = {s.patch.name: s.state for s in statuses}
     snap["activation_line_emitted"] = activation.emitted_in_this_process()
