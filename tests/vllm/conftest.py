@@ -158,3 +158,18 @@ def fresh_arming(monkeypatch: pytest.MonkeyPatch) -> Any:
     for module in (patching, ubatch_guard, indexer_hooks):
         monkeypatch.setattr(module, "ARMING", fresh)
     return fresh
+
+
+def in_release(patches: list[Any]) -> list[Any]:
+    """The patches of the installed vLLM release's set: those whose every anchor exists in its code (what a recorded
+    fingerprint requires). The Model Runner V1 patches, for one, are not part of vLLM 0.34's set."""
+    from dbo_runtime.integration.fingerprints import MISSING, fingerprint
+
+    return [p for p in patches if not p.fingerprint_anchors or fingerprint(p.fingerprint_anchors) != MISSING]
+
+
+def has_module(module: str) -> bool:
+    """Whether the installed vLLM has ``module`` (found by path: some cannot be imported on a CPU box)."""
+    from dbo_runtime.integration.fingerprints import module_file
+
+    return module_file(module) is not None
