@@ -32,7 +32,7 @@ from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration import guard
 from dbo_runtime.integration.engine_config import decode_rows
 from dbo_runtime.integration.features import Feature, Probe, Upstream
-from dbo_runtime.integration.patching import Patch, require_parameters
+from dbo_runtime.integration.patching import ArgSlots, Patch, require_parameters
 from dbo_runtime.integration.ubatch_failures import MicrobatchAttr, record, shields_itself
 from dbo_runtime.integration.ubatch_ids import THREAD_TABLE
 from dbo_runtime.services.topk_state import UbatchTopkState, window_end_reachable
@@ -115,8 +115,11 @@ def _check_window_end(state: UbatchTopkState, vllm_config: Any, num_ubatches: in
 
 
 def _make_event() -> Any:
-    # Resolved at call time: the same factory vLLM's builder uses for the group's own events.
-    return importlib.import_module(_INDEX_GROUP)._create_event()
+    """An event as vLLM's builder makes the group's own: its ``_create_event`` where the release has one (0.33),
+    else the ``torch.Event`` its module calls (0.34). Resolved at call time."""
+    module = importlib.import_module(_INDEX_GROUP)
+    factory = getattr(module, "_create_event", None)
+    return factory() if factory is not None else module.torch.Event()
 
 
 def _hisparse(vllm_config: Any) -> bool:
@@ -176,15 +179,12 @@ def _refuse_groupless_follower(vllm_config: Any) -> None:
 
 def _register_layer_patch(state: UbatchTopkState) -> Patch:
     def make(original: Any) -> Any:
+        # By name: the row-width keyword is ``head_size`` in vLLM 0.33 and ``row_width`` in 0.34; both pass through.
+        slots = ArgSlots(original, ("is_index_producing_layer", "vllm_config"), bound=True)
+
         @functools.wraps(original)
-        def register_layer(
-            self: Any,
-            is_index_producing_layer: bool,
-            vllm_config: Any = None,
-            *,
-            head_size: int | None = None,
-            kv_cache_dtype: str | None = None,
-        ) -> Any:
+        def register_layer(self: Any, *args: Any, **kwargs: Any) -> Any:
+            is_index_producing_layer, vllm_config = slots.read(args, kwargs)
             follower = not is_index_producing_layer and self.current_group is not None
             if vllm_config is None:
                 from vllm.config import get_current_vllm_config_or_none
@@ -200,9 +200,7 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
                     _refuse_groupless_follower(config)
                 elif _hisparse(config) and _model_shares_topk(config):
                     _refuse_hisparse()  # before HiSparse builds host caches for the leader
-            result = original(
-                self, is_index_producing_layer, vllm_config, head_size=head_size, kv_cache_dtype=kv_cache_dtype
-            )
+            result = original(self, *args, **kwargs)
             if follower and num_ubatches > 1 and not state.is_attached(result[0]):
                 _check_window_end(state, config, num_ubatches)
                 state.attach(result[0], num_ubatches, _make_event)
