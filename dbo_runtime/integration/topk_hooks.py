@@ -29,7 +29,7 @@ from typing import Any
 from dbo_runtime.core import coverage
 from dbo_runtime.core.errors import UnsupportedConfiguration
 from dbo_runtime.core.log import get_logger
-from dbo_runtime.integration import guard
+from dbo_runtime.integration import fingerprints, guard
 from dbo_runtime.integration.engine_config import decode_rows
 from dbo_runtime.integration.features import Feature, Probe, Upstream
 from dbo_runtime.integration.patching import ArgSlots, Patch, require_parameters
@@ -47,8 +47,11 @@ _V32_ATTENTION = "vllm.models.deepseek_v32.attention"
 _SPARSE_INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
 _V32_MODEL = "vllm.models.deepseek_v32.nvidia.model"
 _FA4_SPARSE = "vllm.v1.attention.backends.mla.flashattn_mla_sparse"
+_MISTRAL_INDEXER = "vllm.models.mistral.nvidia.indexer"
 
 V32_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+SHARED_GROUP_ARCHITECTURES = (*V32_ARCHITECTURES, "MistralLarge4ForCausalLM")
+"""Architectures whose followers share a leader's top-k through ``SparseMLAIndexGroupBuilder`` groups."""
 
 FEATURES = [
     Feature(
@@ -126,11 +129,19 @@ def _hisparse(vllm_config: Any) -> bool:
     return getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None
 
 
+def honours_indexer_types() -> bool:
+    """Whether this vLLM's DeepSeek-V3.2 / GLM-5.x layers pick their followers with ``compute_skip_topk_layers``,
+    which reads ``indexer_types`` first (0.34), rather than from ``index_topk_freq`` / ``index_topk_pattern`` alone
+    (0.33). Read from the source, so the rule follows the code, not the version string."""
+    return fingerprints.calls(_V32_ATTENTION, "DeepseekV32Attention.__init__", "compute_skip_topk_layers")
+
+
 def _model_shares_topk(vllm_config: Any) -> bool:
     """Whether vLLM builds layers that reuse top-k for this config (checked before HiSparse builds any state)."""
     model = getattr(vllm_config, "model_config", None)
     hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
-    return hf is not None and bool(coverage.shared_topk(_architecture(vllm_config), hf))
+    arch = _architecture(vllm_config)
+    return hf is not None and bool(coverage.shared_topk(arch, hf, indexer_types=honours_indexer_types()))
 
 
 def _refuse_hisparse() -> None:
@@ -227,7 +238,7 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
         upstream_pr=UPSTREAM_PR,
         removal=REMOVAL,
         lazy=True,
-        architectures=V32_ARCHITECTURES,
+        architectures=SHARED_GROUP_ARCHITECTURES,
     )
 
 
@@ -242,7 +253,7 @@ def _group_method_patch(name: str, method: str, make: Any) -> Patch:
         upstream_pr=UPSTREAM_PR,
         removal=REMOVAL,
         lazy=True,
-        architectures=V32_ARCHITECTURES,
+        architectures=SHARED_GROUP_ARCHITECTURES,
         runs_on_ubatch_thread=True,
         armed_at_first_microbatch=True,
     )
@@ -366,16 +377,24 @@ def _current_config() -> Any:
     return get_current_vllm_config_or_none()
 
 
-def _descriptor_patch(state: UbatchTopkState, module: str, cls: str, *, model: bool = False) -> Patch:
-    shared_by_v41 = module == _SPARSE_INDEXER
+def _descriptor_patch(
+    state: UbatchTopkState,
+    module: str,
+    cls: str,
+    *,
+    model: bool = False,
+    architectures: tuple[str, ...] = V32_ARCHITECTURES,
+    optional: bool = False,
+) -> Patch:
+    shared_by = ("MistralLarge4ForCausalLM", "DeepseekV41ForCausalLM") if module == _SPARSE_INDEXER else ()
     return Patch(
         name=f"topk.{cls}.{ATTR}",
         module=module,
         attr=f"{cls}.{ATTR}",
         make=lambda original: TopkIndicesBufferAttr(state, marks_model_buffer=model),
         reason=(
-            "model-owned logical top-k buffer: marks it as resolvable per microbatch; getter/setter/deleter "
-            "(MRV1 proposer dels then assigns)"
+            "the model's logical top-k buffer, marked as resolvable per microbatch at its assignment (model "
+            "construction); getter/setter/deleter (MRV1 proposer dels then assigns)"
             if model
             else "writers of the leader's top-k resolve the calling microbatch's logical buffer"
         ),
@@ -383,8 +402,9 @@ def _descriptor_patch(state: UbatchTopkState, module: str, cls: str, *, model: b
         removal=REMOVAL,
         lazy=True,
         adds=True,
-        # SparseAttnIndexer also writes DeepSeek-V4.1's shared buffer (topk_v41 relies on this patch).
-        architectures=(*V32_ARCHITECTURES, "DeepseekV41ForCausalLM") if shared_by_v41 else V32_ARCHITECTURES,
+        optional=optional,
+        # SparseAttnIndexer also writes Mistral Large 4's and DeepSeek-V4.1's shared buffers (topk_v41 relies on it).
+        architectures=(*architectures, *shared_by),
         runs_on_ubatch_thread=True,
         # The model's setter marks its buffer at construction, before any run: always in force.
         armed_at_first_microbatch=not model,
@@ -421,7 +441,7 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
         upstream_pr=UPSTREAM_PR,
         removal=REMOVAL,
         lazy=True,
-        architectures=V32_ARCHITECTURES,
+        architectures=SHARED_GROUP_ARCHITECTURES,
         runs_on_ubatch_thread=True,
         armed_at_first_microbatch=True,
     )
@@ -496,5 +516,11 @@ def patches(state: UbatchTopkState | None = None) -> list[Patch]:
         _descriptor_patch(st, _V32_ATTENTION, "DeepseekV32Indexer"),
         _descriptor_patch(st, _SPARSE_INDEXER, "SparseAttnIndexer"),
         _descriptor_patch(st, _V32_MODEL, "DeepseekV32Model", model=True),
+        # Mistral Large 4 keeps its buffer in a constructor local: each leader's indexer is handed it before any
+        # follower registers, and the sparse MLA impls read it through the indexer. Optional, and fail-closed: where
+        # it is skipped (another release, a changed indexer) nothing marks the buffer and register_layer refuses.
+        _descriptor_patch(
+            st, _MISTRAL_INDEXER, "MistralIndexer", model=True, architectures=("MistralLarge4ForCausalLM",), optional=True
+        ),
         _fa4_scalars_patch(st),
     ]
