@@ -1,6 +1,6 @@
 """Which DSA-family architectures dbo_runtime fixes under DBO, which it refuses, and why.
 
-vLLM 0.33.0 serves many architectures that run the DSA indexer (bug A: a paged-MQA schedule
+vLLM serves many architectures that run the DSA indexer (bug A: a paged-MQA schedule
 planned for the whole GPU) or hand one layer's top-k to later layers through state without a
 microbatch dimension (bug B). Each does it its own way, so the guard must know, per
 architecture, whether a config shares top-k *the way vLLM builds the layers* and which of
@@ -15,8 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Sharing = Literal["index_topk_freq", "hy_v4", "deepseek_v41", "none"]
+Sharing = Literal["index_topk_freq", "index_sharing", "hy_v4", "deepseek_v41", "none"]
 Status = Literal["fixed", "refused", "not affected"]
+
+RELEASES = ("0.33.0", "0.34.0")
+"""The vLLM releases this table describes, oldest first (each row says which of them register it)."""
 
 TOPK_V32 = "topk"
 """Feature names (``Patch.name`` prefixes) a row may require."""
@@ -45,10 +48,20 @@ class Coverage:
     """The real reason, when ``status`` is ``refused`` for a config that shares top-k."""
     evidence: tuple[str, ...] = ()
     notes: str = ""
+    releases: tuple[str, ...] = RELEASES
+    """The releases whose model registry holds the architecture."""
+    per_release: tuple[tuple[str, str], ...] = ()
+    """``(release, what holds there)`` where a release differs from ``status`` (vLLM itself refuses DBO, say)."""
 
     @property
     def uses_indexer(self) -> bool:
         return bool(self.bug_a)
+
+    def status_in(self, release: str) -> str:
+        """What holds under DBO in ``release``: ``status``, a release's own line, or "-" where it is not registered."""
+        if release not in self.releases:
+            return "-"
+        return dict(self.per_release).get(release, self.status)
 
 
 def _v32_family(arch: str, module: str, *, notes: str = "", evidence: tuple[str, ...] = ()) -> Coverage:
@@ -73,7 +86,7 @@ _GENERIC_REFUSAL = (
 )
 
 
-def _generic(arch: str, module: str) -> Coverage:
+def _generic(arch: str, module: str, releases: tuple[str, ...] = RELEASES) -> Coverage:
     return Coverage(
         architecture=arch,
         module=module,
@@ -83,11 +96,23 @@ def _generic(arch: str, module: str) -> Coverage:
         status="refused",
         refusal=_GENERIC_REFUSAL,
         evidence=("tests/vllm/test_topk_patches.py",),
+        releases=releases,
     )
 
 
-def _not_affected(arch: str, module: str, why: str) -> Coverage:
-    return Coverage(architecture=arch, module=module, bug_a="", bug_b="", sharing="none", status="not affected", notes=why)
+def _not_affected(
+    arch: str, module: str, why: str, releases: tuple[str, ...] = RELEASES, per_release: tuple[tuple[str, str], ...] = ()
+) -> Coverage:
+    return Coverage(
+        architecture=arch, module=module, bug_a="", bug_b="", sharing="none", status="not affected", notes=why,
+        releases=releases, per_release=per_release,
+    )  # fmt: skip
+
+
+NEW_IN_034 = ("0.34.0",)
+VLLM_REFUSES_MULTIMODAL = (("0.34.0", "vLLM refuses DBO (multimodal)"),)
+VLLM_REFUSES_HYBRID = (("0.34.0", "vLLM refuses DBO (hybrid)"),)
+_DRAFTER_034 = (("0.34.0", "not affected (the drafter runs whole, after the microbatched target)"),)
 
 
 _E2E = "tests/e2e/test_engine_1gpu.py"
@@ -141,7 +166,10 @@ ROWS: tuple[Coverage, ...] = (
         notes="as DeepseekV4ForCausalLM",
     ),
     _not_affected("DeepSeekV4MTPModel", "vllm.models.deepseek_v4", "drafter; never microbatched"),
-    _not_affected("DSparkDraftModel", "vllm.models.deepseek_v4", "DSpark runs only on MRV2, which rejects DBO with a drafter"),
+    _not_affected(
+        "DSparkDraftModel", "vllm.models.deepseek_v4", "DSpark runs only on MRV2, which rejects DBO with a drafter",
+        per_release=_DRAFTER_034,
+    ),
     Coverage(
         "DeepseekV41ForCausalLM",
         "vllm.models.deepseek_v41",
@@ -153,10 +181,14 @@ ROWS: tuple[Coverage, ...] = (
         needs=(TOPK_V41, MTP_HIDDEN),
         refusal="on ROCm (models/deepseek_v41/amd) consumers also read a per-source packed top-k cache",
         evidence=_V41_EVIDENCE,
-        notes="vLLM runs it with DBO only on MRV1 and refuses Engram with DBO; its specialized decode never "
+        notes="vLLM 0.33 runs it with DBO only on MRV1 and refuses Engram with DBO; its specialized decode never "
         "runs microbatched",
+        per_release=VLLM_REFUSES_MULTIMODAL,
     ),
-    _not_affected("DSparkV41DraftModel", "vllm.models.deepseek_v41", "DSpark runs only on MRV2, which rejects DBO with a drafter"),
+    _not_affected(
+        "DSparkV41DraftModel", "vllm.models.deepseek_v41", "DSpark runs only on MRV2, which rejects DBO with a drafter",
+        per_release=_DRAFTER_034,
+    ),
     Coverage(
         "Glm5NextForCausalLM",
         "vllm.models.glm5next",
@@ -166,6 +198,7 @@ ROWS: tuple[Coverage, ...] = (
         status="not affected",
         notes="GLM-5.3-Flash: every indexed-attention layer runs its own indexer",
         evidence=(_FAMILY_E2E, _CALL_SITES),
+        per_release=VLLM_REFUSES_HYBRID,
     ),
     Coverage(
         "Glm5NextForConditionalGeneration",
@@ -174,6 +207,7 @@ ROWS: tuple[Coverage, ...] = (
         bug_b="",
         sharing="none",
         status="not affected",
+        per_release=VLLM_REFUSES_MULTIMODAL,
     ),
     _not_affected("Glm5NextMTPModel", "vllm.models.glm5next", "drafter; never microbatched"),
     Coverage(
@@ -198,6 +232,7 @@ ROWS: tuple[Coverage, ...] = (
         status="refused",
         refusal="Dots3 Note keeps its top-k buffer in a local of the model constructor and builds every layer "
         "without a shared index-group builder, so nothing ties a follower to its leader",
+        per_release=VLLM_REFUSES_HYBRID,
     ),
     _not_affected("Dots3NoteMTPModel", "vllm.models.dots3_note", "drafter; never microbatched"),
     _generic("DeepseekV2ForCausalLM", "vllm.model_executor.models.deepseek_v2"),
@@ -210,6 +245,40 @@ ROWS: tuple[Coverage, ...] = (
     _generic("KimiVLForConditionalGeneration", "vllm.model_executor.models.kimi_vl"),
     _generic("LongcatFlashForCausalLM", "vllm.model_executor.models.longcat_flash"),
     _generic("UnlimitedOCRForCausalLM", "vllm.model_executor.models.unlimited_ocr"),
+    _generic("UnlimitedOCR2TextForCausalLM", "vllm.model_executor.models.unlimited_ocr", releases=NEW_IN_034),
+    Coverage(
+        "MistralLarge4ForCausalLM",
+        "vllm.models.mistral.mistral_large4",
+        bug_a="MistralIndexer -> SparseAttnIndexer -> sparse_attn_indexer.fp8_fp4_paged_mqa_logits "
+        "(DeepseekV32IndexerBackend, V3.2 builder)",
+        bug_b="the model constructor's topk_indices_buffer and SparseMLAIndexGroup state for layers whose "
+        "index_sharing entry is not 'full'",
+        sharing="index_sharing",
+        status="fixed",
+        needs=(TOPK_V32,),
+        refusal="on ROCm (models/mistral/amd) its indexer holds the top-k buffer where no per-microbatch view reaches it",
+        evidence=("tests/vllm/test_topk_mistral_large4.py", "tests/vllm/test_coverage_rules.py"),
+        notes="the per-layer aux-stream events are recorded and waited on within one layer call, never across a "
+        "microbatch switch",
+        releases=NEW_IN_034,
+    ),
+    _not_affected(
+        "MistralLarge4DSparkModel", "vllm.models.mistral.mistral_large4",
+        "drafter with no top-k buffer; runs whole, after the microbatched target", releases=NEW_IN_034,
+    ),
+    _not_affected(
+        "KimiK3ForConditionalGeneration", "vllm.models.kimi_k3",
+        "vLLM 0.34 gives it a DSA indexer and refuses DBO for it (multimodal)", per_release=VLLM_REFUSES_MULTIMODAL,
+    ),
+    _not_affected(
+        "KimiK31ForConditionalGeneration", "vllm.models.kimi_k3",
+        "as KimiK3ForConditionalGeneration", releases=NEW_IN_034, per_release=VLLM_REFUSES_MULTIMODAL,
+    ),
+    _not_affected(
+        "KimiLinearForCausalLM", "vllm.models.kimi_k3",
+        "shares its package with Kimi K3's DSA; vLLM refuses DBO for it (hybrid)", per_release=VLLM_REFUSES_HYBRID,
+    ),
+    _not_affected("KimiK3MTPModel", "vllm.models.kimi_k3", "drafter; never microbatched"),
     _not_affected("DeepSeekMTPModel", "vllm.model_executor.models.deepseek_mtp", "drafter; never microbatched"),
     _not_affected("Glm4MoeLiteMTPModel", "vllm.model_executor.models.glm4_moe_lite_mtp", "drafter; never microbatched"),
     _not_affected("LongCatFlashMTPModel", "vllm.model_executor.models.longcat_flash_mtp", "drafter; never microbatched"),
@@ -225,7 +294,7 @@ ROWS: tuple[Coverage, ...] = (
     _not_affected("MiniMaxM3SparseForConditionalGeneration", "vllm.models.minimax_m3", "as MiniMaxM3SparseForCausalLM"),
     _not_affected("MiniMaxM3MTP", "vllm.models.minimax_m3", "drafter; never microbatched"),
 )
-"""Every architecture of vLLM 0.33.0 whose source builds a DSA indexer, shares top-k between layers or
+"""Every architecture of the releases in ``RELEASES`` whose source builds a DSA indexer, shares top-k between layers or
 reuses the DeepSeek-V2/V3.2 layers that can (the registry test lists them)."""
 
 BY_ARCHITECTURE: dict[str, Coverage] = {row.architecture: row for row in ROWS}
@@ -236,10 +305,20 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     return getattr(config, name, default) if not isinstance(config, dict) else config.get(name, default)
 
 
-def v32_followers(config: Any) -> list[int]:
-    """Layers built without an indexer (vLLM 0.33.0 ``models/deepseek_v32/attention.py:166-177``; the same rule
-    in ``deepseek_v2.py`` and ``hy_v4``): ``index_topk_pattern`` (a string, ``'S'`` marks a follower) wins over
-    ``index_topk_freq`` / ``index_skip_topk_offset``; a list pattern compares unequal to ``'S'`` everywhere."""
+def v32_followers(config: Any, *, indexer_types: bool | None = None) -> list[int]:
+    """Layers DeepSeek-V3.2 / GLM-5.x build without an indexer. ``index_topk_pattern`` (a string, ``'S'`` marks a
+    follower) wins over ``index_topk_freq`` / ``index_skip_topk_offset``; a list pattern compares unequal to ``'S'``
+    everywhere (the same rule in ``deepseek_v2.py`` and ``hy_v4``). ``indexer_types``: whether vLLM honours that key
+    first, as 0.34's ``compute_skip_topk_layers`` does (then its ``'shared'`` entries are the followers and a config
+    without ``index_topk`` has none); False: 0.33's rule; None (release unknown): both rules' followers, so a caller
+    that does not know the release never misses one."""
+    if indexer_types is None:
+        return sorted(set(v32_followers(config, indexer_types=False)) | set(v32_followers(config, indexer_types=True)))
+    if indexer_types:
+        if _get(config, "index_topk") is None:
+            return []
+        if _get(config, "indexer_types") is not None:
+            return hy_v4_shared_layers(config)
     layers = int(_get(config, "num_hidden_layers", 0) or 0)
     freq = int(_get(config, "index_topk_freq", 1) or 1)
     pattern = _get(config, "index_topk_pattern", None)
@@ -255,6 +334,15 @@ def v32_followers(config: Any) -> list[int]:
         if skip:
             out.append(layer)
     return out
+
+
+def mistral_followers(config: Any) -> list[int]:
+    """Mistral Large 4's layers without an indexer: with ``index_topk``, those whose ``index_sharing`` entry is not
+    ``'full'`` (vLLM's ``models/mistral/common/layer_spec.py``)."""
+    sharing = _get(config, "index_sharing", None)
+    if _get(config, "index_topk") is None or sharing is None:
+        return []
+    return [i for i, kind in enumerate(sharing) if kind != "full"]
 
 
 def hy_v4_shared_layers(config: Any) -> list[int]:
@@ -280,7 +368,9 @@ def v41_consumers(config: Any) -> list[int]:
 def _generic_markers(config: Any) -> str:
     """For an architecture without a row: any spelling of top-k sharing vLLM models use today."""
     if v32_followers(config):
-        return "index_topk_freq / index_topk_pattern declare layers without an indexer"
+        return "index_topk_freq / index_topk_pattern / indexer_types declare layers without an indexer"
+    if mistral_followers(config):
+        return "index_sharing declares layers without an indexer"
     if hy_v4_shared_layers(config):
         return "indexer_types declares 'shared' layers"
     if v41_consumers(config):
@@ -288,16 +378,23 @@ def _generic_markers(config: Any) -> str:
     return ""
 
 
-def shared_topk(architecture: str, config: Any) -> str:
-    """Why this config makes vLLM build layers that reuse an earlier layer's top-k ("" when it does not)."""
+def shared_topk(architecture: str, config: Any, *, indexer_types: bool | None = None) -> str:
+    """Why this config makes vLLM build layers that reuse an earlier layer's top-k ("" when it does not).
+    ``indexer_types``: as in ``v32_followers`` (None: the release is not known, every rule counts)."""
     row = BY_ARCHITECTURE.get(architecture)
     if row is None:
         return _generic_markers(config)
     if row.sharing == "index_topk_freq":
         if row.status == "refused" and row.refusal == _GENERIC_REFUSAL and _get(config, "index_topk") is None:
             return ""  # the generic DeepseekV2 path builds no indexer without index_topk
-        followers = v32_followers(config)
-        return f"layers {_short(followers)} reuse an earlier layer's top-k (index_topk_freq / index_topk_pattern)" if followers else ""
+        followers = v32_followers(config, indexer_types=indexer_types)
+        return (
+            f"layers {_short(followers)} reuse an earlier layer's top-k (index_topk_freq / index_topk_pattern / "
+            "indexer_types)" if followers else ""
+        )  # fmt: skip
+    if row.sharing == "index_sharing":
+        followers = mistral_followers(config)
+        return f"layers {_short(followers)} reuse an earlier layer's top-k (index_sharing)" if followers else ""
     if row.sharing == "hy_v4":
         shared = hy_v4_shared_layers(config)
         return f"layers {_short(shared)} are 'shared' indexer layers (indexer_types)" if shared else ""
@@ -342,21 +439,27 @@ def render() -> str:
         "drafter reads the other microbatch's hidden states, which lowers draft acceptance but never changes a",
         "token (the target model verifies every draft), so a worker logs one warning instead.",
         "",
-        "| architecture | module | bug A | bug B | status | reason / notes | evidence |",
-        "|---|---|---|---|---|---|---|",
+        "One *status* column per vLLM release: `-` where that release does not register the architecture; where",
+        "vLLM itself refuses DBO for the architecture in a release, that column says so.",
+        "",
+        "| architecture | module | bug A | bug B | " + " | ".join(f"status {r}" for r in RELEASES)
+        + " | reason / notes | evidence |",
+        "|---|---|---|---|" + "---|" * len(RELEASES) + "---|---|",
     ]
     for row in ROWS:
         reason = row.refusal if row.status == "refused" else row.notes
         if row.status == "fixed" and row.refusal:
             reason = (row.notes + "; " if row.notes else "") + "refused " + row.refusal
+        statuses = " | ".join(cell(row.status_in(r)) for r in RELEASES)
         lines.append(
-            f"| `{row.architecture}` | `{row.module}` | {cell(row.bug_a)} | {cell(row.bug_b)} | {row.status} | "
+            f"| `{row.architecture}` | `{row.module}` | {cell(row.bug_a)} | {cell(row.bug_b)} | {statuses} | "
             f"{cell(reason)} | {cell(', '.join(f'`{e}`' for e in row.evidence))} |"
         )
     lines += [
         "",
         "An architecture without a row whose config spells any known form of top-k sharing (`index_topk_freq`,",
-        "`index_topk_pattern`, `indexer_types`, `index_source_layer_ids`) is refused under DBO as unknown.",
+        "`index_topk_pattern`, `indexer_types`, `index_sharing`, `index_source_layer_ids`) is refused under DBO as",
+        "unknown.",
         "",
     ]
     return "\n".join(lines)

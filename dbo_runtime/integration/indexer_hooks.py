@@ -26,6 +26,7 @@ from dbo_runtime.core.planner_shapes import dbo_planner_shapes
 from dbo_runtime.integration import activation, guard
 from dbo_runtime.integration.engine_config import decode_rows
 from dbo_runtime.integration.features import REGISTRY, Feature, Probe, Upstream
+from dbo_runtime.integration.fingerprints import module_file
 from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import PATCH_MARK, ArgSlots, Patch, require_parameters
 from dbo_runtime.integration.ubatch_failures import record, shields_itself
@@ -336,15 +337,25 @@ def _log_once(key: str, message: str, *args: Any) -> None:
 LOGITS_PARAMETERS = (
     "q", "kv_cache", "weights", "context_lens", "block_tables", "schedule_metadata", "max_model_len", "indices",
 )  # fmt: skip
-"""vLLM 0.33.0's ``vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits`` parameters, which the call site takes one for one."""
+"""``vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits``'s parameters without ``logits_dtype`` (vLLM 0.33)."""
+LOGITS_DTYPE_PARAMETERS = (*LOGITS_PARAMETERS[:-1], "logits_dtype", "indices")
+"""The same with ``logits_dtype`` before ``indices`` (vLLM 0.34): the logits, and so the placeholder, in that dtype."""
 
 
 def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
     """The call site, in vLLM's own signature (``vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits``, an anchor): a call
     packs no tuple or dict and runs one frame of plugin code. It shields itself: on a microbatch thread a failure,
-    the kernel's too, is recorded as ``where`` and answered with logits of the kernel's shape and no kernel (its
-    schedule may be wrong) and no allocation (``ubatch_guard.placeholder_logits``); never returned: the step raises
-    after the join."""
+    the kernel's too, is recorded as ``where`` and answered with logits of the kernel's shape and dtype and no kernel
+    (its schedule may be wrong) and no allocation (``ubatch_guard.placeholder_logits``); never returned: the step
+    raises after the join. One hook per known signature, chosen at install; any other one is refused there."""
+    import inspect
+
+    try:
+        found = tuple(inspect.signature(original).parameters)
+    except (TypeError, ValueError):
+        found = ()
+    if found == LOGITS_DTYPE_PARAMETERS:
+        return _make_logits_with_dtype(original, where)
     require_parameters(original, LOGITS_PARAMETERS, where)
 
     @shields_itself
@@ -374,18 +385,79 @@ def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
     return fp8_fp4_paged_mqa_logits
 
 
+def _make_logits_with_dtype(original: Any, where: str) -> Any:
+    import torch
+
+    float32 = torch.float32
+
+    @shields_itself
+    def fp8_fp4_paged_mqa_logits(
+        q: Any,
+        kv_cache: Any,
+        weights: Any,
+        context_lens: Any,
+        block_tables: Any,
+        schedule_metadata: Any,
+        max_model_len: int,
+        logits_dtype: Any = float32,
+        indices: Any = None,
+    ) -> Any:
+        try:
+            cache = _sc._CACHE or schedule_cache()
+            if not cache.steps_aside and not cache.fits(schedule_metadata):
+                schedule_metadata = cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
+            return original(
+                q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len=max_model_len,
+                logits_dtype=logits_dtype, indices=indices,
+            )  # fmt: skip
+        except Exception as exc:
+            if not record(where, exc):
+                raise
+            return placeholder_logits(context_lens, weights, max_model_len, logits_dtype)
+
+    return fp8_fp4_paged_mqa_logits
+
+
+SLICE_PLANNER_PARAMETERS = ("context_lens", "block_size", "num_sms", "indices")
+
+
+def _make_slice_planner(original: Any) -> Any:
+    """vLLM 0.34's SM100 chunked decode (``_varlen_decode_rows``) plans each row slice for the count the whole
+    batch's schedule was planned for, then calls the logits kernel with it: plan for DeepGEMM's live count instead
+    (what the kernel asserts), and track the result as planned for that count so the call site neither re-plans it
+    eagerly nor records a second planner into a capture (this planner call is itself in the graph)."""
+    require_parameters(original, SLICE_PLANNER_PARAMETERS, "indexer.slice_planner")
+
+    def get_paged_mqa_logits_metadata(context_lens: Any, block_size: int, num_sms: int, indices: Any = None) -> Any:
+        cache = _sc._CACHE or schedule_cache()
+        if cache.steps_aside:
+            return original(context_lens, block_size, num_sms, indices=indices)
+        live = cache.live_num_sms()
+        schedule = original(context_lens, block_size, live, indices=indices)
+        cache.track(schedule, planned_sms=live, block_kv=int(block_size), next_n=next_n_of(context_lens))
+        return schedule
+
+    return get_paged_mqa_logits_metadata
+
+
 # -- DeepGEMM's SM-count writers ---------------------------------------------------------------------
 UBATCH_UTILS = "vllm.v1.worker.ubatch_utils"
 ALIAS = "deep_gemm_set_num_sms"
-WRITE_TIMING = (
-    f"{UBATCH_UTILS}:SMControlContextManager",
-    f"{UBATCH_UTILS}:create_sm_control_context",
-    "vllm.v1.worker.gpu_ubatch_wrapper:UBatchWrapper.__call__",
-    "vllm.v1.worker.gpu.ubatch_utils:UBatchRunner.begin_capturable_run",
-)
-"""What ``LiveNumSms`` relies on besides the writers: vLLM's SM control turns the count through the alias, and both
-runners enter and leave it on the main thread around the microbatch threads' whole life (MRV1 around
-``_run_ubatches`` / ``_capture_ubatches``, MRV2 before its threads start and in ``finish`` after the join)."""
+MRV1_WRAPPER_CALL = "vllm.v1.worker.gpu_ubatch_wrapper:UBatchWrapper.__call__"
+
+
+def write_timing() -> tuple[str, ...]:
+    """What ``LiveNumSms`` relies on besides the writers: vLLM's SM control turns the count through the alias, and
+    every runner the release has enters and leaves it on the main thread around the microbatch threads' whole life
+    (MRV1 around ``_run_ubatches`` / ``_capture_ubatches``, MRV2 before its threads start and in ``finish`` after
+    the join). A release without Model Runner V1 (0.34) has no MRV1 call to rely on."""
+    mrv1 = (MRV1_WRAPPER_CALL,) if module_file(MRV1_WRAPPER_CALL.partition(":")[0]) is not None else ()
+    return (
+        f"{UBATCH_UTILS}:SMControlContextManager",
+        f"{UBATCH_UTILS}:create_sm_control_context",
+        *mrv1,
+        "vllm.v1.worker.gpu.ubatch_utils:UBatchRunner.begin_capturable_run",
+    )
 
 
 def _is_writer_hook(fn: Any) -> bool:
@@ -450,7 +522,7 @@ def _sm_writes_patch(name: str, module: str, attr: str) -> Patch:
         module=module,
         attr=attr,
         make=make,
-        anchors=(f"{DEEP_GEMM_WRAPPER}:set_num_sms", *WRITE_TIMING),
+        anchors=(f"{DEEP_GEMM_WRAPPER}:set_num_sms", *write_timing()),
         reason="mark the indexer call site's cached DeepGEMM SM count stale after every write, so the call site "
         "reads the count once per change instead of calling DeepGEMM's torch op (a dispatch and a GIL release) "
         "once per indexer layer; a write also ends the indexer hooks' stepping aside for the process",
@@ -575,6 +647,25 @@ def patches() -> list[Patch]:
                       logits_reason + " (custom-op path and the DSA model's direct call)", removal_cache),
         _logits_patch("glm5next", GLM5NEXT_MODULE, "sparse_attn_indexer_kpool", logits_reason + " (GLM-5-Next kpool indexer)",
                       removal_cache, architectures=("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration")),
+        Patch(
+            name="indexer.slice_planner",
+            module=SPARSE_ATTN_INDEXER_MODULE,
+            attr="get_paged_mqa_logits_metadata",
+            make=_make_slice_planner,
+            anchors=(
+                f"{DEEP_GEMM_WRAPPER}:get_paged_mqa_logits_metadata",
+                f"{SPARSE_ATTN_INDEXER_MODULE}:_varlen_decode_rows",
+            ),
+            reason="the SM100 chunked decode re-plans each row slice for the whole batch's planned count and runs "
+            "the logits kernel on it: plan the slice for DeepGEMM's live count (DBO) and track it for the call site",
+            upstream_pr=UPSTREAM_PR,
+            removal=removal_cache,
+            lazy=True,
+            # A cost measure: without it the call site re-plans the slice for the live count (one more planner).
+            optional=True,
+            runs_on_ubatch_thread=True,
+            armed_at_first_microbatch=True,
+        ),
         _sm_writes_patch("indexer.sm_writes.deep_gemm", DEEP_GEMM_WRAPPER, "set_num_sms"),
         _sm_writes_patch("indexer.sm_writes.ubatch_alias", UBATCH_UTILS, ALIAS),
         Patch(

@@ -29,9 +29,10 @@ from typing import Any
 from dbo_runtime.core import coverage
 from dbo_runtime.core.errors import UnsupportedConfiguration, ways_out
 from dbo_runtime.core.log import get_logger
+from dbo_runtime.integration import fingerprints
 from dbo_runtime.integration.engine_config import decode_rows
 from dbo_runtime.integration.features import Feature, Probe, Upstream
-from dbo_runtime.integration.patching import Patch, require_parameters
+from dbo_runtime.integration.patching import ArgSlots, Patch, require_parameters
 from dbo_runtime.integration.ubatch_failures import MicrobatchAttr, record, shields_itself
 from dbo_runtime.integration.ubatch_ids import THREAD_TABLE
 from dbo_runtime.services.topk_state import UbatchTopkState, window_end_reachable
@@ -46,8 +47,11 @@ _V32_ATTENTION = "vllm.models.deepseek_v32.attention"
 _SPARSE_INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
 _V32_MODEL = "vllm.models.deepseek_v32.nvidia.model"
 _FA4_SPARSE = "vllm.v1.attention.backends.mla.flashattn_mla_sparse"
+_MISTRAL_INDEXER = "vllm.models.mistral.nvidia.indexer"
 
 V32_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+SHARED_GROUP_ARCHITECTURES = (*V32_ARCHITECTURES, "MistralLarge4ForCausalLM")
+"""Architectures whose followers share a leader's top-k through ``SparseMLAIndexGroupBuilder`` groups."""
 
 FEATURES = [
     Feature(
@@ -114,19 +118,30 @@ def _check_window_end(state: UbatchTopkState, vllm_config: Any, num_ubatches: in
 
 
 def _make_event() -> Any:
-    # Resolved at call time: the same factory vLLM's builder uses for the group's own events.
-    return importlib.import_module(_INDEX_GROUP)._create_event()
+    """An event as vLLM's builder makes the group's own: its ``_create_event`` where the release has one (0.33),
+    else the ``torch.Event`` its module calls (0.34). Resolved at call time."""
+    module = importlib.import_module(_INDEX_GROUP)
+    factory = getattr(module, "_create_event", None)
+    return factory() if factory is not None else module.torch.Event()
 
 
 def _hisparse(vllm_config: Any) -> bool:
     return getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None
 
 
+def honours_indexer_types() -> bool:
+    """Whether this vLLM's DeepSeek-V3.2 / GLM-5.x layers pick their followers with ``compute_skip_topk_layers``,
+    which reads ``indexer_types`` first (0.34), rather than from ``index_topk_freq`` / ``index_topk_pattern`` alone
+    (0.33). Read from the source, so the rule follows the code, not the version string."""
+    return fingerprints.calls(_V32_ATTENTION, "DeepseekV32Attention.__init__", "compute_skip_topk_layers")
+
+
 def _model_shares_topk(vllm_config: Any) -> bool:
     """Whether vLLM builds layers that reuse top-k for this config (checked before HiSparse builds any state)."""
     model = getattr(vllm_config, "model_config", None)
     hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
-    return hf is not None and bool(coverage.shared_topk(_architecture(vllm_config), hf))
+    arch = _architecture(vllm_config)
+    return hf is not None and bool(coverage.shared_topk(arch, hf, indexer_types=honours_indexer_types()))
 
 
 def _refuse_hisparse() -> None:
@@ -175,15 +190,12 @@ def _refuse_groupless_follower(vllm_config: Any) -> None:
 
 def _register_layer_patch(state: UbatchTopkState) -> Patch:
     def make(original: Any) -> Any:
+        # By name: the row-width keyword is ``head_size`` in vLLM 0.33 and ``row_width`` in 0.34; both pass through.
+        slots = ArgSlots(original, ("is_index_producing_layer", "vllm_config"), bound=True)
+
         @functools.wraps(original)
-        def register_layer(
-            self: Any,
-            is_index_producing_layer: bool,
-            vllm_config: Any = None,
-            *,
-            head_size: int | None = None,
-            kv_cache_dtype: str | None = None,
-        ) -> Any:
+        def register_layer(self: Any, *args: Any, **kwargs: Any) -> Any:
+            is_index_producing_layer, vllm_config = slots.read(args, kwargs)
             follower = not is_index_producing_layer and self.current_group is not None
             if vllm_config is None:
                 from vllm.config import get_current_vllm_config_or_none
@@ -199,9 +211,7 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
                     _refuse_groupless_follower(config)
                 elif _hisparse(config) and _model_shares_topk(config):
                     _refuse_hisparse()  # before HiSparse builds host caches for the leader
-            result = original(
-                self, is_index_producing_layer, vllm_config, head_size=head_size, kv_cache_dtype=kv_cache_dtype
-            )
+            result = original(self, *args, **kwargs)
             if follower and num_ubatches > 1 and not state.is_attached(result[0]):
                 _check_window_end(state, config, num_ubatches)
                 state.attach(result[0], num_ubatches, _make_event)
@@ -228,7 +238,7 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
         upstream_pr=UPSTREAM_PR,
         removal=REMOVAL,
         lazy=True,
-        architectures=V32_ARCHITECTURES,
+        architectures=SHARED_GROUP_ARCHITECTURES,
     )
 
 
@@ -243,7 +253,7 @@ def _group_method_patch(name: str, method: str, make: Any) -> Patch:
         upstream_pr=UPSTREAM_PR,
         removal=REMOVAL,
         lazy=True,
-        architectures=V32_ARCHITECTURES,
+        architectures=SHARED_GROUP_ARCHITECTURES,
         runs_on_ubatch_thread=True,
         armed_at_first_microbatch=True,
     )
@@ -367,16 +377,24 @@ def _current_config() -> Any:
     return get_current_vllm_config_or_none()
 
 
-def _descriptor_patch(state: UbatchTopkState, module: str, cls: str, *, model: bool = False) -> Patch:
-    shared_by_v41 = module == _SPARSE_INDEXER
+def _descriptor_patch(
+    state: UbatchTopkState,
+    module: str,
+    cls: str,
+    *,
+    model: bool = False,
+    architectures: tuple[str, ...] = V32_ARCHITECTURES,
+    optional: bool = False,
+) -> Patch:
+    shared_by = ("MistralLarge4ForCausalLM", "DeepseekV41ForCausalLM") if module == _SPARSE_INDEXER else ()
     return Patch(
         name=f"topk.{cls}.{ATTR}",
         module=module,
         attr=f"{cls}.{ATTR}",
         make=lambda original: TopkIndicesBufferAttr(state, marks_model_buffer=model),
         reason=(
-            "model-owned logical top-k buffer: marks it as resolvable per microbatch; getter/setter/deleter "
-            "(MRV1 proposer dels then assigns)"
+            "the model's logical top-k buffer, marked as resolvable per microbatch at its assignment (model "
+            "construction); getter/setter/deleter (MRV1 proposer dels then assigns)"
             if model
             else "writers of the leader's top-k resolve the calling microbatch's logical buffer"
         ),
@@ -384,8 +402,9 @@ def _descriptor_patch(state: UbatchTopkState, module: str, cls: str, *, model: b
         removal=REMOVAL,
         lazy=True,
         adds=True,
-        # SparseAttnIndexer also writes DeepSeek-V4.1's shared buffer (topk_v41 relies on this patch).
-        architectures=(*V32_ARCHITECTURES, "DeepseekV41ForCausalLM") if shared_by_v41 else V32_ARCHITECTURES,
+        optional=optional,
+        # SparseAttnIndexer also writes Mistral Large 4's and DeepSeek-V4.1's shared buffers (topk_v41 relies on it).
+        architectures=(*architectures, *shared_by),
         runs_on_ubatch_thread=True,
         # The model's setter marks its buffer at construction, before any run: always in force.
         armed_at_first_microbatch=not model,
@@ -422,7 +441,7 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
         upstream_pr=UPSTREAM_PR,
         removal=REMOVAL,
         lazy=True,
-        architectures=V32_ARCHITECTURES,
+        architectures=SHARED_GROUP_ARCHITECTURES,
         runs_on_ubatch_thread=True,
         armed_at_first_microbatch=True,
     )
@@ -497,5 +516,11 @@ def patches(state: UbatchTopkState | None = None) -> list[Patch]:
         _descriptor_patch(st, _V32_ATTENTION, "DeepseekV32Indexer"),
         _descriptor_patch(st, _SPARSE_INDEXER, "SparseAttnIndexer"),
         _descriptor_patch(st, _V32_MODEL, "DeepseekV32Model", model=True),
+        # Mistral Large 4 keeps its buffer in a constructor local: each leader's indexer is handed it before any
+        # follower registers, and the sparse MLA impls read it through the indexer. Optional, and fail-closed: where
+        # it is skipped (another release, a changed indexer) nothing marks the buffer and register_layer refuses.
+        _descriptor_patch(
+            st, _MISTRAL_INDEXER, "MistralIndexer", model=True, architectures=("MistralLarge4ForCausalLM",), optional=True
+        ),
         _fa4_scalars_patch(st),
     ]

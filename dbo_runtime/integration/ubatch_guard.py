@@ -70,11 +70,12 @@ def reserve_placeholders(device: Any, max_model_len: int, max_rows: int = 1) -> 
             )
 
 
-def placeholder_logits(context_lens: Any, weights: Any, max_model_len: Any) -> Any:
+def placeholder_logits(context_lens: Any, weights: Any, max_model_len: Any, dtype: Any = None) -> Any:
     """Logits of ``fp8_fp4_paged_mqa_logits``'s shape and dtype, without a kernel, an allocation or a raise.
 
     ``[B * next_n, max_model_len]`` (``context_lens`` is ``[B, next_n]``, or one length per row for SM100
-    varlen) in the weights' dtype (bf16 on SM100, fp32 elsewhere): a view of the zeros reserved at model load
+    varlen) in ``dtype`` (the call's ``logits_dtype`` where vLLM passes one), else the weights' dtype (bf16 on
+    SM100, fp32 elsewhere): a view of the zeros reserved at model load
     whose rows overlap (``ROW_STRIDE`` apart), so every row reads valid memory. The values are never used: the
     step raises after the join. Without enough reserved zeros it falls back to allocating, then to ``weights``
     (never to a stride-0 view, which the persistent top-k cannot take).
@@ -86,7 +87,8 @@ def placeholder_logits(context_lens: Any, weights: Any, max_model_len: Any) -> A
         import torch
 
         rows, width = int(context_lens.numel()), int(max_model_len)
-        dtype = weights.dtype if weights.is_floating_point() else torch.float32
+        if dtype is None:
+            dtype = weights.dtype if weights.is_floating_point() else torch.float32
         buf = _RESERVED.get((str(context_lens.device), dtype))
         if buf is not None and int(buf.numel()) >= width + ROW_STRIDE * max(rows - 1, 0):
             return buf.as_strided((rows, width), (ROW_STRIDE, 1))

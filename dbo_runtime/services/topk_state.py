@@ -70,6 +70,12 @@ class GroupView:
     physical_topk_ready: Any
     has_indexer: bool
     num_layers: int
+    stream_of: Any = None
+    """The group class's ``_current_stream`` (vLLM 0.34's methods call ``self._current_stream()``), taken unbound so
+    the view holds no reference to the group; it reads no field of the group. None where the class has none."""
+
+    def _current_stream(self) -> Any:
+        return self.stream_of(self)
 
 
 STATE_ATTR = "_dbo_runtime_topk_state"
@@ -151,6 +157,7 @@ class _GroupState:
             physical_topk_ready=physical_ready,
             has_indexer=group.has_indexer,
             num_layers=group.num_layers,
+            stream_of=getattr(type(group), "_current_stream", None),
         )
         self.cache[ubatch] = (offset, view)
         return view

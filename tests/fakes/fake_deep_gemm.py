@@ -121,20 +121,23 @@ def vllm_signature_planner(dg: FakeDeepGemm) -> Any:
 
 
 def vllm_signature_logits(dg: FakeDeepGemm) -> Any:
-    """``vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits`` over the fake."""
+    """``vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits`` over the fake, in the installed vLLM's own parameters
+    (``logits_dtype`` where that release has it); the logits come back in ``logits_dtype``."""
+    import inspect
 
-    def fp8_fp4_paged_mqa_logits(
-        q: Any,
-        kv_cache: torch.Tensor,
-        weights: torch.Tensor,
-        context_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        schedule_metadata: torch.Tensor,
-        max_model_len: int,
-        indices: Any | None = None,
-    ) -> torch.Tensor:
-        return dg.fp8_fp4_paged_mqa_logits(
-            q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len, indices=indices
-        )
+    from vllm.utils import deep_gemm as vdg
 
+    signature = inspect.signature(vdg.fp8_fp4_paged_mqa_logits)
+
+    def fp8_fp4_paged_mqa_logits(*args: Any, **kwargs: Any) -> torch.Tensor:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        logits = dg.fp8_fp4_paged_mqa_logits(
+            a["q"], a["kv_cache"], a["weights"], a["context_lens"], a["block_tables"], a["schedule_metadata"],
+            a["max_model_len"], indices=a["indices"],
+        )  # fmt: skip
+        return logits.to(a.get("logits_dtype", torch.float32))
+
+    fp8_fp4_paged_mqa_logits.__signature__ = signature  # type: ignore[attr-defined]
     return fp8_fp4_paged_mqa_logits

@@ -158,3 +158,52 @@ def fresh_arming(monkeypatch: pytest.MonkeyPatch) -> Any:
     for module in (patching, ubatch_guard, indexer_hooks):
         monkeypatch.setattr(module, "ARMING", fresh)
     return fresh
+
+
+def in_release(patches: list[Any]) -> list[Any]:
+    """The patches of the installed vLLM release's set: those whose every anchor exists in its code (what a recorded
+    fingerprint requires). The Model Runner V1 patches, for one, are not part of vLLM 0.34's set."""
+    from dbo_runtime.integration.fingerprints import MISSING, fingerprint
+
+    return [p for p in patches if not p.fingerprint_anchors or fingerprint(p.fingerprint_anchors) != MISSING]
+
+
+def has_module(module: str) -> bool:
+    """Whether the installed vLLM has ``module`` (found by path: some cannot be imported on a CPU box)."""
+    from dbo_runtime.integration.fingerprints import module_file
+
+    return module_file(module) is not None
+
+
+def row_width_keyword() -> str:
+    """The keyword ``SparseMLAIndexGroupBuilder.register_layer`` takes the KV row width by in the installed vLLM
+    (``head_size`` in 0.33, ``row_width`` in 0.34)."""
+    import inspect
+
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+
+    params = inspect.signature(SparseMLAIndexGroupBuilder.register_layer).parameters
+    return "row_width" if "row_width" in params else "head_size"
+
+
+def fake_group_events(monkeypatch: pytest.MonkeyPatch, make_event: Callable[[], Any], make_stream: Callable[[Any], Any]) -> None:
+    """Boundary fakes for the index group's events and side stream (CPU torch records no event), wherever the
+    installed vLLM makes them: its ``_create_event`` / ``_create_side_stream`` (0.33) or ``torch.Event`` /
+    ``torch.Stream`` called directly (0.34)."""
+    from vllm.v1.attention.backends.mla import index_group
+
+    if hasattr(index_group, "_create_event"):
+        monkeypatch.setattr(index_group, "_create_event", make_event)
+        monkeypatch.setattr(index_group, "_create_side_stream", make_stream)
+    else:
+        monkeypatch.setattr(index_group, "torch", _TorchWith(Event=make_event, Stream=lambda device=None: make_stream(device)))
+
+
+class _TorchWith:
+    """``torch`` as one vLLM module sees it, with some names standing in (the rest is torch's own)."""
+
+    def __init__(self, **names: Any) -> None:
+        self.__dict__.update(names)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)

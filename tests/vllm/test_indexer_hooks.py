@@ -35,10 +35,12 @@ from tests.fakes.fake_deep_gemm import (
     vllm_signature_logits,
     vllm_signature_planner,
 )
+from tests.vllm.conftest import has_module, in_release
 
 LAYERS = 21
 BLOCK = 64
 IX = "vllm.v1.attention.backends.mla.indexer"
+MRV1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 SAI = "vllm.model_executor.layers.sparse_attn_indexer"
 
 
@@ -59,7 +61,6 @@ def test_patches_land_on_real_targets_and_uninstall_restores_identity(arming: An
     sai = importlib.import_module(SAI)
     from vllm.utils import deep_gemm as vdg
     from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     builder = ix.DeepseekV32IndexerMetadataBuilder
     targets = {
@@ -68,15 +69,25 @@ def test_patches_land_on_real_targets_and_uninstall_restores_identity(arming: An
         "indexer.builder_update_draft": (builder, "update_draft_decode_metadata"),
         "indexer.builder_planner": (ix, "get_paged_mqa_logits_metadata"),
         "indexer.logits.sparse_attn_indexer": (sai, "fp8_fp4_paged_mqa_logits"),
-        "indexer.plan_ahead.mrv1": (GPUModelRunner, "_build_attention_metadata"),
         "indexer.plan_ahead.mrv2": (UBatchRunner, "prepare"),
     }
+    names = {p.name for p in in_release(indexer_hooks.patches())}
+    if has_module(MRV1_RUNNER):  # vLLM 0.33: Model Runner V1 exists and runs DBO too
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        targets["indexer.plan_ahead.mrv1"] = (GPUModelRunner, "_build_attention_metadata")
+    else:  # vLLM 0.34: no V1 runner, so its patch is not part of the release's set
+        assert "indexer.plan_ahead.mrv1" not in names
+    if hasattr(sai, "_varlen_decode_rows"):  # vLLM 0.34's SM100 chunked decode binds the planner itself
+        targets["indexer.slice_planner"] = (sai, "get_paged_mqa_logits_metadata")
+    else:
+        assert "indexer.slice_planner" not in names
     before = {name: _raw(owner, attr) for name, (owner, attr) in targets.items()}
     # The call sites really hold vLLM's DeepGEMM wrappers (from-import bindings).
     assert before["indexer.logits.sparse_attn_indexer"] is vdg.fp8_fp4_paged_mqa_logits
     assert before["indexer.builder_planner"] is vdg.get_paged_mqa_logits_metadata
 
-    patch_set = PatchSet(indexer_hooks.patches())
+    patch_set = PatchSet(in_release(indexer_hooks.patches()))
     patch_set.install()
     try:
         # the call site is vLLM's own until the process first splits a step (microbatch_arming)
@@ -105,6 +116,8 @@ class FakeModelConfig:
     """
 
     max_model_len: int
+    hf_text_config: Any = None
+    """vLLM 0.34's builder reads the indexer geometry from it (``None``: no fused MQA top-k planning)."""
 
 
 @dataclass
@@ -177,6 +190,8 @@ def env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     monkeypatch.setattr(ix, "has_deep_gemm", lambda: True)
     monkeypatch.setattr(ix, "get_paged_mqa_logits_metadata", vllm_signature_planner(dg))
     monkeypatch.setattr(sai, "fp8_fp4_paged_mqa_logits", vllm_signature_logits(dg))
+    if hasattr(sai, "get_paged_mqa_logits_metadata"):  # vLLM 0.34's chunked decode binds the planner too
+        monkeypatch.setattr(sai, "get_paged_mqa_logits_metadata", vllm_signature_planner(dg))
     import vllm.utils.deep_gemm as vdg
 
     monkeypatch.setattr(vdg, "_lazy_init", lambda: None)  # vLLM's wrapper writes the fake's count (_sm_write)
@@ -184,7 +199,7 @@ def env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     cache = IndexerScheduleCache(FakeSchedulePlanner(dg))
     previous = set_schedule_cache_for_tests(cache)
     reset_controls_for_tests()
-    patch_set = PatchSet(indexer_hooks.patches())
+    patch_set = PatchSet(in_release(indexer_hooks.patches()))
     patch_set.install()
     try:
         yield Env(dg, cache, ix, sai, patch_set)
@@ -496,7 +511,6 @@ def test_runner_hooks_mark_microbatched_builds(env: Env) -> None:
     """The plan-ahead scopes find ``ubatch_slices`` / ``for_capture`` by name in vLLM's own signatures, however the
     runner passes them, and pass a keyword vLLM adds later straight through."""
     from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     seen: list[bool] = []
 
@@ -508,14 +522,21 @@ def test_runner_hooks_mark_microbatched_builds(env: Env) -> None:
 
         return original
 
-    mrv1 = indexer_hooks._make_mrv1_build_attention_metadata(recording(GPUModelRunner._build_attention_metadata))
-    assert mrv1(object(), 8, 4, 1) == "metadata"
-    mrv1(object(), 8, 4, 1, ubatch_slices=[slice(0, 4), slice(4, 8)])
-    mrv1(object(), 8, 4, 1, None, None, ["positional ubatch slices"])
-    mrv1(object(), 8, 4, 1, a_keyword_vllm_adds_later=True)
+    expected = []
+    if has_module(MRV1_RUNNER):
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        mrv1 = indexer_hooks._make_mrv1_build_attention_metadata(recording(GPUModelRunner._build_attention_metadata))
+        assert mrv1(object(), 8, 4, 1) == "metadata"
+        mrv1(object(), 8, 4, 1, ubatch_slices=[slice(0, 4), slice(4, 8)])
+        mrv1(object(), 8, 4, 1, None, None, ["positional ubatch slices"])
+        mrv1(object(), 8, 4, 1, a_keyword_vllm_adds_later=True)
+        expected = [False, True, True, False]
     mrv2 = indexer_hooks._make_mrv2_prepare(recording(UBatchRunner.prepare))
     mrv2(object(), "input_batch", (), None)
-    assert seen == [False, True, True, False, True]
+    mrv2(object(), "input_batch", (), None, None, None, True)  # every positional parameter, for_capture last
+    mrv2(object(), "input_batch", (), None, for_capture=True, a_keyword_vllm_adds_later=True)
+    assert seen == [*expected, True, True, True]
     assert not env.cache.in_microbatched_build()
 
 
@@ -967,7 +988,6 @@ def test_the_call_site_is_armed_by_a_microbatched_build(unarmed: Any) -> None:
     """Plan-ahead leaves a microbatched step's schedule to the call site: a microbatched build arms it first (MRV1
     with ``ubatch_slices``, MRV2's ``prepare``); a build without slices does not."""
     from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def standing_in_for(real: Any) -> Any:  # vLLM's signature, none of its body (it needs a GPU runner)
         @functools.wraps(real)
@@ -977,12 +997,18 @@ def test_the_call_site_is_armed_by_a_microbatched_build(unarmed: Any) -> None:
         return original
 
     chosen = [p for p in indexer_hooks.patches() if p.name == "indexer.logits.sparse_attn_indexer"]
-    for make, real, call, where in (
-        (indexer_hooks._make_mrv1_build_attention_metadata, GPUModelRunner._build_attention_metadata,
-         lambda hook: hook(object(), 8, 4, 1, ubatch_slices=[slice(0, 4), slice(4, 8)]), "GPUModelRunner._build_attention_metadata"),
+    runners: list[tuple[Any, Any, Any, str]] = [
         (indexer_hooks._make_mrv2_prepare, UBatchRunner.prepare,
          lambda hook: hook(object(), "input_batch", (), None), "UBatchRunner.prepare"),
-    ):  # fmt: skip
+    ]  # fmt: skip
+    if has_module(MRV1_RUNNER):
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        runners.append(
+            (indexer_hooks._make_mrv1_build_attention_metadata, GPUModelRunner._build_attention_metadata,
+             lambda hook: hook(object(), 8, 4, 1, ubatch_slices=[slice(0, 4), slice(4, 8)]), "GPUModelRunner._build_attention_metadata"),
+        )  # fmt: skip
+    for make, real, call, where in runners:
         patch_set = PatchSet(chosen)
         patch_set.install()
         try:
@@ -1005,3 +1031,78 @@ def test_the_call_site_is_armed_at_once_where_a_write_could_go_unseen(
     monkeypatch.setattr(type(LIVE_NUM_SMS), "trusted", property(lambda self: False))
     _register(env.builder())
     assert unarmed.armed_by == "an indexer builder while DeepGEMM's SM-count writers are not watched"
+
+
+def test_the_call_site_keeps_vllms_logits_dtype_and_its_placeholder_follows_it(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where vLLM passes ``logits_dtype`` (0.34: bf16 logits on SM100), the hook hands it to DeepGEMM unchanged and a
+    kernel failure on a microbatch thread is answered with placeholder logits in that dtype; without the parameter
+    (0.33) the logits are DeepGEMM's fp32 and a ``logits_dtype`` keyword is vLLM's own TypeError."""
+    import inspect
+
+    from vllm.utils import deep_gemm as vdg
+
+    from dbo_runtime.integration import ubatch_guard
+    from tests.fakes.ubatch_threads import run_microbatches
+
+    takes_dtype = "logits_dtype" in inspect.signature(vdg.fp8_fp4_paged_mqa_logits).parameters
+    env.patch_set.status()
+    indexer_hooks.ARMING.arm("test")
+    decode = env.builder().build(0, _common(SEQS)).decode
+    call = functools.partial(
+        env.sai.fp8_fp4_paged_mqa_logits,
+        (torch.empty(0), None), torch.empty((4, BLOCK, 1, 132), dtype=torch.uint8), torch.empty((6, 8)),
+        decode.seq_lens, decode.block_table, decode.schedule_metadata, max_model_len=8, indices=decode.indices,
+    )  # fmt: skip
+    if not takes_dtype:
+        assert call().dtype == torch.float32
+        with pytest.raises(TypeError):
+            call(logits_dtype=torch.bfloat16)
+        return
+    assert call(logits_dtype=torch.bfloat16).dtype == torch.bfloat16
+    ubatch_guard.reserve_placeholders(torch.device("cpu"), 8, 8)
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(env.dg, "fp8_fp4_paged_mqa_logits", out_of_memory)
+    outs: list[torch.Tensor] = []
+    try:
+        run_microbatches([lambda u: outs.append(call(logits_dtype=torch.bfloat16))] * 2, [0, 3])
+        assert [o.dtype for o in outs] == [torch.bfloat16] * 2
+        assert all(tuple(o.shape) == (decode.seq_lens.numel(), 8) for o in outs)
+        assert ubatch_guard.FAILURES.take()
+    finally:
+        ubatch_guard.FAILURES.take()
+        ubatch_guard._RESERVED.clear()
+
+
+def test_a_row_slice_of_the_chunked_decode_is_planned_for_the_live_count(env: Env) -> None:
+    """vLLM 0.34's SM100 chunked decode (``_varlen_decode_rows``) re-plans each row slice with its own planner
+    binding for ``schedule.shape[0] - 1`` SMs, the count the batch was planned for, then runs the logits kernel on
+    it. Under DBO that is the whole GPU while DeepGEMM runs on the compute SMs: the slice is planned for the live
+    count, and the call site takes it as it is (no second planner). vLLM 0.33 has no such path or binding."""
+    names = {p.name for p in in_release(indexer_hooks.patches())}
+    if not hasattr(env.sai, "_varlen_decode_rows"):
+        assert not hasattr(env.sai, "get_paged_mqa_logits_metadata") and "indexer.slice_planner" not in names
+        return
+    assert "indexer.slice_planner" in names
+    indexer_hooks.ARMING.arm("test")
+    decode = env.builder().build(0, _common(SEQS)).decode  # planned for the whole GPU (not a microbatched build)
+    assert tuple(decode.schedule_metadata.shape) == (133, 2)
+    _sm_write(112)
+    env.dg.num_sms = 112
+    start, end = 2, 5
+    seq_lens, indices = decode.seq_lens[start:end], decode.indices[start:end] if decode.indices is not None else None
+    schedule = env.sai.get_paged_mqa_logits_metadata(
+        seq_lens, BLOCK, decode.schedule_metadata.shape[0] - 1, indices=indices
+    )  # exactly vLLM's call
+    assert tuple(schedule.shape) == (113, 2)
+    plans = len(env.dg.plan_calls)
+    logits = env.sai.fp8_fp4_paged_mqa_logits(
+        (torch.empty(0), None), torch.empty((4, BLOCK, 1, 132), dtype=torch.uint8), torch.empty(0), seq_lens,
+        decode.block_table[start:end], schedule, max_model_len=8, indices=indices,
+    )  # fmt: skip
+    assert float(logits[0, 0]) == 113.0 and len(env.dg.plan_calls) == plans
+    assert env.cache.stats.untracked_replans == 0 and env.cache.stats.replans == 0

@@ -1,4 +1,4 @@
-"""Every DSA-family architecture in vLLM 0.33.0's model registry has a row in ``core.coverage`` (and so in
+"""Every DSA-family architecture in the installed vLLM's model registry (run against each supported release) has a row in ``core.coverage`` (and so in
 ``docs/models.md``); a new one shows up here as unknown instead of silently unprotected.
 
 The registry is vLLM's own (``vllm.model_executor.models.registry._VLLM_MODELS``); an architecture counts as
@@ -16,7 +16,10 @@ import re
 from dbo_runtime.core import coverage
 
 INDEXER = ("DeepseekV32Indexer", "SparseAttnIndexer", "fp8_fp4_paged_mqa_logits", "DeepseekV32IndexerMetadataBuilder")
-SHARING = ("index_topk_freq", "index_topk_pattern", "indexer_types", "index_source_layer_ids", "SparseMLAIndexGroupBuilder")
+SHARING = (
+    "index_topk_freq", "index_topk_pattern", "indexer_types", "index_sharing", "index_source_layer_ids",
+    "SparseMLAIndexGroupBuilder",
+)  # fmt: skip
 REUSE = ("DeepseekV2MLAAttention", "DeepseekV32Attention", "DeepseekV32Model", "DeepseekV2DecoderLayer", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 ROOT = pathlib.Path(importlib.util.find_spec("vllm").origin).parent  # type: ignore[arg-type]
 
@@ -47,12 +50,23 @@ def test_every_dsa_family_architecture_has_a_row() -> None:
 
 
 def test_every_row_is_a_registered_architecture_of_its_module() -> None:
+    """A row the installed registry lacks must say it belongs to other releases only (``Coverage.releases``)."""
     from vllm.model_executor.models import registry
 
+    registered = [row for row in coverage.ROWS if row.architecture in registry._VLLM_MODELS]
+    assert len(registered) >= 30
     for row in coverage.ROWS:
-        assert row.architecture in registry._VLLM_MODELS, f"{row.architecture} is not in vLLM's registry"
+        if row.architecture not in registry._VLLM_MODELS:
+            assert row.releases != coverage.RELEASES, f"{row.architecture} is not in vLLM's registry"
+            continue
         module = registry._resolve_module_name(registry._VLLM_MODELS[row.architecture][0])
         assert module == row.module, (row.architecture, module)
+    missing_here = {row.architecture for row in coverage.ROWS if row.architecture not in registry._VLLM_MODELS}
+    for release in coverage.RELEASES:  # the installed registry is exactly one release's rows
+        if {row.architecture for row in coverage.ROWS if release not in row.releases} == missing_here:
+            break
+    else:
+        raise AssertionError(f"no release's rows match this registry (absent here: {sorted(missing_here)})")
 
 
 def test_rows_that_fix_or_refuse_say_how_and_why() -> None:

@@ -12,18 +12,26 @@ import itertools
 from typing import Any
 
 import pytest
-import vllm.v1.worker.gpu.ubatch_utils
-import vllm.v1.worker.gpu_ubatch_wrapper  # noqa: F401
+import vllm.v1.worker.gpu.ubatch_utils  # noqa: F401
 
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.integration.sm_hooks import DboSMControlContext
 from dbo_runtime.services.sm_control import existing_controls
-from tests.vllm.conftest import FakeGpuPlatform, parallel_config
+from tests.vllm.conftest import FakeGpuPlatform, has_module, parallel_config
 
 RUNNER_MODULES = {
-    "MRV1": "vllm.v1.worker.gpu_ubatch_wrapper",
-    "MRV2": "vllm.v1.worker.gpu.ubatch_utils",
+    name: module
+    for name, module in (("MRV1", "vllm.v1.worker.gpu_ubatch_wrapper"), ("MRV2", "vllm.v1.worker.gpu.ubatch_utils"))
+    if has_module(module)
 }
+"""The runners the installed vLLM has (Model Runner V1 is gone in 0.34), each with its own binding."""
+
+
+def _runner_module() -> Any:
+    """The first runner's module: its ``create_sm_control_context`` binding is the one patched for it."""
+    import importlib
+
+    return importlib.import_module(next(iter(RUNNER_MODULES.values())))
 
 MATRIX = list(
     itertools.product(
@@ -86,7 +94,9 @@ def test_matrix_covers_partitioned_and_unpartitioned_cells() -> None:
 
 
 def test_ubatch_size_without_dbo_matches(gpu_platform: FakeGpuPlatform, clean_plugin: Any) -> None:
-    from vllm.v1.worker import gpu_ubatch_wrapper, ubatch_utils
+    from vllm.v1.worker import ubatch_utils
+
+    gpu_ubatch_wrapper = _runner_module()
 
     pc = parallel_config(dbo=False)
     gpu_platform.set(platform="rocm", total_sms=304)
@@ -97,7 +107,9 @@ def test_ubatch_size_without_dbo_matches(gpu_platform: FakeGpuPlatform, clean_pl
 
 
 def test_comm_not_below_total_both_refuse(gpu_platform: FakeGpuPlatform, clean_plugin: Any) -> None:
-    from vllm.v1.worker import gpu_ubatch_wrapper, ubatch_utils
+    from vllm.v1.worker import ubatch_utils
+
+    gpu_ubatch_wrapper = _runner_module()
 
     pc = parallel_config()
     gpu_platform.set(env_comm_sms=132, max_sms_used=None)
@@ -110,7 +122,7 @@ def test_comm_not_below_total_both_refuse(gpu_platform: FakeGpuPlatform, clean_p
 
 @pytest.mark.parametrize("raw", ["-2", "twenty"])
 def test_bad_env_is_one_named_error(gpu_platform: FakeGpuPlatform, clean_plugin: Any, raw: str, monkeypatch: Any) -> None:
-    from vllm.v1.worker import gpu_ubatch_wrapper
+    gpu_ubatch_wrapper = _runner_module()
 
     pc = parallel_config()
     gpu_platform.set()
@@ -133,7 +145,7 @@ def test_odd_comm_with_deepep_ht_is_refused(gpu_platform: FakeGpuPlatform, clean
 
 def test_nested_contexts_restore_previous(gpu_platform: FakeGpuPlatform, clean_plugin: Any) -> None:
     """MRV1 enters SM control per warm-up and around the capture; nesting restores the outer split."""
-    from vllm.v1.worker import gpu_ubatch_wrapper
+    gpu_ubatch_wrapper = _runner_module()
 
     pc = parallel_config()
     gpu_platform.set(max_sms_used=None)
@@ -266,7 +278,9 @@ def test_odd_compute_elsewhere_is_vllms_own(
     gpu_platform: FakeGpuPlatform, clean_plugin: Any, platform: str, sm_major: int
 ) -> None:
     """Only CUDA SM90 runs the multicast kernel (ROCm gfx9xx also reports major 9): elsewhere, vLLM's split."""
-    from vllm.v1.worker import gpu_ubatch_wrapper, ubatch_utils
+    from vllm.v1.worker import ubatch_utils
+
+    gpu_ubatch_wrapper = _runner_module()
 
     pc = parallel_config(backend="allgather_reducescatter", ep=False)
     gpu_platform.set(platform=platform, total_sms=131, env_comm_sms=20, sm_major=sm_major)
@@ -277,7 +291,9 @@ def test_odd_compute_elsewhere_is_vllms_own(
 
 
 def test_sm90_no_even_compute_left_is_refused(gpu_platform: FakeGpuPlatform, clean_plugin: Any) -> None:
-    from vllm.v1.worker import gpu_ubatch_wrapper, ubatch_utils
+    from vllm.v1.worker import ubatch_utils
+
+    gpu_ubatch_wrapper = _runner_module()
 
     pc = parallel_config(ep=False)
     gpu_platform.set(total_sms=132, env_comm_sms=131, sm_major=9)
@@ -313,7 +329,6 @@ def test_an_all2all_backend_new_to_dbo_runtime_follows_vllms_policy(
 ) -> None:
     """vLLM adds all2all backends; one missing from ``core.budget.ALL2ALL_BACKENDS`` must not stop model load.
     Its split is vLLM's own policy with the live manager's ``max_sms_used()``, and one line says so."""
-    import importlib
     import logging
 
     from vllm.v1.worker import ubatch_utils
@@ -330,7 +345,7 @@ def test_an_all2all_backend_new_to_dbo_runtime_follows_vllms_policy(
         gpu_platform.set(platform="cuda", total_sms=132, max_sms_used=max_used, deep_gemm=True)
         expected = run_context(ubatch_utils.create_sm_control_context, pc, gpu_platform.calls)
         clean_plugin()
-        module = importlib.import_module(RUNNER_MODULES["MRV1"])
+        module = _runner_module()
         got = run_context(module.create_sm_control_context, pc, gpu_platform.calls)
         assert got == expected and got[0] == (132, comm, 132 - comm)
         from dbo_runtime.integration import plugin

@@ -27,6 +27,7 @@ from dbo_runtime.integration import topk_hooks, ubatch_ids
 from dbo_runtime.integration.patching import Patch, PatchSet
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from tests.fakes.topk_boundary import FakeEvent, FakeStream, fake_convert
+from tests.vllm.conftest import fake_group_events, row_width_keyword
 
 
 @dataclass
@@ -72,8 +73,7 @@ def boundary(monkeypatch: pytest.MonkeyPatch) -> Boundary:
         return ubatch_ids.current_ubatch()[0]
 
     b.compute = FakeStream("compute", who, b.log)
-    monkeypatch.setattr(index_group, "_create_event", lambda: FakeEvent(who))
-    monkeypatch.setattr(index_group, "_create_side_stream", lambda device: FakeStream("side", who, b.log))
+    fake_group_events(monkeypatch, lambda: FakeEvent(who), lambda device: FakeStream("side", who, b.log))
     monkeypatch.setattr(index_group, "current_stream", lambda: b.compute)
     monkeypatch.setattr(index_group, "triton_convert_req_index_to_global_index", fake_convert)
     monkeypatch.setattr(ubatching, "current_stream", lambda: b.compute)
@@ -137,7 +137,9 @@ def build_model(vllm_config: Any, freq: int = 4, offset: int = 3) -> Model:
         impl = object.__new__(SparseMLACommonImpl)
         impl.dcp_world_size = 1
         impl.init_topk_indices_buffer(indexer, buf)
-        group, index = builder.register_layer(indexer is not None, vllm_config, head_size=576, kv_cache_dtype="auto")
+        group, index = builder.register_layer(
+            indexer is not None, vllm_config, **{row_width_keyword(): 576}, kv_cache_dtype="auto"
+        )
         impl.index_group, impl.index_group_index = group, index
         attn = _module(DeepseekV32Attention)
         attn.indexer = indexer

@@ -21,6 +21,8 @@ class FakeHfConfig:
 
     index_topk_freq: int
     num_hidden_layers: int = 8
+    index_topk: int = 2048
+    """Every DSA config has it; vLLM 0.34's follower rule (``compute_skip_topk_layers``) reads no other key without."""
 
 
 @dataclass
