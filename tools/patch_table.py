@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dbo_runtime.integration.catalog import all_patches
-from dbo_runtime.integration.fingerprints import MISSING
+from dbo_runtime.integration.fingerprints import MISSING, OUT_OF_SET
 from dbo_runtime.integration.guard import guard_patches
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.integration.recorded_fingerprints import RELEASES
@@ -50,7 +50,7 @@ def _releases(p: Patch) -> str:
     """The recorded releases whose set the patch is part of (all of them for a patch bound to no vLLM code)."""
     if not p.fingerprint_anchors:
         return ", ".join(RELEASES)
-    return ", ".join(r for r, prints in RELEASES.items() if prints.get(p.name, MISSING) != MISSING) or "none"
+    return ", ".join(r for r, prints in RELEASES.items() if prints.get(p.name, MISSING) not in OUT_OF_SET) or "none"
 
 
 def _row(p: Patch) -> str:

@@ -12,7 +12,7 @@ Reads the release's source (``pip download --no-deps vllm==VERSION``, unpacked; 
 * ``new``        the patch has no record in ``--against``.
 
 ``--write`` records this release in ``dbo_runtime/integration/recorded_fingerprints.py`` (other releases
-kept). Recording is the maintainer's sign-off: a recorded fingerprint makes the patch install there.
+kept); ``--exclude PATCH ...`` records those patches as left out of its set on purpose. Recording is the maintainer's sign-off: a recorded fingerprint makes the patch install there.
 The procedure: ``docs/new-release.md``.
 """
 
@@ -74,8 +74,8 @@ def review(patch: Patch, printed: str, previous: dict[str, str], root: pathlib.P
             return "moved", "; ".join(f"{a} -> {', '.join(p)}" for a, p in moved.items())
         return "missing", ", ".join(gone)
     want = previous.get(patch.name)
-    if want is None:
-        return "new", printed
+    if want is None or want in fingerprints.OUT_OF_SET:
+        return "new", printed + (f" (was {want})" if want else "")
     if want == printed:
         return "unchanged", printed
     return "changed", f"{want} -> {printed}"
@@ -109,14 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", type=pathlib.Path, help="an unpacked vllm package directory (skips the download)")
     parser.add_argument("--against", choices=sorted(RELEASES), help="compare with this recorded release")
     parser.add_argument("--write", action="store_true", help="record this release's fingerprints")
+    parser.add_argument(
+        "--exclude", nargs="+", default=[], metavar="PATCH",
+        help="with --write: leave these patches out of the release's set on purpose (their fix is unreachable there)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     against = args.against or max(RELEASES, key=_key)
     with tempfile.TemporaryDirectory() as tmp:
         root = args.source or fetch_source(args.version, pathlib.Path(tmp))
         if not (root / "__init__.py").is_file():
             parser.error(f"--source {root} is not a vllm package directory (no __init__.py)")
-        patches = [p for p in all_patches() if p.fingerprint_anchors]
         with fingerprints.use_source_root(root.resolve()):
+            patches = [p for p in all_patches() if p.fingerprint_anchors]  # anchors may depend on what exists there
             printed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in patches}
             rows = [(p.name, *review(p, printed[p.name], RELEASES[against], root)) for p in patches]
     width = max(len(name) for name, _, _ in rows)
@@ -125,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {status:<9} {name:<{width}}  {detail}")
     counts = {s: sum(1 for _, st, _ in rows if st == s) for s in ("unchanged", "changed", "moved", "missing", "new")}
     print("  " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    unknown = sorted(set(args.exclude) - set(printed))
+    if unknown:
+        parser.error(f"--exclude: no patch bound to vLLM code is named {', '.join(unknown)}")
     if args.write:
+        printed.update({name: fingerprints.EXCLUDED for name in args.exclude})
         releases = {**RELEASES, args.version: printed}
         RECORD.write_text(render(dict(sorted(releases.items(), key=lambda kv: _key(kv[0])))))
         print(f"recorded vLLM {args.version} ({len(printed)} patches) in {RECORD.relative_to(ROOT)}")

@@ -102,17 +102,26 @@ def verify(
     """A verdict per feature, from vLLM's source as it is on disk (nothing is imported or installed).
 
     ``recorded`` is one release's fingerprints and ``against`` names it; a patch that release records as
-    ``missing`` is not part of its set and is left out of the verdict."""
+    ``missing`` or ``excluded`` is not part of its set and is left out of the verdict, and a feature all of whose
+    patches are ``excluded`` there is *not installed* (fail closed)."""
     by_feature: dict[str, list[Patch]] = {}
+    excluded: dict[str, list[str]] = {}
     for patch in patches:
-        if not patch.fingerprint_anchors or recorded.get(patch.name) != fingerprints.MISSING:
+        if not patch.fingerprint_anchors or recorded.get(patch.name) not in fingerprints.OUT_OF_SET:
             by_feature.setdefault(patch.feature, []).append(patch)
+        elif recorded.get(patch.name) == fingerprints.EXCLUDED:
+            excluded.setdefault(patch.feature, []).append(patch.name)
     states: dict[str, FeatureState] = {}
     for feature in features:
         own = by_feature.get(feature.name, [])
         names = [p.name for p in own]
         if feature.upstream is not None and feature.upstream.present():
             states[feature.name] = FeatureState(feature, "provided by vLLM", feature.upstream.pr, names)
+            continue
+        if not own and feature.name in excluded:
+            states[feature.name] = FeatureState(
+                feature, "not installed", f"not part of {against}'s set: " + ", ".join(excluded[feature.name]), []
+            )
             continue
         mismatched = [p.name for p in own if not p.optional and _mismatch(p, recorded)]
         if mismatched:

@@ -28,6 +28,10 @@ from collections.abc import Iterable, Iterator, Sequence
 
 MISSING = "missing"
 """The fingerprint of an anchor whose file, class or function does not exist."""
+EXCLUDED = "excluded"
+"""Recorded for a patch left out of a release's set on purpose (its fix is not reachable there, e.g. vLLM refuses
+DBO for the architecture): never compared, never installed, and its feature is not in force on that release."""
+OUT_OF_SET = (MISSING, EXCLUDED)
 
 
 _SOURCE_ROOT: pathlib.Path | None = None

@@ -3,7 +3,8 @@
 Why: the version string says what a build claims, the fingerprints say what its code is. A build is
 release R when every patch R records has the same fingerprint here; then R's set is the one that
 installs. A patch R records as ``missing`` (its target does not exist there, such as the V1 model
-runner's in 0.34.0) is not part of R's set and never makes a feature unverified. A build that matches
+runner's in 0.34.0) is not part of R's set and never makes a feature unverified; one recorded ``excluded`` is left
+out on purpose, and a feature left with none of its patches is not in force there. A build that matches
 no release is judged against the closest one, feature by feature, and every difference fails closed.
 """
 
@@ -30,8 +31,9 @@ def installed_version() -> str | None:
 
 
 def part_of(patch: Patch, recorded: Mapping[str, str]) -> bool:
-    """Whether the patch belongs to a release's set: bound to no vLLM code, or its target exists there."""
-    return not patch.fingerprint_anchors or recorded.get(patch.name) != fingerprints.MISSING
+    """Whether the patch belongs to a release's set: bound to no vLLM code, or recorded there (not ``missing``
+    because its target does not exist, not ``excluded`` on purpose)."""
+    return not patch.fingerprint_anchors or recorded.get(patch.name) not in fingerprints.OUT_OF_SET
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,9 @@ def identify(patches: Sequence[Patch] | None = None) -> ReleaseMatch:
     printed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in chosen if p.fingerprint_anchors}
     best: tuple[int, str, tuple[str, ...]] | None = None
     for release, recorded in RELEASES.items():  # oldest first: a later tie replaces an earlier one
-        differing = tuple(name for name, want in recorded.items() if printed.get(name, want) != want)
+        differing = tuple(
+            name for name, want in recorded.items() if want != fingerprints.EXCLUDED and printed.get(name, want) != want
+        )
         unrecorded = tuple(name for name in printed if name not in recorded)
         differing += unrecorded
         if best is None or len(differing) <= best[0]:
