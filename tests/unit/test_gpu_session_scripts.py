@@ -18,11 +18,12 @@ SESSIONS = {
     "session-host-cost.sh": ["60"],
     "session-hook-calls.sh": [],
     "session-tune.sh": ["glm53-width"],
+    "session-emulated.sh": ["540", "--rows", "a-eager"],
 }
 
 
 DEFAULT_ENV = {"session-e2e.sh": {"TWINS": "0"}}
-"""The twins need ``.whl`` carried, which a CI clone lacks (its refusal has a test of its own)."""
+"""The e2e script's arguments are checked here without the twins (their DeepGEMM choice has a test of its own)."""
 
 
 def _run(script: str, args: list[str], tmp_path: Path, *, root: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
@@ -116,9 +117,9 @@ def test_an_out_that_cannot_take_results_is_one_line(script: str, tmp_path: Path
     assert line == f"{script}: OUT '{tmp_path / 'absent'}' is not allowed; allowed values: an existing writable folder (the device machine makes one)"
 
 
-def test_the_twins_without_their_wheel_are_refused(tmp_path: Path) -> None:
-    """The first command of every lease runs the twins: without ``.whl`` carried, skipping them in silence would end
-    the command 0 having run nothing."""
+def test_the_twins_without_their_wheel_use_vllms_vendored_deep_gemm(tmp_path: Path) -> None:
+    """Without ``.whl`` carried the twins run on the DeepGEMM vLLM vendors, so the wheel is no precondition: the
+    script goes on to the bundle's environment, whose absence is the one line and exit 2."""
     import shutil
 
     tree = tmp_path / "checkout"
@@ -126,7 +127,8 @@ def test_the_twins_without_their_wheel_are_refused(tmp_path: Path) -> None:
     proc = _run("session-e2e.sh", [], tmp_path, root=tree, E2E="0", TWINS="1")
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     [line] = proc.stderr.strip().splitlines()
-    assert line.startswith("session-e2e.sh: TWINS=1 is not allowed without .whl/tokenspeed_deepgemm*.whl")
+    assert "tokenspeed_deepgemm" not in line and "env.sh is missing" in line, line
+    assert "vllm.third_party.deep_gemm" in (ROOT / "tools" / "gpu" / "session-e2e.sh").read_text()
     assert not _wrote(tmp_path)
 
 

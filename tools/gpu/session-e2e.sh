@@ -30,9 +30,9 @@ if [ "${E2E-1}" = 1 ]; then
     echo "session-e2e.sh: the e2e settings could not be checked: ${problems##*$'\n'}" >&2; exit 2; }
   [ -z "$problems" ] || { echo "session-e2e.sh: $problems" >&2; exit 2; }
 fi
-if [ "${TWINS-1}" = 1 ] && ! ls .whl/tokenspeed_deepgemm*.whl >/dev/null 2>&1; then
-  echo "session-e2e.sh: TWINS=1 is not allowed without .whl/tokenspeed_deepgemm*.whl (the twins' DeepGEMM); allowed values: carry .whl with this command, or TWINS=0" >&2; exit 2
-fi
+# The twins' DeepGEMM: the tokenspeed wheel carried in .whl/, else the copy vLLM vendors (vllm.third_party.deep_gemm).
+TWIN_DG=wheel
+ls .whl/tokenspeed_deepgemm*.whl >/dev/null 2>&1 || TWIN_DG=vendored
 . tools/gpu/env.sh
 # Dozens of engines share 32 cores while they start: one or two intra-op threads each (vLLM gives
 # its multiproc workers 1) keep them from oversubscribing the host.
@@ -43,9 +43,18 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
 { nvidia-smi -L; python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__, "gpus", torch.cuda.device_count())'; } 2>&1 | tee "$DBO_E2E_OUT/env.txt"
 if [ "${TWINS-1}" = 1 ]; then
   (
-    mkdir -p /tmp/dg && python3 -m pip install -q --no-index --no-deps --target /tmp/dg .whl/tokenspeed_deepgemm*.whl $(ls /tmp/gpu-vllm/bundle/wheels/tokenspeed_deepep*.whl 2>/dev/null) >/dev/null 2>&1
-    WITH_VLLM="/tmp/dg:$PYTHONPATH"
-    export PYTHONPATH=/tmp/dg:$PWD CUDA_VISIBLE_DEVICES=$(( $(nvidia-smi -L | wc -l) - 1 ))
+    mkdir -p /tmp/dg
+    if [ "$TWIN_DG" = wheel ]; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/dg .whl/tokenspeed_deepgemm*.whl $(ls /tmp/gpu-vllm/bundle/wheels/tokenspeed_deepep*.whl 2>/dev/null) >/dev/null 2>&1
+      WITH_VLLM="/tmp/dg:$PYTHONPATH"
+      export PYTHONPATH=/tmp/dg:$PWD
+    else  # `import deep_gemm` gives vLLM's vendored module
+      printf 'import sys\nimport vllm.third_party.deep_gemm as _vendored\n\nsys.modules[__name__] = _vendored\n' > /tmp/dg/deep_gemm.py
+      export PYTHONPATH=/tmp/dg:$PYTHONPATH
+      WITH_VLLM=$PYTHONPATH
+    fi
+    echo "twins' DeepGEMM: $TWIN_DG" > "$DBO_E2E_OUT/twins-deep-gemm.txt"
+    export CUDA_VISIBLE_DEVICES=$(( $(nvidia-smi -L | wc -l) - 1 ))
     # The twins write one JSON per case into $OUT: keep them in the tarball, not beside it.
     export OUT="$DBO_E2E_OUT/twins"; mkdir -p "$OUT"
     DBO_REQUIRE_GPU=1 timeout "${TWIN_LIMIT:-300}" python3 -X faulthandler -m pytest tests/gpu -q -p no:cacheprovider -rfE > "$DBO_E2E_OUT/gpu-twins.log" 2>&1
