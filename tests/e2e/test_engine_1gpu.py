@@ -3,6 +3,7 @@ here: activation, transparency with DBO off, MTP, counters and /metrics)."""
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Any
 
 import pytest
@@ -116,7 +117,7 @@ def test_activation_line_in_engine_logs(records: Records) -> None:
     """The operator sees from vLLM's own log that dbo_runtime is active, which patches, which vLLM."""
     for label in (x for x in ALL_1GPU if x.endswith("-plugin")):
         record = _ok(records[label])
-        lines = [line for line in record["plugin_log_lines"] if "patches installed for vLLM 0.33" in line]
+        lines = [line for line in record["plugin_log_lines"] if f"patches installed for vLLM {metadata.version('vllm')} (verified by its code)" in line]
         assert lines, f"{label}: no activation line in the engine log"
         # DP 1 runs the worker inside the engine-core process: the line carries vLLM's EngineCore prefix.
         assert any("EngineCore" in line for line in lines), (label, lines)
@@ -169,4 +170,4 @@ def test_vllm_serve_metrics_have_dbo_series(records: Records) -> None:
     ):
         assert name in text, f"{name} missing from /metrics:\n{text}"
     assert any(line.startswith("dbo_runtime_dbo_compute_sms") and line.rstrip().endswith(" 112.0") for line in job["metrics"]), text
-    assert any("patches installed for vLLM 0.33" in line for line in job["plugin_log_lines"])
+    assert any(f"patches installed for vLLM {metadata.version('vllm')} (verified by its code)" in line for line in job["plugin_log_lines"])

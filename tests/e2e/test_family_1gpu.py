@@ -5,6 +5,7 @@ DBO needs DP >= 2 to microbatch: the two-GPU issue runs the family's DBO A/B."""
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Any
 
 import pytest
@@ -48,7 +49,7 @@ def test_family_plugin_is_transparent_with_dbo_off(records: Records, model: str,
         pytest.fail(f"{plan.FAMILY[model]['architecture']} does not run here, with or without dbo_runtime: {vanilla['error']}")
     worst, mean = _identical(_ok(with_plugin), _ok(vanilla))
     records.annotate(f"{base}-plugin", tokens_identical_to=f"{base}-vanilla", max_abs_dlogprob=worst, mean_abs_dlogprob_topk=mean)
-    lines = [line for line in with_plugin["plugin_log_lines"] if "patches installed for vLLM 0.33" in line]
+    lines = [line for line in with_plugin["plugin_log_lines"] if f"patches installed for vLLM {metadata.version('vllm')} (verified by its code)" in line]
     assert lines and "-- " in lines[0]
     # every fix in force: no broken patch, and no feature reported as anything but verified after "guard: on"
     assert "BROKEN" not in lines[0] and lines[0].rstrip().endswith("guard: on"), lines[0]
