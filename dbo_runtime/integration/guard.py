@@ -28,7 +28,6 @@ from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.settings import setting_problems
 from dbo_runtime.integration import fingerprints
 from dbo_runtime.integration.features import REGISTRY
-from dbo_runtime.integration.mtp_hooks import rocm_model_writes_per_microbatch
 from dbo_runtime.integration.patching import Patch, PatchSet
 from dbo_runtime.integration.recorded_fingerprints import RELEASES
 
@@ -346,7 +345,7 @@ def _report_worker(vllm_config: Any, runner: str | None) -> None:
     speculative = getattr(vllm_config, "speculative_config", None) is not None
     parallel = getattr(vllm_config, "parallel_config", None)
     if speculative and row is not None and coverage.MTP_HIDDEN in row.needs and microbatching(parallel):
-        why = "" if platform() == "rocm" and rocm_model_writes_per_microbatch(arch) else _not_in_force(coverage.MTP_HIDDEN, arch, "worker", runner)
+        why = "" if platform() == "rocm" and arch in coverage.ROCM_MTP_WRITES_AT_OFFSET else _not_in_force(coverage.MTP_HIDDEN, arch, "worker", runner)
         if why:
             logger.warning(
                 "dbo_runtime: %s with speculative decoding under microbatching: %s, so one microbatch's MTP hidden "

@@ -35,9 +35,9 @@ class ArmedEntry:
 
     name: str
     arm: Callable[[], None]
-    feature: str = ""
-    """The feature the patch serves (``Patch.feature``): marked broken when its target cannot be set, so the
-    guard's refusal names what is missing rather than whichever hook happened to call ``arm``."""
+    on_failure: Callable[[str], None] | None = None
+    """Told (the message) when the target cannot be set, outside the arming lock: the owning ``PatchSet`` marks
+    the patch broken and tells its failure listeners, so the guard's refusal names what is missing."""
     armed: bool = False
 
 
@@ -80,27 +80,32 @@ class MicrobatchArming:
         with self._lock:
             if self.armed:
                 return
+            failed: tuple[ArmedEntry, Exception] | None = None
+            for entry in self._entries:
+                if entry.armed:
+                    continue
+                try:
+                    entry.arm()
+                except Exception as exc:
+                    # What was armed stays (correct, only slower) and uninstall restores it; the next run tries the rest.
+                    failed = (entry, exc)
+                    break
+                entry.armed = True
+            else:
+                self.armed = True
+                self.armed_by = where
+                return
+        entry, exc = failed
+        message = f"{entry.name} could not be put in force at the first microbatched run ({exc!r})"
+        if entry.on_failure is not None:
             try:
-                for entry in self._entries:
-                    if not entry.armed:
-                        entry.arm()
-                        entry.armed = True
-            except BaseException as exc:
-                # What was armed stays (correct, only slower) and uninstall restores it; the next run tries the rest.
-                if not isinstance(exc, Exception):
-                    raise
-                if entry.feature:
-                    from dbo_runtime.integration.features import (
-                        REGISTRY,  # features imports patching, which imports this
-                    )
-
-                    REGISTRY.mark(entry.feature, "broken", f"{entry.name} could not be put in force at the first microbatched run ({exc!r})")
-                raise PatchError(
-                    f"dbo_runtime could not put {entry.name} in force at the first microbatched run ({exc!r}); the "
-                    "step stops here instead of running its microbatches on vLLM's shared top-k state"
-                ) from exc
-            self.armed = True
-            self.armed_by = where
+                entry.on_failure(message)
+            except Exception:  # a listener must not hide the failure itself
+                pass
+        raise PatchError(
+            f"dbo_runtime: {message}; the step stops here instead of running its microbatches on vLLM's shared "
+            "top-k state"
+        ) from exc
 
     # -- introspection ------------------------------------------------------------------------------
     def names(self) -> list[str]:

@@ -42,23 +42,6 @@ FEATURES = [
 ]
 
 
-ROCM_MODELS = {
-    "DeepseekV4ForCausalLM": "vllm.models.deepseek_v4.amd.model",
-    "DeepseekV4ForConditionalGeneration": "vllm.models.deepseek_v4.amd.model",
-    "DeepseekV41ForCausalLM": "vllm.models.deepseek_v41.amd.model",
-}
-"""The model module vLLM imports on ROCm instead of the NVIDIA one these patches target
-(``models/deepseek_v4/__init__.py``, ``models/deepseek_v41/__init__.py``)."""
-
-
-def rocm_model_writes_per_microbatch(arch: str) -> bool:
-    """Whether vLLM's ROCm model for ``arch`` writes the MTP hidden buffer at the microbatch's token offset itself,
-    read from its source: on ROCm these patches' NVIDIA module is never imported, so they stay pending, and that
-    is a gap only where the ROCm model writes from row 0 too (0.33.0: V4.1's does, V4's does not)."""
-    module = ROCM_MODELS.get(arch)
-    return module is not None and Probe("call", module, "DeepseekV4Model.forward", "dbo_current_ubatch_token_offset").present()
-
-
 class TokenWindowAttr(MicrobatchAttr):
     """A per-step buffer indexed by the step's token rows: a microbatch sees it from its token offset.
 
@@ -116,4 +99,4 @@ def patches() -> list[Patch]:
     ]
 
 
-__all__ = ["FEATURES", "ROCM_MODELS", "TokenWindowAttr", "patches", "rocm_model_writes_per_microbatch"]
+__all__ = ["FEATURES", "TokenWindowAttr", "patches"]

@@ -342,13 +342,14 @@ class PatchSet:
             replacement = instrument.time_plugin(replacement, patch.name)
         return _Applied(patch, owner, name, raw, _mark(replacement, patch, current))
 
-    @classmethod
-    def _set(cls, applied: _Applied) -> None:
+    def _set(self, applied: _Applied) -> None:
         """Apply one patch, or leave its target as it was: a hook that fails after the ``setattr``
         is undone here (target restored, ``on_uninstall`` run), because callers roll back only the
         patches that returned."""
         if applied.patch.armed_at_first_microbatch:
-            applied.armable = ArmedEntry(applied.patch.name, arm=lambda: cls._arm(applied), feature=applied.patch.feature)
+            applied.armable = ArmedEntry(
+                applied.patch.name, arm=lambda: self._arm(applied), on_failure=lambda message: self._arm_failed(applied.patch, message)
+            )
             ARMING.register(applied.armable)
         else:
             setattr(applied.owner, applied.name, applied.replacement)
@@ -356,7 +357,7 @@ class PatchSet:
             try:
                 applied.patch.on_install()
             except BaseException:
-                cls._rollback([applied])
+                self._rollback([applied])
                 raise
 
     @staticmethod
@@ -366,6 +367,18 @@ class PatchSet:
         if _raw(applied.owner, applied.name) is not applied.original:
             raise PatchError(f"{applied.patch.target} was rebound after dbo_runtime installed {applied.patch.name}")
         setattr(applied.owner, applied.name, applied.replacement)
+
+    def _arm_failed(self, patch: Patch, message: str) -> None:
+        """An armed patch's target could not be set: the patch is broken, and the failure listeners hear it as they
+        hear a lazy module's (the plugin marks the feature broken, so the guard refuses what needs it)."""
+        with self._lock:
+            self._broken[patch.name] = message
+            listeners = list(self.failure_listeners)
+        for listener in listeners:
+            try:
+                listener([patch], f"dbo_runtime: {message}")
+            except Exception as exc:
+                logger.debug("dbo_runtime: failure listener failed: %r", exc)
 
     @staticmethod
     def _restore(applied: _Applied) -> None:
@@ -438,15 +451,14 @@ class PatchSet:
             for name, why in skipped.items():
                 logger.info("dbo_runtime: optional patch %s skipped (%s)", name, why)
 
-    @classmethod
-    def _set_optional(cls, items: list[_Applied], skipped: dict[str, str]) -> list[_Applied]:
+    def _set_optional(self, items: list[_Applied], skipped: dict[str, str]) -> list[_Applied]:
         """Apply each optional patch on its own, after the required ones: one that fails to apply (its ``setattr``
         or ``on_install``; ``_set`` undoes it) is skipped like one whose target is missing, never the reason the
         required patches come out or a feature is reported broken."""
         done: list[_Applied] = []
         for item in items:
             try:
-                cls._set(item)
+                self._set(item)
             except Exception as exc:
                 skipped[item.patch.name] = f"{type(exc).__name__}: {exc}"
             else:
@@ -556,14 +568,14 @@ class PatchSet:
             waiting = {p.name for p in self._lazy_waiting}
             out = []
             for patch in self.patches:
-                if patch.name in applied:
+                if patch.name in self._broken:  # a lazy module that failed, or an armed patch that could not be set
+                    out.append(PatchStatus(patch, "broken", self._broken[patch.name]))
+                elif patch.name in applied:
                     out.append(PatchStatus(patch, "installed"))
                 elif patch.name in waiting:
                     out.append(PatchStatus(patch, "pending", "module not imported yet"))
                 elif patch.name in self._skipped:
                     out.append(PatchStatus(patch, "skipped", self._skipped[patch.name]))
-                elif patch.name in self._broken:
-                    out.append(PatchStatus(patch, "broken", self._broken[patch.name]))
                 else:
                     out.append(PatchStatus(patch, "missing" if self.installed else "not installed"))
             return out

@@ -85,7 +85,7 @@ def test_a_target_that_cannot_be_set_stops_the_run_and_the_next_run_tries_again(
     entry = ArmedEntry("t.flaky", arm=flaky)
     arming.register(entry)
     try:
-        with pytest.raises(PatchError, match=r"could not put t\.flaky in force.*shared top-k state"):
+        with pytest.raises(PatchError, match=r"t\.flaky could not be put in force.*shared top-k state"):
             arming.arm("run")
         assert not arming.armed and Target().method() == "hook"  # what was set stays set: correct, only slower
         fails[0] = False
@@ -145,19 +145,15 @@ def test_arming_never_overwrites_a_target_rebound_after_install(arming: Microbat
     assert Target.__dict__["method"] is ORIGINAL
 
 
-def test_a_target_that_cannot_be_set_marks_its_own_feature_broken(arming: MicrobatchArming, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The guard names what is missing: the feature of the patch that failed, whichever hook called ``arm``."""
-    from dbo_runtime.integration import features
-    from dbo_runtime.integration.features import Feature, FeatureRegistry, FeatureState
-
-    registry = FeatureRegistry()
-    registry.set_all({name: FeatureState(Feature(name, name), "verified") for name in ("topk", "indexer")})
-    monkeypatch.setattr(features, "REGISTRY", registry)
+def test_a_target_that_cannot_be_set_is_broken_and_told_to_the_failure_listeners(arming: MicrobatchArming) -> None:
+    """The guard names what is missing: the patch that failed is ``broken`` in its set's status, and the set's failure
+    listeners (the plugin marks that patch's feature broken) hear it, whichever hook called ``arm``."""
     ps = PatchSet([_patch("topk.method")])
+    heard: list[tuple[list[str], str]] = []
+    ps.failure_listeners.append(lambda patches, message: heard.append(([p.name for p in patches], message)))
     ps.install()
     try:
         [entry] = [e for e in arming._entries]
-        assert entry.feature == "topk"  # PatchSet hands the patch's feature to its entry
 
         def rebound() -> None:
             raise PatchError("rebound")
@@ -165,8 +161,9 @@ def test_a_target_that_cannot_be_set_marks_its_own_feature_broken(arming: Microb
         entry.arm = rebound
         with pytest.raises(PatchError, match=r"topk\.method"):
             arming.arm("an indexer builder")
-        topk, indexer = registry.get("topk"), registry.get("indexer")
-        assert topk is not None and topk.verdict == "broken" and "topk.method could not be put in force" in topk.detail
-        assert indexer is not None and indexer.verdict == "verified"
+        [status] = [st for st in ps.status() if st.patch.name == "topk.method"]
+        assert status.state == "broken" and "topk.method could not be put in force" in status.detail
+        [(names, message)] = heard
+        assert names == ["topk.method"] and "could not be put in force" in message
     finally:
         ps.uninstall()

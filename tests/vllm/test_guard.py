@@ -569,12 +569,18 @@ def test_on_rocm_the_mtp_warning_follows_the_rocm_model_vllm_runs(
     packed top-k cache)."""
     import logging
 
-    from dbo_runtime.integration.mtp_hooks import rocm_model_writes_per_microbatch
+    from dbo_runtime.core import coverage
+    from dbo_runtime.integration.features import Probe
 
-    # read from vLLM 0.33.0's AMD model sources
-    assert rocm_model_writes_per_microbatch("DeepseekV4ForCausalLM")
-    assert not rocm_model_writes_per_microbatch("DeepseekV41ForCausalLM")
-    assert not rocm_model_writes_per_microbatch("GlmMoeDsaForCausalLM")
+    # the coverage fact, read from the installed release's AMD model sources
+    rocm_models = {
+        "DeepseekV4ForCausalLM": "vllm.models.deepseek_v4.amd.model",
+        "DeepseekV4ForConditionalGeneration": "vllm.models.deepseek_v4.amd.model",
+        "DeepseekV41ForCausalLM": "vllm.models.deepseek_v41.amd.model",
+    }
+    probe = "DeepseekV4Model.forward", "dbo_current_ubatch_token_offset"
+    writes = {arch for arch, module in rocm_models.items() if Probe("call", module, *probe).present()}
+    assert writes == coverage.ROCM_MTP_WRITES_AT_OFFSET
     plugin.register()
     plugin.REGISTRY.mark("mtp_hidden", "broken", "its NVIDIA module never imported")
     config = engine_config("DeepseekV4ForCausalLM", hf("deepseek-v4"))
