@@ -13,7 +13,7 @@ states to refuse a DBO model that needs a fix which is not in force.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -72,6 +72,9 @@ class Feature:
     summary: str
     requires: tuple[str, ...] = ()
     upstream: Upstream | None = None
+    on_optional_skipped: Callable[[Mapping[str, str]], None] | None = None
+    """Told, before the set installs, which of the feature's optional patches are skipped (name -> why), so it can
+    choose what is safe without them; never called when none is."""
 
 
 @dataclass

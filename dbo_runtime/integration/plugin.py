@@ -13,7 +13,6 @@ error at ``register()``.
 
 from __future__ import annotations
 
-import importlib
 import threading
 
 from dbo_runtime.core.errors import PatchError
@@ -82,12 +81,10 @@ def register() -> None:
             patches = [p for p in every if releases.part_of(p, match.recorded)]
             states = feature_states(patches, match)
             skip = excluded_optional(patches, match.recorded, match.label)
-            topk = importlib.import_module("dbo_runtime.integration.topk_hooks")  # all_patches() loaded it
-            if topk.FA4_SCALARS in skip and topk.fa4_module_present():  # absent FA4: no cache to grow
-                topk.default_state().windows_unsafe = (
-                    f"{topk.FA4_SCALARS} is not installed ({skip[topk.FA4_SCALARS]}), so FA4 sparse MLA would "
-                    "cache three device tensors per split point, never evicted"
-                )
+            for feature in all_features():
+                own = {name: why for name, why in skip.items() if name.partition(".")[0] == feature.name}
+                if own and feature.on_optional_skipped is not None:
+                    feature.on_optional_skipped(own)
         except Exception as exc:
             REGISTRY.clear()
             if strict:

@@ -24,6 +24,7 @@ import importlib
 import importlib.util
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from dbo_runtime.core import coverage
@@ -66,6 +67,7 @@ FEATURES = [
                 Probe("uses", _INDEX_GROUP, "SparseMLAIndexGroup._convert_once", "_topk_state"),
             ),
         ),
+        on_optional_skipped=lambda skipped: _fa4_scalars_skipped(skipped),
     )
 ]
 
@@ -449,6 +451,16 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
 
 FA4_SCALARS = "topk.fa4_varlen_scalars"
 """Optional: skipped where FA4 sparse MLA is absent; where its code differs, the windows layout is not used."""
+
+
+def _fa4_scalars_skipped(skipped: Mapping[str, str]) -> None:
+    """Without the FA4 scalar cache patch the windows layout would make FA4 sparse MLA cache three device tensors
+    per split point, never evicted: the layout then falls back (where FA4 exists at all)."""
+    if FA4_SCALARS in skipped and fa4_module_present():
+        default_state().windows_unsafe = (
+            f"{FA4_SCALARS} is not installed ({skipped[FA4_SCALARS]}), so FA4 sparse MLA would "
+            "cache three device tensors per split point, never evicted"
+        )
 
 
 def fa4_module_present() -> bool:
