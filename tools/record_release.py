@@ -9,7 +9,8 @@ Reads the release's source (``pip download --no-deps vllm==VERSION``, unpacked; 
 * ``changed``    it differs: review the hook against the new code before recording;
 * ``moved``      an anchor is gone from its module but a block of that name exists elsewhere (where);
 * ``missing``    an anchor exists nowhere: the patch is not part of this release's set;
-* ``new``        the patch has no record in ``--against``.
+* ``new``        the patch has no record in ``--against`` (or its target was missing there);
+* ``excluded``   ``--against`` left the patch out of its set on purpose (``--exclude``).
 
 ``--write`` records this release in ``dbo_runtime/integration/recorded_fingerprints.py`` (other releases
 kept); ``--exclude PATCH ...`` records those patches as left out of its set on purpose. Recording is the maintainer's sign-off: a recorded fingerprint makes the patch install there.
@@ -74,6 +75,8 @@ def review(patch: Patch, printed: str, previous: dict[str, str], root: pathlib.P
             return "moved", "; ".join(f"{a} -> {', '.join(p)}" for a, p in moved.items())
         return "missing", ", ".join(gone)
     want = previous.get(patch.name)
+    if want == fingerprints.EXCLUDED:
+        return "excluded", f"left out of {patch.name.partition('.')[0]} on purpose in the record compared with ({printed})"
     if want is None or want in fingerprints.OUT_OF_SET:
         return "new", printed + (f" (was {want})" if want else "")
     if want == printed:
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vLLM {args.version} against the record of {against}:")
     for name, status, detail in rows:
         print(f"  {status:<9} {name:<{width}}  {detail}")
-    counts = {s: sum(1 for _, st, _ in rows if st == s) for s in ("unchanged", "changed", "moved", "missing", "new")}
+    counts = {s: sum(1 for _, st, _ in rows if st == s) for s in ("unchanged", "changed", "moved", "missing", "new", "excluded")}
     print("  " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
     unknown = sorted(set(args.exclude) - set(printed))
     if unknown:

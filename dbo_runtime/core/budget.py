@@ -29,6 +29,7 @@ ALL2ALL_BACKENDS: tuple[str, ...] = (
     "mori_high_throughput",
     "mori_low_latency",
     "moonep",
+    "mori",
     "nixl_ep",
     "allgather_reducescatter",
     "flashinfer_all2allv",
@@ -36,7 +37,9 @@ ALL2ALL_BACKENDS: tuple[str, ...] = (
     "flashinfer_nvlink_one_sided",
     "passthrough",
 )
-"""vLLM's ``All2AllBackend`` values (a contract test keeps them equal)."""
+"""vLLM's ``All2AllBackend`` values over every supported release (a contract test checks the installed one's)."""
+ADDED_AFTER_OLDEST: dict[str, str] = {"mori": "0.34.0"}
+"""Backends a newer supported release added: the one release in which each first appears."""
 
 #: ``DeepEPAll2AllManagerBase.num_sms``: the HT manager clamps requests to it.
 DEEPEP_HT_MANAGER_NUM_SMS = 20

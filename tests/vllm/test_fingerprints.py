@@ -15,13 +15,17 @@ ANCHOR = (f"{INDEX_GROUP}:SparseMLAIndexGroupBuilder.register_layer",)
 
 
 def _installed_record() -> dict[str, str]:
-    return RELEASES[metadata.version("vllm")]
+    """The installed release's record, less the patches it leaves out on purpose (never compared)."""
+    return {n: v for n, v in RELEASES[metadata.version("vllm")].items() if v != fingerprints.EXCLUDED}
 
 
 def test_recorded_from_the_installed_release() -> None:
     fingerprints.clear_caches()
+    record = _installed_record()
     computed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in plugin.all_patches() if p.fingerprint_anchors}
-    assert computed == _installed_record(), "review, then: python tools/record_release.py VERSION --write"
+    assert {n: v for n, v in computed.items() if n in record or n not in RELEASES[metadata.version("vllm")]} == record, (
+        "review, then: python tools/record_release.py VERSION --write"
+    )
     match = releases.identify()
     assert match.release == metadata.version("vllm") and not match.differing
     assert match.describe() == f"vLLM {match.release} (verified by its code)"
@@ -101,7 +105,7 @@ def test_the_recorded_fingerprints_match_on_every_python_on_this_machine(tmp_pat
     import subprocess
 
     pythons = sorted({*glob.glob("/root/.pyenv/versions/3.1[0-9]*/bin/python3"), *glob.glob("/usr/bin/python3.1[0-9]")})
-    anchors = {p.name: list(p.fingerprint_anchors) for p in plugin.all_patches() if p.fingerprint_anchors}
+    anchors = {p.name: list(p.fingerprint_anchors) for p in plugin.all_patches() if p.name in _installed_record()}
     root = fingerprints._vllm_root()
     script = (
         "import importlib.util, json, pathlib, sys\n"

@@ -69,7 +69,8 @@ def test_record_release_reviews_the_installed_release_as_unchanged(capsys: pytes
     lines = [ln.split() for ln in out.splitlines() if ln.startswith("  ") and not ln.startswith("   ")]
     statuses = {parts[0] for parts in lines[:-1]}
     recorded = RELEASES[installed]
-    assert statuses <= {"unchanged", "missing"}, statuses
+    assert statuses <= {"unchanged", "missing", "excluded"}, statuses
+    assert {parts[1] for parts in lines[:-1] if parts[0] == "excluded"} == {n for n, v in recorded.items() if v == fingerprints.EXCLUDED}
     assert {parts[1] for parts in lines[:-1] if parts[0] == "missing"} == {n for n, v in recorded.items() if v == fingerprints.MISSING}
 
 
