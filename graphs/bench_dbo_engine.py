@@ -1,18 +1,9 @@
 """DBO in the real engine on two GPUs: decode throughput and step time, DBO on vs off.
 
-Configurations (shared-top-k tiny model, DP 2 + EP, MRV1; its hidden-2048 variant under DeepEP
-low-latency, whose smallest hidden size is 2048), in two groups run one after the other (``--backends``,
-in the order given); within a group all engines are alive at once and timed in turns, interleaved,
-the order rotating each rep (``harness.turns``):
-
-- ``ht``: DeepEP high-throughput (eager) DBO off / on with dbo_runtime / on with
-  ``DBO_RUNTIME_SELF_TIME=1`` (the plugin's own host time per step). Vanilla DBO crashes here.
-- ``ll``: DeepEP low-latency (FULL decode graphs) DBO off / on with dbo_runtime / on vanilla
-  (it reserves no comm SMs, so no crash) / on with self-time.
-
-Each group writes ``bench_dbo_engine_<group>.{json,png}``: per configuration the slower rank's step
-per rep, and per ratio both the ratio of medians and the median/range of per-rep paired ratios. The
-tiny model shows no production overlap gain: the point is the plugin's cost and no regression.
+A tiny shared-top-k model, DP 2 + EP, in two groups run one after the other (``--backends``): ``ht`` (DeepEP
+high-throughput, eager: off / dbo_runtime / self-timed; vanilla DBO crashes here) and ``ll`` (low-latency, FULL
+decode graphs: off / dbo_runtime / vanilla / self-timed). Within a group the engines are timed in interleaved
+turns. The tiny model shows no overlap gain: the point is the plugin's cost and no regression.
 
     python graphs/bench_dbo_engine.py [--reps 3] [--backends ht,ll] [--out graphs/results]
 """

@@ -1,16 +1,8 @@
 """Step time, planner kernels and memory of the GLM-5.3-shaped DBO stack, side by side in one run.
 
-Variants (same inputs, same process, interleaved repetitions):
-
-* ``unsplit``        -- the stack as one batch, all SMs, no DBO.
-* ``dbo_runtime``    -- DBO, comm 20 / compute 112, schedule cache with plan-ahead.
-* ``upstream``       -- DBO, comm 20, re-plan at the call site (vllm#60732's approach).
-* ``no_partition``   -- DBO with ``VLLM_DBO_COMM_SMS=0``: the path that never needed a fix;
-  ``dbo_runtime / no_partition`` is dbo_runtime's overhead plus the cost of giving 20 SMs to comm.
-
-Each is timed eager (host wall per step, threads and all) and as a FULL graph
-replay (MRV1-style capture; GPU time from CUDA events). Planner kernels per step
-are counted from the backend. Memory per extra microbatch is computed for
+Variants, interleaved on the same inputs: ``unsplit`` (one batch, all SMs), ``dbo_runtime`` (DBO, plan-ahead),
+``upstream`` (DBO, re-plan at the call site) and ``no_partition`` (DBO with comm 0, the path that never needed a
+fix). Each timed eager (host wall) and as a FULL graph replay (CUDA events); memory per extra microbatch for
 GLM-5.3 / GLM-5.1 with both top-k layouts.
 
     python graphs/bench_dbo_stack.py [--reps 20] [--out graphs/results]

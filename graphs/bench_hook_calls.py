@@ -1,22 +1,10 @@
 """What one hooked access costs, measured against the same access in vanilla vLLM, side by side in one run.
 
-Every dbo_runtime hook on vLLM's per-layer path is paid on every layer of every eager DBO step, on both
-microbatch threads: the top-k buffer descriptors (about 950 reads in an eager GLM-5.3 step), the index-group
-methods, the MTP hidden-buffer descriptor, the microbatch lookup behind them. This times each on the real vLLM
-0.33.0 classes of this machine (instances made without their CUDA ``__init__``, the attribute set as vLLM's
-``__init__`` sets it, so lookup goes through the class exactly as in a model): per case, blocks of N accesses
-alternate between the plugin installed and uninstalled (the identical originals back), R times, and the median
-ns per access of each side and their difference are reported. Three threads (``THREADS``, also in the JSON):
-"main" = the main thread of an engine that has never split a step (DBO off, or DP 1), where the per-access hooks
-are not in force yet (``microbatch_arming``); "main, armed" = the main thread of an engine that has split one, in a
-step vLLM does not split; "ubatch 1" = a thread registered as microbatch 1 in vLLM's own thread table, as
-``UBatchContext.__enter__`` does, hooks armed.
-A CPU measurement: an H200 host's cores are faster, so read the differences, not the absolute numbers.
-
-``--cold K``: in a model, several hundred microseconds of other work (vLLM's Python, torch dispatch) run between
-two hooked accesses and evict the caches the access needs, which a loop of back-to-back accesses keeps warm. With
-K > 0 every access is preceded by K random reads over a 40 MB pool of objects and timed on its own (the median of a
-block), on both sides (the clock's own cost cancels in the difference).
+Every hook on vLLM's per-layer path is paid on every layer of every eager DBO step, on both microbatch threads.
+This times each on the real vLLM classes (instances made without their CUDA ``__init__``): blocks of N accesses
+alternate between the plugin installed and uninstalled, R times, on the threads of ``THREADS``; the median ns
+per access of each side and their difference are reported. A CPU measurement: read the differences.
+``--cold K`` precedes every access with K random reads over a 40 MB pool (the caches vLLM's own work evicts).
 
     python graphs/bench_hook_calls.py [--n 200000] [--reps 7] [--cold K] [--out graphs/results]
 """
@@ -24,6 +12,7 @@ block), on both sides (the clock's own cost cancels in the difference).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import threading
@@ -327,8 +316,6 @@ class Evictor:
 def _time_cold(access: Callable[[], Any], n: int, evict: Evictor) -> float:
     """The median of ``n`` accesses timed one by one after an eviction each, with the collector paused: a pass over
     the 40 MB pool would otherwise land inside a random access and swamp the difference."""
-    import gc
-
     clock = time.perf_counter_ns
     times = []
     enabled = gc.isenabled()
@@ -384,6 +371,7 @@ def measure(n: int, reps: int, cold: int = 0) -> dict[str, Any]:
     parallel = ParallelConfig(enable_dbo=True, enable_expert_parallel=True, all2all_backend="deepep_low_latency", data_parallel_size=2)
     config = VllmConfig(device_config=DeviceConfig(device="cpu"), parallel_config=parallel)
     evict = Evictor(cold) if cold else None
+    gc.freeze()  # as vLLM freezes its start-up heap: the plugin's uninstall collects, which would scan all of vLLM
     plugin.uninstall()
     undo = _stub_kernels()
     try:

@@ -1,19 +1,12 @@
 """dbo_runtime's host cost at production depth, in the real engine on one GPU: step time, self time, hooked calls.
 
-With DeepEP high-throughput and DP > 1 vLLM runs every DBO step eager, so every hooked Python call is paid on
-every layer of every step. This measures it where operators pay it: tiny-width models at 6, 61 (DeepSeek-V3.2)
-and 78 (GLM-5.3) layers, with the GLM-5.3 layer pattern (index_topk_freq 4, offset 3: 21 leaders) or every layer
-a leader (DeepSeek-V3.2); eager and CUDA graphs; DBO off, and DBO at DP 1 (one GPU: the budget is announced, the
-top-k state attached and every hook armed, but vLLM never splits a step). Per configuration three engines are
-alive at once and timed in turns, interleaved, the order rotating each rep (``harness.turns``; ``--at-once``
-configurations share one set of turns, and the groups run one after the other): dbo_runtime,
-vanilla (``DBO_RUNTIME_DISABLE=1``), and dbo_runtime with ``DBO_RUNTIME_SELF_TIME=1`` (kept out of the A/B: the
-timer costs time). Reported per configuration: the step-time ratio (median of per-rep paired ratios), the
-plugin's own host time per step and per layer, hooked calls and accesses per step and per layer (per patch, in
-the JSON), and planner JIT compilations inside steps.
+With DeepEP high-throughput and DP > 1 every DBO step runs eager, so every hooked call is paid on every layer.
+Tiny-width models at 6, 61 and 78 layers (GLM-5.3 or DeepSeek-V3.2 layer pattern), eager and CUDA graphs, DBO off
+and DBO at DP 1; per configuration three engines (dbo_runtime, vanilla, dbo_runtime self-timed) are timed in
+interleaved turns (``harness.turns``). Reported: the paired step-time ratio, the plugin's own host time and hooked
+calls per step and per layer, planner compilations inside steps.
 
-    python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs]
-        [--dbo off,dp1] [--reps 5] [--steps 16] [--graphs-steps 128] [--at-once 1] [--out graphs/results]
+    python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs] [--dbo off,dp1]
     python graphs/bench_host_cost.py --from-runs DIR [--only ...] [--out DIR]   (no engines: a stopped run's records)
 """
 

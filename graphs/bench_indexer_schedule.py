@@ -1,22 +1,10 @@
 """Indexer schedule cache on a GPU: host cost, planner kernels per DBO step, first-step JIT latency.
 
-Three measurements with real DeepGEMM (no vLLM needed), GLM-5.3 indexer shapes (32 heads x 128,
-block 64, 13 requests with contexts 1..32768, next_n 1):
-
-1. Host cost per indexer layer when the SM count is unchanged: ``IndexerScheduleCache.resolve``
-   (and the vLLM call-site wrapper around a no-op kernel) vs a bare ``deep_gemm.get_num_sms()``.
-   Goal: <= 0.2 us above ``get_num_sms``.
-2. Planner kernels per DBO microbatch per step, ``--steps`` steps x 2 microbatches x ``--layers``
-   layers under the DBO budget (132 -> 112): upstream #60732 (build plans for the whole GPU, the
-   call site re-plans every step) vs plan-ahead (build plans for the DBO count, 0 re-plans).
-   GPU time of the planning part and of the whole step, CUDA events.
-3. First DBO step latency for an SM count never used in the process (fresh ``DG_JIT_CACHE_DIR``):
-   112 after the ``announced`` warm-up vs 110 cold (the planner JIT-compiles inside the step).
+Real DeepGEMM, GLM-5.3 indexer shapes: (1) the cache lookup's host cost per indexer layer against a bare
+``get_num_sms()``; (2) planner kernels per microbatch per step, re-plan at the call site vs plan-ahead, under the
+DBO budget; (3) the first DBO step at an SM count never used in the process, warmed at model load vs cold.
 
     python3 graphs/bench_indexer_schedule.py [--out graphs/results] [--steps 20]
-
-Writes ``bench_indexer_schedule.json`` (+ ``.png`` when matplotlib is present) to ``--out`` and,
-when ``$OUT`` is set, a copy there. Numbers are never asserted (they are measurements).
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Cold-start cost of the paged-MQA planner warm-up: warming the shapes vLLM runs microbatched vs a bucket sweep.
 
-DeepGEMM JIT-compiles one planner per (32-aligned batch, SM slots); dbo_runtime compiles them for
-the DBO SM count when the budget is announced at model load. Two warm-up sets for the same vLLM
-configuration, each in a fresh process with an empty DeepGEMM JIT cache (``DG_JIT_CACHE_DIR``), one
-after the other in one run:
-
-* ``before`` -- every 32-row bucket up to min(max_num_seqs, 512), for next_n 1 and 1 + spec tokens
-  (a sweep that does not know which shapes vLLM microbatches);
-* ``after``  -- exactly the per-microbatch shapes vLLM will run microbatched
-  (``schedule_cache.dbo_planner_shapes``: the FULL cudagraph capture sizes DBO captures, and the full
-  batch of max_num_seqs decodes).
-
-Both go through ``IndexerScheduleCache.warm`` with the real DeepGEMM planner at the DBO count (112 on
-an H200). Reported per set: planner variants launched, new JIT cache entries, seconds (with
-``torch.cuda.synchronize``), and which ``after`` buckets ``before`` missed. The configuration is
-vLLM 0.33.0's ``vllm serve`` default on an H200: max_num_seqs 1024, max_num_batched_tokens 8192,
-capture sizes 1, 2, 4, 8..248 step 8, 256..512 step 16 (plus 4 x requests for MTP), DBO decode
-threshold 32, two microbatches. Default ``--spec-tokens 3`` (GLM-5.3 with MTP: next_n 4);
-about 90 s on an H200 (a cold planner compile is about 2 s).
+DeepGEMM JIT-compiles one planner per (32-aligned batch, SM slots). ``before`` warms every 32-row bucket up to
+min(max_num_seqs, 512); ``after`` exactly the shapes vLLM microbatches (``dbo_planner_shapes``), each in a fresh
+process with an empty ``DG_JIT_CACHE_DIR``, for vLLM's default H200 configuration. Reported per set: planner
+variants, new JIT cache entries, seconds, and the buckets ``before`` missed.
 
     python3 graphs/bench_planner_warmup.py [--spec-tokens 3] [--max-num-seqs 1024] [--out graphs/results]
-
-Writes ``bench_planner_warmup.json`` (+ ``.png`` with matplotlib) to ``--out``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""dbo_runtime vs vanilla vLLM 0.33.0 in the real engine on one GPU: start-up and decode cost.
+"""dbo_runtime vs vanilla vLLM in the real engine on one GPU: start-up and decode cost.
 
-A = plugin, B = vanilla (``DBO_RUNTIME_DISABLE=1``); fresh engines interleaved A B A B ... so
-drift hits both alike; every run starts its own engine (start time) and then times decode on
-warm caches. Untimed warm-up engines go first (``--warmup-engines``, default 1): on a fresh machine
-the first engine compiles DeepGEMM/Triton kernels during its start and its first decode passes (2x
-H200: 43 s start and a 97 ms step, against 16 s and 17-20 ms once warm), which would
-land on whichever variant comes first. Per rep a 1-token pass and
-a T-token pass, decode step = difference / (T - 1). One more plugin run with
-``DBO_RUNTIME_SELF_TIME=1`` measures the plugin's own host time per decode step (kept out of the
-A/B, since the timer itself costs time). DBO is off: with one GPU vLLM never microbatches.
+Fresh engines alternate plugin / vanilla (``DBO_RUNTIME_DISABLE=1``) so drift hits both alike, after untimed
+warm-up engines that fill the JIT caches; decode step = (T-token pass - 1-token pass) / (T - 1). One more
+self-timed plugin engine gives the plugin's own host time per step. Goals: decode overhead <= 1 %, start <= +3 s.
 
-Goals: decode-step overhead <= 1 %, start-up delta <= 3 s.
-
-    python graphs/bench_real_engine.py [--reps 5] [--model shared-topk] [--eager|--graphs] [--out graphs/results]
+    python graphs/bench_real_engine.py [--reps 5] [--model shared-topk] [--graphs] [--out graphs/results]
 """
 
 from __future__ import annotations

@@ -1,37 +1,12 @@
 """Planner kernels and schedule copies per FULL-graph DBO step, before and after deferred plan-ahead.
 
-A FULL-graph DBO step is a metadata build followed by a graph replay. The graph re-plans the
-paged-MQA schedule inside itself (from the persistent ``context_lens``) so every replay reads a
-plan for the captured SM count; what the build planned for that step is never read. Two variants,
-side by side in one run, same inputs, real DeepGEMM, real CUDA graph (MRV1-style capture of the
-GLM-5.3-shaped stack from ``dbo_runtime.sim``, two microbatches, 132 -> 112 SMs on an H200):
-
-* ``plan_at_build`` -- before: the plan-ahead build launches the planner (and copies the plan
-  into the schedule buffer) for each microbatch, then the graph launches its own planners.
-* ``deferred``      -- after: the build launches nothing; only the graph's planners run.
-
-What is counted, per step, and where (each count names its window; nothing mixes build and replay):
-
-* ``host_per_step`` (exact, no profiler): the build's planner launches (the backend's counter),
-  its real copies into the schedule buffers and its same-memory no-op copies (``CopyCounter``:
-  torch launches nothing for those), and the call-site deferred plans / re-plans during the step
-  (a replay runs no Python: 0). Expected: plan_at_build 2 / 2, deferred 0 / 0.
-* ``profiler_build_window_per_step``: torch profiler over ``steps`` builds only.
-* ``profiler_replay_window_per_step``: torch profiler over ``steps`` replays only. Its memcpys are
-  the graph's own nodes -- the forward's per-layer output, top-k, ``masked_fill`` and ``sort``
-  copies (324 per step at the defaults) -- the same in both variants. On the H200 (torch 2.11,
-  CUDA 13.0) one window over input copies + build + replay + snapshot counts 9 (plan_at_build:
-  4 + 2 + 3, no graph memcpy reported) vs 331 (deferred: 4 + 0 + 3 + 324) for graphs with the same
-  nodes; so the profiler is started once before either graph is captured, the windows are separate,
-  and a mismatch between the variants' replay windows is reported as a profiler artefact.
-
-The GPU time of build + replay (CUDA events) is measured in a loop without profiler or counter, and
-every replay of that loop is checked bit-for-bit against the unsplit full-SM reference. About 30 s
-on an H200.
+A FULL-graph DBO step is a metadata build and a graph replay; the graph re-plans inside itself, so what the
+build planned is never read. ``plan_at_build`` plans at the build, ``deferred`` does not. Counted per step: on the
+host, exactly (build planners, schedule copies, call-site plans), and by the torch profiler in separate build-only
+and replay-only windows (CUPTI's count of graph nodes is unreliable: differing replay windows are reported as an
+artefact). Build + replay GPU time is timed separately, each replay checked bit-for-bit against the unsplit run.
 
     python3 graphs/bench_replay_planning.py [--steps 10] [--out graphs/results]
-
-Writes ``bench_replay_planning.json`` (+ ``.png`` with matplotlib) to ``--out``.
 """
 
 from __future__ import annotations

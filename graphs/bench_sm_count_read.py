@@ -1,14 +1,9 @@
 """What the indexer call site pays to learn DeepGEMM's live SM count, per call, quiet and with a busy thread.
 
-The call site compares the schedule's planned SM count with DeepGEMM's live one on every indexer layer. vLLM's
-vendored DeepGEMM 2.8 binds ``get_num_sms`` as a torch custom op, and a torch op call dispatches and releases the
-GIL: when another Python thread of the process wants the GIL it may keep it for its whole switch interval (5 ms)
-before the call returns. ``adapters.deep_gemm.LiveNumSms`` reads the count once per write instead. This times, side
-by side in one run, per call: the op (vLLM's vendored ``get_num_sms`` when it loads here, else a stand-in op with
-the same schema registered through ``torch.library``, named as such in the JSON), ``LiveNumSms.read`` with its
-writers watched (the cached read the call site makes), and a plain Python call; each quiet and with one other
-Python thread spinning (a stand-in for the engine's own threads, which want the GIL far less often: the median and
-the 99th percentile are the numbers to read, the mean shows the handoffs).
+DeepGEMM's ``get_num_sms`` is a torch op, which releases the GIL: another busy Python thread may then hold it for
+a whole switch interval. ``LiveNumSms`` reads the count once per write instead. Timed per call: the op (vLLM's
+vendored one, else a stand-in of the same schema), ``LiveNumSms.read`` and a plain call, each quiet and with one
+spinning thread (read the median and the 99th percentile).
 
     python graphs/bench_sm_count_read.py [--n 20000] [--out graphs/results]
 """

@@ -1,16 +1,9 @@
 """GLM-5.3-shaped DBO scenario suite on a GPU: eager, MRV1-style and MRV2-style FULL-graph capture.
 
-Each mode runs the 78-layer / 21-leader stack with real DeepGEMM paged-MQA
-logits as two microbatches on two threads and two streams under SMControl's DBO
-budget (132 -> 112 on an H200), with the indexer schedule cache and
-per-microbatch top-k state active, and checks every step / replay (new inputs
-each time) bit-for-bit against an unsplit full-SM run. Also runs the vLLM 0.33.0
-contrasts in eager mode (assertion; shared top-k).
+The 78-layer stack with real DeepGEMM as two microbatches under the DBO budget, every step checked bit-for-bit
+against an unsplit run, plus vLLM's contrasts in eager mode; exits non-zero when a check fails.
 
     python graphs/scenario_suite.py [--steps 20] [--out graphs/results]
-
-Writes ``scenario_suite.json`` (+ ``scenario_suite.png`` when matplotlib is
-present) and exits non-zero when a check fails.
 """
 
 from __future__ import annotations
