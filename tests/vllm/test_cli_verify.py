@@ -13,8 +13,7 @@ import pytest
 from dbo_runtime.cli import _engine, verify
 from dbo_runtime.cli.main import main
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.harness.compare import Request, Thresholds, compare
-from dbo_runtime.harness.compare import verdict as verdict_fn
+from dbo_runtime.harness.compare import Thresholds
 
 
 @pytest.fixture(autouse=True)
@@ -94,7 +93,7 @@ def _rec(ok: bool = True, tokens: list[list[int]] | None = None, steps: Any = (4
 
 
 def _doc(records: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
-    return verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], Request, compare, verdict_fn)
+    return verify._result(records, Thresholds(0.98, 0.25), tmp_path, [])
 
 
 def test_result_pass_fail_error_inconclusive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -129,7 +128,7 @@ def test_noise_floor_judges_dbo_against_a_batch_shape_change(tmp_path: Path, cap
 
     def doc(on: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
         records = {"dbo-off": _lp_rec(0.0), "dbo-on": on, "noise-floor": floor}
-        return verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], Request, compare, verdict_fn, rule)
+        return verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], rule)
 
     fixed = doc(_lp_rec(3.1e-5), _lp_rec(2e-5))
     assert fixed["verdict"] == "pass" and fixed["noise_floor"]["mean_abs_dlogprob_exact"] == pytest.approx(2e-5)
@@ -177,11 +176,11 @@ def test_floor_needs_two_sequences_per_rank() -> None:
 def test_degenerate_or_broken_floor(tmp_path: Path) -> None:
     rule = verify.FloorRule()
     records = {"dbo-off": _lp_rec(0.0), "dbo-on": _lp_rec(3.4e-4), "noise-floor": _lp_rec(0.0)}
-    doc = verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], Request, compare, verdict_fn, rule)
+    doc = verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], rule)
     assert doc["judged_by"] == "thresholds" and doc["verdict"] == "pass" and any("identical" in n for n in doc["notes"])
     broken = _lp_rec(1e-5)
     broken["requests"][1]["logprobs"][0] = {"4": float("nan")}
-    doc = verify._result({**records, "noise-floor": broken}, Thresholds(0.98, 0.25), tmp_path, [], Request, compare, verdict_fn, rule)
+    doc = verify._result({**records, "noise-floor": broken}, Thresholds(0.98, 0.25), tmp_path, [], rule)
     assert doc["verdict"] == "error" and "noise-floor run is unusable" in doc["reasons"][0]
 
 
