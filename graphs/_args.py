@@ -45,6 +45,11 @@ def add_out(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=SCRATCH, help="output folder (default graphs/results/local/, git-ignored)")
 
 
+def progress(line: str) -> None:
+    """The harness's progress lines, on stderr: stdout is the measurement."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def say_written(prog: str, *paths: Path) -> None:
     """One line on stderr naming the files written: stdout is the measurement."""
     written = [str(p) for p in paths if p.is_file()]

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, add_out, integer, progress, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 GROUPS: dict[str, tuple[str, bool]] = {"ht": ("shared-topk", False), "ll": ("shared-topk-h2048", True)}
@@ -105,7 +105,7 @@ def _run_group(args: argparse.Namespace, group: str, out: Path, env_facts: dict)
         for label, dbo, plugin, env in CONFIGS[group]
     ]
     work = out / "bench_dbo_engine_runs"
-    records = run_interleaved(specs, work, args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    records = run_interleaved(specs, work, args.reps, timeout_s=1500, progress=progress)
     rows = {label: _row(rec) for label, rec in records.items()}
     summary: dict[str, object] = {}
     for name, (a, b) in RATIOS[group].items():

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dbo_runtime.harness.machine import refuse_without_engine  # noqa: E402
-from graphs._args import EXIT_NO_DEVICE, add_out, integer, positive_seconds, say_written  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, add_out, integer, positive_seconds, progress, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(variant: str, rep: int, env: dict[str, str]) -> None:
         label = f"{variant}-{rep}"
-        rec = launch(spec(label, env), work, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        rec = launch(spec(label, env), work, progress=progress)
         runs.append({"variant": variant, "rep": rep, **_slim(rec)})
         write(False)
 
