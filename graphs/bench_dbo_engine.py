@@ -23,8 +23,7 @@ from graphs._args import EXIT_NO_DEVICE, add_out, integer, progress, say_written
 from graphs._plotting import pyplot  # noqa: E402
 
 GROUPS: dict[str, tuple[str, bool]] = {"ht": ("shared-topk", False), "ll": ("shared-topk-h2048", True)}
-"""(model, FULL decode graphs) per backend group. DeepEP LL needs hidden >= 2048; HT runs eager
-because vLLM turns graphs off for HT with DP > 1."""
+"""(model, FULL decode graphs) per group: DeepEP LL needs hidden >= 2048; vLLM runs HT with DP > 1 eager."""
 CONFIGS: dict[str, list[tuple[str, bool, bool, dict[str, str]]]] = {
     "ht": [
         ("ht-dbo-off", False, True, {}),
@@ -34,15 +33,12 @@ CONFIGS: dict[str, list[tuple[str, bool, bool, dict[str, str]]]] = {
     "ll": [
         ("ll-dbo-off", False, True, {}),
         ("ll-dbo-plugin", True, True, {}),
-        # vanilla DBO runs under LL: it reserves no comm SMs, so no crash
         ("ll-dbo-vanilla", True, False, {}),
         ("ll-dbo-plugin-selftime", True, True, {"DBO_RUNTIME_SELF_TIME": "1"}),
     ],
 }
-"""(label, DBO on, dbo_runtime on, extra env) per backend group. The groups run one after the other:
-all seven DP-2 configurations alive at once put seven engines on each H200, and the seventh died of
-CUDA OOM in a prefill of its first timed turn (measured on 2x H200), so side-by-side ratios are within
-a group."""
+"""(label, DBO on, dbo_runtime on, extra env) per group; the groups run one after the other (seven engines on one
+GPU outgrow it), so ratios are within a group."""
 RATIOS = {
     "ht": {"ht_dbo_plugin_over_off": ("ht-dbo-plugin", "ht-dbo-off")},
     "ll": {
@@ -57,11 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=integer(1), default=3, help="timed reps per configuration after one warm-up (default 3)")
     parser.add_argument("--steps", type=integer(2), default=64, help="decode steps per timed pass (default 64)")
     add_out(parser)
-    parser.add_argument(
-        "--backends",
-        default="ht,ll",
-        help="comma-separated all2all backend groups, run one after the other in the order given: ht, ll (default ht,ll)",
-    )
+    parser.add_argument("--backends", default="ht,ll", help="comma-separated backend groups, run one after the other: ht, ll (default ht,ll)")
     args = parser.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in GROUPS]
@@ -120,10 +112,8 @@ def _run_group(args: argparse.Namespace, group: str, out: Path, env_facts: dict)
 
 
 def _row(rec: dict) -> dict:
-    """One configuration's timed reps. DP ranks step together, so a rep's step time is the slower
-    rank's; its tok/s is the sum of each rank's own rate (so tok/s and 64 / step need not agree). A rep
-    where any rank's measurement is invalid (None: a loaded host) is dropped for every rank and every
-    statistic; ``decode_step_ms_by_rep`` keeps its place (None) so reps pair across configurations."""
+    """One configuration's timed reps: a rep's step is the slower rank's, its tok/s the sum of the ranks'. A rep
+    any rank could not measure is dropped everywhere; ``decode_step_ms_by_rep`` keeps its place (None) for pairing."""
     per_rank = rec.get("bench") or []
     timed = [[r for r in b.get("reps", []) if not r.get("warmup")] for b in per_rank]
     n = min((len(rs) for rs in timed), default=0)
@@ -154,8 +144,7 @@ def _ratio_of_medians(rows: dict, a: str, b: str) -> float | None:
 
 
 def _paired(rows: dict, a: str, b: str) -> dict | None:
-    """Rep i of ``a`` over rep i of ``b``: the turns interleave, so the two ran a few seconds apart on
-    the same host state. Median and range of those ratios are less exposed to host drift than a ratio
+    """Rep i of ``a`` over rep i of ``b`` (interleaved turns: seconds apart), less exposed to host drift than a ratio
     of medians."""
     xs, ys = rows.get(a, {}).get("decode_step_ms_by_rep") or [], rows.get(b, {}).get("decode_step_ms_by_rep") or []
     ratios = [x / y for x, y in zip(xs, ys, strict=False) if x and y]

@@ -29,7 +29,7 @@ from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import GLM53, Scenario, capture_dbo_graph
 from graphs._args import EXIT_NO_DEVICE, add_out, integer
-from graphs._plotting import pyplot
+from graphs._plotting import bar_panels
 
 VARIANTS = {
     "dbo_runtime": {},
@@ -184,22 +184,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(doc: dict, path: Path) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    s = doc["summary"]
-    names = list(s["eager_ms_median"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    axes[0].bar(names, [s["eager_ms_median"][n] for n in names], color="tab:blue")
-    axes[0].set_title("eager step (host wall, median ms)", fontsize=9)
-    axes[1].bar(names, [s["graph_replay_ms_median"][n] for n in names], color="tab:green")
-    axes[1].set_title("FULL-graph replay (CUDA events, median ms)", fontsize=9)
-    for ax in axes:
-        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    env = doc["environment"]
-    fig.suptitle(f"GLM-5.3-shaped DBO stack, {env.get('device')}, torch {env.get('torch')}, {env.get('deep_gemm')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    s, env = doc["summary"], doc["environment"]
+    title = f"GLM-5.3-shaped DBO stack, {env.get('device')}, torch {env.get('torch')}, {env.get('deep_gemm')}"
+    panels = [(list(s[k]), list(s[k].values()), label) for k, label in (
+        ("eager_ms_median", "eager step (host wall, median ms)"), ("graph_replay_ms_median", "FULL-graph replay (CUDA events, median ms)"))]
+    bar_panels(path, title, panels)
 
 
 if __name__ == "__main__":

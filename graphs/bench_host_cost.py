@@ -372,10 +372,8 @@ def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    """Two panels, one bar per configuration. A value a row lacks (no vanilla engine finished, so no ratio or
-    share) is written "n/a" on the axis instead of drawn as a zero bar, which would read as "costs nothing". Bars
-    are coloured by the records they came from: a matrix merged from several runs mixes code versions, and the
-    figure has to say which rows measured which."""
+    """Two panels, one bar per configuration; a value a row lacks is "n/a", never a zero bar ("costs nothing"). Bars
+    are coloured by the records they came from: merged runs mix code versions."""
     plt = pyplot()
     if plt is None:
         return
@@ -402,11 +400,9 @@ def _plot(rows: list[dict], path: Path) -> None:
     # the pairs' spread: fresh engines differ more than the plugin's cost, and a median alone hides that
     spread = [(i, p) for i, p in enumerate(r["plugin_over_vanilla_paired"] or {} for r in rows) if None not in (p.get("median"), p.get("min"), p.get("max"))]
     if spread:
-        xs = [i for i, _ in spread]
-        medians = [p["median"] for _, p in spread]
         low = [max(0.0, p["median"] - p["min"]) for _, p in spread]  # hand-merged records may disagree
         high = [max(0.0, p["max"] - p["median"]) for _, p in spread]
-        axes[0].errorbar(xs, medians, yerr=[low, high], fmt="none", ecolor="k", elinewidth=0.8, capsize=3)
+        axes[0].errorbar([i for i, _ in spread], [p["median"] for _, p in spread], yerr=[low, high], fmt="none", ecolor="k", elinewidth=0.8, capsize=3)
         axes[0].set_ylabel("dbo_runtime / vanilla step\n(paired median, min-max)")
     bottom = 0.0
     if len(colour_of) > 1:  # below the panels: inside one it covers bars
@@ -419,11 +415,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     on = " / ".join(devices) or "not recorded"
     if devices and unrecorded:
         on += f" ({unrecorded} row(s) with no device recorded)"
-    fig.suptitle(
-        f"dbo_runtime host cost at depth, real vLLM engine, one GPU: {on}\n"
-        "(three engines per configuration, timed in turns)",
-        fontsize=10,
-    )
+    fig.suptitle(f"dbo_runtime host cost at depth, real vLLM engine, one GPU: {on}\n(three engines per configuration, timed in turns)", fontsize=10)
     fig.tight_layout(rect=(0, bottom, 1, 0.93))  # the two-line title above the panels
     fig.savefig(path, dpi=110)
 

@@ -20,14 +20,14 @@ import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing
 
 # isort: split
 
-import json
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from graphs._args import EXIT_NO_DEVICE, add_out, integer
-from graphs._plotting import pyplot
+from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written
+from graphs._plotting import bar_panels
 
 HEADS, DIM, BLOCK = 32, 128, 64
 CONTEXTS = [1, 7, 64, 65, 255, 256, 257, 1000, 4096, 8191, 16384, 30000, 32768]
@@ -91,18 +91,19 @@ def host_cost(dg: Any, x: dict[str, torch.Tensor], calls: int) -> dict[str, Any]
         wrapper = _make_logits(noop)
         q = (x["q"], None)
         assert cache.resolve(schedule, ctx, None, kv) is schedule
+
+        def resolve() -> Any:
+            return cache.resolve(schedule, ctx, None, kv)
+
+        def wrapped() -> Any:
+            return wrapper(q, kv, None, ctx, None, schedule, max_model_len=MAX_CTX, indices=None)
+
         res = {
-            "calls_per_repeat": calls,
-            "repeats": 5,
-            "empty_call_ns": _per_call_ns(noop, calls),
-            "get_num_sms_ns": _per_call_ns(reader, calls),
-            "is_current_stream_capturing_ns": _per_call_ns(capturing, calls),
-            "resolve_ns": _per_call_ns(lambda: cache.resolve(schedule, ctx, None, kv), calls),
+            "calls_per_repeat": calls, "repeats": 5, "empty_call_ns": _per_call_ns(noop, calls), "get_num_sms_ns": _per_call_ns(reader, calls),
+            "is_current_stream_capturing_ns": _per_call_ns(capturing, calls), "resolve_ns": _per_call_ns(resolve, calls),
             "bare_call_site_ns": _per_call_ns(lambda: noop(q, kv, None, ctx, None, schedule, MAX_CTX, indices=None), calls),
-            "wrapped_call_site_ns": _per_call_ns(
-                lambda: wrapper(q, kv, None, ctx, None, schedule, max_model_len=MAX_CTX, indices=None), calls
-            ),
-        }
+            "wrapped_call_site_ns": _per_call_ns(wrapped, calls),
+        }  # fmt: skip
         # resolve() is called through a lambda here, so subtract one empty call to compare with get_num_sms().
         res["resolve_above_get_num_sms_ns"] = res["resolve_ns"] - res["empty_call_ns"] - res["get_num_sms_ns"]
         res["wrapper_overhead_ns"] = res["wrapped_call_site_ns"] - res["bare_call_site_ns"]
@@ -113,12 +114,7 @@ def host_cost(dg: Any, x: dict[str, torch.Tensor], calls: int) -> dict[str, Any]
         counting = PatchSet(capture_hooks.patches())
         counting.install()
         try:
-            res["with_capture_counter"] = {
-                "resolve_ns": _per_call_ns(lambda: cache.resolve(schedule, ctx, None, kv), calls),
-                "wrapped_call_site_ns": _per_call_ns(
-                    lambda: wrapper(q, kv, None, ctx, None, schedule, max_model_len=MAX_CTX, indices=None), calls
-                ),
-            }
+            res["with_capture_counter"] = {"resolve_ns": _per_call_ns(resolve, calls), "wrapped_call_site_ns": _per_call_ns(wrapped, calls)}
         finally:
             counting.uninstall()
         wc = res["with_capture_counter"]
@@ -132,7 +128,6 @@ def host_cost(dg: Any, x: dict[str, torch.Tensor], calls: int) -> dict[str, Any]
 
 def steady_state(dg: Any, x: dict[str, torch.Tensor], steps: int, layers: int, dbo_sms: int) -> dict[str, Any]:
     from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner
-    from dbo_runtime.core.budget import compute_budget
     from dbo_runtime.services.schedule_cache import IndexerScheduleCache
     from dbo_runtime.services.sm_control import SMControl
 
@@ -143,12 +138,9 @@ def steady_state(dg: Any, x: dict[str, torch.Tensor], steps: int, layers: int, d
         cache = IndexerScheduleCache(planner)
         control = SMControl(torch.cuda.current_device(), total)
         cache.attach(control)
-        budget = compute_budget(
-            total_sms=total, platform="cuda", enable_dbo=True, expert_parallel=True,
-            all2all_backend="deepep_high_throughput", env_comm_sms=total - dbo_sms,
-        )
+        budget = _budget(total, dbo_sms)
         control.announce(budget)
-        knob = _Knob(dg)
+        knob = SimpleNamespace(name="deep_gemm.set_num_sms", set=dg.set_num_sms)
         plan_ms: list[float] = []
         step_ms: list[float] = []
         replans: list[int] = []
@@ -198,19 +190,17 @@ def steady_state(dg: Any, x: dict[str, torch.Tensor], steps: int, layers: int, d
     return out
 
 
-class _Knob:
-    name = "deep_gemm.set_num_sms"
+def _budget(total: int, sms: int) -> Any:
+    """The DBO budget that leaves DeepGEMM ``sms`` SMs (DeepEP high-throughput)."""
+    from dbo_runtime.core.budget import compute_budget
 
-    def __init__(self, dg: Any) -> None:
-        self.dg = dg
-
-    def set(self, num_sms: int) -> None:
-        self.dg.set_num_sms(num_sms)
+    return compute_budget(
+        total_sms=total, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_high_throughput", env_comm_sms=total - sms
+    )
 
 
 def first_step(dg: Any, x: dict[str, torch.Tensor], warm_sms: int, cold_sms: int) -> dict[str, Any]:
     from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner
-    from dbo_runtime.core.budget import compute_budget
     from dbo_runtime.services.planner_warmup import PlannerProfile
     from dbo_runtime.services.schedule_cache import IndexerScheduleCache
     from dbo_runtime.services.sm_control import SMControl
@@ -239,10 +229,7 @@ def first_step(dg: Any, x: dict[str, torch.Tensor], warm_sms: int, cold_sms: int
         cache.register_profile(device, PlannerProfile(device=torch.device("cuda", device), block_kv=BLOCK, shapes=((len(CONTEXTS), 1),)))
         warm_ms = 0.0
         if warm:
-            budget = compute_budget(
-                total_sms=total, platform="cuda", enable_dbo=True, expert_parallel=True,
-                all2all_backend="deepep_high_throughput", env_comm_sms=total - sms,
-            )
+            budget = _budget(total, sms)
             t0 = time.perf_counter()
             control.announce(budget)  # model load: compiles the planner for `sms`
             torch.cuda.synchronize()
@@ -260,33 +247,15 @@ def first_step(dg: Any, x: dict[str, torch.Tensor], warm_sms: int, cold_sms: int
 
 
 def _plot(doc: dict[str, Any], path: Path) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    h = doc["host_cost"]
-    axes[0].bar(["get_num_sms", "resolve", "resolve - get_num_sms"],
-                [h["get_num_sms_ns"], h["resolve_ns"] - h["empty_call_ns"], h["resolve_above_get_num_sms_ns"]])
-    axes[0].axhline(200, color="red", linestyle="--", label="goal: +200 ns")
-    axes[0].set_ylabel("ns per indexer layer (host)")
-    axes[0].legend()
-    s = doc["steady_state"]
-    names = ["upstream_replan_at_call_site", "plan_ahead"]
-    axes[1].bar(["upstream #60732", "plan-ahead"], [s[n]["planner_kernels_per_microbatch_step"] for n in names])
-    axes[1].set_ylabel("planner kernels per microbatch per step")
-    for i, n in enumerate(names):
-        axes[1].text(i, 0.05, f"re-plans {s[n]['replans_per_microbatch_step']:.2f}\n"
-                     f"plan {s[n]['planning_ms_per_step_median'] * 1e3:.1f} us/step", ha="center")
-    f = doc["first_step"]
-    axes[2].bar([f"{f['with_warmup']['sms']} SMs, warmed", f"{f['without_warmup']['sms']} SMs, cold"],
-                [f["with_warmup"]["first_step_ms"], f["without_warmup"]["first_step_ms"]])
-    axes[2].set_ylabel("first DBO step, indexer layer 0 (ms)")
-    axes[2].set_yscale("log")
-    env = doc["environment"]
-    fig.suptitle(f"Indexer schedule cache - {env.get('device')} - {env.get('deep_gemm')} - torch {env.get('torch')} - {env.get('date')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    h, s, f, env = doc["host_cost"], doc["steady_state"], doc["first_step"], doc["environment"]
+    return bar_panels(path, f"Indexer schedule cache - {env.get('device')} - {env.get('deep_gemm')} - torch {env.get('torch')}", [
+        (["get_num_sms", "resolve", "resolve - get_num_sms"], [h["get_num_sms_ns"], h["resolve_ns"] - h["empty_call_ns"],
+         h["resolve_above_get_num_sms_ns"]], "ns per indexer layer (host)"),
+        (["upstream #60732", "plan-ahead"], [s[n]["planner_kernels_per_microbatch_step"] for n in ("upstream_replan_at_call_site", "plan_ahead")],
+         "planner kernels per microbatch per step"),
+        ([f"{f['with_warmup']['sms']} SMs, warmed", f"{f['without_warmup']['sms']} SMs, cold"],
+         [f["with_warmup"]["first_step_ms"], f["without_warmup"]["first_step_ms"]], "first DBO step, indexer layer 0 (ms)"),
+    ])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: Any) -> int:
     import deep_gemm as dg
 
-    from dbo_runtime.sim.report import environment
+    from dbo_runtime.sim.report import environment, write_json
 
     device = torch.device("cuda", torch.cuda.current_device())
     x = _inputs(device, seed=0)
@@ -362,14 +331,9 @@ def _run(args: Any) -> int:
         f"warmed vs {f['without_warmup']['first_step_ms']:.2f} ms cold",
         flush=True,
     )
-    targets = [args.out]
-    if os.environ.get("OUT"):
-        targets.append(Path(os.environ["OUT"]))
-    for target in targets:
-        target.mkdir(parents=True, exist_ok=True)
-        (target / "bench_indexer_schedule.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        plotted = _plot(doc, target / "bench_indexer_schedule.png")
-        print(f"wrote {target / 'bench_indexer_schedule.json'}" + (" + .png" if plotted else " (no matplotlib: no PNG)"))
+    write_json(args.out / "bench_indexer_schedule.json", doc)
+    _plot(doc, args.out / "bench_indexer_schedule.png")
+    say_written("bench_indexer_schedule", args.out / "bench_indexer_schedule.json", args.out / "bench_indexer_schedule.png")
     return 0
 
 

@@ -29,10 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=integer(1), default=5, help="engine starts per variant (default 5)")
     parser.add_argument("--decode-reps", type=integer(1), default=2, help="timed decode reps per engine after one warm-up (default 2)")
     parser.add_argument("--steps", type=integer(2), default=64, help="decode steps per timed pass (default 64)")
-    parser.add_argument(
-        "--model", default="shared-topk", choices=["shared-topk", "deepseek-v32"],
-        help="tiny test model under tests/e2e/models: shared-topk (GLM-5.x layers that reuse top-k) or deepseek-v32 (default shared-topk)",
-    )  # fmt: skip
+    parser.add_argument("--model", default="shared-topk", choices=["shared-topk", "deepseek-v32"], help="tiny test model (default shared-topk)")
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default: eager, the host-bound worst case)")
     parser.add_argument("--warmup-engines", type=integer(0), default=1, help="untimed engines started first to fill the JIT caches (default 1)")
     parser.add_argument("--budget-s", type=positive_seconds, default=1e9, help="stop starting new pairs after this many seconds (default: no limit)")
@@ -51,16 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = {"max_tokens": args.steps, "reps": args.decode_reps, "warmup": 1}
 
     def spec(label: str, env: dict[str, str]) -> RunSpec:
-        return RunSpec(
-            label=label,
-            engine_args=plan.tiny_args(args.model, eager=not args.graphs),
-            env=env,
-            prompts=prompts,
-            max_tokens=4,
-            bench=bench,
-            timeout_s=900,
-            meta={"model": args.model, "issue": 8, "what": "bench_real_engine"},
-        )
+        return RunSpec(label=label, engine_args=plan.tiny_args(args.model, eager=not args.graphs), env=env, prompts=prompts, max_tokens=4,
+                       bench=bench, timeout_s=900, meta={"model": args.model, "issue": 8, "what": "bench_real_engine"})  # fmt: skip
 
     from dbo_runtime.sim.report import environment
 
@@ -121,8 +110,7 @@ def _median(xs: list[float]) -> float | None:
 
 
 def _values(runs: list[dict], variant: str, key: str) -> list[float]:
-    """Every measured value of ``key`` over the variant's good engines; a rep a loaded host made
-    unmeasurable is None in the runner's record and left out (of the summary and the plot alike)."""
+    """Every measured value of ``key`` over the variant's good engines (an unmeasurable rep, None, left out)."""
     out: list[float] = []
     for r in runs:
         if r["variant"] == variant and r["ok"]:

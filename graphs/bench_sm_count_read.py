@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from graphs._args import add_out, integer, say_written  # noqa: E402
-from graphs._plotting import pyplot  # noqa: E402
+from graphs._plotting import bar_panels  # noqa: E402
 
 
 def deep_gemm_op() -> tuple[Callable[[], int], str]:
@@ -122,19 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'reader':<36} {'busy thread':<11} {'median ns':>10} {'p99 ns':>12} {'mean ns':>12}")
     for r in doc["rows"]:
         print(f"{r['reader']:<36} {r['other_thread_busy']!s:<11} {r['median_ns']:10.0f} {r['p99_ns']:12.0f} {r['mean_ns']:12.0f}")
-    plt = pyplot()
-    if plt is None:
-        say_written("bench_sm_count_read", out / "bench_sm_count_read.json")
-        return 0
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for ax, key in zip(axes, ("median_ns", "mean_ns"), strict=True):
-        labels = [f"{r['reader']}\n({'busy' if r['other_thread_busy'] else 'quiet'})" for r in doc["rows"]]
-        ax.barh(labels, [r[key] for r in doc["rows"]])
-        ax.set_xscale("log")
-        ax.set_xlabel(f"{key.replace('_ns', '')} ns per call (log)")
-        ax.tick_params(axis="y", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "bench_sm_count_read.png", dpi=120)
+    labels = [f"{r['reader']}\n({'busy' if r['other_thread_busy'] else 'quiet'})" for r in doc["rows"]]
+    panels = [(labels, [r[key] for r in doc["rows"]], f"{key[:-3]} ns per call (log)") for key in ("median_ns", "mean_ns")]
+    bar_panels(out / "bench_sm_count_read.png", f"DeepGEMM SM count readers ({doc['op']})", panels, horizontal=True, log=True)
     say_written("bench_sm_count_read", out / "bench_sm_count_read.json", out / "bench_sm_count_read.png")
     return 0
 
