@@ -1,8 +1,5 @@
-"""Argument helpers of the ``graphs/`` scripts (plain argparse: a bad value is argparse's error and exit 2).
-
-A machine that cannot run a script (no CUDA, no DeepGEMM, no vLLM, too few GPUs) exits 3. Output goes to
-``graphs/results/local/`` (git-ignored) unless ``--out`` names another folder: trying a script never rewrites
-the committed results in ``graphs/results/``."""
+"""Argument helpers of the ``graphs/`` scripts: plain argparse (a bad value is exit 2), exit 3 where the machine
+cannot run a script, and output to the git-ignored ``graphs/results/local/`` unless ``--out`` names a folder."""
 
 from __future__ import annotations
 

@@ -10,9 +10,7 @@ from typing import Any
 
 
 def pyplot() -> Any | None:
-    """``matplotlib.pyplot`` on the Agg backend, or None when matplotlib is not installed (said once on stderr, so
-    a missing PNG is never a silent gap: the plugin does not depend on matplotlib, only the development set-up
-    installs it, and a GPU machine may lack it)."""
+    """``matplotlib.pyplot`` on the Agg backend, or None without matplotlib (said once on stderr: no silent gap)."""
     try:
         import matplotlib
 

@@ -125,17 +125,11 @@ def _row(rec: dict) -> dict:
     tps = [sum(rs[i]["decode_tok_per_s"] for rs in timed) for i in kept]
     selfs = [rs[i]["plugin_self_us_per_step"] for rs in timed for i in kept if rs[i].get("plugin_self_us_per_step") is not None]
     return {
-        "ok": rec.get("ok"),
-        "error": rec.get("error"),
-        "decode_step_ms": steps,
-        "decode_step_ms_by_rep": by_rep,
-        "decode_tok_per_s": tps,
-        "median_step_ms": statistics.median(steps) if steps else None,
-        "median_tok_per_s": statistics.median(tps) if tps else None,
+        "ok": rec.get("ok"), "error": rec.get("error"), "decode_step_ms": steps, "decode_step_ms_by_rep": by_rep, "decode_tok_per_s": tps,
+        "median_step_ms": statistics.median(steps) if steps else None, "median_tok_per_s": statistics.median(tps) if tps else None,
         "plugin_self_us_per_step": statistics.median(selfs) if selfs else None,
-        "microbatched_builds_per_timed_pass": [r.get("microbatched_builds") for rs in timed for r in rs],
-        "turn_order": rec.get("turn_order"),
-    }
+        "microbatched_builds_per_timed_pass": [r.get("microbatched_builds") for rs in timed for r in rs], "turn_order": rec.get("turn_order"),
+    }  # fmt: skip
 
 
 def _ratio_of_medians(rows: dict, a: str, b: str) -> float | None:

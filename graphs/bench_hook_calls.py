@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import threading
@@ -417,19 +418,14 @@ def per_step(rows: list[dict[str, Any]]) -> dict[str, Any]:
         added = {r["access"]: r["added_ns"] for r in rows if r["thread"] == thread}
         counted = {name: n for name, n in PER_STEP_78L.items() if name in added}
         added_us = sum(n * added[name] for name, n in counted.items()) / 1e3
-        out[thread] = {
-            "accesses": sum(counted.values()),
-            "added_us": added_us,
-            "build_added_us": build / 1e3 if build is not None else None,
-            "with_build_us": added_us + build / 1e3 if build is not None else None,
-        }
+        build_us = build / 1e3 if build is not None else None
+        out[thread] = {"accesses": sum(counted.values()), "added_us": added_us, "build_added_us": build_us,
+                       "with_build_us": added_us + build_us if build_us is not None else None}  # fmt: skip
     return out
 
 
 def _environment_refusal() -> str | None:
     """The plugin settings that would make the "plugin" side time something else: one line, or None."""
-    import os
-
     from dbo_runtime.core.errors import ConfigError
     from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout
     from dbo_runtime.core.switches import parse_switch, switch_problems
@@ -469,8 +465,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_hook_calls needs vLLM 0.33 importable here ({exc})", file=sys.stderr)
         return EXIT_NO_DEVICE
     out = Path(args.out)
-    import os
-
     from dbo_runtime.sim.report import environment, write_json
 
     doc = {**measure(args.n, args.reps, args.cold), "environment": {**environment(), "cpus": os.cpu_count()}}

@@ -102,16 +102,15 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
 
     self_us, net_us, calls = measured("plugin_self_us_per_step"), measured("plugin_self_net_us_per_step"), measured("plugin_calls_per_step")
     gc_us, gc_n = measured("plugin_gc_us_per_step"), measured("plugin_gc_per_step")
-    by_patch: dict[str, list[float]] = {}
-    us_by_patch: dict[str, list[float]] = {}
-    long_by_patch: dict[str, list[dict[str, float]]] = {}
-    for r in self_reps:
-        for name, n in (r.get("plugin_calls_per_step_by_patch") or {}).items():
-            by_patch.setdefault(name, []).append(n)
-        for name, us in (r.get("plugin_self_us_per_step_by_patch") or {}).items():
-            us_by_patch.setdefault(name, []).append(us)
-        for name, long in (r.get("plugin_long_per_step_by_patch") or {}).items():
-            long_by_patch.setdefault(name, []).append(long)
+    def per_patch(key: str) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for r in self_reps:
+            for name, value in (r.get(key) or {}).items():
+                out.setdefault(name, []).append(value)
+        return dict(sorted(out.items()))
+
+    by_patch, us_by_patch = per_patch("plugin_calls_per_step_by_patch"), per_patch("plugin_self_us_per_step_by_patch")
+    long_by_patch = per_patch("plugin_long_per_step_by_patch")
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     vanilla_ms = med([x for x in b if x])
     depth = int(config["depth"])
@@ -138,11 +137,9 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
         "self_net_share_of_step": med(net_us) / 1e3 / vanilla_ms if net_us and vanilla_ms else None,
         "gc_in_plugin_per_step": med(gc_n),
         "gc_in_plugin_us_per_step": med(gc_us),
-        "calls_per_step_by_patch": {name: med(v) for name, v in sorted(by_patch.items())},
-        "self_us_per_step_by_patch": {name: med(v) for name, v in sorted(us_by_patch.items())},
-        "long_per_step_by_patch": {
-            name: {"count": med([x["count"] for x in v]), "us": med([x["us"] for x in v])} for name, v in sorted(long_by_patch.items())
-        },
+        "calls_per_step_by_patch": {name: med(v) for name, v in by_patch.items()},
+        "self_us_per_step_by_patch": {name: med(v) for name, v in us_by_patch.items()},
+        "long_per_step_by_patch": {name: {"count": med([x["count"] for x in v]), "us": med([x["us"] for x in v])} for name, v in long_by_patch.items()},
         "jit_in_step": {v: [r.get("jit_in_step") for r in _reps(records.get(f"{label}-{v}", {}))] for v, _ in VARIANTS[:1] + VARIANTS[2:]},
         "step_time_warnings": step_time_warnings({v: _reps(records.get(f"{label}-{v}", {})) for v, _ in VARIANTS}, len(paired)),
         "engine_failures": engine_failures({v: records.get(f"{label}-{v}") for v, _ in VARIANTS}),

@@ -146,18 +146,13 @@ def steady_state(dg: Any, x: dict[str, torch.Tensor], steps: int, layers: int, d
         replans: list[int] = []
         planner_kernels: list[int] = []
         for step in range(steps + 1):  # step 0 is a warm-up, not recorded
-            before = cache.stats.replans
-            kernels = 0
-            e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            plan_time = 0.0
-            e_step0 = torch.cuda.Event(enable_timing=True)
-            e_step1 = torch.cuda.Event(enable_timing=True)
+            before, kernels, plan_time = cache.stats.replans, 0, 0.0
+            e0, e1, e_step0, e_step1 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
             e_step0.record()
             for _ub in range(2):
                 e0.record()
                 with cache.microbatched_build():
-                    sms = cache.plan_ahead_sms(control.device) if approach == "plan_ahead" else None
-                    sms = sms or total
+                    sms = (cache.plan_ahead_sms(control.device) if approach == "plan_ahead" else None) or total
                     schedule = planner.plan(x["context_lens"], BLOCK, sms)  # the builder's planner
                     kernels += 1
                 cache.track(schedule, planned_sms=sms, block_kv=BLOCK, next_n=1)
@@ -173,19 +168,18 @@ def steady_state(dg: Any, x: dict[str, torch.Tensor], steps: int, layers: int, d
                 plan_time += e0.elapsed_time(e1)
             e_step1.record()
             torch.cuda.synchronize()
-            if step == 0:
-                continue
-            plan_ms.append(plan_time)
-            step_ms.append(e_step0.elapsed_time(e_step1))
-            replans.append(cache.stats.replans - before)
-            planner_kernels.append(kernels)
+            if step > 0:
+                plan_ms.append(plan_time)
+                step_ms.append(e_step0.elapsed_time(e_step1))
+                replans.append(cache.stats.replans - before)
+                planner_kernels.append(kernels)
         out[approach] = {
             "replans_per_step": replans,
             "replans_per_microbatch_step": sum(replans) / (2 * steps),
             "planner_kernels_per_microbatch_step": sum(planner_kernels) / (2 * steps),
             "planning_ms_per_step_median": sorted(plan_ms)[len(plan_ms) // 2],
             "step_ms_median": sorted(step_ms)[len(step_ms) // 2],
-            "planning_timing": "CUDA events from before the builder's planner to after the call site's schedule lookup, both microbatches, GPU idle at the start (includes host launch time)",
+            "planning_timing": "CUDA events from the builder's planner to after the call site's lookup, both microbatches, host launch included",
         }
     return out
 
@@ -227,22 +221,14 @@ def first_step(dg: Any, x: dict[str, torch.Tensor], warm_sms: int, cold_sms: int
         control = SMControl(device, total)
         cache.attach(control)
         cache.register_profile(device, PlannerProfile(device=torch.device("cuda", device), block_kv=BLOCK, shapes=((len(CONTEXTS), 1),)))
-        warm_ms = 0.0
+        budget, t0 = _budget(total, sms), time.perf_counter()
         if warm:
-            budget = _budget(total, sms)
-            t0 = time.perf_counter()
             control.announce(budget)  # model load: compiles the planner for `sms`
             torch.cuda.synchronize()
-            warm_ms = (time.perf_counter() - t0) * 1e3
-        first = one_step(cache, planner, sms)
-        second = one_step(cache, planner, sms)
-        result[label] = {
-            "sms": sms,
-            "warmup_ms_at_model_load": warm_ms,
-            "warmup_planner_kernels": cache.stats.warmups,
-            "first_step_ms": first,
-            "second_step_ms": second,
-        }
+        warm_ms = (time.perf_counter() - t0) * 1e3 if warm else 0.0
+        first, second = one_step(cache, planner, sms), one_step(cache, planner, sms)
+        result[label] = {"sms": sms, "warmup_ms_at_model_load": warm_ms, "warmup_planner_kernels": cache.stats.warmups,
+                         "first_step_ms": first, "second_step_ms": second}  # fmt: skip
     return result
 
 
@@ -264,21 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=integer(1), default=20, help="DBO steps per variant (default 20)")
     ap.add_argument("--layers", type=integer(1), default=21, help="indexer layers per step (default 21)")
     ap.add_argument("--calls", type=integer(1), default=200_000, help="host calls timed for the cache lookup (default 200000)")
-    ap.add_argument(
-        "--dbo-sms", type=integer(2, multiple=2), default=112,
-        help="SM count under DBO, even as vLLM keeps DeepGEMM's share, below the GPU's (default 112: H200 - 20 comm SMs)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--cold-sms", type=integer(2, multiple=2), default=110,
-        help="an SM count never planned before, for the cold path: even, not --dbo-sms, below the GPU's (default 110)",
-    )  # fmt: skip
+    ap.add_argument("--dbo-sms", type=integer(2, multiple=2), default=112, help="even SM count under DBO, below the GPU's (default 112)")
+    ap.add_argument("--cold-sms", type=integer(2, multiple=2), default=110, help="even SM count never planned before, not --dbo-sms (default 110)")
     args = ap.parse_args(argv)
     if args.cold_sms == args.dbo_sms:
         ap.error(f"argument --cold-sms: {args.cold_sms} is not allowed; allowed values: an even count other than --dbo-sms ({args.dbo_sms})")
     from dbo_runtime.sim.backends import refuse_without_kernels
 
-    # A fresh JIT cache, made only where the kernels can run: "cold" must mean a compile, not a hit in
-    # ~/.deep_gemm from an earlier run. DeepGEMM reads the variable when it is imported (just below).
+    # a fresh JIT cache where the kernels can run: "cold" must mean a compile (DeepGEMM reads it on import, below)
     made = None
     if torch.cuda.is_available() and "DG_JIT_CACHE_DIR" not in os.environ:
         made = os.environ["DG_JIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="dg_jit_bench_")

@@ -93,15 +93,10 @@ def _slim(rec: dict) -> dict:
     bench = (rec.get("bench") or [{}])[0]
     timed = [r for r in bench.get("reps", []) if not r.get("warmup")]
     return {
-        "ok": rec.get("ok"),
-        "error": rec.get("error"),
-        "start_s": (rec.get("start_s") or [None])[0],
-        "decode_step_ms": [r["decode_step_ms"] for r in timed],
-        "decode_tok_per_s": [r["decode_tok_per_s"] for r in timed],
-        "plugin_self_us_per_step": [r.get("plugin_self_us_per_step") for r in timed],
-        "vllm_version": rec.get("vllm_version"),
-        "device": rec.get("device"),
-    }
+        "ok": rec.get("ok"), "error": rec.get("error"), "start_s": (rec.get("start_s") or [None])[0],
+        "decode_step_ms": [r["decode_step_ms"] for r in timed], "decode_tok_per_s": [r["decode_tok_per_s"] for r in timed],
+        "plugin_self_us_per_step": [r.get("plugin_self_us_per_step") for r in timed], "vllm_version": rec.get("vllm_version"), "device": rec.get("device"),
+    }  # fmt: skip
 
 
 def _median(xs: list[float]) -> float | None:

@@ -11,11 +11,12 @@ spinning thread (read the median and the 99th percentile).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,24 +62,23 @@ def _time(fn: Callable[[], Any], n: int) -> dict[str, float]:
             "mean_ns": statistics.fmean(samples)}  # fmt: skip
 
 
-class _Spinner:
+@contextlib.contextmanager
+def _spinner() -> Iterator[None]:
     """One other Python thread that always wants the GIL."""
+    stop = threading.Event()
 
-    def __enter__(self) -> _Spinner:
-        self.stop = False
-        self.thread = threading.Thread(target=self._spin, name="bench-spinner", daemon=True)
-        self.thread.start()
-        time.sleep(0.05)
-        return self
+    def spin() -> None:
+        while not stop.is_set():
+            pass
 
-    def _spin(self) -> None:
-        x = 0
-        while not self.stop:
-            x += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop = True
-        self.thread.join()
+    thread = threading.Thread(target=spin, name="bench-spinner", daemon=True)
+    thread.start()
+    time.sleep(0.05)
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def measure(n: int) -> dict[str, Any]:
@@ -97,10 +97,7 @@ def measure(n: int) -> dict[str, Any]:
     for busy in (False, True):
         for name, fn in readers.items():
             fn()
-            if busy:
-                with _Spinner():
-                    timing = _time(fn, n)
-            else:
+            with _spinner() if busy else contextlib.nullcontext():
                 timing = _time(fn, n)
             rows.append({"reader": name, "other_thread_busy": busy, **timing})
     return {"n": n, "op": source, "rows": rows}
