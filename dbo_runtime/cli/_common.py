@@ -13,7 +13,6 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-EXIT_OK = 0
 EXIT_PROBLEM = 1
 """A check failed (doctor), a verdict is FAIL, or the installed vLLM is not protected (simulate)."""
 EXIT_USAGE = 2

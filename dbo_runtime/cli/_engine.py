@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError
+from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, say
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.settings import StateError
 
@@ -97,10 +97,25 @@ def prepare(extra: list[str], command: str, *, expert_parallel: bool) -> tuple[l
     require_dbo_parallelism(engine_args, dp, command, expert_parallel=expert_parallel)
     from dbo_runtime.cli._split import comm_sms_problem
 
-    for problem in (comm_sms_problem(os.environ, engine_arg(engine_args, "--all2all-backend")), *setting_problems(), *vllm_setting_problems()):
+    backend = engine_arg(engine_args, "--all2all-backend")
+    for problem in (qp_depth_problem(engine_args, os.environ), comm_sms_problem(os.environ, backend), *setting_problems(), *vllm_setting_problems()):
         if problem is not None:
             raise problem
     return engine_args, dp, [*switch_notes(), *notes]
+
+
+def qp_depth_problem(engine_args: list[str], environ: Any) -> ConfigError | None:
+    """DeepEP low-latency asserts ``nvshmem_qp_depth >= 2 * (dispatch tokens per rank + 1)`` at its first dispatch
+    (tokens: ``--max-num-batched-tokens``, 256 unset, doubled in throughput mode): said before any engine starts."""
+    if engine_arg(engine_args, "--all2all-backend") != "deepep_low_latency" or not has_flag(engine_args, "--enable-expert-parallel", "-ep"):
+        return None
+    given, raw = engine_arg(engine_args, "--max-num-batched-tokens"), environ.get("NVSHMEM_QP_DEPTH")
+    tokens = int(given) if given and given.isdigit() else 256 * (2 if engine_arg(engine_args, "--performance-mode") == "throughput" else 1)
+    need = 2 * (tokens + 1)
+    if (1024 if raw is None else int(raw) if raw.isdigit() else -1) >= need:
+        return None
+    allowed = f"an integer >= {need} for DeepEP low-latency with --max-num-batched-tokens {tokens}, e.g. NVSHMEM_QP_DEPTH={max(8192, need)}"
+    return StateError("NVSHMEM_QP_DEPTH", "unset (NVSHMEM default 1024)", allowed) if raw is None else ConfigError("NVSHMEM_QP_DEPTH", raw, allowed)
 
 
 def require_dbo_parallelism(engine_args: list[str], dp: int, command: str, *, expert_parallel: bool = True) -> None:
@@ -123,8 +138,7 @@ def switch_notes() -> list[str]:
 
 
 def same_runner_env(environ: Any) -> dict[str, str]:
-    """Pin the runner unless the operator did: vLLM may pick another one for DBO than without, and a comparison
-    must compare DBO, not runners."""
+    """Pin the runner unless the operator did: vLLM may pick another for DBO, and a comparison must compare DBO only."""
     return {} if environ.get("VLLM_USE_V2_MODEL_RUNNER") is not None else {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
@@ -160,6 +174,15 @@ def visible_gpus() -> int:
 def require_gpus(need: int, why: str) -> None:
     if (visible := visible_gpus()) < need:
         raise CliError(f"needs {need} GPU(s) ({why}); {visible} visible", EXIT_NO_DEVICE)
+
+
+def start(command: str, engine_args: list[str], gpus: int, why: str, notes: list[str], raw_workdir: str | None) -> Path:
+    """The last checks before the engines start (vLLM's parser, the GPU count), the notes said, the work folder."""
+    check_with_vllm(engine_args, command)
+    require_gpus(gpus, why)
+    for note in notes:
+        say(f"[{command}]", f"note: {note}")
+    return workdir(raw_workdir, command)
 
 
 def workdir(raw: str | None, command: str) -> Path:

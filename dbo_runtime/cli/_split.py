@@ -24,8 +24,7 @@ COMM_ENV = "VLLM_DBO_COMM_SMS"
 
 
 def comm_sms(flag: int | None, platform: str, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
-    """(comm share, where it came from): ``--comm-sms``, else ``VLLM_DBO_COMM_SMS`` (an empty or negative value
-    is refused: vLLM fails on it at model load), else vLLM's platform default."""
+    """(comm share, its source): ``--comm-sms``, else ``VLLM_DBO_COMM_SMS`` (refused where vLLM fails on it), else vLLM's default."""
     if flag is not None:
         return flag, "--comm-sms"
     raw = (os.environ if environ is None else environ).get(COMM_ENV)
@@ -38,8 +37,7 @@ def budget_for(
     *, total: int, comm: tuple[int, str], platform: str, all2all_backend: str | None, max_sms_used: int | None = None,
     expert_parallel: bool = True, deep_gemm: bool = True, device: int = 0, sm_major: int | None = None,
 ) -> SMBudget:
-    """vLLM's split, with the worker's one deviation (on SM90 DeepGEMM's share is rounded down to an even count).
-    A typed comm share >= the device's SM count is refused with every backend: vLLM asserts ``comm < total``."""
+    """vLLM's split (SM90: DeepGEMM's share even); a typed comm share >= the SM count is refused: vLLM asserts it."""
     value, source = comm
     try:
         budget = compute_budget(
@@ -71,8 +69,7 @@ def comm_sms_problem(environ: Mapping[str, str] | None = None, backend: str | No
 
 
 def deepep_sms(budget: SMBudget) -> int | None:
-    """The SMs DeepEP really gets: vLLM's HT manager clamps ``set_num_sms`` to the 20 its buffers were sized
-    for; every other manager's ``set_num_sms`` does nothing. None when no DeepEP knob turns."""
+    """The SMs DeepEP really gets (vLLM's HT manager clamps to what its buffers were sized for); None: no knob turns."""
     if not budget.comm_knob or budget.reason.all2all_backend != "deepep_high_throughput":
         return None
     return min(budget.comm, DEEPEP_HT_MANAGER_NUM_SMS)

@@ -1,15 +1,13 @@
 """``dbo-runtime doctor``: will dbo_runtime's fixes be in force with the vLLM installed here?
 
-Installs nothing. Reports the release identified by its code, every feature's verdict as ``register()`` would
-reach it, every patch and guard target, the entry point and every setting an operator can mistype, then one
-``next:`` line. Exit 0 when everything is in force (or the plugin is deliberately disabled), 1 otherwise.
-"""
+Installs nothing. Reports the release identified by its code, every feature's verdict as ``register()`` would reach
+it, every patch and guard target, the entry point and the settings, then one ``next:`` line. Exit 0 when all is in
+force (or the plugin is deliberately disabled), 1 otherwise."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import os
 import platform
 from collections import Counter
@@ -17,14 +15,7 @@ from importlib import metadata
 from typing import Any
 
 from dbo_runtime import __version__
-from dbo_runtime.cli._common import (
-    _Capture,
-    disabled_warning,
-    import_noise,
-    print_json,
-    settings_a_server_refuses,
-    wrapped,
-)
+from dbo_runtime.cli._common import disabled_warning, import_noise, print_json, settings_a_server_refuses, wrapped
 from dbo_runtime.core.switches import parse_switch, switch_problems
 
 SCHEMA = "dbo-runtime/doctor/v3"
@@ -48,32 +39,18 @@ def _vllm_import_error() -> str | None:
 
 
 def _deep_gemm() -> dict[str, Any]:
-    """DeepGEMM as vLLM sees it; the traceback vLLM logs for a build that fails to load becomes the detail."""
+    """DeepGEMM as vLLM sees it (what vLLM logs for a build that fails to load goes to ``import_warnings``)."""
     from dbo_runtime.adapters import deep_gemm
 
-    logger, capture = logging.getLogger("vllm.utils.import_utils"), _Capture()
-    propagate, logger.propagate = logger.propagate, False
-    logger.addHandler(capture)
     try:
         ok = deep_gemm.available()
     except Exception as exc:  # a broken build is reported, not a crash
         return {"available": False, "detail": f"{type(exc).__name__}: {exc}"}
-    finally:
-        logger.removeHandler(capture)
-        logger.propagate = propagate
-    return {"available": ok, "detail": "importable" if ok else "; ".join(capture.lines) or "not importable here"}
-
-
-def _nvml() -> dict[str, Any]:
-    from dbo_runtime.adapters import nvml
-
-    ok, detail = nvml.availability()
-    return {"available": ok, "detail": detail}
+    return {"available": ok, "detail": "importable" if ok else "not importable here (see import_warnings)"}
 
 
 def _targets(usable: bool, match: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(patches, guard targets), each probed for its target and, for patches, its fingerprint against the
-    release identified (``not in release``: its target does not exist there, so it is not part of the set)."""
+    """(patches, guard targets), each probed for its target; a patch's fingerprint judged against the release identified."""
     from dbo_runtime.integration import patching, plugin, releases
     from dbo_runtime.integration.guard import guard_patches
 
@@ -123,6 +100,7 @@ def collect() -> dict[str, Any]:
 
 
 def _collect() -> dict[str, Any]:
+    from dbo_runtime.adapters import nvml
     from dbo_runtime.integration import plugin, releases
 
     version = releases.installed_version()
@@ -169,7 +147,7 @@ def _collect() -> dict[str, Any]:
         "plugin": {"entry_point": entry_point, "disabled_by_env": disabled, "strict": parse_switch("DBO_RUNTIME_STRICT")},
         "features": features, "guard": guard, "patches": patches,
         "deep_gemm": _deep_gemm() if usable else {"available": False, "detail": "vLLM not importable"},
-        "nvml": _nvml(),
+        "nvml": dict(zip(("available", "detail"), nvml.availability(), strict=True)),
     }
 
 
@@ -197,24 +175,18 @@ def render(doc: dict[str, Any]) -> None:
     out += [wrapped(f"  {f['name']}: {'disabled by DBO_RUNTIME_DISABLE' if doc['plugin']['disabled_by_env'] else f['state']}", "    ") for f in doc["features"]]
     states = Counter(p["state"] for p in doc["patches"])
     differs = [p["name"] for p in doc["patches"] if p["fingerprint"] == "differs"]
-    out.append(
-        f"patch targets: {', '.join(f'{n} {s}' for s, n in states.items()) or 'none checked'}"
-        + (f"; fingerprints differ: {len(differs)}" if differs else "; fingerprints match")
-        + " (--json lists each)"
-    )
-    out.append(wrapped("guard targets: " + (", ".join(f"{g['name']} {g['state']}" for g in doc["guard"]) or "not checked")))
-    out.append(f"entry point {ENTRY_POINT_GROUP}: {'registered' if doc['plugin']['entry_point'] else 'MISSING'}")
-    out.append(wrapped(f"DeepGEMM: {'available' if doc['deep_gemm']['available'] else 'unavailable'} ({doc['deep_gemm']['detail']})"))
-    out.append(wrapped(f"NVML: {'available' if doc['nvml']['available'] else 'unavailable'} ({doc['nvml']['detail']})"))
-    if doc["import_warnings"]:
-        out.append(f"{len(doc['import_warnings'])} import warning(s) from vLLM/torch kept off stderr (--json: import_warnings)")
+    fingerprints = f"fingerprints differ: {len(differs)}" if differs else "fingerprints match"
+    out += [
+        f"patch targets: {', '.join(f'{n} {s}' for s, n in states.items()) or 'none checked'}; {fingerprints} (--json lists each)",
+        wrapped("guard targets: " + (", ".join(f"{g['name']} {g['state']}" for g in doc["guard"]) or "not checked")),
+        f"entry point {ENTRY_POINT_GROUP}: {'registered' if doc['plugin']['entry_point'] else 'MISSING'}",
+        *(wrapped(f"{name}: {'available' if doc[key]['available'] else 'unavailable'} ({doc[key]['detail']})") for name, key in (("DeepGEMM", "deep_gemm"), ("NVML", "nvml"))),
+    ]
     for title, lines in (("problems", doc["problems"]), ("warnings (not failures)", doc["warnings"])):
         if lines:
             out.append(f"{title}:")
             out += [wrapped(f"  - {line}", "    ") for line in lines]
-    out.append("OK" if doc["ok"] else "NOT OK")
-    out.append(wrapped(f"next: {doc['next']}"))
-    print("\n".join(out))
+    print("\n".join([*out, "OK" if doc["ok"] else "NOT OK", wrapped(f"next: {doc['next']}")]))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,8 +1,6 @@
-"""``dbo-runtime``: one argparse parser, one module per subcommand (``add_parser`` and ``run``).
-
-A bad argument is argparse's line and exit 2; ``verify`` and ``tune`` hand unknown arguments to vLLM. A value
-refused after parsing (``ConfigError``) is one line and exit 2; a ``CliError`` one line and its exit code.
-"""
+"""``dbo-runtime``: one argparse parser, one module per subcommand (``add_parser`` and ``run``). A bad argument is
+argparse's line and exit 2 (``verify`` and ``tune`` hand unknown ones to vLLM); a ``ConfigError`` one line and exit 2;
+a ``CliError`` one line and its exit code."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """``dbo-runtime simulate``: the DBO + DSA scenario at small scale, with a verdict.
 
-Runs the GLM-5.3 layer pattern as two microbatches under SMControl's DBO budget, with the indexer schedule cache
-and per-microbatch top-k state, and checks every step bit-for-bit against an unsplit run (CPU: reference planner
-and fp32 logits; CUDA with DeepGEMM: the real kernels). Unless ``--no-contrast`` it also reproduces vLLM without
-dbo_runtime. It checks dbo_runtime's logic, not the installed vLLM, so it also exits 1 where the fixes are not in
-force there: a PASS must not read as "protected".
-"""
+Runs the GLM-5.3 layer pattern as two microbatches under SMControl's DBO budget, with the schedule cache and
+per-microbatch top-k state, each step checked bit-for-bit against an unsplit run (CPU: reference kernels; CUDA with
+DeepGEMM: the real ones), and unless ``--no-contrast`` vLLM without dbo_runtime. Exit 1 also where the fixes are
+not in force on the installed vLLM: a PASS of dbo_runtime's logic must not read as "protected"."""
 
 from __future__ import annotations
 
@@ -14,18 +12,8 @@ import dataclasses
 import os
 from typing import Any
 
-from dbo_runtime.cli._common import (
-    EXIT_NO_DEVICE,
-    CliError,
-    disabled_warning,
-    int_in,
-    print_json,
-    print_table,
-    protection,
-    say,
-    warn,
-    wrapped,
-)
+from dbo_runtime.cli import _common
+from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, int_in, print_json, print_table, say, warn, wrapped
 from dbo_runtime.cli._split import budget_for, comm_sms, split_warnings
 from dbo_runtime.core.budget import H200_SMS
 from dbo_runtime.core.errors import ConfigError
@@ -34,8 +22,6 @@ from dbo_runtime.core.switches import switch_problems
 SCHEMA = "dbo-runtime/simulate/v2"
 GLM53_CPU_STEPS, GLM53_CPU_REQUESTS = 2, 8
 """``--preset glm53`` on the CPU: both bugs show on the first step, the second shows steady state needs no re-plan."""
-CPU_BASE_BYTES = 350 << 20
-"""Resident bytes of a CPU simulation before its per-request tensors."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -52,28 +38,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-contrast", action="store_true", help="skip the runs that reproduce vLLM without dbo_runtime")
     p.add_argument("--json", action="store_true", help=f"print the result as JSON ({SCHEMA})")
     return p
-
-
-def estimated_bytes(config: Any, leaders: int) -> int:
-    """Peak host memory of a CPU simulation (fp32 KV, gathered keys, scores, the leaders' logits and top-k), +20 %."""
-    n, c = config.next_n, config.max_context
-    per_request = c * (8 * config.head_dim + 4 * n * config.heads + 4 * leaders * n + 4 * n) + 4 * leaders * n * config.index_topk
-    return int(CPU_BASE_BYTES + 1.2 * config.num_requests * per_request)
-
-
-def available_bytes() -> int | None:
-    """``MemAvailable``, lowered to what is left under a cgroup v2 memory limit; None where neither is known."""
-    found: list[int] = []
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            found += [int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:")]
-        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as fh, open("/sys/fs/cgroup/memory.current", encoding="ascii") as cur:
-            limit = fh.read().strip()
-            if limit.isdigit():
-                found.append(max(0, int(limit) - int(cur.read())))
-    except (OSError, ValueError, IndexError):
-        pass
-    return min(found) if found else None
 
 
 def _backend(kind: str, mode: str, total_sms: int) -> Any:
@@ -110,7 +74,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout, vllm_setting_problems, warm_max_batch
-    from dbo_runtime.core.topk_memory import index_leaders
     from dbo_runtime.sim.scenario import GLM53, SMALL, for_backend, run_scenario
 
     warnings = switch_problems()
@@ -131,15 +94,10 @@ def _run(args: argparse.Namespace) -> int:
     warnings += split_warnings(budget)
     for line in warnings:
         warn("simulate", line)
-    disabled = disabled_warning()
+    disabled = _common.disabled_warning()
     warnings += [disabled] if disabled else []
     config = for_backend(config, backend)
     runs = _runs(args.no_contrast, int(config.comm_sms))
-    leaders = sum(index_leaders(config.num_layers, config.index_topk_freq, config.index_skip_topk_offset))
-    need, have = estimated_bytes(config, leaders), available_bytes()
-    if backend.simulated and have is not None and need > have:
-        gib = f"{config.num_requests} requests with --preset {args.preset} need about {need / 2**30:.1f} GiB on the CPU simulation"
-        raise CliError(f"{gib}; {have / 2**30:.1f} GiB available here (lower --requests)", EXIT_NO_DEVICE)
     results: list[tuple[Any, Any]] = []
     for c in runs:
 
@@ -148,7 +106,7 @@ def _run(args: argparse.Namespace) -> int:
 
         results.append((c, run_scenario(dataclasses.replace(config, **c.overrides), backend, args.mode, progress=progress)))
     passed = all(c.as_expected(r) for c, r in results)
-    vllm = protection()
+    vllm = _common.protection()
     code = 0 if passed and vllm["in_force"] else 1
     if args.json:
         runs_json = [{"name": c.name, "expect": c.expect, "as_expected": c.as_expected(r), **r.to_json()} for c, r in results]

@@ -1,9 +1,7 @@
 """``dbo-runtime sms``: SMs per GPU and the DBO compute/comm split vLLM applies under ``--enable-dbo``.
 
-The split decides whether the DSA indexer schedule crashes, so an operator sees it before starting a server, also
-without a GPU (``--total-sms``). Counts come from CUDA, NVML's MIG attributes and NVML cores / cores-per-SM as a
-cross-check. Imports no vLLM: it runs where only the driver and torch are.
-"""
+The split decides whether the DSA indexer schedule crashes: an operator sees it before starting a server, also
+without a GPU (``--total-sms``). Counts from CUDA, NVML (MIG attributes, cores per SM); imports no vLLM."""
 
 from __future__ import annotations
 
@@ -12,17 +10,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dbo_runtime.cli._common import (
-    EXIT_NO_DEVICE,
-    CliError,
-    disabled_warning,
-    int_in,
-    print_json,
-    print_table,
-    release_line,
-    settings_a_server_refuses,
-    warn,
-)
+from dbo_runtime.cli import _common
+from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, int_in, print_json, print_table, warn
 from dbo_runtime.cli._split import budget_for, comm_sms, deepep_sms, split_warnings
 from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, DBO_BACKENDS, H200_SMS, PLATFORMS, SMBudget
 from dbo_runtime.core.errors import ConfigError
@@ -67,11 +56,8 @@ def _max_sms(text: str) -> int | None:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "sms",
-        help="SMs per GPU and the DBO compute/comm split vLLM would apply",
-        description="SMs per GPU (CUDA, NVML, MIG) and the DBO compute/comm split vLLM applies under --enable-dbo.",
-    )
+    description = "SMs per GPU (CUDA, NVML, MIG) and the DBO compute/comm split vLLM applies under --enable-dbo."
+    p = subparsers.add_parser("sms", help="SMs per GPU and the DBO compute/comm split vLLM would apply", description=description)
     p.add_argument("--json", action="store_true", help=f"print the result as JSON ({SCHEMA})")
     p.add_argument("--total-sms", type=int_in(1, 1024), metavar="N", help="skip the hardware: one N-SM device (132: the H200 profile, SM90)")
     backends = sorted({b for v in BACKENDS.values() for b in v})
@@ -197,8 +183,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
             raise CliError(f"no GPU visible ({why}); pass --total-sms N to compute the split for an N-SM GPU (132 = H200)", EXIT_NO_DEVICE)
     for row in rows:
         _apply_budget(row, args, comm, max_sms)
-    warnings = switch_problems() + [f"{p} (a server refuses it at engine start)" for p in settings_a_server_refuses()]
-    disabled = disabled_warning()
+    warnings = switch_problems() + [f"{p} (a server refuses it at engine start)" for p in _common.settings_a_server_refuses()]
+    disabled = _common.disabled_warning()
     return {
         "schema": SCHEMA,
         "source": "--total-sms" if args.total_sms is not None else "hardware",
@@ -208,7 +194,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
             "max_sms_used": max_sms, "max_sms_used_source": "vllm-manager" if args.max_sms_used is None else "--max-sms-used",
             "deep_gemm": not args.no_deep_gemm,
         },
-        "nvml": nvml_info, "cuda": cuda_info, "vllm_release": release_line(), "devices": [asdict(r) for r in rows],
+        "nvml": nvml_info, "cuda": cuda_info, "vllm_release": _common.release_line(), "devices": [asdict(r) for r in rows],
         "plugin": {"disabled_by_env": parse_switch("DBO_RUNTIME_DISABLE")}, "warnings": warnings + ([disabled] if disabled else []),
     }
 

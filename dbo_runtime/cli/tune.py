@@ -3,9 +3,7 @@
 vLLM's default comm share (20 SMs with DeepEP high-throughput) was chosen for no model or workload. ``tune``
 keeps one DBO engine per candidate value alive on the operator's model and gives them interleaved turns at the
 operator's workload shape, so every value is measured under the same conditions; ``core.comm_sweep`` decides.
-
-Exit 0 measured, 2 bad arguments, 3 could not run, 4 inconclusive (DBO never microbatched).
-"""
+Exit 0 measured, 2 bad arguments, 3 could not run, 4 inconclusive (DBO never microbatched)."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ from typing import Any
 
 from dbo_runtime.cli import _engine
 from dbo_runtime.cli._common import EXIT_INCONCLUSIVE, EXIT_NO_DEVICE, int_in, print_json, print_table, say
-from dbo_runtime.cli._engine import check_with_vllm, engine_arg, has_flag, prepare
+from dbo_runtime.cli._engine import engine_arg, has_flag, prepare
 from dbo_runtime.core import comm_sweep
 from dbo_runtime.core.comm_sweep import DEFAULT_VALUES, Sweep, choose, measurement, plan_sweep
 from dbo_runtime.core.errors import ConfigError
@@ -63,17 +61,8 @@ def check_reps(opts: argparse.Namespace, sweep: Sweep) -> argparse.Namespace:
     return opts
 
 
-def decode_needs_eager(engine_args: list[str], dp: int) -> bool:
-    """A FULL CUDA-graph replay never enters SMControl's partition, whose counters tune reads: decode runs eager
-    unless graphs are off already (``--enforce-eager``, or DeepEP HT with DP)."""
-    if has_flag(engine_args, "--enforce-eager"):
-        return False
-    return not (engine_arg(engine_args, "--all2all-backend") == "deepep_high_throughput" and dp > 1)
-
-
 def workload(engine_args: list[str], dp: int, opts: argparse.Namespace) -> tuple[list[str], Any, dict[str, Any], str, str, list[str]]:
-    """(engine arguments added, prompts, bench, metric, microbatch counter, notes) for the shape; the metric is
-    SMControl's partition time, so only steps DBO really split count."""
+    """(engine arguments added, prompts, bench, metric, counter, notes) for the shape; only split steps count."""
     from dbo_runtime.harness.prompts import PromptSpec
 
     added: list[str] = []
@@ -92,7 +81,9 @@ def workload(engine_args: list[str], dp: int, opts: argparse.Namespace) -> tuple
         num = opts.steps * (opts.prefill_tokens // opts.prompt_len) * dp
         bench["max_tokens"], metric, counter = 2, "prefill_partition_ms", "prefill_partitions"
     else:
-        if decode_needs_eager(engine_args, dp):
+        # a FULL CUDA-graph replay never enters SMControl's partition, whose counters tune reads (HT with DP runs eager)
+        ht_dp = engine_arg(engine_args, "--all2all-backend") == "deepep_high_throughput" and dp > 1
+        if not has_flag(engine_args, "--enforce-eager") and not ht_dp:
             added.append("--enforce-eager")
             notes.append("--enforce-eager added: a FULL CUDA-graph replay never enters the SM partition")
         seqs = engine_arg(engine_args, "--max-num-seqs")
@@ -162,11 +153,7 @@ def run(args: argparse.Namespace) -> int:
     opts = check_reps(opts, sweep)
     plan, metric, counter, more = specs(engine_args, dp, sweep, opts, os.environ)
     notes = [*notes, *sweep.notes, *more]
-    check_with_vllm(plan[0].engine_args, "tune")
-    _engine.require_gpus(gpus_needed(engine_args, dp), f"data-parallel {dp} x tensor x pipeline parallel")
-    for note in notes:
-        say("[tune]", f"note: {note}")
-    folder = _engine.workdir(args.workdir, "tune")
+    folder = _engine.start("tune", plan[0].engine_args, gpus_needed(engine_args, dp), f"data-parallel {dp} x tensor x pipeline parallel", notes, args.workdir)
     say("[tune]", f"starting {len(plan)} DBO engines of {dp} ranks (one per value), then {opts.warmup + opts.reps} turns each ...")
     records = run_interleaved(plan, folder, opts.reps, timeout_s=opts.timeout, progress=lambda line: say("[tune]", line))
     measured = [measurement(value, records.get(f"comm-{value:02d}", {}), metric, counter) for value in sweep.values]
@@ -177,14 +164,11 @@ def run(args: argparse.Namespace) -> int:
         measure="host ms per microbatched forward (SMControl partition), slowest rank, per paired round",
         turn_order=next(iter(records.values()), {}).get("turn_order"),
     )  # fmt: skip
-    render(doc, args.json)
+    print_json(doc) if args.json else render(doc)
     return {"measured": 0, "inconclusive": EXIT_INCONCLUSIVE}.get(doc["verdict"], EXIT_NO_DEVICE)
 
 
-def render(doc: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print_json(doc)
-        return
+def render(doc: dict[str, Any]) -> None:
     rows = []
     for r in doc["curve"]:
         compute = str(doc["total_sms"] - r["comm_sms"])
@@ -194,11 +178,8 @@ def render(doc: dict[str, Any], as_json: bool) -> None:
         ratio = r.get("paired_speedup")
         paired = f"{ratio:.3f}x ({r['faster_rounds']}/{r['rounds']} faster)" if ratio and r["comm_sms"] != doc["default"] else "-"
         rows.append([str(r["comm_sms"]), compute, f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}-{r['max_ms']:.2f}", paired, f"{r['microbatched_steps']} microbatched steps"])
-    print_table(
-        f"dbo-runtime tune: host ms per microbatched DBO {doc['shape']} step, per comm-SM value",
-        ["comm SMs", "compute SMs", "median ms", "min-max ms", "vs today (paired)", "notes"],
-        rows,
-    )
+    columns = ["comm SMs", "compute SMs", "median ms", "min-max ms", "vs today (paired)", "notes"]
+    print_table(f"dbo-runtime tune: host ms per microbatched DBO {doc['shape']} step, per comm-SM value", columns, rows)
     if doc["verdict"] == "measured":
         print(f"fastest: {doc['best']} comm SMs, {doc['best_paired_speedup']:.3f}x vs {doc['default']} (in force today, paired median)")
         print(f"use: {doc['setting']} -- {doc['reason']}")

@@ -2,10 +2,8 @@
 
 Runs the operator's model and parallel configuration with DBO off, then on, on the same prompts with greedy
 decoding, compares the runs request by request and prints a verdict. A DBO run that never microbatched is
-inconclusive: two identical non-DBO runs prove nothing.
-
-Exit 0 pass, 1 outputs differ, 2 bad arguments, 3 could not run, 4 inconclusive.
-"""
+inconclusive: two identical non-DBO runs prove nothing. Exit 0 pass, 1 outputs differ, 2 bad arguments,
+3 could not run, 4 inconclusive."""
 
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ from typing import Any
 
 from dbo_runtime.cli import _engine
 from dbo_runtime.cli._common import EXIT_INCONCLUSIVE, EXIT_NO_DEVICE, int_in, print_json, print_table, say
-from dbo_runtime.cli._engine import check_with_vllm, engine_arg, prepare
+from dbo_runtime.cli._engine import engine_arg, prepare
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.settings import StateError
 from dbo_runtime.harness.compare import FloorRule, Request, Thresholds, compare, verdict
@@ -56,12 +54,7 @@ def _int_flag(engine_args: list[str], flag: str) -> int | None:
 
 
 def floor_args(engine_args: list[str], per_rank: int) -> tuple[list[str], str]:
-    """Engine arguments for the noise-floor run: half the sequences a rank holds at a time in the DBO-off run
-    (an active-sequence limit is the one halved: vLLM refuses ``max_num_seqs`` below it)."""
-    for flag in ("--max-num-seqs", "--max-num-active-seqs"):
-        raw = engine_arg(engine_args, flag)
-        if raw is not None and (not raw.isdigit() or int(raw) < 1):
-            raise ConfigError(flag, raw, "an integer >= 1 (sequences a DP rank holds at a time)")
+    """Engine arguments for the noise-floor run: half the sequences a rank holds at a time (an active limit is halved)."""
     seqs, active = _int_flag(engine_args, "--max-num-seqs"), _int_flag(engine_args, "--max-num-active-seqs")
     concurrent = min(x for x in (seqs, active, per_rank) if x is not None)
     if concurrent // 2 < 1:
@@ -85,13 +78,6 @@ def _microbatched(record: dict[str, Any]) -> bool:
     return not counted or min(counted) > 0
 
 
-def _known_failure(signature: str) -> str:
-    from dbo_runtime.harness.launch import SIGNATURE_HINTS
-
-    hint = SIGNATURE_HINTS.get(signature)
-    return f"known failure: {signature}" + (f" ({hint})" if hint else "")
-
-
 def run(args: argparse.Namespace) -> int:
     from dbo_runtime.harness.launch import RunSpec, launch
     from dbo_runtime.harness.prompts import PromptSpec, from_file
@@ -112,11 +98,7 @@ def run(args: argparse.Namespace) -> int:
         added, note = floor_args(engine_args, -(-count // dp))
         plan.append(("noise-floor", added))
         notes.append(note)
-    for note in notes:
-        say("[verify]", f"note: {note}")
-    check_with_vllm(engine_args, "verify")
-    _engine.require_gpus(dp, f"one engine rank per GPU for data-parallel size {dp}")
-    folder = _engine.workdir(args.workdir, "verify")
+    folder = _engine.start("verify", engine_args, dp, f"one engine rank per GPU for data-parallel size {dp}", notes, args.workdir)
     env = _engine.same_runner_env(os.environ)
     records: dict[str, dict[str, Any]] = {}
     for label, added in plan:
@@ -129,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         if not rec["ok"]:
             break
     result = _result(records, thresholds, folder, notes, FloorRule() if args.noise_floor else None)
-    _print(result, args.json)
+    print_json(result) if args.json else render(result)
     if args.workdir is None and result["exit_code"] == 0:
         shutil.rmtree(folder, ignore_errors=True)
     return int(result["exit_code"])
@@ -137,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _result(records: dict[str, dict[str, Any]], thresholds: Thresholds, folder: Path, notes: list[str], floor_rule: FloorRule | None = None) -> dict[str, Any]:
     """The verdict document, pure given the records; with ``floor_rule`` DBO-on is judged against the noise floor."""
+    from dbo_runtime.harness.launch import SIGNATURE_HINTS
+
     runs = {
         label: {k: rec.get(k) for k in ("ok", "error", "failure_signatures", "start_s", "generate_s", "microbatched_steps", "plugin")}
         for label, rec in records.items()
@@ -148,7 +132,8 @@ def _result(records: dict[str, dict[str, Any]], thresholds: Thresholds, folder: 
     if failed or len(records) < (3 if floor_rule is not None else 2):
         label = failed[0] if failed else "dbo-on"
         rec = records.get(label, {})
-        reasons = [f"the {label} run failed: {rec.get('error')}", *map(_known_failure, rec.get("failure_signatures") or []), f"logs: {folder / label}"]
+        known = [f"known failure: {s}" + (f" ({SIGNATURE_HINTS[s]})" if s in SIGNATURE_HINTS else "") for s in rec.get("failure_signatures") or []]
+        reasons = [f"the {label} run failed: {rec.get('error')}", *known, f"logs: {folder / label}"]
         return {**doc, "verdict": "error", "exit_code": EXIT_NO_DEVICE, "reasons": reasons}
     ref = [Request.from_json(r) for r in records["dbo-off"]["requests"]]
     comparison = compare(ref, [Request.from_json(r) for r in records["dbo-on"]["requests"]])
@@ -177,10 +162,7 @@ def _result(records: dict[str, dict[str, Any]], thresholds: Thresholds, folder: 
     return {**doc, "verdict": "pass" if passed else "fail", "exit_code": 0 if passed else 1, "reasons": reasons}
 
 
-def _print(doc: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print_json(doc)
-        return
+def render(doc: dict[str, Any]) -> None:
     rows = []
     if comp := doc.get("comparison"):
         floor = doc.get("noise_floor") if doc.get("judged_by") == "noise_floor" else None

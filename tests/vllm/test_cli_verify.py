@@ -57,7 +57,7 @@ def test_the_engine_arguments_lose_the_dp_size_and_the_dbo_flags() -> None:
 def test_what_an_engine_would_refuse_is_one_line_before_any_starts(
     argv: list[str], needle: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(verify, "check_with_vllm", lambda *a: pytest.fail("reached vLLM's parser: the refusal came too late"))
+    monkeypatch.setattr(_engine, "check_with_vllm", lambda *a: pytest.fail("reached vLLM's parser: the refusal came too late"))
     assert main(["verify", "--workdir", str(tmp_path / "w"), *argv]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[verify]")]
     assert len(err) == 1 and needle in err[0], err
@@ -108,7 +108,7 @@ def test_result_pass_fail_error_inconclusive(tmp_path: Path, capsys: pytest.Capt
     assert doc["verdict"] == "inconclusive" and doc["exit_code"] == 4
     doc = _doc({"dbo-off": _rec(), "dbo-on": _rec(steps=None)}, tmp_path)
     assert doc["verdict"] == "pass" and any("cannot confirm" in n for n in doc["notes"])
-    verify._print(doc, as_json=False)
+    verify.render(doc)
     out = capsys.readouterr().out
     assert "token agreement" in out and "verdict: PASS" in out
 
@@ -145,7 +145,7 @@ def test_noise_floor_judges_dbo_against_a_batch_shape_change(tmp_path: Path, cap
     # the floor run failing is an error, like any run
     broken = doc(_lp_rec(0.0), _rec(ok=False, error="boom"))
     assert broken["verdict"] == "error" and "noise-floor" in broken["reasons"][0]
-    verify._print(fixed, as_json=False)
+    verify.render(fixed)
     out = capsys.readouterr().out
     assert "(noise floor 1.0000)" in out and "noise-floor run" in out and "verdict: PASS" in out
 
