@@ -104,7 +104,7 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         config = VllmConfig(device_config=DeviceConfig(device="cpu"))
-        object.__setattr__(config, "model_config", SimpleNamespace(max_model_len=40960))  # no HF config here
+        object.__setattr__(config, "model_config", SimpleNamespace(max_model_len=40960, hf_text_config=None))  # no HF config here
         object.__setattr__(config.parallel_config, "enable_dbo", dbo)
         config.attention_config.sparse_mla_prefill_workspace_factor = 5
         spec = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=132, dtype=torch.uint8)
