@@ -1,8 +1,5 @@
-"""Argument helpers of the ``graphs/`` scripts (plain argparse: a bad value is argparse's error and exit 2).
-
-A machine that cannot run a script (no CUDA, no DeepGEMM, no vLLM, too few GPUs) exits 3. Output goes to
-``graphs/results/local/`` (git-ignored) unless ``--out`` names another folder: trying a script never rewrites
-the committed results in ``graphs/results/``."""
+"""Argument helpers of the ``graphs/`` scripts: plain argparse (a bad value is exit 2), exit 3 where the machine
+cannot run a script, and output to the git-ignored ``graphs/results/local/`` unless ``--out`` names a folder."""
 
 from __future__ import annotations
 
@@ -43,6 +40,11 @@ def positive_seconds(text: str) -> float:
 
 def add_out(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=SCRATCH, help="output folder (default graphs/results/local/, git-ignored)")
+
+
+def progress(line: str) -> None:
+    """The harness's progress lines, on stderr: stdout is the measurement."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def say_written(prog: str, *paths: Path) -> None:

@@ -4,13 +4,13 @@ without matplotlib still gets every JSON result, only the PNG is skipped."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
 def pyplot() -> Any | None:
-    """``matplotlib.pyplot`` on the Agg backend, or None when matplotlib is not installed (said once on stderr, so
-    a missing PNG is never a silent gap: the plugin does not depend on matplotlib, only the development set-up
-    installs it, and a GPU machine may lack it)."""
+    """``matplotlib.pyplot`` on the Agg backend, or None without matplotlib (said once on stderr: no silent gap)."""
     try:
         import matplotlib
 
@@ -25,3 +25,25 @@ def pyplot() -> Any | None:
 
 
 _said: list[bool] = []
+
+Panel = tuple[Sequence[str], Sequence[float], str]
+"""(bar labels, values, value-axis label)."""
+
+
+def bar_panels(path: Path, title: str, panels: Sequence[Panel], *, horizontal: bool = False, log: bool = False) -> bool:
+    """The panels side by side as bar charts, saved to ``path``; False (nothing written) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    for ax, (labels, values, label) in zip(axes[0], panels, strict=True):
+        (ax.barh if horizontal else ax.bar)(list(labels), list(values))
+        (ax.set_xlabel if horizontal else ax.set_ylabel)(label)
+        if log:
+            (ax.set_xscale if horizontal else ax.set_yscale)("log")
+        ax.tick_params(labelsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,8 +1,5 @@
-"""Imported first by the kernel scripts: without torch, exit 3 (cannot run here) with one line.
-
-The scripts import torch (directly or through ``dbo_runtime.sim``) at module level, so without it
-Python would print a traceback before their own one-line refusals (no CUDA, no DeepGEMM) run. The
-check runs on import, ahead of those imports, so the scripts keep their imports at the top."""
+"""Imported first by the kernel scripts: without torch, one line and exit 3 instead of an import traceback ahead of
+the scripts' own refusals (no CUDA, no DeepGEMM)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """DBO in the real engine on two GPUs: decode throughput and step time, DBO on vs off.
 
-Configurations (shared-top-k tiny model, DP 2 + EP, MRV1; its hidden-2048 variant under DeepEP
-low-latency, whose smallest hidden size is 2048), in two groups run one after the other (``--backends``,
-in the order given); within a group all engines are alive at once and timed in turns, interleaved,
-the order rotating each rep (``harness.turns``):
-
-- ``ht``: DeepEP high-throughput (eager) DBO off / on with dbo_runtime / on with
-  ``DBO_RUNTIME_SELF_TIME=1`` (the plugin's own host time per step). Vanilla DBO crashes here.
-- ``ll``: DeepEP low-latency (FULL decode graphs) DBO off / on with dbo_runtime / on vanilla
-  (it reserves no comm SMs, so no crash) / on with self-time.
-
-Each group writes ``bench_dbo_engine_<group>.{json,png}``: per configuration the slower rank's step
-per rep, and per ratio both the ratio of medians and the median/range of per-rep paired ratios. The
-tiny model shows no production overlap gain: the point is the plugin's cost and no regression.
+A tiny shared-top-k model, DP 2 + EP, in two groups run one after the other (``--backends``): ``ht`` (DeepEP
+high-throughput, eager: off / dbo_runtime / self-timed; vanilla DBO crashes here) and ``ll`` (low-latency, FULL
+decode graphs: off / dbo_runtime / vanilla / self-timed). Within a group the engines are timed in interleaved
+turns. The tiny model shows no overlap gain: the point is the plugin's cost and no regression.
 
     python graphs/bench_dbo_engine.py [--reps 3] [--backends ht,ll] [--out graphs/results]
 """
@@ -28,12 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, add_out, integer, progress, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 GROUPS: dict[str, tuple[str, bool]] = {"ht": ("shared-topk", False), "ll": ("shared-topk-h2048", True)}
-"""(model, FULL decode graphs) per backend group. DeepEP LL needs hidden >= 2048; HT runs eager
-because vLLM turns graphs off for HT with DP > 1."""
+"""(model, FULL decode graphs) per group: DeepEP LL needs hidden >= 2048; vLLM runs HT with DP > 1 eager."""
 CONFIGS: dict[str, list[tuple[str, bool, bool, dict[str, str]]]] = {
     "ht": [
         ("ht-dbo-off", False, True, {}),
@@ -43,15 +33,12 @@ CONFIGS: dict[str, list[tuple[str, bool, bool, dict[str, str]]]] = {
     "ll": [
         ("ll-dbo-off", False, True, {}),
         ("ll-dbo-plugin", True, True, {}),
-        # vanilla DBO runs under LL: it reserves no comm SMs, so no crash
         ("ll-dbo-vanilla", True, False, {}),
         ("ll-dbo-plugin-selftime", True, True, {"DBO_RUNTIME_SELF_TIME": "1"}),
     ],
 }
-"""(label, DBO on, dbo_runtime on, extra env) per backend group. The groups run one after the other:
-all seven DP-2 configurations alive at once put seven engines on each H200, and the seventh died of
-CUDA OOM in a prefill of its first timed turn (measured on 2x H200), so side-by-side ratios are within
-a group."""
+"""(label, DBO on, dbo_runtime on, extra env) per group; the groups run one after the other (seven engines on one
+GPU outgrow it), so ratios are within a group."""
 RATIOS = {
     "ht": {"ht_dbo_plugin_over_off": ("ht-dbo-plugin", "ht-dbo-off")},
     "ll": {
@@ -66,11 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=integer(1), default=3, help="timed reps per configuration after one warm-up (default 3)")
     parser.add_argument("--steps", type=integer(2), default=64, help="decode steps per timed pass (default 64)")
     add_out(parser)
-    parser.add_argument(
-        "--backends",
-        default="ht,ll",
-        help="comma-separated all2all backend groups, run one after the other in the order given: ht, ll (default ht,ll)",
-    )
+    parser.add_argument("--backends", default="ht,ll", help="comma-separated backend groups, run one after the other: ht, ll (default ht,ll)")
     args = parser.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in GROUPS]
@@ -114,7 +97,7 @@ def _run_group(args: argparse.Namespace, group: str, out: Path, env_facts: dict)
         for label, dbo, plugin, env in CONFIGS[group]
     ]
     work = out / "bench_dbo_engine_runs"
-    records = run_interleaved(specs, work, args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    records = run_interleaved(specs, work, args.reps, timeout_s=1500, progress=progress)
     rows = {label: _row(rec) for label, rec in records.items()}
     summary: dict[str, object] = {}
     for name, (a, b) in RATIOS[group].items():
@@ -129,10 +112,8 @@ def _run_group(args: argparse.Namespace, group: str, out: Path, env_facts: dict)
 
 
 def _row(rec: dict) -> dict:
-    """One configuration's timed reps. DP ranks step together, so a rep's step time is the slower
-    rank's; its tok/s is the sum of each rank's own rate (so tok/s and 64 / step need not agree). A rep
-    where any rank's measurement is invalid (None: a loaded host) is dropped for every rank and every
-    statistic; ``decode_step_ms_by_rep`` keeps its place (None) so reps pair across configurations."""
+    """One configuration's timed reps: a rep's step is the slower rank's, its tok/s the sum of the ranks'. A rep
+    any rank could not measure is dropped everywhere; ``decode_step_ms_by_rep`` keeps its place (None) for pairing."""
     per_rank = rec.get("bench") or []
     timed = [[r for r in b.get("reps", []) if not r.get("warmup")] for b in per_rank]
     n = min((len(rs) for rs in timed), default=0)
@@ -144,17 +125,11 @@ def _row(rec: dict) -> dict:
     tps = [sum(rs[i]["decode_tok_per_s"] for rs in timed) for i in kept]
     selfs = [rs[i]["plugin_self_us_per_step"] for rs in timed for i in kept if rs[i].get("plugin_self_us_per_step") is not None]
     return {
-        "ok": rec.get("ok"),
-        "error": rec.get("error"),
-        "decode_step_ms": steps,
-        "decode_step_ms_by_rep": by_rep,
-        "decode_tok_per_s": tps,
-        "median_step_ms": statistics.median(steps) if steps else None,
-        "median_tok_per_s": statistics.median(tps) if tps else None,
+        "ok": rec.get("ok"), "error": rec.get("error"), "decode_step_ms": steps, "decode_step_ms_by_rep": by_rep, "decode_tok_per_s": tps,
+        "median_step_ms": statistics.median(steps) if steps else None, "median_tok_per_s": statistics.median(tps) if tps else None,
         "plugin_self_us_per_step": statistics.median(selfs) if selfs else None,
-        "microbatched_builds_per_timed_pass": [r.get("microbatched_builds") for rs in timed for r in rs],
-        "turn_order": rec.get("turn_order"),
-    }
+        "microbatched_builds_per_timed_pass": [r.get("microbatched_builds") for rs in timed for r in rs], "turn_order": rec.get("turn_order"),
+    }  # fmt: skip
 
 
 def _ratio_of_medians(rows: dict, a: str, b: str) -> float | None:
@@ -163,8 +138,7 @@ def _ratio_of_medians(rows: dict, a: str, b: str) -> float | None:
 
 
 def _paired(rows: dict, a: str, b: str) -> dict | None:
-    """Rep i of ``a`` over rep i of ``b``: the turns interleave, so the two ran a few seconds apart on
-    the same host state. Median and range of those ratios are less exposed to host drift than a ratio
+    """Rep i of ``a`` over rep i of ``b`` (interleaved turns: seconds apart), less exposed to host drift than a ratio
     of medians."""
     xs, ys = rows.get(a, {}).get("decode_step_ms_by_rep") or [], rows.get(b, {}).get("decode_step_ms_by_rep") or []
     ratios = [x / y for x, y in zip(xs, ys, strict=False) if x and y]

@@ -1,16 +1,8 @@
 """Step time, planner kernels and memory of the GLM-5.3-shaped DBO stack, side by side in one run.
 
-Variants (same inputs, same process, interleaved repetitions):
-
-* ``unsplit``        -- the stack as one batch, all SMs, no DBO.
-* ``dbo_runtime``    -- DBO, comm 20 / compute 112, schedule cache with plan-ahead.
-* ``upstream``       -- DBO, comm 20, re-plan at the call site (vllm#60732's approach).
-* ``no_partition``   -- DBO with ``VLLM_DBO_COMM_SMS=0``: the path that never needed a fix;
-  ``dbo_runtime / no_partition`` is dbo_runtime's overhead plus the cost of giving 20 SMs to comm.
-
-Each is timed eager (host wall per step, threads and all) and as a FULL graph
-replay (MRV1-style capture; GPU time from CUDA events). Planner kernels per step
-are counted from the backend. Memory per extra microbatch is computed for
+Variants, interleaved on the same inputs: ``unsplit`` (one batch, all SMs), ``dbo_runtime`` (DBO, plan-ahead),
+``upstream`` (DBO, re-plan at the call site) and ``no_partition`` (DBO with comm 0, the path that never needed a
+fix). Each timed eager (host wall) and as a FULL graph replay (CUDA events); memory per extra microbatch for
 GLM-5.3 / GLM-5.1 with both top-k layouts.
 
     python graphs/bench_dbo_stack.py [--reps 20] [--out graphs/results]
@@ -37,7 +29,7 @@ from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
 from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import GLM53, Scenario, capture_dbo_graph
 from graphs._args import EXIT_NO_DEVICE, add_out, integer
-from graphs._plotting import pyplot
+from graphs._plotting import bar_panels
 
 VARIANTS = {
     "dbo_runtime": {},
@@ -94,10 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     base = dataclasses.replace(GLM53, num_requests=args.requests, max_context=args.max_context)
     scen = {name: Scenario(dataclasses.replace(base, **kw), be) for name, kw in VARIANTS.items()}
     unsplit = scen["no_partition"]
-    for sc in scen.values():
+    for sc in scen.values():  # inputs, and every kernel variant warmed before timing or capture
         sc.new_inputs()
-    # Warm every kernel variant (planner + logits per SM count) before timing or capture.
-    for sc in scen.values():
         eager_dbo_step(sc)
     eager_unsplit_step(unsplit)
     torch.cuda.synchronize()
@@ -150,12 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "graph_replay_ms_median": {k: med(v) for k, v in replay.items()},
         "graph_replay_ms_p25_p75": {k: iqr(v) for k, v in replay.items()},
         "planner_kernels_per_eager_step": {k: statistics.mean(v) for k, v in planners.items()},
-        "planner_kernels_per_graph_replay": {
-            **in_graph,
-            "note": "planner kernels recorded into each captured graph (counted by the schedule cache during "
-            "capture): a schedule planned ahead for the DBO count is re-planned inside the graph so every "
-            "replay reads a plan for the captured SM count; one planned for the builder's own count is not",
-        },
+        "planner_kernels_per_graph_replay": {**in_graph, "note": "planner kernels recorded into each captured graph"},
         "ratios": {
             "eager dbo_runtime / no_partition": round(med(eager["dbo_runtime"]) / med(eager["no_partition"]), 4),
             "eager dbo_runtime / upstream": round(med(eager["dbo_runtime"]) / med(eager["upstream"]), 4),
@@ -164,26 +149,16 @@ def main(argv: list[str] | None = None) -> int:
             "graph dbo_runtime / unsplit": round(med(replay["dbo_runtime"]) / med(replay["unsplit"]), 4),
         },
         "topk_memory_per_extra_microbatch_bytes": {
-            "GLM-5.3 (78 layers, freq 4, offset 3, top-k 2048, 8192 tok / 1024 seqs)": topk_memory_bytes(
-                num_layers=78, index_topk_freq=4, index_skip_topk_offset=3, index_topk=2048,
-                max_num_batched_tokens=8192, max_num_seqs=1024,
-            ),
-            "GLM-5.1 (freq 1)": topk_memory_bytes(
-                num_layers=78, index_topk_freq=1, index_skip_topk_offset=2, index_topk=2048,
-                max_num_batched_tokens=8192, max_num_seqs=1024,
-            ),
+            name: topk_memory_bytes(num_layers=78, index_topk_freq=freq, index_skip_topk_offset=offset, index_topk=2048,
+                                    max_num_batched_tokens=8192, max_num_seqs=1024)
+            for name, freq, offset in (("GLM-5.3 (78 layers, freq 4, offset 3, top-k 2048, 8192 tok / 1024 seqs)", 4, 3), ("GLM-5.1 (freq 1)", 1, 2))
         },
     }
     doc = {
-        "benchmark": "bench_dbo_stack",
-        "environment": environment(),
-        "config": dataclasses.asdict(base),
-        "reps": args.reps,
-        "summary": summary,
+        "benchmark": "bench_dbo_stack", "environment": environment(), "config": dataclasses.asdict(base), "reps": args.reps, "summary": summary,
         "raw": {"eager_ms": eager, "graph_replay_ms": replay, "planner_kernels": planners},
-        "note": "The microbatches share one compute stream and the comm op is a tiny stand-in for an all2all, "
-        "so DBO here cannot show overlap gains; the figures isolate dbo_runtime's own cost.",
-    }
+        "note": "one compute stream and a stand-in all2all: no overlap gains; the figures isolate dbo_runtime's own cost",
+    }  # fmt: skip
     path = write_json(args.out / "bench_dbo_stack.json", doc)
     _plot(doc, args.out / "bench_dbo_stack.png")
     print(summary)
@@ -192,22 +167,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(doc: dict, path: Path) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    s = doc["summary"]
-    names = list(s["eager_ms_median"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    axes[0].bar(names, [s["eager_ms_median"][n] for n in names], color="tab:blue")
-    axes[0].set_title("eager step (host wall, median ms)", fontsize=9)
-    axes[1].bar(names, [s["graph_replay_ms_median"][n] for n in names], color="tab:green")
-    axes[1].set_title("FULL-graph replay (CUDA events, median ms)", fontsize=9)
-    for ax in axes:
-        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    env = doc["environment"]
-    fig.suptitle(f"GLM-5.3-shaped DBO stack, {env.get('device')}, torch {env.get('torch')}, {env.get('deep_gemm')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    s, env = doc["summary"], doc["environment"]
+    title = f"GLM-5.3-shaped DBO stack, {env.get('device')}, torch {env.get('torch')}, {env.get('deep_gemm')}"
+    panels = [(list(s[k]), list(s[k].values()), label) for k, label in (
+        ("eager_ms_median", "eager step (host wall, median ms)"), ("graph_replay_ms_median", "FULL-graph replay (CUDA events, median ms)"))]
+    bar_panels(path, title, panels)
 
 
 if __name__ == "__main__":

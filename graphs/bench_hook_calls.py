@@ -1,22 +1,10 @@
 """What one hooked access costs, measured against the same access in vanilla vLLM, side by side in one run.
 
-Every dbo_runtime hook on vLLM's per-layer path is paid on every layer of every eager DBO step, on both
-microbatch threads: the top-k buffer descriptors (about 950 reads in an eager GLM-5.3 step), the index-group
-methods, the MTP hidden-buffer descriptor, the microbatch lookup behind them. This times each on the real vLLM
-0.33.0 classes of this machine (instances made without their CUDA ``__init__``, the attribute set as vLLM's
-``__init__`` sets it, so lookup goes through the class exactly as in a model): per case, blocks of N accesses
-alternate between the plugin installed and uninstalled (the identical originals back), R times, and the median
-ns per access of each side and their difference are reported. Three threads (``THREADS``, also in the JSON):
-"main" = the main thread of an engine that has never split a step (DBO off, or DP 1), where the per-access hooks
-are not in force yet (``microbatch_arming``); "main, armed" = the main thread of an engine that has split one, in a
-step vLLM does not split; "ubatch 1" = a thread registered as microbatch 1 in vLLM's own thread table, as
-``UBatchContext.__enter__`` does, hooks armed.
-A CPU measurement: an H200 host's cores are faster, so read the differences, not the absolute numbers.
-
-``--cold K``: in a model, several hundred microseconds of other work (vLLM's Python, torch dispatch) run between
-two hooked accesses and evict the caches the access needs, which a loop of back-to-back accesses keeps warm. With
-K > 0 every access is preceded by K random reads over a 40 MB pool of objects and timed on its own (the median of a
-block), on both sides (the clock's own cost cancels in the difference).
+Every hook on vLLM's per-layer path is paid on every layer of every eager DBO step, on both microbatch threads.
+This times each on the real vLLM classes (instances made without their CUDA ``__init__``): blocks of N accesses
+alternate between the plugin installed and uninstalled, R times, on the threads of ``THREADS``; the median ns
+per access of each side and their difference are reported. A CPU measurement: read the differences.
+``--cold K`` precedes every access with K random reads over a 40 MB pool (the caches vLLM's own work evicts).
 
     python graphs/bench_hook_calls.py [--n 200000] [--reps 7] [--cold K] [--out graphs/results]
 """
@@ -24,6 +12,8 @@ block), on both sides (the clock's own cost cancels in the difference).
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import statistics
 import sys
 import threading
@@ -37,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written  # noqa: E402
-from graphs._plotting import pyplot  # noqa: E402
+from graphs._plotting import bar_panels  # noqa: E402
 
 MODULES = (
     "vllm.model_executor.layers.sparse_attn_indexer",
@@ -71,9 +61,12 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
 
     buffer = torch.zeros((64, 8), dtype=torch.int32)
 
-    def indexer_buffer() -> Callable[[], Any]:
-        obj = _instance(SparseAttnIndexer, topk_indices_buffer=buffer)
-        return lambda: obj.topk_indices_buffer
+    def read(cls: type, attr: str = "topk_indices_buffer", **attrs: Any) -> Callable[[], Callable[[], Any]]:
+        def build() -> Callable[[], Any]:
+            obj = _instance(cls, **(attrs or {"topk_indices_buffer": buffer}))
+            return lambda: getattr(obj, attr)
+
+        return build
 
     def shared_buffer(leader: bool) -> Callable[[], Callable[[], Any]]:
         def build() -> Callable[[], Any]:
@@ -84,27 +77,10 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
 
         return build
 
-    def v32_descriptor(cls: type) -> Callable[[], Callable[[], Any]]:
-        def build() -> Callable[[], Any]:
-            obj = _instance(cls, topk_indices_buffer=buffer)
-            return lambda: obj.topk_indices_buffer
-
-        return build
-
-    def v41_model_buffer() -> Callable[[], Any]:
-        obj = _instance(DeepseekV4Model, topk_indices_buffer=buffer, _mtp_hidden_buffer=buffer)
-        return lambda: obj.topk_indices_buffer
-
-    def mtp_hidden() -> Callable[[], Any]:
-        obj = _instance(DeepseekV4Model, topk_indices_buffer=buffer, _mtp_hidden_buffer=buffer)
-        return lambda: obj._mtp_hidden_buffer
 
     def ready_early_exit() -> Callable[[], Any]:
         group = _instance(SparseMLAIndexGroup, has_indexer=True)
         return lambda: group.set_logical_topk_ready(3)
-
-    def ubatch_lookup() -> Callable[[], Any]:
-        return ubatch_ids.current_ubatch
 
     def convert_once() -> Callable[[], Any]:
         group = _instance(SparseMLAIndexGroup, has_indexer=True)
@@ -128,7 +104,7 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         config = VllmConfig(device_config=DeviceConfig(device="cpu"))
-        object.__setattr__(config, "model_config", SimpleNamespace(max_model_len=40960))  # no HF config here
+        object.__setattr__(config, "model_config", SimpleNamespace(max_model_len=40960, hf_text_config=None))  # no HF config here
         object.__setattr__(config.parallel_config, "enable_dbo", dbo)
         config.attention_config.sparse_mla_prefill_workspace_factor = 5
         spec = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=132, dtype=torch.uint8)
@@ -161,13 +137,13 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
     return {
         "SharedTopkIndicesBuffer.topk_indices_buffer (follower)": shared_buffer(False),
         "SharedTopkIndicesBuffer.topk_indices_buffer (leader)": shared_buffer(True),
-        "DeepseekV32Attention.topk_indices_buffer": v32_descriptor(DeepseekV32Attention),
-        "DeepseekV32Indexer.topk_indices_buffer": v32_descriptor(DeepseekV32Indexer),
-        "SparseAttnIndexer.topk_indices_buffer": indexer_buffer,
-        "DeepseekV4Model.topk_indices_buffer": v41_model_buffer,
-        "DeepseekV4Model._mtp_hidden_buffer": mtp_hidden,
+        "DeepseekV32Attention.topk_indices_buffer": read(DeepseekV32Attention),
+        "DeepseekV32Indexer.topk_indices_buffer": read(DeepseekV32Indexer),
+        "SparseAttnIndexer.topk_indices_buffer": read(SparseAttnIndexer),
+        "DeepseekV4Model.topk_indices_buffer": read(DeepseekV4Model, topk_indices_buffer=buffer, _mtp_hidden_buffer=buffer),
+        "DeepseekV4Model._mtp_hidden_buffer": read(DeepseekV4Model, "_mtp_hidden_buffer", topk_indices_buffer=buffer, _mtp_hidden_buffer=buffer),
         "SparseMLAIndexGroup.set_logical_topk_ready (layer 3)": ready_early_exit,
-        "ubatch_ids.current_ubatch": ubatch_lookup,
+        "ubatch_ids.current_ubatch": lambda: ubatch_ids.current_ubatch,
         "SparseMLAIndexGroup._convert_once (stub kernel)": convert_once,
         "fp8_fp4_paged_mqa_logits call site (stub kernel)": logits_call_site,
         BUILD: builder_build,
@@ -176,12 +152,9 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
 
 
 BUILD = "DeepseekV32IndexerMetadataBuilder.build (stub planner)"
-"""vLLM's real decode-metadata build of a 32-request step (about 100 µs of vLLM's own Python and torch calls),
-with its planner call (``get_paged_mqa_logits_metadata``, a GPU kernel) stubbed: the plugin's build and planner
-hooks run around it once per step, on the main thread, eager and under CUDA graphs alike."""
+"""vLLM's real decode-metadata build of a 32-request step, its planner kernel stubbed: the builder and planner
+hooks run around it once per step, on the main thread."""
 BUILD_ASIDE = "DeepseekV32IndexerMetadataBuilder.build, no DBO (hooks step aside)"
-"""The same build in an engine that never microbatches, where the builder, planner and call-site hooks step aside
-(``IndexerScheduleCache.steps_aside``)."""
 MAIN_ONLY = {BUILD, BUILD_ASIDE}
 """Cases that never run on a microbatch thread (vLLM builds a step's metadata on the main thread)."""
 THREADS = (
@@ -191,13 +164,11 @@ THREADS = (
 )
 """(label, microbatch id or None for the main thread, whether the first-microbatch patches are armed, meaning)."""
 SLOW = {BUILD: 200, BUILD_ASIDE: 200}
-"""Cases a back-to-back block runs fewer of (``n // SLOW``, at least 100): a build is some 30 µs of vLLM's own code
-here, a buffer read 0.05-0.2 µs."""
+"""Cases a back-to-back block runs ``n // SLOW`` of (at least 100): a build costs some 100 buffer reads."""
 
 
 class _StubPlanner:
-    """The schedule cache's planner for the call-site case: DeepGEMM's live SM count and capture probe as plain
-    callables (the real ones are C++ calls on a GPU host), nothing ever planned (the schedule fits)."""
+    """The call-site case's planner: DeepGEMM's SM count and capture probe as plain callables; nothing planned."""
 
     SMS = 132
 
@@ -214,8 +185,8 @@ _ABSENT = object()
 
 
 def _stub_kernels() -> Callable[[], None]:
-    """Put a no-op where vLLM's two kernel-calling hooks call through (``_convert_once``, the logits kernel), for
-    both sides: what is timed is the hook around the call, not the kernel, which needs a GPU. Returns the undo."""
+    """No-op kernels under vLLM's two kernel-calling hooks, on both sides: the hook is timed, not the kernel (which
+    needs a GPU). Returns the undo."""
     import vllm.model_executor.layers.sparse_attn_indexer as call_site
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
 
@@ -282,13 +253,8 @@ PER_STEP_78L = {
     "fp8_fp4_paged_mqa_logits call site (stub kernel)": 22,
 }
 """Hooked calls per eager decode step of the 78-layer GLM-5.3 pattern, as the self-timer counted them in the real
-engine (``calls_per_step_by_patch``); the 156 property reads are split by the 21 leaders, whose
-reads go through their indexer; of the 78 ``set_logical_topk_ready`` calls, the 57 of follower layers return at
-once and the 21 of leaders call through to vLLM's event record, priced here as a ``_convert_once`` call (the same
-one check and one call through; the record itself needs a GPU). The two kernel-calling hooks are timed around a
-no-op kernel (``_stub_kernels``). The builder's two per-step hooks (its build and the planner call inside it) are
-priced apart, by one whole build with a stub planner (``BUILD``, ``per_step``'s ``with_build_us``); plan-ahead, the
-third per-step hook of a DBO step, is left out."""
+engine (``calls_per_step_by_patch``); a leader's ``set_logical_topk_ready`` is priced as a ``_convert_once`` call.
+The builder's per-step hooks are priced apart, by one whole build (``BUILD``, ``per_step``'s ``with_build_us``)."""
 
 VANILLA_ONLY = {"ubatch_ids.current_ubatch"}
 """dbo_runtime's own lookup: no vanilla counterpart (its cost is inside every resolving access above)."""
@@ -302,8 +268,7 @@ def _time(access: Callable[[], Any], n: int) -> float:
 
 
 class Evictor:
-    """K random reads over a pool of about 40 MB of small objects: what vLLM's work between two hooked accesses
-    does to the caches (``--cold``)."""
+    """K random reads over about 40 MB of small objects: what vLLM's work between two accesses does to the caches."""
 
     def __init__(self, reads: int, size: int = 300_000, seed: int = 0) -> None:
         import random
@@ -325,10 +290,8 @@ class Evictor:
 
 
 def _time_cold(access: Callable[[], Any], n: int, evict: Evictor) -> float:
-    """The median of ``n`` accesses timed one by one after an eviction each, with the collector paused: a pass over
-    the 40 MB pool would otherwise land inside a random access and swamp the difference."""
-    import gc
-
+    """The median of ``n`` accesses timed one by one after an eviction each, the collector paused (a pass over the
+    pool inside one access would swamp the difference)."""
     clock = time.perf_counter_ns
     times = []
     enabled = gc.isenabled()
@@ -384,6 +347,7 @@ def measure(n: int, reps: int, cold: int = 0) -> dict[str, Any]:
     parallel = ParallelConfig(enable_dbo=True, enable_expert_parallel=True, all2all_backend="deepep_low_latency", data_parallel_size=2)
     config = VllmConfig(device_config=DeviceConfig(device="cpu"), parallel_config=parallel)
     evict = Evictor(cold) if cold else None
+    gc.freeze()  # as vLLM freezes its start-up heap: the plugin's uninstall collects, which would scan all of vLLM
     plugin.uninstall()
     undo = _stub_kernels()
     try:
@@ -439,39 +403,29 @@ def _measure_cases(n: int, reps: int, evict: Evictor | None) -> list[dict[str, A
             plugin_ns = statistics.median(samples["plugin"])
             vanilla_ns = statistics.median(samples["vanilla"]) if samples["vanilla"] else None
             rows.append({
-                "access": name,
-                "thread": thread,
-                "plugin_ns": plugin_ns,
-                "vanilla_ns": vanilla_ns,
+                "access": name, "thread": thread, "plugin_ns": plugin_ns, "vanilla_ns": vanilla_ns,
                 "added_ns": plugin_ns - vanilla_ns if vanilla_ns is not None else plugin_ns,
-                "plugin_samples_ns": samples["plugin"],
-                "vanilla_samples_ns": samples["vanilla"],
+                "plugin_samples_ns": samples["plugin"], "vanilla_samples_ns": samples["vanilla"],
             })  # fmt: skip
     return rows
 
 
 def per_step(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Added µs per 78-layer eager step from ``PER_STEP_78L``, outside DBO (main thread) and on a microbatch thread;
-    ``with_build_us`` adds the step's one metadata build, which runs on the main thread either way."""
+    """Added µs per 78-layer eager step from ``PER_STEP_78L``, per thread; ``with_build_us`` adds the step's build."""
     build = next((r["added_ns"] for r in rows if r["access"] == BUILD and r["thread"] == "main"), None)
     out: dict[str, Any] = {}
     for thread, *_ in THREADS:
         added = {r["access"]: r["added_ns"] for r in rows if r["thread"] == thread}
         counted = {name: n for name, n in PER_STEP_78L.items() if name in added}
         added_us = sum(n * added[name] for name, n in counted.items()) / 1e3
-        out[thread] = {
-            "accesses": sum(counted.values()),
-            "added_us": added_us,
-            "build_added_us": build / 1e3 if build is not None else None,
-            "with_build_us": added_us + build / 1e3 if build is not None else None,
-        }
+        build_us = build / 1e3 if build is not None else None
+        out[thread] = {"accesses": sum(counted.values()), "added_us": added_us, "build_added_us": build_us,
+                       "with_build_us": added_us + build_us if build_us is not None else None}  # fmt: skip
     return out
 
 
 def _environment_refusal() -> str | None:
     """The plugin settings that would make the "plugin" side time something else: one line, or None."""
-    import os
-
     from dbo_runtime.core.errors import ConfigError
     from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout
     from dbo_runtime.core.switches import parse_switch, switch_problems
@@ -494,15 +448,9 @@ def _environment_refusal() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_hook_calls", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--n", type=integer(100, 10_000_000), default=None,
-        help="accesses per timed block (default 200000 back to back; 200 with --cold, where each is timed alone)",
-    )  # fmt: skip
+    parser.add_argument("--n", type=integer(100, 10_000_000), help="accesses per timed block (default 200000; 200 with --cold)")
     parser.add_argument("--reps", type=integer(1, 99), default=7, help="blocks per side, alternating (default 7)")
-    parser.add_argument(
-        "--cold", type=integer(0, 1_000_000), default=0, metavar="K",
-        help="random reads over a 40 MB pool before each access, timed one by one (default 0: back-to-back accesses)",
-    )  # fmt: skip
+    parser.add_argument("--cold", type=integer(0, 1_000_000), default=0, metavar="K", help="random reads over a 40 MB pool before each access (default 0)")
     add_out(parser)
     args = parser.parse_args(argv)
     if args.n is None:
@@ -516,9 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(f"bench_hook_calls needs vLLM 0.33 importable here ({exc})", file=sys.stderr)
         return EXIT_NO_DEVICE
-    out = Path(args.out)  # checked as it was parsed (_args.out_folder); write_json creates it
-    import os
-
+    out = Path(args.out)
     from dbo_runtime.sim.report import environment, write_json
 
     doc = {**measure(args.n, args.reps, args.cold), "environment": {**environment(), "cpus": os.cpu_count()}}
@@ -532,20 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     for thread, row in doc["per_step_78l"].items():
         build = f", {row['with_build_us']:.1f} us with the step's metadata build" if row["with_build_us"] is not None else ""
         print(f"78-layer eager step, {thread}: {row['accesses']} of these accesses add {row['added_us']:.1f} us{build}")
-    print(f"armed at the first microbatched run, of the modules imported here ({len(doc['armable_patches'])}): "
-          f"{', '.join(doc['armable_patches'])}")
-    for thread, meaning in doc["threads"].items():
-        print(f"{thread}: {meaning}")
     print(f"results: {out / (stem + '.json')}")
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(8, 4))
-        labels = [f"{r['access']}\n({r['thread']})" for r in doc["rows"]]
-        ax.barh(labels, [r["added_ns"] for r in doc["rows"]])
-        ax.set_xlabel("ns added per access by dbo_runtime (median of alternating blocks)")
-        ax.tick_params(axis="y", labelsize=7)
-        fig.tight_layout()
-        fig.savefig(out / f"{stem}.png", dpi=120)
+    labels = [f"{r['access']}\n({r['thread']})" for r in doc["rows"]]
+    panel = (labels, [r["added_ns"] for r in doc["rows"]], "ns added per access by dbo_runtime (median of alternating blocks)")
+    bar_panels(out / f"{stem}.png", f"dbo_runtime's hooked accesses against vanilla vLLM{' (cold)' if args.cold else ''}", [panel], horizontal=True)
     say_written("bench_hook_calls", out / f"{stem}.json", out / f"{stem}.png")
     return 0
 

@@ -1,19 +1,12 @@
 """dbo_runtime's host cost at production depth, in the real engine on one GPU: step time, self time, hooked calls.
 
-With DeepEP high-throughput and DP > 1 vLLM runs every DBO step eager, so every hooked Python call is paid on
-every layer of every step. This measures it where operators pay it: tiny-width models at 6, 61 (DeepSeek-V3.2)
-and 78 (GLM-5.3) layers, with the GLM-5.3 layer pattern (index_topk_freq 4, offset 3: 21 leaders) or every layer
-a leader (DeepSeek-V3.2); eager and CUDA graphs; DBO off, and DBO at DP 1 (one GPU: the budget is announced, the
-top-k state attached and every hook armed, but vLLM never splits a step). Per configuration three engines are
-alive at once and timed in turns, interleaved, the order rotating each rep (``harness.turns``; ``--at-once``
-configurations share one set of turns, and the groups run one after the other): dbo_runtime,
-vanilla (``DBO_RUNTIME_DISABLE=1``), and dbo_runtime with ``DBO_RUNTIME_SELF_TIME=1`` (kept out of the A/B: the
-timer costs time). Reported per configuration: the step-time ratio (median of per-rep paired ratios), the
-plugin's own host time per step and per layer, hooked calls and accesses per step and per layer (per patch, in
-the JSON), and planner JIT compilations inside steps.
+With DeepEP high-throughput and DP > 1 every DBO step runs eager, so every hooked call is paid on every layer.
+Tiny-width models at 6, 61 and 78 layers (GLM-5.3 or DeepSeek-V3.2 layer pattern), eager and CUDA graphs, DBO off
+and DBO at DP 1; per configuration three engines (dbo_runtime, vanilla, dbo_runtime self-timed) are timed in
+interleaved turns (``harness.turns``). Reported: the paired step-time ratio, the plugin's own host time and hooked
+calls per step and per layer, planner compilations inside steps.
 
-    python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs]
-        [--dbo off,dp1] [--reps 5] [--steps 16] [--graphs-steps 128] [--at-once 1] [--out graphs/results]
+    python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs] [--dbo off,dp1]
     python graphs/bench_host_cost.py --from-runs DIR [--only ...] [--out DIR]   (no engines: a stopped run's records)
 """
 
@@ -29,28 +22,22 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, add_out, integer, progress, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 MODELS = {
     "glm53": ("shared-topk", {"index_topk_freq": 4, "index_skip_topk_offset": 3}),
     "v32": ("deepseek-v32", {}),
 }
-"""Model name -> (e2e config, HF overrides): the GLM-5.3 layer pattern, or DeepSeek-V3.2's (every layer leads)."""
 MODES = ("eager", "graphs")
 DBO = ("off", "dp1")
-MAX_STEPS = 3000
-"""Decode steps per pass at most: the prompts are up to 600 tokens and the tiny engines' --max-model-len is 4096."""
+MAX_STEPS = 3000  # decode steps per pass: prompts of up to 600 tokens, --max-model-len 4096
 VARIANTS = (("plugin", {}), ("vanilla", {"DBO_RUNTIME_DISABLE": "1"}), ("selftime", {"DBO_RUNTIME_SELF_TIME": "1"}))
 ENGINE_GIB = ((6, 7.0), (78, 16.0))
-"""(layers, GiB) of GPU memory one engine of this benchmark holds once it has run its first prefill (32 prompts of
-300-600 tokens), measured on an H200 (``docs/performance.md``: about 6.5 GiB at 6 layers, 10-16 GiB at 61 and 78); other
-depths on the line through the two (weights and activations grow with layers, the KV cache is fixed)."""
+"""(layers, GiB) one engine holds after its first prefill (``docs/performance.md``); other depths on the line between."""
 ENGINE_ONLY = ("reps", "steps", "graphs_steps", "at_once")
 """Options that shape the engines' runs: not recorded in a ``--from-runs`` summary, where no engine starts."""
-AT_ONCE = 1
-"""Configurations whose engines are alive together, by default: one configuration's three engines. Twelve deep engines
-outgrow one H200 part-way (``ENGINE_GIB``), and every engine alive competes for the host's cores."""
+AT_ONCE = 1  # configurations alive together: twelve deep engines outgrow one H200 and compete for the host's cores
 
 
 def _choices(parser: argparse.ArgumentParser, name: str, raw: str, allowed: tuple[str, ...]) -> list[str]:
@@ -70,13 +57,7 @@ def _depths(parser: argparse.ArgumentParser, raw: str) -> list[int]:
 
 def configurations(models: list[str], depths: list[int], modes: list[str], dbo: list[str]) -> list[dict]:
     """Every (model, depth, mode, DBO) the run measures, with its label."""
-    return [
-        {"label": f"{m}-{d}L-{mode}-dbo-{b}", "model": m, "depth": d, "mode": mode, "dbo": b}
-        for m in models
-        for d in depths
-        for mode in modes
-        for b in dbo
-    ]
+    return [{"label": f"{m}-{d}L-{mode}-dbo-{b}", "model": m, "depth": d, "mode": mode, "dbo": b} for m in models for d in depths for mode in modes for b in dbo]
 
 
 def specs_for(config: dict, steps: int, reps: int) -> list:
@@ -90,18 +71,11 @@ def specs_for(config: dict, steps: int, reps: int) -> list:
         extra += ["--enable-expert-parallel", "--all2all-backend", plan.HT, "--enable-dbo"]
     bench = {"max_tokens": steps, "reps": reps, "warmup": 1, "coordinated": True}
     return [
-        RunSpec(
-            label=f"{config['label']}-{variant}",
-            engine_args=plan.tiny_args(name, eager=config["mode"] == "eager", extra=extra),
-            env=dict(env),
-            prompts=PromptSpec(num=32, min_len=300, max_len=600, seed=13),
-            max_tokens=4,
-            bench=bench,
-            timeout_s=1500,
-            meta={"model": name, "issue": 20, "what": "bench_host_cost", **config, "variant": variant},
-        )
+        RunSpec(label=f"{config['label']}-{variant}", engine_args=plan.tiny_args(name, eager=config["mode"] == "eager", extra=extra), env=dict(env),
+                prompts=PromptSpec(num=32, min_len=300, max_len=600, seed=13), max_tokens=4, bench=bench, timeout_s=1500,
+                meta={"model": name, "issue": 20, "what": "bench_host_cost", **config, "variant": variant})
         for variant, env in VARIANTS
-    ]
+    ]  # fmt: skip
 
 
 def _reps(rec: dict) -> list[dict]:
@@ -122,21 +96,21 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
     b = [r.get("decode_step_ms") for r in _reps(vanilla)]
     paired = [x / y for x, y in zip(a, b, strict=False) if x and y]
     self_reps = _reps(selftime)
+
     def measured(key: str) -> list[float]:
         return [r[key] for r in self_reps if r.get(key) is not None]
 
     self_us, net_us, calls = measured("plugin_self_us_per_step"), measured("plugin_self_net_us_per_step"), measured("plugin_calls_per_step")
     gc_us, gc_n = measured("plugin_gc_us_per_step"), measured("plugin_gc_per_step")
-    by_patch: dict[str, list[float]] = {}
-    us_by_patch: dict[str, list[float]] = {}
-    long_by_patch: dict[str, list[dict[str, float]]] = {}
-    for r in self_reps:
-        for name, n in (r.get("plugin_calls_per_step_by_patch") or {}).items():
-            by_patch.setdefault(name, []).append(n)
-        for name, us in (r.get("plugin_self_us_per_step_by_patch") or {}).items():
-            us_by_patch.setdefault(name, []).append(us)
-        for name, long in (r.get("plugin_long_per_step_by_patch") or {}).items():
-            long_by_patch.setdefault(name, []).append(long)
+    def per_patch(key: str) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for r in self_reps:
+            for name, value in (r.get(key) or {}).items():
+                out.setdefault(name, []).append(value)
+        return dict(sorted(out.items()))
+
+    by_patch, us_by_patch = per_patch("plugin_calls_per_step_by_patch"), per_patch("plugin_self_us_per_step_by_patch")
+    long_by_patch = per_patch("plugin_long_per_step_by_patch")
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     vanilla_ms = med([x for x in b if x])
     depth = int(config["depth"])
@@ -145,8 +119,6 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
     devices = sorted({str(d) for v, _ in VARIANTS if (d := _device(records.get(f"{label}-{v}", {}))) is not None})
     return {
         **config,
-        # the GPU its engines reported: a matrix merged from several runs can mix devices, and a row's ratio and
-        # share hold only for the device that ran it
         "device": " + ".join(devices) or None,
         "ok": {v: records.get(f"{label}-{v}", {}).get("ok") for v, _ in VARIANTS},
         "reps_done": {v: len(_reps(records.get(f"{label}-{v}", {}))) for v, _ in VARIANTS},
@@ -160,21 +132,14 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
         "hooked_calls_per_step": calls_med,
         "hooked_calls_per_layer": calls_med / depth if calls_med is not None else None,
         "self_ns_per_hooked_call": self_med * 1e3 / calls_med if self_med is not None and calls_med else None,
-        # the same less the self-timer's calibrated charge (harness.runner.net_self_us): raw is the upper bound
         "self_net_us_per_step": med(net_us),
         "self_net_ns_per_hooked_call": med(net_us) * 1e3 / calls_med if net_us and calls_med else None,
         "self_net_share_of_step": med(net_us) / 1e3 / vanilla_ms if net_us and vanilla_ms else None,
-        # garbage collections that started inside plugin code (part of the self time above): a collection is paid by
-        # whichever code's allocation triggers it, so these are vLLM's garbage as much as the plugin's
         "gc_in_plugin_per_step": med(gc_n),
         "gc_in_plugin_us_per_step": med(gc_us),
-        "calls_per_step_by_patch": {name: med(v) for name, v in sorted(by_patch.items())},
-        # exclusive self time per patch, and the part of it in single charges over selftime.LONG_NS (a kernel the
-        # plugin launches, or the thread descheduled inside plugin code): what the per-access figure is made of
-        "self_us_per_step_by_patch": {name: med(v) for name, v in sorted(us_by_patch.items())},
-        "long_per_step_by_patch": {
-            name: {"count": med([x["count"] for x in v]), "us": med([x["us"] for x in v])} for name, v in sorted(long_by_patch.items())
-        },
+        "calls_per_step_by_patch": {name: med(v) for name, v in by_patch.items()},
+        "self_us_per_step_by_patch": {name: med(v) for name, v in us_by_patch.items()},
+        "long_per_step_by_patch": {name: {"count": med([x["count"] for x in v]), "us": med([x["us"] for x in v])} for name, v in long_by_patch.items()},
         "jit_in_step": {v: [r.get("jit_in_step") for r in _reps(records.get(f"{label}-{v}", {}))] for v, _ in VARIANTS[:1] + VARIANTS[2:]},
         "step_time_warnings": step_time_warnings({v: _reps(records.get(f"{label}-{v}", {})) for v, _ in VARIANTS}, len(paired)),
         "engine_failures": engine_failures({v: records.get(f"{label}-{v}") for v, _ in VARIANTS}),
@@ -187,8 +152,8 @@ def engine_gib(config: dict) -> float:
 
 
 def memory_problem(configs: list[dict], at_once: int, gpu_gib: float) -> str | None:
-    """Why ``--at-once`` cannot run these rows on a GPU of ``gpu_gib`` (None when every group fits, by
-    ``ENGINE_GIB``): engines that outgrow the GPU die of CUDA OOM part-way, after minutes of start-up."""
+    """Why ``--at-once`` cannot run these rows on a GPU of ``gpu_gib`` (None when every group fits): engines that
+    outgrow the GPU die of CUDA OOM part-way, after minutes of start-up."""
 
     def worst(k: int) -> float:
         return max(sum(len(VARIANTS) * engine_gib(c) for c in configs[i : i + k]) for i in range(0, len(configs), k))
@@ -206,9 +171,8 @@ def memory_problem(configs: list[dict], at_once: int, gpu_gib: float) -> str | N
 
 
 def gpu_gib() -> float | None:
-    """The smallest GPU's total memory as NVML reports it (no CUDA context in this process): a rough guard, which
-    counts neither memory other processes hold nor what the driver reserves. None -- nothing checked -- when NVML
-    cannot say, or a GPU is MIG-sliced (NVML reports the whole GPU's memory, the engines get a slice)."""
+    """The smallest GPU's total memory per NVML (no CUDA context here): a rough guard; None where NVML cannot say
+    or a GPU is MIG-sliced."""
     from dbo_runtime.adapters import nvml
 
     try:
@@ -222,8 +186,7 @@ def gpu_gib() -> float | None:
 
 
 def engine_failures(records: dict[str, dict | None]) -> list[str]:
-    """A line per engine of the row that failed, with the causes the harness recognised in its log
-    (``harness.launch.SIGNATURES``: ``cuda_oom`` when the engines alive together outgrew the GPU): a figure left
+    """A line per engine of the row that failed, with the causes the harness recognised in its log: a figure left
     empty or made of fewer reps must say why, not read as a quiet gap."""
     said = []
     for variant, rec in records.items():
@@ -241,13 +204,8 @@ MIN_DECODE_SHARE = 0.5
 
 
 def step_time_warnings(reps: dict[str, list[dict]], pairs: int) -> list[str]:
-    """Why a row's step times may not be a measurement, in words (pure; empty when none applies).
-
-    A rep's decode step is the difference of a 1-token pass and a full pass over the same prompts, so one compile
-    inside either pass moves it by the compile's length: vLLM 0.33 can JIT-compile Triton kernels on first use in a
-    step (its ``jit_monitor`` then warns "Triton kernel JIT compilation during inference") and, with
-    ``VLLM_DEEP_GEMM_WARMUP=skip`` as on the lent machine, DeepGEMM's GEMMs too. Under CUDA graphs a decode step is a
-    few milliseconds and the difference of two passes of similar length is mostly noise."""
+    """Why a row's step times may not be a measurement (pure). A rep's decode step is the difference of a 1-token and
+    a full pass, so one compile inside either pass moves it, and two passes of similar length leave mostly noise."""
     said = []
     if pairs < MIN_PAIRS:
         said.append(f"{pairs} plugin/vanilla pair(s) of reps (fewer than {MIN_PAIRS}): the step ratio is not a measurement")
@@ -260,16 +218,12 @@ def step_time_warnings(reps: dict[str, list[dict]], pairs: int) -> list[str]:
             said.append(f"{variant}: {compiled} planner compile(s) inside timed steps (jit_in_step)")
         steps = [r["decode_step_ms"] for r in rows if r.get("decode_step_ms")]
         if len(steps) >= 2 and max(steps) > MAX_SPREAD * min(steps):
-            said.append(
-                f"{variant}: reps differ {max(steps) / min(steps):.1f}x ({min(steps):.1f} to {max(steps):.1f} ms per step): a compile "
-                "inside a timed pass or a loaded host"
-            )
+            spread = f"{max(steps) / min(steps):.1f}x ({min(steps):.1f} to {max(steps):.1f} ms per step)"
+            said.append(f"{variant}: reps differ {spread}: a compile inside a timed pass or a loaded host")
         shares = [(r["total_s"] - r["prefill_s"]) / r["total_s"] for r in rows if r.get("decode_step_ms") and r.get("total_s") and r.get("prefill_s") is not None]
         if shares and statistics.median(shares) < MIN_DECODE_SHARE:
-            said.append(
-                f"{variant}: the decode steps are {statistics.median(shares):.0%} of the full pass (under {MIN_DECODE_SHARE:.0%}): "
-                "the step time is the difference of two passes of similar length; raise --steps (eager) or --graphs-steps (graphs)"
-            )
+            share = f"{statistics.median(shares):.0%} of the full pass (under {MIN_DECODE_SHARE:.0%})"
+            said.append(f"{variant}: the decode steps are {share}: two passes of similar length; raise --steps (eager) or --graphs-steps (graphs)")
     return said
 
 
@@ -279,30 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", default="6,61,78", help="comma-separated layer counts (default 6,61,78)")
     parser.add_argument("--modes", default="eager,graphs", help="comma-separated: eager, graphs (default both)")
     parser.add_argument("--dbo", default="off,dp1", help="comma-separated: off, dp1 (default both)")
-    parser.add_argument(
-        "--only", default=None,
-        help="comma-separated configuration labels to keep, MODEL-DEPTHL-MODE-dbo-DBO, e.g. glm53-78L-eager-dbo-dp1 (default: the whole matrix)",
-    )  # fmt: skip
+    parser.add_argument("--only", default=None, help="comma-separated configuration labels to keep, e.g. glm53-78L-eager-dbo-dp1 (default: all)")
     parser.add_argument("--reps", type=integer(1), default=5, help="timed reps per engine after one warm-up (default 5)")
     parser.add_argument("--steps", type=integer(2, MAX_STEPS), default=16, help="decode steps per timed pass, eager rows (default 16)")
-    parser.add_argument(
-        "--graphs-steps", type=integer(2, MAX_STEPS), default=128,
-        help="decode steps per timed pass, CUDA-graph rows (default 128: a replayed step is a few ms, 16 of them are lost in the difference of two passes)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--at-once", type=integer(1, 24), default=AT_ONCE,
-        help=f"configurations whose engines are alive together, three engines each (default {AT_ONCE}): the matrix runs in groups of "
-        "this many, one group after the other; more is faster to start but a 61/78-layer engine holds 10-16 GiB of GPU memory",
-    )  # fmt: skip
-    parser.add_argument(
-        "--from-runs", default=None, metavar="DIR",
-        help="summarize the run directories a stopped benchmark left in DIR (its bench_host_cost_runs) instead of running engines "
-        "(the engine options are not used then)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--check", action="store_true",
-        help="check the arguments and exit 0 without starting anything (tools/gpu/session-host-cost.sh runs this before it installs)",
-    )  # fmt: skip
+    parser.add_argument("--graphs-steps", type=integer(2, MAX_STEPS), default=128, help="decode steps per timed pass, CUDA-graph rows (default 128)")
+    parser.add_argument("--at-once", type=integer(1, 24), default=AT_ONCE, help=f"configurations whose three engines are alive together (default {AT_ONCE})")
+    parser.add_argument("--from-runs", metavar="DIR", help="summarize the run directories a stopped benchmark left in DIR instead of running engines")
+    parser.add_argument("--check", action="store_true", help="check the arguments and exit 0 without starting anything")
     add_out(parser)
     args = parser.parse_args(argv)
     configs = configurations(
@@ -346,15 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         from dbo_runtime.sim.report import environment
 
         kill_on_sigterm()
-
         env_facts = environment()
         out.mkdir(parents=True, exist_ok=True)
         records = {}
         for first in range(0, len(configs), args.at_once):
             group = [s for c in configs[first : first + args.at_once] for s in specs_by_config[c["label"]]]
-            records.update(
-                run_interleaved(group, out / "bench_host_cost_runs", args.reps, timeout_s=1500, progress=lambda m: print(m, file=sys.stderr, flush=True))
-            )
+            records.update(run_interleaved(group, out / "bench_host_cost_runs", args.reps, timeout_s=1500, progress=progress))
     out.mkdir(parents=True, exist_ok=True)
     rows = [summarize(c, records) for c in configs if not summarized or any(f"{c['label']}-{v}" in records for v, _ in VARIANTS)]
     # a summary of stored runs records only the options it used: the engine options' defaults describe no run of it
@@ -417,38 +351,17 @@ def _checked(where: Path, record: Any, what: str, label: str) -> dict:
 
 
 def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
-    """What a summary of stored runs must say: refused when no run finished a timed rep; on stderr, the
-    configurations and engines it lacks and the runs a limit stopped; the versions the engines reported."""
+    """What a summary of stored runs records: refused when no run finished a timed rep; the runs a limit stopped
+    (also on stderr); the versions and device the engines reported, every value where they disagree."""
     if not any(_reps(r) for r in records.values()):
         raise RunsUnreadable(f"{where}: none of its {len(records)} run(s) finished a timed rep: there is nothing to summarize")
-    configurations = sorted({label.rsplit("-", 1)[0] for label in labels})
-    of = {c: [r for label, r in records.items() if label.rsplit("-", 1)[0] == c] for c in configurations}  # its engines' records
-    missing = [c for c in configurations if not of[c]]
-    if missing:
-        print(f"bench_host_cost: no runs for {len(missing)} configuration(s), left out: {', '.join(missing)}", file=sys.stderr)
-    for config in (c for c in configurations if c not in missing):
-        absent = [label.rsplit("-", 1)[1] for label in labels if label.rsplit("-", 1)[0] == config and label not in records]
-        if absent:
-            print(f"bench_host_cost: {config}: no run of {', '.join(absent)} (its figures are left empty)", file=sys.stderr)
-    # the versions and device every engine reported; a key the records disagree on (a matrix merged from runs on
-    # an H100 and an H200) lists every value rather than the first record's, and is named on stderr
     seen: dict[str, list[Any]] = {}
     for r in records.values():
         reported = r.get("versions")
-        for key, value in (reported.items() if isinstance(reported, dict) else ()):
-            if value not in seen.setdefault(key, []):
-                seen[key].append(value)
-    # a row measured by engines none of which reported its GPU (each stopped before its result, by an older runner)
-    unknown = [c for c in configurations if any(_reps(r) for r in of[c]) and not any(_device(r) for r in of[c])]
-    if unknown:
-        print(f"bench_host_cost: no engine of {', '.join(unknown)} reported its GPU: those rows' device is unknown", file=sys.stderr)
-        if seen.get("device") and "unknown" not in seen["device"]:
-            seen["device"].append("unknown")
-    differ = {key for key, values in seen.items() if len(values) > 1}
-    versions = {key: sorted(values, key=str) if key in differ else values[0] for key, values in seen.items()}
-    for key in sorted(differ):
-        why = " (each row's 'device' says which ran it)" if key == "device" else ""
-        print(f"bench_host_cost: the records differ in {key}: {', '.join(map(str, versions[key]))}{why}", file=sys.stderr)
+        for key, value in reported.items() if isinstance(reported, dict) else ():
+            if value not in (values := seen.setdefault(key, [])):
+                values.append(value)
+    versions = {key: sorted(values, key=str) if len(values) > 1 else values[0] for key, values in seen.items()}
     stopped = sorted(label for label, r in records.items() if r.get("stopped_by_session_limit"))
     for label in stopped:
         print(f"bench_host_cost: {label} was stopped by the limit: {len(_reps(records[label]))} timed rep(s) kept", file=sys.stderr)
@@ -456,10 +369,8 @@ def _said_of(records: dict[str, dict], labels: list[str], where: Any) -> dict:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    """Two panels, one bar per configuration. A value a row lacks (no vanilla engine finished, so no ratio or
-    share) is written "n/a" on the axis instead of drawn as a zero bar, which would read as "costs nothing". Bars
-    are coloured by the records they came from: a matrix merged from several runs mixes code versions, and the
-    figure has to say which rows measured which."""
+    """Two panels, one bar per configuration; a value a row lacks is "n/a", never a zero bar ("costs nothing"). Bars
+    are coloured by the records they came from: merged runs mix code versions."""
     plt = pyplot()
     if plt is None:
         return
@@ -486,11 +397,9 @@ def _plot(rows: list[dict], path: Path) -> None:
     # the pairs' spread: fresh engines differ more than the plugin's cost, and a median alone hides that
     spread = [(i, p) for i, p in enumerate(r["plugin_over_vanilla_paired"] or {} for r in rows) if None not in (p.get("median"), p.get("min"), p.get("max"))]
     if spread:
-        xs = [i for i, _ in spread]
-        medians = [p["median"] for _, p in spread]
         low = [max(0.0, p["median"] - p["min"]) for _, p in spread]  # hand-merged records may disagree
         high = [max(0.0, p["max"] - p["median"]) for _, p in spread]
-        axes[0].errorbar(xs, medians, yerr=[low, high], fmt="none", ecolor="k", elinewidth=0.8, capsize=3)
+        axes[0].errorbar([i for i, _ in spread], [p["median"] for _, p in spread], yerr=[low, high], fmt="none", ecolor="k", elinewidth=0.8, capsize=3)
         axes[0].set_ylabel("dbo_runtime / vanilla step\n(paired median, min-max)")
     bottom = 0.0
     if len(colour_of) > 1:  # below the panels: inside one it covers bars
@@ -503,11 +412,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     on = " / ".join(devices) or "not recorded"
     if devices and unrecorded:
         on += f" ({unrecorded} row(s) with no device recorded)"
-    fig.suptitle(
-        f"dbo_runtime host cost at depth, real vLLM engine, one GPU: {on}\n"
-        "(three engines per configuration, timed in turns)",
-        fontsize=10,
-    )
+    fig.suptitle(f"dbo_runtime host cost at depth, real vLLM engine, one GPU: {on}\n(three engines per configuration, timed in turns)", fontsize=10)
     fig.tight_layout(rect=(0, bottom, 1, 0.93))  # the two-line title above the panels
     fig.savefig(path, dpi=110)
 

@@ -1,22 +1,10 @@
 """Indexer schedule cache on a GPU: host cost, planner kernels per DBO step, first-step JIT latency.
 
-Three measurements with real DeepGEMM (no vLLM needed), GLM-5.3 indexer shapes (32 heads x 128,
-block 64, 13 requests with contexts 1..32768, next_n 1):
-
-1. Host cost per indexer layer when the SM count is unchanged: ``IndexerScheduleCache.resolve``
-   (and the vLLM call-site wrapper around a no-op kernel) vs a bare ``deep_gemm.get_num_sms()``.
-   Goal: <= 0.2 us above ``get_num_sms``.
-2. Planner kernels per DBO microbatch per step, ``--steps`` steps x 2 microbatches x ``--layers``
-   layers under the DBO budget (132 -> 112): upstream #60732 (build plans for the whole GPU, the
-   call site re-plans every step) vs plan-ahead (build plans for the DBO count, 0 re-plans).
-   GPU time of the planning part and of the whole step, CUDA events.
-3. First DBO step latency for an SM count never used in the process (fresh ``DG_JIT_CACHE_DIR``):
-   112 after the ``announced`` warm-up vs 110 cold (the planner JIT-compiles inside the step).
+Real DeepGEMM, GLM-5.3 indexer shapes: (1) the cache lookup's host cost per indexer layer against a bare
+``get_num_sms()``; (2) planner kernels per microbatch per step, re-plan at the call site vs plan-ahead, under the
+DBO budget; (3) the first DBO step at an SM count never used in the process, warmed at model load vs cold.
 
     python3 graphs/bench_indexer_schedule.py [--out graphs/results] [--steps 20]
-
-Writes ``bench_indexer_schedule.json`` (+ ``.png`` when matplotlib is present) to ``--out`` and,
-when ``$OUT`` is set, a copy there. Numbers are never asserted (they are measurements).
 """
 
 from __future__ import annotations
@@ -32,14 +20,14 @@ import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing
 
 # isort: split
 
-import json
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from graphs._args import EXIT_NO_DEVICE, add_out, integer
-from graphs._plotting import pyplot
+from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written
+from graphs._plotting import bar_panels
 
 HEADS, DIM, BLOCK = 32, 128, 64
 CONTEXTS = [1, 7, 64, 65, 255, 256, 257, 1000, 4096, 8191, 16384, 30000, 32768]
@@ -103,18 +91,19 @@ def host_cost(dg: Any, x: dict[str, torch.Tensor], calls: int) -> dict[str, Any]
         wrapper = _make_logits(noop)
         q = (x["q"], None)
         assert cache.resolve(schedule, ctx, None, kv) is schedule
+
+        def resolve() -> Any:
+            return cache.resolve(schedule, ctx, None, kv)
+
+        def wrapped() -> Any:
+            return wrapper(q, kv, None, ctx, None, schedule, max_model_len=MAX_CTX, indices=None)
+
         res = {
-            "calls_per_repeat": calls,
-            "repeats": 5,
-            "empty_call_ns": _per_call_ns(noop, calls),
-            "get_num_sms_ns": _per_call_ns(reader, calls),
-            "is_current_stream_capturing_ns": _per_call_ns(capturing, calls),
-            "resolve_ns": _per_call_ns(lambda: cache.resolve(schedule, ctx, None, kv), calls),
+            "calls_per_repeat": calls, "repeats": 5, "empty_call_ns": _per_call_ns(noop, calls), "get_num_sms_ns": _per_call_ns(reader, calls),
+            "is_current_stream_capturing_ns": _per_call_ns(capturing, calls), "resolve_ns": _per_call_ns(resolve, calls),
             "bare_call_site_ns": _per_call_ns(lambda: noop(q, kv, None, ctx, None, schedule, MAX_CTX, indices=None), calls),
-            "wrapped_call_site_ns": _per_call_ns(
-                lambda: wrapper(q, kv, None, ctx, None, schedule, max_model_len=MAX_CTX, indices=None), calls
-            ),
-        }
+            "wrapped_call_site_ns": _per_call_ns(wrapped, calls),
+        }  # fmt: skip
         # resolve() is called through a lambda here, so subtract one empty call to compare with get_num_sms().
         res["resolve_above_get_num_sms_ns"] = res["resolve_ns"] - res["empty_call_ns"] - res["get_num_sms_ns"]
         res["wrapper_overhead_ns"] = res["wrapped_call_site_ns"] - res["bare_call_site_ns"]
@@ -125,12 +114,7 @@ def host_cost(dg: Any, x: dict[str, torch.Tensor], calls: int) -> dict[str, Any]
         counting = PatchSet(capture_hooks.patches())
         counting.install()
         try:
-            res["with_capture_counter"] = {
-                "resolve_ns": _per_call_ns(lambda: cache.resolve(schedule, ctx, None, kv), calls),
-                "wrapped_call_site_ns": _per_call_ns(
-                    lambda: wrapper(q, kv, None, ctx, None, schedule, max_model_len=MAX_CTX, indices=None), calls
-                ),
-            }
+            res["with_capture_counter"] = {"resolve_ns": _per_call_ns(resolve, calls), "wrapped_call_site_ns": _per_call_ns(wrapped, calls)}
         finally:
             counting.uninstall()
         wc = res["with_capture_counter"]
@@ -144,7 +128,6 @@ def host_cost(dg: Any, x: dict[str, torch.Tensor], calls: int) -> dict[str, Any]
 
 def steady_state(dg: Any, x: dict[str, torch.Tensor], steps: int, layers: int, dbo_sms: int) -> dict[str, Any]:
     from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner
-    from dbo_runtime.core.budget import compute_budget
     from dbo_runtime.services.schedule_cache import IndexerScheduleCache
     from dbo_runtime.services.sm_control import SMControl
 
@@ -155,29 +138,21 @@ def steady_state(dg: Any, x: dict[str, torch.Tensor], steps: int, layers: int, d
         cache = IndexerScheduleCache(planner)
         control = SMControl(torch.cuda.current_device(), total)
         cache.attach(control)
-        budget = compute_budget(
-            total_sms=total, platform="cuda", enable_dbo=True, expert_parallel=True,
-            all2all_backend="deepep_high_throughput", env_comm_sms=total - dbo_sms,
-        )
+        budget = _budget(total, dbo_sms)
         control.announce(budget)
-        knob = _Knob(dg)
+        knob = SimpleNamespace(name="deep_gemm.set_num_sms", set=dg.set_num_sms)
         plan_ms: list[float] = []
         step_ms: list[float] = []
         replans: list[int] = []
         planner_kernels: list[int] = []
         for step in range(steps + 1):  # step 0 is a warm-up, not recorded
-            before = cache.stats.replans
-            kernels = 0
-            e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            plan_time = 0.0
-            e_step0 = torch.cuda.Event(enable_timing=True)
-            e_step1 = torch.cuda.Event(enable_timing=True)
+            before, kernels, plan_time = cache.stats.replans, 0, 0.0
+            e0, e1, e_step0, e_step1 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
             e_step0.record()
             for _ub in range(2):
                 e0.record()
                 with cache.microbatched_build():
-                    sms = cache.plan_ahead_sms(control.device) if approach == "plan_ahead" else None
-                    sms = sms or total
+                    sms = (cache.plan_ahead_sms(control.device) if approach == "plan_ahead" else None) or total
                     schedule = planner.plan(x["context_lens"], BLOCK, sms)  # the builder's planner
                     kernels += 1
                 cache.track(schedule, planned_sms=sms, block_kv=BLOCK, next_n=1)
@@ -193,36 +168,33 @@ def steady_state(dg: Any, x: dict[str, torch.Tensor], steps: int, layers: int, d
                 plan_time += e0.elapsed_time(e1)
             e_step1.record()
             torch.cuda.synchronize()
-            if step == 0:
-                continue
-            plan_ms.append(plan_time)
-            step_ms.append(e_step0.elapsed_time(e_step1))
-            replans.append(cache.stats.replans - before)
-            planner_kernels.append(kernels)
+            if step > 0:
+                plan_ms.append(plan_time)
+                step_ms.append(e_step0.elapsed_time(e_step1))
+                replans.append(cache.stats.replans - before)
+                planner_kernels.append(kernels)
         out[approach] = {
             "replans_per_step": replans,
             "replans_per_microbatch_step": sum(replans) / (2 * steps),
             "planner_kernels_per_microbatch_step": sum(planner_kernels) / (2 * steps),
             "planning_ms_per_step_median": sorted(plan_ms)[len(plan_ms) // 2],
             "step_ms_median": sorted(step_ms)[len(step_ms) // 2],
-            "planning_timing": "CUDA events from before the builder's planner to after the call site's schedule lookup, both microbatches, GPU idle at the start (includes host launch time)",
+            "planning_timing": "CUDA events from the builder's planner to after the call site's lookup, both microbatches, host launch included",
         }
     return out
 
 
-class _Knob:
-    name = "deep_gemm.set_num_sms"
+def _budget(total: int, sms: int) -> Any:
+    """The DBO budget that leaves DeepGEMM ``sms`` SMs (DeepEP high-throughput)."""
+    from dbo_runtime.core.budget import compute_budget
 
-    def __init__(self, dg: Any) -> None:
-        self.dg = dg
-
-    def set(self, num_sms: int) -> None:
-        self.dg.set_num_sms(num_sms)
+    return compute_budget(
+        total_sms=total, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_high_throughput", env_comm_sms=total - sms
+    )
 
 
 def first_step(dg: Any, x: dict[str, torch.Tensor], warm_sms: int, cold_sms: int) -> dict[str, Any]:
     from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner
-    from dbo_runtime.core.budget import compute_budget
     from dbo_runtime.services.planner_warmup import PlannerProfile
     from dbo_runtime.services.schedule_cache import IndexerScheduleCache
     from dbo_runtime.services.sm_control import SMControl
@@ -249,56 +221,27 @@ def first_step(dg: Any, x: dict[str, torch.Tensor], warm_sms: int, cold_sms: int
         control = SMControl(device, total)
         cache.attach(control)
         cache.register_profile(device, PlannerProfile(device=torch.device("cuda", device), block_kv=BLOCK, shapes=((len(CONTEXTS), 1),)))
-        warm_ms = 0.0
+        budget, t0 = _budget(total, sms), time.perf_counter()
         if warm:
-            budget = compute_budget(
-                total_sms=total, platform="cuda", enable_dbo=True, expert_parallel=True,
-                all2all_backend="deepep_high_throughput", env_comm_sms=total - sms,
-            )
-            t0 = time.perf_counter()
             control.announce(budget)  # model load: compiles the planner for `sms`
             torch.cuda.synchronize()
-            warm_ms = (time.perf_counter() - t0) * 1e3
-        first = one_step(cache, planner, sms)
-        second = one_step(cache, planner, sms)
-        result[label] = {
-            "sms": sms,
-            "warmup_ms_at_model_load": warm_ms,
-            "warmup_planner_kernels": cache.stats.warmups,
-            "first_step_ms": first,
-            "second_step_ms": second,
-        }
+        warm_ms = (time.perf_counter() - t0) * 1e3 if warm else 0.0
+        first, second = one_step(cache, planner, sms), one_step(cache, planner, sms)
+        result[label] = {"sms": sms, "warmup_ms_at_model_load": warm_ms, "warmup_planner_kernels": cache.stats.warmups,
+                         "first_step_ms": first, "second_step_ms": second}  # fmt: skip
     return result
 
 
 def _plot(doc: dict[str, Any], path: Path) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    h = doc["host_cost"]
-    axes[0].bar(["get_num_sms", "resolve", "resolve - get_num_sms"],
-                [h["get_num_sms_ns"], h["resolve_ns"] - h["empty_call_ns"], h["resolve_above_get_num_sms_ns"]])
-    axes[0].axhline(200, color="red", linestyle="--", label="goal: +200 ns")
-    axes[0].set_ylabel("ns per indexer layer (host)")
-    axes[0].legend()
-    s = doc["steady_state"]
-    names = ["upstream_replan_at_call_site", "plan_ahead"]
-    axes[1].bar(["upstream #60732", "plan-ahead"], [s[n]["planner_kernels_per_microbatch_step"] for n in names])
-    axes[1].set_ylabel("planner kernels per microbatch per step")
-    for i, n in enumerate(names):
-        axes[1].text(i, 0.05, f"re-plans {s[n]['replans_per_microbatch_step']:.2f}\n"
-                     f"plan {s[n]['planning_ms_per_step_median'] * 1e3:.1f} us/step", ha="center")
-    f = doc["first_step"]
-    axes[2].bar([f"{f['with_warmup']['sms']} SMs, warmed", f"{f['without_warmup']['sms']} SMs, cold"],
-                [f["with_warmup"]["first_step_ms"], f["without_warmup"]["first_step_ms"]])
-    axes[2].set_ylabel("first DBO step, indexer layer 0 (ms)")
-    axes[2].set_yscale("log")
-    env = doc["environment"]
-    fig.suptitle(f"Indexer schedule cache - {env.get('device')} - {env.get('deep_gemm')} - torch {env.get('torch')} - {env.get('date')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    h, s, f, env = doc["host_cost"], doc["steady_state"], doc["first_step"], doc["environment"]
+    return bar_panels(path, f"Indexer schedule cache - {env.get('device')} - {env.get('deep_gemm')} - torch {env.get('torch')}", [
+        (["get_num_sms", "resolve", "resolve - get_num_sms"], [h["get_num_sms_ns"], h["resolve_ns"] - h["empty_call_ns"],
+         h["resolve_above_get_num_sms_ns"]], "ns per indexer layer (host)"),
+        (["upstream #60732", "plan-ahead"], [s[n]["planner_kernels_per_microbatch_step"] for n in ("upstream_replan_at_call_site", "plan_ahead")],
+         "planner kernels per microbatch per step"),
+        ([f"{f['with_warmup']['sms']} SMs, warmed", f"{f['without_warmup']['sms']} SMs, cold"],
+         [f["with_warmup"]["first_step_ms"], f["without_warmup"]["first_step_ms"]], "first DBO step, indexer layer 0 (ms)"),
+    ])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,21 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=integer(1), default=20, help="DBO steps per variant (default 20)")
     ap.add_argument("--layers", type=integer(1), default=21, help="indexer layers per step (default 21)")
     ap.add_argument("--calls", type=integer(1), default=200_000, help="host calls timed for the cache lookup (default 200000)")
-    ap.add_argument(
-        "--dbo-sms", type=integer(2, multiple=2), default=112,
-        help="SM count under DBO, even as vLLM keeps DeepGEMM's share, below the GPU's (default 112: H200 - 20 comm SMs)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--cold-sms", type=integer(2, multiple=2), default=110,
-        help="an SM count never planned before, for the cold path: even, not --dbo-sms, below the GPU's (default 110)",
-    )  # fmt: skip
+    ap.add_argument("--dbo-sms", type=integer(2, multiple=2), default=112, help="even SM count under DBO, below the GPU's (default 112)")
+    ap.add_argument("--cold-sms", type=integer(2, multiple=2), default=110, help="even SM count never planned before, not --dbo-sms (default 110)")
     args = ap.parse_args(argv)
     if args.cold_sms == args.dbo_sms:
         ap.error(f"argument --cold-sms: {args.cold_sms} is not allowed; allowed values: an even count other than --dbo-sms ({args.dbo_sms})")
     from dbo_runtime.sim.backends import refuse_without_kernels
 
-    # A fresh JIT cache, made only where the kernels can run: "cold" must mean a compile, not a hit in
-    # ~/.deep_gemm from an earlier run. DeepGEMM reads the variable when it is imported (just below).
+    # a fresh JIT cache where the kernels can run: "cold" must mean a compile (DeepGEMM reads it on import, below)
     made = None
     if torch.cuda.is_available() and "DG_JIT_CACHE_DIR" not in os.environ:
         made = os.environ["DG_JIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="dg_jit_bench_")
@@ -345,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: Any) -> int:
     import deep_gemm as dg
 
-    from dbo_runtime.sim.report import environment
+    from dbo_runtime.sim.report import environment, write_json
 
     device = torch.device("cuda", torch.cuda.current_device())
     x = _inputs(device, seed=0)
@@ -374,14 +310,9 @@ def _run(args: Any) -> int:
         f"warmed vs {f['without_warmup']['first_step_ms']:.2f} ms cold",
         flush=True,
     )
-    targets = [args.out]
-    if os.environ.get("OUT"):
-        targets.append(Path(os.environ["OUT"]))
-    for target in targets:
-        target.mkdir(parents=True, exist_ok=True)
-        (target / "bench_indexer_schedule.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        plotted = _plot(doc, target / "bench_indexer_schedule.png")
-        print(f"wrote {target / 'bench_indexer_schedule.json'}" + (" + .png" if plotted else " (no matplotlib: no PNG)"))
+    write_json(args.out / "bench_indexer_schedule.json", doc)
+    _plot(doc, args.out / "bench_indexer_schedule.png")
+    say_written("bench_indexer_schedule", args.out / "bench_indexer_schedule.json", args.out / "bench_indexer_schedule.png")
     return 0
 
 

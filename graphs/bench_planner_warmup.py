@@ -1,27 +1,11 @@
 """Cold-start cost of the paged-MQA planner warm-up: warming the shapes vLLM runs microbatched vs a bucket sweep.
 
-DeepGEMM JIT-compiles one planner per (32-aligned batch, SM slots); dbo_runtime compiles them for
-the DBO SM count when the budget is announced at model load. Two warm-up sets for the same vLLM
-configuration, each in a fresh process with an empty DeepGEMM JIT cache (``DG_JIT_CACHE_DIR``), one
-after the other in one run:
-
-* ``before`` -- every 32-row bucket up to min(max_num_seqs, 512), for next_n 1 and 1 + spec tokens
-  (a sweep that does not know which shapes vLLM microbatches);
-* ``after``  -- exactly the per-microbatch shapes vLLM will run microbatched
-  (``schedule_cache.dbo_planner_shapes``: the FULL cudagraph capture sizes DBO captures, and the full
-  batch of max_num_seqs decodes).
-
-Both go through ``IndexerScheduleCache.warm`` with the real DeepGEMM planner at the DBO count (112 on
-an H200). Reported per set: planner variants launched, new JIT cache entries, seconds (with
-``torch.cuda.synchronize``), and which ``after`` buckets ``before`` missed. The configuration is
-vLLM 0.33.0's ``vllm serve`` default on an H200: max_num_seqs 1024, max_num_batched_tokens 8192,
-capture sizes 1, 2, 4, 8..248 step 8, 256..512 step 16 (plus 4 x requests for MTP), DBO decode
-threshold 32, two microbatches. Default ``--spec-tokens 3`` (GLM-5.3 with MTP: next_n 4);
-about 90 s on an H200 (a cold planner compile is about 2 s).
+DeepGEMM JIT-compiles one planner per (32-aligned batch, SM slots). ``before`` warms every 32-row bucket up to
+min(max_num_seqs, 512); ``after`` exactly the shapes vLLM microbatches (``dbo_planner_shapes``), each in a fresh
+process with an empty ``DG_JIT_CACHE_DIR``, for vLLM's default H200 configuration. Reported per set: planner
+variants, new JIT cache entries, seconds, and the buckets ``before`` missed.
 
     python3 graphs/bench_planner_warmup.py [--spec-tokens 3] [--max-num-seqs 1024] [--out graphs/results]
-
-Writes ``bench_planner_warmup.json`` (+ ``.png`` with matplotlib) to ``--out``.
 """
 
 from __future__ import annotations
@@ -42,8 +26,8 @@ import graphs._torch  # noqa: E402, F401  (exits 3 with one line when torch is m
 
 # isort: split
 
-from graphs._args import EXIT_NO_DEVICE, add_out, integer  # noqa: E402
-from graphs._plotting import pyplot  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written  # noqa: E402
+from graphs._plotting import bar_panels  # noqa: E402
 
 BLOCK = 64
 OLD_CAP = 512
@@ -96,12 +80,8 @@ def child(spec: dict[str, Any]) -> None:
     seconds = time.perf_counter() - t0
     entries = set(os.listdir(cache_dir)) if cache_dir.exists() else set()
     variants = sorted({(b - 1) // 32 * 32 + 32 for b, _ in spec["shapes"]})
-    print("RESULT " + json.dumps({
-        "planner_variants_launched": launched,
-        "new_jit_cache_entries": len(entries - entries_before),
-        "seconds": round(seconds, 3),
-        "aligned_batches": variants,
-    }), flush=True)
+    result = {"planner_variants_launched": launched, "new_jit_cache_entries": len(entries - entries_before), "seconds": round(seconds, 3)}
+    print("RESULT " + json.dumps({**result, "aligned_batches": variants}), flush=True)
 
 
 def run_child(shapes: list[list[int]], sms: int, prime_sms: int) -> dict[str, Any]:
@@ -120,22 +100,12 @@ def run_child(shapes: list[list[int]], sms: int, prime_sms: int) -> dict[str, An
 
 
 def _plot(doc: dict[str, Any], path: Path) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
-    rows = doc["sets"]
-    names = list(rows)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
-    axes[0].bar(names, [rows[n]["planner_variants_launched"] for n in names])
-    axes[0].set_ylabel("planner JIT variants compiled at model load")
-    axes[1].bar(names, [rows[n]["seconds"] for n in names], color="tab:orange")
-    axes[1].set_ylabel("warm-up seconds, empty JIT cache")
-    env, cfg = doc["environment"], doc["config"]
-    fig.suptitle(f"Planner warm-up, {cfg['sms']} SMs, max_num_seqs {cfg['max_num_seqs']}, spec tokens "
-                 f"{cfg['spec_tokens']} - {env.get('device')} {env.get('deep_gemm')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    rows, env, cfg = doc["sets"], doc["environment"], doc["config"]
+    title = f"Planner warm-up, {cfg['sms']} SMs, max_num_seqs {cfg['max_num_seqs']}, spec tokens {cfg['spec_tokens']} - {env.get('device')}"
+    return bar_panels(path, title, [
+        (list(rows), [r["planner_variants_launched"] for r in rows.values()], "planner JIT variants compiled at model load"),
+        (list(rows), [r["seconds"] for r in rows.values()], "warm-up seconds, empty JIT cache"),
+    ])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,26 +136,23 @@ def main(argv: list[str] | None = None) -> int:
     rows = {name: run_child(shapes, sms, prime_sms=sms - 2) for name, shapes in sets.items()}
     before_b, after_b = set(rows["before"]["aligned_batches"]), set(rows["after"]["aligned_batches"])
     doc = {
-        "benchmark": "bench_planner_warmup",
-        "environment": environment(),
+        "benchmark": "bench_planner_warmup", "environment": environment(),
         "config": {"sms": sms, "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "spec_tokens": args.spec_tokens, "capture_sizes": capture_sizes(args.max_num_seqs, args.spec_tokens)},
-        "shapes": sets,
-        "sets": rows,
-        "after_buckets_before_missed": sorted(after_b - before_b),
+        "shapes": sets, "sets": rows, "after_buckets_before_missed": sorted(after_b - before_b),
         "before_buckets_vllm_never_microbatches_as_graphs_or_full_batch": sorted(before_b - after_b),
         "ratios": {
             "variants after / before": round(rows["after"]["planner_variants_launched"] / max(rows["before"]["planner_variants_launched"], 1), 4),
             "seconds after / before": round(rows["after"]["seconds"] / max(rows["before"]["seconds"], 1e-9), 4),
         },
-    }
+    }  # fmt: skip
     path = write_json(args.out / "bench_planner_warmup.json", doc)
-    plotted = _plot(doc, args.out / "bench_planner_warmup.png")
+    _plot(doc, args.out / "bench_planner_warmup.png")
     for name, r in rows.items():
         print(f"{name:6s} variants {r['planner_variants_launched']:3d}  jit entries {r['new_jit_cache_entries']:3d}  "
               f"{r['seconds']:7.2f} s  aligned batches {r['aligned_batches']}")
     print(f"after covers buckets before missed: {doc['after_buckets_before_missed']}")
-    print(f"-> {path}" + (" + .png" if plotted else " (no matplotlib: no PNG)"))
+    say_written("bench_planner_warmup", path, args.out / "bench_planner_warmup.png")
     return 0
 
 

@@ -1,18 +1,10 @@
-"""dbo_runtime vs vanilla vLLM 0.33.0 in the real engine on one GPU: start-up and decode cost.
+"""dbo_runtime vs vanilla vLLM in the real engine on one GPU: start-up and decode cost.
 
-A = plugin, B = vanilla (``DBO_RUNTIME_DISABLE=1``); fresh engines interleaved A B A B ... so
-drift hits both alike; every run starts its own engine (start time) and then times decode on
-warm caches. Untimed warm-up engines go first (``--warmup-engines``, default 1): on a fresh machine
-the first engine compiles DeepGEMM/Triton kernels during its start and its first decode passes (2x
-H200: 43 s start and a 97 ms step, against 16 s and 17-20 ms once warm), which would
-land on whichever variant comes first. Per rep a 1-token pass and
-a T-token pass, decode step = difference / (T - 1). One more plugin run with
-``DBO_RUNTIME_SELF_TIME=1`` measures the plugin's own host time per decode step (kept out of the
-A/B, since the timer itself costs time). DBO is off: with one GPU vLLM never microbatches.
+Fresh engines alternate plugin / vanilla (``DBO_RUNTIME_DISABLE=1``) so drift hits both alike, after untimed
+warm-up engines that fill the JIT caches; decode step = (T-token pass - 1-token pass) / (T - 1). One more
+self-timed plugin engine gives the plugin's own host time per step. Goals: decode overhead <= 1 %, start <= +3 s.
 
-Goals: decode-step overhead <= 1 %, start-up delta <= 3 s.
-
-    python graphs/bench_real_engine.py [--reps 5] [--model shared-topk] [--eager|--graphs] [--out graphs/results]
+    python graphs/bench_real_engine.py [--reps 5] [--model shared-topk] [--graphs] [--out graphs/results]
 """
 
 from __future__ import annotations
@@ -28,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dbo_runtime.harness.machine import refuse_without_engine  # noqa: E402
-from graphs._args import EXIT_NO_DEVICE, add_out, integer, positive_seconds, say_written  # noqa: E402
+from graphs._args import EXIT_NO_DEVICE, add_out, integer, positive_seconds, progress, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
 
@@ -37,10 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=integer(1), default=5, help="engine starts per variant (default 5)")
     parser.add_argument("--decode-reps", type=integer(1), default=2, help="timed decode reps per engine after one warm-up (default 2)")
     parser.add_argument("--steps", type=integer(2), default=64, help="decode steps per timed pass (default 64)")
-    parser.add_argument(
-        "--model", default="shared-topk", choices=["shared-topk", "deepseek-v32"],
-        help="tiny test model under tests/e2e/models: shared-topk (GLM-5.x layers that reuse top-k) or deepseek-v32 (default shared-topk)",
-    )  # fmt: skip
+    parser.add_argument("--model", default="shared-topk", choices=["shared-topk", "deepseek-v32"], help="tiny test model (default shared-topk)")
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default: eager, the host-bound worst case)")
     parser.add_argument("--warmup-engines", type=integer(0), default=1, help="untimed engines started first to fill the JIT caches (default 1)")
     parser.add_argument("--budget-s", type=positive_seconds, default=1e9, help="stop starting new pairs after this many seconds (default: no limit)")
@@ -59,16 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = {"max_tokens": args.steps, "reps": args.decode_reps, "warmup": 1}
 
     def spec(label: str, env: dict[str, str]) -> RunSpec:
-        return RunSpec(
-            label=label,
-            engine_args=plan.tiny_args(args.model, eager=not args.graphs),
-            env=env,
-            prompts=prompts,
-            max_tokens=4,
-            bench=bench,
-            timeout_s=900,
-            meta={"model": args.model, "issue": 8, "what": "bench_real_engine"},
-        )
+        return RunSpec(label=label, engine_args=plan.tiny_args(args.model, eager=not args.graphs), env=env, prompts=prompts, max_tokens=4,
+                       bench=bench, timeout_s=900, meta={"model": args.model, "issue": 8, "what": "bench_real_engine"})  # fmt: skip
 
     from dbo_runtime.sim.report import environment
 
@@ -86,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(variant: str, rep: int, env: dict[str, str]) -> None:
         label = f"{variant}-{rep}"
-        rec = launch(spec(label, env), work, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        rec = launch(spec(label, env), work, progress=progress)
         runs.append({"variant": variant, "rep": rep, **_slim(rec)})
         write(False)
 
@@ -112,15 +93,10 @@ def _slim(rec: dict) -> dict:
     bench = (rec.get("bench") or [{}])[0]
     timed = [r for r in bench.get("reps", []) if not r.get("warmup")]
     return {
-        "ok": rec.get("ok"),
-        "error": rec.get("error"),
-        "start_s": (rec.get("start_s") or [None])[0],
-        "decode_step_ms": [r["decode_step_ms"] for r in timed],
-        "decode_tok_per_s": [r["decode_tok_per_s"] for r in timed],
-        "plugin_self_us_per_step": [r.get("plugin_self_us_per_step") for r in timed],
-        "vllm_version": rec.get("vllm_version"),
-        "device": rec.get("device"),
-    }
+        "ok": rec.get("ok"), "error": rec.get("error"), "start_s": (rec.get("start_s") or [None])[0],
+        "decode_step_ms": [r["decode_step_ms"] for r in timed], "decode_tok_per_s": [r["decode_tok_per_s"] for r in timed],
+        "plugin_self_us_per_step": [r.get("plugin_self_us_per_step") for r in timed], "vllm_version": rec.get("vllm_version"), "device": rec.get("device"),
+    }  # fmt: skip
 
 
 def _median(xs: list[float]) -> float | None:
@@ -129,8 +105,7 @@ def _median(xs: list[float]) -> float | None:
 
 
 def _values(runs: list[dict], variant: str, key: str) -> list[float]:
-    """Every measured value of ``key`` over the variant's good engines; a rep a loaded host made
-    unmeasurable is None in the runner's record and left out (of the summary and the plot alike)."""
+    """Every measured value of ``key`` over the variant's good engines (an unmeasurable rep, None, left out)."""
     out: list[float] = []
     for r in runs:
         if r["variant"] == variant and r["ok"]:

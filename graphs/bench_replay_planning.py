@@ -1,37 +1,12 @@
 """Planner kernels and schedule copies per FULL-graph DBO step, before and after deferred plan-ahead.
 
-A FULL-graph DBO step is a metadata build followed by a graph replay. The graph re-plans the
-paged-MQA schedule inside itself (from the persistent ``context_lens``) so every replay reads a
-plan for the captured SM count; what the build planned for that step is never read. Two variants,
-side by side in one run, same inputs, real DeepGEMM, real CUDA graph (MRV1-style capture of the
-GLM-5.3-shaped stack from ``dbo_runtime.sim``, two microbatches, 132 -> 112 SMs on an H200):
-
-* ``plan_at_build`` -- before: the plan-ahead build launches the planner (and copies the plan
-  into the schedule buffer) for each microbatch, then the graph launches its own planners.
-* ``deferred``      -- after: the build launches nothing; only the graph's planners run.
-
-What is counted, per step, and where (each count names its window; nothing mixes build and replay):
-
-* ``host_per_step`` (exact, no profiler): the build's planner launches (the backend's counter),
-  its real copies into the schedule buffers and its same-memory no-op copies (``CopyCounter``:
-  torch launches nothing for those), and the call-site deferred plans / re-plans during the step
-  (a replay runs no Python: 0). Expected: plan_at_build 2 / 2, deferred 0 / 0.
-* ``profiler_build_window_per_step``: torch profiler over ``steps`` builds only.
-* ``profiler_replay_window_per_step``: torch profiler over ``steps`` replays only. Its memcpys are
-  the graph's own nodes -- the forward's per-layer output, top-k, ``masked_fill`` and ``sort``
-  copies (324 per step at the defaults) -- the same in both variants. On the H200 (torch 2.11,
-  CUDA 13.0) one window over input copies + build + replay + snapshot counts 9 (plan_at_build:
-  4 + 2 + 3, no graph memcpy reported) vs 331 (deferred: 4 + 0 + 3 + 324) for graphs with the same
-  nodes; so the profiler is started once before either graph is captured, the windows are separate,
-  and a mismatch between the variants' replay windows is reported as a profiler artefact.
-
-The GPU time of build + replay (CUDA events) is measured in a loop without profiler or counter, and
-every replay of that loop is checked bit-for-bit against the unsplit full-SM reference. About 30 s
-on an H200.
+A FULL-graph DBO step is a metadata build and a graph replay; the graph re-plans inside itself, so what the
+build planned is never read. ``plan_at_build`` plans at the build, ``deferred`` does not. Counted per step: on the
+host, exactly (build planners, schedule copies, call-site plans), and by the torch profiler in separate build-only
+and replay-only windows (CUPTI's count of graph nodes is unreliable: differing replay windows are reported as an
+artefact). Build + replay GPU time is timed separately, each replay checked bit-for-bit against the unsplit run.
 
     python3 graphs/bench_replay_planning.py [--steps 10] [--out graphs/results]
-
-Writes ``bench_replay_planning.json`` (+ ``.png`` with matplotlib) to ``--out``.
 """
 
 from __future__ import annotations
@@ -49,19 +24,13 @@ import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing
 
 # isort: split
 
-from graphs._args import EXIT_NO_DEVICE, add_out, integer
-from graphs._plotting import pyplot
+from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written
+from graphs._plotting import bar_panels
 
 VARIANTS = {"plan_at_build": {"defer_plan_ahead": False}, "deferred": {"defer_plan_ahead": True}}
 PLANNER_KERNEL = "paged_mqa_logits_metadata"
 TOP_NAMES = 8
-HOST_KEYS = (
-    "build_planner_launches",
-    "build_schedule_copies",
-    "build_schedule_noop_copies",
-    "call_site_deferred_plans",
-    "call_site_replans",
-)
+HOST_KEYS = ("build_planner_launches", "build_schedule_copies", "build_schedule_noop_copies", "call_site_deferred_plans", "call_site_replans")
 
 
 def _gpu_or_exit() -> Any:
@@ -96,12 +65,8 @@ def _count(events: Any, steps: int) -> dict[str, Any]:
                 dtod += 1
             else:
                 other_memcpy += 1  # HtoD / DtoH, or a graph memcpy node reported under another name
-    return {
-        "planner_kernels": planners / steps,
-        "memcpy_dtod": dtod / steps,
-        "memcpy_other": other_memcpy / steps,
-        "top_device_events": {n: c / steps for n, c in names.most_common(TOP_NAMES)},
-    }
+    return {"planner_kernels": planners / steps, "memcpy_dtod": dtod / steps, "memcpy_other": other_memcpy / steps,
+            "top_device_events": {n: c / steps for n, c in names.most_common(TOP_NAMES)}}  # fmt: skip
 
 
 def _profile(fn: Any, steps: int) -> dict[str, Any]:
@@ -115,32 +80,30 @@ def _profile(fn: Any, steps: int) -> dict[str, Any]:
 
 
 def _profiler_warmup() -> None:
-    """Start the profiler (CUPTI) once before any graph is captured: both variants' graphs are then
-    captured and replayed under the same profiler state."""
+    """Start the profiler once before any graph is captured: both variants run under the same profiler state."""
     import torch
 
-    src = torch.zeros(1024, device="cuda")
-    dst = torch.empty_like(src)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
-        dst.copy_(src)
+        torch.empty(1024, device="cuda").copy_(torch.zeros(1024, device="cuda"))
         torch.cuda.synchronize()
 
 
-def host_counts(sc: Any, inputs: list[tuple[Any, ...]], replay: Any) -> dict[str, float]:
-    """Exact per-step counts without a profiler: the build's planners and schedule copies, then ``replay``.
+def _load(sc: Any, step: tuple[Any, ...]) -> None:
+    """Copy a step's inputs into the scenario's persistent buffers, as vLLM fills them before a replay."""
+    for buffer, value in zip((sc.context_lens, sc.block_table, sc.q, sc.weights), step[:4], strict=True):
+        buffer.copy_(value)
 
-    ``inputs``: per step ``(context_lens, block_table, q, weights)`` copied into the persistent buffers.
-    """
+
+def host_counts(sc: Any, inputs: list[tuple[Any, ...]], replay: Any) -> dict[str, float]:
+    """Exact per-step counts without a profiler: the build's planners and schedule copies, then ``replay``, for
+    each step's ``(context_lens, block_table, q, weights)``."""
     from tests.copy_counter import CopyCounter
 
     targets = [*sc.sched_buf, sc.sched_full]
     totals = dict.fromkeys(HOST_KEYS, 0)
     stats = sc.cache.stats
-    for lens, table, q, weights in inputs:
-        sc.context_lens.copy_(lens)
-        sc.block_table.copy_(table)
-        sc.q.copy_(q)
-        sc.weights.copy_(weights)
+    for step in inputs:
+        _load(sc, step)
         planners, deferred, replans = sc.be.planner_launches, stats.deferred_plans, stats.replans
         with CopyCounter(targets) as copies:
             sc.build(microbatched=True)
@@ -176,11 +139,8 @@ def measure(name: str, sc: Any, steps: int) -> dict[str, Any]:
 
     gpu_ms: list[float] = []
     checks = []
-    for lens, table, q, weights, _ref in refs:  # timing + correctness: no profiler, no counter
-        sc.context_lens.copy_(lens)
-        sc.block_table.copy_(table)
-        sc.q.copy_(q)
-        sc.weights.copy_(weights)
+    for step in refs:  # timing + correctness: no profiler, no counter
+        _load(sc, step)
         sc.clear_outputs()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -228,24 +188,12 @@ def consistency_notes(rows: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _plot(doc: dict[str, Any], path: Path) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
-    rows = doc["variants"]
-    names = list(rows)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    build = [rows[n]["host_per_step"] for n in names]
-    axes[0].bar([f"{n}\nplanners" for n in names], [b["build_planner_launches"] for b in build], label="build: planner launches")
-    axes[0].bar([f"{n}\ncopies" for n in names], [b["build_schedule_copies"] for b in build], label="build: schedule copies")
-    axes[0].set_ylabel("per FULL-graph DBO step (host-counted, exact)")
-    axes[0].legend(fontsize=8)
-    axes[1].bar(names, [rows[n]["build_plus_replay_gpu_ms_median"] for n in names], color="tab:green")
-    axes[1].set_ylabel("build + replay, GPU ms (median)")
-    env = doc["environment"]
-    fig.suptitle(f"Deferred plan-ahead, {env.get('device')}, {env.get('deep_gemm')}, {env.get('date')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    rows, env = doc["variants"], doc["environment"]
+    counts = {f"{n}: {k}": r["host_per_step"][f"build_{k}"] for n, r in rows.items() for k in ("planner_launches", "schedule_copies")}
+    return bar_panels(path, f"Deferred plan-ahead, {env.get('device')}, {env.get('deep_gemm')}, {env.get('date')}", [
+        (list(counts), list(counts.values()), "per FULL-graph DBO step (host-counted, exact)"),
+        (list(rows), [r["build_plus_replay_gpu_ms_median"] for r in rows.values()], "build + replay, GPU ms (median)"),
+    ])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,43 +219,29 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] = measure(name, Scenario(dataclasses.replace(base, **overrides), be), args.steps)
     finally:
         be.set_num_sms(be.total_sms)
-    before, after = rows["plan_at_build"], rows["deferred"]
-    notes = consistency_notes(rows)
+    before, after = (rows[n]["host_per_step"]["build_planner_launches"] for n in ("plan_at_build", "deferred"))
+    gpu_before, gpu_after = (rows[n]["build_plus_replay_gpu_ms_median"] for n in ("plan_at_build", "deferred"))
     doc = {
-        "benchmark": "bench_replay_planning",
-        "environment": environment(),
-        "config": {k: v for k, v in dataclasses.asdict(base).items() if k not in VARIANTS["deferred"]},
-        "variants": rows,
+        "benchmark": "bench_replay_planning", "environment": environment(),
+        "config": {k: v for k, v in dataclasses.asdict(base).items() if k not in VARIANTS["deferred"]}, "variants": rows,
         "ratios": {
-            "build planner launches per step, deferred / plan_at_build": round(
-                after["host_per_step"]["build_planner_launches"]
-                / max(before["host_per_step"]["build_planner_launches"], 1e-9), 4
-            ),
-            "build + replay GPU ms, deferred / plan_at_build": round(
-                after["build_plus_replay_gpu_ms_median"] / before["build_plus_replay_gpu_ms_median"], 4
-            ),
+            "build planner launches per step, deferred / plan_at_build": round(after / max(before, 1e-9), 4),
+            "build + replay GPU ms, deferred / plan_at_build": round(gpu_after / gpu_before, 4),
         },
-        "notes": notes,
-        "legend": "host_per_step: exact counts without a profiler (build: planner launches, real copies into the "
-        "schedule buffers, same-memory no-op copies; call-site planning during the replay step). "
-        "profiler_build_window_per_step / profiler_replay_window_per_step: torch profiler over builds only / "
-        "replays only; replay-window memcpys are the graph's own per-layer copies, the same graph in both variants.",
-    }
+        "notes": consistency_notes(rows),
+    }  # fmt: skip
     path = write_json(args.out / "bench_replay_planning.json", doc)
-    plotted = _plot(doc, args.out / "bench_replay_planning.png")
+    _plot(doc, args.out / "bench_replay_planning.png")
     for name, r in rows.items():
         h, b, g = r["host_per_step"], r["profiler_build_window_per_step"], r["profiler_replay_window_per_step"]
-        print(f"{name:14s} build (host, exact): planners {h['build_planner_launches']:.1f} "
-              f"schedule copies {h['build_schedule_copies']:.1f} (no-op {h['build_schedule_noop_copies']:.1f})  "
-              f"build (profiler): planner kernels {b['planner_kernels']:.1f} dtod memcpys {b['memcpy_dtod']:.1f}  "
-              f"replay (profiler, graph nodes): planner kernels {g['planner_kernels']:.1f} "
-              f"dtod memcpys {g['memcpy_dtod']:.1f}  "
-              f"in-graph planners {r['graph_planners_recorded_at_capture']}  "
-              f"build+replay {r['build_plus_replay_gpu_ms_median']:.3f} ms  "
-              f"bit-identical {r['replays_bit_identical']}/{r['steps']}")
-    for line in notes:
+        print(f"{name:14s} build (host): planners {h['build_planner_launches']:.1f} copies {h['build_schedule_copies']:.1f} "
+              f"(no-op {h['build_schedule_noop_copies']:.1f}); build (profiler): planners {b['planner_kernels']:.1f} dtod {b['memcpy_dtod']:.1f}; "
+              f"replay (profiler): planners {g['planner_kernels']:.1f} dtod {g['memcpy_dtod']:.1f}; in-graph planners "
+              f"{r['graph_planners_recorded_at_capture']}; build+replay {r['build_plus_replay_gpu_ms_median']:.3f} ms; "
+              f"bit-identical {r['replays_bit_identical']}/{r['steps']}")  # fmt: skip
+    for line in doc["notes"]:
         print(f"note: {line}")
-    print(f"-> {path}" + (" + .png" if plotted else " (no matplotlib: no PNG)"))
+    say_written("bench_replay_planning", path, args.out / "bench_replay_planning.png")
     ok = all(r["replays_bit_identical"] == r["steps"] for r in rows.values())
     return 0 if ok else 1
 

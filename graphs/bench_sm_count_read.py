@@ -1,14 +1,9 @@
 """What the indexer call site pays to learn DeepGEMM's live SM count, per call, quiet and with a busy thread.
 
-The call site compares the schedule's planned SM count with DeepGEMM's live one on every indexer layer. vLLM's
-vendored DeepGEMM 2.8 binds ``get_num_sms`` as a torch custom op, and a torch op call dispatches and releases the
-GIL: when another Python thread of the process wants the GIL it may keep it for its whole switch interval (5 ms)
-before the call returns. ``adapters.deep_gemm.LiveNumSms`` reads the count once per write instead. This times, side
-by side in one run, per call: the op (vLLM's vendored ``get_num_sms`` when it loads here, else a stand-in op with
-the same schema registered through ``torch.library``, named as such in the JSON), ``LiveNumSms.read`` with its
-writers watched (the cached read the call site makes), and a plain Python call; each quiet and with one other
-Python thread spinning (a stand-in for the engine's own threads, which want the GIL far less often: the median and
-the 99th percentile are the numbers to read, the mean shows the handoffs).
+DeepGEMM's ``get_num_sms`` is a torch op, which releases the GIL: another busy Python thread may then hold it for
+a whole switch interval. ``LiveNumSms`` reads the count once per write instead. Timed per call: the op (vLLM's
+vendored one, else a stand-in of the same schema), ``LiveNumSms.read`` and a plain call, each quiet and with one
+spinning thread (read the median and the 99th percentile).
 
     python graphs/bench_sm_count_read.py [--n 20000] [--out graphs/results]
 """
@@ -16,11 +11,12 @@ the 99th percentile are the numbers to read, the mean shows the handoffs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from graphs._args import add_out, integer, say_written  # noqa: E402
-from graphs._plotting import pyplot  # noqa: E402
+from graphs._plotting import bar_panels  # noqa: E402
 
 
 def deep_gemm_op() -> tuple[Callable[[], int], str]:
@@ -66,24 +62,23 @@ def _time(fn: Callable[[], Any], n: int) -> dict[str, float]:
             "mean_ns": statistics.fmean(samples)}  # fmt: skip
 
 
-class _Spinner:
+@contextlib.contextmanager
+def _spinner() -> Iterator[None]:
     """One other Python thread that always wants the GIL."""
+    stop = threading.Event()
 
-    def __enter__(self) -> _Spinner:
-        self.stop = False
-        self.thread = threading.Thread(target=self._spin, name="bench-spinner", daemon=True)
-        self.thread.start()
-        time.sleep(0.05)
-        return self
+    def spin() -> None:
+        while not stop.is_set():
+            pass
 
-    def _spin(self) -> None:
-        x = 0
-        while not self.stop:
-            x += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop = True
-        self.thread.join()
+    thread = threading.Thread(target=spin, name="bench-spinner", daemon=True)
+    thread.start()
+    time.sleep(0.05)
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def measure(n: int) -> dict[str, Any]:
@@ -102,10 +97,7 @@ def measure(n: int) -> dict[str, Any]:
     for busy in (False, True):
         for name, fn in readers.items():
             fn()
-            if busy:
-                with _Spinner():
-                    timing = _time(fn, n)
-            else:
+            with _spinner() if busy else contextlib.nullcontext():
                 timing = _time(fn, n)
             rows.append({"reader": name, "other_thread_busy": busy, **timing})
     return {"n": n, "op": source, "rows": rows}
@@ -127,19 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'reader':<36} {'busy thread':<11} {'median ns':>10} {'p99 ns':>12} {'mean ns':>12}")
     for r in doc["rows"]:
         print(f"{r['reader']:<36} {r['other_thread_busy']!s:<11} {r['median_ns']:10.0f} {r['p99_ns']:12.0f} {r['mean_ns']:12.0f}")
-    plt = pyplot()
-    if plt is None:
-        say_written("bench_sm_count_read", out / "bench_sm_count_read.json")
-        return 0
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for ax, key in zip(axes, ("median_ns", "mean_ns"), strict=True):
-        labels = [f"{r['reader']}\n({'busy' if r['other_thread_busy'] else 'quiet'})" for r in doc["rows"]]
-        ax.barh(labels, [r[key] for r in doc["rows"]])
-        ax.set_xscale("log")
-        ax.set_xlabel(f"{key.replace('_ns', '')} ns per call (log)")
-        ax.tick_params(axis="y", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "bench_sm_count_read.png", dpi=120)
+    labels = [f"{r['reader']}\n({'busy' if r['other_thread_busy'] else 'quiet'})" for r in doc["rows"]]
+    panels = [(labels, [r[key] for r in doc["rows"]], f"{key[:-3]} ns per call (log)") for key in ("median_ns", "mean_ns")]
+    bar_panels(out / "bench_sm_count_read.png", f"DeepGEMM SM count readers ({doc['op']})", panels, horizontal=True, log=True)
     say_written("bench_sm_count_read", out / "bench_sm_count_read.json", out / "bench_sm_count_read.png")
     return 0
 

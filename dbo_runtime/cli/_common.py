@@ -1,7 +1,5 @@
-"""Exit codes, the expected-failure type and the output helpers the subcommands share.
-
-Stdlib and ``dbo_runtime.core`` only: ``sms`` must run on a GPU machine that has no vLLM.
-"""
+"""Exit codes, the expected-failure type and output helpers the subcommands share (stdlib and core only:
+``sms`` runs where vLLM is missing)."""
 
 from __future__ import annotations
 
@@ -11,13 +9,10 @@ import json
 import logging
 import sys
 import textwrap
-import threading
-import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-EXIT_OK = 0
 EXIT_PROBLEM = 1
 """A check failed (doctor), a verdict is FAIL, or the installed vLLM is not protected (simulate)."""
 EXIT_USAGE = 2
@@ -69,8 +64,7 @@ def release_line() -> str:
 
 
 def disabled_warning(environ: Mapping[str, str] | None = None) -> str | None:
-    """What ``DBO_RUNTIME_DISABLE`` in force means, in the one wording every command shows; None when enabled.
-    A warning, never a failure: vanilla vLLM is a deliberate choice (the A/B runs)."""
+    """What ``DBO_RUNTIME_DISABLE`` in force means (one wording for every command); None when enabled."""
     from dbo_runtime.core.switches import read_switch
 
     switch = read_switch("DBO_RUNTIME_DISABLE", environ)
@@ -91,32 +85,9 @@ def settings_a_server_refuses(environ: Mapping[str, str] | None = None) -> list[
     return [*plugin, *vllm_setting_problems(environ)]
 
 
-class Progress:
-    """Progress lines on stderr, so stdout stays the result; inside ``with``, a line every ``tick_s`` seconds
-    says how long the current phase has run (a long engine start otherwise looks hung)."""
-
-    def __init__(self, prefix: str, tick_s: float = 30.0) -> None:
-        self.prefix, self.tick_s, self.phase = prefix, tick_s, ""
-        self.started = time.monotonic()
-        self._stop = threading.Event()
-
-    def say(self, text: str) -> None:
-        print(f"{self.prefix} {text}", file=sys.stderr, flush=True)
-
-    def set(self, phase: str) -> None:
-        self.phase, self.started = phase, time.monotonic()
-        self.say(f"{phase} ...")
-
-    def __enter__(self) -> Progress:
-        def tick() -> None:
-            while not self._stop.wait(self.tick_s):
-                self.say(f"{self.phase}: {time.monotonic() - self.started:.0f} s")
-
-        threading.Thread(target=tick, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
+def say(prefix: str, text: str) -> None:
+    """A progress line on stderr: stdout stays the result."""
+    print(f"{prefix} {text}", file=sys.stderr, flush=True)
 
 
 def int_in(low: int, high: int) -> Any:
@@ -152,8 +123,7 @@ class _Capture(logging.Handler):
 
 @contextlib.contextmanager
 def import_noise() -> Iterator[list[str]]:
-    """Keep what vLLM and torch log on import ("Failed to import from vllm._C", "Triton not available": expected
-    on a CPU box) off stderr, where it would read as the command's findings; the lines are collected instead."""
+    """Collect what vLLM and torch log on import (expected on a CPU box) instead of letting it read as findings."""
     with contextlib.suppress(ImportError):
         import torch  # noqa: F401  (torch installs its own stderr handler on import; filtered below)
     capture = _Capture()
@@ -172,8 +142,7 @@ def import_noise() -> Iterator[list[str]]:
 
 
 def protection() -> dict[str, Any]:
-    """Whether dbo_runtime's fixes are in force on the vLLM installed here: ``installed`` (vLLM's version),
-    ``verified`` (``identify().describe()``), ``in_force`` and ``detail`` (why not)."""
+    """Whether the fixes are in force on the installed vLLM: ``installed``, ``verified``, ``in_force``, ``detail``."""
     from dbo_runtime.integration import plugin, releases
 
     out: dict[str, Any] = {"installed": releases.installed_version(), "verified": release_line(), "in_force": False}

@@ -1,18 +1,15 @@
-"""The operator's vLLM engine arguments, as ``verify`` and ``tune`` take them.
-
-Both run the operator's own ``vllm serve`` arguments offline, one process per data-parallel rank, and add
-the DBO switches themselves: the DP size is taken off the arguments, the DBO flags are dropped, and the
-options that only make sense for a server or several nodes are refused before any engine starts.
-"""
+"""The operator's ``vllm serve`` arguments as ``verify`` and ``tune`` run them: offline, one process per DP rank,
+DBO switched by the command; what an engine would refuse is refused before any starts."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError
+from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, say
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.settings import StateError
 
@@ -26,9 +23,18 @@ UNSUPPORTED_FLAGS = (
 DBO_FLAGS = ("--enable-dbo", "--no-enable-dbo")
 
 
+def add_engine_command(subparsers: Any, name: str, doc: str, help_: str, timeout: float, timeout_help: str) -> argparse.ArgumentParser:
+    """A subcommand that runs engines: its own options first, then the operator's ``vllm serve`` arguments."""
+    description = doc.split("\n\n")[1].replace("``", "") + f" Put {name}'s own options first, then your `vllm serve` engine arguments."
+    p = subparsers.add_parser(name, help=help_, description=description, allow_abbrev=False)
+    p.add_argument("--timeout", type=float, default=timeout, metavar="S", help=f"{timeout_help} (default {timeout:.0f})")
+    p.add_argument("--workdir", metavar="DIR", help="keep logs and records here (default: a temporary folder)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
+    return p
+
+
 def normal_arg(arg: str) -> str:
-    """A token as vLLM's parser reads it: in a ``--`` option's name (up to the first ``.``, the nested-key
-    separator) underscores are dashes, so every check here sees one spelling."""
+    """A token as vLLM's parser reads it (underscores in an option's name are dashes): one spelling to check."""
     if not arg.startswith("--"):
         return arg
     name, eq, value = arg.partition("=")
@@ -83,42 +89,42 @@ def split_engine_args(extra: list[str], command: str) -> tuple[list[str], int, l
     return out, dp, notes
 
 
+def prepare(extra: list[str], command: str, *, expert_parallel: bool) -> tuple[list[str], int, list[str]]:
+    """(engine arguments, DP size, notes) after every check an engine would fail, before any starts."""
+    from dbo_runtime.core.settings import setting_problems, vllm_setting_problems
+
+    engine_args, dp, notes = split_engine_args(extra, command)
+    require_dbo_parallelism(engine_args, dp, command, expert_parallel=expert_parallel)
+    from dbo_runtime.cli._split import comm_sms_problem
+
+    backend = engine_arg(engine_args, "--all2all-backend")
+    for problem in (qp_depth_problem(engine_args, os.environ), comm_sms_problem(os.environ, backend), *setting_problems(), *vllm_setting_problems()):
+        if problem is not None:
+            raise problem
+    return engine_args, dp, [*switch_notes(), *notes]
+
+
+def qp_depth_problem(engine_args: list[str], environ: Any) -> ConfigError | None:
+    """DeepEP low-latency asserts ``nvshmem_qp_depth >= 2 * (dispatch tokens per rank + 1)`` at its first dispatch
+    (tokens: ``--max-num-batched-tokens``, 256 unset, doubled in throughput mode): said before any engine starts."""
+    if engine_arg(engine_args, "--all2all-backend") != "deepep_low_latency" or not has_flag(engine_args, "--enable-expert-parallel", "-ep"):
+        return None
+    given, raw = engine_arg(engine_args, "--max-num-batched-tokens"), environ.get("NVSHMEM_QP_DEPTH")
+    tokens = int(given) if given and given.isdigit() else 256 * (2 if engine_arg(engine_args, "--performance-mode") == "throughput" else 1)
+    need = 2 * (tokens + 1)
+    if (1024 if raw is None else int(raw) if raw.isdigit() else -1) >= need:
+        return None
+    allowed = f"an integer >= {need} for DeepEP low-latency with --max-num-batched-tokens {tokens}, e.g. NVSHMEM_QP_DEPTH={max(8192, need)}"
+    return StateError("NVSHMEM_QP_DEPTH", "unset (NVSHMEM default 1024)", allowed) if raw is None else ConfigError("NVSHMEM_QP_DEPTH", raw, allowed)
+
+
 def require_dbo_parallelism(engine_args: list[str], dp: int, command: str, *, expert_parallel: bool = True) -> None:
-    """vLLM microbatches only with data parallelism, and DBO's comm SMs serve the expert-parallel all2all: a run
-    without them would prove nothing about DBO."""
+    """vLLM microbatches only with DP >= 2, and DBO's comm SMs serve the expert-parallel all2all."""
     if dp < 2:
         raise ConfigError("--data-parallel-size", dp, f"2 or more (vLLM microbatches only with data parallelism; {command} needs DBO to run)")
     last = [normal_arg(a) for a in engine_args if normal_arg(a) in ("--enable-expert-parallel", "--no-enable-expert-parallel", "-ep")]
     if expert_parallel and (not last or last[-1] == "--no-enable-expert-parallel"):
         raise StateError("--enable-expert-parallel", "missing", "given (DBO overlaps the expert-parallel all2all)")
-
-
-def comm_sms_problem(engine_args: list[str], environ: Any) -> ConfigError | None:
-    """``VLLM_DBO_COMM_SMS`` as the engines will read it, checked before any starts, by the rules ``sms`` uses:
-    on this GPU, else on the H200 profile. vLLM would otherwise fail in the DBO run, after the DBO-off one."""
-    from dbo_runtime.cli._split import COMM_ENV, budget_for, comm_sms
-    from dbo_runtime.core.budget import ALL2ALL_BACKENDS, BACKEND_MAX_SMS_USED, H200_SMS
-
-    if environ.get(COMM_ENV) is None:
-        return None
-    backend = engine_arg(engine_args, "--all2all-backend") or "deepep_high_throughput"
-    total, major = H200_SMS, 9
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            total, major = int(props.multi_processor_count), int(props.major)
-    except Exception:
-        pass
-    try:
-        budget_for(
-            total=total, comm=comm_sms(None, "cuda", environ), platform="cuda", sm_major=major,
-            all2all_backend=backend if backend in ALL2ALL_BACKENDS else None, max_sms_used=BACKEND_MAX_SMS_USED.get(backend),
-        )  # fmt: skip
-    except ConfigError as exc:
-        return exc
-    return None
 
 
 def switch_notes() -> list[str]:
@@ -132,15 +138,12 @@ def switch_notes() -> list[str]:
 
 
 def same_runner_env(environ: Any) -> dict[str, str]:
-    """vLLM 0.33 falls back to the V1 runner for DBO unless ``VLLM_USE_V2_MODEL_RUNNER`` is set, while a run
-    without DBO takes its default: pin V1 for every run then, or a comparison would compare runners, not DBO.
-    Harmless where V2 is the only runner."""
+    """Pin the runner unless the operator did: vLLM may pick another for DBO, and a comparison must compare DBO only."""
     return {} if environ.get("VLLM_USE_V2_MODEL_RUNNER") is not None else {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
 def check_with_vllm(engine_args: list[str], command: str) -> None:
-    """Parse the engine arguments with vLLM's own parser (no abbreviations: the engine runner parses the same
-    way), one line on error, before any GPU work. Without a GPU platform vLLM cannot build its parser: exit 3."""
+    """Parse the engine arguments with vLLM's own parser before any GPU work (exit 3 where it cannot be built)."""
     try:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -169,20 +172,25 @@ def visible_gpus() -> int:
 
 
 def require_gpus(need: int, why: str) -> None:
-    visible = visible_gpus()
-    if visible < need:
+    if (visible := visible_gpus()) < need:
         raise CliError(f"needs {need} GPU(s) ({why}); {visible} visible", EXIT_NO_DEVICE)
 
 
+def start(command: str, engine_args: list[str], gpus: int, why: str, notes: list[str], raw_workdir: str | None) -> Path:
+    """The last checks before the engines start (vLLM's parser, the GPU count), the notes said, the work folder."""
+    check_with_vllm(engine_args, command)
+    require_gpus(gpus, why)
+    for note in notes:
+        say(f"[{command}]", f"note: {note}")
+    return workdir(raw_workdir, command)
+
+
 def workdir(raw: str | None, command: str) -> Path:
-    """``--workdir`` (created now, right before the engines start: a refused run leaves nothing), else a new
-    temporary folder."""
+    """``--workdir``, created right before the engines start; else a new temporary folder."""
     if raw is None:
         return Path(tempfile.mkdtemp(prefix=f"dbo-{command}-"))
     try:
         Path(raw).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError("--workdir", raw, f"a folder {command} can create and write ({exc.strerror or exc})") from None
-    if not os.access(raw, os.W_OK):
-        raise ConfigError("--workdir", raw, f"a folder {command} can write")
+        raise ConfigError("--workdir", raw, f"a folder {command} can create ({exc.strerror or exc})") from None
     return Path(raw)

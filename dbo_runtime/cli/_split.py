@@ -1,9 +1,5 @@
-"""The DBO SM split as ``sms`` and ``simulate`` compute it: the same inputs, rules and warnings in both.
-
-The policy is ``core.budget.compute_budget`` (what the plugin applies); this module only reads the inputs
-(the comm share from ``--comm-sms``, else ``VLLM_DBO_COMM_SMS``, else vLLM's default) and says what makes a
-valid split a poor one.
-"""
+"""The DBO SM split as ``sms`` and ``simulate`` compute it: ``core.budget``'s policy, this module's inputs
+(``--comm-sms``, else ``VLLM_DBO_COMM_SMS``, else vLLM's default) and what makes a valid split a poor one."""
 
 from __future__ import annotations
 
@@ -11,9 +7,12 @@ import os
 from collections.abc import Mapping
 
 from dbo_runtime.core.budget import (
+    ALL2ALL_BACKENDS,
+    BACKEND_MAX_SMS_USED,
     DEEPEP_HT_MANAGER_NUM_SMS,
     DEFAULT_COMM_SMS,
     EVEN_COMPUTE_WHY,
+    H200_SMS,
     SMBudget,
     compute_budget,
     deep_gemm_compute_multiple,
@@ -25,8 +24,7 @@ COMM_ENV = "VLLM_DBO_COMM_SMS"
 
 
 def comm_sms(flag: int | None, platform: str, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
-    """(comm share, where it came from): ``--comm-sms``, else ``VLLM_DBO_COMM_SMS`` (an empty or negative value
-    is refused: vLLM fails on it at model load), else vLLM's platform default."""
+    """(comm share, its source): ``--comm-sms``, else ``VLLM_DBO_COMM_SMS`` (refused where vLLM fails on it), else vLLM's default."""
     if flag is not None:
         return flag, "--comm-sms"
     raw = (os.environ if environ is None else environ).get(COMM_ENV)
@@ -36,36 +34,18 @@ def comm_sms(flag: int | None, platform: str, environ: Mapping[str, str] | None 
 
 
 def budget_for(
-    *,
-    total: int,
-    comm: tuple[int, str],
-    platform: str,
-    all2all_backend: str | None,
-    max_sms_used: int | None = None,
-    expert_parallel: bool = True,
-    deep_gemm: bool = True,
-    device: int = 0,
-    sm_major: int | None = None,
+    *, total: int, comm: tuple[int, str], platform: str, all2all_backend: str | None, max_sms_used: int | None = None,
+    expert_parallel: bool = True, deep_gemm: bool = True, device: int = 0, sm_major: int | None = None,
 ) -> SMBudget:
-    """vLLM's split, with the worker's one deviation: on SM90 DeepGEMM's share is rounded down to an even count.
-
-    A typed comm share at or above the device's SM count is refused with every backend: vLLM asserts
-    ``comm < total`` wherever it applies the share, so the same value stops an engine whose backend differs."""
+    """vLLM's split (SM90: DeepGEMM's share even); a typed comm share >= the SM count is refused: vLLM asserts it."""
     value, source = comm
     try:
         budget = compute_budget(
-            total_sms=total,
-            platform=platform,
-            enable_dbo=True,
-            expert_parallel=expert_parallel,
-            all2all_backend=all2all_backend,
-            env_comm_sms=value,
-            max_sms_used=max_sms_used,
-            has_deep_gemm=deep_gemm,
-            device=device,
+            total_sms=total, platform=platform, enable_dbo=True, expert_parallel=expert_parallel, all2all_backend=all2all_backend,
+            env_comm_sms=value, max_sms_used=max_sms_used, has_deep_gemm=deep_gemm, device=device,
             comm_cap=DEEPEP_HT_MANAGER_NUM_SMS if all2all_backend == "deepep_high_throughput" else None,
             compute_multiple=deep_gemm_compute_multiple(sm_major) if sm_major is not None else 1,
-        )
+        )  # fmt: skip
     except ConfigError as exc:
         if exc.parameter == COMM_ENV and source == "--comm-sms":
             raise ConfigError(source, value, exc.allowed) from None
@@ -75,9 +55,21 @@ def budget_for(
     return budget
 
 
+def comm_sms_problem(environ: Mapping[str, str] | None = None, backend: str | None = None) -> ConfigError | None:
+    """``VLLM_DBO_COMM_SMS`` as a DBO engine would refuse it (H200 profile, DeepEP HT unless ``backend``)."""
+    backend = backend or "deepep_high_throughput"
+    try:
+        budget_for(
+            total=H200_SMS, comm=comm_sms(None, "cuda", environ), platform="cuda", sm_major=9,
+            all2all_backend=backend if backend in ALL2ALL_BACKENDS else None, max_sms_used=BACKEND_MAX_SMS_USED.get(backend),
+        )  # fmt: skip
+    except ConfigError as exc:
+        return exc
+    return None
+
+
 def deepep_sms(budget: SMBudget) -> int | None:
-    """The SMs DeepEP really gets: vLLM's HT manager clamps ``set_num_sms`` to the 20 its buffers were sized
-    for; every other manager's ``set_num_sms`` does nothing. None when no DeepEP knob turns."""
+    """The SMs DeepEP really gets (vLLM's HT manager clamps to what its buffers were sized for); None: no knob turns."""
     if not budget.comm_knob or budget.reason.all2all_backend != "deepep_high_throughput":
         return None
     return min(budget.comm, DEEPEP_HT_MANAGER_NUM_SMS)

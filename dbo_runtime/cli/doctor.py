@@ -1,32 +1,21 @@
 """``dbo-runtime doctor``: will dbo_runtime's fixes be in force with the vLLM installed here?
 
-Installs nothing. Reports which vLLM release dbo_runtime verified (``releases.identify``), every feature's
-verdict as ``register()`` would reach it, every patch and guard target, the entry point, every setting an
-operator can mistype, and whether DeepGEMM and NVML load; then one ``next:`` line saying what to do.
-Exit 0 when everything is in force, 1 otherwise (a DBO model that needs a missing fix is refused at engine
-start). ``DBO_RUNTIME_DISABLE=1`` is a deliberate choice: one warning, exit 0. What vLLM and torch log while
-being imported is kept off stderr (``import_warnings`` in ``--json``).
-"""
+Installs nothing. Reports the release identified by its code, every feature's verdict as ``register()`` would reach
+it, every patch and guard target, the entry point and the settings, then one ``next:`` line. Exit 0 when all is in
+force (or the plugin is deliberately disabled), 1 otherwise."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import os
 import platform
+from collections import Counter
 from importlib import metadata
 from typing import Any
 
 from dbo_runtime import __version__
-from dbo_runtime.cli._common import (
-    _Capture,
-    disabled_warning,
-    import_noise,
-    print_json,
-    settings_a_server_refuses,
-    wrapped,
-)
+from dbo_runtime.cli._common import disabled_warning, import_noise, print_json, settings_a_server_refuses, wrapped
 from dbo_runtime.core.switches import parse_switch, switch_problems
 
 SCHEMA = "dbo-runtime/doctor/v3"
@@ -50,32 +39,18 @@ def _vllm_import_error() -> str | None:
 
 
 def _deep_gemm() -> dict[str, Any]:
-    """DeepGEMM as vLLM sees it; the traceback vLLM logs for a build that fails to load becomes the detail."""
+    """DeepGEMM as vLLM sees it (what vLLM logs for a build that fails to load goes to ``import_warnings``)."""
     from dbo_runtime.adapters import deep_gemm
 
-    logger, capture = logging.getLogger("vllm.utils.import_utils"), _Capture()
-    propagate, logger.propagate = logger.propagate, False
-    logger.addHandler(capture)
     try:
         ok = deep_gemm.available()
     except Exception as exc:  # a broken build is reported, not a crash
         return {"available": False, "detail": f"{type(exc).__name__}: {exc}"}
-    finally:
-        logger.removeHandler(capture)
-        logger.propagate = propagate
-    return {"available": ok, "detail": "importable" if ok else "; ".join(capture.lines) or "not importable here"}
-
-
-def _nvml() -> dict[str, Any]:
-    from dbo_runtime.adapters import nvml
-
-    ok, detail = nvml.availability()
-    return {"available": ok, "detail": detail}
+    return {"available": ok, "detail": "importable" if ok else "not importable here (see import_warnings)"}
 
 
 def _targets(usable: bool, match: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(patches, guard targets), each probed for its target and, for patches, its fingerprint against the
-    release identified (``not in release``: its target does not exist there, so it is not part of the set)."""
+    """(patches, guard targets), each probed for its target; a patch's fingerprint judged against the release identified."""
     from dbo_runtime.integration import patching, plugin, releases
     from dbo_runtime.integration.guard import guard_patches
 
@@ -104,18 +79,13 @@ def _targets(usable: bool, match: Any) -> tuple[list[dict[str, Any]], list[dict[
 
 def _environment_problems() -> list[str]:
     """Every switch and setting a server reads, checked the way the runtime reads it."""
-    from dbo_runtime.cli._split import budget_for, comm_sms
-    from dbo_runtime.core.budget import H200_SMS
-    from dbo_runtime.core.errors import ConfigError
+    from dbo_runtime.cli._split import comm_sms_problem
 
     problems = switch_problems()
     if importlib.util.find_spec("torch") is None:
         problems.append("torch is not installed: vLLM and the plugin cannot run here")
     problems += [str(exc) for exc in settings_a_server_refuses()]
-    try:  # VLLM_DBO_COMM_SMS on the H200 profile with DeepEP HT, vLLM's DBO backend of choice
-        budget_for(total=H200_SMS, comm=comm_sms(None, "cuda"), platform="cuda", all2all_backend="deepep_high_throughput", sm_major=9)
-    except ConfigError as exc:
-        problems.append(str(exc))
+    problems += [str(exc) for exc in (comm_sms_problem(),) if exc is not None]
     plugins = os.environ.get("VLLM_PLUGINS")
     if plugins is not None and "dbo_runtime" not in [p.strip() for p in plugins.split(",")]:
         problems.append(f"VLLM_PLUGINS={plugins!r} does not list dbo_runtime: vLLM will not load the plugin")
@@ -123,14 +93,14 @@ def _environment_problems() -> list[str]:
 
 
 def collect() -> dict[str, Any]:
-    """The ``--json`` document."""
+    """The ``--json`` document; what vLLM and torch log on import goes to ``import_warnings``."""
     with import_noise() as noise:
         doc = _collect()
-    doc["import_warnings"] = list(dict.fromkeys(noise))
-    return doc
+    return {**doc, "import_warnings": list(dict.fromkeys(noise))}
 
 
 def _collect() -> dict[str, Any]:
+    from dbo_runtime.adapters import nvml
     from dbo_runtime.integration import plugin, releases
 
     version = releases.installed_version()
@@ -139,16 +109,11 @@ def _collect() -> dict[str, Any]:
     match: Any = None
     entry_point = any(ep.value == ENTRY_POINT_VALUE for ep in metadata.entry_points(group=ENTRY_POINT_GROUP))
     disabled = parse_switch("DBO_RUNTIME_DISABLE")
-    problems: list[str] = []
     patches: list[dict[str, Any]] = []
     guard: list[dict[str, Any]] = []
     features: list[dict[str, Any]] = []
-    if version is None:
-        problems.append("vLLM is not installed")
-    elif import_error:
-        problems.append(f"vLLM {version} is installed but does not import ({import_error})")
-    if not entry_point:
-        problems.append(f"entry point {ENTRY_POINT_GROUP}:{ENTRY_POINT_VALUE} is not registered (is dbo-runtime pip-installed?)")
+    problems = ["vLLM is not installed"] if version is None else [f"vLLM {version} is installed but does not import ({import_error})"] if import_error else []
+    problems += [] if entry_point else [f"entry point {ENTRY_POINT_GROUP}:{ENTRY_POINT_VALUE} is not registered (is dbo-runtime pip-installed?)"]
     try:
         match = releases.identify()
         patches, guard = _targets(usable, match)
@@ -160,40 +125,29 @@ def _collect() -> dict[str, Any]:
     except ImportError as exc:  # a feature module imports vLLM at module level and vLLM is broken
         problems.append(f"patch list unavailable: {type(exc).__name__}: {exc}")
     if usable and not disabled:
-        problems += [
-            f"{f['name']} ({f['summary']}): {f['state']}; a --enable-dbo model that needs it is refused at engine start"
-            for f in features
-            if not f["in_force"]
-        ]
+        refused = "a --enable-dbo model that needs it is refused at engine start"
+        problems += [f"{f['name']} ({f['summary']}): {f['state']}; {refused}" for f in features if not f["in_force"]]
         problems += [f"guard target missing: {g['target']}: {g['detail']}" for g in guard if g["state"] == "missing"]
         problems += [f"patch target missing: {p['target']} ({p['name']}): {p['detail']}" for p in patches if p["state"] == "missing"]
     problems += _environment_problems()
     warnings_ = [w for w in (disabled_warning(),) if w]
-    if usable:
-        warnings_ += [
-            f"{p['name']}: target not checked here ({p['detail']}); if it does not resolve in a worker, the feature "
-            "is marked broken and the worker refuses a DBO model that needs it"
-            for p in patches
-            if p["state"] == "skipped" and not p["optional"] and p["fingerprint"] != "not in release"
-        ]
+    unchecked = "if it does not resolve in a worker, the feature is marked broken and the worker refuses a DBO model that needs it"
+    warnings_ += [
+        f"{p['name']}: target not checked here ({p['detail']}); {unchecked}"
+        for p in patches if usable and p["state"] == "skipped" and not p["optional"] and p["fingerprint"] != "not in release"
+    ]  # fmt: skip
     return {
-        "schema": SCHEMA,
-        "ok": not problems,
-        "problems": problems,
-        "warnings": warnings_,
+        "schema": SCHEMA, "ok": not problems, "problems": problems, "warnings": warnings_,
         "next": _next(problems, usable, entry_point, features, disabled, releases.SUPPORTED),
-        "dbo_runtime_version": __version__,
-        "python": platform.python_version(),
+        "dbo_runtime_version": __version__, "python": platform.python_version(),
         "vllm": {
             "version": version, "release": match and match.release, "supported": list(releases.SUPPORTED),
             "verified": match.describe() if match else "not identified (the patch list does not import here)",
         },
         "plugin": {"entry_point": entry_point, "disabled_by_env": disabled, "strict": parse_switch("DBO_RUNTIME_STRICT")},
-        "features": features,
-        "guard": guard,
-        "patches": patches,
+        "features": features, "guard": guard, "patches": patches,
         "deep_gemm": _deep_gemm() if usable else {"available": False, "detail": "vLLM not importable"},
-        "nvml": _nvml(),
+        "nvml": dict(zip(("available", "detail"), nvml.availability(), strict=True)),
     }
 
 
@@ -219,28 +173,20 @@ def render(doc: dict[str, Any]) -> None:
         "features:" if doc["features"] else "features: not checked (vLLM not importable)",
     ]
     out += [wrapped(f"  {f['name']}: {'disabled by DBO_RUNTIME_DISABLE' if doc['plugin']['disabled_by_env'] else f['state']}", "    ") for f in doc["features"]]
-    states: dict[str, int] = {}
-    for p in doc["patches"]:
-        states[p["state"]] = states.get(p["state"], 0) + 1
+    states = Counter(p["state"] for p in doc["patches"])
     differs = [p["name"] for p in doc["patches"] if p["fingerprint"] == "differs"]
-    out.append(
-        f"patch targets: {', '.join(f'{n} {s}' for s, n in states.items()) or 'none checked'}"
-        + (f"; fingerprints differ: {len(differs)}" if differs else "; fingerprints match")
-        + " (--json lists each)"
-    )
-    out.append(wrapped("guard targets: " + (", ".join(f"{g['name']} {g['state']}" for g in doc["guard"]) or "not checked")))
-    out.append(f"entry point {ENTRY_POINT_GROUP}: {'registered' if doc['plugin']['entry_point'] else 'MISSING'}")
-    out.append(wrapped(f"DeepGEMM: {'available' if doc['deep_gemm']['available'] else 'unavailable'} ({doc['deep_gemm']['detail']})"))
-    out.append(wrapped(f"NVML: {'available' if doc['nvml']['available'] else 'unavailable'} ({doc['nvml']['detail']})"))
-    if doc["import_warnings"]:
-        out.append(f"{len(doc['import_warnings'])} import warning(s) from vLLM/torch kept off stderr (--json: import_warnings)")
+    fingerprints = f"fingerprints differ: {len(differs)}" if differs else "fingerprints match"
+    out += [
+        f"patch targets: {', '.join(f'{n} {s}' for s, n in states.items()) or 'none checked'}; {fingerprints} (--json lists each)",
+        wrapped("guard targets: " + (", ".join(f"{g['name']} {g['state']}" for g in doc["guard"]) or "not checked")),
+        f"entry point {ENTRY_POINT_GROUP}: {'registered' if doc['plugin']['entry_point'] else 'MISSING'}",
+        *(wrapped(f"{name}: {'available' if doc[key]['available'] else 'unavailable'} ({doc[key]['detail']})") for name, key in (("DeepGEMM", "deep_gemm"), ("NVML", "nvml"))),
+    ]
     for title, lines in (("problems", doc["problems"]), ("warnings (not failures)", doc["warnings"])):
         if lines:
             out.append(f"{title}:")
             out += [wrapped(f"  - {line}", "    ") for line in lines]
-    out.append("OK" if doc["ok"] else "NOT OK")
-    out.append(wrapped(f"next: {doc['next']}"))
-    print("\n".join(out))
+    print("\n".join([*out, "OK" if doc["ok"] else "NOT OK", wrapped(f"next: {doc['next']}")]))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,10 +1,6 @@
-"""``dbo-runtime``: one argparse parser, one module per subcommand (``add_parser`` and ``run``).
-
-A bad argument is argparse's own error line and exit 2. ``verify`` and ``tune`` hand the arguments they do
-not know to vLLM (the operator's engine arguments); every other subcommand refuses them. A value refused
-after parsing (``ConfigError``) is one line and exit 2; an expected failure (``CliError``) one line and its
-exit code (``_common``: 1 a check failed, 3 cannot run here, 4 inconclusive).
-"""
+"""``dbo-runtime``: one argparse parser, one module per subcommand (``add_parser`` and ``run``). A bad argument is
+argparse's line and exit 2 (``verify`` and ``tune`` hand unknown ones to vLLM); a ``ConfigError`` one line and exit 2;
+a ``CliError`` one line and its exit code."""
 
 from __future__ import annotations
 

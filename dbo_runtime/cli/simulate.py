@@ -1,36 +1,19 @@
 """``dbo-runtime simulate``: the DBO + DSA scenario at small scale, with a verdict.
 
-Runs the GLM-5.3 layer pattern as two microbatches on two threads under SMControl's DBO budget (132 -> 112
-SMs on the H200 profile), with the indexer schedule cache and per-microbatch top-k state, and checks every
-step's logits, top-k and follower reads bit-for-bit against an unsplit run. On a CPU the kernels are the
-reference planner and an fp32 logits simulation with DeepGEMM's schedule assertion; with CUDA and
-``deep_gemm`` the real kernels. Unless ``--no-contrast`` it also reproduces vLLM without dbo_runtime.
-
-The simulation checks dbo_runtime's own logic, not the vLLM installed here: it also says whether the fixes
-are in force on that vLLM, and exits 1 where they are not (the operator would otherwise read a PASS as
-"protected"). ``DBO_RUNTIME_DISABLE`` in force is a warning, as in ``doctor``.
-"""
+Runs the GLM-5.3 layer pattern as two microbatches under SMControl's DBO budget, with the schedule cache and
+per-microbatch top-k state, each step checked bit-for-bit against an unsplit run (CPU: reference kernels; CUDA with
+DeepGEMM: the real ones), and unless ``--no-contrast`` vLLM without dbo_runtime. Exit 1 also where the fixes are
+not in force on the installed vLLM: a PASS of dbo_runtime's logic must not read as "protected"."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
-import sys
-import time
 from typing import Any
 
-from dbo_runtime.cli._common import (
-    EXIT_NO_DEVICE,
-    CliError,
-    disabled_warning,
-    int_in,
-    print_json,
-    print_table,
-    protection,
-    warn,
-    wrapped,
-)
+from dbo_runtime.cli import _common
+from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, int_in, print_json, print_table, say, warn, wrapped
 from dbo_runtime.cli._split import budget_for, comm_sms, split_warnings
 from dbo_runtime.core.budget import H200_SMS
 from dbo_runtime.core.errors import ConfigError
@@ -38,24 +21,11 @@ from dbo_runtime.core.switches import switch_problems
 
 SCHEMA = "dbo-runtime/simulate/v2"
 GLM53_CPU_STEPS, GLM53_CPU_REQUESTS = 2, 8
-"""``--preset glm53`` on the CPU simulation: both bugs show on the first step and a second shows that steady
-state needs no re-plan; the GPU preset (20 x 32) would take about 10 minutes on a 2-core CPU."""
-LONG_RUN_SECONDS = 30.0
-"""A CPU run expected to take longer says so up front."""
-# A rough CPU cost model: seconds per (leader x request x next_n x context x head x dim) and per
-# (leader x request x next_n x context position) of a step with its reference run, per run, before the
-# first run; and the resident bytes before the per-request tensors.
-CPU_SECONDS_PER_UNIT, CPU_SECONDS_PER_ROW, CPU_SECONDS_PER_RUN, CPU_START_SECONDS = 1.8e-10, 3e-7, 0.8, 1.8
-CPU_BASE_BYTES = 350 << 20
+"""``--preset glm53`` on the CPU: both bugs show on the first step, the second shows steady state needs no re-plan."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "simulate",
-        help="run the DBO + DSA scenario and print a verdict",
-        description="Run the GLM-5.3 layer pattern as two DBO microbatches under vLLM's SM budget with dbo_runtime, check every "
-        "step against an unsplit run, and say whether dbo_runtime's fixes are in force on the installed vLLM.",
-    )
+    p = subparsers.add_parser("simulate", help="run the DBO + DSA scenario and print a verdict", description=__doc__.split("\n\n")[1].replace("``", ""))
     p.add_argument("--backend", default="auto", choices=("auto", "cpu", "deep_gemm"), help="auto: real DeepGEMM where CUDA and deep_gemm load, else cpu")
     p.add_argument("--mode", default="eager", choices=("eager", "mrv1", "mrv2"), help="eager, or FULL CUDA-graph capture as MRV1/MRV2 (GPU)")
     p.add_argument("--preset", default="small", choices=("small", "glm53"), help="small: toy widths; glm53: GLM-5.3 indexer shapes")
@@ -68,49 +38,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-contrast", action="store_true", help="skip the runs that reproduce vLLM without dbo_runtime")
     p.add_argument("--json", action="store_true", help=f"print the result as JSON ({SCHEMA})")
     return p
-
-
-def step_seconds(config: Any, leaders: int) -> float:
-    """A rough CPU time of one DBO step with its unsplit reference run."""
-    rows = leaders * config.num_requests * config.next_n * config.max_context
-    return rows * (CPU_SECONDS_PER_ROW + CPU_SECONDS_PER_UNIT * config.heads * config.head_dim)
-
-
-def estimated_seconds(config: Any, leaders: int, runs: list[Any]) -> float:
-    """A rough CPU wall time of the command (a contrast that crashes on its first step costs half a step)."""
-    step = step_seconds(config, leaders)
-    return CPU_START_SECONDS + sum(CPU_SECONDS_PER_RUN + step * (0.5 if c.expect == "assertion" else config.steps) for c in runs)
-
-
-def estimated_bytes(config: Any, leaders: int) -> int:
-    """Peak host memory of a CPU simulation (fp32 KV, gathered keys, one pass's scores and logits, the leaders'
-    logits and top-k per request), with a 20 % margin over the measured peaks."""
-    n, c = config.next_n, config.max_context
-    per_request = c * (8 * config.head_dim + 4 * n * config.heads + 4 * leaders * n + 4 * n) + 4 * leaders * n * config.index_topk
-    return int(CPU_BASE_BYTES + 1.2 * config.num_requests * per_request)
-
-
-def available_bytes() -> int | None:
-    """``MemAvailable``, lowered to what is left under a cgroup v2 memory limit; None where neither is known."""
-    found: list[int] = []
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            found += [int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:")]
-        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as fh, open("/sys/fs/cgroup/memory.current", encoding="ascii") as cur:
-            limit = fh.read().strip()
-            if limit.isdigit():
-                found.append(max(0, int(limit) - int(cur.read())))
-    except (OSError, ValueError, IndexError):
-        pass
-    return min(found) if found else None
-
-
-def say(line: str) -> None:
-    print(f"dbo-runtime simulate: {line}", file=sys.stderr, flush=True)
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def _backend(kind: str, mode: str, total_sms: int) -> Any:
@@ -128,8 +55,7 @@ def _backend(kind: str, mode: str, total_sms: int) -> Any:
 
 
 def _runs(no_contrast: bool, comm: int) -> list[Any]:
-    """The dbo_runtime run and the contrasts. Without an SM partition (comm 0) vLLM never changes DeepGEMM's
-    count, so the unfixed run does not assert: the shared top-k bug is all that is left."""
+    """The dbo_runtime run and the contrasts; with comm 0 vLLM never lowers DeepGEMM's count: only the top-k bug."""
     from dbo_runtime.sim.scenario import CONTRASTS, Contrast
 
     contrasts = [Contrast(c.name, "topk-mismatch", c.overrides) if comm == 0 and c.expect == "assertion" else c for c in CONTRASTS]
@@ -148,7 +74,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout, vllm_setting_problems, warm_max_batch
-    from dbo_runtime.core.topk_memory import index_leaders
     from dbo_runtime.sim.scenario import GLM53, SMALL, for_backend, run_scenario
 
     warnings = switch_problems()
@@ -169,41 +94,19 @@ def _run(args: argparse.Namespace) -> int:
     warnings += split_warnings(budget)
     for line in warnings:
         warn("simulate", line)
-    disabled = disabled_warning()
+    disabled = _common.disabled_warning()
     warnings += [disabled] if disabled else []
     config = for_backend(config, backend)
     runs = _runs(args.no_contrast, int(config.comm_sms))
-    if backend.simulated:
-        leaders = sum(index_leaders(config.num_layers, config.index_topk_freq, config.index_skip_topk_offset))
-        need, have = estimated_bytes(config, leaders), available_bytes()
-        if have is not None and need > have:
-            raise CliError(
-                f"{config.num_requests} requests with --preset {args.preset} need about {need / 2**30:.1f} GiB on the CPU "
-                f"simulation; {have / 2**30:.1f} GiB available here (lower --requests)",
-                EXIT_NO_DEVICE,
-            )
-        if (expected := estimated_seconds(config, leaders, runs)) > LONG_RUN_SECONDS:
-            say(
-                f"{len(runs)} runs x {config.steps} steps of {config.num_requests} requests on the CPU simulation: expect "
-                f"about {_duration(expected)} on a 2-core CPU; progress follows on stderr"
-            )
     results: list[tuple[Any, Any]] = []
-    started, total = time.monotonic(), len(runs) * config.steps
+    for c in runs:
 
-    def progress(name: str) -> Any:
-        def advance(done: int, steps: int) -> None:
-            finished = sum(len(r.checks) for _, r in results) + done
-            elapsed = time.monotonic() - started
-            left = elapsed / max(finished, 1) * max(total - finished, 0)
-            say(f"{name}: step {done}/{steps} ({_duration(elapsed)} elapsed, about {_duration(left)} left)")
+        def progress(done: int, steps: int, name: str = c.name) -> None:
+            say(f"dbo-runtime simulate: {name}:", f"step {done}/{steps}")
 
-        return advance
-
-    for contrast in runs:
-        cfg = dataclasses.replace(config, **contrast.overrides)
-        results.append((contrast, run_scenario(cfg, backend, args.mode, progress=progress(contrast.name))))
+        results.append((c, run_scenario(dataclasses.replace(config, **c.overrides), backend, args.mode, progress=progress)))
     passed = all(c.as_expected(r) for c, r in results)
-    vllm = protection()
+    vllm = _common.protection()
     code = 0 if passed and vllm["in_force"] else 1
     if args.json:
         runs_json = [{"name": c.name, "expect": c.expect, "as_expected": c.as_expected(r), **r.to_json()} for c, r in results]
@@ -242,16 +145,13 @@ def _print_human(backend: Any, mode: str, results: list[Any], passed: bool, vllm
         counts = [str(sum(getattr(k, f) for k in r.checks)) if ran else "-" for f in ("logits_mismatch_rows", "topk_mismatch_rows", "follower_mismatch")]
         replans = f"{r.replans_total} ({r.steady_state_replans})" if ran else "-"
         rows.append([c.name, f"{len(r.checks)}/{cfg['steps']}", _outcome(r), *counts, replans, "yes" if c.as_expected(r) else "NO"])
-    print_table(
-        "Runs (each step checked against an unsplit run at full SMs)",
-        ["run", "steps", "outcome", "logits≠", "top-k≠", "reads≠", "re-plans", "expected"],
-        rows,
-        [
-            "≠: rows that differ from the unsplit run (-: no step ran); re-plans: planner runs (after step 1)",
-            wrapped(f"top-k state per extra microbatch: {head.topk_extra_bytes} bytes ({cfg['topk_layout']} layout); "
-            f"planner warm-ups: {head.warmups}; first compiled inside a capture: {len(head.jit_in_capture)}"),
-        ],
-    )
+    caption = [
+        "≠: rows that differ from the unsplit run (-: no step ran); re-plans: planner runs (after step 1)",
+        wrapped(f"top-k state per extra microbatch: {head.topk_extra_bytes} bytes ({cfg['topk_layout']} layout); "
+                f"planner warm-ups: {head.warmups}; first compiled inside a capture: {len(head.jit_in_capture)}"),
+    ]  # fmt: skip
+    columns = ["run", "steps", "outcome", "logits≠", "top-k≠", "reads≠", "re-plans", "expected"]
+    print_table("Runs (each step checked against an unsplit run at full SMs)", columns, rows, caption)
     for c, r in results:
         if r.error and not c.as_expected(r):
             print(wrapped(f"{c.name}: {r.error}"))
@@ -259,10 +159,7 @@ def _print_human(backend: Any, mode: str, results: list[Any], passed: bool, vllm
     if not passed:
         verdict = "FAIL: not as expected: " + ", ".join(c.name for c, r in results if not c.as_expected(r))
     elif not vllm["in_force"]:
-        verdict = (
-            "dbo_runtime's own logic PASSES (the simulation checks it, not vLLM), but this vLLM is NOT protected: "
-            "its fixes are not in force here (dbo-runtime doctor says why)"
-        )
+        verdict = "dbo_runtime's own logic PASSES (the simulation checks it, not vLLM), but this vLLM is NOT protected: its fixes are not in force here (dbo-runtime doctor says why)"
     elif disabled is not None:
         verdict = "PASS for dbo_runtime, which DBO_RUNTIME_DISABLE turns off here: a server with this environment runs vanilla vLLM"
     elif any(not r.ok for _, r in results):

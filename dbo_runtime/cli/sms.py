@@ -1,14 +1,7 @@
 """``dbo-runtime sms``: SMs per GPU and the DBO compute/comm split vLLM applies under ``--enable-dbo``.
 
-With DeepEP high-throughput vLLM lowers DeepGEMM's SM count to ``total - VLLM_DBO_COMM_SMS``; with
-low-latency / NIXL it leaves it alone. That split decides whether the DSA indexer schedule crashes, so an
-operator sees it before starting a server, also without a GPU (``--total-sms``). SM counts come from CUDA
-where torch sees the device, NVML's MIG attributes for MIG instances, and NVML cores / cores-per-SM as a
-cross-check. Imports no vLLM: it runs on machines that have only the driver and torch.
-
-``--json`` prints the ``dbo-runtime/sms/v1`` document: ``source``, ``settings``, ``nvml``, ``cuda``,
-``vllm_release``, ``plugin``, ``warnings`` and one entry per device with its counts and ``budget``.
-"""
+The split decides whether the DSA indexer schedule crashes: an operator sees it before starting a server, also
+without a GPU (``--total-sms``). Counts from CUDA, NVML (MIG attributes, cores per SM); imports no vLLM."""
 
 from __future__ import annotations
 
@@ -17,17 +10,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dbo_runtime.cli._common import (
-    EXIT_NO_DEVICE,
-    CliError,
-    disabled_warning,
-    int_in,
-    print_json,
-    print_table,
-    release_line,
-    settings_a_server_refuses,
-    warn,
-)
+from dbo_runtime.cli import _common
+from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, int_in, print_json, print_table, warn
 from dbo_runtime.cli._split import budget_for, comm_sms, deepep_sms, split_warnings
 from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, DBO_BACKENDS, H200_SMS, PLATFORMS, SMBudget
 from dbo_runtime.core.errors import ConfigError
@@ -72,19 +56,12 @@ def _max_sms(text: str) -> int | None:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "sms",
-        help="SMs per GPU and the DBO compute/comm split vLLM would apply",
-        description="SMs per GPU (CUDA, NVML, MIG) and the DBO compute/comm split vLLM applies under --enable-dbo.",
-    )
+    description = "SMs per GPU (CUDA, NVML, MIG) and the DBO compute/comm split vLLM applies under --enable-dbo."
+    p = subparsers.add_parser("sms", help="SMs per GPU and the DBO compute/comm split vLLM would apply", description=description)
     p.add_argument("--json", action="store_true", help=f"print the result as JSON ({SCHEMA})")
     p.add_argument("--total-sms", type=int_in(1, 1024), metavar="N", help="skip the hardware: one N-SM device (132: the H200 profile, SM90)")
-    p.add_argument(
-        "--all2all-backend",
-        default="deepep_high_throughput",
-        choices=sorted({b for v in BACKENDS.values() for b in v}),
-        help="the all2all backend (default deepep_high_throughput)",
-    )
+    backends = sorted({b for v in BACKENDS.values() for b in v})
+    p.add_argument("--all2all-backend", default="deepep_high_throughput", choices=backends, help="the all2all backend (default deepep_high_throughput)")
     p.add_argument("--comm-sms", type=int, metavar="N", help="VLLM_DBO_COMM_SMS (default: $VLLM_DBO_COMM_SMS, else 20 CUDA / 64 ROCm)")
     p.add_argument("--platform", default="cuda", choices=PLATFORMS, help="cuda (default) or rocm")
     p.add_argument("--no-expert-parallel", action="store_true", help="as without --enable-expert-parallel")
@@ -104,8 +81,12 @@ def budget_json(budget: SMBudget) -> dict[str, Any]:
 
 
 def _agree(*counts: int | None) -> bool | None:
-    known = [c for c in counts if c is not None]
-    return None if len(known) < 2 else len(set(known)) == 1
+    known = {c for c in counts if c is not None}
+    return None if len([c for c in counts if c is not None]) < 2 else len(known) == 1
+
+
+def _cc(capability: tuple[int, int] | None) -> str | None:
+    return None if capability is None else "{}.{}".format(*capability)
 
 
 def _hardware_rows() -> tuple[list[DeviceRow], dict[str, Any], dict[str, Any]]:
@@ -125,19 +106,16 @@ def _hardware_rows() -> tuple[list[DeviceRow], dict[str, Any], dict[str, Any]]:
 
     def match(uuid: str | None, index: int | None) -> Any:
         found = by_uuid.get(cuda_devices.normalize_uuid(uuid)) if uuid else None
-        if found is None and by_index and index is not None:
-            found = scan.devices[index]
-        if found is not None:
-            used.add(found.index)
+        found = scan.devices[index] if found is None and by_index and index is not None else found
+        used.update([found.index] if found is not None else [])
         return found
 
     rows: list[DeviceRow] = []
     for g in snap.gpus if snap is not None else ():
         cd = None if g.mig_enabled else match(g.uuid, g.index)
-        cc = None if g.compute_capability is None else "{}.{}".format(*g.compute_capability)
         row = DeviceRow(
             str(g.index), "gpu", g.index, None if cd is None else cd.index, None, g.name or (cd.name if cd else "unknown NVIDIA GPU"),
-            uuid=g.uuid, compute_capability=cc, sms_cuda=None if cd is None else cd.multi_processor_count,
+            uuid=g.uuid, compute_capability=_cc(g.compute_capability), sms_cuda=None if cd is None else cd.multi_processor_count,
             sms_nvml_mig_attributes=g.attributes_multiprocessor_count, sms_nvml_cores=g.sms_from_cores,
             nvml_gpu_cores=g.num_gpu_cores, cores_per_sm=g.cores_per_sm, mig_enabled=g.mig_enabled,
             sm_clock_mhz=g.sm_clock_mhz, max_sm_clock_mhz=g.max_sm_clock_mhz,
@@ -150,34 +128,27 @@ def _hardware_rows() -> tuple[list[DeviceRow], dict[str, Any], dict[str, Any]]:
             mcd = match(m.uuid, None)
             mrow = DeviceRow(
                 f"{g.index} MIG {m.slot}", "mig", g.index, None if mcd is None else mcd.index, m.slot, m.name or f"{row.name} MIG",
-                uuid=m.uuid, compute_capability=cc, sms_cuda=None if mcd is None else mcd.multi_processor_count,
-                sms_nvml_mig_attributes=m.multiprocessor_count, mig_enabled=True,
-                sm_clock_mhz=m.sm_clock_mhz, max_sm_clock_mhz=m.max_sm_clock_mhz,
+                uuid=m.uuid, compute_capability=row.compute_capability, sms_cuda=None if mcd is None else mcd.multi_processor_count,
+                sms_nvml_mig_attributes=m.multiprocessor_count, mig_enabled=True, sm_clock_mhz=m.sm_clock_mhz, max_sm_clock_mhz=m.max_sm_clock_mhz,
             )  # fmt: skip
-            mrow.sms, mrow.sms_source = (
-                (mrow.sms_cuda, "cuda") if mrow.sms_cuda is not None else (mrow.sms_nvml_mig_attributes, "nvml-mig-attributes")
-            )
+            cuda = mrow.sms_cuda is not None
+            mrow.sms, mrow.sms_source = (mrow.sms_cuda, "cuda") if cuda else (mrow.sms_nvml_mig_attributes, "nvml-mig-attributes")
             mrow.sms_consistent = _agree(mrow.sms_cuda, mrow.sms_nvml_mig_attributes)
             rows.append(mrow)
-    for d in scan.devices:
-        if d.index not in used:
-            cc = None if d.compute_capability is None else "{}.{}".format(*d.compute_capability)
-            rows.append(DeviceRow(
-                f"cuda:{d.index}", "cuda", None, d.index, None, d.name, uuid=d.uuid, compute_capability=cc,
-                sms=d.multi_processor_count, sms_source="cuda", sms_cuda=d.multi_processor_count,
-            ))  # fmt: skip
+    rows += [
+        DeviceRow(f"cuda:{d.index}", "cuda", None, d.index, None, d.name, uuid=d.uuid, compute_capability=_cc(d.compute_capability),
+                  sms=d.multi_processor_count, sms_source="cuda", sms_cuda=d.multi_processor_count)
+        for d in scan.devices if d.index not in used
+    ]  # fmt: skip
     for r in rows:
-        if r.sms is None:
-            r.sms_source = None
+        r.sms_source = None if r.sms is None else r.sms_source
     return rows, nvml_info, cuda_info
 
 
 def _apply_budget(row: DeviceRow, args: argparse.Namespace, comm: tuple[int, str], max_sms: int | None) -> None:
-    if row.kind == "gpu" and row.mig_enabled:
-        row.note = "MIG enabled: DBO runs on the MIG instances"
-        return
-    if row.sms is None:
-        row.note = "SM count unknown (CUDA cannot see this GPU and NVML gives no count)"
+    mig = row.kind == "gpu" and row.mig_enabled
+    if mig or row.sms is None:
+        row.note = "MIG enabled: DBO runs on the MIG instances" if mig else "SM count unknown (CUDA cannot see this GPU and NVML gives no count)"
         return
     major = int(row.compute_capability.split(".")[0]) if row.compute_capability else None
     try:
@@ -208,15 +179,12 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     else:
         rows, nvml_info, cuda_info = _hardware_rows()
         if not rows:
-            raise CliError(
-                f"no GPU visible (NVML: {nvml_info['detail']}; CUDA: {cuda_info['detail']}); "
-                "pass --total-sms N to compute the split for an N-SM GPU (132 = H200)",
-                EXIT_NO_DEVICE,
-            )
+            why = f"NVML: {nvml_info['detail']}; CUDA: {cuda_info['detail']}"
+            raise CliError(f"no GPU visible ({why}); pass --total-sms N to compute the split for an N-SM GPU (132 = H200)", EXIT_NO_DEVICE)
     for row in rows:
         _apply_budget(row, args, comm, max_sms)
-    warnings = switch_problems() + [f"{p} (a server refuses it at engine start)" for p in settings_a_server_refuses()]
-    disabled = disabled_warning()
+    warnings = switch_problems() + [f"{p} (a server refuses it at engine start)" for p in _common.settings_a_server_refuses()]
+    disabled = _common.disabled_warning()
     return {
         "schema": SCHEMA,
         "source": "--total-sms" if args.total_sms is not None else "hardware",
@@ -226,12 +194,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
             "max_sms_used": max_sms, "max_sms_used_source": "vllm-manager" if args.max_sms_used is None else "--max-sms-used",
             "deep_gemm": not args.no_deep_gemm,
         },
-        "nvml": nvml_info,
-        "cuda": cuda_info,
-        "vllm_release": release_line(),
-        "devices": [asdict(r) for r in rows],
-        "plugin": {"disabled_by_env": parse_switch("DBO_RUNTIME_DISABLE")},
-        "warnings": warnings + ([disabled] if disabled else []),
+        "nvml": nvml_info, "cuda": cuda_info, "vllm_release": _common.release_line(), "devices": [asdict(r) for r in rows],
+        "plugin": {"disabled_by_env": parse_switch("DBO_RUNTIME_DISABLE")}, "warnings": warnings + ([disabled] if disabled else []),
     }
 
 
@@ -242,14 +206,9 @@ def _dash(value: object) -> str:
 def _knobs(b: dict[str, Any]) -> str:
     knobs = [f"DeepGEMM set_num_sms({b['compute']})"] if b["compute_knob"] else []
     if b["comm_knob"]:
-        if b["deepep_sms"] is None:
-            knobs.append(f"all2all set_num_sms({b['comm']}) (a no-op for this backend)")
-        elif b["deepep_sms"] != b["comm"]:
-            knobs.append(f"all2all set_num_sms({b['comm']}) -> DeepEP {b['deepep_sms']} (HT clamp)")
-        else:
-            knobs.append(f"all2all set_num_sms({b['comm']})")
-    if b["rocm_override"]:
-        knobs.append("ROCm HT override: comm 0")
+        deepep = " (a no-op for this backend)" if b["deepep_sms"] is None else f" -> DeepEP {b['deepep_sms']} (HT clamp)"
+        knobs.append(f"all2all set_num_sms({b['comm']})" + ("" if b["deepep_sms"] == b["comm"] else deepep))
+    knobs += ["ROCm HT override: comm 0"] if b["rocm_override"] else []
     return ", ".join(knobs) or "none (no partition)"
 
 
@@ -280,12 +239,8 @@ def render(doc: dict[str, Any]) -> None:
     ]
     caption += [f"warning: device {d['label']}: {w}" for d in doc["devices"] for w in d["warnings"]]
     caption += [f"warning: {w}" for w in doc["warnings"]]
-    print_table(
-        "dbo-runtime sms: DBO SM split under --enable-dbo",
-        ["GPU", "Name", "SMs", "SM source", "NVML check", "MIG", "SM clock MHz", "Util %", "total/comm/compute", "Knobs vLLM turns"],
-        rows,
-        caption,
-    )
+    columns = ["GPU", "Name", "SMs", "SM source", "NVML check", "MIG", "SM clock MHz", "Util %", "total/comm/compute", "Knobs vLLM turns"]
+    print_table("dbo-runtime sms: DBO SM split under --enable-dbo", columns, rows, caption)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,14 +1,9 @@
 """``dbo-runtime tune [options] VLLM_ENGINE_ARGS...``: which ``VLLM_DBO_COMM_SMS`` is fastest for my deployment?
 
-Under DBO with DeepEP high-throughput vLLM gives 20 SMs per GPU to communication unless ``VLLM_DBO_COMM_SMS``
-says otherwise, a default no model or workload chose. ``tune`` starts one DBO engine per candidate value on
-the operator's own model and parallel configuration, keeps them alive, and gives them interleaved turns at
-the operator's workload shape (a prefill step of N tokens per rank, or a decode batch of B requests per
-rank), so every value is measured under the same conditions. It prints the curve, the fastest value against
-today's, and the setting to use (``core.comm_sweep`` decides, conservatively).
-
-Exit 0 measured, 2 bad arguments, 3 could not run, 4 inconclusive (DBO never microbatched).
-"""
+vLLM's default comm share (20 SMs with DeepEP high-throughput) was chosen for no model or workload. ``tune``
+keeps one DBO engine per candidate value alive on the operator's model and gives them interleaved turns at the
+operator's workload shape, so every value is measured under the same conditions; ``core.comm_sweep`` decides.
+Exit 0 measured, 2 bad arguments, 3 could not run, 4 inconclusive (DBO never microbatched)."""
 
 from __future__ import annotations
 
@@ -17,48 +12,24 @@ import math
 import os
 from typing import Any
 
-from dbo_runtime.cli._common import EXIT_INCONCLUSIVE, EXIT_NO_DEVICE, Progress, int_in, print_json, print_table
-from dbo_runtime.cli._engine import (
-    check_with_vllm,
-    comm_sms_problem,
-    engine_arg,
-    has_flag,
-    require_dbo_parallelism,
-    require_gpus,
-    same_runner_env,
-    split_engine_args,
-    switch_notes,
-    workdir,
-)
-from dbo_runtime.core.comm_sweep import (
-    ALPHA,
-    DEFAULT_VALUES,
-    Measurement,
-    Sweep,
-    choose,
-    measurement,
-    plan_sweep,
-    rounds_needed,
-)
+from dbo_runtime.cli import _engine
+from dbo_runtime.cli._common import EXIT_INCONCLUSIVE, EXIT_NO_DEVICE, int_in, print_json, print_table, say
+from dbo_runtime.cli._engine import engine_arg, has_flag, prepare
+from dbo_runtime.core import comm_sweep
+from dbo_runtime.core.comm_sweep import DEFAULT_VALUES, Sweep, choose, measurement, plan_sweep
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.settings import setting_problems, vllm_setting_problems
 
 SCHEMA = "dbo-runtime/tune/v1"
 ENGINE_ARGS = True
 MEMORY_SHARE = 0.9
 """Of each GPU's memory, what the live engines share between them when the operator sets no memory flag."""
 KV_CACHE_BYTES = 4 << 30
-"""Each engine's fixed KV cache when the operator sets none: vLLM sizes an unset one by profiling free memory,
-which the other engines loading at the same time change under it."""
+"""Each engine's KV cache when the operator sets none: profiling free memory races the other engines' loads."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "tune",
-        help="measure the DBO step time for each VLLM_DBO_COMM_SMS value and say which to use",
-        description=__doc__.split("\n\n")[1].replace("``", "") + " Put tune's own options first, then your `vllm serve` engine arguments.",
-        allow_abbrev=False,
-    )
+    help_ = "measure the DBO step time for each VLLM_DBO_COMM_SMS value and say which to use"
+    p = _engine.add_engine_command(subparsers, "tune", __doc__, help_, 3600.0, "seconds for the whole sweep")
     p.add_argument("--shape", default="prefill", choices=("prefill", "decode"), help="the workload timed (default prefill, HT's regime)")
     p.add_argument("--prefill-tokens", type=int_in(64, 1 << 20), default=8192, metavar="N", help="prefill tokens per rank per step (default 8192)")
     p.add_argument("--prompt-len", type=int_in(1, 1 << 20), default=1024, metavar="N", help="tokens per prompt (default 1024)")
@@ -68,9 +39,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int_in(1, 100), default=1, metavar="N", help="unmeasured rounds first (default 1)")
     p.add_argument("--steps", type=int_in(1, 64), default=4, metavar="N", help="prefill steps per turn (default 4)")
     p.add_argument("--min-gain", type=float, default=0.02, metavar="F", help="a value replaces today's only if this much faster (default 0.02)")
-    p.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="seconds for the whole sweep (default 3600)")
-    p.add_argument("--workdir", metavar="DIR", help="keep logs and records here (default: a temporary folder)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
     return p
 
 
@@ -83,33 +51,18 @@ def options(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def check_reps(opts: argparse.Namespace, sweep: Sweep) -> argparse.Namespace:
-    """With ``k`` values besides today's, the all-faster sign test needs ``rounds_needed(k, ALPHA)`` rounds; fewer
-    could only ever say "keep today's" after the whole sweep ran. Left out, ``--reps`` becomes what is needed."""
+    """``--reps`` (default: what the sign test needs): fewer rounds could only ever say "keep today's"."""
     others = len(sweep.values) - 1
-    need = rounds_needed(others, ALPHA)
+    need = comm_sweep.rounds_needed(others, comm_sweep.ALPHA)
     if opts.reps is None:
         return argparse.Namespace(**{**vars(opts), "reps": max(7, need)})
     if opts.reps < need:
-        raise ConfigError("--reps", opts.reps, f">= {need} to confirm one of {len(sweep.values)} values at {ALPHA:.0%}; or fewer --values")
+        raise ConfigError("--reps", opts.reps, f">= {need} to confirm one of {len(sweep.values)} values at {comm_sweep.ALPHA:.0%}; or fewer --values")
     return opts
 
 
-def decode_needs_eager(engine_args: list[str], dp: int) -> bool:
-    """A FULL CUDA-graph replay never enters SMControl's partition, so the counters tune reads would stay at zero:
-    decode is timed eager unless graphs are off already (``--enforce-eager``, or DeepEP HT with DP, for which
-    vLLM turns them off itself)."""
-    if has_flag(engine_args, "--enforce-eager"):
-        return False
-    return not (engine_arg(engine_args, "--all2all-backend") == "deepep_high_throughput" and dp > 1)
-
-
 def workload(engine_args: list[str], dp: int, opts: argparse.Namespace) -> tuple[list[str], Any, dict[str, Any], str, str, list[str]]:
-    """(engine arguments added, prompts, bench, metric, microbatch counter, notes) for the shape.
-
-    The metric is the host time of each microbatched forward from SMControl's partition counters, so only
-    steps DBO really split count. Prefill: ``steps`` x ``prefill_tokens`` per rank in steps of
-    ``prefill_tokens``, prefix caching off (later turns would time the cache). Decode: ``decode_batch``
-    requests per rank for the decode steps of a 32-token pass."""
+    """(engine arguments added, prompts, bench, metric, counter, notes) for the shape; only split steps count."""
     from dbo_runtime.harness.prompts import PromptSpec
 
     added: list[str] = []
@@ -128,7 +81,9 @@ def workload(engine_args: list[str], dp: int, opts: argparse.Namespace) -> tuple
         num = opts.steps * (opts.prefill_tokens // opts.prompt_len) * dp
         bench["max_tokens"], metric, counter = 2, "prefill_partition_ms", "prefill_partitions"
     else:
-        if decode_needs_eager(engine_args, dp):
+        # a FULL CUDA-graph replay never enters SMControl's partition, whose counters tune reads (HT with DP runs eager)
+        ht_dp = engine_arg(engine_args, "--all2all-backend") == "deepep_high_throughput" and dp > 1
+        if not has_flag(engine_args, "--enforce-eager") and not ht_dp:
             added.append("--enforce-eager")
             notes.append("--enforce-eager added: a FULL CUDA-graph replay never enters the SM partition")
         seqs = engine_arg(engine_args, "--max-num-seqs")
@@ -168,7 +123,7 @@ def specs(engine_args: list[str], dp: int, sweep: Sweep, opts: argparse.Namespac
 
     added, prompts, bench, metric, counter, notes = workload(engine_args, dp, opts)
     memory, memory_notes = memory_args(engine_args, len(sweep.values))
-    env = same_runner_env(environ)
+    env = _engine.same_runner_env(environ)
     out = [
         RunSpec(label=f"comm-{v:02d}", engine_args=[*engine_args, *added, *memory, "--enable-dbo"], dp=dp,
                 env={**env, "VLLM_DBO_COMM_SMS": str(v)}, prompts=prompts, max_tokens=1, bench=dict(bench),
@@ -176,10 +131,6 @@ def specs(engine_args: list[str], dp: int, sweep: Sweep, opts: argparse.Namespac
         for v in sweep.values
     ]  # fmt: skip
     return out, metric, counter, notes + memory_notes
-
-
-def measurements(records: dict[str, dict[str, Any]], sweep: Sweep, metric: str, counter: str) -> list[Measurement]:
-    return [measurement(value, records.get(f"comm-{value:02d}", {}), metric, counter) for value in sweep.values]
 
 
 def gpus_needed(engine_args: list[str], dp: int) -> int:
@@ -197,39 +148,27 @@ def run(args: argparse.Namespace) -> int:
     switch = read_switch("DBO_RUNTIME_DISABLE")
     if switch.on:  # tune measures through dbo_runtime's counters, which a disabled plugin does not keep
         raise ConfigError("DBO_RUNTIME_DISABLE", switch.raw, "an off value or not set: tune measures through dbo_runtime's counters")
-    engine_args, dp, notes = split_engine_args(args.extra_args, "tune")
-    require_dbo_parallelism(engine_args, dp, "tune")
-    for problem in (comm_sms_problem(engine_args, os.environ), *setting_problems(), *vllm_setting_problems()):
-        if problem is not None:
-            raise problem
+    engine_args, dp, notes = prepare(args.extra_args, "tune", expert_parallel=True)
     sweep = plan_sweep(args.values, backend=engine_arg(engine_args, "--all2all-backend"), platform="cuda", environ=os.environ)
     opts = check_reps(opts, sweep)
     plan, metric, counter, more = specs(engine_args, dp, sweep, opts, os.environ)
-    notes = [*switch_notes(), *notes, *sweep.notes, *more]
-    check_with_vllm(plan[0].engine_args, "tune")
-    require_gpus(gpus_needed(engine_args, dp), f"data-parallel {dp} x tensor x pipeline parallel")
-    progress = Progress("[tune]")
-    for note in notes:
-        progress.say(f"note: {note}")
-    folder = workdir(args.workdir, "tune")
-    with progress:
-        progress.set(f"starting {len(plan)} DBO engines of {dp} ranks (one per value), then {opts.warmup + (opts.reps or 0)} turns each")
-        records = run_interleaved(plan, folder, opts.reps, timeout_s=opts.timeout, progress=progress.say)
-    doc = choose(measurements(records, sweep, metric, counter), sweep.default, min_gain=opts.min_gain)
+    notes = [*notes, *sweep.notes, *more]
+    folder = _engine.start("tune", plan[0].engine_args, gpus_needed(engine_args, dp), f"data-parallel {dp} x tensor x pipeline parallel", notes, args.workdir)
+    say("[tune]", f"starting {len(plan)} DBO engines of {dp} ranks (one per value), then {opts.warmup + opts.reps} turns each ...")
+    records = run_interleaved(plan, folder, opts.reps, timeout_s=opts.timeout, progress=lambda line: say("[tune]", line))
+    measured = [measurement(value, records.get(f"comm-{value:02d}", {}), metric, counter) for value in sweep.values]
+    doc = choose(measured, sweep.default, min_gain=opts.min_gain)
     workload = {"prefill_tokens_per_step": opts.prefill_tokens, "steps_per_turn": opts.steps} if opts.shape == "prefill" else {"decode_batch_per_rank": opts.decode_batch}
     doc.update(
         schema=SCHEMA, shape=opts.shape, workload=workload, total_sms=sweep.total_sms, notes=notes, workdir=str(folder),
         measure="host ms per microbatched forward (SMControl partition), slowest rank, per paired round",
         turn_order=next(iter(records.values()), {}).get("turn_order"),
     )  # fmt: skip
-    render(doc, args.json)
+    print_json(doc) if args.json else render(doc)
     return {"measured": 0, "inconclusive": EXIT_INCONCLUSIVE}.get(doc["verdict"], EXIT_NO_DEVICE)
 
 
-def render(doc: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print_json(doc)
-        return
+def render(doc: dict[str, Any]) -> None:
     rows = []
     for r in doc["curve"]:
         compute = str(doc["total_sms"] - r["comm_sms"])
@@ -239,11 +178,8 @@ def render(doc: dict[str, Any], as_json: bool) -> None:
         ratio = r.get("paired_speedup")
         paired = f"{ratio:.3f}x ({r['faster_rounds']}/{r['rounds']} faster)" if ratio and r["comm_sms"] != doc["default"] else "-"
         rows.append([str(r["comm_sms"]), compute, f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}-{r['max_ms']:.2f}", paired, f"{r['microbatched_steps']} microbatched steps"])
-    print_table(
-        f"dbo-runtime tune: host ms per microbatched DBO {doc['shape']} step, per comm-SM value",
-        ["comm SMs", "compute SMs", "median ms", "min-max ms", "vs today (paired)", "notes"],
-        rows,
-    )
+    columns = ["comm SMs", "compute SMs", "median ms", "min-max ms", "vs today (paired)", "notes"]
+    print_table(f"dbo-runtime tune: host ms per microbatched DBO {doc['shape']} step, per comm-SM value", columns, rows)
     if doc["verdict"] == "measured":
         print(f"fastest: {doc['best']} comm SMs, {doc['best_paired_speedup']:.3f}x vs {doc['default']} (in force today, paired median)")
         print(f"use: {doc['setting']} -- {doc['reason']}")

@@ -1,14 +1,9 @@
 """``dbo-runtime verify [options] VLLM_ENGINE_ARGS...``: does DBO change my model's outputs?
 
-The operator's canary before turning ``--enable-dbo`` on: it runs the operator's own model and parallel
-configuration twice, DBO off then DBO on, on the same prompts with greedy decoding, compares the runs
-request by request (``harness.compare``) and prints a verdict. Data parallelism runs as vLLM runs it offline:
-one process per DP rank. With dbo_runtime's counters the DBO run must show microbatched steps; 0 makes the
-verdict inconclusive, since two identical non-DBO runs prove nothing.
-
-Exit 0 pass, 1 outputs differ, 2 bad arguments, 3 could not run (too few GPUs, an engine run failed),
-4 inconclusive (DBO never microbatched).
-"""
+Runs the operator's model and parallel configuration with DBO off, then on, on the same prompts with greedy
+decoding, compares the runs request by request and prints a verdict. A DBO run that never microbatched is
+inconclusive: two identical non-DBO runs prove nothing. Exit 0 pass, 1 outputs differ, 2 bad arguments,
+3 could not run, 4 inconclusive."""
 
 from __future__ import annotations
 
@@ -19,27 +14,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dbo_runtime.cli._common import EXIT_INCONCLUSIVE, EXIT_NO_DEVICE, Progress, int_in, print_json, print_table
-from dbo_runtime.cli._engine import (
-    check_with_vllm,
-    comm_sms_problem,
-    engine_arg,
-    has_flag,
-    require_dbo_parallelism,
-    require_gpus,
-    same_runner_env,
-    split_engine_args,
-    switch_notes,
-    workdir,
-)
+from dbo_runtime.cli import _engine
+from dbo_runtime.cli._common import EXIT_INCONCLUSIVE, EXIT_NO_DEVICE, int_in, print_json, print_table, say
+from dbo_runtime.cli._engine import engine_arg, prepare
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.settings import StateError, setting_problems, vllm_setting_problems
-from dbo_runtime.harness.compare import FloorRule, Thresholds
+from dbo_runtime.core.settings import StateError
+from dbo_runtime.harness.compare import FloorRule, Request, Thresholds, compare, verdict
 
 SCHEMA = "dbo-runtime/verify/v1"
 ENGINE_ARGS = True
-"""``main`` hands the arguments verify does not know to it: they are vLLM's engine arguments."""
-NVSHMEM_QP_DEPTH_DEFAULT = 1024
+"""``main`` hands the arguments verify does not know on to it: vLLM's engine arguments."""
 
 
 def _len_range(text: str) -> tuple[int, int]:
@@ -50,12 +34,8 @@ def _len_range(text: str) -> tuple[int, int]:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "verify",
-        help="run the model with DBO off and on and say whether DBO changes its outputs",
-        description=__doc__.split("\n\n")[1].replace("``", "") + " Put verify's own options first, then your `vllm serve` engine arguments.",
-        allow_abbrev=False,
-    )
+    help_ = "run the model with DBO off and on and say whether DBO changes its outputs"
+    p = _engine.add_engine_command(subparsers, "verify", __doc__, help_, 1800.0, "seconds per engine run")
     p.add_argument("--prompts", type=int, default=64, metavar="N", help="synthetic prompts (default 64)")
     p.add_argument("--prompt-len", type=_len_range, default=(256, 1024), metavar="MIN-MAX", help="synthetic prompt lengths (default 256-1024)")
     p.add_argument("--prompt-file", metavar="PATH", help="prompts instead of synthetic ids: .jsonl / .json prompt objects, or one text prompt per line")
@@ -63,14 +43,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int_in(1, 4096), default=32, metavar="T", help="greedy tokens per prompt (default 32)")
     p.add_argument("--min-agreement", type=float, default=Thresholds.min_agreement, metavar="A", help="pass needs this fraction of tokens equal")
     p.add_argument("--max-dlogprob", type=float, default=Thresholds.max_dlogprob, metavar="D", help="pass needs max |logprob difference| <= D")
-    p.add_argument(
-        "--noise-floor",
-        action="store_true",
-        help="also run DBO off with half the sequences at a time, and judge DBO against how much that batch-shape change alone moves the model",
-    )
-    p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds per engine run (default 1800)")
-    p.add_argument("--workdir", metavar="DIR", help="keep logs and records here (default: a temporary folder, removed after a pass)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
+    floor = "also run DBO off with half the sequences at a time, and judge DBO against how much that batch-shape change alone moves the model"
+    p.add_argument("--noise-floor", action="store_true", help=floor)
     return p
 
 
@@ -79,33 +53,8 @@ def _int_flag(engine_args: list[str], flag: str) -> int | None:
     return int(raw) if raw is not None and raw.isdigit() else None
 
 
-def ll_qp_depth_problem(engine_args: list[str], environ: Any) -> ConfigError | None:
-    """DeepEP low-latency asserts ``nvshmem_qp_depth >= (max dispatch tokens per rank + 1) * 2`` at its first
-    dispatch, which vLLM sizes by ``--max-num-batched-tokens`` (256 when unset with LL and expert parallelism,
-    doubled by ``--performance-mode throughput``). Said before any engine starts, not after minutes of start-up."""
-    if engine_arg(engine_args, "--all2all-backend") != "deepep_low_latency" or not has_flag(engine_args, "--enable-expert-parallel", "-ep"):
-        return None
-    tokens = _int_flag(engine_args, "--max-num-batched-tokens")
-    if tokens is None:
-        tokens = 256 * (2 if engine_arg(engine_args, "--performance-mode") == "throughput" else 1)
-    need, raw = 2 * (tokens + 1), environ.get("NVSHMEM_QP_DEPTH")
-    depth = NVSHMEM_QP_DEPTH_DEFAULT if raw is None else int(raw) if raw.isdigit() else -1
-    if depth >= need:
-        return None
-    allowed = f"an integer >= {need} for DeepEP low-latency with --max-num-batched-tokens {tokens}, e.g. NVSHMEM_QP_DEPTH={max(8192, need)}"
-    if raw is None:
-        return StateError("NVSHMEM_QP_DEPTH", f"unset (NVSHMEM default {NVSHMEM_QP_DEPTH_DEFAULT})", allowed)
-    return ConfigError("NVSHMEM_QP_DEPTH", raw, allowed)
-
-
 def floor_args(engine_args: list[str], per_rank: int) -> tuple[list[str], str]:
-    """Engine arguments for the noise-floor run: half as many sequences at a time per rank as the DBO-off run
-    holds (the smallest of ``--max-num-seqs``, ``--max-num-active-seqs`` and the rank's prompts); with an
-    active-sequence limit the floor halves that one (vLLM refuses ``max_num_seqs`` below it)."""
-    for flag in ("--max-num-seqs", "--max-num-active-seqs"):
-        raw = engine_arg(engine_args, flag)
-        if raw is not None and (not raw.isdigit() or int(raw) < 1):
-            raise ConfigError(flag, raw, "an integer >= 1 (sequences a DP rank holds at a time)")
+    """Engine arguments for the noise-floor run: half the sequences a rank holds at a time (an active limit is halved)."""
     seqs, active = _int_flag(engine_args, "--max-num-seqs"), _int_flag(engine_args, "--max-num-active-seqs")
     concurrent = min(x for x in (seqs, active, per_rank) if x is not None)
     if concurrent // 2 < 1:
@@ -129,15 +78,7 @@ def _microbatched(record: dict[str, Any]) -> bool:
     return not counted or min(counted) > 0
 
 
-def _known_failure(signature: str) -> str:
-    from dbo_runtime.harness.launch import SIGNATURE_HINTS
-
-    hint = SIGNATURE_HINTS.get(signature)
-    return f"known failure: {signature}" + (f" ({hint})" if hint else "")
-
-
 def run(args: argparse.Namespace) -> int:
-    from dbo_runtime.harness.compare import Request, compare, verdict
     from dbo_runtime.harness.launch import RunSpec, launch
     from dbo_runtime.harness.prompts import PromptSpec, from_file
 
@@ -148,57 +89,38 @@ def run(args: argparse.Namespace) -> int:
     prompts = PromptSpec(num=args.prompts, min_len=args.prompt_len[0], max_len=args.prompt_len[1], seed=args.prompt_seed, file=args.prompt_file)
     prompts.validate()
     loaded = from_file(args.prompt_file) if args.prompt_file is not None else []  # a bad file fails now, not after an engine start
-    engine_args, dp, notes = split_engine_args(args.extra_args, "verify")
-    require_dbo_parallelism(engine_args, dp, "verify", expert_parallel=False)
+    engine_args, dp, notes = prepare(args.extra_args, "verify", expert_parallel=False)
     count = len(loaded) if args.prompt_file is not None else args.prompts
     if count < dp:
         raise ConfigError("--prompt-file" if loaded else "--prompts", count, f"at least the data-parallel size ({dp}): every rank needs prompts")
-    for problem in (ll_qp_depth_problem(engine_args, os.environ), comm_sms_problem(engine_args, os.environ), *setting_problems(), *vllm_setting_problems()):
-        if problem is not None:
-            raise problem
     plan: list[tuple[str, list[str]]] = [("dbo-off", []), ("dbo-on", ["--enable-dbo"])]
-    notes = [*switch_notes(), *notes]
     if args.noise_floor:
         added, note = floor_args(engine_args, -(-count // dp))
         plan.append(("noise-floor", added))
         notes.append(note)
-    progress = Progress("[verify]")
-    for note in notes:
-        progress.say(f"note: {note}")
-    check_with_vllm(engine_args, "verify")
-    require_gpus(dp, f"one engine rank per GPU for data-parallel size {dp}")
-    folder = workdir(args.workdir, "verify")
-    env = same_runner_env(os.environ)
+    folder = _engine.start("verify", engine_args, dp, f"one engine rank per GPU for data-parallel size {dp}", notes, args.workdir)
+    env = _engine.same_runner_env(os.environ)
     records: dict[str, dict[str, Any]] = {}
-    with progress:
-        for label, added in plan:
-            if label == "noise-floor" and not _microbatched(records["dbo-on"]):
-                break  # inconclusive anyway: no need for another engine run
-            spec = RunSpec(label=label, env=env, engine_args=[*engine_args, *added], dp=dp, prompts=prompts, max_tokens=args.max_tokens, timeout_s=args.timeout)
-            progress.set(f"{label}: starting {dp} engine rank(s) and generating")
-            rec = records[label] = launch(spec, folder)
-            progress.say(f"{label}: {'done' if rec['ok'] else 'FAILED'} in {rec['wall_s']:.0f} s")
-            if not rec["ok"]:
-                break
-    result = _result(records, thresholds, folder, notes, Request, compare, verdict, FloorRule() if args.noise_floor else None)
-    _print(result, args.json)
+    for label, added in plan:
+        if label == "noise-floor" and not _microbatched(records["dbo-on"]):
+            break  # inconclusive anyway: no need for another engine run
+        spec = RunSpec(label=label, env=env, engine_args=[*engine_args, *added], dp=dp, prompts=prompts, max_tokens=args.max_tokens, timeout_s=args.timeout)
+        say("[verify]", f"{label}: starting {dp} engine rank(s) and generating ...")
+        rec = records[label] = launch(spec, folder)
+        say("[verify]", f"{label}: {'done' if rec['ok'] else 'FAILED'} in {rec['wall_s']:.0f} s")
+        if not rec["ok"]:
+            break
+    result = _result(records, thresholds, folder, notes, FloorRule() if args.noise_floor else None)
+    print_json(result) if args.json else render(result)
     if args.workdir is None and result["exit_code"] == 0:
         shutil.rmtree(folder, ignore_errors=True)
     return int(result["exit_code"])
 
 
-def _result(
-    records: dict[str, dict[str, Any]],
-    thresholds: Any,
-    folder: Path,
-    notes: list[str],
-    request_cls: Any,
-    compare_fn: Any,
-    verdict_fn: Any,
-    floor_rule: FloorRule | None = None,
-) -> dict[str, Any]:
-    """The verdict document, pure given the records. With ``floor_rule`` the DBO-on comparison is judged
-    against the noise-floor run's instead of ``thresholds``."""
+def _result(records: dict[str, dict[str, Any]], thresholds: Thresholds, folder: Path, notes: list[str], floor_rule: FloorRule | None = None) -> dict[str, Any]:
+    """The verdict document, pure given the records; with ``floor_rule`` DBO-on is judged against the noise floor."""
+    from dbo_runtime.harness.launch import SIGNATURE_HINTS
+
     runs = {
         label: {k: rec.get(k) for k in ("ok", "error", "failure_signatures", "start_s", "generate_s", "microbatched_steps", "plugin")}
         for label, rec in records.items()
@@ -210,14 +132,15 @@ def _result(
     if failed or len(records) < (3 if floor_rule is not None else 2):
         label = failed[0] if failed else "dbo-on"
         rec = records.get(label, {})
-        reasons = [f"the {label} run failed: {rec.get('error')}", *map(_known_failure, rec.get("failure_signatures") or []), f"logs: {folder / label}"]
+        known = [f"known failure: {s}" + (f" ({SIGNATURE_HINTS[s]})" if s in SIGNATURE_HINTS else "") for s in rec.get("failure_signatures") or []]
+        reasons = [f"the {label} run failed: {rec.get('error')}", *known, f"logs: {folder / label}"]
         return {**doc, "verdict": "error", "exit_code": EXIT_NO_DEVICE, "reasons": reasons}
-    ref = [request_cls.from_json(r) for r in records["dbo-off"]["requests"]]
-    comparison = compare_fn(ref, [request_cls.from_json(r) for r in records["dbo-on"]["requests"]])
+    ref = [Request.from_json(r) for r in records["dbo-off"]["requests"]]
+    comparison = compare(ref, [Request.from_json(r) for r in records["dbo-on"]["requests"]])
     doc["judged_by"] = "thresholds"
-    passed, reasons = verdict_fn(comparison, thresholds)
+    passed, reasons = verdict(comparison, thresholds)
     if floor_rule is not None:
-        floor = compare_fn(ref, [request_cls.from_json(r) for r in records["noise-floor"]["requests"]])
+        floor = compare(ref, [Request.from_json(r) for r in records["noise-floor"]["requests"]])
         doc["noise_floor"] = {k: v for k, v in floor.to_json().items() if k != "first_divergences"}
         doc["floor_rule"] = vars(floor_rule)
         if floor.missing_requests or floor.nonfinite_logprobs:
@@ -231,20 +154,15 @@ def _result(
     doc["comparison"] = {k: v for k, v in comparison.to_json().items() if k != "first_divergences"}
     counted = _counted_steps(records["dbo-on"])
     if not _microbatched(records["dbo-on"]):
-        why = (
-            f"DBO never microbatched (microbatched steps per rank: {counted}): vLLM needs data-parallel size >= 2 and at "
-            "least --dbo-decode-token-threshold tokens per rank in a decode step; send more prompts or lower the threshold"
-        )
+        need = "vLLM needs data-parallel size >= 2 and at least --dbo-decode-token-threshold tokens per rank in a decode step"
+        why = f"DBO never microbatched (microbatched steps per rank: {counted}): {need}; send more prompts or lower the threshold"
         return {**doc, "verdict": "inconclusive", "exit_code": EXIT_INCONCLUSIVE, "reasons": [why]}
     if not counted:
         notes.append("dbo_runtime counters unavailable (plugin disabled?): cannot confirm that DBO microbatched")
     return {**doc, "verdict": "pass" if passed else "fail", "exit_code": 0 if passed else 1, "reasons": reasons}
 
 
-def _print(doc: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print_json(doc)
-        return
+def render(doc: dict[str, Any]) -> None:
     rows = []
     if comp := doc.get("comparison"):
         floor = doc.get("noise_floor") if doc.get("judged_by") == "noise_floor" else None

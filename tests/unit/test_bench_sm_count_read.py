@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_benchmark_times_each_reader_quiet_and_busy(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "graphs" / "bench_sm_count_read.py"), "--n", "300", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "graphs" / "bench_sm_count_read.py"), "--n", "100", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from dbo_runtime.cli import simulate
 from dbo_runtime.cli.main import main
 from dbo_runtime.integration import releases
 
@@ -89,18 +88,3 @@ def test_what_cannot_run_is_one_line(
     assert main([*QUICK, *argv]) == rc
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines()[-1].startswith(start), err
-
-
-def test_a_simulation_the_machine_cannot_hold_is_refused_before_it_starts(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(simulate, "available_bytes", lambda: 100 << 20)
-    assert main([*QUICK, "--preset", "glm53"]) == 3
-    assert "need about" in capsys.readouterr().err
-
-
-def test_the_up_front_estimate_grows_with_the_work(capsys: pytest.CaptureFixture[str]) -> None:
-    from dbo_runtime.sim.scenario import GLM53, SMALL
-
-    runs = simulate._runs(False, 20)
-    assert simulate.estimated_seconds(GLM53, 21, runs) > 10 * simulate.LONG_RUN_SECONDS
-    assert simulate.estimated_seconds(SMALL, 21, runs) < simulate.LONG_RUN_SECONDS
-    assert simulate.estimated_bytes(GLM53, 21) > simulate.estimated_bytes(SMALL, 21)

@@ -134,14 +134,14 @@ def test_bad_arguments_are_one_line_and_exit_2_before_any_engine(
 ) -> None:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(tune, "check_with_vllm", lambda *a: pytest.fail("reached vLLM's parser: the refusal came too late"))
+    monkeypatch.setattr(_engine, "check_with_vllm", lambda *a: pytest.fail("reached vLLM's parser: the refusal came too late"))
     assert main(["tune", *argv]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("dbo-runtime tune: error: ") and needle in line
 
 
 def test_without_gpus_it_cannot_run(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tune, "check_with_vllm", lambda *a: None)
+    monkeypatch.setattr(_engine, "check_with_vllm", lambda *a: None)
     assert main(["tune", *ENGINE, "-tp", "2"]) == 3
     assert capsys.readouterr().err.splitlines()[-1] == "dbo-runtime tune: needs 4 GPU(s) (data-parallel 2 x tensor x pipeline parallel); 0 visible"
 
@@ -151,7 +151,7 @@ def _sweep_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, curve: dict[str,
 
     monkeypatch.setenv(launch_mod.RUNNER_MODULE_ENV, "tests.fakes.fake_engine_runner")
     monkeypatch.setenv("DBO_FAKE_STEP_MS", json.dumps(curve))
-    monkeypatch.setattr(tune, "check_with_vllm", lambda *a: None)  # FakeEngineRunner takes any argument
+    monkeypatch.setattr(_engine, "check_with_vllm", lambda *a: None)  # FakeEngineRunner takes any argument
     monkeypatch.setattr(_engine, "visible_gpus", lambda: 2)  # FakeGpuCount
     return main(["tune", "--values", "12,16", "--workdir", str(tmp_path / "w"), *extra, *ENGINE])
 

@@ -240,12 +240,11 @@ def test_without_contrast_the_verdict_is_the_fix_alone(capsys: pytest.CaptureFix
 
 
 def test_progress_shows_when_piped(capsys: pytest.CaptureFixture[str]) -> None:
-    """Off a terminal rich's bar draws nothing, so progress goes to stderr as lines: a long run must not
-    sit silent for minutes."""
+    """Progress goes to stderr as a line per step: a long run must not sit silent for minutes."""
     assert main(["simulate", "--backend", "cpu", "--steps", "2", "--requests", "4", "--no-contrast", "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["verdict"] == "PASS"  # stdout stays the JSON document
-    assert "dbo-runtime simulate: dbo_runtime: step 1/2 (" in err and "step 2/2" in err and "left)" in err
+    assert "dbo-runtime simulate: dbo_runtime: step 1/2\n" in err and "dbo-runtime simulate: dbo_runtime: step 2/2\n" in err
 
 
 def _record_configs(monkeypatch: pytest.MonkeyPatch) -> list:
@@ -263,57 +262,15 @@ def _record_configs(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 def test_glm53_on_the_cpu_runs_a_short_default(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GPU preset (20 steps x 32 requests) took ~15 minutes on a 2-core CPU with no word said."""
-    from dbo_runtime.cli.simulate import estimated_seconds
-    from dbo_runtime.sim.scenario import CONTRASTS, GLM53, Contrast
+    """The GPU preset (20 steps x 32 requests) takes minutes on a 2-core CPU: the CPU default is short."""
+    from dbo_runtime.sim.scenario import GLM53
 
     seen = _record_configs(monkeypatch)
     main(["simulate", "--backend", "cpu", "--preset", "glm53", "--json"])
-    err = capsys.readouterr().err
     assert seen and all((c.steps, c.num_requests) == (2, 8) for c in seen)
     assert all((c.heads, c.head_dim, c.max_context, c.index_topk) == (GLM53.heads, GLM53.head_dim, GLM53.max_context, GLM53.index_topk) for c in seen)
-    runs = [Contrast("dbo_runtime", "pass", {}), *CONTRASTS]
-    assert estimated_seconds(seen[0], 21, runs) <= 60
-    assert "expect about" not in err  # short: nothing to warn about
     main(["simulate", "--backend", "cpu", "--preset", "glm53", "--steps", "20", "--requests", "32", "--json"])
-    err = capsys.readouterr().err
     assert seen[-1].steps == 20 and seen[-1].num_requests == 32  # explicit flags win
-    [line] = [x for x in err.splitlines() if "expect about" in x]
-    assert line.startswith("dbo-runtime simulate: 4 runs x 20 steps of 32 requests on the CPU simulation: expect about ")
-    assert "min on a 2-core CPU" in line
-
-
-def test_the_up_front_estimate_grows_with_the_work_it_counts() -> None:
-    """The estimate's parts, each against the work it stands for (the constants are fitted to timed runs: see
-    ``CPU_SECONDS_PER_UNIT``): a step's time is proportional to leaders, requests and context, only its width
-    part to heads x dim; the start is paid once; a run adds its fixed cost and its steps; a contrast that crashes
-    adds its fixed cost and half a step."""
-    from dbo_runtime.cli import simulate
-    from dbo_runtime.sim.scenario import CONTRASTS, GLM53, SMALL, Contrast
-
-    head = Contrast("dbo_runtime", "pass", {})
-    [crash] = [c for c in CONTRASTS if c.expect == "assertion"]
-    passing = [c for c in CONTRASTS if c.expect != "assertion"]
-    step = simulate.step_seconds(SMALL, 21)
-    assert step > 0
-    assert simulate.step_seconds(SMALL, 42) == pytest.approx(2 * step)
-    assert simulate.step_seconds(dataclasses.replace(SMALL, num_requests=2 * SMALL.num_requests), 21) == pytest.approx(2 * step)
-    assert simulate.step_seconds(dataclasses.replace(SMALL, next_n=2), 21) == pytest.approx(2 * step)
-    wide = dataclasses.replace(SMALL, max_context=2 * SMALL.max_context)
-    assert simulate.step_seconds(wide, 21) == pytest.approx(2 * step)
-    rows = 21 * SMALL.num_requests * SMALL.max_context
-    width = simulate.step_seconds(dataclasses.replace(SMALL, heads=2 * SMALL.heads), 21) - step
-    assert width == pytest.approx(simulate.CPU_SECONDS_PER_UNIT * rows * SMALL.heads * SMALL.head_dim)
-
-    one = simulate.estimated_seconds(SMALL, 21, [head])
-    assert one == pytest.approx(simulate.CPU_START_SECONDS + simulate.CPU_SECONDS_PER_RUN + SMALL.steps * step)
-    double = dataclasses.replace(SMALL, steps=2 * SMALL.steps)
-    assert simulate.estimated_seconds(double, 21, [head]) - one == pytest.approx(SMALL.steps * step)
-    assert simulate.estimated_seconds(SMALL, 21, [head, crash]) - one == pytest.approx(simulate.CPU_SECONDS_PER_RUN + step / 2)
-    assert simulate.estimated_seconds(SMALL, 21, [head, *passing]) - one == pytest.approx(2 * (one - simulate.CPU_START_SECONDS))
-    # the GPU preset's 20 steps x 32 requests on the CPU: minutes, so the up-front line shows
-    runs = [head, *CONTRASTS]
-    assert simulate.estimated_seconds(GLM53, 21, runs) > 10 * simulate.LONG_RUN_SECONDS
 
 
 def test_help_is_plain_text_and_every_option_says_what_it_does() -> None:

@@ -13,8 +13,7 @@ import pytest
 from dbo_runtime.cli import _engine, verify
 from dbo_runtime.cli.main import main
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.harness.compare import Request, Thresholds, compare
-from dbo_runtime.harness.compare import verdict as verdict_fn
+from dbo_runtime.harness.compare import Thresholds
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +57,7 @@ def test_the_engine_arguments_lose_the_dp_size_and_the_dbo_flags() -> None:
 def test_what_an_engine_would_refuse_is_one_line_before_any_starts(
     argv: list[str], needle: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(verify, "check_with_vllm", lambda *a: pytest.fail("reached vLLM's parser: the refusal came too late"))
+    monkeypatch.setattr(_engine, "check_with_vllm", lambda *a: pytest.fail("reached vLLM's parser: the refusal came too late"))
     assert main(["verify", "--workdir", str(tmp_path / "w"), *argv]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[verify]")]
     assert len(err) == 1 and needle in err[0], err
@@ -94,7 +93,7 @@ def _rec(ok: bool = True, tokens: list[list[int]] | None = None, steps: Any = (4
 
 
 def _doc(records: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
-    return verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], Request, compare, verdict_fn)
+    return verify._result(records, Thresholds(0.98, 0.25), tmp_path, [])
 
 
 def test_result_pass_fail_error_inconclusive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -109,7 +108,7 @@ def test_result_pass_fail_error_inconclusive(tmp_path: Path, capsys: pytest.Capt
     assert doc["verdict"] == "inconclusive" and doc["exit_code"] == 4
     doc = _doc({"dbo-off": _rec(), "dbo-on": _rec(steps=None)}, tmp_path)
     assert doc["verdict"] == "pass" and any("cannot confirm" in n for n in doc["notes"])
-    verify._print(doc, as_json=False)
+    verify.render(doc)
     out = capsys.readouterr().out
     assert "token agreement" in out and "verdict: PASS" in out
 
@@ -129,7 +128,7 @@ def test_noise_floor_judges_dbo_against_a_batch_shape_change(tmp_path: Path, cap
 
     def doc(on: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
         records = {"dbo-off": _lp_rec(0.0), "dbo-on": on, "noise-floor": floor}
-        return verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], Request, compare, verdict_fn, rule)
+        return verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], rule)
 
     fixed = doc(_lp_rec(3.1e-5), _lp_rec(2e-5))
     assert fixed["verdict"] == "pass" and fixed["noise_floor"]["mean_abs_dlogprob_exact"] == pytest.approx(2e-5)
@@ -146,7 +145,7 @@ def test_noise_floor_judges_dbo_against_a_batch_shape_change(tmp_path: Path, cap
     # the floor run failing is an error, like any run
     broken = doc(_lp_rec(0.0), _rec(ok=False, error="boom"))
     assert broken["verdict"] == "error" and "noise-floor" in broken["reasons"][0]
-    verify._print(fixed, as_json=False)
+    verify.render(fixed)
     out = capsys.readouterr().out
     assert "(noise floor 1.0000)" in out and "noise-floor run" in out and "verdict: PASS" in out
 
@@ -177,11 +176,11 @@ def test_floor_needs_two_sequences_per_rank() -> None:
 def test_degenerate_or_broken_floor(tmp_path: Path) -> None:
     rule = verify.FloorRule()
     records = {"dbo-off": _lp_rec(0.0), "dbo-on": _lp_rec(3.4e-4), "noise-floor": _lp_rec(0.0)}
-    doc = verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], Request, compare, verdict_fn, rule)
+    doc = verify._result(records, Thresholds(0.98, 0.25), tmp_path, [], rule)
     assert doc["judged_by"] == "thresholds" and doc["verdict"] == "pass" and any("identical" in n for n in doc["notes"])
     broken = _lp_rec(1e-5)
     broken["requests"][1]["logprobs"][0] = {"4": float("nan")}
-    doc = verify._result({**records, "noise-floor": broken}, Thresholds(0.98, 0.25), tmp_path, [], Request, compare, verdict_fn, rule)
+    doc = verify._result({**records, "noise-floor": broken}, Thresholds(0.98, 0.25), tmp_path, [], rule)
     assert doc["verdict"] == "error" and "noise-floor run is unusable" in doc["reasons"][0]
 
 
