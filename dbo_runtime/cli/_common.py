@@ -153,5 +153,5 @@ def protection() -> dict[str, Any]:
             states = plugin.feature_states()
     except Exception as exc:  # a vLLM that does not import
         return {**out, "detail": f"vLLM does not import here ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"}
-    missing = [f"{name}: {s.describe()}" for name, s in states.items() if not s.in_force]
+    missing = [f"{name}: {s.describe()}" for name, s in states.items() if not s.in_force and s.applies]
     return {**out, "in_force": not missing, "detail": "; ".join(missing) or "every fix in force"}

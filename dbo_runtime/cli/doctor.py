@@ -119,14 +119,14 @@ def _collect() -> dict[str, Any]:
         patches, guard = _targets(usable, match)
         states = plugin.feature_states(match=match) if usable else {}
         features = [
-            {"name": n, "summary": s.feature.summary, "verdict": s.verdict, "in_force": s.in_force, "state": s.describe(), "detail": s.detail}
+            {"name": n, "summary": s.feature.summary, "verdict": s.verdict, "in_force": s.in_force, "applies": s.applies, "state": s.describe(), "detail": s.detail}
             for n, s in states.items()
         ]
     except ImportError as exc:  # a feature module imports vLLM at module level and vLLM is broken
         problems.append(f"patch list unavailable: {type(exc).__name__}: {exc}")
     if usable and not disabled:
         refused = "a --enable-dbo model that needs it is refused at engine start"
-        problems += [f"{f['name']} ({f['summary']}): {f['state']}; {refused}" for f in features if not f["in_force"]]
+        problems += [f"{f['name']} ({f['summary']}): {f['state']}; {refused}" for f in features if not f["in_force"] and f["applies"]]
         problems += [f"guard target missing: {g['target']}: {g['detail']}" for g in guard if g["state"] == "missing"]
         problems += [f"patch target missing: {p['target']} ({p['name']}): {p['detail']}" for p in patches if p["state"] == "missing"]
     problems += _environment_problems()
@@ -157,7 +157,7 @@ def _next(problems: list[str], usable: bool, entry_point: bool, features: list[d
         return f"install vLLM {releases} (with its torch) next to dbo_runtime, then run dbo-runtime doctor again"
     if not entry_point:
         return "pip install dbo-runtime into this environment (vLLM finds the plugin by its entry point)"
-    if not disabled and any(not f["in_force"] for f in features):
+    if not disabled and any(not f["in_force"] and f["applies"] for f in features):
         return f"install vLLM {releases}, whose code dbo_runtime verified; or run DSA models without --enable-dbo"
     if problems:
         return "fix the settings listed under problems, then run dbo-runtime doctor again"

@@ -20,7 +20,9 @@ from typing import Literal
 from dbo_runtime.integration import fingerprints
 from dbo_runtime.integration.patching import Patch
 
-Verdict = Literal["verified", "provided by vLLM", "unverified", "dependency", "not installed", "broken", "disabled"]
+Verdict = Literal[
+    "verified", "provided by vLLM", "unverified", "dependency", "not installed", "broken", "disabled", "not in release"
+]
 
 
 _PROBES = {
@@ -83,10 +85,19 @@ class FeatureState:
     verdict: Verdict
     detail: str = ""
     patches: list[str] = field(default_factory=list)
+    left_out: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Patches the release leaves out of its set on purpose -> the architectures they serve (empty: all): the guard
+    refuses those architectures, whatever vLLM itself would allow."""
 
     @property
     def installs(self) -> bool:
         return self.verdict == "verified"
+
+    @property
+    def applies(self) -> bool:
+        """False for a feature the release leaves out on purpose (vLLM itself refuses DBO where it would be needed):
+        never in force, so the guard still refuses, but no shortfall of this installation either."""
+        return self.verdict != "not in release"
 
     @property
     def in_force(self) -> bool:
@@ -104,16 +115,21 @@ def verify(
 ) -> dict[str, FeatureState]:
     """A verdict per feature, from vLLM's source as it is on disk (nothing is imported or installed).
 
-    ``recorded`` is one release's fingerprints and ``against`` names it; a patch that release records as
-    ``missing`` or ``excluded`` is not part of its set and is left out of the verdict, and a feature all of whose
-    patches are ``excluded`` there is *not installed* (fail closed)."""
+    ``recorded`` is one release's fingerprints and ``against`` names it. A patch it records ``missing`` is not part of
+    its set, unless its target exists in this build: then the build is not that release and the feature is
+    unverified. One recorded ``excluded`` is left out on purpose (``FeatureState.left_out``, which the guard refuses);
+    a feature with only such patches is *not in release*."""
     by_feature: dict[str, list[Patch]] = {}
-    excluded: dict[str, list[str]] = {}
+    excluded: dict[str, dict[str, tuple[str, ...]]] = {}
+    reappeared: dict[str, list[str]] = {}
     for patch in patches:
-        if not patch.fingerprint_anchors or recorded.get(patch.name) not in fingerprints.OUT_OF_SET:
+        want = recorded.get(patch.name)
+        if not patch.fingerprint_anchors or want not in fingerprints.OUT_OF_SET:
             by_feature.setdefault(patch.feature, []).append(patch)
-        elif recorded.get(patch.name) == fingerprints.EXCLUDED:
-            excluded.setdefault(patch.feature, []).append(patch.name)
+        elif want == fingerprints.EXCLUDED:
+            excluded.setdefault(patch.feature, {})[patch.name] = patch.architectures
+        elif not patch.optional and fingerprints.fingerprint(patch.fingerprint_anchors) != fingerprints.MISSING:
+            reappeared.setdefault(patch.feature, []).append(patch.name)  # recorded missing, yet here: not that release
     states: dict[str, FeatureState] = {}
     for feature in features:
         own = by_feature.get(feature.name, [])
@@ -123,21 +139,22 @@ def verify(
             continue
         if not own and feature.name in excluded:
             states[feature.name] = FeatureState(
-                feature, "not installed", f"not part of {against}'s set: " + ", ".join(excluded[feature.name]), []
+                feature, "not in release", f"{against} leaves its {len(excluded[feature.name])} patches out on purpose", [],
+                excluded[feature.name],
             )
             continue
-        mismatched = [p.name for p in own if not p.optional and _mismatch(p, recorded)]
+        mismatched = [p.name for p in own if not p.optional and _mismatch(p, recorded)] + reappeared.get(feature.name, [])
         if mismatched:
             states[feature.name] = FeatureState(
                 feature, "unverified", f"code differs from {against} at " + ", ".join(mismatched), names
             )
             continue
-        states[feature.name] = FeatureState(feature, "verified", "", names)
+        states[feature.name] = FeatureState(feature, "verified", "", names, excluded.get(feature.name, {}))
     for feature in features:  # dependencies last, in declaration order (a dependency is declared first)
         state = states[feature.name]
         missing = [r for r in feature.requires if r in states and not states[r].installs]
         if state.installs and missing:
-            states[feature.name] = FeatureState(feature, "dependency", "needs " + ", ".join(missing), state.patches)
+            states[feature.name] = FeatureState(feature, "dependency", "needs " + ", ".join(missing), state.patches, state.left_out)
     return states
 
 
@@ -169,7 +186,7 @@ class FeatureRegistry:
         with self._lock:
             state = self._states.get(feature)
             if state is not None and state.verdict != "provided by vLLM":
-                self._states[feature] = FeatureState(state.feature, verdict, detail, state.patches)
+                self._states[feature] = FeatureState(state.feature, verdict, detail, state.patches, state.left_out)
 
     def get(self, feature: str) -> FeatureState | None:
         return self._states.get(feature)

@@ -155,6 +155,11 @@ def _not_in_force(feature: str, arch: str, stage: Stage, runner: str | None = No
             verdict = dependency.describe() if dependency is not None else "not installed"
             needed = "" if name == feature else f", which the {state.feature.summary} needs,"
             return f"dbo_runtime's {what}{needed} is {verdict}"
+    for name in names:
+        dependency = REGISTRY.get(name)
+        left_out = [p for p, archs in (dependency.left_out if dependency else {}).items() if not archs or arch in archs]
+        if left_out:
+            return f"this vLLM release leaves {', '.join(left_out)} out of dbo_runtime's {dependency.feature.summary}"  # type: ignore[union-attr]
     if _PATCH_SET is None:
         return f"dbo_runtime's {state.feature.summary} was not installed"
     bad = []

@@ -79,7 +79,7 @@ def register() -> None:
             every = all_patches()
             match = releases.identify(every)
             patches = [p for p in every if releases.part_of(p, match.recorded)]
-            states = feature_states(patches, match)
+            states = feature_states(every, match)  # all of them: what the release leaves out is a verdict too
             skip = excluded_optional(patches, match.recorded, match.label)
             for feature in all_features():
                 own = {name: why for name, why in skip.items() if name.partition(".")[0] == feature.name}
@@ -92,7 +92,7 @@ def register() -> None:
             logger.error("dbo_runtime: could not verify this vLLM (%r); no fix is installed", exc, exc_info=True)
             return
         REGISTRY.set_all(states)
-        shortfall = {name: s for name, s in states.items() if not s.in_force}
+        shortfall = {name: s for name, s in states.items() if not s.in_force and s.applies}
         if shortfall and strict:
             raise PatchError(
                 f"dbo_runtime (DBO_RUNTIME_STRICT=1): not in force on {match.describe()}: " + "; ".join(f"{n}: {s.describe()}" for n, s in shortfall.items())

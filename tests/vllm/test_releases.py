@@ -45,18 +45,37 @@ def test_an_edited_build_is_no_release_and_names_what_differs() -> None:
 
 
 def test_a_patch_whose_target_a_release_lacks_is_not_part_of_its_set() -> None:
-    """Recorded ``missing`` (the V1 runner's patches in 0.34.0): left out, the feature still verifies."""
-    patches = [p for p in plugin.all_patches() if p.feature == "sm_control"]
-    assert {p.runner for p in patches} == {"mrv1", "mrv2"}
-    recorded = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in patches}
-    v1 = next(p for p in patches if p.runner == "mrv1")
-    recorded[v1.name] = fingerprints.MISSING
+    """Recorded ``missing`` (the V1 runner's patches in 0.34.0) and absent here: left out, the feature still verifies.
+    Recorded ``missing`` but present here: this build is not that release, the feature fails closed. Not recorded at
+    all: unknown, fails closed too."""
+    from dataclasses import replace
+
+    [mrv2] = [p for p in plugin.all_patches() if p.name == "sm_control.mrv2"]
+    ghost = replace(mrv2, name="sm_control.ghost", anchors=("vllm.v1.worker.no_such_module:Nothing",))
     feature = Feature("sm_control", "the SM budget")
-    state = verify([feature], patches, recorded, "vLLM 9.9.9")["sm_control"]
-    assert state.verdict == "verified" and v1.name not in state.patches
-    assert not releases.part_of(v1, recorded) and all(releases.part_of(p, recorded) for p in patches if p is not v1)
-    del recorded[v1.name]  # not recorded at all: unknown, so the feature fails closed
-    assert verify([feature], patches, recorded, "vLLM 9.9.9")["sm_control"].verdict == "unverified"
+    recorded = {mrv2.name: fingerprints.fingerprint(mrv2.fingerprint_anchors), ghost.name: fingerprints.MISSING}
+    state = verify([feature], [mrv2, ghost], recorded, "vLLM 9.9.9")["sm_control"]
+    assert state.verdict == "verified" and state.patches == [mrv2.name]
+    assert not releases.part_of(ghost, recorded) and releases.part_of(mrv2, recorded)
+    reappeared = {**recorded, mrv2.name: fingerprints.MISSING}
+    state = verify([feature], [mrv2, ghost], reappeared, "vLLM 9.9.9")["sm_control"]
+    assert state.verdict == "unverified" and mrv2.name in state.detail
+    del recorded[mrv2.name]
+    assert verify([feature], [mrv2, ghost], recorded, "vLLM 9.9.9")["sm_control"].verdict == "unverified"
+
+
+def test_a_patch_left_out_on_purpose_makes_its_architectures_refused() -> None:
+    """Recorded ``excluded``: never compared, never installed, and the guard refuses the architectures it serves."""
+    patches = [p for p in plugin.all_patches() if p.feature in ("topk_v41", "mtp_hidden")]
+    recorded = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in patches}
+    v41 = [p for p in patches if p.feature == "topk_v41" or p.name == "mtp_hidden.deepseek_v41"]
+    recorded.update({p.name: fingerprints.EXCLUDED for p in v41})
+    features = [Feature("topk_v41", "V4.1 top-k"), Feature("mtp_hidden", "MTP hidden rows")]
+    states = verify(features, patches, recorded, "vLLM 9.9.9")
+    assert states["topk_v41"].verdict == "not in release" and not states["topk_v41"].in_force
+    assert not states["topk_v41"].applies and set(states["topk_v41"].left_out) == {p.name for p in v41 if p.feature == "topk_v41"}
+    assert states["mtp_hidden"].verdict == "verified" and states["mtp_hidden"].applies
+    assert states["mtp_hidden"].left_out == {"mtp_hidden.deepseek_v41": ("DeepseekV41ForCausalLM",)}
 
 
 def test_record_release_reviews_the_installed_release_as_unchanged(capsys: pytest.CaptureFixture[str]) -> None:
