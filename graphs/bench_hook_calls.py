@@ -2,8 +2,8 @@
 
 Every hook on vLLM's per-layer path is paid on every layer of every eager DBO step, on both microbatch threads.
 This times each on the real vLLM classes (instances made without their CUDA ``__init__``): blocks of N accesses
-alternate between the plugin installed and uninstalled, R times, on the threads of ``THREADS``; the median ns
-per access of each side and their difference are reported. A CPU measurement: read the differences.
+alternate between the plugin installed and uninstalled, R times, on the threads of ``THREADS``; the median ns per
+access of each side and their difference are reported (a CPU measurement: read the differences).
 ``--cold K`` precedes every access with K random reads over a 40 MB pool (the caches vLLM's own work evicts).
 
     python graphs/bench_hook_calls.py [--n 200000] [--reps 7] [--cold K] [--out graphs/results]

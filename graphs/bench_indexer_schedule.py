@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dbo_runtime.adapters.deep_gemm import logits_options
 from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written
 from graphs._plotting import bar_panels
 
@@ -55,7 +56,7 @@ def _inputs(device: torch.device, seed: int) -> dict[str, torch.Tensor]:
 def _logits(dg: Any, x: dict[str, torch.Tensor], schedule: torch.Tensor) -> torch.Tensor:
     return dg.fp8_fp4_paged_mqa_logits(
         (x["q"], None), x["kv_cache"], x["weights"], x["context_lens"], x["block_table"], schedule, MAX_CTX,
-        clean_logits=False, logits_dtype=torch.float32,
+        **logits_options(dg.fp8_fp4_paged_mqa_logits),
     )
 
 

@@ -185,7 +185,7 @@ class DeepGemmBackend:
         try:
             return self.dg.fp8_fp4_paged_mqa_logits(
                 (q, None), kv_cache, weights, context_lens, block_table, schedule, max_context_len,
-                clean_logits=False, logits_dtype=torch.float32,
+                **self.adapter.logits_options(self.dg.fp8_fp4_paged_mqa_logits),
             )
         except RuntimeError as exc:
             if "_schedule_meta_size" in str(exc):

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner, schedule_slots
+from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner, logits_options, schedule_slots
 from dbo_runtime.services import schedule_cache as sc
 from dbo_runtime.services.schedule_cache import IndexerScheduleCache
 
@@ -48,7 +48,7 @@ def _vllm_signature(dg: ModuleType) -> Any:
     ) -> Any:  # fmt: skip
         return dg.fp8_fp4_paged_mqa_logits(
             q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len,
-            clean_logits=False, logits_dtype=torch.float32,
+            **logits_options(dg.fp8_fp4_paged_mqa_logits),
         )  # fmt: skip
 
     return fp8_fp4_paged_mqa_logits

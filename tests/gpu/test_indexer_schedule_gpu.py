@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from dbo_runtime.adapters.cuda_graph import capture_id
-from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner, schedule_slots
+from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner, logits_options, schedule_slots
 from dbo_runtime.core.budget import compute_budget
 from dbo_runtime.services.planner_warmup import PlannerProfile
 from dbo_runtime.services.schedule_cache import IndexerScheduleCache
@@ -99,8 +99,7 @@ def _logits(dg: ModuleType, case: Case, schedule: torch.Tensor) -> torch.Tensor:
         case.block_table,
         schedule,
         MAX_CTX,
-        clean_logits=False,
-        logits_dtype=torch.float32,
+        **logits_options(dg.fp8_fp4_paged_mqa_logits),
     )
 
 
