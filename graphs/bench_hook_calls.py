@@ -152,8 +152,7 @@ def cases() -> dict[str, Callable[[], Callable[[], Any]]]:
 
 
 BUILD = "DeepseekV32IndexerMetadataBuilder.build (stub planner)"
-"""vLLM's real decode-metadata build of a 32-request step, its planner kernel stubbed: the builder and planner
-hooks run around it once per step, on the main thread."""
+"""vLLM's decode-metadata build of a 32-request step (planner kernel stubbed): its hooks run once per step."""
 BUILD_ASIDE = "DeepseekV32IndexerMetadataBuilder.build, no DBO (hooks step aside)"
 MAIN_ONLY = {BUILD, BUILD_ASIDE}
 """Cases that never run on a microbatch thread (vLLM builds a step's metadata on the main thread)."""
