@@ -23,9 +23,11 @@ run: setup
 
 ## CPU tests: unit tests once, the vLLM-facing tests against 0.34.0 and 0.33.0; then lint, types, hygiene (what CI runs).
 test: setup
-	$(PY) $(PYTEST) tests
-	$(PY33) $(PYTEST) tests/vllm tests/unit/test_install.py
-	$(MAKE) --no-print-directory lint
+	@rc=0; \
+	$(PY) $(PYTEST) tests || rc=1; \
+	$(PY33) $(PYTEST) tests/vllm tests/unit/test_install.py || rc=1; \
+	$(MAKE) --no-print-directory lint || rc=1; \
+	exit $$rc
 
 ## ruff, mypy and repository hygiene only.
 lint:

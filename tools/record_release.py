@@ -40,9 +40,9 @@ RECORD = ROOT / "dbo_runtime" / "integration" / "recorded_fingerprints.py"
 
 def fetch_source(version: str, into: pathlib.Path) -> pathlib.Path:
     """The ``vllm`` package directory of the official wheel (Python files only)."""
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"vllm=={version}", "-d", str(into)], check=True
-    )
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"vllm=={version}", "-d", str(into)])
+    if done.returncode != 0:
+        raise SystemExit(f"record_release.py: vllm=={version} could not be downloaded (pip said why above); use --source DIR")
     wheel = next(into.glob(f"vllm-{version}-*.whl"))
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(into, [n for n in archive.namelist() if n.startswith("vllm/") and n.endswith(".py")])

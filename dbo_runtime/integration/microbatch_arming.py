@@ -95,8 +95,8 @@ class MicrobatchArming:
                 self.armed = True
                 self.armed_by = where
                 return
-        entry, exc = failed
-        message = f"{entry.name} could not be put in force at the first microbatched run ({exc!r})"
+        entry, error = failed
+        message = f"{entry.name} could not be put in force at the first microbatched run ({error!r})"
         if entry.on_failure is not None:
             try:
                 entry.on_failure(message)
@@ -105,7 +105,7 @@ class MicrobatchArming:
         raise PatchError(
             f"dbo_runtime: {message}; the step stops here instead of running its microbatches on vLLM's shared "
             "top-k state"
-        ) from exc
+        ) from error
 
     # -- introspection ------------------------------------------------------------------------------
     def names(self) -> list[str]:

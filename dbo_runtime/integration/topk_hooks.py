@@ -265,7 +265,7 @@ CONVERT_ONCE_PARAMETERS = (
     "self", "layer_index", "logical_topk_indices", "req_id_per_token", "block_table", "block_size",
     "block_stride_rows", "return_valid_counts", "idx_mapping",
 )  # fmt: skip
-"""vLLM 0.33.0's ``SparseMLAIndexGroup._convert_once`` parameters, which the hook takes one for one."""
+"""vLLM's ``SparseMLAIndexGroup._convert_once`` parameters, which the hook takes one for one."""
 
 
 def _convert_once_patch(state: UbatchTopkState) -> Patch:

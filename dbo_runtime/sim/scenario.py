@@ -395,7 +395,7 @@ class Contrast:
 
 
 CONTRASTS: tuple[Contrast, ...] = (
-    Contrast("vLLM 0.33.0 (no dbo_runtime)", "assertion", {"fix_schedule": False, "isolate_topk": False}),
+    Contrast("vLLM (no dbo_runtime)", "assertion", {"fix_schedule": False, "isolate_topk": False}),
     Contrast("schedule fix only (vllm#60732)", "topk-mismatch", {"isolate_topk": False}),
     Contrast("upstream re-plan at call site", "pass", {"plan_ahead": False}),
 )

@@ -218,14 +218,13 @@ def test_assemble_names_the_deepgemm_crash() -> None:
 
 def test_assemble_names_deepep_lls_queue_depth_limit() -> None:
     """On 2x H200 a DeepEP-LL engine with 2048 batched tokens dies on its first dispatch (queue depth)."""
-    from dbo_runtime.cli.verify import _known_failure
+    from dbo_runtime.harness.launch import SIGNATURE_HINTS
 
     spec = RunSpec("ll", ["--model", "m"], dp=2)
     log = "(Worker_DP0_EP0) ERROR [multiproc_executor.py:1189]     assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2"
     rec = assemble(spec, [{"rank": 0, "ok": False, "error": "RuntimeError: Engine core initialization failed."}], [log], 3.0)
     assert rec["failure_signatures"] == ["deepep_ll_qp_depth"]
-    assert "NVSHMEM_QP_DEPTH=8192" in _known_failure("deepep_ll_qp_depth")
-    assert _known_failure("cuda_oom") == "known failure: cuda_oom"
+    assert "NVSHMEM_QP_DEPTH" in SIGNATURE_HINTS["deepep_ll_qp_depth"] and "cuda_oom" not in SIGNATURE_HINTS
 
 
 # -- launcher with FakeEngineRunner -------------------------------------------------------------------

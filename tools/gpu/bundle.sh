@@ -2,8 +2,8 @@
 # Build the real vLLM (0.33.0 or 0.34.0) for the GPU machine, as parts small enough to send one per command.
 #
 # Run from the project root on a CPU machine with PyPI access (needs ~2 GB in /tmp, 2-4 min):
-#     bash tools/gpu/bundle.sh                     # vLLM 0.33.0 -> .gpu-vllm/p0 .. .gpu-vllm/pN (git-ignored)
-#     VLLM_VERSION=0.34.0 bash tools/gpu/bundle.sh # vLLM 0.34.0
+#     bash tools/gpu/bundle.sh                     # vLLM 0.34.0 -> .gpu-vllm/p0 .. .gpu-vllm/pN (git-ignored)
+#     VLLM_VERSION=0.33.0 bash tools/gpu/bundle.sh # vLLM 0.33.0 (another release: add its gpu-extra-lock-<version>.txt)
 #     DRY_RUN=1 VLLM_VERSION=0.34.0 bash tools/gpu/bundle.sh   # what would be downloaded and removed; nothing written
 # Then send ONE part directory with each command (p0, then p1, ...), each command starting
 #     mkdir -p /tmp/gpu-vllm && cp .gpu-vllm/pK/* /tmp/gpu-vllm/
@@ -23,11 +23,8 @@
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 out=${1:-.gpu-vllm}
-version=${VLLM_VERSION:-0.33.0}
-case "$version" in
-  0.33.0|0.34.0) ;;
-  *) echo "bundle.sh: VLLM_VERSION '$version' is not allowed; allowed values: 0.33.0, 0.34.0" >&2; exit 2 ;;
-esac
+version=${VLLM_VERSION:-0.34.0}
+[[ "$version" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || { echo "bundle.sh: VLLM_VERSION '$version' is not allowed; allowed values: a vLLM release such as 0.34.0" >&2; exit 2; }
 locks=("$here/gpu-extra-lock.txt")
 [ ! -f "$here/gpu-extra-lock-$version.txt" ] || locks+=("$here/gpu-extra-lock-$version.txt")
 drop=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs vllm/_qutlass_C.abi3.so vllm/third_party/fmha_sm100)
