@@ -94,7 +94,7 @@ def microbatching(parallel: Any) -> bool:
 
 
 def partitions_deep_gemm(parallel: Any, platform: str, stage: Stage) -> bool:
-    """Whether DBO will lower DeepGEMM's SM count for this configuration (vLLM 0.33.0's policy, predicted
+    """Whether DBO will lower DeepGEMM's SM count for this configuration (vLLM's policy, predicted
     before any all2all manager exists: a backend vLLM added later counts as partitioning)."""
     if platform not in ("cuda", "rocm"):
         return False
