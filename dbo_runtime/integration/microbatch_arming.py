@@ -61,8 +61,8 @@ class MicrobatchArming:
                     continue
                 try:
                     entry.arm()
-                except Exception as exc:
-                    failed = (entry, exc)
+                except Exception as error:
+                    failed = (entry, error)
                     break
                 entry.armed = True
             else:
