@@ -1,18 +1,7 @@
-"""DeepGEMM's SM knob and paged-MQA planner, imported lazily.
+"""DeepGEMM's SM knob and paged-MQA planner, imported lazily (importing DeepGEMM initialises CUDA).
 
-DeepGEMM keeps one process-global SM count in its device runtime
-(``csrc/jit/device_runtime.hpp``): ``set_num_sms`` changes it for every thread,
-``get_num_sms`` lazily initialises it to the device's SM count. Importing
-DeepGEMM initialises CUDA, so the core never imports it; this adapter does, on
-first use, and prefers vLLM's wrapper module when vLLM is importable because
-that is the binding vLLM's own kernels go through (vLLM may load its vendored
-copy, whose device runtime is a different SM counter from a pip ``deep_gemm``).
-
-The paged-MQA schedule rule lives here too: on SM90 with ``next_n == 4`` the
-logits kernel runs one task per 2-CTA multicast cluster, so the planner is
-asked for ``num_sms // 2`` slots (``vllm.utils.deep_gemm._paged_mqa_logits_schedule_slots``);
-DeepGEMM then asserts ``rows == slots + 1``. When vLLM is importable its own
-rule function is used, so a future vLLM change of the rule is followed.
+Through vLLM's wrapper module when importable: vLLM's kernels use it (its vendored copy has its own counter),
+and its slot rule is followed when it changes.
 """
 
 from __future__ import annotations
@@ -34,7 +23,6 @@ def _module() -> ModuleType:
 
 @functools.cache
 def _vllm_wrapper() -> ModuleType | None:
-    """vLLM's DeepGEMM wrapper module, or None (GPU box without vLLM); looked up once."""
     try:
         return importlib.import_module("vllm.utils.deep_gemm")
     except ImportError:
@@ -42,19 +30,17 @@ def _vllm_wrapper() -> ModuleType | None:
 
 
 def next_n_of(context_lens: Any) -> int:
-    """Tokens per request the planner and logits kernel see: ``context_lens`` is ``[B, next_n]`` (native
-    decode) or one length per row (``[B]``: flattened or varlen decode, next_n 1)."""
+    """Tokens per request the planner and logits kernel see (``context_lens`` is ``[B, next_n]`` or ``[B]``)."""
     return int(context_lens.shape[1]) if context_lens.dim() == 2 else 1
 
 
 def available() -> bool:
-    """True when a DeepGEMM build loads here (CPU boxes usually say False)."""
     try:
         from vllm.utils.import_utils import has_deep_gemm
     except ImportError:
         try:
             importlib.import_module("deep_gemm")
-        except Exception:  # any load failure means "not available"
+        except Exception:
             return False
         return True
     return bool(has_deep_gemm())
@@ -74,16 +60,9 @@ def set_num_sms(num_sms: int) -> None:
 class LiveNumSms:
     """DeepGEMM's live SM count for the indexer call site, read once per change instead of once per call.
 
-    Why: vLLM's vendored DeepGEMM 2.8 binds ``get_num_sms`` as a torch custom op (``torch.ops.deep_gemm``), and a
-    torch op call dispatches (1-3 µs) and releases the GIL, so any other Python thread of the engine may run until
-    its switch interval ends (5 ms) before the call returns; the call site asks once per indexer layer. In vLLM
-    0.33 the count changes only through ``vllm.utils.deep_gemm.set_num_sms``, which vLLM's SM control calls by the
-    alias ``ubatch_utils.deep_gemm_set_num_sms`` on the main thread with no microbatch thread alive (MRV1 enters it
-    around ``_run_ubatches``, MRV2 before starting its threads). While both writers are watched (the indexer's
-    optional ``indexer.sm_writes.*`` patches) a read returns the value cached since the last write; every write
-    through them, every write through this adapter and every tracked indexer metadata build (``stale``: once per
-    step; an engine that never microbatches tracks none, ``IndexerScheduleCache.steps_aside``) re-reads. Not
-    watched -- a patch skipped, or the plugin uninstalled -- every read asks DeepGEMM."""
+    A DeepGEMM torch-op call dispatches and releases the GIL, once per layer. While vLLM's writers of the count
+    (``WRITERS``) are watched, a read returns the value cached since the last write or ``stale``; unwatched,
+    every read asks DeepGEMM."""
 
     WRITERS = frozenset({"vllm.utils.deep_gemm.set_num_sms", "vllm.v1.worker.ubatch_utils.deep_gemm_set_num_sms"})
 
@@ -93,10 +72,10 @@ class LiveNumSms:
         self._value: int | None = None
         self._watched: set[str] = set()
         self._bindings: dict[str, tuple[str, Any, str, Any]] = {}
-        """Per watched writer: (module name, module, attribute, the hook installed there); ``bindings_intact``."""
+        """Per watched writer: (module name, module, attribute, our hook)."""
         self._trusted = False
         self._generation = 0
-        """Bumped by every ``stale``: a read that overlapped a write never stores the count it read before it."""
+        """Bumped by ``stale``: a read overlapping a write never stores."""
 
     def read(self) -> int:
         value = self._value
@@ -109,7 +88,7 @@ class LiveNumSms:
         value = int(reader())
         if self._trusted:
             self._value = value
-            if generation != self._generation:  # a write landed during the read or before the store
+            if generation != self._generation:
                 self._value = None
         return value
 
@@ -118,8 +97,6 @@ class LiveNumSms:
         self._value = None
 
     def watch(self, writer: str, binding: tuple[str, Any, str, Any] | None = None) -> None:
-        """``writer`` is hooked; ``binding`` is where its name lives and the hook it holds, for ``bindings_intact``
-        (a writer watched without one never passes that check)."""
         self._watched.add(writer)
         if binding is not None:
             self._bindings[writer] = binding
@@ -135,19 +112,17 @@ class LiveNumSms:
         self.stale()
 
     def bindings_intact(self) -> bool:
-        """Every watched writer's module is still the one in ``sys.modules`` and its name still holds the hook
-        installed there (a rebinding or a re-import behind the plugin would write the count unseen)."""
+        """Every watched writer's name still holds our hook."""
         if len(self._bindings) != len(self._watched):
             return False
         modules = sys.modules
-        for module_name, module, attr, hook in tuple(self._bindings.values()):  # a lazy import may watch meanwhile
+        for module_name, module, attr, hook in tuple(self._bindings.values()):
             if modules.get(module_name) is not module or vars(module).get(attr) is not hook:
                 return False
         return True
 
     def distrust(self) -> None:
-        """A watched writer was rebound behind the plugin: every read asks DeepGEMM until the writers are watched
-        again."""
+        """A writer was rebound behind us: every read asks DeepGEMM."""
         self._watched.clear()
         self._bindings.clear()
         self._trusted = False
@@ -159,18 +134,11 @@ class LiveNumSms:
 
 
 LIVE_NUM_SMS = LiveNumSms()
-"""The process's tracker (DeepGEMM's SM count is process-global)."""
 
 
 @functools.cache
 def num_sms_reader() -> Callable[[], int]:
-    """The cheapest callable returning DeepGEMM's *live* SM count (~0.1 us).
-
-    vLLM's ``get_num_sms`` wrapper runs ``_lazy_init`` and an import lookup on
-    every call; the indexer call site runs once per layer, so we bind the
-    underlying module's function once. It is the module vLLM itself resolved
-    (``_import_deep_gemm``: pip ``deep_gemm`` first, vendored copy second).
-    """
+    """DeepGEMM's own ``get_num_sms``, bound once (vLLM's wrapper is too slow for once per layer)."""
     wrapper = _vllm_wrapper()
     if wrapper is not None:
         wrapper._lazy_init()
@@ -184,7 +152,7 @@ def num_sms_reader() -> Callable[[], int]:
 
 @functools.cache
 def sm_major(device: int | None = None) -> int:
-    """Compute-capability major of ``device`` (current device when None); 0 without CUDA."""
+    """Compute-capability major (0 without CUDA)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -194,16 +162,12 @@ def sm_major(device: int | None = None) -> int:
 
 
 def kv_multicast(next_n: int, major: int) -> int:
-    """CTAs per scheduler task: 2 for SM90 ``next_n == 4`` (multicast cluster), else 1."""
     return 2 if next_n == 4 and major == 9 else 1
 
 
 def schedule_slots(num_sms: int, next_n: int, major: int | None = None) -> int:
-    """Scheduler slots the logits kernel launches for ``num_sms``; the schedule has ``slots + 1`` rows.
-
-    With ``major`` None the rule of the installed vLLM is used when vLLM is
-    importable (it reads the current platform), else this mirror of it.
-    """
+    """Scheduler slots for ``num_sms`` (the schedule has ``slots + 1`` rows); installed vLLM's rule when
+    ``major`` is None and vLLM is importable."""
     if major is None:
         wrapper = _vllm_wrapper()
         rule = getattr(wrapper, "_paged_mqa_logits_schedule_slots", None) if wrapper is not None else None
@@ -214,11 +178,7 @@ def schedule_slots(num_sms: int, next_n: int, major: int | None = None) -> int:
 
 
 def plan_paged_mqa_schedule(context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
-    """DeepGEMM ``get_paged_mqa_logits_metadata`` for ``num_sms`` SMs (slot rule applied once).
-
-    Through vLLM's wrapper when vLLM is importable (it converts SMs to slots),
-    else straight to ``deep_gemm`` with ``schedule_slots``.
-    """
+    """``get_paged_mqa_logits_metadata`` for ``num_sms`` SMs."""
     wrapper = _vllm_wrapper()
     if wrapper is not None:
         return wrapper.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=indices)
@@ -230,7 +190,7 @@ def plan_paged_mqa_schedule(context_lens: Any, block_kv: int, num_sms: int, indi
 
 
 class DeepGemmPlanner:
-    """The real ``SchedulePlanner`` for ``dbo_runtime.services.schedule_cache`` (see there)."""
+    """The real ``SchedulePlanner`` of ``services.schedule_cache``."""
 
     name = "deep_gemm"
 
@@ -260,8 +220,7 @@ class DeepGemmPlanner:
         return capture_id()
 
     def hot_probes(self) -> tuple[Callable[[], int], Callable[[], bool]]:
-        """What the call site calls once per layer: the live SM count through ``LIVE_NUM_SMS`` (one cached read while
-        DeepGEMM's writers are watched, DeepGEMM's own binding otherwise) and torch's raw capture probe."""
+        """Once per layer: the live SM count and torch's raw capture probe."""
         import torch
 
         capturing = getattr(torch.cuda.graphs, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
@@ -269,12 +228,7 @@ class DeepGemmPlanner:
 
 
 class DeepGemmKnob:
-    """``SMKnob`` for DeepGEMM's compute SM count.
-
-    ``setter`` lets the vLLM integration route through the exact alias vLLM's
-    context calls (``vllm.v1.worker.ubatch_utils.deep_gemm_set_num_sms``), so a
-    test that fakes that alias sees the same calls with or without dbo_runtime.
-    """
+    """``SMKnob`` for DeepGEMM's compute SM count; ``setter`` routes through the alias vLLM calls."""
 
     name = "deep_gemm.set_num_sms"
 

@@ -1,5 +1,4 @@
-"""Exit codes, the expected-failure type and output helpers the subcommands share (stdlib and core only:
-``sms`` runs where vLLM is missing)."""
+"""Exit codes, the expected-failure type and output helpers the subcommands share (no vLLM import)."""
 
 from __future__ import annotations
 
@@ -14,13 +13,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 EXIT_PROBLEM = 1
-"""A check failed (doctor), a verdict is FAIL, or the installed vLLM is not protected (simulate)."""
+"""A check failed, a verdict is FAIL, or the installed vLLM is not protected."""
 EXIT_USAGE = 2
 """A bad argument or environment value."""
 EXIT_NO_DEVICE = 3
-"""Cannot run on this machine: no GPU, too few GPUs, no vLLM or torch, or an engine run failed."""
+"""Cannot run on this machine (no GPU, vLLM or torch), or an engine run failed."""
 EXIT_INCONCLUSIVE = 4
-"""verify / tune: DBO never microbatched, so the runs prove nothing about it."""
+"""DBO never microbatched, so the runs prove nothing about it."""
 WIDTH = 100
 
 
@@ -41,7 +40,7 @@ def print_json(document: Any) -> None:
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], caption: Sequence[str] = ()) -> None:
-    """A plain fixed-width table: greppable in logs, the same on every machine."""
+    """A plain fixed-width table."""
     widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
     lines = [title, "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip(), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -49,22 +48,22 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
 
 
 def wrapped(text: str, indent: str = "  ") -> str:
-    """``text`` folded to ``WIDTH`` columns, continuation lines indented."""
+    """``text`` folded to ``WIDTH`` columns."""
     return textwrap.fill(text, WIDTH, subsequent_indent=indent, break_on_hyphens=False)
 
 
 def release_line() -> str:
-    """Which vLLM release dbo_runtime verified here (``releases.identify().describe()``); works without vLLM."""
+    """Which vLLM release dbo_runtime verified here; works without vLLM."""
     try:
         from dbo_runtime.integration.releases import identify
 
         return identify().describe()
-    except Exception as exc:  # sms runs where vLLM or its files are missing: said, never a crash
+    except Exception as exc:
         return f"vLLM release not identified ({type(exc).__name__}: {exc})"
 
 
 def disabled_warning(environ: Mapping[str, str] | None = None) -> str | None:
-    """What ``DBO_RUNTIME_DISABLE`` in force means (one wording for every command); None when enabled."""
+    """What ``DBO_RUNTIME_DISABLE`` in force means; None when enabled."""
     from dbo_runtime.core.switches import read_switch
 
     switch = read_switch("DBO_RUNTIME_DISABLE", environ)
@@ -77,7 +76,7 @@ def disabled_warning(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def settings_a_server_refuses(environ: Mapping[str, str] | None = None) -> list[Exception]:
-    """The settings an engine start would refuse: the plugin's own (only while it is enabled) and vLLM's it follows."""
+    """The settings an engine start would refuse (the plugin's only while enabled, and vLLM's)."""
     from dbo_runtime.core.settings import setting_problems, vllm_setting_problems
     from dbo_runtime.core.switches import read_switch
 
@@ -86,12 +85,12 @@ def settings_a_server_refuses(environ: Mapping[str, str] | None = None) -> list[
 
 
 def say(prefix: str, text: str) -> None:
-    """A progress line on stderr: stdout stays the result."""
+    """A progress line on stderr."""
     print(f"{prefix} {text}", file=sys.stderr, flush=True)
 
 
 def int_in(low: int, high: int) -> Any:
-    """An argparse ``type``: an integer in ``[low, high]``; argparse names the option in its error line."""
+    """An argparse ``type``: an integer in ``[low, high]``."""
 
     def parse(text: str) -> int:
         try:
@@ -106,7 +105,7 @@ def int_in(low: int, high: int) -> Any:
 
 
 class _Capture(logging.Handler):
-    """Collects log records as lines; as a filter on another handler it keeps the record from that handler."""
+    """Collects log records as lines; as a filter it keeps them from another handler."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -123,9 +122,9 @@ class _Capture(logging.Handler):
 
 @contextlib.contextmanager
 def import_noise() -> Iterator[list[str]]:
-    """Collect what vLLM and torch log on import (expected on a CPU box) instead of letting it read as findings."""
+    """Collect what vLLM and torch log on import, so it does not read as findings."""
     with contextlib.suppress(ImportError):
-        import torch  # noqa: F401  (torch installs its own stderr handler on import; filtered below)
+        import torch  # noqa: F401  (installs its own stderr handler)
     capture = _Capture()
     torch_handlers = list(logging.getLogger("torch").handlers)
     logging.getLogger().addHandler(capture)
@@ -142,7 +141,7 @@ def import_noise() -> Iterator[list[str]]:
 
 
 def protection() -> dict[str, Any]:
-    """Whether the fixes are in force on the installed vLLM: ``installed``, ``verified``, ``in_force``, ``detail``."""
+    """Whether the fixes are in force on the installed vLLM, with ``detail``."""
     from dbo_runtime.integration import plugin, releases
 
     out: dict[str, Any] = {"installed": releases.installed_version(), "verified": release_line(), "in_force": False}

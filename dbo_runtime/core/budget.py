@@ -52,8 +52,7 @@ EVEN_COMPUTE_WHY = "kept even on SM90 whatever the next_n: an MTP-3 indexer, nex
 
 
 def deep_gemm_compute_multiple(sm_major: int) -> int:
-    """The multiple DeepGEMM's SM count must have on this major; by major alone, since vLLM builds the
-    SM context before it knows whether an MTP-3 indexer will run."""
+    """The multiple DeepGEMM's SM count must have (by major alone: vLLM does not know ``next_n`` yet)."""
     return DEEP_GEMM_COMPUTE_MULTIPLE.get(int(sm_major), 1)
 
 
@@ -245,10 +244,8 @@ def compute_budget(
     compute_multiple: int = 1,
     allow_unknown_backend: bool = False,
 ) -> SMBudget:
-    """vLLM's ``create_sm_control_context``, decision only: ``decide_comm``, ``comm < total``, DeepEP HT's
-    even-count rule, and one deliberate deviation: DeepGEMM's share is rounded *down* to its multiple and
-    the leftover SM stays idle. That changes no result (the count only spreads persistent kernels), while
-    refusing would make the default ``VLLM_DBO_COMM_SMS`` unusable on odd-SM devices."""
+    """vLLM's ``create_sm_control_context``, decision only, with one deliberate deviation: DeepGEMM's share is
+    rounded *down* to its multiple and the leftover SM stays idle (refusing would break odd-SM devices)."""
     if platform not in PLATFORMS:
         raise ConfigError("platform", platform, PLATFORMS)
     if not isinstance(compute_multiple, int) or isinstance(compute_multiple, bool) or compute_multiple < 1:

@@ -124,7 +124,7 @@ _DRAFTER_034 = (("0.34.0", "not affected (the drafter runs whole, after the micr
 _E2E = "tests/e2e/test_engine_1gpu.py"
 _FAMILY_E2E = "tests/e2e/test_family_1gpu.py (docs/records/e2e.jsonl, 1gpu-<model>-*)"
 _CALL_SITES = "tests/gpu/test_call_site_gpu.py"
-"""The real engine on one H200: plugin vs vanilla DBO off (eager, graphs) token-identical, DBO at DP 1 starts."""
+"""The real engine on one GPU: plugin vs vanilla DBO off (eager, graphs) token-identical, DBO at DP 1 starts."""
 _V41_EVIDENCE = ("tests/vllm/test_topk_v41.py", "tests/gpu/test_topk_isolation_gpu.py", _FAMILY_E2E, _CALL_SITES)
 
 ROWS: tuple[Coverage, ...] = (
@@ -358,8 +358,7 @@ def hy_v4_shared_layers(config: Any) -> list[int]:
 
 
 def v41_consumers(config: Any) -> list[int]:
-    """Backbone layers that read a top-k or candidate set an earlier layer wrote (vLLM 0.33.0
-    ``models/deepseek_v41/attention.py:313-361, 441-491``): compressed layers that are not index sources,
+    """Backbone layers that read a top-k or candidate set an earlier layer wrote: compressed layers that are not index sources,
     and index sources after the candidate source when the candidate filter is on."""
     layers = int(_get(config, "num_hidden_layers", 0) or 0)
     ratios: Sequence[int] = _get(config, "compress_ratios", None) or ()

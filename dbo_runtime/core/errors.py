@@ -78,8 +78,7 @@ class MicrobatchFailure(DboRuntimeError):
 
 
 def ways_out(*, verified: Sequence[str] = (), also: str = "") -> str:
-    """The ways out of every refusal, in one place. ``verified``: the vLLM releases dbo_runtime verifies, named
-    where installing one of them would lift the refusal; ``also``: one more way, specific to the refusal."""
+    """The ways out of every refusal; ``verified`` names releases that lift it, ``also`` adds one more way."""
     ways = ["start without --enable-dbo or --ubatch-size (parallel_config.enable_dbo=False, ubatch_size=1)"]
     if also:
         ways.append(also)

@@ -1,8 +1,6 @@
-"""The planner shapes a decode step presents to DeepGEMM, derived from vLLM 0.33.0's batch split.
+"""The planner shapes a decode step presents to DeepGEMM, derived from vLLM's microbatch split.
 
-DeepGEMM JIT-compiles one paged-MQA planner per ``(32-aligned batch, SM slots)``; which batches a step can
-present follows from vLLM's microbatch split (``ubatch_utils.maybe_create_ubatch_slices``) and its capture
-sizes. Pure arithmetic, kept apart from the cache and the warm-up that use it.
+DeepGEMM JIT-compiles one paged-MQA planner per ``(32-aligned batch, SM slots)``. Pure arithmetic.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from collections.abc import Sequence
 from dbo_runtime.core.errors import ConfigError
 
 BATCH_ALIGN = 32
-"""DeepGEMM's planner is templated on the batch size aligned to 32 (``kAlignedBatchSize % 32 == 0``)."""
 
 
 def align_batch(rows: int, align: int = BATCH_ALIGN) -> int:
@@ -29,14 +26,7 @@ def aligned_buckets(max_batch: int, align: int = BATCH_ALIGN) -> list[int]:
 
 
 def ubatch_split(tokens_per_request: Sequence[int], num_tokens_padded: int, num_ubatches: int) -> list[tuple[int, int]]:
-    """``(requests, tokens)`` of each microbatch of a step, split as vLLM 0.33.0 splits it.
-
-    ``vllm.v1.worker.ubatch_utils.maybe_create_ubatch_slices`` (both runners):
-    token split points at multiples of ``num_tokens_padded // num_ubatches``; a
-    microbatch holds every request overlapping its token range (a request cut
-    by a split point is in both); the last one runs to ``num_tokens_padded``.
-    A contract test compares this with vLLM's function.
-    """
+    """``(requests, tokens)`` of each microbatch of a step, split as vLLM splits it."""
     cu = [0]
     for n in tokens_per_request:
         cu.append(cu[-1] + int(n))
@@ -49,7 +39,6 @@ def ubatch_split(tokens_per_request: Sequence[int], num_tokens_padded: int, num_
         stop = bisect.bisect_left(cu, end)
         out.append((stop - first, end - start))
         start = end
-    # vLLM pads the last microbatch's tokens out to the padded total.
     requests, tokens = out[-1]
     out[-1] = (requests, tokens + int(num_tokens_padded) - cu[-1])
     return out
@@ -65,11 +54,7 @@ def dbo_planner_shapes(
     decode_token_threshold: int,
     per_token_rows: bool,
 ) -> tuple[tuple[int, int], ...]:
-    """The ``(rows, width)`` planner shapes a DBO step presents per microbatch in uniform decode (the minimal
-    warm-up set): every FULL cudagraph capture size DBO captures (``>= dbo_decode_token_threshold``, a multiple
-    of ``q = 1 + num_speculative_tokens`` within ``max_num_seqs * q``: their planner runs inside the capture) and
-    the saturated batch, each split as vLLM splits it; rows are requests (native decode) or tokens
-    (``per_token_rows``: flattened or varlen decode, width 1)."""
+    """The ``(rows, width)`` planner shapes a DBO step presents per microbatch in uniform decode."""
     q = 1 + int(num_speculative_tokens)
     width = 1 if per_token_rows else q
     floor = max(int(decode_token_threshold), int(num_ubatches), 1)

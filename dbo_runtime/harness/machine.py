@@ -1,5 +1,4 @@
-"""Can the real vLLM engine run here? One answer for the e2e tests, the engine benchmarks and the
-GPU-session checks, so they skip, fail or refuse for the same reasons in the same words."""
+"""Can the real vLLM engine run here? One answer, in the same words, for tests, benchmarks and scripts."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ import sys
 
 
 def engine_missing(gpus: int) -> str | None:
-    """Why the real engine cannot run here (None when it can): torch, CUDA GPUs, then a verified vLLM release."""
+    """Why the real engine cannot run here, or None."""
     try:
         import torch
     except ImportError:
@@ -27,8 +26,7 @@ def engine_missing(gpus: int) -> str | None:
 
 
 def refuse_without_engine(script: str, gpus: int, done: str = "nothing measured") -> int | None:
-    """Exit status 3 ("cannot run here", the README's code for every command and script) with one line on stderr
-    when ``script`` cannot run the engine here, else None."""
+    """Exit status 3 with one line on stderr when ``script`` cannot run the engine here, else None."""
     missing = engine_missing(gpus)
     if missing is None:
         return None

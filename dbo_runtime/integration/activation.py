@@ -1,20 +1,8 @@
 """The one log line that tells an operator dbo_runtime is active in a process.
 
-Why this is not simply ``logger.info`` in ``register()``: vLLM 0.33.0 calls
-general plugins from ``EngineArgs.__post_init__`` (``engine/arg_utils.py:931``),
-*before* ``LLM.__init__`` configures logging (``entrypoints/llm.py:338``), so
-the ``vllm`` logger has no handler yet and an INFO line is dropped. The engine
-core and the workers are then forked with ``plugins_loaded`` already true
-(``plugins/__init__.py:84``), so ``register()`` never runs in them and nothing
-is logged where the patches actually work (measured on the H200: the "patches
-installed" line appeared in no process's log).
-
-So the line is *pending* per process (keyed by pid, which a fork changes) and
-is emitted at the first trigger that finds vLLM's handler configured:
-``register()`` itself, a lazy patch being applied when a worker imports its
-module (the model runner, the indexer, the attention backends -- always after
-``configure_logging`` in ``run_engine_core`` / ``worker_main``), and the
-once-per-model hooks (SM budget announce, indexer builder construction).
+vLLM loads plugins before it configures logging, and forks the engine core and workers with plugins loaded,
+so an INFO line in ``register()`` is seen nowhere. The line is pending per process (by pid) and emitted at
+the first trigger that finds vLLM's handler configured: ``register()``, a lazy patch applied, or a per-model hook.
 """
 
 from __future__ import annotations
@@ -39,7 +27,7 @@ _emitted_pid: int | None = None
 
 
 def vllm_logging_configured() -> bool:
-    """True once some handler would print our INFO lines (vLLM's ``dictConfig`` or the application's)."""
+    """True once some handler would print our INFO lines."""
     node: logging.Logger | None = logging.getLogger(ROOT)
     while node is not None:
         if node.handlers:
@@ -51,7 +39,7 @@ def vllm_logging_configured() -> bool:
 
 
 def set_summary(summary: Callable[[], str] | None) -> None:
-    """Install the text of the line (a callable, so lazy patches applied later are counted)."""
+    """Install the line's text (a callable: lazy patches applied later count)."""
     global _summary, _emitted_pid
     with _lock:
         _summary = summary
@@ -59,7 +47,7 @@ def set_summary(summary: Callable[[], str] | None) -> None:
 
 
 def flush() -> bool:
-    """Emit the pending line in this process if logging is configured; True when it was emitted now."""
+    """Emit the pending line if logging is configured; True when emitted."""
     global _emitted_pid
     pid = os.getpid()
     if _emitted_pid == pid or _summary is None:
@@ -80,8 +68,7 @@ def emitted_in_this_process() -> bool:
 def summary_line(
     patch_set: PatchSet, features: Mapping[str, FeatureState], release: str, skipped: Mapping[str, str]
 ) -> str:
-    """``dbo_runtime: N patches installed for vLLM 0.34.0 (verified by its code) (...) -- feature: patches; ...;
-    guard: on -- not in force``; ``release`` is ``ReleaseMatch.describe()``."""
+    """``dbo_runtime: N patches installed for <release> (...) -- feature: patches; ...``."""
     from dbo_runtime import __version__
 
     groups: dict[str, list[str]] = {}

@@ -1,11 +1,5 @@
-"""Count torch CUDA-graph captures so the indexer call site can skip a 300-650 ns capture probe.
-
-Upstream target: ``torch.cuda.graphs.CUDAGraph.capture_begin`` / ``capture_end``
-(the Python layer every ``torch.cuda.graph(...)`` capture goes through; vLLM
-0.33.0 captures FULL DBO graphs with it in ``UBatchWrapper._capture_ubatches``
-and MRV2's ``CudaGraphManager``). See ``dbo_runtime.adapters.cuda_graph.CaptureCounter``.
-Not a vLLM patch, but installed and removed in the same transaction.
-"""
+"""Count torch CUDA-graph captures (``CUDAGraph.capture_begin``/``end``) so the indexer call site can skip
+the precise capture probe (``adapters.cuda_graph.CaptureCounter``); installed in the plugin's transaction."""
 
 from __future__ import annotations
 
@@ -27,7 +21,7 @@ _COMMON = dict(
     ),
     upstream_pr="none (torch has no cheap capture-in-progress flag)",
     removal="torch exposes a cheap process-wide capture flag, or vLLM re-plans inside its own call site",
-    anchors=(),  # torch's capture_begin/end are wrapped through unchanged: no vLLM code relied on
+    anchors=(),
 )
 
 

@@ -1,8 +1,4 @@
-"""The feature modules and the patches and features they declare: the one list every consumer reads.
-
-Each module exposes ``FEATURES: list[Feature]`` and ``patches() -> list[Patch]``; the order is install
-order, a feature's dependencies first, so the transaction boundary stays in ``plugin.register``.
-"""
+"""The feature modules, in install order (dependencies first): the one list every consumer reads."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Which of dbo_runtime's fixes are in force in this process, and why not when they are not.
 
-A feature is the set of patches that share a name prefix (``indexer.*``, ``topk.*``). Before
-anything is installed each feature gets a verdict: *provided by vLLM* when the installed vLLM
-already carries the upstream fix (a capability probe on its source: then none of the
-feature's patches install, because two owners of one piece of state fight); *unverified* when
-the code a patch relies on differs from the release it is checked against (a fingerprint mismatch); *needs X* when a
-feature it depends on is not in force; otherwise *verified*, and it installs. At run time a lazy
-module whose patches fail marks its feature *broken*. The guard (``guard.py``) reads these
-states to refuse a DBO model that needs a fix which is not in force.
+A feature is the patches sharing a name prefix. Before install each gets a verdict: *provided by vLLM* (a probe
+finds the upstream fix; none of its patches install), *unverified* (a fingerprint differs), *needs X*, or
+*verified*; a lazy failure later marks it *broken*. The guard refuses DBO where a needed fix is not in force.
 """
 
 from __future__ import annotations
@@ -35,13 +30,11 @@ _PROBES = {
 
 @dataclass(frozen=True)
 class Probe:
-    """One piece of an upstream fix, read from vLLM's syntax tree (names, never text: a comment, a log line or
-    a docstring that mentions the fix does not count)."""
+    """One piece of an upstream fix, read from vLLM's syntax tree (never from comments or strings)."""
 
     kind: Literal["param", "member", "call", "uses"]
-    """``param``: the function takes ``name``; ``member``: the class (the module for ``""``) defines it, in its
-    body or as ``self.name`` in ``__init__``; ``call``: code there calls something named ``name``; ``uses``:
-    code there reads it (a call, an attribute, a subscript)."""
+    """``param``: the function takes ``name``; ``member``: the class (module for ``""``) defines it; ``call``:
+    code there calls it; ``uses``: code there reads it."""
     module: str
     qualname: str
     name: str
@@ -56,10 +49,8 @@ class Probe:
 
 @dataclass(frozen=True)
 class Upstream:
-    """The upstream fix that retires a feature, and how to see it in vLLM's source: every probe must hold,
-    the producer of the fix and its consumer alike. A probe that misses a real fix errs towards refusing,
-    never towards two owners: the fix edits the code dbo_runtime fingerprints, so the feature is then
-    *unverified* and the guard refuses DBO where it is needed."""
+    """The upstream fix that retires a feature; every probe must hold. A missed fix errs towards refusing: the
+    fix changes fingerprinted code, so the feature becomes *unverified*."""
 
     pr: str
     probes: tuple[Probe, ...]
@@ -75,8 +66,7 @@ class Feature:
     requires: tuple[str, ...] = ()
     upstream: Upstream | None = None
     on_optional_skipped: Callable[[Mapping[str, str]], None] | None = None
-    """Told, before the set installs, which of the feature's optional patches are skipped (name -> why), so it can
-    choose what is safe without them; never called when none is."""
+    """Told which optional patches are skipped (name -> why) before the set installs; not called when none is."""
 
 
 @dataclass
@@ -101,7 +91,7 @@ class FeatureState:
 
     @property
     def in_force(self) -> bool:
-        """The fix holds in this process: ours installed and intact, or vLLM's own."""
+        """Ours installed and intact, or vLLM's own."""
         return self.verdict in ("verified", "provided by vLLM")
 
     def describe(self) -> str:
@@ -113,12 +103,9 @@ class FeatureState:
 def verify(
     features: Sequence[Feature], patches: Sequence[Patch], recorded: Mapping[str, str], against: str
 ) -> dict[str, FeatureState]:
-    """A verdict per feature, from vLLM's source as it is on disk (nothing is imported or installed).
-
-    ``recorded`` is one release's fingerprints and ``against`` names it. A patch it records ``missing`` is not part of
-    its set, unless its target exists in this build: then the build is not that release and the feature is
-    unverified. One recorded ``excluded`` is left out on purpose (``FeatureState.left_out``, which the guard refuses);
-    a feature with only such patches is *not in release*."""
+    """A verdict per feature, from vLLM's source on disk against release ``against``'s fingerprints ``recorded``.
+    A patch recorded ``missing`` whose target this build has makes its feature unverified; ``excluded`` ones are
+    ``FeatureState.left_out`` (refused by the guard), and a feature with only those is *not in release*."""
     by_feature: dict[str, list[Patch]] = {}
     excluded: dict[str, dict[str, tuple[str, ...]]] = {}
     reappeared: dict[str, list[str]] = {}
@@ -150,7 +137,7 @@ def verify(
             )
             continue
         states[feature.name] = FeatureState(feature, "verified", "", names, excluded.get(feature.name, {}))
-    for feature in features:  # dependencies last, in declaration order (a dependency is declared first)
+    for feature in features:
         state = states[feature.name]
         missing = [r for r in feature.requires if r in states and not states[r].installs]
         if state.installs and missing:
@@ -167,12 +154,11 @@ def _mismatch(patch: Patch, recorded: Mapping[str, str]) -> bool:
 
 
 def excluded_optional(patches: Iterable[Patch], recorded: Mapping[str, str], against: str) -> dict[str, str]:
-    """Optional patches whose anchors differ: skipped alone (their feature still installs)."""
     return {p.name: f"code differs from {against}" for p in patches if p.optional and _mismatch(p, recorded)}
 
 
 class FeatureRegistry:
-    """The process's feature states (the plugin fills it at ``register()``, lazy failures update it)."""
+    """The process's feature states (filled at ``register()``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -1,17 +1,8 @@
 """Fingerprints of the vLLM code each patch relies on, read from source without importing it.
 
-Why: a vLLM build is trusted by what its code is, not by its version string. Development
-builds between releases may already carry the upstream fixes;
-a patch installed over code it was not written for gives two owners of one piece of state, or
-reads arguments that moved. So each patch names *anchors* -- the functions and classes whose
-exact code it relies on -- and installs only when their fingerprint equals the one recorded for the
-release this build is (``recorded_fingerprints.py``, written by ``tools/record_release.py``).
-
-The source is read from the module's file, never imported: most targets are worker-side modules
-that the API server never imports (some cannot be imported there at all: GLM-5-Next pulls in
-torchvision), and the front-end guard must know before any worker starts. A fingerprint is the
-hash of the anchor's syntax tree (``canonical_dump``: the same on every Python vLLM supports), so comments
-and formatting do not count, code does.
+A build is trusted by its code, not its version string: a patch installs only when the fingerprints of its
+*anchors* (the code it relies on) equal those recorded for this release. Sources are read from files, since the
+front-end guard must know before any worker imports them; comments and formatting do not count.
 """
 
 from __future__ import annotations
@@ -29,13 +20,12 @@ from collections.abc import Iterable, Iterator, Sequence
 MISSING = "missing"
 """The fingerprint of an anchor whose file, class or function does not exist."""
 EXCLUDED = "excluded"
-"""Recorded for a patch left out of a release's set on purpose (its fix is not reachable there, e.g. vLLM refuses
-DBO for the architecture): never compared, never installed, and its feature is not in force on that release."""
+"""Recorded for a patch left out of a release's set on purpose: never compared or installed there."""
 OUT_OF_SET = (MISSING, EXCLUDED)
 
 
 _SOURCE_ROOT: pathlib.Path | None = None
-"""A ``vllm`` package directory read instead of the importable one (``use_source_root``)."""
+"""A ``vllm`` package directory read instead of the importable one."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,7 +41,7 @@ def _vllm_root() -> pathlib.Path | None:
 
 
 def module_file(module: str) -> pathlib.Path | None:
-    """The source file of a ``vllm.*`` module, found by path (importing it may be impossible here)."""
+    """The source file of a ``vllm.*`` module, found by path."""
     root = _vllm_root()
     if root is None or not module.startswith("vllm."):
         return None
@@ -64,7 +54,7 @@ def module_file(module: str) -> pathlib.Path | None:
 
 @functools.lru_cache(maxsize=64)
 def read_source(module: str) -> str | None:
-    """The module's source text (cached per process; tests replace this function to emulate other builds)."""
+    """The module's source text (cached; tests replace this function)."""
     path = module_file(module)
     if path is None:
         return None
@@ -79,7 +69,7 @@ def _indent(line: str) -> int:
 
 
 def _find_block(lines: Sequence[str], start: int, stop: int, name: str, indent: int) -> tuple[int, int] | None:
-    """``(first, end)`` line indices of ``def name`` / ``class name`` at exactly ``indent`` in ``lines[start:stop]``."""
+    """``(first, end)`` line indices of ``def name`` / ``class name`` at ``indent``."""
     prefixes = (f"def {name}(", f"async def {name}(", f"class {name}(", f"class {name}:")
     for i in range(start, stop):
         line = lines[i]
@@ -89,7 +79,7 @@ def _find_block(lines: Sequence[str], start: int, stop: int, name: str, indent: 
         while end < stop:
             text = lines[end]
             stripped = text.strip()
-            # The block ends at the first code line back at (or left of) its own indentation; a closing
+            # the block ends at the first code line back at its own indentation
             # bracket there still belongs to a multi-line signature.
             if stripped and not stripped.startswith("#") and _indent(text) <= indent and stripped[0] not in ")]}":
                 break
@@ -99,7 +89,7 @@ def _find_block(lines: Sequence[str], start: int, stop: int, name: str, indent: 
 
 
 def source_block(module: str, qualname: str) -> str | None:
-    """The source of ``qualname`` (``func``, ``Class`` or ``Class.method``) in ``module``, or None."""
+    """The source of ``qualname`` in ``module``, or None."""
     text = read_source(module)
     if text is None:
         return None
@@ -118,13 +108,11 @@ def source_block(module: str, qualname: str) -> str | None:
 
 
 _VERSION_FIELDS = frozenset({"type_params", "type_comment", "kind"})
-"""AST fields that depend on the Python version parsing the code, not on the code: 3.12 added ``type_params``
-to every function and class, and ``ast.dump`` itself prints empty fields or not depending on the version."""
+"""AST fields that depend on the Python version parsing the code, not on the code."""
 
 
 def _joined_values(values: list[object]) -> list[object]:
-    """An f-string's parts without empty string constants, adjacent constants merged: CPython 3.12.1 ends a format
-    spec such as ``{x:>{w}}`` with ``Constant('')`` where 3.11 and 3.13 do not."""
+    """An f-string's parts without empty constants, adjacent constants merged (differs across Pythons)."""
     out: list[object] = []
     for value in values:
         if isinstance(value, ast.Constant) and isinstance(value.value, str):
@@ -139,8 +127,7 @@ def _joined_values(values: list[object]) -> list[object]:
 
 
 def canonical_dump(node: object) -> str:
-    """``ast.dump`` that every Python vLLM supports (3.11-3.14; 3.10 too) renders the same for the same code:
-    fields that are empty, None, or only exist in some versions are left out, and f-string parts normalised."""
+    """``ast.dump`` that renders the same for the same code on every Python vLLM supports."""
     if isinstance(node, ast.AST):
         parts = []
         for name, value in ast.iter_fields(node):
@@ -172,7 +159,7 @@ def anchor_fingerprint(anchor: str) -> str:
 
 
 def fingerprint(anchors: Iterable[str]) -> str:
-    """One hash over every ``module:qualname`` anchor (any missing anchor makes the whole print ``missing``)."""
+    """One hash over every ``module:qualname`` anchor (any missing anchor makes it ``MISSING``)."""
     parts = []
     for anchor in anchors:
         one = anchor_fingerprint(anchor)
@@ -216,8 +203,7 @@ def has_param(module: str, qualname: str, name: str) -> bool:
 
 
 def has_member(module: str, qualname: str, name: str) -> bool:
-    """Whether the class ``qualname`` (the module for ``""``) defines ``name``: a method, a nested class or an
-    assigned or annotated attribute in its own body."""
+    """Whether the class ``qualname`` (module for ``""``) defines ``name`` in its own body."""
     node = _node(module, qualname)
     if isinstance(node, ast.ClassDef):
         return _defines(node.body, name) or any(
@@ -234,8 +220,7 @@ def has_member(module: str, qualname: str, name: str) -> bool:
 
 
 def uses(module: str, qualname: str, name: str) -> bool:
-    """Whether code in ``qualname`` (the module for ``""``) reads something named ``name``: ``name``, ``x.name``,
-    ``x.name(...)`` or ``x.name[...]``; comments, strings and docstrings never count."""
+    """Whether code in ``qualname`` (module for ``""``) reads something named ``name``."""
     node = _node(module, qualname)
     if node is None:
         return False
@@ -246,8 +231,7 @@ def uses(module: str, qualname: str, name: str) -> bool:
 
 
 def calls(module: str, qualname: str, name: str) -> bool:
-    """Whether code in ``qualname`` (the module for ``""``) calls something named ``name`` (``name(...)`` or
-    ``x.name(...)``); comments, strings and docstrings never count."""
+    """Whether code in ``qualname`` (module for ``""``) calls something named ``name``."""
     node = _node(module, qualname)
     if node is None:
         return False
@@ -267,8 +251,7 @@ def clear_caches() -> None:
 
 @contextlib.contextmanager
 def use_source_root(root: pathlib.Path) -> Iterator[None]:
-    """Read every anchor from the ``vllm`` package directory ``root`` (a release being recorded), not the
-    importable vLLM; the caches are cleared on entry and exit so neither source leaks into the other."""
+    """Read every anchor from the ``vllm`` package directory ``root``; caches are cleared on entry and exit."""
     global _SOURCE_ROOT
     previous, _SOURCE_ROOT = _SOURCE_ROOT, root
     clear_caches()

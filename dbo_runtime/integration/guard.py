@@ -1,17 +1,10 @@
 """The fail-closed guard: a DBO model that needs a fix which is not in force does not start.
 
-Why: without dbo_runtime's per-microbatch top-k, vLLM 0.33.0 serves GLM-5.x under DBO with no
-error and wrong attention (GSM8K 0.93 -> 0.61); without the schedule fix DeepGEMM asserts in
-the middle of serving. Whatever keeps a fix out -- an unverified vLLM build, a failed or partial
-install, a target that moved, an architecture whose wiring dbo_runtime does not cover -- the
-operator must learn it at engine start, in one line that names the cause and the ways out.
-
-The guard is deliberately small and independent of the rest: its three patches wrap stable
-entry points (``EngineArgs.create_engine_config`` in the front-end; ``Worker.load_model`` and
-``Worker.compile_or_warm_up_model`` in every worker, where lazy patches have applied or failed)
-and read only public config fields (``enable_dbo`` / ``ubatch_size``, the model's HF config and
-architecture, the all2all backend). It installs even when no other patch can, and only
-``DBO_RUNTIME_DISABLE=1`` removes it. The rule is the same at any data-parallel size.
+Without the fixes vLLM serves GLM-5.x under DBO with wrong attention, or DeepGEMM asserts mid-serving. Whatever
+keeps a fix out (an unverified build, a failed install, a moved target, an uncovered architecture), the operator
+learns it at engine start in one line naming the cause and the ways out. The guard is small and independent:
+it wraps stable entry points (``EngineArgs.create_engine_config``; ``Worker.load_model`` and
+``compile_or_warm_up_model``), reads only public config, and installs even when no other patch can.
 """
 
 from __future__ import annotations
@@ -63,7 +56,7 @@ def _model(vllm_config: Any) -> tuple[str, Any]:
 
 
 def platform() -> str:
-    """``cuda``, ``rocm`` or ``other``: vLLM's ``current_platform``, which picks the model and kernel modules."""
+    """``cuda``, ``rocm`` or ``other``, from vLLM's ``current_platform``."""
     try:
         from vllm.platforms import current_platform
 
@@ -90,8 +83,7 @@ def _deep_gemm_present(stage: Stage) -> bool:
 
 
 def microbatching(parallel: Any) -> bool:
-    """vLLM's ``ParallelConfig.use_ubatching``: ``--enable-dbo``, or ``--ubatch-size`` above 1, which runs the
-    same microbatch threads and SM split without DBO's name."""
+    """vLLM's ``ParallelConfig.use_ubatching``: ``--enable-dbo`` or ``--ubatch-size`` above 1."""
     if parallel is None:
         return False
     try:
@@ -102,7 +94,7 @@ def microbatching(parallel: Any) -> bool:
 
 
 def partitions_deep_gemm(parallel: Any, platform: str, stage: Stage) -> bool:
-    """Whether DBO will lower DeepGEMM's SM count for this configuration (vLLM 0.33.0's policy, predicted
+    """Whether DBO will lower DeepGEMM's SM count for this configuration (vLLM's policy, predicted
     before any all2all manager exists: a backend vLLM added later counts as partitioning)."""
     if platform not in ("cuda", "rocm"):
         return False
@@ -140,8 +132,8 @@ def _closure(feature: str) -> list[str]:
 
 
 def _not_in_force(feature: str, arch: str, stage: Stage, runner: str | None = None) -> str:
-    """Why ``feature``'s fix is not in force for ``arch`` in this process ("" when it is). At the worker stage
-    every required patch must have applied, except those of the model runner this worker does not run."""
+    """Why ``feature``'s fix is not in force for ``arch`` here ("" when it is); in a worker every required patch
+    of the runner it runs must have applied."""
     state = REGISTRY.get(feature)
     if state is None:
         return "dbo_runtime's patches are not installed in this process"
@@ -230,8 +222,7 @@ _WORKER_DEFINERS = ((WORKER_MODULE, "Worker"), ("vllm.v1.worker.worker_base", "W
 
 
 def _worker_hooks_missing() -> list[str]:
-    """The worker entry points the guard wraps that this vLLM build lacks (read from source: the front-end
-    must know before any worker imports them, because a worker where they moved would run unguarded)."""
+    """The worker entry points the guard wraps that this build lacks (read from source, before any worker)."""
     from dbo_runtime.integration import fingerprints
 
     return [
@@ -376,9 +367,7 @@ _warmed_up: list[Callable[[], None]] = []
 
 
 def after_warm_up(listener: Callable[[], None], *, remove: bool = False) -> None:
-    """Call ``listener`` whenever a worker's ``compile_or_warm_up_model`` returns: vLLM's start-up runs
-    (profiling, warm-up, capture) are over and every later step serves (the planner counts ``jit_in_step``
-    from there)."""
+    """Call ``listener`` whenever a worker's ``compile_or_warm_up_model`` returns: start-up is over."""
     if remove:
         while listener in _warmed_up:
             _warmed_up.remove(listener)
@@ -391,8 +380,7 @@ _hooks_failed: list[str] = []
 
 
 def on_guard_failure(patches: list[Patch], message: str) -> None:
-    """The guard's worker hooks could not be applied in this worker (the front-end check saw them in the
-    source, so something changed them at run time): it cannot check here, so no fix counts as in force, and
+    """The guard's worker hooks could not be applied here: no fix counts as in force, and
     ``check_without_worker_hooks`` refuses where DBO builds its SM control."""
     _hooks_failed.append(message)
     for name in REGISTRY.all():
@@ -405,9 +393,8 @@ def on_guard_failure(patches: list[Patch], message: str) -> None:
 
 
 def check_without_worker_hooks() -> None:
-    """The second veto, where every DBO worker builds its SM control (``create_sm_control_context``, main thread,
-    model load, both runners). It acts only when the guard's own worker hooks failed in this process, which
-    would otherwise leave a DSA model under DBO unchecked; the configuration is vLLM's current one."""
+    """The second veto, where every DBO worker builds its SM control: acts only when the guard's worker hooks
+    failed in this process."""
     if not _hooks_failed:
         return
     try:

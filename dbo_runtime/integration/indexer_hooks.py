@@ -1,12 +1,8 @@
 """Indexer schedule hooks: keep DeepGEMM's paged-MQA schedule valid under DBO (vllm#60732).
 
-vLLM 0.33.0's ``DeepseekV32IndexerMetadataBuilder.build`` plans the schedule for the whole GPU on
-the main thread, before ``SMControlContextManager`` lowers DeepGEMM to ``total - comm``; the
-logits kernel then asserts ``rows == slots(num_sms) + 1``. The patches let the builder's planner
-report the count it planned for (and plan for the announced DBO count while a runner builds
-microbatch metadata), attach that to the schedule tensor, and hand every logits call to
-``IndexerScheduleCache``. The call sites bind ``fp8_fp4_paged_mqa_logits`` by ``from`` import, so
-each importing module is patched (the GLM-5-Next one imports torchvision: lazy).
+The indexer builder plans for the whole GPU before DBO lowers DeepGEMM's SM count. These patches record the
+count each schedule was planned for (planning ahead for the DBO count in microbatched builds) and hand every
+logits call to ``IndexerScheduleCache``; each module that binds the logits function by ``from`` is patched.
 """
 
 from __future__ import annotations
@@ -77,7 +73,6 @@ class _PlanScope:
 
 class _Scope(threading.local):
     scope: _PlanScope | None = None
-    """A class default: a missing ``threading.local`` attribute costs an ``AttributeError`` (about 0.35 us)."""
 
 
 _tls = _Scope()
@@ -202,26 +197,18 @@ def _make_update_draft(original: Any) -> Any:
 
 
 def register_builder(builder: Any, device_index: int | None = None) -> PlannerProfile | None:
-    """Subscribe the cache to the builder's device and register what it will plan (warms announced counts).
-
-    The shapes come from the vLLM config the builder holds (``max_num_seqs``,
-    ``max_num_batched_tokens``, the FULL cudagraph capture sizes, the DBO decode
-    threshold, the speculative tokens): exactly the per-microbatch planner
-    shapes vLLM will run microbatched (``schedule_cache.dbo_planner_shapes``).
-    """
+    """Subscribe the cache to the builder's device and register the planner shapes its config can present."""
     cache = schedule_cache()
-    # first, before anything here can fail: a DBO engine's builder must end stepping aside even if it registers nothing
+    # first: a DBO engine's builder must end stepping aside even if the rest fails
     if cache.note_builder(_may_microbatch(builder), writers_watched=LIVE_NUM_SMS.trusted) and cache.stats.builders_stepped_aside == 1:
         logger.info(
             "dbo_runtime: this engine never microbatches (parallel_config.use_ubatching is off: no --enable-dbo, "
             "--ubatch-size 1), so the indexer hooks hand vLLM's calls through untouched"
         )
     if not LIVE_NUM_SMS.trusted:  # a write to DeepGEMM's count could go unseen: the call site must be in force now
-        # a target that cannot be set marks its own feature broken (the guard refuses DBO for it) and raises here
         ARMING.arm("an indexer builder while DeepGEMM's SM-count writers are not watched")
     if guard.platform() == "rocm":
-        # vLLM plans this schedule with DeepGEMM on CUDA only (the builder's build: is_cuda() and has_deep_gemm());
-        # ROCm's paged-MXFP4 builder subclasses this one, so this runs there too: nothing to warm or reserve.
+        # DeepGEMM plans on CUDA only (ROCm's builder subclasses this one)
         return None
     device = _device_index(builder) if device_index is None else device_index
     if device is None:
@@ -262,10 +249,8 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
 
 
 def reserve_builder_placeholders(builder: Any) -> None:
-    """Reserve the guard's placeholder logits for a DBO engine's indexer builder, apart from the planner profile:
-    ``register_builder`` is an optimisation whose failure is only logged, while the placeholders are what keeps an
-    out-of-memory error at the call site on a microbatch thread from hanging the step. A builder whose sizes cannot
-    be read marks the guard broken, so the worker check refuses DBO instead of starting without them."""
+    """Reserve the guard's placeholder logits for a DBO engine's builder; unreadable sizes mark the guard
+    broken, so the worker check refuses DBO instead of risking a hang."""
     if not _may_microbatch(builder) or guard.platform() == "rocm":  # ROCm: no DeepGEMM call site to stand in for
         return
     try:
@@ -281,7 +266,7 @@ def reserve_builder_placeholders(builder: Any) -> None:
 
 
 def _may_microbatch(builder: Any) -> bool:
-    """vLLM's ``parallel_config.use_ubatching`` of the builder's engine; True (keep every hook) when unreadable."""
+    """The builder's engine's ``use_ubatching``; True when unreadable."""
     try:
         return bool(builder.vllm_config.parallel_config.use_ubatching)
     except Exception:
@@ -289,8 +274,7 @@ def _may_microbatch(builder: Any) -> bool:
 
 
 def _start_serving() -> None:
-    """vLLM's start-up is over: later first planner launches count as in-step, and the load-time cost of the
-    warm-up is said once per process."""
+    """vLLM's start-up is over: later first planner launches count as in-step."""
     cache = schedule_cache()
     first = not cache.warmup.serving
     cache.warmup.start_serving()
@@ -337,17 +321,14 @@ def _log_once(key: str, message: str, *args: Any) -> None:
 LOGITS_PARAMETERS = (
     "q", "kv_cache", "weights", "context_lens", "block_tables", "schedule_metadata", "max_model_len", "indices",
 )  # fmt: skip
-"""``vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits``'s parameters without ``logits_dtype`` (vLLM 0.33)."""
+"""The logits function's parameters without ``logits_dtype``."""
 LOGITS_DTYPE_PARAMETERS = (*LOGITS_PARAMETERS[:-1], "logits_dtype", "indices")
-"""The same with ``logits_dtype`` before ``indices`` (vLLM 0.34): the logits, and so the placeholder, in that dtype."""
+"""The same with ``logits_dtype`` (the placeholder takes that dtype)."""
 
 
 def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
-    """The call site, in vLLM's own signature (``vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits``, an anchor): a call
-    packs no tuple or dict and runs one frame of plugin code. It shields itself: on a microbatch thread a failure,
-    the kernel's too, is recorded as ``where`` and answered with logits of the kernel's shape and dtype and no kernel
-    (its schedule may be wrong) and no allocation (``ubatch_guard.placeholder_logits``); never returned: the step
-    raises after the join. One hook per known signature, chosen at install; any other one is refused there."""
+    """The call site, in vLLM's own (anchored) signature. It shields itself: on a microbatch thread a failure is
+    recorded and answered with placeholder logits, no kernel and no allocation; the step raises after the join."""
     import inspect
 
     try:
@@ -422,10 +403,8 @@ SLICE_PLANNER_PARAMETERS = ("context_lens", "block_size", "num_sms", "indices")
 
 
 def _make_slice_planner(original: Any) -> Any:
-    """vLLM 0.34's SM100 chunked decode (``_varlen_decode_rows``) plans each row slice for the count the whole
-    batch's schedule was planned for, then calls the logits kernel with it: plan for DeepGEMM's live count instead
-    (what the kernel asserts), and track the result as planned for that count so the call site neither re-plans it
-    eagerly nor records a second planner into a capture (this planner call is itself in the graph)."""
+    """SM100 chunked decode plans each row slice: plan for DeepGEMM's live count (what the kernel asserts) and
+    track it as such: the call site neither re-plans it nor records a second planner into a capture."""
     require_parameters(original, SLICE_PLANNER_PARAMETERS, "indexer.slice_planner")
 
     def get_paged_mqa_logits_metadata(context_lens: Any, block_size: int, num_sms: int, indices: Any = None) -> Any:
@@ -440,17 +419,14 @@ def _make_slice_planner(original: Any) -> Any:
     return get_paged_mqa_logits_metadata
 
 
-# -- DeepGEMM's SM-count writers ---------------------------------------------------------------------
 UBATCH_UTILS = "vllm.v1.worker.ubatch_utils"
 ALIAS = "deep_gemm_set_num_sms"
 MRV1_WRAPPER_CALL = "vllm.v1.worker.gpu_ubatch_wrapper:UBatchWrapper.__call__"
 
 
 def write_timing() -> tuple[str, ...]:
-    """What ``LiveNumSms`` relies on besides the writers: vLLM's SM control turns the count through the alias, and
-    every runner the release has enters and leaves it on the main thread around the microbatch threads' whole life
-    (MRV1 around ``_run_ubatches`` / ``_capture_ubatches``, MRV2 before its threads start and in ``finish`` after
-    the join). A release without Model Runner V1 (0.34) has no MRV1 call to rely on."""
+    """What ``LiveNumSms`` relies on besides the writers: every runner turns the count through the alias, on the
+    main thread, around the microbatch threads' whole life."""
     mrv1 = (MRV1_WRAPPER_CALL,) if module_file(MRV1_WRAPPER_CALL.partition(":")[0]) is not None else ()
     return (
         f"{UBATCH_UTILS}:SMControlContextManager",
@@ -465,14 +441,8 @@ def _is_writer_hook(fn: Any) -> bool:
 
 
 def _refresh_live_count(microbatched: bool) -> None:
-    """Once per step (an indexer metadata build, main thread): re-read DeepGEMM's count at the next call site, and,
-    in a microbatched step, stop trusting the cache if a watched writer was rebound behind the plugin
-    (``LiveNumSms.bindings_intact``). Why only there: vLLM 0.33 turns DeepGEMM's count only inside a microbatched
-    step (its SM control, entered after this build), and the first call site of every step re-asks DeepGEMM, so an
-    unwatched writer can leave the cache stale only in such a step; the check touches ``sys.modules`` and two module
-    dicts, which costs several microseconds on a cache-cold host, in every step of every engine otherwise. A build
-    is known to be microbatched through the ``indexer.plan_ahead.*`` scope of the runner in use, a required patch
-    (not ``optional``): without it the plugin does not install, so the check cannot be lost quietly."""
+    """Once per step (main thread): re-read DeepGEMM's count at the next call site and, in a microbatched step
+    (the only place vLLM turns it), distrust the cache if a watched writer was rebound behind the plugin."""
     if microbatched and LIVE_NUM_SMS.trusted and not LIVE_NUM_SMS.bindings_intact():
         LIVE_NUM_SMS.distrust()
         return
@@ -486,8 +456,7 @@ def _binding(module: str, attr: str) -> tuple[str, Any, str, Any]:
 
 
 def _restore_alias() -> None:
-    """The alias is bound when ``ubatch_utils`` executes, usually after the wrapper was patched: then the original
-    the set recorded for it is the plugin's wrapper, and uninstall hands it vLLM's own function instead."""
+    """Uninstall hands the alias vLLM's own function, even where it was bound to our wrapper."""
     module = sys.modules.get(UBATCH_UTILS)
     current: Any = getattr(module, ALIAS, None)
     while _is_writer_hook(current) and getattr(current, "__wrapped__", None) is not None:
@@ -563,7 +532,7 @@ def _make_mrv2_prepare(original: Any) -> Any:
 
 
 def _logits_patch(label: str, module: str, caller: str, reason: str, removal: str, architectures: tuple[str, ...] = ()) -> Patch:
-    """A module that binds ``fp8_fp4_paged_mqa_logits`` by ``from`` import, and the function there that calls it."""
+    """A module that binds the logits function by ``from``, and its caller there."""
     return Patch(
         name=f"indexer.logits.{label}",
         module=module,
@@ -576,8 +545,7 @@ def _logits_patch(label: str, module: str, caller: str, reason: str, removal: st
         removal=removal,
         lazy=True,
         runs_on_ubatch_thread=True,
-        # Until vLLM first lowers DeepGEMM's count or builds microbatch metadata, every schedule was planned for the
-        # count in force and the hook hands vLLM's call through: vLLM's own function until then.
+        # until then every schedule matches the count in force: vLLM's own function
         armed_at_first_microbatch=True,
     )
 

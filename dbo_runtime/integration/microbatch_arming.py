@@ -1,24 +1,5 @@
-"""Patches put in force at the process's first microbatched run (``Patch.armed_at_first_microbatch``).
-
-The per-access top-k hooks (the index-group methods and the ``topk_indices_buffer`` descriptors) hand back
-vLLM's own object whenever no thread of the process is a microbatch thread, and the indexer's logits call site
-hands vLLM's call through while every schedule was planned for the SM count in force; yet as Python frames they
-still cost about 0.3-3 us per access, some 480 accesses per eager step at GLM-5.3 depth (78 call sites alone
-with DeepSeek-V3.2's), in every engine that never microbatches: DBO off, DP 1 (vLLM 0.33.0 splits no step
-there), or a DBO engine before its first split step. So those patches are prepared, fingerprinted and shielded
-at install like any other, but their targets keep vLLM's originals until the first of: a runner's join point
-(``ubatch_guard``, on the main thread before the first microbatch thread starts), a microbatched metadata build
-(plan-ahead leaves its schedule to the call site), a write to DeepGEMM's SM count (before the count changes),
-an indexer builder registered while such a write could go unseen, and, as the net for any other path to a
-microbatch thread, ``UBatchContext.__enter__`` on the thread itself once it holds the CPU hand-off, before the
-model runs there. From then on they stay in force for the life of the installation.
-
-Why once and not per run: putting the originals back after every join would change the classes twice per
-step, and every class change spends one of the type version tags CPython gives a class (1000 per class from
-3.13, after which attribute lookups on it lose their cache for good); a long-running server would lose more
-than it saved. A target that cannot be set raises on the main thread before any microbatch runs (the step stops
-with the cause), and is recorded on a microbatch thread and raised after the join (``ubatch_failures``).
-"""
+"""Patches put in force at the first microbatched run (``Patch.armed_at_first_microbatch``): per-access hooks
+cost a frame per layer, so unsplit engines keep vLLM's originals. Never disarmed (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -31,30 +12,27 @@ from dbo_runtime.core.errors import PatchError
 
 @dataclass(eq=False)
 class ArmedEntry:
-    """One target: ``arm`` sets the replacement in place of vLLM's original."""
+    """One target; ``arm`` puts the replacement in place."""
 
     name: str
     arm: Callable[[], None]
     on_failure: Callable[[str], None] | None = None
-    """Told (the message) when the target cannot be set, outside the arming lock: the owning ``PatchSet`` marks
-    the patch broken and tells its failure listeners, so the guard's refusal names what is missing."""
+    """Told why the target could not be set."""
     armed: bool = False
 
 
 class MicrobatchArming:
-    """The armed-at-first-microbatch patches of the installed set, and whether they are in force yet."""
+    """The installed set's armable targets, and whether they are in force yet."""
 
     def __init__(self) -> None:
         self._entries: list[ArmedEntry] = []
         self._lock = threading.Lock()
         self.armed = False
-        """Read without the lock on every microbatched run: set once, under the lock, after every entry is armed."""
+        """Read without the lock; set under it once every entry is armed."""
         self.armed_by: str | None = None
-        """Which path armed them (the ``where`` of the first ``arm`` that set every target)."""
 
-    # -- PatchSet's side ----------------------------------------------------------------------------
     def register(self, entry: ArmedEntry) -> None:
-        """Add a target; once armed, it is armed at once (a lazy module imported after the first run)."""
+        """Add a target, armed at once if the set already is."""
         with self._lock:
             if self.armed:
                 entry.arm()
@@ -62,8 +40,7 @@ class MicrobatchArming:
             self._entries.append(entry)
 
     def unregister(self, entry: ArmedEntry) -> bool:
-        """Forget a target (uninstall); True when its replacement is in place and the caller must restore it.
-        With no target left the process is unarmed again, so a later installation starts with vLLM's originals."""
+        """Forget a target; True when the caller must restore its original."""
         with self._lock:
             self._entries = [e for e in self._entries if e is not entry]
             if not self._entries:
@@ -71,10 +48,8 @@ class MicrobatchArming:
                 self.armed_by = None
             return entry.armed
 
-    # -- the runners' side --------------------------------------------------------------------------
     def arm(self, where: str) -> None:
-        """Put every target in force; ``where`` names the path (``armed_by``). A target that cannot be set raises:
-        the caller's step must not run microbatches with it missing."""
+        """Put every target in force; raises (the step must not run) if one cannot be set."""
         if self.armed:
             return
         with self._lock:
@@ -86,9 +61,8 @@ class MicrobatchArming:
                     continue
                 try:
                     entry.arm()
-                except Exception as exc:
-                    # What was armed stays (correct, only slower) and uninstall restores it; the next run tries the rest.
-                    failed = (entry, exc)
+                except Exception as error:
+                    failed = (entry, error)
                     break
                 entry.armed = True
             else:
@@ -100,14 +74,13 @@ class MicrobatchArming:
         if entry.on_failure is not None:
             try:
                 entry.on_failure(message)
-            except Exception:  # a listener must not hide the failure itself
+            except Exception:
                 pass
         raise PatchError(
             f"dbo_runtime: {message}; the step stops here instead of running its microbatches on vLLM's shared "
             "top-k state"
         ) from error
 
-    # -- introspection ------------------------------------------------------------------------------
     def names(self) -> list[str]:
         with self._lock:
             return [e.name for e in self._entries]
@@ -126,7 +99,7 @@ class MicrobatchArming:
 
 
 ARMING = MicrobatchArming()
-"""The process-wide registry every ``PatchSet`` registers with and every patched runner arms."""
+
 
 
 __all__ = ["ARMING", "ArmedEntry", "MicrobatchArming"]

@@ -1,13 +1,8 @@
 """The DeepSeek-V4 / V4.1 MTP hidden buffer, written per microbatch at its own rows under DBO.
 
-vLLM 0.33.0's NVIDIA V4 and V4.1 models copy the last hidden states into ``_mtp_hidden_buffer[:n]``
-from row 0 in every microbatch (``models/deepseek_v4/nvidia/model.py``,
-``models/deepseek_v41/nvidia/model.py``); the drafter reads the buffer on the main thread after
-both microbatches joined, in global token order. So microbatch 1's rows are never written and
-microbatch 0's are overwritten by microbatch 1: the drafter proposes from the wrong hidden states
-and draft acceptance drops (the verified output stays correct). The ROCm V4 model already writes
-at the microbatch's token offset; this descriptor gives the NVIDIA models the same rows: on a
-microbatch thread the buffer reads as ``buffer[token_offset:]``, everywhere else as itself.
+vLLM's NVIDIA V4/V4.1 models copy the last hidden states into ``_mtp_hidden_buffer[:n]`` from row 0 in every
+microbatch, and the drafter reads it after the join in global token order, so it drafts from the wrong rows
+(acceptance drops). On a microbatch thread the buffer reads as ``buffer[token_offset:]``, as ROCm's model writes.
 """
 
 from __future__ import annotations
@@ -43,10 +38,8 @@ FEATURES = [
 
 
 class TokenWindowAttr(MicrobatchAttr):
-    """A per-step buffer indexed by the step's token rows: a microbatch sees it from its token offset.
-
-    The view is kept on the instance per (buffer, offset): slicing a tensor costs about 1.5 us, and the
-    offset is the same for every read of a step."""
+    """A per-step buffer indexed by the step's token rows: a microbatch sees it from its token offset (the view
+    is cached per buffer and offset)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -89,7 +82,6 @@ def patches() -> list[Patch]:
             adds=True,
             architectures=archs,
             runs_on_ubatch_thread=True,
-            # Off a microbatch thread it reads the buffer itself; the window cache is keyed by identity.
             armed_at_first_microbatch=True,
         )
         for label, module, archs in (

@@ -1,23 +1,9 @@
 """A transactional patch set over vLLM's modules and classes.
 
-vLLM has no DBO / SM-control / microbatch callback registry
-(``docs/vllm-hook-points.md`` §1), so dbo_runtime patches. Two things make
-patching vLLM dangerous and are handled here once, not in every patch:
-
-* ``from x import y`` bindings: a module-level name must be patched in the
-  *importing* module, so every ``Patch`` names the exact module and attribute.
-* Half-applied state: a failure in the middle of a hand-written sequence of
-  ``setattr`` leaves vLLM partly patched (the afd-plugin's documented gap).
-  ``PatchSet.install`` resolves every target and builds every replacement
-  first, applies them all, and on any failure restores what it had applied;
-  ``uninstall`` puts back the identical original objects (tests check ``is``).
-
-Modules that cannot be imported everywhere (GLM-5-Next imports torchvision)
-are patched lazily: a ``sys.meta_path`` hook applies their patches when the
-module is first imported, and ``uninstall`` removes the hook. A lazy module whose
-patches cannot be applied leaves the rest of the set in place (the engine may already
-be running patched) and reports the failed patches as ``broken``; the guard decides
-whether the model may run without them.
+``PatchSet.install`` resolves every target and builds every replacement first, applies them all, and restores
+what it applied on any failure; ``uninstall`` puts back the identical originals. Modules that cannot be imported
+everywhere are patched at import by a ``sys.meta_path`` hook; a failure there leaves the rest of the set in
+place and reports the module's patches ``broken``.
 """
 
 from __future__ import annotations
@@ -49,12 +35,8 @@ PATCH_MARK = "__dbo_runtime_patch__"
 
 @dataclass(frozen=True)
 class Patch:
-    """One replacement of one attribute, with the provenance a reviewer needs.
-
-    ``make(original)`` returns the replacement; it receives the object found at
-    install time (for a class attribute: the raw ``__dict__`` value, or the
-    inherited one) so wrappers can call through.
-    """
+    """One replacement of one attribute; ``make(original)`` builds it from the object found at install (for a
+    class attribute: the raw ``__dict__`` value, or the inherited one)."""
 
     name: str
     module: str
@@ -69,31 +51,27 @@ class Patch:
     optional: bool = False
     """A missing target is logged and skipped instead of failing the set."""
     adds: bool = False
-    """The attribute may not exist yet (e.g. a data descriptor added to a class); ``make`` then
-    receives ``None`` and uninstall deletes what it added."""
+    """The attribute may not exist yet; ``make`` then receives None."""
     on_install: Callable[[], None] | None = None
-    """Called right after the replacement is in place (and only then: not at prepare time)."""
+    """Called once the replacement is in place."""
     on_uninstall: Callable[[], None] | None = None
-    """Called after the original is back, also on a rolled-back install."""
+    """Called once the original is back, also on a rollback."""
     anchors: tuple[str, ...] | None = None
-    """``module:qualname`` of the vLLM code the patch relies on, fingerprinted per release
-    (``fingerprints.py``, ``releases.py``). None: the target itself (a function or method); ``()``: not bound to vLLM code."""
+    """``module:qualname`` of the vLLM code the patch relies on, fingerprinted per release. None: the target
+    itself; ``()``: not bound to vLLM code."""
     architectures: tuple[str, ...] = ()
-    """Architectures whose fix needs this patch (empty: every architecture that needs its feature)."""
+    """Architectures whose fix needs this patch (empty: all)."""
     runner: str | None = None
-    """``"mrv1"`` / ``"mrv2"``: the patch serves one model runner only, so a worker running the other one never
-    imports its module (the guard does not wait for it there); None: every runner."""
+    """``"mrv1"`` / ``"mrv2"``: the patch serves one model runner only."""
     runs_on_ubatch_thread: bool = False
-    """vLLM calls the replacement on DBO microbatch threads, where nothing may raise: ``PatchSet`` shields it
-    (``ubatch_failures.shield``; a data descriptor must be a ``MicrobatchAttr``, which shields itself, and a hot
-    function may shield itself, ``ubatch_failures.shields_itself``)."""
+    """vLLM calls the replacement on microbatch threads, where nothing may raise: ``PatchSet`` shields it (a data
+    descriptor must be a ``MicrobatchAttr``; a hot function may use ``shields_itself``)."""
     armed_at_first_microbatch: bool = False
-    """In force from the process's first microbatched run on (``microbatch_arming``): installed, fingerprinted and
-    shielded like any patch, but the target keeps vLLM's original until then. Only for a replacement that equals
-    the original whenever no microbatch thread is registered, assignments included."""
+    """Target keeps vLLM's original until the first microbatched run (``microbatch_arming``). Only for a
+    replacement that equals the original while no microbatch thread exists."""
     fallback: Callable[[Any], Callable[..., Any]] | None = None
-    """With ``runs_on_ubatch_thread``: ``fallback(original)`` is called with the replacement's arguments when it
-    fails on a microbatch thread (default: the original itself, i.e. vLLM's own behaviour)."""
+    """``fallback(original)`` is called with the arguments when the replacement fails on a microbatch thread
+    (default: the original)."""
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -118,12 +96,8 @@ class Patch:
 
 
 class ArgSlots:
-    """Where named parameters of a vLLM function sit in ``(*args, **kwargs)``, read once from its signature.
-
-    Wrappers forward ``*args, **kwargs`` untouched and read or replace only the parameters they need, so a
-    keyword vLLM adds later passes through instead of raising ``TypeError`` on every call. A parameter the
-    signature lacks raises ``PatchError`` when the patch is prepared: the patch cannot install.
-    """
+    """Where named parameters of a vLLM function sit in ``(*args, **kwargs)``, read once from its signature, so
+    a keyword vLLM adds later passes through. A parameter the signature lacks fails the patch at prepare."""
 
     def __init__(self, fn: Callable[..., Any], names: Sequence[str], *, bound: bool = False) -> None:
         params = list(inspect.signature(fn).parameters.values())
@@ -141,8 +115,7 @@ class ArgSlots:
         self._plan = tuple((n, self.position.get(n, -1), self.default[n]) for n in names)
 
     def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        """Every name given at construction, in that order, in one call: a once-per-step hook pays for each Python
-        call it makes on a cache-cold host (about a microsecond), more than for the lookups themselves."""
+        """Every name given at construction, in order, in one call (a per-step hook pays per Python call)."""
         count = len(args)
         out = []
         for name, i, default in self._plan:
@@ -178,7 +151,7 @@ class _Applied:
     """Raw value in ``owner.__dict__`` before install, or ``_MISSING`` when inherited."""
     replacement: Any
     armable: ArmedEntry | None = None
-    """Set for an ``armed_at_first_microbatch`` patch: its target holds the replacement only once armed."""
+    """Set for an armable patch: its target holds the replacement only once armed."""
 
 
 def _split(attr: str) -> tuple[list[str], str]:
@@ -206,9 +179,8 @@ def _raw(owner: Any, name: str) -> Any:
 
 
 def require_parameters(original: Any, names: tuple[str, ...], patch: str) -> None:
-    """A hook written in vLLM's own parameters (no ``*args``/``**kwargs`` on the per-layer path) refuses, at
-    install, a target whose parameters differ: the target's fingerprint pins the function, not every binding of it,
-    and a moved parameter would otherwise be a ``TypeError`` on every call."""
+    """A hook written in vLLM's own parameters refuses a target whose parameters differ (else a ``TypeError``
+    on every call)."""
     try:
         found = tuple(inspect.signature(original).parameters)
     except (TypeError, ValueError) as exc:
@@ -228,7 +200,7 @@ def _mark(replacement: Any, patch: Patch, original: Any) -> Any:
 
 
 def _shielded(patch: Patch, replacement: Any, original: Any) -> Any:
-    """``replacement`` that never raises on a DBO microbatch thread (``Patch.runs_on_ubatch_thread``)."""
+    """``replacement`` that never raises on a microbatch thread."""
     if isinstance(replacement, MicrobatchAttr):
         replacement.where = patch.name
         return replacement
@@ -275,10 +247,8 @@ class _LazyFinder(importlib.abc.MetaPathFinder):
         owner = self.owner
 
         class _Loader(importlib.abc.Loader):
-            # Everything but execution is the original loader's: ``inspect.getsource``, ``linecache`` (source
-            # lines in tracebacks), ``importlib.resources`` and pickling by module read ``get_source``,
-            # ``get_filename``, ``get_resource_reader`` and the like from ``module.__loader__``. Not ``get_code``:
-            # ``runpy`` would execute the module through it, without its patches.
+            # everything but execution is the original loader's (source, resources, pickling); not ``get_code``,
+            # through which ``runpy`` would execute the module without its patches
             def __getattr__(self, name: str) -> Any:
                 if name == "get_code":
                     raise AttributeError(name)
@@ -296,7 +266,7 @@ class _LazyFinder(importlib.abc.MetaPathFinder):
 
 
 class Instrument(Protocol):
-    """Wraps replacements at install time (``selftime``: the plugin's own host time)."""
+    """Wraps replacements at install time (``selftime``)."""
 
     def pause_for_original(self, original: Any) -> Any: ...
 
@@ -321,12 +291,10 @@ class PatchSet:
         self._lock = threading.RLock()
         self.installed = False
         self.lazy_listeners: list[Callable[[str], None]] = []
-        """Called (module name) after a lazy module's patches were applied: the first moment a
-        worker-side module is patched in a process, e.g. to log the activation line there."""
+        """Called (module name) after a lazy module's patches were applied."""
         self.failure_listeners: list[Callable[[list[Patch], str], None]] = []
         """Called (patches, message) when a lazy module's required patches could not be applied."""
 
-    # -- install ----------------------------------------------------------------------------
     def _prepare(self, patch: Patch, module: ModuleType) -> _Applied:
         owner, name = resolve_owner(module, patch.attr)
         current = getattr(owner, name, None) if patch.adds else getattr(owner, name)
@@ -343,9 +311,8 @@ class PatchSet:
         return _Applied(patch, owner, name, raw, _mark(replacement, patch, current))
 
     def _set(self, applied: _Applied) -> None:
-        """Apply one patch, or leave its target as it was: a hook that fails after the ``setattr``
-        is undone here (target restored, ``on_uninstall`` run), because callers roll back only the
-        patches that returned."""
+        """Apply one patch, or leave its target as it was (a failing hook is undone here: callers roll back only
+        the patches that returned)."""
         if applied.patch.armed_at_first_microbatch:
             applied.armable = ArmedEntry(
                 applied.patch.name, arm=lambda: self._arm(applied), on_failure=lambda message: self._arm_failed(applied.patch, message)
@@ -362,15 +329,13 @@ class PatchSet:
 
     @staticmethod
     def _arm(applied: _Applied) -> None:
-        """Set an armable patch's replacement, only over the original it was built around: something that rebound
-        the target since install would otherwise be overwritten here and replaced by that original at uninstall."""
+        """Set an armable patch's replacement, only over the original it was built around."""
         if _raw(applied.owner, applied.name) is not applied.original:
             raise PatchError(f"{applied.patch.target} was rebound after dbo_runtime installed {applied.patch.name}")
         setattr(applied.owner, applied.name, applied.replacement)
 
     def _arm_failed(self, patch: Patch, message: str) -> None:
-        """An armed patch's target could not be set: the patch is broken, and the failure listeners hear it as they
-        hear a lazy module's (the plugin marks the feature broken, so the guard refuses what needs it)."""
+        """An armed patch's target could not be set: the patch is broken and the failure listeners hear it."""
         with self._lock:
             self._broken[patch.name] = message
             listeners = list(self.failure_listeners)
@@ -390,7 +355,7 @@ class PatchSet:
     @classmethod
     def _unset(cls, applied: _Applied) -> None:
         armable, applied.armable = applied.armable, None
-        # an armable patch is withdrawn from ARMING first; its target holds vLLM's original unless it was armed
+        # withdrawn from ARMING first; its target holds the original unless armed
         if armable is None or ARMING.unregister(armable):
             cls._restore(applied)
         if applied.patch.on_uninstall is not None:
@@ -398,8 +363,7 @@ class PatchSet:
 
     @classmethod
     def _rollback(cls, applied: list[_Applied]) -> None:
-        """Undo ``applied`` newest first; one patch that cannot be undone is logged and does not stop
-        the others (half a rollback is the state the transaction exists to prevent)."""
+        """Undo ``applied`` newest first; a patch that cannot be undone is logged, the others go on."""
         for item in reversed(applied):
             try:
                 cls._unset(item)
@@ -407,14 +371,8 @@ class PatchSet:
                 logger.error("dbo_runtime: undoing patch %s failed (%r); its target may stay patched", item.patch.name, exc)
 
     def install(self) -> None:
-        """Apply every patch whose module is loaded, arm the lazy rest, or change nothing at all.
-
-        Eager patches import their module first. That import can load modules of
-        *lazy* patches too (``gpu_model_runner`` imports ``gpu_ubatch_wrapper``), so
-        lazy patches are decided only after every eager import: those whose module
-        is loaded by then join the same transaction; the others wait for the
-        import hook, armed once the transaction has succeeded.
-        """
+        """Apply every patch whose module is loaded, arm the lazy rest, or change nothing at all. Lazy patches
+        whose module an eager import loaded join the transaction; the others wait for the import hook."""
         with self._lock:
             if self.installed:
                 return
@@ -452,9 +410,8 @@ class PatchSet:
                 logger.info("dbo_runtime: optional patch %s skipped (%s)", name, why)
 
     def _set_optional(self, items: list[_Applied], skipped: dict[str, str]) -> list[_Applied]:
-        """Apply each optional patch on its own, after the required ones: one that fails to apply (its ``setattr``
-        or ``on_install``; ``_set`` undoes it) is skipped like one whose target is missing, never the reason the
-        required patches come out or a feature is reported broken."""
+        """Apply each optional patch on its own, after the required ones: one that fails is skipped, never the
+        reason required patches come out."""
         done: list[_Applied] = []
         for item in items:
             try:
@@ -468,7 +425,7 @@ class PatchSet:
     def _prepare_into(
         self, patch: Patch, module: ModuleType | None, prepared: list[_Applied], skipped: dict[str, str]
     ) -> None:
-        """Prepare one patch (importing its module when ``module`` is None); optional ones may be skipped."""
+        """Prepare one patch; optional ones may be skipped."""
         try:
             target = module if module is not None else (sys.modules.get(patch.module) or importlib.import_module(patch.module))
             prepared.append(self._prepare(patch, target))
@@ -481,15 +438,8 @@ class PatchSet:
         return {p.module for p in self._lazy_waiting}
 
     def _apply_lazy(self, module: ModuleType) -> None:
-        """A lazy module finished importing: patch it; if a required target moved, patch none of it.
-
-        The module's patches go in all together or not at all. A failure does not touch the
-        rest of the set: the process may already be running with it (a model built, a step
-        run), and pulling patches out from under a running engine is worse than either state.
-        The failed patches are reported as ``broken`` to ``failure_listeners`` (the guard then
-        refuses a DBO model that needs them) and logged; ``DBO_RUNTIME_STRICT=1`` makes the
-        import fail instead.
-        """
+        """A lazy module finished importing: patch all of it or none. A failure leaves the rest of the set (the
+        engine may be running) and reports the patches ``broken``; ``DBO_RUNTIME_STRICT=1`` fails the import."""
         with self._lock:
             if not self.installed:
                 return
@@ -544,7 +494,6 @@ class PatchSet:
             raise PatchError(message) from failure
         logger.error("%s", message)
 
-    # -- uninstall --------------------------------------------------------------------------
     def uninstall(self) -> None:
         """Restore every original object, newest first."""
         with self._lock:
@@ -561,7 +510,6 @@ class PatchSet:
             self._broken = {}
             self.installed = False
 
-    # -- introspection ----------------------------------------------------------------------
     def status(self) -> list[PatchStatus]:
         with self._lock:
             applied = {a.patch.name for a in self._applied}
@@ -591,7 +539,7 @@ def probe_target(patch: Patch) -> PatchStatus:
     if module is None:
         try:
             module = importlib.import_module(patch.module)
-        except Exception as exc:  # a lazy module may need what this machine lacks (GLM-5-Next: torchvision)
+        except Exception as exc:  # a lazy module may need what this machine lacks
             state = "skipped" if patch.optional or patch.lazy else "missing"
             return PatchStatus(patch, state, f"{type(exc).__name__}: {exc}")
     try:
@@ -599,6 +547,6 @@ def probe_target(patch: Patch) -> PatchStatus:
             resolve_owner(module, patch.attr)
         else:
             current_value(module, patch.attr)
-    except Exception as exc:  # the module imported and the target is not in it: checked, and missing
+    except Exception as exc:
         return PatchStatus(patch, "skipped" if patch.optional else "missing", f"{type(exc).__name__}: {exc}")
     return PatchStatus(patch, "found")

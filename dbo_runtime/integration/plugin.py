@@ -1,14 +1,9 @@
 """The vLLM general plugin: ``register()`` and ``uninstall()``.
 
-vLLM calls every ``vllm.general_plugins`` entry point with no arguments, once per process (API
-server, engine core, workers), without a ``try``. So
-``register`` is idempotent, never initialises CUDA, and installs in this order: the guard
-(always, unless ``DBO_RUNTIME_DISABLE=1``), then every feature whose vLLM code matches the
-fingerprints recorded for the release this build is (``releases.py``) and that vLLM does not already fix
-itself, as one transaction. A feature
-that cannot be installed is no error by itself (vLLM without DBO needs none of them); the guard
-refuses a DBO model that needs it. ``DBO_RUNTIME_STRICT=1`` turns every such shortfall into an
-error at ``register()``.
+vLLM calls ``register`` once per process, without a ``try``: it is idempotent, never initialises CUDA, and
+installs the guard (unless ``DBO_RUNTIME_DISABLE=1``), then, as one transaction, every feature whose vLLM code
+matches this release's fingerprints and that vLLM does not fix itself. A feature not installed is no error (the
+guard refuses a DBO model that needs it); ``DBO_RUNTIME_STRICT=1`` makes it one.
 """
 
 from __future__ import annotations
@@ -51,7 +46,7 @@ def _install_guard() -> None:
     try:
         guard_set.install()
     except Exception as exc:
-        # Without the guard a DBO model could run vanilla's silent corruption: vLLM must not start.
+        # without the guard a DBO model could run vanilla's silent corruption
         raise PatchError(
             f"dbo_runtime cannot install its guard in this vLLM ({exc!r}); nothing is patched. Ways out: install a "
             f"vLLM release dbo_runtime verifies ({', '.join(releases.SUPPORTED)}), or set DBO_RUNTIME_DISABLE=1 to "
@@ -75,7 +70,6 @@ def register() -> None:
         strict = parse_switch("DBO_RUNTIME_STRICT")
         _install_guard()
         try:
-            # Building the list imports the feature modules; reading the fingerprints reads vLLM's files.
             every = all_patches()
             match = releases.identify(every)
             patches = [p for p in every if releases.part_of(p, match.recorded)]
@@ -114,13 +108,12 @@ def register() -> None:
         patch_set.failure_listeners.append(_on_lazy_failure)
         patch_set.lazy_listeners.append(_flush_activation)
         activation.set_summary(lambda: activation.summary_line(patch_set, REGISTRY.all(), match.describe(), skip))
-    # Outside the lock: the line may be pending until vLLM configures logging (see activation.py).
+    # outside the lock: the line may stay pending (activation.py)
     activation.flush()
 
 
 def _on_lazy_failure(patches: list[Patch], message: str) -> None:
-    """A feature is broken where a patch every runner needs failed; a runner-only patch stays ``broken`` in the
-    patch set, where the guard judges it only in a worker that runs that runner."""
+    """A feature is broken where a patch every runner needs failed (runner-only ones are judged per worker)."""
     for feature in {p.feature for p in patches if p.runner is None}:
         REGISTRY.mark(feature, "broken", message)
 
@@ -130,8 +123,7 @@ def _flush_activation(module: str) -> None:
 
 
 def _forget_runtime_state() -> None:
-    """What the hooks built at run time: the reserved placeholder rows, unraised microbatch failures, and the
-    per-microbatch top-k state attached to live index groups."""
+    """Drop what the hooks built at run time."""
     import sys
 
     guard_module = sys.modules.get("dbo_runtime.integration.ubatch_guard")
@@ -148,8 +140,7 @@ def _forget_runtime_state() -> None:
         gc.collect()  # an engine already shut down but held in a reference cycle is not a live model
         alive = state.attached_alive()
         if alive:
-            # uninstall() cannot refuse (it is teardown), but a model built under the plugin that runs on would
-            # share its top-k state across microbatches again: vanilla vLLM's silent accuracy loss.
+            # teardown cannot refuse; a live model would share top-k again
             logger.error(
                 "dbo_runtime: uninstalled while %d index group(s) or model buffer(s) with per-microbatch top-k state "
                 "are alive: a DBO step of that model would share top-k across microbatches again (vLLM's bug); "

@@ -1,12 +1,5 @@
-"""Which recorded vLLM release this build is, judged by its code.
-
-Why: the version string says what a build claims, the fingerprints say what its code is. A build is
-release R when every patch R records has the same fingerprint here; then R's set is the one that
-installs. A patch R records as ``missing`` (its target does not exist there, such as the V1 model
-runner's in 0.34.0) is not part of R's set and never makes a feature unverified; one recorded ``excluded`` is left
-out on purpose, and a feature left with none of its patches is not in force there. A build that matches
-no release is judged against the closest one, feature by feature, and every difference fails closed.
-"""
+"""Which recorded vLLM release this build is, judged by its code: release R when every patch in R's set has
+R's fingerprint here; otherwise judged against the closest release, feature by feature, failing closed."""
 
 from __future__ import annotations
 
@@ -20,7 +13,7 @@ from dbo_runtime.integration.patching import Patch
 from dbo_runtime.integration.recorded_fingerprints import RELEASES
 
 SUPPORTED: tuple[str, ...] = tuple(RELEASES)
-"""The releases whose fingerprints are recorded, oldest first (``guard.VERIFIED`` reads the same record)."""
+"""The releases whose fingerprints are recorded, oldest first."""
 
 
 def installed_version() -> str | None:
@@ -31,21 +24,19 @@ def installed_version() -> str | None:
 
 
 def part_of(patch: Patch, recorded: Mapping[str, str]) -> bool:
-    """Whether the patch belongs to a release's set: bound to no vLLM code, or recorded there (not ``missing``
-    because its target does not exist, not ``excluded`` on purpose)."""
+    """Whether the patch is in a release's set (unbound, or recorded there)."""
     return not patch.fingerprint_anchors or recorded.get(patch.name) not in fingerprints.OUT_OF_SET
 
 
 @dataclass(frozen=True)
 class ReleaseMatch:
     installed: str | None
-    """vLLM's own version string (informational only)."""
     release: str | None
-    """The recorded release whose every fingerprint this build's code has, or None."""
+    """The release whose every fingerprint matches, or None."""
     closest: str
-    """The recorded release with the fewest differing fingerprints (ties: the newest)."""
+    """The release with the fewest differing fingerprints (ties: the newest)."""
     differing: tuple[str, ...]
-    """Patches whose fingerprint differs from ``closest``'s record."""
+    """Patches that differ from ``closest``."""
 
     @property
     def recorded(self) -> Mapping[str, str]:
@@ -53,7 +44,6 @@ class ReleaseMatch:
 
     @property
     def label(self) -> str:
-        """How verdicts name the code they were checked against."""
         return f"vLLM {self.release or self.closest}"
 
     def describe(self) -> str:
@@ -66,11 +56,11 @@ class ReleaseMatch:
 
 
 def identify(patches: Sequence[Patch] | None = None) -> ReleaseMatch:
-    """Compare the build on disk with every recorded release (reads vLLM's files, imports nothing of it)."""
+    """Compare vLLM's code on disk with every recorded release."""
     chosen = all_patches() if patches is None else patches
     printed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in chosen if p.fingerprint_anchors}
     best: tuple[int, str, tuple[str, ...]] | None = None
-    for release, recorded in RELEASES.items():  # oldest first: a later tie replaces an earlier one
+    for release, recorded in RELEASES.items():  # a later tie wins
         differing = tuple(
             name for name, want in recorded.items() if want != fingerprints.EXCLUDED and printed.get(name, want) != want
         )

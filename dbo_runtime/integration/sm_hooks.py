@@ -1,12 +1,9 @@
 """vLLM's ``create_sm_control_context``, backed by SMControl.
 
-vLLM 0.33.0 decides the DBO compute/comm split in ``v1/worker/ubatch_utils.py:create_sm_control_context`` and
-turns process-global knobs without telling anyone, so the indexer schedule cannot know the count it will run
-under. The replacement reads exactly vLLM's inputs from the same module globals, feeds them to the pure policy
-(``core.budget``), and returns a context that enters through the device's SMControl: the same knob calls as
-vLLM's (the contract tests compare them), but the budget is published before any kernel runs under it and a
-nested or failing scope restores the previous budget. Both runners bind the function by ``from`` import
-(``gpu_ubatch_wrapper``, ``gpu/ubatch_utils``), so each binding is patched.
+vLLM turns process-global SM knobs without telling anyone, so the indexer schedule cannot know the count it
+runs under. The replacement feeds vLLM's inputs to the pure policy (``core.budget``) and enters through the
+device's SMControl: the same knob calls as vLLM's, but the budget is published before any kernel runs under it
+and a nested or failing scope restores the previous budget. Each runner's ``from`` binding is patched.
 """
 
 from __future__ import annotations
@@ -33,9 +30,8 @@ UPSTREAM_PR = "none yet (SM-control publication); crash fixed by vllm#60732"
 
 
 class DboSMControlContext:
-    """Drop-in for vLLM's ``SMControlContextManager`` (its public attributes kept), entering through SMControl.
-    MRV2 enters it from an ``ExitStack`` that ``finish()`` closes on another path, so the token lives on the
-    instance; one still outstanding at the next enter is a leaked scope, closed first."""
+    """Drop-in for vLLM's ``SMControlContextManager``, entering through SMControl. The token lives on the
+    instance (MRV2 exits on another path); one still outstanding at the next enter is closed first."""
 
     def __init__(self, control: SMControl, budget: SMBudget, comm_knob: SMKnob | None, compute_knob: SMKnob | None) -> None:
         self.control = control
@@ -102,8 +98,7 @@ _unknown_logged: set[str] = set()
 
 
 def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMKnob | None]:
-    """The budget and knobs as vLLM 0.33.0 computes them, from its globals (on SM90 with DeepGEMM's count
-    rounded down to an even one: ``core.budget.deep_gemm_compute_multiple``)."""
+    """The budget and knobs as vLLM computes them, from its globals."""
     import torch
     from vllm.v1.worker import ubatch_utils as uu
 
@@ -163,8 +158,7 @@ def create_sm_control_context(parallel_config: Any) -> DboSMControlContext:
     guard.check_without_worker_hooks()
     budget, comm_knob, compute_knob = budget_from_vllm(parallel_config)
     control = sm_control_for(budget.device, budget.total)
-    # Runs inside UBatchWrapper / UBatchRunner construction (model load): exporting metrics is
-    # optional and must never stop the engine (a missing PROMETHEUS_MULTIPROC_DIR raises here).
+    # at model load: exporting metrics is optional and must never stop the engine
     try:
         export_to_prometheus(control)
     except Exception as exc:
@@ -178,9 +172,7 @@ def create_sm_control_context(parallel_config: Any) -> DboSMControlContext:
 
 
 def _replace(original: Any) -> Any:
-    """A wrapper of its own per patch: both runners' aliases of vLLM's function get one, so each
-    carries its own patch mark and ``__wrapped__`` original (one shared function would carry the
-    marks of whichever patch was applied last)."""
+    """A wrapper of its own per patch, so each carries its own patch mark and ``__wrapped__``."""
 
     def replacement(parallel_config: Any) -> DboSMControlContext:
         return create_sm_control_context(parallel_config)

@@ -1,20 +1,11 @@
 """Per-microbatch shared top-k for GLM-5.x IndexCache layers under DBO (vllm#60734).
 
-vLLM 0.33.0 hands the leader's top-k to its followers through state with no microbatch
-dimension: the model-wide ``DeepseekV32Model.topk_indices_buffer`` and, per
-``SparseMLAIndexGroup``, the physical workspace, valid counts and two ready events. DBO yields
-between layers, so microbatch 1's leader overwrites them before microbatch 0's followers read
-them. These patches route every access through ``UbatchTopkState``: ``register_layer`` attaches
-per-microbatch state when a group gets its first follower under DBO (at model construction,
-inside vLLM's memory profile) and refuses what cannot be made safe (HiSparse, the compiled
-generic path, followers built without a shared builder); the group methods run vLLM's own code
-on the calling microbatch's view; ``topk_indices_buffer`` becomes a data descriptor on every
-writer and reader class. The per-access ones (group methods, readers' and writers' descriptors) return
-vLLM's own object whenever no microbatch thread exists, so they are put in force at the process's first
-microbatched run (``microbatch_arming``) and cost nothing in an engine that never splits a step;
-``register_layer`` and the model's setter act at construction and are always in force. Every patch that runs
-on a microbatch thread is shielded (``runs_on_ubatch_thread``): a failure there continues with vLLM's own
-object and is raised after the join.
+vLLM hands the leader's top-k to its followers through state with no microbatch dimension (the model-wide
+``topk_indices_buffer`` and each index group's workspace, valid counts and ready events), which the other
+microbatch overwrites between layers. These patches route every access through ``UbatchTopkState``:
+``register_layer`` attaches per-microbatch state at model construction and refuses what cannot be made safe;
+the group methods run vLLM's code on the calling microbatch's view; ``topk_indices_buffer`` becomes a data
+descriptor. Per-access hooks are armed at the first microbatched run; all are shielded on microbatch threads.
 """
 
 from __future__ import annotations
@@ -52,7 +43,7 @@ _MISTRAL_INDEXER = "vllm.models.mistral.nvidia.indexer"
 
 V32_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 SHARED_GROUP_ARCHITECTURES = (*V32_ARCHITECTURES, "MistralLarge4ForCausalLM")
-"""Architectures whose followers share a leader's top-k through ``SparseMLAIndexGroupBuilder`` groups."""
+"""Architectures whose followers share top-k through index groups."""
 
 FEATURES = [
     Feature(
@@ -102,9 +93,7 @@ def _num_ubatches(vllm_config: Any) -> int:
 
 
 def _check_window_end(state: UbatchTopkState, vllm_config: Any, num_ubatches: int) -> None:
-    """Tell ``state`` before it lays out a buffer whether this engine's padded decode rows can pass a window's
-    end (``window_end_reachable``); sizes that cannot be read count as reachable (copies cost memory, a short
-    window writes past a buffer)."""
+    """Tell ``state`` whether this engine's padded decode rows can pass a window's end (unreadable sizes: yes)."""
     try:
         next_n, rows = decode_rows(vllm_config)
         tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
@@ -120,8 +109,7 @@ def _check_window_end(state: UbatchTopkState, vllm_config: Any, num_ubatches: in
 
 
 def _make_event() -> Any:
-    """An event as vLLM's builder makes the group's own: its ``_create_event`` where the release has one (0.33),
-    else the ``torch.Event`` its module calls (0.34). Resolved at call time."""
+    """An event as vLLM's builder makes the group's own."""
     module = importlib.import_module(_INDEX_GROUP)
     factory = getattr(module, "_create_event", None)
     return factory() if factory is not None else module.torch.Event()
@@ -132,14 +120,12 @@ def _hisparse(vllm_config: Any) -> bool:
 
 
 def honours_indexer_types() -> bool:
-    """Whether this vLLM's DeepSeek-V3.2 / GLM-5.x layers pick their followers with ``compute_skip_topk_layers``,
-    which reads ``indexer_types`` first (0.34), rather than from ``index_topk_freq`` / ``index_topk_pattern`` alone
-    (0.33). Read from the source, so the rule follows the code, not the version string."""
+    """Whether this vLLM picks followers with ``compute_skip_topk_layers`` (read from source, not the version)."""
     return fingerprints.calls(_V32_ATTENTION, "DeepseekV32Attention.__init__", "compute_skip_topk_layers")
 
 
 def _model_shares_topk(vllm_config: Any) -> bool:
-    """Whether vLLM builds layers that reuse top-k for this config (checked before HiSparse builds any state)."""
+    """Whether vLLM builds layers that reuse top-k for this config."""
     model = getattr(vllm_config, "model_config", None)
     hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
     arch = _architecture(vllm_config)
@@ -192,7 +178,7 @@ def _refuse_groupless_follower(vllm_config: Any) -> None:
 
 def _register_layer_patch(state: UbatchTopkState) -> Patch:
     def make(original: Any) -> Any:
-        # By name: the row-width keyword is ``head_size`` in vLLM 0.33 and ``row_width`` in 0.34; both pass through.
+        # by name: the row-width keyword differs between releases
         slots = ArgSlots(original, ("is_index_producing_layer", "vllm_config"), bound=True)
 
         @functools.wraps(original)
@@ -265,12 +251,11 @@ CONVERT_ONCE_PARAMETERS = (
     "self", "layer_index", "logical_topk_indices", "req_id_per_token", "block_table", "block_size",
     "block_stride_rows", "return_valid_counts", "idx_mapping",
 )  # fmt: skip
-"""vLLM's ``SparseMLAIndexGroup._convert_once`` parameters, which the hook takes one for one."""
+"""vLLM's ``_convert_once`` parameters, taken one for one."""
 
 
 def _convert_once_patch(state: UbatchTopkState) -> Patch:
-    """Every layer of a group calls ``_convert_once`` once per step: the signature is vLLM's own (anchored by its
-    fingerprint), so a call packs no tuple or dict, and the shield is the ``try`` here, not a second frame."""
+    """Called once per layer per step: vLLM's own signature (anchored), shielded by the ``try`` here."""
     where = "topk.group_convert_once"
 
     def make(original: Any) -> Any:
@@ -313,8 +298,7 @@ def _convert_once_patch(state: UbatchTopkState) -> Patch:
 
 
 def _ready_patch(state: UbatchTopkState) -> Patch:
-    """vLLM's ``set_logical_topk_ready`` begins ``if layer_index != 0 ...: return`` (its fingerprint is anchored):
-    every layer but a group's first returns here at once, without resolving a view or calling through."""
+    """Every layer but a group's first returns at once, as vLLM's (anchored) code does."""
     where = "topk.group_set_logical_topk_ready"
 
     def make(original: Any) -> Any:
@@ -340,12 +324,8 @@ def _ready_patch(state: UbatchTopkState) -> Patch:
 
 
 class TopkIndicesBufferAttr(MicrobatchAttr):
-    """A top-k buffer attribute that resolves the calling microbatch's buffer (``UbatchTopkState.logical``).
-
-    ``marks_model_buffer``: the attribute holds the CUDA DSA model's buffer, which ``register_layer`` accepts
-    for per-microbatch state. ``registers``: it holds a model-wide buffer that layers share without an index
-    group (DeepSeek-V4.1); under DBO it gets per-microbatch views at assignment, anchored on the owning module.
-    """
+    """A top-k buffer attribute that resolves the calling microbatch's buffer. ``marks_model_buffer``: it holds
+    the DSA model's buffer; ``registers``: a model-wide buffer shared without an index group (V4.1)."""
 
     def __init__(self, state: UbatchTopkState, name: str = ATTR, *, marks_model_buffer: bool = False, registers: bool = False) -> None:
         super().__init__(name)
@@ -405,7 +385,7 @@ def _descriptor_patch(
         lazy=True,
         adds=True,
         optional=optional,
-        # SparseAttnIndexer also writes Mistral Large 4's and DeepSeek-V4.1's shared buffers (topk_v41 relies on it).
+        # also writes Mistral Large 4's and DeepSeek-V4.1's shared buffers
         architectures=(*architectures, *shared_by),
         runs_on_ubatch_thread=True,
         # The model's setter marks its buffer at construction, before any run: always in force.
@@ -450,12 +430,11 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
 
 
 FA4_SCALARS = "topk.fa4_varlen_scalars"
-"""Optional: skipped where FA4 sparse MLA is absent; where its code differs, the windows layout is not used."""
+"""Optional: skipped where FA4 sparse MLA is absent."""
 
 
 def _fa4_scalars_skipped(skipped: Mapping[str, str]) -> None:
-    """Without the FA4 scalar cache patch the windows layout would make FA4 sparse MLA cache three device tensors
-    per split point, never evicted: the layout then falls back (where FA4 exists at all)."""
+    """Without it the windows layout would grow FA4's never-evicted cache: the layout falls back."""
     if FA4_SCALARS in skipped and fa4_module_present():
         default_state().windows_unsafe = (
             f"{FA4_SCALARS} is not installed ({skipped[FA4_SCALARS]}), so FA4 sparse MLA would "
@@ -464,8 +443,7 @@ def _fa4_scalars_skipped(skipped: Mapping[str, str]) -> None:
 
 
 def fa4_module_present() -> bool:
-    """Whether this vLLM ships FA4 sparse MLA at all (its source file, found without importing it: the module needs
-    the CUDA flash-attention extensions)."""
+    """Whether this vLLM ships FA4 sparse MLA (found without importing it)."""
     try:
         spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError):
@@ -477,15 +455,8 @@ def fa4_module_present() -> bool:
 
 
 def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:
-    """FA4 sparse MLA caches per-token scalars keyed on ``topk_indices_buffer.shape[0]``.
-
-    ``_fa4_varlen_scalars`` is ``functools.cache``d and never evicted (CUDA graphs
-    bake its pointers in). With the windows layout microbatch 1's buffer is
-    ``base[offset:]``, so every new split point would be a new key and three
-    never-freed tensors. The scalars are prefixes (an arange, zeros, a fill) that
-    the caller slices to ``num_tokens + 1``, so keying on the full buffer's rows
-    gives identical values with upstream's single cache entry.
-    """
+    """FA4's never-evicted scalar cache, keyed on the full buffer's rows instead of a window's: the scalars are
+    prefixes the caller slices, so the values are identical and a new split point adds no entry."""
 
     def make(original: Any) -> Any:
         def _fa4_varlen_scalars(num_tokens: int, num_kv_rows: int, device: Any) -> Any:
@@ -511,7 +482,6 @@ def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:
         lazy=True,
         optional=True,
         runs_on_ubatch_thread=True,
-        # vLLM's own key is the whole buffer's rows until something reads a window: the same entry this one makes
         armed_at_first_microbatch=True,
     )
 
@@ -528,9 +498,8 @@ def patches(state: UbatchTopkState | None = None) -> list[Patch]:
         _descriptor_patch(st, _V32_ATTENTION, "DeepseekV32Indexer"),
         _descriptor_patch(st, _SPARSE_INDEXER, "SparseAttnIndexer"),
         _descriptor_patch(st, _V32_MODEL, "DeepseekV32Model", model=True),
-        # Mistral Large 4 keeps its buffer in a constructor local: each leader's indexer is handed it before any
-        # follower registers, and the sparse MLA impls read it through the indexer. Optional, and fail-closed: where
-        # it is skipped (another release, a changed indexer) nothing marks the buffer and register_layer refuses.
+        # Mistral Large 4 hands its buffer to each leader's indexer; optional and fail-closed: where skipped
+        # nothing marks the buffer and register_layer refuses
         _descriptor_patch(
             st, _MISTRAL_INDEXER, "MistralIndexer", model=True, architectures=("MistralLarge4ForCausalLM",), optional=True
         ),

@@ -1,15 +1,9 @@
-"""Per-microbatch top-k and candidate blocks for DeepSeek-V4.1 under DBO (upstream: vllm#56476, open).
+"""Per-microbatch top-k and candidate blocks for DeepSeek-V4.1 under DBO (upstream: vllm#56476).
 
-DeepSeek-V4.1 shares top-k without index groups: the model allocates ``topk_indices_buffer`` and
-``candidate_block_buffer`` once (``models/deepseek_v41/nvidia/model.py``); the layers in
-``index_source_layer_ids`` write them (``SparseAttnIndexer`` / ``SparseMQAIndexer`` and the
-short-context path of ``DeepseekV4Indexer``), every later compressed layer reads them
-(``DeepseekV4Attention`` subclasses), and every layer's MoE yields to the other microbatch in
-between. So the buffers get the same per-microbatch views as GLM-5.x's (zero bytes with the
-windows layout: every reader and writer indexes from row 0 of its own microbatch): the model's
-setters register them, and the getters of every class that stores them resolve the calling
-microbatch's view. vllm#56476 allocates ``[num_ubatches, rows, cols]`` copies and selects one
-through ``ubatching.dbo_select_buffer``; when vLLM has that helper this feature steps aside.
+V4.1 shares top-k through model buffers (``topk_indices_buffer``, ``candidate_block_buffer``) written by the
+indexer layers and read by later layers, with MoE yields in between. The model's setters register them with
+``topk_state`` and every class's getter resolves the calling microbatch's view. Steps aside when vLLM has
+``ubatching.dbo_select_buffer`` (the upstream fix).
 """
 
 from __future__ import annotations
@@ -61,7 +55,7 @@ def _patch(state: UbatchTopkState, module: str, cls: str, attr: str, *, register
         adds=True,
         architectures=ARCHITECTURES,
         runs_on_ubatch_thread=True,
-        # The model's setters register views at construction, before any run: always in force.
+        # setters act at model construction: always in force
         armed_at_first_microbatch=not registers,
     )
 

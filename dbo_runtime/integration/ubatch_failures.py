@@ -1,12 +1,7 @@
 """Failures of dbo_runtime code on a DBO microbatch thread: recorded there, raised on the main thread later.
 
-vLLM 0.33.0 does not wake the partner microbatch when one thread dies (``ubatch_guard`` explains the hang), so
-no exception may leave plugin code on a microbatch thread. A patch that runs there declares
-``runs_on_ubatch_thread=True`` and ``PatchSet`` shields its replacement (``shield``): a failure is recorded
-(``FAILURES``), the call continues with the patch's fallback -- vLLM's own behaviour or a placeholder -- and the
-join points in ``ubatch_guard`` raise it after the threads are joined. Off a microbatch thread the failure is
-raised as it came. Data descriptors shield their own ``__get__`` (``MicrobatchAttr``): a wrapper there would cost
-a call on every one of the ~950 accesses of an eager GLM-5.3 step.
+vLLM does not wake the partner when one microbatch thread dies, so patches that run there are shielded: a failure
+is recorded, the call falls back, and ``ubatch_guard``'s join points raise it (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ logger = get_logger(__name__)
 
 @dataclass
 class UbatchFailures:
-    """Failures recorded on microbatch threads since the last join check (process-wide)."""
+    """Failures recorded on microbatch threads since the last join check."""
 
     pending: list[tuple[str, int, BaseException]] = field(default_factory=list)
     recorded_total: int = 0
@@ -36,7 +31,7 @@ class UbatchFailures:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, where: str, exc: BaseException) -> bool:
-        """Record ``exc`` if the calling thread is a DBO microbatch thread; False means "re-raise it"."""
+        """Record ``exc`` on a microbatch thread; False means "re-raise it"."""
         ubatch = ubatch_ids.ubatch_thread_id()
         if ubatch is None:
             return False
@@ -58,7 +53,7 @@ class UbatchFailures:
                 )
             else:
                 logger.debug("dbo_runtime: %s failed again on DBO microbatch %d: %r", where, ubatch, exc)
-        except Exception:  # a broken log handler must not undo the guarantee
+        except Exception:
             pass
         return True
 
@@ -68,8 +63,7 @@ class UbatchFailures:
         return taken
 
     def raise_pending(self, also: BaseException | None = None) -> None:
-        """On the main thread after the join: raise what the microbatches recorded, if anything
-        (``also``: the error vLLM itself raised at the join, named in the message)."""
+        """After the join: raise what the microbatches recorded."""
         if self.pending:
             taken = self.take()
             if taken:
@@ -80,7 +74,7 @@ FAILURES = UbatchFailures()
 
 
 def record(where: str, exc: BaseException) -> bool:
-    """``FAILURES.record``: True when recorded (microbatch thread), False when the caller must re-raise."""
+    """``FAILURES.record``."""
     try:
         return FAILURES.record(where, exc)
     except Exception:
@@ -88,19 +82,16 @@ def record(where: str, exc: BaseException) -> bool:
 
 
 SHIELDS_ITSELF = "__dbo_runtime_shields_itself__"
-"""Marks a replacement whose body already does what ``shield`` adds (``shields_itself``)."""
 
 
 def shields_itself(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark ``fn`` as shielding itself: its body catches ``Exception``, calls ``record`` and, when that returns True,
-    answers with the patch's fallback. ``PatchSet`` then installs it unwrapped: on the per-layer path the wrapper
-    ``shield`` builds is a second Python frame with ``*args``/``**kwargs`` packing on every call."""
+    """Mark ``fn`` as shielding itself: it catches ``Exception``, calls ``record`` and falls back."""
     setattr(fn, SHIELDS_ITSELF, True)
     return fn
 
 
 def shield(fn: Callable[..., Any], fallback: Callable[..., Any], where: str) -> Callable[..., Any]:
-    """``fn`` that, on a microbatch thread, records a failure and returns ``fallback(*args, **kwargs)`` instead."""
+    """``fn`` that records a failure on a microbatch thread and returns ``fallback(*args, **kwargs)``."""
 
     @functools.wraps(fn)
     def shielded(*args: Any, **kwargs: Any) -> Any:
@@ -115,13 +106,8 @@ def shield(fn: Callable[..., Any], fallback: Callable[..., Any], where: str) -> 
 
 
 class MicrobatchAttr:
-    """An instance attribute, as a class data descriptor that resolves the calling microbatch's value.
-
-    The value stays in the instance ``__dict__`` under the attribute's own name, so uninstalling the
-    descriptor leaves every live object with its plain attribute. ``nn.Module.__setattr__`` hands plain tensors
-    to ``object``'s, which honours class data descriptors, so vLLM's assignments land in ``__set__``.
-    Subclasses implement ``resolve``; a failure there is shielded (``where`` is set to the patch's name).
-    """
+    """An instance attribute as a class data descriptor that resolves the calling microbatch's value; it shields
+    its own ``__get__`` (a wrapper would cost a call per access)."""
 
     where = "microbatch attribute"
 
@@ -140,7 +126,7 @@ class MicrobatchAttr:
             raise AttributeError(self.name) from None
         table = THREAD_TABLE
         if table and not table[0]:
-            return value  # no microbatch thread in this process: every resolve returns the value itself
+            return value
         try:
             return self.resolve(obj, value)
         except Exception as exc:

@@ -1,14 +1,9 @@
 """No exception escapes dbo_runtime code on a DBO microbatch thread; failures are raised after the join.
 
-Why (vLLM 0.33.0): MRV1 ``UBatchWrapper._run_ubatches`` / ``_capture_ubatches`` and MRV2
-``UBatchRunner.begin_capturable_run`` run one thread per microbatch, handing the CPU over at every
-``dbo_yield``. When one thread raises, its ``UBatchContext.__exit__`` wakes the partner once; the partner
-runs to its next yield and waits for a hand-off that never comes, the main thread's ``join()`` blocks and
-the other DP ranks block in the next all-to-all: the DP group hangs with no traceback. So the patches that
-run on microbatch threads are shielded (``ubatch_failures``): a failure is recorded there and the microbatch
-continues with a placeholder, and the join points patched here raise ``MicrobatchFailure`` on the main
-thread once the threads are joined. vLLM's engine core treats that like any model error (fatal, with the
-original traceback as ``__cause__``): a plugin failure is never silently wrong and never a hang.
+When one microbatch thread raises, its partner waits for a hand-off that never comes and the DP group hangs
+with no traceback. So shielded patches record failures there (``ubatch_failures``) and continue with a
+placeholder, and the join points patched here raise ``MicrobatchFailure`` on the main thread: fatal, with
+the original traceback as cause, never silently wrong and never a hang.
 """
 
 from __future__ import annotations
@@ -35,22 +30,14 @@ REMOVAL = "vLLM's microbatch hand-off unwinds every thread when one raises and r
 
 
 ROW_STRIDE = 512
-"""Elements between the placeholder's rows: never 0 (vLLM's persistent top-k divides by the row stride on the host
-and dies of SIGFPE on a stride-0 view, measured on an H200), a multiple of 4 (cooperative top-k's check), and
-1024 bytes even in bf16, the row pitch DeepSelect requires (``indexer_topk.py``'s alignment check on SM100)."""
+"""Elements between the placeholder's rows: never 0 (vLLM's persistent top-k divides by the stride)."""
 
 _RESERVED: dict[tuple[str, Any], Any] = {}
-"""One zero buffer per (device, dtype), allocated at model load (``reserve_placeholders``)."""
+"""One zero buffer per (device, dtype), allocated at model load."""
 
 
 def reserve_placeholders(device: Any, max_model_len: int, max_rows: int = 1) -> None:
-    """Allocate, at model load, the zeros ``placeholder_logits`` hands out instead of allocating.
-
-    Why ahead of time: the typical failure at the logits call site is CUDA out of memory, and then
-    allocating a full ``[rows, max_model_len]`` placeholder fails too; a second exception on a microbatch
-    thread is the hang the guard exists to prevent. Rows overlap (``ROW_STRIDE``), so the buffer is
-    ``max_model_len + ROW_STRIDE * max_rows`` elements, not ``rows x max_model_len``.
-    """
+    """Allocate, at model load, the zeros ``placeholder_logits`` hands out (a handler must not allocate)."""
     import torch
 
     need = int(max_model_len) + ROW_STRIDE * max(int(max_rows), 1)
@@ -61,7 +48,7 @@ def reserve_placeholders(device: Any, max_model_len: int, max_rows: int = 1) -> 
             continue
         try:
             _RESERVED[key] = torch.zeros((need,), dtype=dtype, device=device)
-        except Exception as exc:  # model load goes on: the guard's worker check refuses DBO before warm-up
+        except Exception as exc:  # the guard's worker check refuses DBO before warm-up
             REGISTRY.mark("ubatch_guard", "broken", f"the placeholder logits could not be reserved at model load ({exc!r})")
             logger.error(
                 "dbo_runtime: could not reserve the placeholder logits (%r): without them an out-of-memory error at "
@@ -71,18 +58,9 @@ def reserve_placeholders(device: Any, max_model_len: int, max_rows: int = 1) -> 
 
 
 def placeholder_logits(context_lens: Any, weights: Any, max_model_len: Any, dtype: Any = None) -> Any:
-    """Logits of ``fp8_fp4_paged_mqa_logits``'s shape and dtype, without a kernel, an allocation or a raise.
-
-    ``[B * next_n, max_model_len]`` (``context_lens`` is ``[B, next_n]``, or one length per row for SM100
-    varlen) in ``dtype`` (the call's ``logits_dtype`` where vLLM passes one), else the weights' dtype (bf16 on
-    SM100, fp32 elsewhere): a view of the zeros reserved at model load
-    whose rows overlap (``ROW_STRIDE`` apart), so every row reads valid memory. The values are never used: the
-    step raises after the join. Without enough reserved zeros it falls back to allocating, then to ``weights``
-    (never to a stride-0 view, which the persistent top-k cannot take).
-    vLLM's debug top-k backend (``sparse_indexer_topk_backend="torch"``) masks out of place and allocates full
-    logits, so after an out-of-memory error it raises again in vLLM code: the guarantee holds for the production
-    backends.
-    """
+    """Logits of ``fp8_fp4_paged_mqa_logits``'s shape and dtype, without a kernel, an allocation or a raise: an
+    overlapping-row view of the reserved zeros (values never used: the step raises after the join); else a new
+    tensor, else ``weights``; never a stride-0 view."""
     try:
         import torch
 
@@ -97,22 +75,21 @@ def placeholder_logits(context_lens: Any, weights: Any, max_model_len: Any, dtyp
         return weights
 
 
-# -- join points ------------------------------------------------------------------------------------
 def _checked_join(original: Callable[..., Any], where: str, *, drop_new_graphs: bool = False) -> Callable[..., Any]:
     def joined(self: Any, *args: Any, **kwargs: Any) -> Any:
-        ARMING.arm(where)  # on the main thread, before the threads start (a no-op once armed)
+        ARMING.arm(where)  # before the threads start
         graphs = self.__dict__.get("cudagraphs") if drop_new_graphs else None
         before = set(graphs) if graphs is not None else set()
         try:
             result = original(self, *args, **kwargs)
         except BaseException as exc:
-            FAILURES.raise_pending(exc)  # the recorded cause first, vLLM's own error named in it
+            FAILURES.raise_pending(exc)
             raise
         try:
             FAILURES.raise_pending()
         except MicrobatchFailure:
             if graphs is not None:
-                # Never keep a graph whose capture ran a placeholder.
+                # never keep a graph whose capture ran a placeholder
                 for key in set(graphs) - before:
                     del graphs[key]
             raise
@@ -131,7 +108,7 @@ def _make_mrv1_capture(original: Any) -> Any:
 
 def _make_mrv2_begin(original: Any) -> Any:
     def begin_capturable_run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        ARMING.arm("UBatchRunner.begin_capturable_run")  # before the threads start (a no-op once armed)
+        ARMING.arm("UBatchRunner.begin_capturable_run")
         finish = original(self, *args, **kwargs)
 
         def finish_checked() -> Any:
@@ -143,8 +120,7 @@ def _make_mrv2_begin(original: Any) -> Any:
             FAILURES.raise_pending()
             return result
 
-        # abort_pending_run() calls _pending_finish: route it through the check too, so a failure
-        # recorded in an aborted capture is reported there (vLLM logs it) and not at the next step.
+        # abort_pending_run() finishes too: report a failure of an aborted capture there
         if self.__dict__.get("_pending_finish") is finish:
             self._pending_finish = finish_checked
         return finish_checked
@@ -156,10 +132,8 @@ CONTEXT_ENTER = "ubatch_guard.context_enter"
 
 
 def _make_context_enter(original: Any) -> Any:
-    """The net under the join points: a thread entering a microbatch context arms ``microbatch_arming`` if no
-    runner did. After vLLM's ``__enter__`` returns, the thread is registered and holds the CPU hand-off (its
-    partner is parked, the main thread waits in the join), so the targets are set before any microbatch runs
-    model code. A failure is recorded and raised after the join; nothing is raised here (the partner would hang)."""
+    """The net under the join points: a thread entering a microbatch context arms the set if no runner did,
+    before any model code runs there. A failure is recorded, never raised here (the partner would hang)."""
 
     @shields_itself
     def __enter__(self: Any) -> Any:
@@ -168,14 +142,14 @@ def _make_context_enter(original: Any) -> Any:
             try:
                 ARMING.arm("UBatchContext.__enter__")
             except Exception as exc:
-                record(CONTEXT_ENTER, exc)  # never raises; on a registered thread it always records
+                record(CONTEXT_ENTER, exc)
                 return context
             try:
                 logger.warning(
                     "dbo_runtime: a DBO microbatch thread started outside the runner calls dbo_runtime hooks; the "
                     "per-access hooks were put in force on the thread itself, before the model ran there"
                 )
-            except Exception:  # a broken log handler must not fail a step whose hooks are in force
+            except Exception:
                 pass
         return context
 

@@ -1,12 +1,8 @@
 """JIT-compiling DeepGEMM's paged-MQA planners at model load, so no step compiles one.
 
-DeepGEMM compiles one planner per (32-aligned batch, SM slots, block, varlen), about 1-2 s each on a cold
-cache. Under DeepEP high-throughput with DP > 1 vLLM runs every step eager, so a first use inside a step
-stalls the whole DP group while one rank compiles. So, outside any capture, the warm-up compiles what a
-decode step of this configuration can present, at the builder's own SM count (steps that do not
-microbatch) and at every announced DBO count; the policy follows vLLM's ``VLLM_DEEP_GEMM_WARMUP``
-(``core.settings.warm_policy``). Planner launches by steps are checked against what was compiled, and the
-variants met first in a step are counted (``jit_in_step``: the goal is 0).
+A first compile inside an eager DP step stalls the whole DP group. So, outside any capture, the warm-up compiles
+what a decode step can present, at the builder's own SM count and at every announced DBO count, under vLLM's
+``VLLM_DEEP_GEMM_WARMUP`` policy; variants met first in a step are counted (``jit_in_step``: the goal is 0).
 """
 
 from __future__ import annotations
@@ -27,20 +23,19 @@ logger = get_logger(__name__)
 
 @dataclass(frozen=True)
 class PlannerProfile:
-    """What an indexer builder will ask the planner for at the DBO count (registered at builder construction)."""
+    """What an indexer builder will ask the planner for at the DBO count."""
 
     device: Any
     block_kv: int
     shapes: tuple[tuple[int, int], ...]
-    """``(rows, width)`` of the planner's ``context_lens`` per microbatch (``dbo_planner_shapes``)."""
+    """``(rows, width)`` of the planner's ``context_lens`` per microbatch."""
     varlen: bool = False
     max_rows: int = 0
-    """Planner rows of the largest decode step (``max_num_seqs``, or its tokens with per-token rows)."""
+    """Planner rows of the largest decode step."""
     width: int = 1
-    """``context_lens`` width of this builder's decode steps (``1 + speculative tokens``, or 1 per token)."""
 
     def warm_shapes(self, policy: WarmPolicy, dbo: bool) -> list[tuple[int, int]]:
-        """What to compile at load under ``policy``: at the DBO count (``dbo``) or the builder's own."""
+        """What to compile at load under ``policy``."""
         if policy.mode == "off":
             return []
         if policy.mode == "minimal":
@@ -54,8 +49,7 @@ _said_capped: set[tuple[int, int]] = set()
 
 
 def _capped(cap: int, max_rows: int) -> int:
-    """The warm-up cap the operator set, but no larger than the engine's largest decode step: no step can use a
-    bigger planner shape, and each one costs about 2 s of start-up on a cold ``DG_JIT_CACHE_DIR``. Said once."""
+    """The operator's warm-up cap, but no larger than the engine's largest decode step; said once."""
     if max_rows <= 0 or cap <= max_rows:
         return cap
     if (cap, max_rows) not in _said_capped:
@@ -69,7 +63,7 @@ def _capped(cap: int, max_rows: int) -> int:
 
 
 class PlannerWarmup:
-    """The profiles registered per device, the variants compiled so far, and the warm-up itself."""
+    """Registered profiles, compiled variants, and the warm-up itself."""
 
     def __init__(self, planner: Callable[[], Any], stats: Any, dbo_sms: Callable[[int], int | None]) -> None:
         self._planner = planner
@@ -79,27 +73,21 @@ class PlannerWarmup:
         self._profiles: dict[int, list[PlannerProfile]] = {}
         self._warmed: set[tuple[Any, ...]] = set()
         self._failed: set[tuple[Any, ...]] = set()
-        """Variants whose warm-up raised: not retried (``entered`` publishes every DBO step), and counted by
-        ``note_plan`` when a step compiles them."""
+        """Variants whose warm-up raised: not retried."""
         self._warm_done: set[tuple[Any, ...]] = set()
         self._noted: set[tuple[Any, ...]] = set()
-        """``note_plan``'s raw arguments already checked: each maps to one variant, which is in ``_warmed`` from then
-        on (nothing is ever removed from it), so a step's planner launch of a known shape costs one set lookup."""
+        """``note_plan``'s raw arguments already checked (a known shape costs one set lookup)."""
         self._sweep_warned = False
         self.serving = False
-        """Set when vLLM's start-up (profile run, warm-up, capture) is over: later first launches are in-step."""
+        """vLLM's start-up is over: later first launches are in-step."""
 
     def variant(self, device: Any, block_kv: int, num_sms: int, rows: int, width: int, varlen: bool) -> tuple[Any, ...]:
-        """What DeepGEMM compiles one planner for: ``(aligned batch, SPLIT_KV, slots, varlen)`` on a device."""
+        """What DeepGEMM compiles one planner for, on a device."""
         where = f"{getattr(device, 'type', device)}:{getattr(device, 'index', None) or 0}"
         return (where, int(block_kv), self._planner().slots(int(num_sms), 1 if varlen else int(width)), align_batch(rows), varlen)
 
     def note_plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None) -> None:
-        """A planner launched by a step (the build, a re-plan, a deferred plan): count a variant the warm-up
-        did not cover (``stats.jit_in_step``). Never raises: it only counts.
-
-        Why the raw memo: the builder plans once per step, and the variant key (an f-string, DeepGEMM's slot
-        arithmetic, the batch alignment) costs more than the rest of the builder's hooks together."""
+        """A planner launched by a step: count a variant the warm-up did not cover. Never raises."""
         try:
             raw = (context_lens.shape, context_lens.device, block_kv, num_sms, indices is not None)
             if raw in self._noted:
@@ -110,7 +98,7 @@ class PlannerWarmup:
         self._noted.add(raw)
         if key in self._warmed:
             return
-        with self._lock:  # two microbatch threads meeting one new variant count it once
+        with self._lock:
             if key in self._warmed:
                 return
             self._warmed.add(key)
@@ -120,17 +108,14 @@ class PlannerWarmup:
                 self.stats.jit_at_start += 1
 
     def start_serving(self) -> None:
-        """vLLM's start-up is over (``Worker.compile_or_warm_up_model`` returned): first launches count in-step."""
+        """vLLM's start-up is over: first launches count in-step."""
         self.serving = True
 
     def register_profile(
         self, device_index: int, profile: PlannerProfile, *, full_sms: int | None = None, microbatches: bool = True
     ) -> None:
-        """An indexer builder exists for ``device_index``: warm it for its own SM count (``full_sms``, the
-        steps that do not microbatch; None when the engine never microbatches, as vanilla does nothing
-        there either) and for every announced DBO count -- unless its engine never microbatches
-        (``microbatches`` False): a DBO count an earlier engine of the process announced is not one its steps
-        meet."""
+        """An indexer builder exists: warm it for its own SM count (``full_sms``, None: not at all) and, if its
+        engine ``microbatches``, for every announced DBO count."""
         with self._lock:
             profiles = self._profiles.setdefault(device_index, [])
             if profile not in profiles:
@@ -144,9 +129,7 @@ class PlannerWarmup:
             self.warm(device_index, sms)
 
     def _policy(self) -> WarmPolicy:
-        """``warm_policy()``, but a bad value is logged once and read as unset: warm-up runs inside the
-        ``entered`` publish of every DBO step until a count is warm, so a raise there would log a traceback
-        per step and never warm anything. ``doctor`` and ``simulate`` refuse the same value outright."""
+        """``warm_policy()``, a bad value logged once and read as unset (a raise would repeat every DBO step)."""
         try:
             return warm_policy()
         except ConfigError as exc:
@@ -158,17 +141,12 @@ class PlannerWarmup:
             return warm_policy({k: v for k, v in os.environ.items() if k != WARM_MAX_BATCH_ENV})
 
     def warm(self, device_index: int, num_sms: int, *, dbo: bool = True) -> int:
-        """Launch the planner once per distinct variant of every registered profile at ``num_sms``.
-
-        A variant is what DeepGEMM compiles (``variant``); ``next_n`` is a runtime argument except
-        through the slot count (SM90 ``next_n == 4``: half). Never inside a capture (a JIT compile there
-        would be fatal): skipped and counted; eager warm-up runs precede every capture in both runners.
-        """
+        """Launch the planner once per distinct variant of every registered profile at ``num_sms``; never inside
+        a capture (a JIT compile there would be fatal)."""
         profiles = self._profiles.get(device_index, [])
         if not profiles:
             return 0
-        # Called for every announced budget and every newly registered builder: once a count is warm for
-        # the current profile set, return before any probe, env read or bucket walk.
+        # once warm for the current profiles, return before any probe
         done = (device_index, num_sms, dbo, len(profiles))
         if done in self._warm_done:
             return 0
@@ -186,7 +164,7 @@ class PlannerWarmup:
         todo: dict[tuple[Any, ...], tuple[PlannerProfile, int, int]] = {}
         for profile in profiles:
             for rows, shape_width in profile.warm_shapes(policy, dbo):
-                # Varlen (SM100) plans one row per token with request indices; next_n is 1 there.
+                # varlen (SM100): one row per token, next_n 1
                 width = 1 if profile.varlen else shape_width
                 batch = align_batch(rows)
                 key = self.variant(profile.device, profile.block_kv, num_sms, batch, width, profile.varlen)
@@ -207,8 +185,7 @@ class PlannerWarmup:
                 indices = torch.arange(batch, dtype=torch.int32, device=profile.device) if profile.varlen else None
                 planner.plan(lens, profile.block_kv, num_sms, indices)
             except Exception as exc:
-                # Warm-up is an optimisation (no JIT toolchain, OOM at load): the call site compiles the
-                # variant on first use, as vLLM would, and note_plan counts it there.
+                # an optimisation: the call site compiles it on first use
                 self._failed.add(key)
                 self.stats.warm_failures += 1
                 if self.stats.warm_failures == 1:
