@@ -241,14 +241,13 @@ class DeepGemmKnob:
 
 @functools.lru_cache(maxsize=8)
 def logits_options(kernel: Callable[..., Any]) -> dict[str, Any]:
-    """Keyword options for calling ``kernel`` (DeepGEMM's paged-MQA logits) the same way on every build: fp32 logits,
-    and no in-kernel cleaning where the build has that switch (the copy vLLM 0.34.0 vendors has none)."""
+    """Options calling DeepGEMM's paged-MQA logits alike on every build (some have no ``clean_logits``)."""
     import inspect
 
     import torch
 
     try:
         params = inspect.signature(kernel).parameters
-    except (TypeError, ValueError):  # a compiled binding without a signature: the oldest form
+    except (TypeError, ValueError):
         params = {}
     return {"logits_dtype": torch.float32, **({"clean_logits": False} if "clean_logits" in params else {})}

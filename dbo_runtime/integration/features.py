@@ -66,7 +66,7 @@ class Feature:
     requires: tuple[str, ...] = ()
     upstream: Upstream | None = None
     on_optional_skipped: Callable[[Mapping[str, str]], None] | None = None
-    """Told which optional patches are skipped (name -> why) before the set installs; not called when none is."""
+    """Told the skipped optional patches (name -> why) before install."""
 
 
 @dataclass
@@ -76,8 +76,7 @@ class FeatureState:
     detail: str = ""
     patches: list[str] = field(default_factory=list)
     left_out: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Patches the release leaves out of its set on purpose -> the architectures they serve (empty: all): the guard
-    refuses those architectures, whatever vLLM itself would allow."""
+    """Patches left out of the release on purpose -> their architectures: the guard refuses those."""
 
     @property
     def installs(self) -> bool:
@@ -85,8 +84,7 @@ class FeatureState:
 
     @property
     def applies(self) -> bool:
-        """False for a feature the release leaves out on purpose (vLLM itself refuses DBO where it would be needed):
-        never in force, so the guard still refuses, but no shortfall of this installation either."""
+        """False where the release leaves the feature out: never in force, yet no shortfall of this install."""
         return self.verdict != "not in release"
 
     @property
@@ -103,9 +101,8 @@ class FeatureState:
 def verify(
     features: Sequence[Feature], patches: Sequence[Patch], recorded: Mapping[str, str], against: str
 ) -> dict[str, FeatureState]:
-    """A verdict per feature, from vLLM's source on disk against release ``against``'s fingerprints ``recorded``.
-    A patch recorded ``missing`` whose target this build has makes its feature unverified; ``excluded`` ones are
-    ``FeatureState.left_out`` (refused by the guard), and a feature with only those is *not in release*."""
+    """A verdict per feature, from vLLM's source against release ``against``'s fingerprints ``recorded``. A patch
+    recorded ``missing`` that this build has fails its feature; ``excluded`` ones become ``left_out``."""
     by_feature: dict[str, list[Patch]] = {}
     excluded: dict[str, dict[str, tuple[str, ...]]] = {}
     reappeared: dict[str, list[str]] = {}
@@ -116,7 +113,7 @@ def verify(
         elif want == fingerprints.EXCLUDED:
             excluded.setdefault(patch.feature, {})[patch.name] = patch.architectures
         elif not patch.optional and fingerprints.fingerprint(patch.fingerprint_anchors) != fingerprints.MISSING:
-            reappeared.setdefault(patch.feature, []).append(patch.name)  # recorded missing, yet here: not that release
+            reappeared.setdefault(patch.feature, []).append(patch.name)
     states: dict[str, FeatureState] = {}
     for feature in features:
         own = by_feature.get(feature.name, [])
