@@ -246,6 +246,7 @@ def logits_options(kernel: Callable[..., Any]) -> dict[str, Any]:
 
     import torch
 
+    params: Any
     try:
         params = inspect.signature(kernel).parameters
     except (TypeError, ValueError):

@@ -61,16 +61,16 @@ class MicrobatchArming:
                     continue
                 try:
                     entry.arm()
-                except Exception as error:
-                    failed = (entry, error)
+                except Exception as exc:
+                    failed = (entry, exc)
                     break
                 entry.armed = True
             else:
                 self.armed = True
                 self.armed_by = where
                 return
-        entry, error = failed
-        message = f"{entry.name} could not be put in force at the first microbatched run ({error!r})"
+        entry, cause = failed
+        message = f"{entry.name} could not be put in force at the first microbatched run ({cause!r})"
         if entry.on_failure is not None:
             try:
                 entry.on_failure(message)
@@ -79,7 +79,7 @@ class MicrobatchArming:
         raise PatchError(
             f"dbo_runtime: {message}; the step stops here instead of running its microbatches on vLLM's shared "
             "top-k state"
-        ) from error
+        ) from cause
 
     def names(self) -> list[str]:
         with self._lock:
