@@ -654,6 +654,8 @@ def patches() -> list[Patch]:
             module=MRV2_UBATCH_MODULE,
             attr="UBatchRunner.prepare",
             make=_make_mrv2_prepare,
+            # a deferred plan is safe only while FULL microbatched replays come from graphs captured after arming
+            anchors=(f"{MRV2_UBATCH_MODULE}:UBatchRunner.prepare", "vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager"),
             reason="UBatchRunner.prepare builds per-microbatch metadata: plan the schedule for the DBO compute "
             "count up front",
             upstream_pr="none (improvement over #60732: zero steady-state re-plans)",

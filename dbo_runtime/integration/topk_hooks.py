@@ -221,6 +221,7 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
         module=_INDEX_GROUP,
         attr="SparseMLAIndexGroupBuilder.register_layer",
         make=make,
+        anchors=(f"{_INDEX_GROUP}:SparseMLAIndexGroupBuilder.register_layer", f"{_INDEX_GROUP}:SparseMLAIndexGroup"),
         reason="allocate/attach per-microbatch top-k state when a group gets a follower under DBO; "
         "refuse HiSparse, the compiled generic path and followers built without a shared builder (ROCm DSA)",
         upstream_pr=UPSTREAM_PR,
@@ -236,6 +237,7 @@ def _group_method_patch(name: str, method: str, make: Any) -> Patch:
         module=_INDEX_GROUP,
         attr=f"SparseMLAIndexGroup.{method}",
         make=make,
+        anchors=(f"{_INDEX_GROUP}:SparseMLAIndexGroup",),  # the view is right only while no other method touches its fields
         reason="run vLLM's conversion / ready-event record on the calling microbatch's physical "
         "workspace and events instead of the group's single copy",
         upstream_pr=UPSTREAM_PR,
@@ -419,6 +421,8 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
         module=_SPARSE_MLA,
         attr=f"SharedTopkIndicesBuffer.{ATTR}",
         make=make,
+        # windows are right only while every reader indexes from its own microbatch's row 0
+        anchors=tuple(f"{_SPARSE_MLA}:{c}" for c in ("SharedTopkIndicesBuffer", "SparseMLACommonImpl", "SparseMLACommonMetadataBuilder")),
         reason="followers' sparse MLA impls read the calling microbatch's logical buffer",
         upstream_pr=UPSTREAM_PR,
         removal=REMOVAL,
