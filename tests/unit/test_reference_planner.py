@@ -120,10 +120,11 @@ def test_hand_computed_fewer_segments_than_slots() -> None:
     assert plan_paged_mqa_schedule(lens, 64, 4).tolist() == [[0, 0]] * 4 + [[1, 0]]
 
 
-def test_hand_computed_all_empty_contexts_clamp_to_last_request() -> None:
-    # The kernel clamps the search to batch - 1, so empty plans point at the last request.
+def test_hand_computed_all_empty_contexts_are_all_sentinels() -> None:
+    # No segments: every row is one past the end (batch * atoms), so no slot runs a zero-KV task.
     lens = torch.zeros((3, 2), dtype=torch.int32)
-    assert plan_paged_mqa_schedule(lens, 64, 2).tolist() == [[2, 0], [2, 0], [3, 0]]
+    assert plan_paged_mqa_schedule(lens, 64, 2).tolist() == [[3, 0], [3, 0], [3, 0]]
+    assert plan_paged_mqa_schedule(torch.zeros((3, 4), dtype=torch.int32), 64, 2, sm_major=10).tolist() == [[6, 0]] * 3
 
 
 def test_hand_computed_sm100_next_n_atoms() -> None:
