@@ -148,6 +148,9 @@ class Engine:
             return env
         env[dp_emulation.ENV] = "1"
         env["VLLM_DBO_COMM_SMS"] = str(self.comm_sms)
+        if self.mode == "eager":
+            # rows c and v4-mtp read the in-engine checks; plugin and vanilla get them alike (no numeric effect)
+            env[dp_emulation.CHECK_ENV] = "1"
         return env
 
 

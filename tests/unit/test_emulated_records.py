@@ -126,3 +126,13 @@ def test_every_recorded_transparency_row_is_consistent_with_its_numbers() -> Non
     records = _read(TRANSPARENCY)
     assert records and all(r["dp_emulated"] is False and r["row"].startswith("t-") for r in records)
     assert {r.get("row"): problems(r) for r in records if problems(r)} == {}
+
+
+def test_every_eager_dbo_engine_runs_the_in_engine_checks_and_graph_engines_do_not() -> None:
+    """Row c and v4-mtp count wrong reads in eager engines; a FULL graph would only count at capture."""
+    s = emulated.Settings(layers=8)
+    for row in ("c", "a-eager", "v4-mtp", "a-graphs", "t-eager"):
+        model = "v4" if row == "v4-mtp" else s.model
+        for engine, _ in emulated.needs(row, emulated.Settings(model, s.layers, s.runner)):
+            checked = engine.env().get("DBO_EMULATE_TOPK_CHECK") == "1"
+            assert checked == (engine.dbo and engine.mode == "eager"), (row, engine.label)
