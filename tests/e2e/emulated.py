@@ -10,18 +10,18 @@ Rows (MODE is ``eager`` or ``graphs``, FULL_DECODE_ONLY):
 - ``repro``: the upstream reproducer workload (exact repeats of 64k+1-token prompts, each a prefix-cache hit that
   leaves a 1-token extend, mixed with fresh long prompts), comm SMs 20, eager: vanilla must die on DeepGEMM's
   ``_schedule_meta_size`` assertion, dbo_runtime must serve every request;
-- ``a-MODE``: vanilla (comm SMs 0, so it cannot crash) against dbo_runtime (comm 0), same microbatching: they
-  must differ on a model with followers (bug B);
-- ``a-control-MODE``: the same pair on the control without followers: bit-identical;
-- ``b-MODE``: dbo_runtime with comm SMs 20 against 0: bit-identical (the re-plan is exact);
-- ``n-MODE`` and ``n-control-MODE``: the run-to-run floor, two identical engines (dbo_runtime on the model with
-  followers, vanilla on the control) compared as above; a measurement, its pass says only that both ran
-  microbatched alike. Every accuracy row also records ``prefix_dlogprob`` (see ``prefix_dlogprob``);
+- ``a-control-MODE``: the floor. Vanilla (comm SMs 0, so it cannot crash) against dbo_runtime (comm 0) on the
+  control without followers, where bug B cannot act: what DBO's batch shapes and request timing alone move;
+- ``a-MODE``: the same pair on a model with followers: outside the floor (bug B), within it on ``v32``;
+- ``b-MODE``: dbo_runtime with comm SMs 20 against 0: within the floor (the re-plan is exact; the other GEMMs'
+  SM count changes rounding, which a floor judges and bit-identity cannot);
+- ``n-MODE`` and ``n-control-MODE``: two identical engines (dbo_runtime on the model with followers, vanilla on
+  the control): how much of the floor is run-to-run;
 - ``c``: eager, each follower's top-k read against its own microbatch's leader's: 0 wrong with dbo_runtime,
   more than 0 vanilla;
 - ``mtp-kK`` (K 1, 2, 3: DeepGEMM's paged MQA ``next_n`` 2, 1 (K + 1 = 3 is flattened to single rows) and 4 on
-  SM90), eager, the GLM-5.3 model with one MTP layer: dbo_runtime comm 20 against comm 0 bit-identical (the b
-  rule), vanilla comm 0 beside them; microbatched steps and draft acceptance recorded for all three;
+  SM90), eager, the GLM-5.3 model with one MTP layer: dbo_runtime comm 20 against comm 0 within the eager floor
+  (the b rule), vanilla comm 0 beside them; microbatched steps and draft acceptance recorded for all three;
 - ``v4-mtp``: eager, DeepSeek-V4 with one MTP layer, vanilla against dbo_runtime at comm 0: the MTP hidden buffer
   after both microbatches joined holds each microbatch's rows at its own offset (0 wrong with dbo_runtime, more
   than 0 vanilla, which writes every microbatch from row 0); draft acceptance recorded with and without the fix;
@@ -29,8 +29,12 @@ Rows (MODE is ``eager`` or ``graphs``, FULL_DECODE_ONLY):
   (``--model`` glm53, v32, v4 or ml4: ``glm53-geometry``, ``deepseek-v32``, ``deepseek-v4``, ``mistral-large4``),
   recorded in ``transparency.jsonl`` with ``dp_emulated`` false.
 
-DBO-on against DBO-off is no verdict here: on random-weight models it diverges after a few tokens for vanilla and
-dbo_runtime alike (a noise floor, not a check).
+Pairs are compared with ``dbo_runtime.harness.compare`` (logprobs up to each request's first differing token) and
+judged by its ``FloorRule`` against the same session's ``a-control-MODE`` row, which a session adds when a row
+needs it; ``python -m tests.e2e.emulated judge --out DIR`` re-judges a finished session's engine results. The
+engines are not guaranteed identical batches (the engine core receives the requests while it steps), so a floor,
+not bit-identity, is the judgement; ``same_microbatching`` is recorded beside it. DBO-on against DBO-off is no
+verdict here: on random-weight models it diverges after a few tokens for vanilla and dbo_runtime alike.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from dbo_runtime.harness.compare import Comparison, FloorRule, Request, compare
 from tests.e2e import dp_emulation
 
 HERE = Path(__file__).parent
@@ -355,22 +360,56 @@ def differing(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
     return sum(1 for x, y in zip(a, b, strict=True) if x != y)
 
 
-def prefix_dlogprob(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
-    """How far two runs' greedy outputs drift before chaos: the mean |Δ logprob| of the chosen token over the
-    positions whose whole prefix (that token included) agrees, the count of such positions, and the sequences
-    whose first token already differs. Random-weight models diverge after a few tokens under any numeric change,
-    so this, beside a floor row, is what a non-identical pair is judged by."""
-    total, n, first = 0.0, 0, 0
-    for x, y in zip(a, b, strict=True):
-        first += bool(x["tokens"][:1] != y["tokens"][:1])
-        for i, (tx, ty) in enumerate(zip(x["tokens"], y["tokens"], strict=False)):
-            if tx != ty or i >= len(x["logprobs"]) or i >= len(y["logprobs"]):
-                break
-            key = str(tx)
-            if key in x["logprobs"][i] and key in y["logprobs"][i]:
-                total += abs(x["logprobs"][i][key] - y["logprobs"][i][key])
-                n += 1
-    return {"mean": total / n if n else None, "positions": n, "first_token_differing": first}
+def comparison(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> Comparison:
+    """``b`` against ``a`` as ``dbo-runtime verify`` compares runs."""
+
+    def requests(rs: list[dict[str, Any]]) -> list[Request]:
+        return [Request.from_json({**r, "index": i}) for i, r in enumerate(rs)]
+
+    return compare(requests(a), requests(b))
+
+
+FACTS = (
+    "requests", "agreement", "agreement_se", "exact_requests", "mean_abs_dlogprob_exact", "dlogprob_positions",
+    "nonfinite_logprobs", "missing_requests",
+)  # fmt: skip
+"""The ``Comparison`` fields a record keeps: enough to rebuild it and re-judge the row from the record alone."""
+
+
+def _facts(c: Comparison) -> dict[str, Any]:
+    return {k: getattr(c, k) for k in FACTS}
+
+
+def within_floor(comparison: dict[str, Any], floor: dict[str, Any]) -> tuple[bool, list[str]]:
+    """``FloorRule`` on two recorded comparisons (``_facts``)."""
+    return FloorRule().judge(Comparison(**comparison), Comparison(**floor))
+
+
+FLOOR_OF = {"eager": "a-control-eager", "graphs": "a-control-graphs"}
+"""The row whose pair is the floor for a mode's floor-judged rows (``mtp-kK`` are eager)."""
+
+
+def floor_row(row: str) -> str | None:
+    """The floor row ``row`` is judged against, None for rows judged otherwise."""
+    if row.startswith(("a-eager", "a-graphs", "b-")):
+        return FLOOR_OF["graphs" if row.endswith("graphs") else "eager"]
+    return FLOOR_OF["eager"] if row in MTP_ROWS else None
+
+
+def with_floors(rows: list[str]) -> list[str]:
+    """``rows`` with each floor they need, floors first (a floor must be judged before its rows)."""
+    floors = [f for f in FLOOR_OF.values() if f in rows or any(floor_row(r) == f for r in rows)]
+    return floors + [r for r in rows if r not in floors]
+
+
+def _judged(rec: dict[str, Any], c: Comparison, floor: Comparison | None, want_outside: bool) -> dict[str, Any]:
+    """``rec`` with the floor's verdict on ``c``: within the floor, or outside it when ``want_outside``."""
+    if floor is None:
+        return {**rec, "error": "no floor: its row's engines did not both run", "pass": False}
+    within, reasons = within_floor(_facts(c), _facts(floor))
+    rec.update(floor=_facts(floor), within_floor=within, floor_reasons=reasons)
+    rec["pass"] = rec["microbatched"] and (not within if want_outside else within)
+    return rec
 
 
 def _counted(result: dict[str, Any], what: str) -> dict[str, Any]:
@@ -394,11 +433,13 @@ def acceptance(spec: dict[str, int] | None) -> float | None:
     return round(spec["num_accepted_tokens"] / spec["num_draft_tokens"], 4)
 
 
-def verdict(row: str, s: Settings, out: Path) -> dict[str, Any]:
-    """One row's record numbers and ``pass`` (bool) from its engines' results."""
+def verdict(row: str, s: Settings, out: Path, floors: dict[str, Comparison] | None = None) -> dict[str, Any]:
+    """One row's record numbers and ``pass`` (bool) from its engines' results; a floor row adds its comparison
+    to ``floors`` for the rows judged against it."""
+    floors = {} if floors is None else floors
     engines = needs(row, s)
     if row in MTP_ROWS or row == "v4-mtp":
-        return _verdict_mtp(row, engines, out)
+        return _verdict_mtp(row, engines, out, floors.get(FLOOR_OF["eager"]))
     (e1, what), (e2, _) = engines
     r1, r2 = _load(out, e1), _load(out, e2)
     c1, c2 = _counted(r1, what), _counted(r2, what)
@@ -422,23 +463,27 @@ def verdict(row: str, s: Settings, out: Path) -> dict[str, Any]:
     if not (r1.get("ok") and r2.get("ok")):
         rec.update(error=[r.get("log_tail") for r in (r1, r2) if not r.get("ok")], **{"pass": False})
         return rec
-    microbatched = c1.get("microbatched_steps", 0) > 0 and c1.get("microbatched_steps") == c2.get("microbatched_steps")
-    rec["same_microbatching"] = microbatched
+    same = c1.get("microbatched_steps", 0) > 0 and c1.get("microbatched_steps") == c2.get("microbatched_steps")
+    rec["same_microbatching"] = same
     if row == "c":
+        microbatched = same
         rec.update(vanilla_reads=c1["topk_reads"], vanilla_wrong_reads=c1["topk_wrong_reads"], plugin_reads=c2["topk_reads"], plugin_wrong_reads=c2["topk_wrong_reads"])
         rec["pass"] = microbatched and c1["topk_wrong_reads"] > 0 and c2["topk_reads"] > 0 and c2["topk_wrong_reads"] == 0
         return rec
     a, b = r1["passes"]["accuracy"]["requests"], r2["passes"]["accuracy"]["requests"]
-    rec.update(sequences=len(a), differing=differing(a, b), prefix_dlogprob=prefix_dlogprob(a, b))
-    if row.startswith("n-"):
-        rec["pass"] = microbatched
+    c = comparison(a, b)
+    rec.update(sequences=len(a), differing=differing(a, b), comparison=_facts(c))
+    rec["microbatched"] = c1.get("microbatched_steps", 0) > 0 and c2.get("microbatched_steps", 0) > 0
+    if row.startswith("n-") or row in FLOOR_OF.values():
+        if row in FLOOR_OF.values() and rec["microbatched"]:
+            floors[row] = c
+        rec["pass"] = rec["microbatched"]
         return rec
-    want_differ = row in ("a-eager", "a-graphs") and s.model != "v32"
-    rec["pass"] = microbatched and ((rec["differing"] > 0) if want_differ else (rec["differing"] == 0))
-    return rec
+    want_outside = row.startswith("a-") and s.model != "v32"
+    return _judged(rec, c, floors.get(floor_row(row) or ""), want_outside)
 
 
-def _verdict_mtp(row: str, engines: list[tuple[Engine, str]], out: Path) -> dict[str, Any]:
+def _verdict_mtp(row: str, engines: list[tuple[Engine, str]], out: Path, floor: Comparison | None) -> dict[str, Any]:
     """``mtp-kK``: engines vanilla comm 0, dbo_runtime comm 0, dbo_runtime comm 20; ``v4-mtp``: vanilla and
     dbo_runtime at comm 0."""
     results = [_load(out, e) for e, _ in engines]
@@ -465,17 +510,17 @@ def _verdict_mtp(row: str, engines: list[tuple[Engine, str]], out: Path) -> dict
         )  # fmt: skip
         rec["pass"] = microbatched and cv["mtp_hidden_wrong"] > 0 and cp["mtp_hidden_checks"] > 0 and cp["mtp_hidden_wrong"] == 0
         return rec
-    microbatched = steps[1] > 0 and steps[1] == steps[2]
+    c = comparison(reqs[1], reqs[2])
     rec.update(
-        same_microbatching=microbatched,
+        same_microbatching=steps[1] > 0 and steps[1] == steps[2],
+        microbatched=all(n > 0 for n in steps),
         sequences=len(reqs[1]),
         differing=differing(reqs[1], reqs[2]),
         vanilla_differing=differing(reqs[0], reqs[1]),
-        prefix_dlogprob=prefix_dlogprob(reqs[1], reqs[2]),
-        vanilla_prefix_dlogprob=prefix_dlogprob(reqs[0], reqs[1]),
+        comparison=_facts(c),
+        vanilla_comparison=_facts(comparison(reqs[0], reqs[1])),
     )
-    rec["pass"] = microbatched and rec["differing"] == 0 and steps[0] > 0
-    return rec
+    return _judged(rec, c, floor, want_outside=False)
 
 
 def _versions() -> dict[str, Any]:
@@ -503,21 +548,29 @@ def session(rows: list[str], s: Settings, out: Path, seconds: float, at_once: in
     work = plan(rows, s)
     at_once = at_once or max(1, int(72 // _gib(rows, s)))
     run_engines(work, out, at_once, t0 + seconds)
-    info = _versions()
+    return records(rows, s, out, {**_versions(), "command": command, "date": datetime.date.today().isoformat()})
+
+
+def records(rows: list[str], s: Settings, out: Path, run: dict[str, Any], suffix: str = "") -> int:
+    """Judge each row from the engine results in ``out``, append its record (to ``emulated{suffix}.jsonl`` or
+    ``transparency{suffix}.jsonl``), print its line; 1 if any failed. ``run``: the session's device, vllm, date,
+    command, and ``judged_by`` when a later ``judge`` re-reads them."""
     failed = 0
+    floors: dict[str, Comparison] = {}
     for row in rows:
-        rec = verdict(row, s, out)
+        rec = verdict(row, s, out, floors)
         counters = rec["counters"]
         transparency = row.startswith("t-")
-        with (out / ("transparency.jsonl" if transparency else "emulated.jsonl")).open("a") as records:
+        with (out / f"{'transparency' if transparency else 'emulated'}{suffix}.jsonl").open("a") as lines:
             record = {
                 "family": "dbo-off-transparency" if transparency else "one-gpu-dbo-emulation",
                 **({} if transparency else {"emulation": dp_emulation.NAME}),
                 "dp_emulated": not transparency,
-                "device": info["device"],
-                "vllm": info["vllm"],
-                "date": datetime.date.today().isoformat(),
-                "command": command,
+                "device": run["device"],
+                "vllm": run["vllm"],
+                "date": run["date"],
+                "command": run["command"],
+                **({"judged_by": run["judged_by"]} if "judged_by" in run else {}),
                 "row": row,
                 "runner": s.runner,
                 "mode": "graphs" if row.endswith("graphs") else "eager",
@@ -530,10 +583,24 @@ def session(rows: list[str], s: Settings, out: Path, seconds: float, at_once: in
                 "yields_per_step": [c.get("yields_per_step") for c in counters],
                 **{k: v for k, v in rec.items() if k != "counters"},
             }
-            records.write(json.dumps(record) + "\n")
+            lines.write(json.dumps(record) + "\n")
             print(json.dumps({k: record[k] for k in ("row", "pass", "microbatched_steps", "yields_per_step")}), flush=True)
             failed += not record["pass"]
     return 1 if failed else 0
+
+
+def judge(rows: list[str], s: Settings, out: Path, command: str) -> int:
+    """Re-judge a finished session from its engine results, without a GPU: records to ``*-judged.jsonl`` beside
+    the session's own, with the session's device, vLLM, date and command and this ``judged_by``."""
+    first: dict[str, Any] = {}
+    for name in ("emulated.jsonl", "transparency.jsonl"):
+        if (out / name).exists() and not first:
+            first = json.loads((out / name).read_text().splitlines()[0])
+    if not first:
+        print(f"judge: {out} has no session records (emulated.jsonl or transparency.jsonl)", file=sys.stderr)
+        return 2
+    run = {k: first[k] for k in ("device", "vllm", "date", "command")}
+    return records(rows, s, out, {**run, "judged_by": command}, suffix="-judged")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -541,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["engine"]:
         return engine_main(*argv[1:3])
     p = argparse.ArgumentParser(prog="python -m tests.e2e.emulated", description="The one-GPU DBO emulation matrix.")
-    p.add_argument("cmd", choices=["session", "plan"])
+    p.add_argument("cmd", choices=["session", "plan", "judge"])
     p.add_argument("--rows", default="repro,a-eager,a-control-eager,b-eager,c", help=f"comma-separated, from {','.join(ROWS)}")
     p.add_argument("--model", default="glm53", choices=sorted(set(FOLLOWERS) | set(TRANSPARENCY)))
     p.add_argument("--layers", type=int, default=61, choices=[8, 61, 78])
@@ -550,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=540.0)
     p.add_argument("--at-once", type=int, default=None)
     a = p.parse_args(argv)
-    rows = [r for r in a.rows.split(",") if r]
+    rows = with_floors([r for r in a.rows.split(",") if r])
     bad = [r for r in rows if r not in ROWS]
     if bad:
         p.error(f"unknown row(s) {','.join(bad)}; rows are {','.join(ROWS)}")
@@ -562,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         for engine, passes in plan(rows, s).items():
             print(engine.label, ",".join(passes))
         return 0
+    if a.cmd == "judge":
+        return judge(rows, s, a.out, "python -m tests.e2e.emulated " + " ".join(argv))
     from importlib import metadata
 
     release = dp_emulation.release_of(metadata.version("vllm"))

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 RECORDS = Path(__file__).resolve().parents[2] / "docs" / "records"
-FAMILIES = ("e2e", "host-cost", "twins", "hook-calls", "kernels")
+FAMILIES = ("e2e", "host-cost", "twins", "hook-calls", "kernels", "emulated", "transparency")
 
 
 def family(name: str) -> list[dict[str, Any]]:
