@@ -63,7 +63,7 @@ FOLLOWERS = {"glm53": "glm53-emu", "glm53-pattern": "glm53-emu-pattern", "v32": 
 """The model under test by name; ``v32`` (DeepSeek-V3.2, every layer its own indexer) has no followers."""
 CONTROL = "glm53-emu-control"
 """GLM-5.3 geometry with ``index_topk_freq`` 1: no followers, so dbo_runtime must change nothing."""
-GIB_PER_ENGINE = {("glm53", 8): 8, ("glm53-pattern", 8): 8, ("v32", 8): 9, ("glm53", 61): 18, ("glm53", 78): 22, ("glm53-pattern", 61): 18, ("glm53-pattern", 78): 22, ("v32", 61): 21, ("v32", 78): 26}
+GIB_PER_ENGINE = {("glm53", 8): 8, ("glm53-pattern", 8): 8, ("v32", 8): 9, ("glm53", 61): 21, ("glm53", 78): 26, ("glm53-pattern", 61): 21, ("glm53-pattern", 78): 26, ("v32", 61): 24, ("v32", 78): 30}
 """Estimated GPU memory of one engine (fp8 weights with 8 experts of 256, 1 GiB of KV, workspaces); 8 layers is a
 quick smoke of the matrix's plumbing, 61 and 78 the production depths."""
 ACCURACY_PROMPTS = {"num": 32, "min_len": 300, "max_len": 2500, "seed": 40}
