@@ -16,8 +16,8 @@ FEATURES = [Feature("torch", "CUDA-graph capture counter")]
 
 _COMMON = dict(
     reason=(
-        "torch.cuda.is_current_stream_capturing() costs 300-650 ns on an H200 host; a process-wide capture "
-        "counter lets the indexer call site skip it when no capture is underway"
+        "torch.cuda.is_current_stream_capturing() is a driver query on every indexer call; a process-wide "
+        "capture counter lets the call site skip it when no capture is underway"
     ),
     upstream_pr="none (torch has no cheap capture-in-progress flag)",
     removal="torch exposes a cheap process-wide capture flag, or vLLM re-plans inside its own call site",
