@@ -24,7 +24,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
 mapfile -t ARGS < <(python3 -c "from tests.e2e import plan; print('\n'.join(plan.tune_args('$MODEL')))")
 timeout "$LIMIT" python3 -m dbo_runtime tune --json --shape prefill --prefill-tokens 8192 --values "$VALUES" \
-  --reps "$REPS" --warmup 1 --timeout $((LIMIT - 30)) --workdir "/tmp/tune-$MODEL" --png "$OUT/tune-$MODEL.png" \
+  --reps "$REPS" --warmup 1 --timeout $((LIMIT - 30)) --workdir "/tmp/tune-$MODEL" \
   "${ARGS[@]}" > "$OUT/tune-$MODEL.json" 2> "$OUT/tune-$MODEL.log"
 rc=$?
 echo "exit $rc" >> "$OUT/tune-$MODEL.log"
