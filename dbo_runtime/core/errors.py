@@ -71,7 +71,7 @@ class MicrobatchFailure(DboRuntimeError):
         super().__init__(
             f"dbo_runtime: {where} failed on DBO microbatch {ubatch}: {first!r}{more}. The microbatch finished "
             "the step with a placeholder so that its partner thread and the other DP ranks were not left "
-            f"waiting; this step's output is discarded.{then}"
+            f"waiting; the step then raises this error, which stops vLLM's engine core.{then}"
         )
         # __cause__ hides __context__: name vLLM's error here.
         self.__cause__ = first

@@ -47,7 +47,7 @@ FEATURES = [
     Feature(
         coverage.INDEXER,
         "indexer schedule fix (vllm#60732)",
-        requires=("ubatch_guard",),
+        requires=("ubatch_guard", "sm_control"),
         upstream=Upstream(
             "vllm#60732: the decode metadata re-plans its schedule for DeepGEMM's live SM count",
             (
