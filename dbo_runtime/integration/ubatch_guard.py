@@ -36,13 +36,23 @@ _RESERVED: dict[tuple[str, Any], Any] = {}
 """One zero buffer per (device, dtype), allocated at model load."""
 
 
+def _device_key(device: Any) -> str:
+    """``cuda`` and ``cuda:N`` name one device as reserved and as read: the index is resolved once, at load."""
+    import torch
+
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
 def reserve_placeholders(device: Any, max_model_len: int, max_rows: int = 1) -> None:
     """Allocate, at model load, the zeros ``placeholder_logits`` hands out (a handler must not allocate)."""
     import torch
 
     need = int(max_model_len) + ROW_STRIDE * max(int(max_rows), 1)
     for dtype in (torch.float32, torch.bfloat16):
-        key = (str(device), dtype)
+        key = (_device_key(device), dtype)
         buf = _RESERVED.get(key)
         if buf is not None and int(buf.numel()) >= need:
             continue

@@ -118,7 +118,7 @@ def plan_paged_mqa_schedule(
     atom_idx = torch.where(has_segs, offset_in_q // safe, torch.zeros_like(offset_in_q))
     kv_split_idx = torch.where(has_segs, offset_in_q % safe, torch.zeros_like(offset_in_q))
 
-    # No segments at all: every row is the one-past-the-end sentinel, so no slot runs a zero-KV task.
+    # no segments: every row is the one-past-the-end sentinel
     empty = total == 0
     out = torch.empty((slots + 1, 2), dtype=torch.int64, device=device)
     out[:slots, 0] = torch.where(empty, batch * atoms, q_idx * atoms + atom_idx)
