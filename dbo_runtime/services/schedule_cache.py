@@ -371,6 +371,16 @@ def schedule_cache() -> IndexerScheduleCache:
         return _CACHE
 
 
+def forget_schedule_cache() -> None:
+    """Close the process cache's budget subscriptions and drop it (uninstall): a later install starts clean, and
+    SMControls that outlive the plugin publish to nobody."""
+    global _CACHE
+    with _CACHE_LOCK:
+        cache, _CACHE = _CACHE, None
+    if cache is not None:
+        cache.detach_all()
+
+
 def set_schedule_cache_for_tests(cache: IndexerScheduleCache | None) -> IndexerScheduleCache | None:
     """Swap the process cache; returns the previous one."""
     global _CACHE

@@ -331,12 +331,19 @@ def test_uninstall_forgets_what_the_hooks_built_at_run_time(unpatched: dict[str,
     import torch
 
     from dbo_runtime.integration import ubatch_failures, ubatch_guard
+    from dbo_runtime.services import schedule_cache as sc
+    from dbo_runtime.services.sm_control import SMControl
 
     plugin.register()
     ubatch_guard.reserve_placeholders(torch.device("cpu"), 64)
     ubatch_failures.FAILURES.pending.append(("x", 1, RuntimeError("left over")))
+    control = SMControl(0, 132)  # an engine's control that outlives the plugin
+    cache = sc.schedule_cache()
+    cache.attach(control)
+    assert control._subscribers
     plugin.uninstall()
     assert ubatch_guard._RESERVED == {} and ubatch_failures.FAILURES.pending == []
+    assert not control._subscribers and sc.schedule_cache() is not cache  # it publishes to nobody; a reinstall starts clean
 
 
 def test_uninstall_under_a_live_model_with_topk_state_is_an_error(unpatched: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
