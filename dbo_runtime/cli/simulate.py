@@ -107,13 +107,12 @@ def _run(args: argparse.Namespace) -> int:
         results.append((c, run_scenario(dataclasses.replace(config, **c.overrides), backend, args.mode, progress=progress)))
     passed = all(c.as_expected(r) for c, r in results)
     vllm = _common.protection()
-    protected = vllm["in_force"] and disabled is None
-    code = 0 if passed and protected else 1
+    code = 0 if passed and vllm["in_force"] and disabled is None else 1
     if args.json:
         runs_json = [{"name": c.name, "expect": c.expect, "as_expected": c.as_expected(r), **r.to_json()} for c, r in results]
         print_json({
             "schema": SCHEMA, "backend": backend.name, "simulated": backend.simulated, "mode": args.mode, "budget": results[0][1].budget,
-            "verdict": "PASS" if passed else "FAIL", "vllm": vllm, "protected": protected,
+            "verdict": "PASS" if passed else "FAIL", "vllm": vllm, "protected": vllm["in_force"] and disabled is None,
             "dbo_runtime_disabled_by_env": disabled is not None, "server_runs": "vanilla vLLM" if disabled else "dbo_runtime",
             "warnings": warnings, "exit_code": code, "runs": runs_json,
         })  # fmt: skip
@@ -156,8 +155,8 @@ def _print_human(backend: Any, mode: str, results: list[Any], passed: bool, vllm
     for c, r in results:
         if r.error and not c.as_expected(r):
             print(wrapped(f"{c.name}: {r.error}"))
-    detail = vllm["detail"] if disabled is None else f"{vllm['detail']}, but DBO_RUNTIME_DISABLE turns every fix off"
-    print(wrapped(f"vLLM here: {vllm['installed'] or 'not installed'}; verified: {vllm['verified']}; {detail}"))
+    off = "" if disabled is None else ", but DBO_RUNTIME_DISABLE turns every fix off"
+    print(wrapped(f"vLLM here: {vllm['installed'] or 'not installed'}; verified: {vllm['verified']}; {vllm['detail']}{off}"))
     if not passed:
         verdict = "FAIL: not as expected: " + ", ".join(c.name for c, r in results if not c.as_expected(r))
     elif not vllm["in_force"]:
