@@ -51,7 +51,7 @@ class DeviceRow:
     warnings: list[str] = field(default_factory=list)
 
 
-def _max_sms(text: str) -> int | None:
+def int_or_none(text: str) -> int | None:
     return None if text == "none" else int(text)
 
 
@@ -65,7 +65,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--comm-sms", type=int, metavar="N", help="VLLM_DBO_COMM_SMS (default: $VLLM_DBO_COMM_SMS, else 20 CUDA / 64 ROCm)")
     p.add_argument("--platform", default="cuda", choices=PLATFORMS, help="cuda (default) or rocm")
     p.add_argument("--no-expert-parallel", action="store_true", help="as without --enable-expert-parallel")
-    p.add_argument("--max-sms-used", type=_max_sms, metavar="N|none", help="override the all2all manager's max_sms_used()")
+    p.add_argument("--max-sms-used", type=int_or_none, metavar="N|none", help="override the all2all manager's max_sms_used()")
     p.add_argument("--no-deep-gemm", action="store_true", help="as if DeepGEMM were not installed (compute knob untouched)")
     return p
 
