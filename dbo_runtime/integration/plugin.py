@@ -131,7 +131,7 @@ def _forget_runtime_state() -> None:
         guard_module._RESERVED.clear()
     cache = sys.modules.get("dbo_runtime.services.schedule_cache")
     if cache is not None:
-        cache.forget_schedule_cache()
+        cache.detach_schedule_cache()
     failures = sys.modules.get("dbo_runtime.integration.ubatch_failures")
     if failures is not None:
         failures.FAILURES.take()

@@ -371,12 +371,10 @@ def schedule_cache() -> IndexerScheduleCache:
         return _CACHE
 
 
-def forget_schedule_cache() -> None:
-    """Close the process cache's budget subscriptions and drop it (uninstall): a later install starts clean, and
-    SMControls that outlive the plugin publish to nobody."""
-    global _CACHE
-    with _CACHE_LOCK:
-        cache, _CACHE = _CACHE, None
+def detach_schedule_cache() -> None:
+    """Close the process cache's budget subscriptions (uninstall): SMControls that outlive the plugin publish to
+    nobody. The cache itself stays, so what a harness configured survives a reinstall."""
+    cache = _CACHE
     if cache is not None:
         cache.detach_all()
 

@@ -343,7 +343,7 @@ def test_uninstall_forgets_what_the_hooks_built_at_run_time(unpatched: dict[str,
     assert control._subscribers
     plugin.uninstall()
     assert ubatch_guard._RESERVED == {} and ubatch_failures.FAILURES.pending == []
-    assert not control._subscribers and sc.schedule_cache() is not cache  # it publishes to nobody; a reinstall starts clean
+    assert not control._subscribers and sc.schedule_cache() is cache  # it publishes to nobody; the cache stays
 
 
 def test_uninstall_under_a_live_model_with_topk_state_is_an_error(unpatched: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
