@@ -402,11 +402,11 @@ def with_floors(rows: list[str]) -> list[str]:
     return floors + [r for r in rows if r not in floors]
 
 
-def _judged(rec: dict[str, Any], c: Comparison, floor: Comparison | None, want_outside: bool) -> dict[str, Any]:
-    """``rec`` with the floor's verdict on ``c``: within the floor, or outside it when ``want_outside``."""
+def _judged(rec: dict[str, Any], floor: Comparison | None, want_outside: bool) -> dict[str, Any]:
+    """``rec`` with the floor's verdict on its ``comparison``: within the floor, or outside it when ``want_outside``."""
     if floor is None:
         return {**rec, "error": "no floor: its row's engines did not both run", "pass": False}
-    within, reasons = within_floor(_facts(c), _facts(floor))
+    within, reasons = within_floor(rec["comparison"], _facts(floor))
     rec.update(floor=_facts(floor), within_floor=within, floor_reasons=reasons)
     rec["pass"] = rec["microbatched"] and (not within if want_outside else within)
     return rec
@@ -466,9 +466,8 @@ def verdict(row: str, s: Settings, out: Path, floors: dict[str, Comparison] | No
     same = c1.get("microbatched_steps", 0) > 0 and c1.get("microbatched_steps") == c2.get("microbatched_steps")
     rec["same_microbatching"] = same
     if row == "c":
-        microbatched = same
         rec.update(vanilla_reads=c1["topk_reads"], vanilla_wrong_reads=c1["topk_wrong_reads"], plugin_reads=c2["topk_reads"], plugin_wrong_reads=c2["topk_wrong_reads"])
-        rec["pass"] = microbatched and c1["topk_wrong_reads"] > 0 and c2["topk_reads"] > 0 and c2["topk_wrong_reads"] == 0
+        rec["pass"] = same and c1["topk_wrong_reads"] > 0 and c2["topk_reads"] > 0 and c2["topk_wrong_reads"] == 0
         return rec
     a, b = r1["passes"]["accuracy"]["requests"], r2["passes"]["accuracy"]["requests"]
     c = comparison(a, b)
@@ -480,7 +479,7 @@ def verdict(row: str, s: Settings, out: Path, floors: dict[str, Comparison] | No
         rec["pass"] = rec["microbatched"]
         return rec
     want_outside = row.startswith("a-") and s.model != "v32"
-    return _judged(rec, c, floors.get(floor_row(row) or ""), want_outside)
+    return _judged(rec, floors.get(floor_row(row) or ""), want_outside)
 
 
 def _verdict_mtp(row: str, engines: list[tuple[Engine, str]], out: Path, floor: Comparison | None) -> dict[str, Any]:
@@ -510,17 +509,16 @@ def _verdict_mtp(row: str, engines: list[tuple[Engine, str]], out: Path, floor: 
         )  # fmt: skip
         rec["pass"] = microbatched and cv["mtp_hidden_wrong"] > 0 and cp["mtp_hidden_checks"] > 0 and cp["mtp_hidden_wrong"] == 0
         return rec
-    c = comparison(reqs[1], reqs[2])
     rec.update(
         same_microbatching=steps[1] > 0 and steps[1] == steps[2],
         microbatched=all(n > 0 for n in steps),
         sequences=len(reqs[1]),
         differing=differing(reqs[1], reqs[2]),
         vanilla_differing=differing(reqs[0], reqs[1]),
-        comparison=_facts(c),
+        comparison=_facts(comparison(reqs[1], reqs[2])),
         vanilla_comparison=_facts(comparison(reqs[0], reqs[1])),
     )
-    return _judged(rec, c, floor, want_outside=False)
+    return _judged(rec, floor, want_outside=False)
 
 
 def _versions() -> dict[str, Any]:
@@ -592,10 +590,8 @@ def records(rows: list[str], s: Settings, out: Path, run: dict[str, Any], suffix
 def judge(rows: list[str], s: Settings, out: Path, command: str) -> int:
     """Re-judge a finished session from its engine results, without a GPU: records to ``*-judged.jsonl`` beside
     the session's own, with the session's device, vLLM, date and command and this ``judged_by``."""
-    first: dict[str, Any] = {}
-    for name in ("emulated.jsonl", "transparency.jsonl"):
-        if (out / name).exists() and not first:
-            first = json.loads((out / name).read_text().splitlines()[0])
+    found = [out / n for n in ("emulated.jsonl", "transparency.jsonl") if (out / n).exists()]
+    first: dict[str, Any] = json.loads(found[0].read_text().splitlines()[0]) if found else {}
     if not first:
         print(f"judge: {out} has no session records (emulated.jsonl or transparency.jsonl)", file=sys.stderr)
         return 2
