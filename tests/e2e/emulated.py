@@ -94,6 +94,9 @@ MODELS_OF = {
 def kernel_next_n(k: int) -> int:
     """The ``next_n`` DeepGEMM's SM90 paged MQA logits kernel runs with K speculative tokens (others flattened)."""
     return k + 1 if k + 1 in (1, 2, 4) else 1
+IN_PROCESS = os.environ.get("DBO_EMU_IN_PROCESS", "1") == "1"
+"""The engine core in the engine's own process: every request is added before the first step, so two engines
+see identical batches (in its own process the core starts stepping while requests still arrive)."""
 KV_CACHE_DTYPE = os.environ.get("DBO_EMU_KV_CACHE_DTYPE", "fp8")
 """The reproducer's KV cache dtype (vllm#60732), kept for every row so one engine can serve several rows."""
 
@@ -120,7 +123,8 @@ class Engine:
 
     def args(self) -> list[str]:
         """vLLM's CLI for this engine. ``layers`` 0 keeps the config's depth; DBO-off engines keep vLLM's defaults
-        (no EP, the KV cache dtype the model picks), the same for plugin and vanilla."""
+        but the KV cache dtype (no EP), the same for plugin and vanilla. The KV cache is fp8 (FLASHMLA_SPARSE, the
+        reproducer's) except on DeepSeek-V4, which picks its own."""
         compilation = {"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 64}
         mistral = (MODELS / self.model / "params.json").exists()
         out = [
@@ -134,11 +138,12 @@ class Engine:
         ]  # fmt: skip
         if self.spec_tokens:
             out += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": self.spec_tokens})]
+        if not self.model.startswith("deepseek-v4"):
+            out += ["--kv-cache-dtype", KV_CACHE_DTYPE]
         if not self.dbo:
             return out
         return [
             *out,
-            *(["--kv-cache-dtype", KV_CACHE_DTYPE] if self.model != V4_MTP_MODEL else []),
             "--enable-prefix-caching",
             "--enable-expert-parallel", "--all2all-backend", "deepep_high_throughput", "--enable-dbo",
             "--dbo-decode-token-threshold", "4", "--dbo-prefill-token-threshold", "32",
@@ -149,6 +154,7 @@ class Engine:
             "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
             "VLLM_USE_V2_MODEL_RUNNER": "1" if self.runner == "v2" else "0",
             "VLLM_DEEP_GEMM_WARMUP": "skip",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if IN_PROCESS else "1",
         }
         if self.self_time:
             env["DBO_RUNTIME_SELF_TIME"] = "1"
@@ -574,6 +580,7 @@ def records(rows: list[str], s: Settings, out: Path, run: dict[str, Any], suffix
                 "mode": "graphs" if row.endswith("graphs") else "eager",
                 "comm_sms": [20, 0] if row.startswith("b-") else [0, 0, 20] if row in MTP_ROWS else (20 if row == "repro" else 0),
                 "layers": s.layers if not (transparency or row == "v4-mtp") else None,
+                "engine_core": "in-process" if IN_PROCESS else "own process",
                 "model": s.model,
                 "model_dir": needs(row, s)[0][0].model,
                 "steps": [c.get("steps") for c in counters],
