@@ -1,12 +1,13 @@
 """dbo_runtime's host cost at production depth, in the real engine on one GPU: step time, self time, hooked calls.
 
-With DeepEP high-throughput and DP > 1 every DBO step runs eager, so every hooked call is paid on every layer.
-Tiny-width models at 6, 61 and 78 layers (GLM-5.3 or DeepSeek-V3.2 layer pattern), eager and CUDA graphs, DBO off
-and DBO at DP 1; per configuration three engines (dbo_runtime, vanilla, dbo_runtime self-timed) are timed in
-interleaved turns (``harness.turns``). Reported: the paired step-time ratio, the plugin's own host time and hooked
-calls per step and per layer, planner compilations inside steps.
+With DeepEP high-throughput and DP > 1 every DBO step runs eager, so every hooked call is paid on every layer. Tiny-width
+models at 6, 61 and 78 layers (GLM-5.3 or DeepSeek-V3.2 pattern), eager and CUDA graphs, DBO off and ``emu`` (every
+decode step microbatched on one GPU by the test harness's one-GPU DBO emulation, a cold DeepGEMM JIT cache). Per
+configuration three engines (dbo_runtime, vanilla, dbo_runtime self-timed) are timed in interleaved turns; under
+``emu`` the paired two run with 0 communication SMs (vanilla crashes with more), the self-timed one with 20.
+Reported: the paired step-time ratio, self time and hooked calls per step and per layer, planner compilations in steps.
 
-    python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs] [--dbo off,dp1]
+    python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs] [--dbo off,emu]
     python graphs/bench_host_cost.py --from-runs DIR [--only ...] [--out DIR]   (no engines: a stopped run's records)
 """
 
@@ -30,13 +31,12 @@ MODELS = {
     "v32": ("deepseek-v32", {}),
 }
 MODES = ("eager", "graphs")
-DBO = ("off", "dp1")
+DBO = ("off", "emu")
+EMU_COMM_SMS = {"plugin": 0, "vanilla": 0, "selftime": 20}
 MAX_STEPS = 3000  # decode steps per pass: prompts of up to 600 tokens, --max-model-len 4096
 VARIANTS = (("plugin", {}), ("vanilla", {"DBO_RUNTIME_DISABLE": "1"}), ("selftime", {"DBO_RUNTIME_SELF_TIME": "1"}))
-ENGINE_GIB = ((6, 7.0), (78, 16.0))
-"""(layers, GiB) one engine holds after its first prefill (``docs/performance.md``); other depths on the line between."""
-ENGINE_ONLY = ("reps", "steps", "graphs_steps", "at_once")
-"""Options that shape the engines' runs: not recorded in a ``--from-runs`` summary, where no engine starts."""
+ENGINE_GIB = ((6, 7.0), (78, 16.0))  # (layers, GiB) one engine holds after its first prefill; depths between on the line
+ENGINE_ONLY = ("reps", "steps", "graphs_steps", "at_once")  # shape the engines' runs: not in a --from-runs summary
 AT_ONCE = 1  # configurations alive together: twelve deep engines outgrow one H200 and compete for the host's cores
 
 
@@ -63,15 +63,16 @@ def configurations(models: list[str], depths: list[int], modes: list[str], dbo: 
 def specs_for(config: dict, steps: int, reps: int) -> list:
     from dbo_runtime.harness.launch import RunSpec
     from dbo_runtime.harness.prompts import PromptSpec
-    from tests.e2e import plan
+    from tests.e2e import dp_emulation, plan
 
     name, overrides = MODELS[config["model"]]
     extra = ["--hf-overrides", json.dumps({"num_hidden_layers": config["depth"], **overrides})]
-    if config["dbo"] == "dp1":
-        extra += ["--enable-expert-parallel", "--all2all-backend", plan.HT, "--enable-dbo"]
+    emu = config["dbo"] == "emu"  # DBO on: the thresholds microbatch every step of 32 decodes
+    extra += ["--enable-expert-parallel", "--all2all-backend", plan.HT, "--enable-dbo", "--dbo-decode-token-threshold", "4", "--dbo-prefill-token-threshold", "32"] if emu else []
     bench = {"max_tokens": steps, "reps": reps, "warmup": 1, "coordinated": True}
     return [
-        RunSpec(label=f"{config['label']}-{variant}", engine_args=plan.tiny_args(name, eager=config["mode"] == "eager", extra=extra), env=dict(env),
+        RunSpec(label=f"{config['label']}-{variant}", engine_args=plan.tiny_args(name, eager=config["mode"] == "eager", extra=extra),
+                env={**env, **(dp_emulation.engine_env(EMU_COMM_SMS[variant]) if emu else {})}, cold_jit_cache=emu,
                 prompts=PromptSpec(num=32, min_len=300, max_len=600, seed=13), max_tokens=4, bench=bench, timeout_s=1500,
                 meta={"model": name, "issue": 20, "what": "bench_host_cost", **config, "variant": variant})
         for variant, env in VARIANTS
@@ -130,6 +131,7 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
         "self_us_per_layer": self_med / depth if self_med is not None else None,
         "self_share_of_step": self_med / 1e3 / vanilla_ms if self_med is not None and vanilla_ms else None,
         "hooked_calls_per_step": calls_med,
+        "microbatched_builds_per_rep": med(measured("microbatched_builds")),
         "hooked_calls_per_layer": calls_med / depth if calls_med is not None else None,
         "self_ns_per_hooked_call": self_med * 1e3 / calls_med if self_med is not None and calls_med else None,
         "self_net_us_per_step": med(net_us),
@@ -232,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="glm53,v32", help="comma-separated: glm53, v32 (default both)")
     parser.add_argument("--depths", default="6,61,78", help="comma-separated layer counts (default 6,61,78)")
     parser.add_argument("--modes", default="eager,graphs", help="comma-separated: eager, graphs (default both)")
-    parser.add_argument("--dbo", default="off,dp1", help="comma-separated: off, dp1 (default both)")
-    parser.add_argument("--only", default=None, help="comma-separated configuration labels to keep, e.g. glm53-78L-eager-dbo-dp1 (default: all)")
+    parser.add_argument("--dbo", default="off,emu", help="comma-separated: off, emu (default both)")
+    parser.add_argument("--only", default=None, help="comma-separated configuration labels to keep, e.g. glm53-78L-eager-dbo-emu (default: all)")
     parser.add_argument("--reps", type=integer(1), default=5, help="timed reps per engine after one warm-up (default 5)")
     parser.add_argument("--steps", type=integer(2, MAX_STEPS), default=16, help="decode steps per timed pass, eager rows (default 16)")
     parser.add_argument("--graphs-steps", type=integer(2, MAX_STEPS), default=128, help="decode steps per timed pass, CUDA-graph rows (default 128)")
@@ -255,10 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_host_cost: arguments ok: {len(configs)} configuration(s)", file=sys.stderr)
         return 0
 
-    def steps_of(config: dict) -> int:
-        return int(args.graphs_steps if config["mode"] == "graphs" else args.steps)
-
-    specs_by_config = {c["label"]: specs_for(c, steps_of(c), args.reps) for c in configs}
+    specs_by_config = {c["label"]: specs_for(c, int(args.graphs_steps if c["mode"] == "graphs" else args.steps), args.reps) for c in configs}
     specs = [s for c in configs for s in specs_by_config[c["label"]]]
     out = Path(args.out)
     summarized = args.from_runs is not None

@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 NAME = "one-GPU DBO emulation"
@@ -687,3 +688,18 @@ def install(topk_check: bool | None = None) -> list[str]:
 
 def enabled() -> bool:
     return os.environ.get(ENV) == "1"
+
+
+SITE = Path(__file__).parent / "emulate" / "dp_peer"
+"""The ``sitecustomize`` that loads the emulation into every process of a run."""
+
+
+def pythonpath() -> str:
+    """``PYTHONPATH`` for an engine started from this checkout: the emulation's loader, the checkout, the caller's."""
+    return os.pathsep.join(p for p in (str(SITE), str(SITE.parents[3]), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def engine_env(comm_sms: int) -> dict[str, str]:
+    """What an engine process needs to microbatch under the emulation with ``comm_sms`` communication SMs (the
+    engine's own arguments still ask for DBO: ``--enable-dbo`` with expert parallelism)."""
+    return {"PYTHONPATH": pythonpath(), ENV: "1", "VLLM_DBO_COMM_SMS": str(comm_sms)}

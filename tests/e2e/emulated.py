@@ -58,7 +58,6 @@ from tests.e2e import dp_emulation
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 MODELS = HERE / "models"
-SITE = HERE / "emulate" / "dp_peer"
 FOLLOWERS = {"glm53": "glm53-emu", "glm53-pattern": "glm53-emu-pattern", "v32": "v32-emu"}
 """The model under test by name; ``v32`` (DeepSeek-V3.2, every layer its own indexer) has no followers."""
 CONTROL = "glm53-emu-control"
@@ -151,7 +150,7 @@ class Engine:
 
     def env(self) -> dict[str, str]:
         env = {
-            "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": dp_emulation.pythonpath(),
             "VLLM_USE_V2_MODEL_RUNNER": "1" if self.runner == "v2" else "0",
             "VLLM_DEEP_GEMM_WARMUP": "skip",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if IN_PROCESS else "1",
@@ -162,8 +161,7 @@ class Engine:
             env["DBO_RUNTIME_DISABLE"] = "1"
         if not self.dbo:
             return env
-        env[dp_emulation.ENV] = "1"
-        env["VLLM_DBO_COMM_SMS"] = str(self.comm_sms)
+        env.update(dp_emulation.engine_env(self.comm_sms))
         if self.mode == "eager":
             # rows c and v4-mtp read the in-engine checks; plugin and vanilla get them alike (no numeric effect)
             env[dp_emulation.CHECK_ENV] = "1"

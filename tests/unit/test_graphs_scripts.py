@@ -430,25 +430,30 @@ def test_real_engine_plot_leaves_out_unmeasured_reps(tmp_path: Path) -> None:
 def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -> None:
     """Engines are faked (no GPU in CI; the GPU twin is the benchmark itself on the H200)."""
     mod = load("bench_host_cost.py")
-    configs = mod.configurations(["glm53", "v32"], [6, 61, 78], ["eager", "graphs"], ["off", "dp1"])
+    configs = mod.configurations(["glm53", "v32"], [6, 61, 78], ["eager", "graphs"], ["off", "emu"])
     assert len(configs) == 24 and len({c["label"] for c in configs}) == 24
-    [config] = [c for c in configs if c["label"] == "glm53-78L-eager-dbo-dp1"]
+    [config] = [c for c in configs if c["label"] == "glm53-78L-eager-dbo-emu"]
     specs = mod.specs_for(config, steps=16, reps=5)
-    assert [s.label for s in specs] == [f"glm53-78L-eager-dbo-dp1-{v}" for v in ("plugin", "vanilla", "selftime")]
+    assert [s.label for s in specs] == [f"glm53-78L-eager-dbo-emu-{v}" for v in ("plugin", "vanilla", "selftime")]
     args = specs[0].engine_args
     overrides = json.loads(args[args.index("--hf-overrides") + 1])
     assert overrides == {"num_hidden_layers": 78, "index_topk_freq": 4, "index_skip_topk_offset": 3}
-    assert "--enable-dbo" in args and "--enforce-eager" in args and specs[1].env == {"DBO_RUNTIME_DISABLE": "1"}
-    assert specs[2].env == {"DBO_RUNTIME_SELF_TIME": "1"} and all(s.bench["coordinated"] for s in specs)
+    assert "--enable-dbo" in args and "--enforce-eager" in args and args[args.index("--dbo-decode-token-threshold") + 1] == "4"
+    # every engine microbatches through the emulation; vanilla at 0 comm SMs (more crashes it), the self-timed at 20
+    assert [(s.env["DBO_EMULATE_DP_PEER"], s.env["VLLM_DBO_COMM_SMS"], s.cold_jit_cache) for s in specs] == [("1", "0", True), ("1", "0", True), ("1", "20", True)]
+    assert specs[1].env["DBO_RUNTIME_DISABLE"] == "1" and "DBO_RUNTIME_DISABLE" not in specs[0].env
+    assert specs[2].env["DBO_RUNTIME_SELF_TIME"] == "1" and all(s.bench["coordinated"] for s in specs)
+    [off] = [c for c in configs if c["label"] == "glm53-78L-eager-dbo-off"]
+    assert [s.env for s in mod.specs_for(off, steps=16, reps=5)] == [{}, {"DBO_RUNTIME_DISABLE": "1"}, {"DBO_RUNTIME_SELF_TIME": "1"}]
 
     def rec(steps: list[float], **extra: object) -> dict:
         reps = [{"warmup": True, "decode_step_ms": 999.0}] + [{"warmup": False, "decode_step_ms": x, **extra} for x in steps]
         return {"ok": True, "bench": [{"reps": reps}]}
 
     records = {
-        "glm53-78L-eager-dbo-dp1-plugin": rec([201.0, 202.0, 200.0], jit_in_step=0),
-        "glm53-78L-eager-dbo-dp1-vanilla": rec([200.0, 200.0, 200.0]),
-        "glm53-78L-eager-dbo-dp1-selftime": rec(
+        "glm53-78L-eager-dbo-emu-plugin": rec([201.0, 202.0, 200.0], jit_in_step=0),
+        "glm53-78L-eager-dbo-emu-vanilla": rec([200.0, 200.0, 200.0]),
+        "glm53-78L-eager-dbo-emu-selftime": rec(
             [210.0] * 3, plugin_self_us_per_step=390.0, plugin_self_net_us_per_step=78.0, plugin_calls_per_step=780.0,
             plugin_calls_per_step_by_patch={"topk.SparseAttnIndexer.topk_indices_buffer": 42.0}, jit_in_step=0,
             plugin_self_us_per_step_by_patch={"indexer.logits.sparse_attn_indexer": 300.0},
@@ -491,7 +496,7 @@ def test_host_cost_bench_says_when_its_step_times_are_not_a_measurement() -> Non
     """The shapes of a measured 78-layer graphs run: one pair of reps, a rep 160x the other, a rep whose 1-token
     pass outlasted the full one (a compile in it), and decode steps a third of the timed pass."""
     mod = load("bench_host_cost.py")
-    [config] = [c for c in mod.configurations(["glm53"], [78], ["graphs"], ["dp1"])]
+    [config] = [c for c in mod.configurations(["glm53"], [78], ["graphs"], ["emu"])]
 
     def rec(*reps: tuple[float | None, float, float]) -> dict:
         rows = [{"warmup": True, "decode_step_ms": 1.0, "prefill_s": 0.5, "total_s": 0.6}]
@@ -499,12 +504,12 @@ def test_host_cost_bench_says_when_its_step_times_are_not_a_measurement() -> Non
         return {"ok": True, "bench": [{"reps": rows}]}
 
     records = {
-        "glm53-78L-graphs-dbo-dp1-plugin": rec((21.6, 0.51, 0.84), (9.0, 0.53, 0.67)),
-        "glm53-78L-graphs-dbo-dp1-vanilla": rec((18.1, 0.57, 0.84), (None, 6.05, 0.68)),
-        "glm53-78L-graphs-dbo-dp1-selftime": rec((6.6, 0.51, 0.61), (1450.7, 0.50, 22.26)),
+        "glm53-78L-graphs-dbo-emu-plugin": rec((21.6, 0.51, 0.84), (9.0, 0.53, 0.67)),
+        "glm53-78L-graphs-dbo-emu-vanilla": rec((18.1, 0.57, 0.84), (None, 6.05, 0.68)),
+        "glm53-78L-graphs-dbo-emu-selftime": rec((6.6, 0.51, 0.61), (1450.7, 0.50, 22.26)),
     }
-    records["glm53-78L-graphs-dbo-dp1-selftime"]["bench"][0]["reps"][1]["jit_in_step"] = 2
-    del records["glm53-78L-graphs-dbo-dp1-selftime"]["bench"][0]["reps"][2]["prefill_s"]  # an older record
+    records["glm53-78L-graphs-dbo-emu-selftime"]["bench"][0]["reps"][1]["jit_in_step"] = 2
+    del records["glm53-78L-graphs-dbo-emu-selftime"]["bench"][0]["reps"][2]["prefill_s"]  # an older record
     said = mod.summarize(config, records)["step_time_warnings"]
     assert said[0].startswith("1 plugin/vanilla pair(s) of reps (fewer than 3)")
     assert "plugin: reps differ 2.4x (9.0 to 21.6 ms per step)" in said[1]
@@ -520,7 +525,7 @@ def test_host_cost_bench_summarizes_a_run_a_limit_stopped(tmp_path: Path) -> Non
     from dataclasses import asdict
 
     mod = load("bench_host_cost.py")
-    [config] = [c for c in mod.configurations(("glm53",), (78,), ("eager",), ("dp1",))]
+    [config] = [c for c in mod.configurations(("glm53",), (78,), ("eager",), ("emu",))]
     runs = tmp_path / "bench_host_cost_runs"
     for spec in mod.specs_for(config, 16, 2):
         run = runs / spec.label
@@ -584,16 +589,16 @@ def test_host_cost_bench_runs_graph_rows_with_their_own_step_count(tmp_path: Pat
     monkeypatch.setattr(turns, "run_interleaved", fake_run_interleaved)
     monkeypatch.setattr(mod, "_plot", lambda rows, path: None)
     monkeypatch.setattr(mod, "gpu_gib", lambda: None)  # NVML's answer is this machine's, not the test's
-    argv = ["--models", "glm53", "--depths", "6", "--dbo", "dp1", "--reps", "1", "--out", str(tmp_path)]
+    argv = ["--models", "glm53", "--depths", "6", "--dbo", "emu", "--reps", "1", "--out", str(tmp_path)]
     assert mod.main([*argv, "--steps", "8"]) == 0
     assert {label: n for label, n in seen.items() if label.endswith("-plugin")} == {
-        "glm53-6L-eager-dbo-dp1-plugin": 8, "glm53-6L-graphs-dbo-dp1-plugin": 128,
+        "glm53-6L-eager-dbo-emu-plugin": 8, "glm53-6L-graphs-dbo-emu-plugin": 128,
     }  # fmt: skip
-    assert mod.main([*argv, "--graphs-steps", "64"]) == 0 and seen["glm53-6L-graphs-dbo-dp1-vanilla"] == 64
+    assert mod.main([*argv, "--graphs-steps", "64"]) == 0 and seen["glm53-6L-graphs-dbo-emu-vanilla"] == 64
     with pytest.raises(SystemExit):
         mod.main([*argv, "--graphs-steps", "1"])
     # one configuration's three engines alive at a time by default; --at-once 2 puts both rows in one set of turns
-    assert [len(g) for g in groups] == [3, 3, 3, 3] and groups[0][0] == "glm53-6L-eager-dbo-dp1-plugin"
+    assert [len(g) for g in groups] == [3, 3, 3, 3] and groups[0][0] == "glm53-6L-eager-dbo-emu-plugin"
     groups.clear()
     assert mod.main([*argv, "--at-once", "2"]) == 0 and [len(g) for g in groups] == [6]
     for bad in ("0", "25", ""):
@@ -610,16 +615,16 @@ def test_host_cost_bench_refuses_more_engines_at_once_than_the_gpu_holds(
     from dbo_runtime.harness import machine, turns
 
     mod = load("bench_host_cost.py")
-    deep = mod.configurations(["glm53", "v32"], [78], ["eager"], ["off", "dp1"])
+    deep = mod.configurations(["glm53", "v32"], [78], ["eager"], ["off", "emu"])
     assert mod.memory_problem(deep, 2, 139.8) is None  # six engines, about 96 GiB
     said = mod.memory_problem(deep, 4, 139.8)
     assert said is not None and said.startswith("argument --at-once: 4 is not allowed") and said.endswith("allowed values: --at-once 1, 2")
     assert "78 layers 16.0" in said
-    assert mod.memory_problem(mod.configurations(["glm53"], [6], ["eager", "graphs"], ["off", "dp1"]), 4, 139.8) is None
+    assert mod.memory_problem(mod.configurations(["glm53"], [6], ["eager", "graphs"], ["off", "emu"]), 4, 139.8) is None
     assert "none: one configuration" in str(mod.memory_problem(deep, 1, 40.0))
     # consecutive groups: a smaller --at-once can group worse (here 2 pairs the two deep rows, 3 does not), so every
     # value that fits is named
-    mixed = mod.configurations(["glm53"], [6, 78, 6], ["eager"], ["off", "dp1"])  # 21, 21, 48, 48, 21, 21 GiB
+    mixed = mod.configurations(["glm53"], [6, 78, 6], ["eager"], ["off", "emu"])  # 21, 21, 48, 48, 21, 21 GiB
     assert str(mod.memory_problem(mixed, 4, 92.0)).endswith("allowed values: --at-once 1, 3")
     assert 7.0 < mod.engine_gib({"depth": 30}) < 16.0 < mod.engine_gib({"depth": 120})  # other depths on the line
 
@@ -684,9 +689,9 @@ def test_host_cost_plot_names_the_device_even_when_one_lease_drew_it(tmp_path: P
     if plt is None:
         pytest.fail("matplotlib is a dev dependency (make setup): the plot cannot be checked without it")
     mod = load("bench_host_cost.py")
-    row = {"label": "v32-6L-eager-dbo-dp1", "plugin_over_vanilla_paired": {"median": 1.0}, "self_net_share_of_step": 0.002,
+    row = {"label": "v32-6L-eager-dbo-emu", "plugin_over_vanilla_paired": {"median": 1.0}, "self_net_share_of_step": 0.002,
            "source": "docs/gpu-runs/2026-12-05-lease21-hostcost", "device": "NVIDIA H100 80GB HBM3"}  # fmt: skip
-    fig = _host_cost_figure(plt, mod, [row, {**row, "label": "glm53-6L-eager-dbo-dp1"}], tmp_path)
+    fig = _host_cost_figure(plt, mod, [row, {**row, "label": "glm53-6L-eager-dbo-emu"}], tmp_path)
     assert not fig.legends and "one GPU: NVIDIA H100 80GB HBM3\n" in fig._suptitle.get_text()
     plt.close(fig)
 
