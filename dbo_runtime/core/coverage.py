@@ -131,7 +131,12 @@ ROWS: tuple[Coverage, ...] = (
     _v32_family(
         "DeepseekV32ForCausalLM",
         "vllm.models.deepseek_v32",
-        evidence=("tests/vllm/test_topk_isolation.py", "docs/records/e2e.jsonl (two-GPU A/B records)", _E2E),
+        evidence=(
+            "tests/vllm/test_topk_isolation.py",
+            "tests/vllm/test_topk_dcp.py (DCP, MTP)",
+            "docs/records/e2e.jsonl (two-GPU A/B records)",
+            _E2E,
+        ),
     ),
     _v32_family(
         "GlmMoeDsaForCausalLM",

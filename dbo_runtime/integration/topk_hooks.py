@@ -92,11 +92,26 @@ def _num_ubatches(vllm_config: Any) -> int:
     return int(get_num_ubatches(vllm_config.parallel_config))
 
 
+def padding_reaches_live_rows(next_n: int, num_ubatches: int, moe_layer_freq: int, routed_experts: bool) -> bool:
+    """Whether padded decode rows past a microbatch's end can land on the next one's before it reads them:
+    only a dense layer between MoE layers (no DBO yield) lets a follower share a segment with the next leader."""
+    return next_n > 1 and num_ubatches >= 2 and routed_experts and moe_layer_freq > 1
+
+
+def _moe_layout(vllm_config: Any) -> tuple[int, bool]:
+    """``(moe_layer_freq, has routed experts)`` as vLLM's DSA models read them to place their MoE layers."""
+    model = vllm_config.model_config
+    hf = getattr(model, "hf_text_config", None) or model.hf_config
+    return int(getattr(hf, "moe_layer_freq", 1) or 1), getattr(hf, "n_routed_experts", None) is not None
+
+
 def _check_window_end(state: UbatchTopkState, vllm_config: Any, num_ubatches: int) -> None:
-    """Tell ``state`` whether this engine's padded decode rows can pass a window's end (unreadable sizes: yes)."""
+    """Tell ``state`` whether this engine's padded decode rows can pass a window's end or reach the next
+    microbatch's rows while it still reads them (unreadable config: yes)."""
     try:
         next_n, rows = decode_rows(vllm_config)
         tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        freq, experts = _moe_layout(vllm_config) if next_n > 1 else (1, False)
     except Exception as exc:
         state.windows_too_short = f"the engine's sizes could not be read to bound a window ({exc!r})"
         return
@@ -105,6 +120,12 @@ def _check_window_end(state: UbatchTopkState, vllm_config: Any, num_ubatches: in
             f"with {next_n - 1} speculative tokens a decode microbatch can write up to {rows} top-k rows "
             f"(max_num_seqs x {next_n}, or a FULL-graph capture size), more than the {tokens // num_ubatches} a "
             f"window past the split is sure to hold (max_num_batched_tokens {tokens} over {num_ubatches} microbatches)"
+        )
+    elif padding_reaches_live_rows(next_n, num_ubatches, freq, experts):
+        state.windows_too_short = (
+            f"with {next_n - 1} speculative tokens a decode microbatch's padded top-k rows pass its last token into "
+            f"the next microbatch's window, and with moe_layer_freq {freq} a dense layer (where DBO does not yield) "
+            "can put that write before the next microbatch's followers read those rows"
         )
 
 

@@ -43,15 +43,18 @@ def test_the_rule_covers_every_short_window_of_vllms_slicing() -> None:
 
 
 @pytest.mark.parametrize(
-    ("seqs", "tokens", "spec", "graphs", "reachable"),
+    ("seqs", "tokens", "spec", "graphs", "moe_freq", "reachable"),
     [
-        (255, 1020, 3, None, True),  # the reviewer's case: 1020 rows of decode, 510 after the split
-        (256, 8192, 1, None, False),  # DeepSeek MTP-1 at vLLM's defaults
-        (256, 8192, 1, [512, 1024, 8192], True),  # a FULL-graph capture size past half the step
-        (1024, 1024, 0, None, False),  # no speculative tokens: one row per token
+        (255, 1020, 3, None, 1, True),  # the reviewer's case: 1020 rows of decode, 510 after the split
+        (256, 8192, 1, None, 1, False),  # DeepSeek MTP-1 at vLLM's defaults
+        (256, 8192, 1, [512, 1024, 8192], 1, True),  # a FULL-graph capture size past half the step
+        (1024, 1024, 0, None, 2, False),  # no speculative tokens: one row per token
+        (256, 8192, 1, None, 2, True),  # dense layers between MoE layers: padding can land on live rows
     ],
 )
-def test_the_hook_reads_the_engine_config(seqs: int, tokens: int, spec: int, graphs: list[int] | None, reachable: bool) -> None:
+def test_the_hook_reads_the_engine_config(
+    seqs: int, tokens: int, spec: int, graphs: list[int] | None, moe_freq: int, reachable: bool
+) -> None:
     class Mode:
         def has_full_cudagraphs(self) -> bool:
             return graphs is not None
@@ -60,6 +63,7 @@ def test_the_hook_reads_the_engine_config(seqs: int, tokens: int, spec: int, gra
         scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_num_batched_tokens=tokens),
         speculative_config=SimpleNamespace(num_speculative_tokens=spec) if spec else None,
         compilation_config=SimpleNamespace(cudagraph_mode=Mode(), cudagraph_capture_sizes=graphs or [8]),
+        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(n_routed_experts=256, moe_layer_freq=moe_freq)),
     )
     state = UbatchTopkState(lambda: (0, 0))
     topk_hooks._check_window_end(state, config, 2)
