@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -444,7 +445,9 @@ def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -
     assert specs[1].env["DBO_RUNTIME_DISABLE"] == "1" and "DBO_RUNTIME_DISABLE" not in specs[0].env
     assert specs[2].env["DBO_RUNTIME_SELF_TIME"] == "1" and all(s.bench["coordinated"] for s in specs)
     [off] = [c for c in configs if c["label"] == "glm53-78L-eager-dbo-off"]
-    assert [s.env for s in mod.specs_for(off, steps=16, reps=5)] == [{}, {"DBO_RUNTIME_DISABLE": "1"}, {"DBO_RUNTIME_SELF_TIME": "1"}]
+    envs = [s.env for s in mod.specs_for(off, steps=16, reps=5)]
+    assert envs[:2] == [{}, {"DBO_RUNTIME_DISABLE": "1"}] and envs[2]["DBO_RUNTIME_SELF_TIME"] == "1"
+    assert envs[2]["PYTHONPATH"].split(os.pathsep)[0].endswith("selftime_site")  # the self-timer is outside the wheel
 
     def rec(steps: list[float], **extra: object) -> dict:
         reps = [{"warmup": True, "decode_step_ms": 999.0}] + [{"warmup": False, "decode_step_ms": x, **extra} for x in steps]

@@ -1,0 +1,1 @@
+"""Measurement harnesses loaded into real-engine runs from outside the wheel (``selftime``)."""
