@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_host_cost: error: --from-runs: {exc}", file=sys.stderr)
             return 2
     else:
-        from dbo_runtime.harness.machine import refuse_without_engine
+        from tests.harness.machine import refuse_without_engine
 
         refused = refuse_without_engine("bench_host_cost", 1)
         if refused is not None:

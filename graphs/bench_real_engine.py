@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dbo_runtime.harness.machine import refuse_without_engine  # noqa: E402
 from graphs._args import EXIT_NO_DEVICE, add_out, integer, positive_seconds, progress, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
+from tests.harness.machine import refuse_without_engine  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

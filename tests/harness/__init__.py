@@ -1,1 +1,2 @@
-"""Measurement harnesses loaded into real-engine runs from outside the wheel (``selftime``)."""
+"""What real-engine tests and benches load from outside the wheel: the self-timer (``selftime``) and
+whether the engine can run here (``machine``)."""

@@ -328,7 +328,8 @@ def test_dbo_engine_bench_runs_one_backend_group_at_a_time(
     machine)."""
     import json
 
-    from dbo_runtime.harness import machine, turns
+    from dbo_runtime.harness import turns
+    from tests.harness import machine
 
     mod = load("bench_dbo_engine.py")
     groups: list[list[tuple[str, list[str], dict[str, str]]]] = []
@@ -577,7 +578,8 @@ def test_host_cost_bench_refuses_a_runs_directory_it_cannot_use(tmp_path: Path) 
 def test_host_cost_bench_runs_graph_rows_with_their_own_step_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A replayed step is a few milliseconds: graph rows take ``--graphs-steps`` decode steps per pass, eager rows
     ``--steps`` (engines faked: no GPU in CI; the GPU twin is the benchmark on the H200)."""
-    from dbo_runtime.harness import machine, turns
+    from dbo_runtime.harness import turns
+    from tests.harness import machine
 
     mod = load("bench_host_cost.py")
     seen: dict[str, int] = {}
@@ -615,7 +617,8 @@ def test_host_cost_bench_refuses_more_engines_at_once_than_the_gpu_holds(
     """Twelve 78-layer engines outgrow an H200 part-way (CUDA OOM after minutes of start-up): refused before any
     engine starts, in one line naming ``--at-once`` and what fits (engines faked: no GPU in CI; the GPU's memory
     is NVML's, ``adapters.nvml``, here a stand-in)."""
-    from dbo_runtime.harness import machine, turns
+    from dbo_runtime.harness import turns
+    from tests.harness import machine
 
     mod = load("bench_host_cost.py")
     deep = mod.configurations(["glm53", "v32"], [78], ["eager"], ["off", "emu"])
