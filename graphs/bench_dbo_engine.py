@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not backends:
         shown = ", ".join(repr(b) for b in unknown) or repr(args.backends)
         parser.error(f"argument --backends: {shown} is not allowed; allowed values: ht, ll (comma-separated)")
-    from dbo_runtime.harness.machine import refuse_without_engine
+    from tests.harness.machine import refuse_without_engine
 
     refused = refuse_without_engine("bench_dbo_engine", 2)
     if refused is not None:

@@ -72,7 +72,7 @@ def specs_for(config: dict, steps: int, reps: int) -> list:
     bench = {"max_tokens": steps, "reps": reps, "warmup": 1, "coordinated": True}
     return [
         RunSpec(label=f"{config['label']}-{variant}", engine_args=plan.tiny_args(name, eager=config["mode"] == "eager", extra=extra),
-                env={**env, **(dp_emulation.engine_env(EMU_COMM_SMS[variant]) if emu else {})}, cold_jit_cache=emu,
+                env={**plan.bench_env(env), **(dp_emulation.engine_env(EMU_COMM_SMS[variant]) if emu else {})}, cold_jit_cache=emu,
                 prompts=PromptSpec(num=32, min_len=300, max_len=600, seed=13), max_tokens=4, bench=bench, timeout_s=1500,
                 meta={"model": name, "issue": 20, "what": "bench_host_cost", **config, "variant": variant})
         for variant, env in VARIANTS
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_host_cost: error: --from-runs: {exc}", file=sys.stderr)
             return 2
     else:
-        from dbo_runtime.harness.machine import refuse_without_engine
+        from tests.harness.machine import refuse_without_engine
 
         refused = refuse_without_engine("bench_host_cost", 1)
         if refused is not None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from dbo_runtime.adapters.deep_gemm import logits_options
+from dbo_runtime.sim.backends import logits_options
 from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written
 from graphs._plotting import bar_panels
 

@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dbo_runtime.harness.machine import refuse_without_engine  # noqa: E402
 from graphs._args import EXIT_NO_DEVICE, add_out, integer, positive_seconds, progress, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
+from tests.harness.machine import refuse_without_engine  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = {"max_tokens": args.steps, "reps": args.decode_reps, "warmup": 1}
 
     def spec(label: str, env: dict[str, str]) -> RunSpec:
-        return RunSpec(label=label, engine_args=plan.tiny_args(args.model, eager=not args.graphs), env=env, prompts=prompts, max_tokens=4,
+        return RunSpec(label=label, engine_args=plan.tiny_args(args.model, eager=not args.graphs), env=plan.bench_env(env), prompts=prompts, max_tokens=4,
                        bench=bench, timeout_s=900, meta={"model": args.model, "issue": 8, "what": "bench_real_engine"})  # fmt: skip
 
     from dbo_runtime.sim.report import environment

@@ -237,18 +237,3 @@ class DeepGemmKnob:
 
     def set(self, num_sms: int) -> None:
         (self._setter or set_num_sms)(num_sms)
-
-
-@functools.lru_cache(maxsize=8)
-def logits_options(kernel: Callable[..., Any]) -> dict[str, Any]:
-    """Options calling DeepGEMM's paged-MQA logits alike on every build (some have no ``clean_logits``)."""
-    import inspect
-
-    import torch
-
-    params: Any
-    try:
-        params = inspect.signature(kernel).parameters
-    except (TypeError, ValueError):
-        params = {}
-    return {"logits_dtype": torch.float32, **({"clean_logits": False} if "clean_logits" in params else {})}

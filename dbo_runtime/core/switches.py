@@ -30,7 +30,7 @@ _EFFECT = {
     ("DBO_RUNTIME_DISABLE", False): "the plugin stays active: its fixes where verified, and its guard",
     ("DBO_RUNTIME_STRICT", True): "a fix that is not in force on this vLLM, or a failed install, raises at plugin load",
     ("DBO_RUNTIME_STRICT", False): "a fix that is not in force is logged; the guard refuses a DBO model that needs it",
-    ("DBO_RUNTIME_SELF_TIME", True): "every patched call is timed (the plugin's own host time per step)",
+    ("DBO_RUNTIME_SELF_TIME", True): "a bench harness that loads the self-timer times every patched call",
     ("DBO_RUNTIME_SELF_TIME", False): "the plugin's own time is not measured",
 }
 

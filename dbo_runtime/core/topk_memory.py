@@ -37,11 +37,6 @@ def max_decode_rows(max_num_batched_tokens: int, max_num_seqs: int, max_decode_q
     return min(max_num_batched_tokens, max_num_seqs * max_decode_query_len)
 
 
-def padded_decode_rows(max_num_seqs: int, next_n: int, max_num_batched_tokens: int, largest_full_graph: int = 0) -> int:
-    """The most rows one indexer call writes in decode: ``next_n`` per request, padding requests included."""
-    return min(max(max_num_seqs * next_n, largest_full_graph), max_num_batched_tokens)
-
-
 def topk_memory_bytes(
     *,
     num_layers: int,

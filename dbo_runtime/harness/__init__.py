@@ -3,6 +3,6 @@
 are the same code.
 
 Not part of the plugin, but not independent of it either: the engine child (``harness.runner``)
-loads vLLM with dbo_runtime installed and reads the plugin's state, and ``harness.machine`` asks the
-plugin which vLLM it supports. The parent process (CLI, pytest) imports neither vLLM nor CUDA.
+loads vLLM with dbo_runtime installed and reads the plugin's state. The parent process (CLI, pytest)
+imports neither vLLM nor CUDA; whether the engine can run here at all is ``tests/harness/machine.py``'s.
 """

@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from dbo_runtime.core.switches import parse_switch
 from dbo_runtime.harness.prompts import PromptSpec, for_rank, load
 
 BARRIER_ENV = "DBO_HARNESS_BARRIER_DIR"
@@ -272,9 +273,7 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
     reps = []
     coordinated = bool(bench.get("coordinated"))
     # self-time counters stay 0 unless the switch is on; 0 then means "not measured"
-    from dbo_runtime.integration.selftime import enabled as self_time_on
-
-    self_time = self_time_on()
+    self_time = parse_switch("DBO_RUNTIME_SELF_TIME")
     for rep in range(int(bench.get("warmup", 1)) + int(bench["reps"])):
         if coordinated:
             wait_turn(f"rep{rep}", rank)

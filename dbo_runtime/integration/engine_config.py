@@ -1,10 +1,13 @@
-"""The engine-config fields behind the decode-row bound that the top-k layout and the guard share."""
+"""The decode-row bound that the top-k layout and the guard share."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dbo_runtime.core.topk_memory import padded_decode_rows
+
+def padded_decode_rows(max_num_seqs: int, next_n: int, max_num_batched_tokens: int, largest_full_graph: int = 0) -> int:
+    """Rows one decode indexer call writes at most, padding included."""
+    return min(max(max_num_seqs * next_n, largest_full_graph), max_num_batched_tokens)
 
 
 def decode_rows(vllm_config: Any) -> tuple[int, int]:
@@ -19,4 +22,4 @@ def decode_rows(vllm_config: Any) -> tuple[int, int]:
     return next_n, padded_decode_rows(int(sched.max_num_seqs), next_n, int(sched.max_num_batched_tokens), largest)
 
 
-__all__ = ["decode_rows"]
+__all__ = ["decode_rows", "padded_decode_rows"]

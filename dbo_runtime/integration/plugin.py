@@ -13,10 +13,10 @@ import threading
 from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.switches import parse_switch, switch_problems
-from dbo_runtime.integration import activation, guard, releases, selftime
+from dbo_runtime.integration import activation, guard, releases
 from dbo_runtime.integration.catalog import all_features, all_patches
 from dbo_runtime.integration.features import REGISTRY, FeatureState, excluded_optional, verify
-from dbo_runtime.integration.patching import Patch, PatchSet
+from dbo_runtime.integration.patching import Instrument, Patch, PatchSet
 from dbo_runtime.integration.releases import ReleaseMatch
 
 logger = get_logger("dbo_runtime.plugin")
@@ -24,6 +24,8 @@ logger = get_logger("dbo_runtime.plugin")
 _lock = threading.Lock()
 _patch_set: PatchSet | None = None
 _guard_set: PatchSet | None = None
+INSTRUMENT: Instrument | None = None
+"""Wraps every fix's replacement when set before ``register`` (a measurement harness's sitecustomize)."""
 
 
 def installed_patch_set() -> PatchSet | None:
@@ -92,7 +94,7 @@ def register() -> None:
                 f"dbo_runtime (DBO_RUNTIME_STRICT=1): not in force on {match.describe()}: " + "; ".join(f"{n}: {s.describe()}" for n, s in shortfall.items())
             )
         chosen = [p for p in patches if states[p.feature].installs and p.name not in skip]
-        patch_set = PatchSet(chosen, instrument=selftime if selftime.enabled() else None)
+        patch_set = PatchSet(chosen, instrument=INSTRUMENT)
         try:
             patch_set.install()
         except Exception as exc:

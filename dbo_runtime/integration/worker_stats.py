@@ -8,9 +8,10 @@ Under ``vllm serve`` the same counters go to ``/metrics``. Retired by a plugin R
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
-from dbo_runtime.integration import activation, guard, selftime
+from dbo_runtime.integration import activation, guard
 from dbo_runtime.integration.features import Feature
 from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import Patch
@@ -19,6 +20,8 @@ FEATURES = [Feature("stats", "per-worker counters")]
 
 METHOD = "dbo_runtime_stats"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+EXTENSIONS: list[Callable[[dict[str, Any]], None]] = []
+"""Called with each snapshot before it is returned: where a measurement harness adds its own section."""
 
 
 def _runner_kind(worker: Any) -> str | None:
@@ -67,7 +70,6 @@ def collect(worker: Any = None) -> dict[str, Any]:
     statuses = patch_set.status() if patch_set is not None else []
     snap["patches"] = {s.patch.name: s.state for s in statuses}
     snap["activation_line_emitted"] = activation.emitted_in_this_process()
-    snap["self_time"] = selftime.snapshot(calibrate=selftime.enabled())
     snap["arming"] = ARMING.counters()
     snap["worker"] = _identity(worker)
     pending = guard.pending_required(guard.runner_of(worker) if worker is not None else None)
@@ -86,10 +88,6 @@ def collect(worker: Any = None) -> dict[str, Any]:
         "topk_groups_attached": snap["topk"]["groups_attached"],
         "topk_shared_buffers": snap["topk"]["shared_buffers"],
         "topk_extra_bytes": snap["topk"]["extra_bytes"],
-        "self_time_ns": snap["self_time"]["total_ns"],
-        "self_time_calls": snap["self_time"]["calls"],
-        "self_time_gc_count": snap["self_time"].get("gc_count", 0),
-        "self_time_gc_ns": snap["self_time"].get("gc_ns", 0),
         "jit_in_step": cache.get("jit_in_step", 0),
         "jit_at_start": cache.get("jit_at_start", 0),
         "builders_stepped_aside": cache.get("builders_stepped_aside", 0),
@@ -104,6 +102,8 @@ def collect(worker: Any = None) -> dict[str, Any]:
 
     snap["features"] = {name: state.describe() for name, state in REGISTRY.all().items()}
     snap["pid"] = os.getpid()
+    for extend in EXTENSIONS:
+        extend(snap)
     return snap
 
 

@@ -7,7 +7,9 @@ GPU. The CPU backend plans with ``sim.reference_planner`` and says it is a simul
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -16,6 +18,21 @@ import numpy  # noqa: F401
 import torch
 
 from dbo_runtime.sim import reference_planner as ref
+
+
+@functools.lru_cache(maxsize=8)
+def logits_options(kernel: Callable[..., Any]) -> dict[str, Any]:
+    """Options calling DeepGEMM's paged-MQA logits alike on every build (some have no ``clean_logits``)."""
+    import inspect
+
+    import torch
+
+    params: Any
+    try:
+        params = inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        params = {}
+    return {"logits_dtype": torch.float32, **({"clean_logits": False} if "clean_logits" in params else {})}
 
 
 class ScheduleAssertion(RuntimeError):
@@ -185,7 +202,7 @@ class DeepGemmBackend:
         try:
             return self.dg.fp8_fp4_paged_mqa_logits(
                 (q, None), kv_cache, weights, context_lens, block_table, schedule, max_context_len,
-                **self.adapter.logits_options(self.dg.fp8_fp4_paged_mqa_logits),
+                **logits_options(self.dg.fp8_fp4_paged_mqa_logits),
             )
         except RuntimeError as exc:
             if "_schedule_meta_size" in str(exc):

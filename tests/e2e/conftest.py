@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.harness.machine import engine_missing
 from tests.e2e import plan
+from tests.harness.machine import engine_missing
 from tests.load_format import put_on_pythonpath
 from tests.require_gpu import require_gpu
 

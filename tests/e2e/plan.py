@@ -58,6 +58,15 @@ the launcher stops it earlier (``hang_killed``). A healthy run here starts in <=
 
 LOAD_FORMATS = ("dummy", "dbo_runtime_random")
 MAX_ENGINES_DEFAULT = 12
+SELF_TIME_SITE = Path(__file__).resolve().parents[1] / "harness" / "selftime_site"
+"""The sitecustomize that loads the self-timer (``tests/harness/selftime.py``) into a run's processes."""
+
+
+def bench_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for an engine; one that sets ``DBO_RUNTIME_SELF_TIME`` gets the self-timer's site on ``PYTHONPATH``."""
+    if "DBO_RUNTIME_SELF_TIME" not in env:
+        return dict(env)
+    return {**env, "PYTHONPATH": os.pathsep.join([str(SELF_TIME_SITE), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def max_engines(environ: Mapping[str, str] | None = None) -> int:
@@ -125,7 +134,7 @@ def tiny_args(model: str, *, eager: bool, extra: list[str] | None = None) -> lis
 
 
 def _env(runner: str | None, plugin: bool, **extra: str) -> dict[str, str]:
-    env = dict(extra)
+    env = bench_env(extra)
     if runner is not None:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
     if not plugin:

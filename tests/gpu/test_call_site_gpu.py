@@ -23,9 +23,10 @@ from typing import Any
 import pytest
 import torch
 
-from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner, logits_options, schedule_slots
+from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner, schedule_slots
 from dbo_runtime.services import schedule_cache as sc
 from dbo_runtime.services.schedule_cache import IndexerScheduleCache
+from dbo_runtime.sim.backends import logits_options
 
 DBO_SMS = 112
 MAX_CTX = 8192

@@ -23,11 +23,12 @@ import pytest
 import torch
 
 from dbo_runtime.adapters.cuda_graph import capture_id
-from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner, logits_options, schedule_slots
+from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner, schedule_slots
 from dbo_runtime.core.budget import compute_budget
 from dbo_runtime.services.planner_warmup import PlannerProfile
 from dbo_runtime.services.schedule_cache import IndexerScheduleCache
 from dbo_runtime.services.sm_control import SMControl
+from dbo_runtime.sim.backends import logits_options
 
 HEADS, DIM, BLOCK = 32, 128, 64
 CONTEXTS = [1, 7, 64, 65, 255, 256, 257, 1000, 4096, 8191, 16384, 30000, 32768]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -327,7 +328,8 @@ def test_dbo_engine_bench_runs_one_backend_group_at_a_time(
     machine)."""
     import json
 
-    from dbo_runtime.harness import machine, turns
+    from dbo_runtime.harness import turns
+    from tests.harness import machine
 
     mod = load("bench_dbo_engine.py")
     groups: list[list[tuple[str, list[str], dict[str, str]]]] = []
@@ -444,7 +446,9 @@ def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -
     assert specs[1].env["DBO_RUNTIME_DISABLE"] == "1" and "DBO_RUNTIME_DISABLE" not in specs[0].env
     assert specs[2].env["DBO_RUNTIME_SELF_TIME"] == "1" and all(s.bench["coordinated"] for s in specs)
     [off] = [c for c in configs if c["label"] == "glm53-78L-eager-dbo-off"]
-    assert [s.env for s in mod.specs_for(off, steps=16, reps=5)] == [{}, {"DBO_RUNTIME_DISABLE": "1"}, {"DBO_RUNTIME_SELF_TIME": "1"}]
+    envs = [s.env for s in mod.specs_for(off, steps=16, reps=5)]
+    assert envs[:2] == [{}, {"DBO_RUNTIME_DISABLE": "1"}] and envs[2]["DBO_RUNTIME_SELF_TIME"] == "1"
+    assert envs[2]["PYTHONPATH"].split(os.pathsep)[0].endswith("selftime_site")  # the self-timer is outside the wheel
 
     def rec(steps: list[float], **extra: object) -> dict:
         reps = [{"warmup": True, "decode_step_ms": 999.0}] + [{"warmup": False, "decode_step_ms": x, **extra} for x in steps]
@@ -574,7 +578,8 @@ def test_host_cost_bench_refuses_a_runs_directory_it_cannot_use(tmp_path: Path) 
 def test_host_cost_bench_runs_graph_rows_with_their_own_step_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A replayed step is a few milliseconds: graph rows take ``--graphs-steps`` decode steps per pass, eager rows
     ``--steps`` (engines faked: no GPU in CI; the GPU twin is the benchmark on the H200)."""
-    from dbo_runtime.harness import machine, turns
+    from dbo_runtime.harness import turns
+    from tests.harness import machine
 
     mod = load("bench_host_cost.py")
     seen: dict[str, int] = {}
@@ -612,7 +617,8 @@ def test_host_cost_bench_refuses_more_engines_at_once_than_the_gpu_holds(
     """Twelve 78-layer engines outgrow an H200 part-way (CUDA OOM after minutes of start-up): refused before any
     engine starts, in one line naming ``--at-once`` and what fits (engines faked: no GPU in CI; the GPU's memory
     is NVML's, ``adapters.nvml``, here a stand-in)."""
-    from dbo_runtime.harness import machine, turns
+    from dbo_runtime.harness import turns
+    from tests.harness import machine
 
     mod = load("bench_host_cost.py")
     deep = mod.configurations(["glm53", "v32"], [78], ["eager"], ["off", "emu"])

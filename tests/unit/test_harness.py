@@ -641,7 +641,7 @@ def test_ctrl_c_during_the_turns_kills_every_engine_before_it_propagates(
 
 def test_a_machine_that_cannot_run_the_engine_is_exit_3(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """README: 3 is "cannot run here" for every command and script; check_load_format returns this value as is."""
-    from dbo_runtime.harness import machine
+    from tests.harness import machine
 
     monkeypatch.setattr(machine, "engine_missing", lambda gpus: "no CUDA device")
     assert machine.refuse_without_engine("check_load_format", 1, "nothing checked") == 3

@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from dbo_runtime.integration import selftime
 from dbo_runtime.integration.patching import Patch, PatchSet
+from tests.harness import selftime
 
 
 def _busy(ns: int) -> None:
@@ -239,3 +239,22 @@ def test_a_garbage_collection_inside_plugin_code_is_counted_apart() -> None:
     gc.collect(0)  # outside any plugin code
     after = selftime.snapshot(calibrate=False)
     assert after["gc_count"] == mid["gc_count"] and after["gc_ns"] == mid["gc_ns"]
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_the_bench_site_hands_the_plugin_the_timer_only_when_the_switch_is_on(switch: str) -> None:
+    """The wheel has no self-timer: a bench run's sitecustomize (``plan.bench_env``) installs it from outside."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.e2e import plan
+
+    env = plan.bench_env({"DBO_RUNTIME_SELF_TIME": switch})
+    code = (
+        "from dbo_runtime.integration import plugin, worker_stats\n"
+        "print(getattr(plugin.INSTRUMENT, '__name__', None), len(worker_stats.EXTENSIONS))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == (["tests.harness.selftime", "1"] if switch == "1" else ["None", "0"])

@@ -17,6 +17,7 @@ import pytest
 
 from dbo_runtime.core import coverage
 from dbo_runtime.integration.topk_hooks import honours_indexer_types
+from tools import models_table
 
 RULE = honours_indexer_types()
 """Whether the installed vLLM reads ``indexer_types`` first (``compute_skip_topk_layers``)."""
@@ -113,7 +114,7 @@ def test_mistral_large4_followers_are_the_layers_vllm_builds_without_an_indexer(
         from vllm.model_executor.models import registry
 
         assert "MistralLarge4ForCausalLM" not in registry._VLLM_MODELS
-        assert coverage.BY_ARCHITECTURE["MistralLarge4ForCausalLM"].status_in("0.33.0") == "-"
+        assert models_table.BY_NAME["MistralLarge4ForCausalLM"].status_in("0.33.0") == "-"
         return
     from types import SimpleNamespace
 

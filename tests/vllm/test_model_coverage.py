@@ -1,5 +1,5 @@
-"""Every DSA-family architecture in the installed vLLM's model registry (run against each supported release) has a row in ``core.coverage`` (and so in
-``docs/models.md``); a new one shows up here as unknown instead of silently unprotected.
+"""Every DSA-family architecture in the installed vLLM's model registry (run against each supported release) has a rule in ``core.coverage``
+and a row in ``docs/models.md`` (``tools/models_table.py``); a new one shows up here as unknown instead of silently unprotected.
 
 The registry is vLLM's own (``vllm.model_executor.models.registry._VLLM_MODELS``); an architecture counts as
 DSA-family when the source of its module (a ``vllm.models.*`` package as a whole) builds the DSA indexer,
@@ -14,6 +14,7 @@ import pathlib
 import re
 
 from dbo_runtime.core import coverage
+from tools import models_table
 
 INDEXER = ("DeepseekV32Indexer", "SparseAttnIndexer", "fp8_fp4_paged_mqa_logits", "DeepseekV32IndexerMetadataBuilder")
 SHARING = (
@@ -49,36 +50,43 @@ def test_every_dsa_family_architecture_has_a_row() -> None:
     assert not missing, f"architectures without a row in dbo_runtime/core/coverage.py: {missing}"
 
 
+def test_the_table_shows_every_rule_and_only_those() -> None:
+    shown = [row.architecture for row in models_table.ROWS]
+    assert len(shown) == len(set(shown)) and set(shown) == set(coverage.BY_ARCHITECTURE)
+
+
 def test_every_row_is_a_registered_architecture_of_its_module() -> None:
-    """A row the installed registry lacks must say it belongs to other releases only (``Coverage.releases``)."""
+    """A row the installed registry lacks must say it belongs to other releases only (``Row.releases``)."""
     from vllm.model_executor.models import registry
 
-    registered = [row for row in coverage.ROWS if row.architecture in registry._VLLM_MODELS]
+    registered = [row for row in models_table.ROWS if row.architecture in registry._VLLM_MODELS]
     assert len(registered) >= 30
-    for row in coverage.ROWS:
+    for row in models_table.ROWS:
         if row.architecture not in registry._VLLM_MODELS:
-            assert row.releases != coverage.RELEASES, f"{row.architecture} is not in vLLM's registry"
+            assert row.releases != models_table.RELEASES, f"{row.architecture} is not in vLLM's registry"
             continue
         module = registry._resolve_module_name(registry._VLLM_MODELS[row.architecture][0])
         assert module == row.module, (row.architecture, module)
-    missing_here = {row.architecture for row in coverage.ROWS if row.architecture not in registry._VLLM_MODELS}
-    for release in coverage.RELEASES:  # the installed registry is exactly one release's rows
-        if {row.architecture for row in coverage.ROWS if release not in row.releases} == missing_here:
+    missing_here = {row.architecture for row in models_table.ROWS if row.architecture not in registry._VLLM_MODELS}
+    for release in models_table.RELEASES:  # the installed registry is exactly one release's rows
+        if {row.architecture for row in models_table.ROWS if release not in row.releases} == missing_here:
             break
     else:
         raise AssertionError(f"no release's rows match this registry (absent here: {sorted(missing_here)})")
 
 
 def test_rows_that_fix_or_refuse_say_how_and_why() -> None:
-    for row in coverage.ROWS:
-        if row.status == "refused":
-            assert row.refusal and row.sharing != "none", row.architecture
-        if row.status == "fixed":
-            assert row.needs and row.evidence, row.architecture
+    for row in models_table.ROWS:
+        rule = coverage.BY_ARCHITECTURE[row.architecture]
+        if rule.status == "refused":
+            assert rule.refusal and rule.sharing != "none", row.architecture
+        if rule.status == "fixed":
+            assert rule.needs and row.evidence, row.architecture
         if row.bug_b:
-            assert row.sharing != "none", row.architecture
+            assert rule.sharing != "none", row.architecture
+        assert bool(row.bug_a) == (rule.indexer != "never"), row.architecture  # the table says what the guard reads
 
 
 def test_docs_models_md_is_generated_from_the_table() -> None:
     committed = (pathlib.Path(__file__).parents[2] / "docs" / "models.md").read_text()
-    assert committed == coverage.render(), "regenerate: python -m dbo_runtime.core.coverage > docs/models.md"
+    assert committed == models_table.render(), "regenerate: python tools/models_table.py > docs/models.md"

@@ -316,9 +316,12 @@ def test_self_time_times_every_patch_descriptors_included(unpatched: dict[str, A
     import vllm.model_executor.layers.sparse_attn_indexer
     import vllm.models.deepseek_v32.attention  # noqa: F401
 
-    from dbo_runtime.integration import selftime
+    from dbo_runtime.integration import worker_stats
+    from tests.harness import selftime
 
-    monkeypatch.setenv("DBO_RUNTIME_SELF_TIME", "1")
+    monkeypatch.setattr(worker_stats, "EXTENSIONS", [])
+    monkeypatch.setattr(plugin, "INSTRUMENT", None)
+    selftime.install()
     plugin.register()
     untimed = set(selftime.snapshot(calibrate=False)["untimed"])
     assert not untimed & {p.name for p in plugin.all_patches()}, untimed

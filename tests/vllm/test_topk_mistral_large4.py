@@ -35,6 +35,7 @@ from tests.vllm.test_topk_isolation import (
     mismatches,
     run_step,
 )
+from tools import models_table
 
 MISTRAL_INDEXER = "vllm.models.mistral.nvidia.indexer"
 PATCH = "topk.MistralIndexer.topk_indices_buffer"
@@ -73,7 +74,7 @@ def test_vllm_033_has_no_mistral_large4_and_its_set_no_such_patch() -> None:
     names = {p.name for p in in_release(topk_hooks.patches(UbatchTopkState(ubatch_ids.current_ubatch)))}
     if has_module(MISTRAL_INDEXER):
         assert PATCH in names
-        assert coverage.BY_ARCHITECTURE["MistralLarge4ForCausalLM"].status_in("0.34.0") == "fixed"
+        assert models_table.BY_NAME["MistralLarge4ForCausalLM"].status_in("0.34.0") == "fixed"
     else:
         assert PATCH not in names and not has_module("vllm.models.mistral.mistral_large4")
 

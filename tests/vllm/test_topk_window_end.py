@@ -74,7 +74,7 @@ def test_the_hook_reads_the_engine_config(
 
 
 def test_padded_decode_rows_counts_graph_padding_and_caps_at_the_step() -> None:
-    from dbo_runtime.core.topk_memory import padded_decode_rows
+    from dbo_runtime.integration.engine_config import padded_decode_rows
 
     assert padded_decode_rows(256, 2, 8192) == 512  # eager: next_n rows per request
     assert padded_decode_rows(256, 2, 8192, largest_full_graph=1024) == 1024  # graphs pad whole requests up to it

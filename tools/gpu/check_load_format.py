@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
         helped = bool(argv) and argv[0] in ("-h", "--help")
         print("usage: check_load_format.py WORKDIR   (a directory for the run's logs; see the module docstring)", file=sys.stdout if helped else sys.stderr)
         return 0 if helped else 2
-    from dbo_runtime.harness.machine import refuse_without_engine
+    from tests.harness.machine import refuse_without_engine
 
     refused = refuse_without_engine("check_load_format", 1, "nothing checked")
     if refused is not None:

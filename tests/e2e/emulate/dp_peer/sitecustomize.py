@@ -1,17 +1,23 @@
 """Loads the one-GPU DBO emulation (``tests/e2e/dp_emulation.py``) into every Python process of a run.
 
 On ``PYTHONPATH`` of the run, so the front-end, the engine core and the workers all start with it; it does
-nothing unless ``DBO_EMULATE_DP_PEER=1``. The checkout's root joins ``sys.path`` so ``tests.e2e`` imports.
+nothing unless ``DBO_EMULATE_DP_PEER=1``. The checkout's root joins ``sys.path`` so ``tests.e2e`` imports. Being the
+run's one sitecustomize, it also loads the self-timer (``tests/harness/selftime.py``) under ``DBO_RUNTIME_SELF_TIME``.
 """
 
 import os
 import sys
 from pathlib import Path
 
+_root = str(Path(__file__).resolve().parents[4])
+if (os.environ.get("DBO_EMULATE_DP_PEER") == "1" or "DBO_RUNTIME_SELF_TIME" in os.environ) and _root not in sys.path:
+    sys.path.append(_root)
 if os.environ.get("DBO_EMULATE_DP_PEER") == "1":
-    _root = str(Path(__file__).resolve().parents[4])
-    if _root not in sys.path:
-        sys.path.append(_root)
     from tests.e2e import dp_emulation
 
     dp_emulation.install()
+if "DBO_RUNTIME_SELF_TIME" in os.environ:
+    from tests.harness import selftime
+
+    if selftime.enabled():
+        selftime.install()

@@ -1,6 +1,8 @@
-"""Opt-in measurement of dbo_runtime's own host time inside a real engine (``DBO_RUNTIME_SELF_TIME=1``).
+"""Measurement of dbo_runtime's own host time inside a real engine (``DBO_RUNTIME_SELF_TIME=1``).
 
-The plugin's cost per step is smaller than the run-to-run noise of a whole-engine A/B, so every
+A bench harness, not part of the wheel: ``selftime_site/sitecustomize.py`` (on the run's ``PYTHONPATH``,
+``tests.e2e.plan.bench_env``) calls ``install()`` in every process, which hands the plugin this module as
+its ``PatchSet`` instrument and adds a ``self_time`` section to the worker stats. The plugin's cost per step is smaller than the run-to-run noise of a whole-engine A/B, so every
 patched function, descriptor and property is wrapped at install time and the time spent *in plugin
 code* is accumulated, with calls per patch. Time inside the vLLM original a wrapper calls is
 excluded; a kernel the plugin launches counts. The wrappers' own cost is measured and reported
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import sys
 import threading
 import time
 import types
@@ -66,10 +69,24 @@ _long_by_patch: dict[str, list[int]] = {}
 
 
 def enabled() -> bool:
-    try:
-        return parse_switch(ENV)
-    except Exception:
-        return False
+    return parse_switch(ENV)
+
+
+def install() -> None:
+    """Time every replacement the plugin installs in this process from now on, and publish the totals in
+    each worker-stats snapshot (``snap["self_time"]`` and the ``self_time_*`` summary counters)."""
+    from dbo_runtime.integration import plugin, worker_stats
+
+    plugin.INSTRUMENT = sys.modules[__name__]
+    if _publish not in worker_stats.EXTENSIONS:
+        worker_stats.EXTENSIONS.append(_publish)
+
+
+def _publish(snap: dict[str, Any]) -> None:
+    timed = snap["self_time"] = snapshot(calibrate=True)
+    snap["summary"].update(
+        self_time_ns=timed["total_ns"], self_time_calls=timed["calls"], self_time_gc_count=timed["gc_count"], self_time_gc_ns=timed["gc_ns"]
+    )
 
 
 def _mine() -> _ThreadClock:
@@ -336,4 +353,4 @@ def snapshot(calibrate: bool = True) -> dict[str, Any]:
     }
 
 
-__all__ = ["ENV", "MEASUREMENT", "TimedDescriptor", "enabled", "pause_for_original", "snapshot", "time_plugin"]
+__all__ = ["ENV", "MEASUREMENT", "TimedDescriptor", "enabled", "install", "pause_for_original", "snapshot", "time_plugin"]

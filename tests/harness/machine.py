@@ -1,4 +1,4 @@
-"""Can the real vLLM engine run here? One answer, in the same words, for tests, benchmarks and scripts."""
+"""Can the real vLLM engine run here? One answer, in the same words, for tests, benchmarks and scripts (not the wheel's)."""
 
 from __future__ import annotations
 

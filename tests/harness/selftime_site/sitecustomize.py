@@ -1,0 +1,17 @@
+"""Loads the self-timer (``tests/harness/selftime.py``) into every Python process of a bench run.
+
+On ``PYTHONPATH`` of the run (``tests.e2e.plan.bench_env``), so the front-end, the engine core and the workers
+all start with it; it does nothing unless ``DBO_RUNTIME_SELF_TIME`` is on. The checkout's root joins
+``sys.path`` so ``tests.harness`` imports.
+"""
+
+import sys
+from pathlib import Path
+
+_root = str(Path(__file__).resolve().parents[3])
+if _root not in sys.path:
+    sys.path.append(_root)
+from tests.harness import selftime  # noqa: E402
+
+if selftime.enabled():
+    selftime.install()
