@@ -186,7 +186,7 @@ def render(doc: dict[str, Any]) -> None:
         if lines:
             out.append(f"{title}:")
             out += [wrapped(f"  - {line}", "    ") for line in lines]
-    print("\n".join([*out, "OK" if doc["ok"] else "NOT OK", wrapped(f"next: {doc['next']}")]))
+    print("\n".join([*out, "NOT OK" if not doc["ok"] else "WARNINGS" if doc["warnings"] else "OK", wrapped(f"next: {doc['next']}")]))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -68,7 +68,8 @@ def emitted_in_this_process() -> bool:
 def summary_line(
     patch_set: PatchSet, features: Mapping[str, FeatureState], release: str, skipped: Mapping[str, str]
 ) -> str:
-    """``dbo_runtime: N patches installed for <release> (...) -- feature: patches; ...``."""
+    """``dbo_runtime: N patches installed for <release> (...) -- feature (patches), ...; guard: on``: one short
+    line per process; ``dbo-runtime doctor`` names every patch."""
     from dbo_runtime import __version__
 
     groups: dict[str, list[str]] = {}
@@ -80,7 +81,7 @@ def summary_line(
     broken = [s.patch.name for s in states if s.state == "broken"]
     armable = sum(1 for s in states if s.patch.armed_at_first_microbatch and s.state in ("installed", "pending"))
     optional = [s.patch.name for s in states if s.state == "skipped"] + sorted(skipped)
-    listing = "; ".join(f"{feature}: {', '.join(names)}" for feature, names in groups.items())
+    listing = ", ".join(f"{feature} ({len(names)})" for feature, names in groups.items())
     others = [f"{name}: {state.describe()}" for name, state in features.items() if state.verdict != "verified"]
     text = (
         f"dbo_runtime: {len(patch_set.patches)} patches installed for {release} (dbo_runtime {__version__}; "

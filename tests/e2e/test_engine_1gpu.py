@@ -121,7 +121,7 @@ def test_activation_line_in_engine_logs(records: Records) -> None:
         assert lines, f"{label}: no activation line in the engine log"
         # DP 1 runs the worker inside the engine-core process: the line carries vLLM's EngineCore prefix.
         assert any("EngineCore" in line for line in lines), (label, lines)
-        assert all("sm_control:" in line and "indexer:" in line and "topk:" in line for line in lines)
+        assert all("sm_control (" in line and "indexer (" in line and "topk (" in line for line in lines)
 
 
 @pytest.mark.runs(*[label for label in ALL_1GPU if label.endswith("-vanilla")])

@@ -58,7 +58,7 @@ def test_the_real_vllm_is_judged_by_its_code(capsys: pytest.CaptureFixture[str])
         assert rc == 0 and doc["ok"] and doc["problems"] == [] and all(f["in_force"] or not f["applies"] for f in doc["features"])
         for p in doc["patches"]:  # found, or a lazy/optional module that cannot be imported on this CPU box
             assert p["state"] == "found" or (p["state"] == "skipped" and (p["lazy"] or p["optional"])), p
-        assert "next: dbo-runtime simulate" in out and "\nOK\n" in out
+        assert "next: dbo-runtime simulate" in out and ("\nWARNINGS\n" if doc["warnings"] else "\nOK\n") in out
     else:
         assert rc == 1 and not all(f["in_force"] for f in doc["features"]) and "not a release dbo_runtime verifies" in doc["vllm"]["verified"]
         assert "next: install vLLM " in out and "NOT OK" in out
@@ -73,6 +73,8 @@ def test_a_missing_target_fails_unless_optional(extra: dict, rc: int, capsys: py
     assert code == (rc if VERIFIED else 1) and bogus["state"] == ("skipped" if extra.get("optional") else "missing")
     assert any("no_such_function_in_vllm" in line for line in doc["problems"]) == (rc == 1)
     assert ("NOT OK" in out) == (code == 1)
+    if code == 0:  # an optional target skipped: a warning, and the last verdict says so
+        assert doc["warnings"] and "\nWARNINGS\n" in out
 
 
 def test_code_that_differs_from_the_release_is_named_with_what_to_do(capsys: pytest.CaptureFixture[str]) -> None:

@@ -48,7 +48,7 @@ def test_activation_line_in_forked_worker_process() -> None:
     assert len(lines) == 1, out[-3000:]
     # vLLM's own prefix names the process: the line comes from the child (the worker) and lists the features.
     assert f"pid={child_pid}" in lines[0] and "INFO" in lines[0], lines[0]
-    for feature in ("sm_control:", "indexer:", "topk:", "stats: worker_rpc"):
+    for feature in ("sm_control (", "indexer (", "topk (", "stats (1)"):
         assert feature in lines[0], lines[0]
     # The parent's INFO line is dropped by vLLM's not-yet-configured logger, exactly as in the engine.
     assert "patches installed" not in before
