@@ -171,9 +171,9 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     max_sms = BACKEND_MAX_SMS_USED.get(args.all2all_backend) if args.max_sms_used is None else args.max_sms_used
     if args.total_sms is not None:
         h200 = args.total_sms == H200_SMS and args.platform == "cuda"
-        name = H200_PROFILE_NAME if h200 else f"GPU with {args.total_sms} SMs (--total-sms)"
+        name = H200_PROFILE_NAME if h200 else f"{'SM90 ' if args.platform == 'cuda' else ''}GPU with {args.total_sms} SMs (--total-sms)"
         rows = [DeviceRow("profile", "profile", None, None, None, name, sms=args.total_sms, sms_source="--total-sms",
-                          compute_capability="9.0" if h200 else None)]  # fmt: skip
+                          compute_capability="9.0" if args.platform == "cuda" else None)]  # fmt: skip
         nvml_info = {"available": None, "detail": "not probed (--total-sms)", "driver_version": None}
         cuda_info = {"available": None, "detail": "not probed (--total-sms)", "torch_version": None}
     else:
