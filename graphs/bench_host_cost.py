@@ -1,13 +1,13 @@
 """dbo_runtime's host cost at production depth, in the real engine on one GPU: step time, self time, hooked calls.
 
 With DeepEP high-throughput and DP > 1 every DBO step runs eager, so every hooked call is paid on every layer. Tiny-width
-models at 6, 61 and 78 layers (GLM-5.3 or DeepSeek-V3.2 pattern), eager and CUDA graphs, DBO off and ``emu`` (every
-decode step microbatched on one GPU by the test harness's one-GPU DBO emulation, a cold DeepGEMM JIT cache). Per
-configuration three engines (dbo_runtime, vanilla, dbo_runtime self-timed) are timed in interleaved turns; under
-``emu`` the paired two run with 0 communication SMs (vanilla crashes with more), the self-timed one with 20.
+models at 6, 61 and 78 layers (GLM-5.3 or DeepSeek-V3.2 pattern), eager and CUDA graphs; DBO off, ``dp1`` (armed at DP
+1, never microbatched) or ``emu`` (every decode step microbatched by the test harness's one-GPU DBO emulation, cold
+DeepGEMM JIT cache). Three engines per configuration (dbo_runtime, vanilla, dbo_runtime self-timed) are timed in
+interleaved turns; under ``emu`` the paired two run with 0 comm SMs (vanilla crashes with more), the self-timed with 20.
 Reported: the paired step-time ratio, self time and hooked calls per step and per layer, planner compilations in steps.
 
-    python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs] [--dbo off,emu]
+    python graphs/bench_host_cost.py [--models glm53,v32] [--depths 6,61,78] [--modes eager,graphs] [--dbo off,dp1,emu]
     python graphs/bench_host_cost.py --from-runs DIR [--only ...] [--out DIR]   (no engines: a stopped run's records)
 """
 
@@ -31,7 +31,7 @@ MODELS = {
     "v32": ("deepseek-v32", {}),
 }
 MODES = ("eager", "graphs")
-DBO = ("off", "emu")
+DBO = ("off", "dp1", "emu")
 EMU_COMM_SMS = {"plugin": 0, "vanilla": 0, "selftime": 20}
 MAX_STEPS = 3000  # decode steps per pass: prompts of up to 600 tokens, --max-model-len 4096
 VARIANTS = (("plugin", {}), ("vanilla", {"DBO_RUNTIME_DISABLE": "1"}), ("selftime", {"DBO_RUNTIME_SELF_TIME": "1"}))
@@ -67,8 +67,9 @@ def specs_for(config: dict, steps: int, reps: int) -> list:
 
     name, overrides = MODELS[config["model"]]
     extra = ["--hf-overrides", json.dumps({"num_hidden_layers": config["depth"], **overrides})]
-    emu = config["dbo"] == "emu"  # DBO on: the thresholds microbatch every step of 32 decodes
-    extra += ["--enable-expert-parallel", "--all2all-backend", plan.HT, "--enable-dbo", "--dbo-decode-token-threshold", "4", "--dbo-prefill-token-threshold", "32"] if emu else []
+    emu = config["dbo"] == "emu"  # dp1: --enable-dbo at DP 1 arms the hooks, never microbatches; emu microbatches every step
+    extra += ["--enable-expert-parallel", "--all2all-backend", plan.HT, "--enable-dbo"] if config["dbo"] != "off" else []
+    extra += ["--dbo-decode-token-threshold", "4", "--dbo-prefill-token-threshold", "32"] if emu else []
     bench = {"max_tokens": steps, "reps": reps, "warmup": 1, "coordinated": True}
     return [
         RunSpec(label=f"{config['label']}-{variant}", engine_args=plan.tiny_args(name, eager=config["mode"] == "eager", extra=extra),
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="glm53,v32", help="comma-separated: glm53, v32 (default both)")
     parser.add_argument("--depths", default="6,61,78", help="comma-separated layer counts (default 6,61,78)")
     parser.add_argument("--modes", default="eager,graphs", help="comma-separated: eager, graphs (default both)")
-    parser.add_argument("--dbo", default="off,emu", help="comma-separated: off, emu (default both)")
+    parser.add_argument("--dbo", default="off,emu", help="comma-separated: off, dp1, emu (default off,emu)")
     parser.add_argument("--only", default=None, help="comma-separated configuration labels to keep, e.g. glm53-78L-eager-dbo-emu (default: all)")
     parser.add_argument("--reps", type=integer(1), default=5, help="timed reps per engine after one warm-up (default 5)")
     parser.add_argument("--steps", type=integer(2, MAX_STEPS), default=16, help="decode steps per timed pass, eager rows (default 16)")
