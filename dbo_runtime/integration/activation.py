@@ -68,8 +68,7 @@ def emitted_in_this_process() -> bool:
 def summary_line(
     patch_set: PatchSet, features: Mapping[str, FeatureState], release: str, skipped: Mapping[str, str]
 ) -> str:
-    """``dbo_runtime: N patches installed for <release> (...) -- feature (patches), ...; guard: on``: one short
-    line per process; ``dbo-runtime doctor`` names every patch."""
+    """``dbo_runtime: N patches installed for <release> (...) -- feature (patches), ...; guard: on``."""
     from dbo_runtime import __version__
 
     groups: dict[str, list[str]] = {}
