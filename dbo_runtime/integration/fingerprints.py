@@ -2,7 +2,7 @@
 
 A build is trusted by its code, not its version string: a patch installs only when the fingerprints of its
 *anchors* (the code it relies on) equal those recorded for this release. Sources are read from files, since the
-front-end guard must know before any worker imports them; comments and formatting do not count.
+front-end guard must know before any worker imports them; comments and formatting do not count, decorators do.
 """
 
 from __future__ import annotations
@@ -88,8 +88,22 @@ def _find_block(lines: Sequence[str], start: int, stop: int, name: str, indent: 
     return None
 
 
+def _decorated_from(lines: Sequence[str], first: int, indent: int) -> int:
+    """The first decorator line of the block at ``first`` (a decorator decides what the name is bound to)."""
+    start = first
+    for i in range(first - 1, -1, -1):
+        stripped = lines[i].strip()
+        if not stripped or stripped.startswith("#") or _indent(lines[i]) > indent:
+            continue
+        if _indent(lines[i]) < indent or not (stripped.startswith("@") or stripped[0] in ")]}"):
+            break
+        if stripped.startswith("@"):
+            start = i
+    return start
+
+
 def source_block(module: str, qualname: str) -> str | None:
-    """The source of ``qualname`` in ``module``, or None."""
+    """The source of ``qualname`` in ``module``, its decorators included, or None."""
     text = read_source(module)
     if text is None:
         return None
@@ -104,7 +118,8 @@ def source_block(module: str, qualname: str) -> str | None:
         body = next((ln for ln in lines[start:stop] if ln.strip() and not ln.strip().startswith((")", "#"))), None)
         indent = _indent(body) if body is not None else indent + 4
     assert span is not None
-    return "\n".join(lines[span[0] : span[1]])
+    first = _decorated_from(lines, span[0], _indent(lines[span[0]]))
+    return "\n".join(lines[first : span[1]])
 
 
 _VERSION_FIELDS = frozenset({"type_params", "type_comment", "kind"})

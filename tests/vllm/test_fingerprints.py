@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,44 @@ def test_comments_and_formatting_do_not_count_code_does() -> None:
     with edited_sources({INDEX_GROUP: semantic}):
         assert fingerprints.fingerprint(ANCHOR) != before
     assert fingerprints.fingerprint(ANCHOR) == before
+
+
+def test_decorators_belong_to_the_block_they_decorate() -> None:
+    """A decorator decides what a name is bound to: FA4's scalars are a never-evicted cache only by ``@cache``, which
+    ``topk.fa4_varlen_scalars`` relies on. Removing or changing a decorator upstream changes the fingerprint."""
+    fa4 = "vllm.v1.attention.backends.mla.flashattn_mla_sparse"
+    anchor = (f"{fa4}:_fa4_varlen_scalars",)
+    block = fingerprints.source_block(fa4, "_fa4_varlen_scalars")
+    assert block is not None and block.startswith("@cache\ndef _fa4_varlen_scalars(")
+    before = fingerprints.fingerprint(anchor)
+    for decorator in ("", "@lru_cache(maxsize=8)\n"):
+        with edited_sources({fa4: replace_once("@cache\ndef _fa4_varlen_scalars(", f"{decorator}def _fa4_varlen_scalars(")}):
+            assert fingerprints.fingerprint(anchor) != before, decorator
+    assert fingerprints.fingerprint(anchor) == before
+
+
+def test_decorator_lines_are_found_without_taking_the_code_above(tmp_path: Path) -> None:
+    """Multi-line decorators and comments between belong to the block; the previous block's body never does."""
+    root = tmp_path / "vllm"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    source = (
+        "import functools\n\n\nclass A:\n    @property\n    def x(self):\n        return 1\n\n"
+        "    def plain(self):\n        return (\n            2\n        )\n\n"
+        "    @functools.lru_cache(\n        maxsize=2,\n    )\n    # the cache is the contract\n"
+        "    def cached(self):\n        return 3\n\n\n@dataclass\nclass B:\n    y: int = 0\n"
+    )
+    (root / "m.py").write_text(source)
+    with fingerprints.use_source_root(root):
+        blocks = {q: fingerprints.source_block("vllm.m", q) or "" for q in ("A.x", "A.plain", "A.cached", "B")}
+        cached = fingerprints.fingerprint(("vllm.m:A.cached",))
+    assert blocks["A.x"].lstrip().startswith("@property\n    def x(")
+    assert blocks["A.plain"].lstrip().startswith("def plain(") and blocks["A.plain"].rstrip().endswith(")")
+    assert blocks["A.cached"].lstrip().startswith("@functools.lru_cache(\n        maxsize=2,")
+    assert blocks["B"].startswith("@dataclass\nclass B:")
+    (root / "m.py").write_text(source.replace("maxsize=2", "maxsize=3"))
+    with fingerprints.use_source_root(root):
+        assert fingerprints.fingerprint(("vllm.m:A.cached",)) != cached
 
 
 def test_a_missing_anchor_is_missing() -> None:
