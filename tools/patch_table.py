@@ -10,7 +10,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dbo_runtime.integration.catalog import all_patches
+from dbo_runtime.integration.catalog import all_patches, all_reliances
+from dbo_runtime.integration.features import Reliance
 from dbo_runtime.integration.fingerprints import MISSING, OUT_OF_SET
 from dbo_runtime.integration.guard import guard_patches
 from dbo_runtime.integration.patching import Patch
@@ -46,7 +47,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _releases(p: Patch) -> str:
+def _releases(p: Patch | Reliance) -> str:
     """The recorded releases whose set the patch is part of (all of them for a patch bound to no vLLM code)."""
     if not p.fingerprint_anchors:
         return ", ".join(RELEASES)
@@ -74,10 +75,26 @@ def _row(p: Patch) -> str:
     )
 
 
+RELIED_ON = """
+## Code the fixes rely on without patching it
+
+Fingerprinted per release like a patch's anchors: where it differs, the feature (the name's prefix) is
+unverified and installs nothing.
+
+| name | anchors | vLLM releases | why the feature relies on it |
+|---|---|---|---|
+"""
+
+
+def _relied_on_row(r: Reliance) -> str:
+    return f"| `{r.name}` | {'<br>'.join(f'`{a}`' for a in r.anchors)} | {_releases(r)} | {_cell(r.reason)} |"
+
+
 def render() -> str:
     guard = "## The guard\n\n" + COLUMNS + "\n".join(_row(p) for p in guard_patches()) + "\n"
     fixes = "\n## The fixes\n\n" + COLUMNS + "\n".join(_row(p) for p in all_patches()) + "\n"
-    return HEADER + guard + fixes
+    relied_on = RELIED_ON + "\n".join(_relied_on_row(r) for r in all_reliances()) + "\n"
+    return HEADER + guard + fixes + relied_on
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     python tools/record_release.py VERSION [--source DIR] [--against RELEASE] [--write]
 
 Reads the release's source (``pip download --no-deps vllm==VERSION``, unpacked; or ``--source``, a
-``vllm`` package directory), fingerprints every patch's anchors there and prints one line per patch:
+``vllm`` package directory), fingerprints every patch's anchors and every feature's ``relies_on`` (vLLM code a
+fix relies on without patching it) there and prints one line per patch or reliance:
 
 * ``unchanged``  the code the patch relies on is the same as in ``--against`` (default: the newest recorded);
 * ``changed``    it differs: review the hook against the new code before recording;
@@ -31,7 +32,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dbo_runtime.integration import fingerprints  # noqa: E402
-from dbo_runtime.integration.catalog import all_patches  # noqa: E402
+from dbo_runtime.integration.catalog import all_patches, all_reliances  # noqa: E402
+from dbo_runtime.integration.features import Reliance  # noqa: E402
 from dbo_runtime.integration.patching import Patch  # noqa: E402
 from dbo_runtime.integration.recorded_fingerprints import RELEASES  # noqa: E402
 
@@ -65,7 +67,7 @@ def _relocated(root: pathlib.Path, anchor: str) -> list[str]:
     return found
 
 
-def review(patch: Patch, printed: str, previous: dict[str, str], root: pathlib.Path) -> tuple[str, str]:
+def review(patch: Patch | Reliance, printed: str, previous: dict[str, str], root: pathlib.Path) -> tuple[str, str]:
     anchors = patch.fingerprint_anchors
     if printed == fingerprints.MISSING:
         gone = [a for a in anchors if fingerprints.anchor_fingerprint(a) == fingerprints.MISSING]
@@ -86,7 +88,7 @@ def review(patch: Patch, printed: str, previous: dict[str, str], root: pathlib.P
 
 def render(releases: dict[str, dict[str, str]]) -> str:
     lines = [
-        '"""Fingerprints of the vLLM code every patch relies on, per release.',
+        '"""Fingerprints of the vLLM code every patch (and every feature\'s ``relies_on``) relies on, per release.',
         "",
         "Written by ``python tools/record_release.py VERSION --write`` after review (``docs/new-release.md``);",
         "a test recomputes the installed release's from its source. ``missing``: the patch's target does not",
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (root / "__init__.py").is_file():
             parser.error(f"--source {root} is not a vllm package directory (no __init__.py)")
         with fingerprints.use_source_root(root.resolve()):
-            patches = [p for p in all_patches() if p.fingerprint_anchors]  # anchors may depend on what exists there
+            # anchors may depend on what exists there
+            patches = [*(p for p in all_patches() if p.fingerprint_anchors), *all_reliances()]
             printed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in patches}
             rows = [(p.name, *review(p, printed[p.name], RELEASES[against], root)) for p in patches]
     width = max(len(name) for name, _, _ in rows)
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         printed.update({name: fingerprints.EXCLUDED for name in args.exclude})
         releases = {**RELEASES, args.version: printed}
         RECORD.write_text(render(dict(sorted(releases.items(), key=lambda kv: _key(kv[0])))))
-        print(f"recorded vLLM {args.version} ({len(printed)} patches) in {RECORD.relative_to(ROOT)}")
+        print(f"recorded vLLM {args.version} ({len(printed)} fingerprints) in {RECORD.relative_to(ROOT)}")
     return 0
 
 

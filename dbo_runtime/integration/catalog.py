@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from dbo_runtime.integration.features import Feature
+from dbo_runtime.integration.features import Feature, Reliance
 from dbo_runtime.integration.patching import Patch
 
 FEATURE_MODULES: tuple[str, ...] = (
@@ -33,4 +33,8 @@ def all_features() -> list[Feature]:
     return out
 
 
-__all__ = ["FEATURE_MODULES", "all_features", "all_patches"]
+def all_reliances() -> list[Reliance]:
+    return [reliance for feature in all_features() for reliance in feature.relies_on]
+
+
+__all__ = ["FEATURE_MODULES", "all_features", "all_patches", "all_reliances"]

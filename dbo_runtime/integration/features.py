@@ -60,6 +60,25 @@ class Upstream:
 
 
 @dataclass(frozen=True)
+class Reliance:
+    """vLLM code a feature is correct only with, though it patches none of it: fingerprinted and judged like a
+    required patch's anchors."""
+
+    name: str
+    anchors: tuple[str, ...]
+    reason: str
+    optional = False
+
+    @property
+    def feature(self) -> str:
+        return self.name.partition(".")[0]
+
+    @property
+    def fingerprint_anchors(self) -> tuple[str, ...]:
+        return self.anchors
+
+
+@dataclass(frozen=True)
 class Feature:
     name: str
     summary: str
@@ -67,6 +86,12 @@ class Feature:
     upstream: Upstream | None = None
     on_optional_skipped: Callable[[Mapping[str, str]], None] | None = None
     """Told the skipped optional patches (name -> why) before install."""
+    relies_on: tuple[Reliance, ...] = ()
+
+    def __post_init__(self) -> None:
+        strays = [r.name for r in self.relies_on if r.feature != self.name or not r.anchors]
+        if strays:
+            raise ValueError(f"feature {self.name!r}: a Reliance needs anchors and a {self.name}. name, not {strays}")
 
 
 @dataclass
@@ -112,8 +137,12 @@ def verify(
             by_feature.setdefault(patch.feature, []).append(patch)
         elif want == fingerprints.EXCLUDED:
             excluded.setdefault(patch.feature, {})[patch.name] = patch.architectures
-        elif not patch.optional and fingerprints.fingerprint(patch.fingerprint_anchors) != fingerprints.MISSING:
+        elif not patch.optional and _present(patch):
             reappeared.setdefault(patch.feature, []).append(patch.name)
+    for feature in features:
+        for reliance in feature.relies_on:
+            if recorded.get(reliance.name) == fingerprints.MISSING and _present(reliance):
+                reappeared.setdefault(feature.name, []).append(reliance.name)
     states: dict[str, FeatureState] = {}
     for feature in features:
         own = by_feature.get(feature.name, [])
@@ -127,7 +156,8 @@ def verify(
                 excluded[feature.name],
             )
             continue
-        mismatched = [p.name for p in own if not p.optional and _mismatch(p, recorded)] + reappeared.get(feature.name, [])
+        bound: list[Patch | Reliance] = [*own, *(r for r in feature.relies_on if recorded.get(r.name) not in fingerprints.OUT_OF_SET)]
+        mismatched = [p.name for p in bound if not p.optional and _mismatch(p, recorded)] + reappeared.get(feature.name, [])
         if mismatched:
             states[feature.name] = FeatureState(
                 feature, "unverified", f"code differs from {against} at " + ", ".join(mismatched), names
@@ -142,7 +172,11 @@ def verify(
     return states
 
 
-def _mismatch(patch: Patch, recorded: Mapping[str, str]) -> bool:
+def _present(bound: Patch | Reliance) -> bool:
+    return fingerprints.fingerprint(bound.fingerprint_anchors) != fingerprints.MISSING
+
+
+def _mismatch(patch: Patch | Reliance, recorded: Mapping[str, str]) -> bool:
     anchors = patch.fingerprint_anchors
     if not anchors:
         return False
@@ -186,4 +220,4 @@ class FeatureRegistry:
 REGISTRY = FeatureRegistry()
 
 
-__all__ = ["REGISTRY", "Feature", "FeatureRegistry", "FeatureState", "Probe", "Upstream", "excluded_optional", "verify"]
+__all__ = ["REGISTRY", "Feature", "FeatureRegistry", "FeatureState", "Probe", "Reliance", "Upstream", "excluded_optional", "verify"]

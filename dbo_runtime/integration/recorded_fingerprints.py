@@ -1,4 +1,4 @@
-"""Fingerprints of the vLLM code every patch relies on, per release.
+"""Fingerprints of the vLLM code every patch (and every feature's ``relies_on``) relies on, per release.
 
 Written by ``python tools/record_release.py VERSION --write`` after review (``docs/new-release.md``);
 a test recomputes the installed release's from its source. ``missing``: the patch's target does not
@@ -43,6 +43,9 @@ RELEASES: dict[str, dict[str, str]] = {
         "topk_v41.SparseMQAIndexer.candidate_blocks": "e1f4cd7b759bdcf9",
         "mtp_hidden.deepseek_v4": "ae328bd07efdd6bf",
         "mtp_hidden.deepseek_v41": "a55ff6c86c4eee25",
+        "topk.ubatch_slices": "a3541904962428f1",
+        "topk.ubatch_slices.mrv1": "33ec22ffa71c6006",
+        "topk.ubatch_slices.mrv2": "8a486e40fa49ee08",
     },
     "0.34.0": {
         "ubatch_guard.mrv1_run": "missing",
@@ -82,5 +85,8 @@ RELEASES: dict[str, dict[str, str]] = {
         "topk_v41.SparseMQAIndexer.candidate_blocks": "excluded",
         "mtp_hidden.deepseek_v4": "014537ff34643481",
         "mtp_hidden.deepseek_v41": "excluded",
+        "topk.ubatch_slices": "a3541904962428f1",
+        "topk.ubatch_slices.mrv1": "missing",
+        "topk.ubatch_slices.mrv2": "1461c539ab8de8c4",
     },
 }

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from dbo_runtime.integration import fingerprints
-from dbo_runtime.integration.catalog import all_patches
+from dbo_runtime.integration.catalog import all_patches, all_reliances
+from dbo_runtime.integration.features import Reliance
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.integration.recorded_fingerprints import RELEASES
 
@@ -56,8 +57,8 @@ class ReleaseMatch:
 
 
 def identify(patches: Sequence[Patch] | None = None) -> ReleaseMatch:
-    """Compare vLLM's code on disk with every recorded release."""
-    chosen = all_patches() if patches is None else patches
+    """Compare vLLM's code on disk (and what features rely on) with every recorded release."""
+    chosen: list[Patch | Reliance] = [*(all_patches() if patches is None else patches), *all_reliances()]
     printed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in chosen if p.fingerprint_anchors}
     best: tuple[int, str, tuple[str, ...]] | None = None
     for release, recorded in RELEASES.items():  # a later tie wins

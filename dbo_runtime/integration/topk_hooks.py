@@ -23,7 +23,7 @@ from dbo_runtime.core.errors import UnsupportedConfiguration, ways_out
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration import fingerprints
 from dbo_runtime.integration.engine_config import decode_rows
-from dbo_runtime.integration.features import Feature, Probe, Upstream
+from dbo_runtime.integration.features import Feature, Probe, Reliance, Upstream
 from dbo_runtime.integration.patching import ArgSlots, Patch, require_parameters
 from dbo_runtime.integration.ubatch_failures import MicrobatchAttr, record, shields_itself
 from dbo_runtime.integration.ubatch_ids import THREAD_TABLE
@@ -45,11 +45,37 @@ V32_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 SHARED_GROUP_ARCHITECTURES = (*V32_ARCHITECTURES, "MistralLarge4ForCausalLM")
 """Architectures whose followers share top-k through index groups."""
 
+_UBATCH_UTILS = "vllm.v1.worker.ubatch_utils"
+_MRV1_WRAPPER = "vllm.v1.worker.gpu_ubatch_wrapper:UBatchWrapper"
+_MRV2_UBATCH = "vllm.v1.worker.gpu.ubatch_utils"
+WINDOW_BOUNDARIES = (
+    Reliance(
+        "topk.ubatch_slices",
+        (f"{_UBATCH_UTILS}:maybe_create_ubatch_slices", f"{_UBATCH_UTILS}:_pad_out_ubatch_slices",
+         "vllm.v1.worker.ubatching:make_ubatch_contexts", "vllm.v1.worker.ubatching:UBatchContext.__init__"),
+        "a window is the logical buffer from its microbatch's token offset: vLLM must split a step into contiguous "
+        "token ranges and give each microbatch context its range's start",
+    ),
+    Reliance(
+        "topk.ubatch_slices.mrv1",
+        (f"{_MRV1_WRAPPER}._make_ubatch_metadata", f"{_MRV1_WRAPPER}._slice_model_inputs"),
+        "the V1 runner runs each microbatch on its slice's tokens with that slice's start as token offset",
+    ),
+    Reliance(
+        "topk.ubatch_slices.mrv2",
+        (f"{_MRV2_UBATCH}:create_ubatch_slices", f"{_MRV2_UBATCH}:slice_model_inputs",
+         f"{_MRV2_UBATCH}:UBatchRunner.begin_capturable_run"),
+        "the V2 runner runs each microbatch on its slice's tokens with that slice's start as token offset",
+    ),
+)  # fmt: skip
+"""The code that decides each microbatch's token range, which the windows layout relies on."""
+
 FEATURES = [
     Feature(
         coverage.TOPK_V32,
         "per-microbatch top-k for shared index groups (vllm#60734)",
         requires=("ubatch_guard",),
+        relies_on=WINDOW_BOUNDARIES,
         upstream=Upstream(
             "vllm#60734: index groups keep top-k state per microbatch",
             (

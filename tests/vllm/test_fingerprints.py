@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 from dbo_runtime.integration import fingerprints, plugin, releases
+from dbo_runtime.integration.catalog import all_reliances
+from dbo_runtime.integration.features import Reliance
+from dbo_runtime.integration.patching import Patch
 from dbo_runtime.integration.recorded_fingerprints import RELEASES
 from tests.fakes.vllm_build import edited_sources, replace_once
 
@@ -20,10 +23,15 @@ def _installed_record() -> dict[str, str]:
     return {n: v for n, v in RELEASES[metadata.version("vllm")].items() if v != fingerprints.EXCLUDED}
 
 
+def _bound() -> list[Patch | Reliance]:
+    """Everything fingerprinted: the patches bound to vLLM code and the code features rely on without patching."""
+    return [*(p for p in plugin.all_patches() if p.fingerprint_anchors), *all_reliances()]
+
+
 def test_recorded_from_the_installed_release() -> None:
     fingerprints.clear_caches()
     record = _installed_record()
-    computed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in plugin.all_patches() if p.fingerprint_anchors}
+    computed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in _bound()}
     assert {n: v for n, v in computed.items() if n in record or n not in RELEASES[metadata.version("vllm")]} == record, (
         "review, then: python tools/record_release.py VERSION --write"
     )
@@ -144,7 +152,7 @@ def test_the_recorded_fingerprints_match_on_every_python_on_this_machine(tmp_pat
     import subprocess
 
     pythons = sorted({*glob.glob("/root/.pyenv/versions/3.1[0-9]*/bin/python3"), *glob.glob("/usr/bin/python3.1[0-9]")})
-    anchors = {p.name: list(p.fingerprint_anchors) for p in plugin.all_patches() if p.name in _installed_record()}
+    anchors = {p.name: list(p.fingerprint_anchors) for p in _bound() if p.name in _installed_record()}
     root = fingerprints._vllm_root()
     script = (
         "import importlib.util, json, pathlib, sys\n"

@@ -8,9 +8,11 @@ from importlib import metadata
 import pytest
 
 from dbo_runtime.integration import fingerprints, plugin, releases
-from dbo_runtime.integration.features import Feature, verify
+from dbo_runtime.integration.catalog import all_reliances
+from dbo_runtime.integration.features import Feature, Reliance, verify
 from dbo_runtime.integration.recorded_fingerprints import RELEASES
-from tests.fakes.vllm_build import edited_sources
+from tests.fakes.vllm_build import edited_sources, replace_once
+from tests.vllm.conftest import has_module
 from tools import record_release
 
 INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
@@ -62,6 +64,46 @@ def test_a_patch_whose_target_a_release_lacks_is_not_part_of_its_set() -> None:
     assert state.verdict == "unverified" and mrv2.name in state.detail
     del recorded[mrv2.name]
     assert verify([feature], [mrv2, ghost], recorded, "vLLM 9.9.9")["sm_control"].verdict == "unverified"
+
+
+UBATCH_BOUNDARY_EDITS = [
+    ("vllm.v1.worker.ubatch_utils", "split_point = int(num_tokens_padded) // num_ubatches",
+     "split_point = int(num_tokens_padded) // num_ubatches + 1", "topk.ubatch_slices"),
+    ("vllm.v1.worker.gpu.ubatch_utils", "            s.token_slice,\n",
+     "            slice(s.token_slice.start + 1, s.token_slice.stop),\n", "topk.ubatch_slices.mrv2"),
+] + [
+    ("vllm.v1.worker.gpu_ubatch_wrapper", "token_offsets=[s.token_slice.start for s in ubatch_slices]",
+     "token_offsets=None", "topk.ubatch_slices.mrv1")
+] * has_module("vllm.v1.worker.gpu_ubatch_wrapper")  # fmt: skip
+
+
+@pytest.mark.parametrize(("module", "old", "new", "reliance"), UBATCH_BOUNDARY_EDITS, ids=[e[3] for e in UBATCH_BOUNDARY_EDITS])
+def test_a_moved_microbatch_boundary_makes_the_topk_fix_unverified(module: str, old: str, new: str, reliance: str) -> None:
+    """Top-k windows read a microbatch's rows from its token offset: vLLM's slicing code is patched nowhere, yet a
+    change there fails the feature closed (the guard refuses DBO for its models) instead of misplacing windows."""
+    with edited_sources({module: replace_once(old, new)}):
+        match = releases.identify()
+        states = plugin.feature_states()
+    assert match.release is None and match.differing == (reliance,)
+    assert states["topk"].verdict == "unverified" and states["topk"].detail.endswith(f"at {reliance}")
+    assert not states["topk_v41"].installs and states["indexer"].verdict == "verified"
+    assert plugin.feature_states()["topk"].verdict == "verified"
+
+
+def test_code_a_feature_relies_on_is_judged_like_its_required_patches() -> None:
+    """Recorded and equal: verified. Differing, unrecorded, or recorded ``missing`` yet present: unverified. Recorded
+    ``missing`` and absent: not part of that release (the V1 runner's slicing in 0.34)."""
+    [slices] = [r for r in all_reliances() if r.name == "topk.ubatch_slices"]
+    feature = Feature("topk", "top-k", relies_on=(slices,))
+    printed = fingerprints.fingerprint(slices.anchors)
+    assert verify([feature], [], {slices.name: printed}, "vLLM 9.9.9")["topk"].verdict == "verified"
+    for recorded in ({slices.name: "0" * 16}, {}, {slices.name: fingerprints.MISSING}):
+        state = verify([feature], [], recorded, "vLLM 9.9.9")["topk"]
+        assert state.verdict == "unverified" and slices.name in state.detail, recorded
+    ghost = Reliance("topk.ghost", ("vllm.v1.worker.no_such_module:split",), "absent from this build")
+    assert verify([Feature("topk", "top-k", relies_on=(ghost,))], [], {ghost.name: fingerprints.MISSING}, "vLLM 9.9.9")["topk"].verdict == "verified"
+    with pytest.raises(ValueError, match=r"indexer\.split"):
+        Feature("topk", "top-k", relies_on=(Reliance("indexer.split", ghost.anchors, "another feature's name"),))
 
 
 def test_a_patch_left_out_on_purpose_makes_its_architectures_refused() -> None:
