@@ -24,7 +24,7 @@ from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.switches import parse_switch
 from dbo_runtime.integration.microbatch_arming import ARMING, ArmedEntry
-from dbo_runtime.integration.ubatch_failures import SHIELDS_ITSELF, MicrobatchAttr, shield
+from dbo_runtime.integration.ubatch_failures import SHIELDS_ITSELF, MicrobatchAttr, record, shield
 
 logger = get_logger(__name__)
 
@@ -439,7 +439,8 @@ class PatchSet:
 
     def _apply_lazy(self, module: ModuleType) -> None:
         """A lazy module finished importing: patch all of it or none. A failure leaves the rest of the set (the
-        engine may be running) and reports the patches ``broken``; ``DBO_RUNTIME_STRICT=1`` fails the import."""
+        engine may be running) and reports the patches ``broken``; ``DBO_RUNTIME_STRICT=1`` fails the import, or on
+        a microbatch thread (which must not raise) the step after the join."""
         with self._lock:
             if not self.installed:
                 return
@@ -491,7 +492,11 @@ class PatchSet:
             except Exception as exc:
                 logger.debug("dbo_runtime: failure listener failed: %r", exc)
         if parse_switch("DBO_RUNTIME_STRICT"):
-            raise PatchError(message) from failure
+            error = PatchError(message)
+            error.__cause__ = failure
+            if record(f"lazy patches for {module.__name__}", error):  # the join point raises it, not this thread
+                return
+            raise error
         logger.error("%s", message)
 
     def uninstall(self) -> None:

@@ -219,6 +219,36 @@ def test_failing_lazy_apply_leaves_its_module_unpatched_and_the_rest_in_place(ta
         sys.modules.pop("dbo_holder_eager")
 
 
+def test_strict_never_raises_a_lazy_failure_on_a_microbatch_thread(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DBO_RUNTIME_STRICT=1`` fails the import of a lazy module whose patches cannot be applied; where model code
+    first imports it on a microbatch thread, the failure is recorded there and raised on the main thread by the
+    runner's join point (a raise on the thread would leave its partner waiting forever)."""
+    import importlib
+
+    from dbo_runtime.core.errors import MicrobatchFailure
+    from dbo_runtime.integration import ubatch_failures, ubatch_ids
+
+    monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")
+    ubatch_failures.FAILURES.take()
+    for on_thread in (True, False):
+        monkeypatch.setattr(ubatch_ids, "ubatch_thread_id", lambda ubatch=1 if on_thread else None: ubatch)
+        sys.modules.pop(target, None)
+        ps = PatchSet([p("lazy-hooked", target, "Klass.method", lazy=True, on_install=_failing_hook)])
+        ps.install()
+        try:
+            if on_thread:
+                assert importlib.import_module(target).Klass().method() == "orig"  # no raise on the thread
+                assert [st.state for st in ps.status()] == ["broken"]
+                with pytest.raises(MicrobatchFailure, match=r"lazy patches for .*lazy-hooked.*cannot be applied"):
+                    ubatch_failures.FAILURES.raise_pending()  # what the join point calls
+            else:
+                with pytest.raises(PatchError, match=r"\(lazy-hooked\) cannot be applied"):
+                    importlib.import_module(target)
+                assert not ubatch_failures.FAILURES.take()
+        finally:
+            ps.uninstall()
+
+
 def test_optional_missing_target_is_skipped(target: str) -> None:
     ps = PatchSet([p("f", target, "func"), p("opt", "dbo_no_such_module_xyz", "f", optional=True)])
     ps.install()
