@@ -119,7 +119,7 @@ class FeatureState:
 
     def describe(self) -> str:
         if self.verdict == "verified":
-            return "in force"
+            return "in force" + (f" ({self.detail})" if self.detail else "")
         return self.verdict + (f" ({self.detail})" if self.detail else "")
 
 
@@ -163,7 +163,9 @@ def verify(
                 feature, "unverified", f"code differs from {against} at " + ", ".join(mismatched), names
             )
             continue
-        states[feature.name] = FeatureState(feature, "verified", "", names, excluded.get(feature.name, {}))
+        degraded = excluded_optional(own, recorded, against)
+        detail = f"without optional {', '.join(degraded)}: code differs from {against}" if degraded else ""
+        states[feature.name] = FeatureState(feature, "verified", detail, names, excluded.get(feature.name, {}))
     for feature in features:
         state = states[feature.name]
         missing = [r for r in feature.requires if r in states and not states[r].installs]

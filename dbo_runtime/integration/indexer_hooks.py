@@ -129,7 +129,7 @@ def _make_build(original: Any) -> Any:
         if cache.steps_aside:  # an engine that never microbatches: vLLM's build as it is
             return original(self, *args, **kwargs)
         microbatched = cache.in_microbatched_build()
-        _refresh_live_count(microbatched)
+        _refresh_live_count()
         override = None
         if microbatched:  # only then is there a DBO count to plan for (and a device to read)
             device = _device_index(self)
@@ -440,10 +440,10 @@ def _is_writer_hook(fn: Any) -> bool:
     return str(getattr(fn, PATCH_MARK, "")).startswith("indexer.sm_writes.")
 
 
-def _refresh_live_count(microbatched: bool) -> None:
-    """Once per step (main thread): re-read DeepGEMM's count at the next call site and, in a microbatched step
-    (the only place vLLM turns it), distrust the cache if a watched writer was rebound behind the plugin."""
-    if microbatched and LIVE_NUM_SMS.trusted and not LIVE_NUM_SMS.bindings_intact():
+def _refresh_live_count() -> None:
+    """Once per step (main thread): re-read DeepGEMM's count at the next call site, and distrust the cache if a
+    watched writer was rebound behind the plugin (in every step: without plan-ahead no build knows it microbatches)."""
+    if LIVE_NUM_SMS.trusted and not LIVE_NUM_SMS.bindings_intact():
         LIVE_NUM_SMS.distrust()
         return
     LIVE_NUM_SMS.stale()
@@ -647,6 +647,7 @@ def patches() -> list[Patch]:
             upstream_pr="none (improvement over #60732: zero steady-state re-plans)",
             removal="vLLM passes the microbatch SM budget to the indexer builder",
             lazy=True,
+            optional=True,  # without it the call site re-plans for the live count (#60732's path): slower, as correct
         ),
         Patch(
             name="indexer.plan_ahead.mrv2",
@@ -661,6 +662,7 @@ def patches() -> list[Patch]:
             upstream_pr="none (improvement over #60732: zero steady-state re-plans)",
             removal="vLLM passes the microbatch SM budget to the indexer builder",
             lazy=True,
+            optional=True,  # without it the call site re-plans for the live count (#60732's path): slower, as correct
         ),
     ]
 

@@ -866,12 +866,12 @@ def test_a_writer_rebound_behind_the_plugin_ends_the_trust(monkeypatch: pytest.M
     patch_set = PatchSet([p for p in indexer_hooks.patches() if p.name.startswith("indexer.sm_writes.")])
     patch_set.install()
     try:
-        indexer_hooks._refresh_live_count(True)
+        indexer_hooks._refresh_live_count()
         assert live.trusted
         monkeypatch.setattr(uu, "deep_gemm_set_num_sms", lambda n: None)  # someone rebinds the alias
-        indexer_hooks._refresh_live_count(False)  # a step that does not microbatch: vLLM turns no count in it
-        assert live.trusted
-        indexer_hooks._refresh_live_count(True)  # the next microbatched build sees it, before SM control writes
+        # the next build sees it, before SM control writes; any build: one without plan-ahead cannot tell a
+        # microbatched step from another
+        indexer_hooks._refresh_live_count()
         assert not live.trusted
         live.read(), live.read()
         assert len(asked) == 2

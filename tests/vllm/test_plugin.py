@@ -117,6 +117,33 @@ def test_an_unverified_feature_installs_none_of_its_patches(unpatched: dict[str,
     assert ({"sm_control.mrv1", "ubatch_guard.mrv1_run"} <= names) == HAS_V1_RUNNER
 
 
+def test_a_changed_plan_ahead_target_leaves_the_indexer_fix_in_force_without_it(
+    unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plan-ahead only spares the call site's re-plan (vllm#60732's path stays in force): where its target changed,
+    the indexer fix installs without it and says so in doctor; nothing is refused, even under STRICT."""
+    from dbo_runtime.cli import doctor
+    from dbo_runtime.integration import guard, releases
+    from dbo_runtime.integration.features import REGISTRY
+    from tests.fakes.vllm_build import edited_sources, replace_once
+
+    monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")  # a feature not in force would raise here
+    edited = {"vllm.v1.worker.gpu.ubatch_utils": replace_once("        attn_metadata = []\n", "        attn_metadata = []\n        edited = 0\n")}
+    with edited_sources(edited):
+        assert releases.identify().differing == ("indexer.plan_ahead.mrv2",)
+        plugin.register()
+        features = {f["name"]: f for f in doctor.collect()["features"]}
+    release = releases.identify().release
+    degraded = f"in force (without optional indexer.plan_ahead.mrv2: code differs from vLLM {release})"
+    assert REGISTRY.get("indexer").describe() == degraded  # type: ignore[union-attr]
+    assert features["indexer"]["in_force"] and features["indexer"]["state"] == degraded
+    ps = plugin.installed_patch_set()
+    assert ps is not None
+    names = {p.name for p in ps.patches}
+    assert "indexer.plan_ahead.mrv2" not in names and {"indexer.builder_build", "indexer.logits.sparse_attn_indexer"} <= names
+    assert guard._not_in_force("indexer", "DeepseekV32ForCausalLM", "config") == ""
+
+
 def test_disable_env_skips(unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DBO_RUNTIME_DISABLE", "1")
     plugin.register()
