@@ -49,9 +49,20 @@ def _deep_gemm() -> dict[str, Any]:
     return {"available": ok, "detail": "importable" if ok else "not importable here (see import_warnings)"}
 
 
+def _fingerprint(bound: Any, usable: bool, match: Any) -> str:
+    """A patch's or reliance's fingerprint judged against the release identified."""
+    from dbo_runtime.integration import releases
+
+    if not bound.fingerprint_anchors:
+        return "not bound"
+    if not releases.part_of(bound, match.recorded):
+        return "not in release"
+    return "differs" if bound.name in match.differing or not usable else "match"
+
+
 def _targets(usable: bool, match: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(patches, guard targets), each probed for its target; a patch's fingerprint judged against the release identified."""
-    from dbo_runtime.integration import patching, plugin, releases
+    """(patches, guard targets), each probed for its target and fingerprinted."""
+    from dbo_runtime.integration import patching, plugin
     from dbo_runtime.integration.guard import guard_patches
 
     def probe(patch: Any) -> tuple[str, str]:
@@ -62,12 +73,7 @@ def _targets(usable: bool, match: Any) -> tuple[list[dict[str, Any]], list[dict[
 
     patches = []
     for p in plugin.all_patches():
-        if not p.fingerprint_anchors:
-            fingerprint = "not bound"
-        elif not releases.part_of(p, match.recorded):
-            fingerprint = "not in release"
-        else:
-            fingerprint = "differs" if p.name in match.differing or not usable else "match"
+        fingerprint = _fingerprint(p, usable, match)
         state, detail = probe(p) if fingerprint != "not in release" else ("skipped", f"not part of {match.label}")
         patches.append({
             "name": p.name, "feature": p.feature, "target": p.target, "state": state, "fingerprint": fingerprint,
@@ -102,6 +108,7 @@ def collect() -> dict[str, Any]:
 def _collect() -> dict[str, Any]:
     from dbo_runtime.adapters import nvml
     from dbo_runtime.integration import plugin, releases
+    from dbo_runtime.integration.catalog import all_reliances
 
     version = releases.installed_version()
     import_error = _vllm_import_error() if version is not None else None
@@ -111,12 +118,17 @@ def _collect() -> dict[str, Any]:
     disabled = parse_switch("DBO_RUNTIME_DISABLE")
     patches: list[dict[str, Any]] = []
     guard: list[dict[str, Any]] = []
+    relied_on: list[dict[str, Any]] = []
     features: list[dict[str, Any]] = []
     problems = ["vLLM is not installed"] if version is None else [f"vLLM {version} is installed but does not import ({import_error})"] if import_error else []
     problems += [] if entry_point else [f"entry point {ENTRY_POINT_GROUP}:{ENTRY_POINT_VALUE} is not registered (is dbo-runtime pip-installed?)"]
     try:
         match = releases.identify()
         patches, guard = _targets(usable, match)
+        relied_on = [
+            {"name": r.name, "feature": r.feature, "anchors": list(r.anchors), "fingerprint": _fingerprint(r, usable, match)}
+            for r in all_reliances()
+        ]
         states = plugin.feature_states(match=match) if usable else {}
         features = [
             {"name": n, "summary": s.feature.summary, "verdict": s.verdict, "in_force": s.in_force, "applies": s.applies, "state": s.describe(), "detail": s.detail}
@@ -145,7 +157,7 @@ def _collect() -> dict[str, Any]:
             "verified": match.describe() if match else "not identified (the patch list does not import here)",
         },
         "plugin": {"entry_point": entry_point, "disabled_by_env": disabled, "strict": parse_switch("DBO_RUNTIME_STRICT")},
-        "features": features, "guard": guard, "patches": patches,
+        "features": features, "guard": guard, "patches": patches, "relied_on": relied_on,
         "deep_gemm": _deep_gemm() if usable else {"available": False, "detail": "vLLM not importable"},
         "nvml": dict(zip(("available", "detail"), nvml.availability(), strict=True)),
     }
@@ -174,7 +186,7 @@ def render(doc: dict[str, Any]) -> None:
     ]
     out += [wrapped(f"  {f['name']}: {'disabled by DBO_RUNTIME_DISABLE' if doc['plugin']['disabled_by_env'] else f['state']}", "    ") for f in doc["features"]]
     states = Counter(p["state"] for p in doc["patches"])
-    differs = [p["name"] for p in doc["patches"] if p["fingerprint"] == "differs"]
+    differs = [p["name"] for p in [*doc["patches"], *doc["relied_on"]] if p["fingerprint"] == "differs"]
     fingerprints = f"fingerprints differ: {len(differs)}" if differs else "fingerprints match"
     out += [
         f"patch targets: {', '.join(f'{n} {s}' for s, n in states.items()) or 'none checked'}; {fingerprints} (--json lists each)",

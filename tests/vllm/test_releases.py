@@ -81,10 +81,15 @@ UBATCH_BOUNDARY_EDITS = [
 def test_a_moved_microbatch_boundary_makes_the_topk_fix_unverified(module: str, old: str, new: str, reliance: str) -> None:
     """Top-k windows read a microbatch's rows from its token offset: vLLM's slicing code is patched nowhere, yet a
     change there fails the feature closed (the guard refuses DBO for its models) instead of misplacing windows."""
+    from dbo_runtime.cli import doctor
+
     with edited_sources({module: replace_once(old, new)}):
         match = releases.identify()
         states = plugin.feature_states()
+        doc = doctor.collect()
     assert match.release is None and match.differing == (reliance,)
+    assert [r["name"] for r in doc["relied_on"] if r["fingerprint"] == "differs"] == [reliance]
+    assert any(p.startswith("topk (") and "unverified" in p for p in doc["problems"]), doc["problems"]
     assert states["topk"].verdict == "unverified" and states["topk"].detail.endswith(f"at {reliance}")
     assert not states["topk_v41"].installs and states["indexer"].verdict == "verified"
     assert plugin.feature_states()["topk"].verdict == "verified"
