@@ -26,10 +26,10 @@ import torch
 
 from dbo_runtime.core.topk_memory import topk_memory_bytes
 from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
-from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import GLM53, Scenario, capture_dbo_graph
 from graphs._args import EXIT_NO_DEVICE, add_out, integer
 from graphs._plotting import bar_panels
+from tests.harness.report import environment, write_json
 
 VARIANTS = {
     "dbo_runtime": {},

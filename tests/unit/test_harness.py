@@ -519,7 +519,7 @@ def test_a_benchmark_stopped_by_a_limit_keeps_the_reps_it_finished(tmp_path: Pat
     from dataclasses import asdict
 
     from dbo_runtime.harness import runner
-    from dbo_runtime.harness.launch import reassemble
+    from tests.harness.runs import reassemble
 
     Params, LLM = _FakeParams, _fake_llm(one_s=0.001, full_s=0.01)
     monkeypatch.setattr(runner, "_stats", lambda llm: [{"summary": {"microbatched_builds": 0}}])
@@ -543,7 +543,7 @@ def test_reassembly_keeps_the_configuration_the_run_was_launched_with(tmp_path: 
     again in another process must not turn a V1 run into a V2 one."""
     from dataclasses import asdict
 
-    from dbo_runtime.harness.launch import reassemble
+    from tests.harness.runs import reassemble
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     spec = RunSpec("off", ["--model", "m"], dp=1)

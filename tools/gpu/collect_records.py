@@ -21,7 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dbo_runtime.harness.compare import Request, compare
-from dbo_runtime.harness.launch import reassemble
+from tests.harness.runs import reassemble
 
 PAIRS: dict[str, str] = {}
 """test label -> reference label, for the comparisons the tests make."""
