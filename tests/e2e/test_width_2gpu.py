@@ -4,7 +4,7 @@ The models are few layers deep but real in width (``models/README.md``: GLM-5.3 
 indexer and 256 experts, random weights at a trained scale so greedy tokens vary). Here: the upstream reproducer
 (vllm#60732's mixed prefill and one-token-extend steps), the accuracy A/B of both runners under HT eager and
 LL + FULL decode graphs against DBO's own noise floor (the V3.2 geometry, which has no follower layers), the
-top-k state bytes of both layouts against ``core.topk_memory``, and the DSA family under DBO.
+top-k state bytes of both layouts against ``tests.harness.topk_memory``, and the DSA family under DBO.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_the_top_k_state_costs_what_the_formula_says(records: Records) -> None:
     import json
     from pathlib import Path
 
-    from dbo_runtime.core.topk_memory import topk_memory_bytes
+    from tests.harness.topk_memory import topk_memory_bytes
 
     config = json.loads((Path(__file__).parent / "models" / "glm53-width" / "config.json").read_text())
     expected = topk_memory_bytes(
