@@ -16,33 +16,13 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-#: CUDA cores per SM by compute capability (CUDA samples' ``_ConvertSMVer2Cores``), for the cross-check.
 CORES_PER_SM: dict[tuple[int, int], int] = {
-    (3, 0): 192,
-    (3, 2): 192,
-    (3, 5): 192,
-    (3, 7): 192,
-    (5, 0): 128,
-    (5, 2): 128,
-    (5, 3): 128,
-    (6, 0): 64,
-    (6, 1): 128,
-    (6, 2): 128,
-    (7, 0): 64,
-    (7, 2): 64,
-    (7, 5): 64,
-    (8, 0): 64,
-    (8, 6): 128,
-    (8, 7): 128,
-    (8, 9): 128,
-    (9, 0): 128,
-    (10, 0): 128,
-    (10, 1): 128,
-    (10, 3): 128,
-    (11, 0): 128,
-    (12, 0): 128,
-    (12, 1): 128,
+    **dict.fromkeys([(3, 0), (3, 2), (3, 5), (3, 7)], 192),
+    **dict.fromkeys([(5, 0), (5, 2), (5, 3), (6, 1), (6, 2), (8, 6), (8, 7), (8, 9), (9, 0)], 128),
+    **dict.fromkeys([(6, 0), (7, 0), (7, 2), (7, 5), (8, 0)], 64),
+    **dict.fromkeys([(10, 0), (10, 1), (10, 3), (11, 0), (12, 0), (12, 1)], 128),
 }
+"""CUDA cores per SM by compute capability (CUDA samples' ``_ConvertSMVer2Cores``), for the cross-check."""
 
 
 def cores_per_sm(capability: tuple[int, int] | None) -> int | None:
