@@ -52,20 +52,6 @@ class Comparison:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    def record_facts(self, reference: str, reference_requests: int) -> dict[str, Any]:
-        """The keys a run record carries for its comparison with ``reference``."""
-        return {
-            "reference": reference,
-            "agreement": self.agreement,
-            "prefix_agreement": self.prefix_agreement,
-            "exact_requests": self.exact_requests,
-            "agreement_se": self.agreement_se,
-            "requests_compared": self.requests,
-            "max_abs_dlogprob": self.max_abs_dlogprob,
-            "mean_abs_dlogprob": self.mean_abs_dlogprob,
-            "tokens_identical_to": reference if self.exact_requests == self.requests == reference_requests else None,
-        }
-
 
 def _dlogprob(ref: Request, other: Request, position: int) -> tuple[str, float]:
     """(kind, |Δ logprob| of the reference token), kind ``exact``, ``bound``, ``nonfinite`` or ``missing``."""

@@ -15,6 +15,7 @@ import pytest
 
 from dbo_runtime.harness.compare import Comparison, FloorRule, Request, compare
 from tests.e2e.conftest import Records
+from tests.harness.runs import record_facts
 
 pytestmark = pytest.mark.e2e_dp2
 
@@ -38,7 +39,7 @@ def _microbatched(record: dict[str, Any]) -> None:
 def _cmp(records: Records, ref: str, test: str) -> Comparison:
     a, b = _ok(records[ref]), _ok(records[test])
     result = compare([Request.from_json(r) for r in a["requests"]], [Request.from_json(r) for r in b["requests"]])
-    records.annotate(test, **result.record_facts(ref, len(a["requests"])))
+    records.annotate(test, **record_facts(result, ref, len(a["requests"])))
     assert result.requests == len(a["requests"])
     return result
 

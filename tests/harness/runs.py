@@ -1,5 +1,6 @@
 """What benches, the e2e pool and the GPU-session tools do with real-engine runs beyond ``harness.launch``
-(not the wheel's): a run's record assembled again from its folder, and engines killed on SIGTERM."""
+(not the wheel's): a run's record assembled again from its folder, the facts it carries of a comparison, and
+engines killed on SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from dbo_runtime.harness.compare import Comparison
 from dbo_runtime.harness.launch import RunSpec, assemble, describe, kill_all, load_ranks
 from dbo_runtime.harness.prompts import PromptSpec
 
@@ -49,4 +51,19 @@ def reassemble(run: Path) -> dict[str, Any] | None:
     return record
 
 
-__all__ = ["kill_on_sigterm", "reassemble"]
+def record_facts(comparison: Comparison, reference: str, reference_requests: int) -> dict[str, Any]:
+    """The keys a run record carries for its comparison with ``reference``."""
+    return {
+        "reference": reference,
+        "agreement": comparison.agreement,
+        "prefix_agreement": comparison.prefix_agreement,
+        "exact_requests": comparison.exact_requests,
+        "agreement_se": comparison.agreement_se,
+        "requests_compared": comparison.requests,
+        "max_abs_dlogprob": comparison.max_abs_dlogprob,
+        "mean_abs_dlogprob": comparison.mean_abs_dlogprob,
+        "tokens_identical_to": reference if comparison.exact_requests == comparison.requests == reference_requests else None,
+    }
+
+
+__all__ = ["kill_on_sigterm", "reassemble", "record_facts"]

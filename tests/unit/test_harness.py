@@ -17,6 +17,7 @@ from dbo_runtime.harness.compare import Request, Thresholds, compare, verdict
 from dbo_runtime.harness.launch import RunSpec, assemble, describe, launch
 from dbo_runtime.harness.prompts import PromptSpec, for_rank, from_file, synthetic
 from tests.e2e.pool import assign_gpus, run_all
+from tests.harness.runs import record_facts
 
 
 def req(index: int, tokens: list[int], lps: list[dict[int, float]] | None = None) -> Request:
@@ -75,7 +76,7 @@ def test_agreement_standard_error_comes_from_the_per_request_spread() -> None:
     result = compare(ref, other)
     assert result.agreement == 0.5
     assert result.agreement_se == pytest.approx((1 / 3) ** 0.5 / 2)  # sample std sqrt(1/3), n = 4
-    assert result.record_facts("ref", 4)["agreement_se"] == result.agreement_se
+    assert record_facts(result, "ref", 4)["agreement_se"] == result.agreement_se
 
 
 def test_thresholds_validate() -> None:
