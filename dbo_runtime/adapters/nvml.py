@@ -45,11 +45,7 @@ class NvmlMigDevice:
     """Index passed to ``nvmlDeviceGetMigDeviceHandleByIndex``."""
     name: str | None
     uuid: str | None
-    gpu_instance_id: int | None
-    compute_instance_id: int | None
     multiprocessor_count: int | None
-    gpu_instance_slice_count: int | None
-    memory_size_mb: int | None
     sm_clock_mhz: int | None
     max_sm_clock_mhz: int | None
 
@@ -91,7 +87,6 @@ class NvmlGpu:
 @dataclass(frozen=True, slots=True)
 class NvmlSnapshot:
     driver_version: str | None
-    nvml_version: str | None
     gpus: tuple[NvmlGpu, ...]
 
 
@@ -148,11 +143,7 @@ def _mig_devices(r: _Reader, parent_index: int, handle: Any) -> tuple[NvmlMigDev
                 slot=slot,
                 name=_text(r.call("nvmlDeviceGetName", mig)),
                 uuid=_text(r.call("nvmlDeviceGetUUID", mig)),
-                gpu_instance_id=r.call("nvmlDeviceGetGpuInstanceId", mig),
-                compute_instance_id=r.call("nvmlDeviceGetComputeInstanceId", mig),
                 multiprocessor_count=None if attrs is None else int(attrs.multiprocessorCount),
-                gpu_instance_slice_count=None if attrs is None else int(attrs.gpuInstanceSliceCount),
-                memory_size_mb=None if attrs is None else int(attrs.memorySizeMB),
                 sm_clock_mhz=r.clock(mig, maximum=False),
                 max_sm_clock_mhz=r.clock(mig, maximum=True),
             )
@@ -214,7 +205,6 @@ def query(nvml: ModuleType | None = None) -> NvmlSnapshot:
                 continue
         return NvmlSnapshot(
             driver_version=_text(r.call("nvmlSystemGetDriverVersion")),
-            nvml_version=_text(r.call("nvmlSystemGetNVMLVersion")),
             gpus=tuple(gpus),
         )
     finally:
