@@ -2,7 +2,7 @@
 
 DBO must not change what a model says; greedy decoding makes that checkable token by token. After the
 first differing token the runs continue from different contexts, so logprob differences are taken
-only up to the first divergence (a lower bound where the token left the other run's top-k).
+only up to the first divergence.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Comparison:
     dlogprob_positions: int = 0
     dlogprob_missing: int = 0
     dlogprob_bounded: int = 0
-    """Positions where the reference token was not in the other run's top-k (counted with a lower bound)."""
+    """Positions whose reference token left the other run's top-k (counted as a lower bound)."""
     nonfinite_logprobs: int = 0
     mean_abs_dlogprob_exact: float = 0.0
     """Mean over exact positions only: per-token noise, not how early a request diverged."""
