@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     refused = refuse_without_engine("bench_dbo_engine", 2)
     if refused is not None:
         return EXIT_NO_DEVICE
-    from dbo_runtime.sim.report import environment
+    from tests.harness.report import environment
 
     env_facts = environment()  # before any engine: a failure here must not cost a measured group
     out = Path(args.out)

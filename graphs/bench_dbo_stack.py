@@ -24,12 +24,12 @@ import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing
 
 import torch
 
-from dbo_runtime.core.topk_memory import topk_memory_bytes
 from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
-from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import GLM53, Scenario, capture_dbo_graph
 from graphs._args import EXIT_NO_DEVICE, add_out, integer
 from graphs._plotting import bar_panels
+from tests.harness.report import environment, write_json
+from tests.harness.topk_memory import topk_memory_bytes
 
 VARIANTS = {
     "dbo_runtime": {},

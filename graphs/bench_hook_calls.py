@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_hook_calls needs vLLM 0.33 importable here ({exc})", file=sys.stderr)
         return EXIT_NO_DEVICE
     out = Path(args.out)
-    from dbo_runtime.sim.report import environment, write_json
+    from tests.harness.report import environment, write_json
 
     doc = {**measure(args.n, args.reps, args.cold), "environment": {**environment(), "cpus": os.cpu_count()}}
     stem = "bench_hook_calls" + ("_cold" if args.cold else "")

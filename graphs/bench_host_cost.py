@@ -278,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         too_many = memory_problem(configs, args.at_once, memory) if memory is not None else None
         if too_many is not None:
             parser.error(too_many)
-        from dbo_runtime.harness.launch import kill_on_sigterm
         from dbo_runtime.harness.turns import run_interleaved
-        from dbo_runtime.sim.report import environment
+        from tests.harness.report import environment
+        from tests.harness.runs import kill_on_sigterm
 
         kill_on_sigterm()
         env_facts = environment()
@@ -308,7 +308,7 @@ class RunsUnreadable(Exception):
 def from_runs(runs: Path, labels: list[str]) -> tuple[dict[str, dict], dict]:
     """The records of a benchmark a time limit stopped, assembled again from its run directories (with the reps
     each engine finished, ``harness.runner.partial_path``), and the environment its engines reported."""
-    from dbo_runtime.harness.launch import reassemble
+    from tests.harness.runs import reassemble
 
     records: dict[str, dict] = {}
     for label in labels:

@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: Any) -> int:
     import deep_gemm as dg
 
-    from dbo_runtime.sim.report import environment, write_json
+    from tests.harness.report import environment, write_json
 
     device = torch.device("cuda", torch.cuda.current_device())
     x = _inputs(device, seed=0)

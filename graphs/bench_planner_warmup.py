@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from dbo_runtime.sim.report import environment, write_json
+    from tests.harness.report import environment, write_json
 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     sms = total - args.comm_sms

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return RunSpec(label=label, engine_args=plan.tiny_args(args.model, eager=not args.graphs), env=plan.bench_env(env), prompts=prompts, max_tokens=4,
                        bench=bench, timeout_s=900, meta={"model": args.model, "issue": 8, "what": "bench_real_engine"})  # fmt: skip
 
-    from dbo_runtime.sim.report import environment
+    from tests.harness.report import environment
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -208,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 2)
 
-    from dbo_runtime.sim.report import environment, write_json
     from dbo_runtime.sim.scenario import GLM53, Scenario
+    from tests.harness.report import environment, write_json
 
     base = dataclasses.replace(GLM53, num_requests=args.requests, max_context=args.max_context)
     rows = {}

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import os
 
-    from dbo_runtime.sim.report import environment, write_json
+    from tests.harness.report import environment, write_json
 
     out = Path(args.out)
     doc = {**measure(args.n), "environment": {**environment(), "cpus": os.cpu_count(), "switch_interval_s": sys.getswitchinterval()}}

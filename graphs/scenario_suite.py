@@ -20,10 +20,10 @@ import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing
 # isort: split
 
 from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
-from dbo_runtime.sim.report import environment, write_json
 from dbo_runtime.sim.scenario import CONTRASTS, GLM53, MODES, run_scenario
 from graphs._args import EXIT_NO_DEVICE, add_out, integer
 from graphs._plotting import pyplot
+from tests.harness.report import environment, write_json
 
 
 def main(argv: list[str] | None = None) -> int:

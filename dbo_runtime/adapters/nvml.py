@@ -16,33 +16,13 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-#: CUDA cores per SM by compute capability (CUDA samples' ``_ConvertSMVer2Cores``), for the cross-check.
 CORES_PER_SM: dict[tuple[int, int], int] = {
-    (3, 0): 192,
-    (3, 2): 192,
-    (3, 5): 192,
-    (3, 7): 192,
-    (5, 0): 128,
-    (5, 2): 128,
-    (5, 3): 128,
-    (6, 0): 64,
-    (6, 1): 128,
-    (6, 2): 128,
-    (7, 0): 64,
-    (7, 2): 64,
-    (7, 5): 64,
-    (8, 0): 64,
-    (8, 6): 128,
-    (8, 7): 128,
-    (8, 9): 128,
-    (9, 0): 128,
-    (10, 0): 128,
-    (10, 1): 128,
-    (10, 3): 128,
-    (11, 0): 128,
-    (12, 0): 128,
-    (12, 1): 128,
+    **dict.fromkeys([(3, 0), (3, 2), (3, 5), (3, 7)], 192),
+    **dict.fromkeys([(5, 0), (5, 2), (5, 3), (6, 1), (6, 2), (8, 6), (8, 7), (8, 9), (9, 0)], 128),
+    **dict.fromkeys([(6, 0), (7, 0), (7, 2), (7, 5), (8, 0)], 64),
+    **dict.fromkeys([(10, 0), (10, 1), (10, 3), (11, 0), (12, 0), (12, 1)], 128),
 }
+"""CUDA cores per SM by compute capability (CUDA samples' ``_ConvertSMVer2Cores``), for the cross-check."""
 
 
 def cores_per_sm(capability: tuple[int, int] | None) -> int | None:
@@ -65,11 +45,7 @@ class NvmlMigDevice:
     """Index passed to ``nvmlDeviceGetMigDeviceHandleByIndex``."""
     name: str | None
     uuid: str | None
-    gpu_instance_id: int | None
-    compute_instance_id: int | None
     multiprocessor_count: int | None
-    gpu_instance_slice_count: int | None
-    memory_size_mb: int | None
     sm_clock_mhz: int | None
     max_sm_clock_mhz: int | None
 
@@ -111,7 +87,6 @@ class NvmlGpu:
 @dataclass(frozen=True, slots=True)
 class NvmlSnapshot:
     driver_version: str | None
-    nvml_version: str | None
     gpus: tuple[NvmlGpu, ...]
 
 
@@ -168,11 +143,7 @@ def _mig_devices(r: _Reader, parent_index: int, handle: Any) -> tuple[NvmlMigDev
                 slot=slot,
                 name=_text(r.call("nvmlDeviceGetName", mig)),
                 uuid=_text(r.call("nvmlDeviceGetUUID", mig)),
-                gpu_instance_id=r.call("nvmlDeviceGetGpuInstanceId", mig),
-                compute_instance_id=r.call("nvmlDeviceGetComputeInstanceId", mig),
                 multiprocessor_count=None if attrs is None else int(attrs.multiprocessorCount),
-                gpu_instance_slice_count=None if attrs is None else int(attrs.gpuInstanceSliceCount),
-                memory_size_mb=None if attrs is None else int(attrs.memorySizeMB),
                 sm_clock_mhz=r.clock(mig, maximum=False),
                 max_sm_clock_mhz=r.clock(mig, maximum=True),
             )
@@ -234,7 +205,6 @@ def query(nvml: ModuleType | None = None) -> NvmlSnapshot:
                 continue
         return NvmlSnapshot(
             driver_version=_text(r.call("nvmlSystemGetDriverVersion")),
-            nvml_version=_text(r.call("nvmlSystemGetNVMLVersion")),
             gpus=tuple(gpus),
         )
     finally:

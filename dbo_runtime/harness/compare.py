@@ -2,7 +2,7 @@
 
 DBO must not change what a model says; greedy decoding makes that checkable token by token. After the
 first differing token the runs continue from different contexts, so logprob differences are taken
-only up to the first divergence (a lower bound where the token left the other run's top-k).
+only up to the first divergence.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Comparison:
     dlogprob_positions: int = 0
     dlogprob_missing: int = 0
     dlogprob_bounded: int = 0
-    """Positions where the reference token was not in the other run's top-k (counted with a lower bound)."""
+    """Positions whose reference token left the other run's top-k (counted as a lower bound)."""
     nonfinite_logprobs: int = 0
     mean_abs_dlogprob_exact: float = 0.0
     """Mean over exact positions only: per-token noise, not how early a request diverged."""
@@ -51,20 +51,6 @@ class Comparison:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-    def record_facts(self, reference: str, reference_requests: int) -> dict[str, Any]:
-        """The keys a run record carries for its comparison with ``reference``."""
-        return {
-            "reference": reference,
-            "agreement": self.agreement,
-            "prefix_agreement": self.prefix_agreement,
-            "exact_requests": self.exact_requests,
-            "agreement_se": self.agreement_se,
-            "requests_compared": self.requests,
-            "max_abs_dlogprob": self.max_abs_dlogprob,
-            "mean_abs_dlogprob": self.mean_abs_dlogprob,
-            "tokens_identical_to": reference if self.exact_requests == self.requests == reference_requests else None,
-        }
 
 
 def _dlogprob(ref: Request, other: Request, position: int) -> tuple[str, float]:

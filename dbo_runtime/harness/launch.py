@@ -168,16 +168,6 @@ _LIVE: set[subprocess.Popen[bytes]] = set()
 """Engine process groups started and not reaped, killed when this process is terminated."""
 
 
-def kill_on_sigterm() -> None:
-    """Make SIGTERM kill every engine this process started before it exits."""
-
-    def handler(signum: int, frame: Any) -> None:
-        kill_all()
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def kill_all() -> None:
     """Kill every engine process group this process launched and has not reaped."""
     for proc in list(_LIVE):
@@ -281,7 +271,7 @@ def launch(
     if timed_out:
         with open(logs[0], "a") as log:
             log.write(f"\n[dbo-harness launcher] timeout after {spec.timeout_s:.0f} s: killed every rank\n")
-    ranks = _load_ranks(root, spec.dp, lambda rank: f"wrote no result (exit code {procs[rank].returncode})")
+    ranks = load_ranks(root, spec.dp, lambda rank: f"wrote no result (exit code {procs[rank].returncode})")
     record = assemble(spec, ranks, [p.read_text(errors="replace") for p in logs], wall)
     (root / "record.json").write_text(json.dumps(record, indent=1))
     if progress is not None:
@@ -292,34 +282,7 @@ def launch(
 PLUGIN_LINE = re.compile(r"dbo_runtime[:/]")
 
 
-def reassemble(run: Path) -> dict[str, Any] | None:
-    """A run directory's record, assembled again from its spec, rank results and logs (a later
-    ``assemble`` may know more; a killed run has no ``record.json``). A job directory without
-    ``spec.json`` returns its record as written; None when there is neither."""
-    spec_path, record_path = run / "spec.json", run / "record.json"
-    stored = json.loads(record_path.read_text()) if record_path.exists() else None
-    if not spec_path.exists():
-        return stored
-    raw = json.loads(spec_path.read_text())
-    raw["prompts"] = PromptSpec(**raw["prompts"])
-    if raw.get("repeat_mixed"):
-        raw["repeat_mixed"] = PromptSpec(**raw["repeat_mixed"])
-    spec = RunSpec(**raw)
-    why = "wrote no result" if stored is not None else "stopped before it wrote a result (the session's time limit killed it)"
-    ranks = _load_ranks(run, spec.dp, lambda rank: why)
-    logs = [path.read_text(errors="replace") for path in sorted(run.glob("rank*.log"))]
-    record = assemble(spec, ranks, logs, wall_s=float(stored["wall_s"]) if stored else float("nan"))
-    if stored is not None:
-        # ``describe`` also reads the launching process's environment: what the run was given.
-        record.update({key: stored[key] for key in describe(spec) if key in stored})
-        if not record["ok"] and stored.get("error"):
-            record["error"] = stored["error"]  # it names the exit codes, which only the launcher saw
-    else:
-        record["stopped_by_session_limit"] = True
-    return record
-
-
-def _load_ranks(root: Path, dp: int, why_missing: Callable[[int], str]) -> list[dict[str, Any]]:
+def load_ranks(root: Path, dp: int, why_missing: Callable[[int], str]) -> list[dict[str, Any]]:
     """Each rank's result, or a failed placeholder saying why it is missing (with any reps it finished)."""
     ranks = []
     for rank in range(dp):

@@ -10,6 +10,7 @@ at file barriers so timed phases start together.
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 import sys
@@ -19,11 +20,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from dbo_runtime.core.switches import parse_switch
 from dbo_runtime.harness.prompts import PromptSpec, for_rank, load
 
 BARRIER_ENV = "DBO_HARNESS_BARRIER_DIR"
 BARRIER_TIMEOUT_S = 600.0
+ROW_HOOK_ENV = "DBO_HARNESS_ROW_HOOK"
+"""``module:function`` a measurement harness names, called as ``hook(row, s0, s1, s2, steps)`` after each bench rep
+with the counter snapshots before, between and after its two passes: where it adds its own columns."""
 _KEEP: list[Any] = []
 _PARTIAL: list[Path] = []
 """Where ``main`` writes the benchmark's reps so far."""
@@ -142,14 +145,6 @@ def summary_delta(before: list[dict[str, Any]] | None, after: list[dict[str, Any
     return sum(b - a for a, b in pairs)
 
 
-def _per_decode_step(s0: Any, s1: Any, s2: Any, key: str, steps: int) -> float | None:
-    """A counter per decode step: the long pass less the 1-token pass, over ``steps - 1``."""
-    one, full = summary_delta(s0, s1, key), summary_delta(s1, s2, key)
-    if one is None or full is None:
-        return None
-    return max(0.0, (full - one) / (steps - 1))
-
-
 def _per_partition_ms(seconds: Any, partitions: Any) -> float | None:
     """Host ms per microbatched forward (SMControl's partitions); None where none ran or no counters."""
     if not isinstance(partitions, int) or partitions <= 0 or not isinstance(seconds, (int, float)):
@@ -265,15 +260,14 @@ def _repeat_mixed(llm: Any, params: Any, batch: list[Any], fresh_spec: PromptSpe
 
 
 def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], rank: int, size: int) -> dict[str, Any]:
-    """Decode timing on warm caches: per rep a 1-token and a T-token pass; their difference over T-1
-    is the step, and the self-time counter is read the same way."""
+    """Decode timing on warm caches: per rep a 1-token and a T-token pass; their difference over T-1 is the step."""
     steps = int(bench["max_tokens"])
     one = sampling(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     full = sampling(temperature=0.0, max_tokens=steps, ignore_eos=True, detokenize=False)
     reps = []
     coordinated = bool(bench.get("coordinated"))
-    # self-time counters stay 0 unless the switch is on; 0 then means "not measured"
-    self_time = parse_switch("DBO_RUNTIME_SELF_TIME")
+    module, _, name = os.environ.get(ROW_HOOK_ENV, "").partition(":")
+    hook = getattr(importlib.import_module(module), name) if module else None
     for rep in range(int(bench.get("warmup", 1)) + int(bench["reps"])):
         if coordinated:
             wait_turn(f"rep{rep}", rank)
@@ -308,26 +302,8 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
         if isinstance(n01, int) and isinstance(n12, int) and t01 is not None and t12 is not None:
             row["decode_partitions"] = n12 - n01
             row["decode_partition_ms"] = _per_partition_ms(t12 - t01, n12 - n01)
-        self_ns = _per_decode_step(s0, s1, s2, "self_time_ns", steps)
-        if self_ns is not None and self_time:
-            row["plugin_self_us_per_step"] = self_ns / 1e3
-            calls = _per_decode_step(s0, s1, s2, "self_time_calls", steps)
-            if calls is not None:
-                row["plugin_calls_per_step"] = calls
-                row["plugin_calls_per_step_by_patch"] = _per_step_by_patch(s0, s1, s2, steps)
-                ns = _per_step_by_patch(s0, s1, s2, steps, key="ns_by_patch")
-                row["plugin_self_us_per_step_by_patch"] = {name: v / 1e3 for name, v in ns.items()}
-                long_ns = _per_step_by_patch(s0, s1, s2, steps, key="long_by_patch", index=1)
-                row["plugin_long_per_step_by_patch"] = {
-                    name: {"count": n, "us": long_ns.get(name, 0.0) / 1e3}
-                    for name, n in _per_step_by_patch(s0, s1, s2, steps, key="long_by_patch", index=0).items()
-                }
-                row["plugin_self_net_us_per_step"] = net_self_us(row["plugin_self_us_per_step"], row["plugin_calls_per_step_by_patch"], s2)
-                gc_ns = _per_decode_step(s0, s1, s2, "self_time_gc_ns", steps)
-                gc_count = _per_decode_step(s0, s1, s2, "self_time_gc_count", steps)
-                if gc_ns is not None and gc_count is not None:
-                    row["plugin_gc_us_per_step"] = gc_ns / 1e3
-                    row["plugin_gc_per_step"] = gc_count
+        if hook is not None:
+            hook(row, s0, s1, s2, steps)
         row["jit_in_step"] = summary_delta(s0, s2, "jit_in_step")
         row["armed_patches"] = max((w["summary"].get("armed_patches", 0) for w in s2 or []), default=0)
         reps.append(row)
@@ -335,43 +311,6 @@ def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], ran
         if coordinated:
             (Path(os.environ[BARRIER_ENV]) / f"done-rep{rep}.{rank}").touch()
     return {"max_tokens": steps, "requests": len(batch), "reps": reps}
-
-
-def net_self_us(self_us: float, per_step: dict[str, float], snap: list[dict[str, Any]] | None) -> float | None:
-    """``self_us`` less what the self-timer's own clock charged: a lower estimate beside the upper bound."""
-    timer = next((w.get("self_time") for w in snap or [] if (w.get("self_time") or {}).get("charged_ns_per_call") is not None), None)
-    if timer is None:
-        return None
-    kinds = timer.get("kinds", {})
-    charged = sum(
-        n * (timer["charged_ns_per_access"] if kinds.get(name) == "descriptor" else timer["charged_ns_per_call"])
-        for name, n in per_step.items()
-    )
-    return max(0.0, self_us - charged / 1e3)
-
-
-def _per_step_by_patch(
-    s0: list[dict[str, Any]] | None,
-    s1: list[dict[str, Any]] | None,
-    s2: list[dict[str, Any]] | None,
-    steps: int,
-    key: str = "by_patch",
-    index: int | None = None,
-) -> dict[str, float]:
-    """A self-timer table per decode step, per patch (the T-token pass minus the 1-token pass)."""
-
-    def counts(snap: list[dict[str, Any]] | None) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for worker in snap or []:
-            for name, n in (worker.get("self_time") or {}).get(key, {}).items():
-                out[name] = out.get(name, 0) + int(n if index is None else n[index])
-        return out
-
-    c0, c1, c2 = counts(s0), counts(s1), counts(s2)
-    return {
-        name: max(0.0, ((c2.get(name, 0) - c1.get(name, 0)) - (c1.get(name, 0) - c0.get(name, 0))) / (steps - 1))
-        for name in sorted(set(c2))
-    }
 
 
 def _watchdog(seconds: float) -> None:

@@ -19,22 +19,11 @@ SUPPORTED_BLOCK_KV = (32, 64)
 
 PLANNER_SM_MAJORS = (9, 10)
 
-SM90_NATIVE_NEXT_N = (1, 2, 4)
-
 
 def _check_int(parameter: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(parameter, value, f"an int >= {minimum}")
     return value
-
-
-def native_next_n_supported(next_n: int, sm_major: int = 9) -> bool:
-    """Whether the kernel takes ``next_n`` rows per request natively (SM90: 1, 2 or 4 only)."""
-    _check_int("next_n", next_n, 1)
-    _check_int("sm_major", sm_major, 1)
-    if sm_major == 9:
-        return next_n in SM90_NATIVE_NEXT_N
-    return True
 
 
 def num_kv_multicast(next_n: int, sm_major: int = 9) -> int:

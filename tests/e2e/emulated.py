@@ -53,7 +53,9 @@ from pathlib import Path
 from typing import Any
 
 from dbo_runtime.harness.compare import Comparison, FloorRule, Request, compare
+from dbo_runtime.harness.runner import ROW_HOOK_ENV
 from tests.e2e import dp_emulation
+from tests.harness import selftime
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -156,7 +158,7 @@ class Engine:
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if IN_PROCESS else "1",
         }
         if self.self_time:
-            env["DBO_RUNTIME_SELF_TIME"] = "1"
+            env.update({"DBO_RUNTIME_SELF_TIME": "1", ROW_HOOK_ENV: selftime.ROW_HOOK})
         if not self.plugin:
             env["DBO_RUNTIME_DISABLE"] = "1"
         if not self.dbo:

@@ -16,6 +16,8 @@ from typing import Any
 
 from dbo_runtime.harness.launch import RunSpec
 from dbo_runtime.harness.prompts import PromptSpec
+from dbo_runtime.harness.runner import ROW_HOOK_ENV
+from tests.harness import selftime
 
 MODELS = Path(__file__).parent / "models"
 KV_CACHE_BYTES = 2 << 30
@@ -63,10 +65,12 @@ SELF_TIME_SITE = Path(__file__).resolve().parents[1] / "harness" / "selftime_sit
 
 
 def bench_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` for an engine; one that sets ``DBO_RUNTIME_SELF_TIME`` gets the self-timer's site on ``PYTHONPATH``."""
+    """``env`` for an engine; one that sets ``DBO_RUNTIME_SELF_TIME`` gets the self-timer's site on ``PYTHONPATH``
+    and its columns in the bench rows."""
     if "DBO_RUNTIME_SELF_TIME" not in env:
         return dict(env)
-    return {**env, "PYTHONPATH": os.pathsep.join([str(SELF_TIME_SITE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    path = os.pathsep.join([str(SELF_TIME_SITE), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**env, "PYTHONPATH": path, ROW_HOOK_ENV: selftime.ROW_HOOK}
 
 
 def max_engines(environ: Mapping[str, str] | None = None) -> int:

@@ -17,7 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dbo_runtime.harness.launch import RunSpec, launch, reassemble
+from dbo_runtime.harness.launch import RunSpec, launch
+from tests.harness.runs import reassemble
 
 
 def assign_gpus(specs: Sequence[RunSpec], gpus: Sequence[int] | None) -> list[RunSpec]:

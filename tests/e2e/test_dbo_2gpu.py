@@ -16,6 +16,7 @@ import pytest
 from dbo_runtime.harness.compare import Comparison, FloorRule, Request, compare
 from tests.e2e.conftest import Records
 from tests.e2e.jobs import VERIFY_CASES
+from tests.harness.runs import record_facts
 
 pytestmark = pytest.mark.e2e_dp2
 
@@ -52,7 +53,7 @@ def _ok(record: dict[str, Any]) -> dict[str, Any]:
 def _cmp(records: Records, ref_label: str, test_label: str) -> Comparison:
     ref, test = _ok(records[ref_label]), _ok(records[test_label])
     result = compare([Request.from_json(r) for r in ref["requests"]], [Request.from_json(r) for r in test["requests"]])
-    records.annotate(test_label, **result.record_facts(ref_label, len(ref["requests"])))
+    records.annotate(test_label, **record_facts(result, ref_label, len(ref["requests"])))
     assert result.requests == len(ref["requests"]) >= 64
     return result
 

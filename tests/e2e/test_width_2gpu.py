@@ -4,7 +4,7 @@ The models are few layers deep but real in width (``models/README.md``: GLM-5.3 
 indexer and 256 experts, random weights at a trained scale so greedy tokens vary). Here: the upstream reproducer
 (vllm#60732's mixed prefill and one-token-extend steps), the accuracy A/B of both runners under HT eager and
 LL + FULL decode graphs against DBO's own noise floor (the V3.2 geometry, which has no follower layers), the
-top-k state bytes of both layouts against ``core.topk_memory``, and the DSA family under DBO.
+top-k state bytes of both layouts against ``tests.harness.topk_memory``, and the DSA family under DBO.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 
 from dbo_runtime.harness.compare import Comparison, FloorRule, Request, compare
 from tests.e2e.conftest import Records
+from tests.harness.runs import record_facts
 
 pytestmark = pytest.mark.e2e_dp2
 
@@ -38,7 +39,7 @@ def _microbatched(record: dict[str, Any]) -> None:
 def _cmp(records: Records, ref: str, test: str) -> Comparison:
     a, b = _ok(records[ref]), _ok(records[test])
     result = compare([Request.from_json(r) for r in a["requests"]], [Request.from_json(r) for r in b["requests"]])
-    records.annotate(test, **result.record_facts(ref, len(a["requests"])))
+    records.annotate(test, **record_facts(result, ref, len(a["requests"])))
     assert result.requests == len(a["requests"])
     return result
 
@@ -103,7 +104,7 @@ def test_the_top_k_state_costs_what_the_formula_says(records: Records) -> None:
     import json
     from pathlib import Path
 
-    from dbo_runtime.core.topk_memory import topk_memory_bytes
+    from tests.harness.topk_memory import topk_memory_bytes
 
     config = json.loads((Path(__file__).parent / "models" / "glm53-width" / "config.json").read_text())
     expected = topk_memory_bytes(

@@ -22,6 +22,8 @@ from typing import Any
 from dbo_runtime.core.switches import parse_switch
 
 ENV = "DBO_RUNTIME_SELF_TIME"
+ROW_HOOK = f"{__name__}:bench_row"
+"""What a self-timed run names in ``DBO_HARNESS_ROW_HOOK``, so its bench rows carry the figures per step."""
 
 _clock = time.perf_counter_ns
 
@@ -353,4 +355,70 @@ def snapshot(calibrate: bool = True) -> dict[str, Any]:
     }
 
 
-__all__ = ["ENV", "MEASUREMENT", "TimedDescriptor", "enabled", "install", "pause_for_original", "snapshot", "time_plugin"]
+def bench_row(row: dict[str, Any], s0: Any, s1: Any, s2: Any, steps: int) -> None:
+    """The self-timer's columns of a bench rep (``runner.ROW_HOOK_ENV``): each figure per decode step, as
+    the T-token pass less the 1-token pass over ``steps - 1``, like the step time itself."""
+    self_ns = _per_decode_step(s0, s1, s2, "self_time_ns", steps)
+    if self_ns is None or not enabled():  # switched off, the counters measure nothing
+        return
+    row["plugin_self_us_per_step"] = self_ns / 1e3
+    calls = _per_decode_step(s0, s1, s2, "self_time_calls", steps)
+    if calls is None:
+        return
+    row["plugin_calls_per_step"] = calls
+    row["plugin_calls_per_step_by_patch"] = per_step_by_patch(s0, s1, s2, steps)
+    ns = per_step_by_patch(s0, s1, s2, steps, key="ns_by_patch")
+    row["plugin_self_us_per_step_by_patch"] = {name: v / 1e3 for name, v in ns.items()}
+    long_ns = per_step_by_patch(s0, s1, s2, steps, key="long_by_patch", index=1)
+    row["plugin_long_per_step_by_patch"] = {
+        name: {"count": n, "us": long_ns.get(name, 0.0) / 1e3}
+        for name, n in per_step_by_patch(s0, s1, s2, steps, key="long_by_patch", index=0).items()
+    }
+    row["plugin_self_net_us_per_step"] = net_self_us(row["plugin_self_us_per_step"], row["plugin_calls_per_step_by_patch"], s2)
+    gc_ns = _per_decode_step(s0, s1, s2, "self_time_gc_ns", steps)
+    gc_count = _per_decode_step(s0, s1, s2, "self_time_gc_count", steps)
+    if gc_ns is not None and gc_count is not None:
+        row["plugin_gc_us_per_step"] = gc_ns / 1e3
+        row["plugin_gc_per_step"] = gc_count
+
+
+def _per_decode_step(s0: Any, s1: Any, s2: Any, key: str, steps: int) -> float | None:
+    from dbo_runtime.harness.runner import summary_delta
+
+    one, full = summary_delta(s0, s1, key), summary_delta(s1, s2, key)
+    if one is None or full is None:
+        return None
+    return max(0.0, (full - one) / (steps - 1))
+
+
+def net_self_us(self_us: float, per_step: dict[str, float], snap: list[dict[str, Any]] | None) -> float | None:
+    """``self_us`` less what the self-timer's own clock charged: a lower estimate beside the upper bound."""
+    timer = next((w.get("self_time") for w in snap or [] if (w.get("self_time") or {}).get("charged_ns_per_call") is not None), None)
+    if timer is None:
+        return None
+    kinds = timer.get("kinds", {})
+    charged = sum(
+        n * (timer["charged_ns_per_access"] if kinds.get(name) == "descriptor" else timer["charged_ns_per_call"])
+        for name, n in per_step.items()
+    )
+    return max(0.0, self_us - charged / 1e3)
+
+
+def per_step_by_patch(s0: Any, s1: Any, s2: Any, steps: int, key: str = "by_patch", index: int | None = None) -> dict[str, float]:
+    """A self-timer table per decode step, per patch (the T-token pass minus the 1-token pass)."""
+
+    def counts(snap: list[dict[str, Any]] | None) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for worker in snap or []:
+            for name, n in (worker.get("self_time") or {}).get(key, {}).items():
+                out[name] = out.get(name, 0) + int(n if index is None else n[index])
+        return out
+
+    c0, c1, c2 = counts(s0), counts(s1), counts(s2)
+    return {
+        name: max(0.0, ((c2.get(name, 0) - c1.get(name, 0)) - (c1.get(name, 0) - c0.get(name, 0))) / (steps - 1))
+        for name in sorted(set(c2))
+    }
+
+
+__all__ = ["ENV", "MEASUREMENT", "TimedDescriptor", "bench_row", "enabled", "install", "pause_for_original", "snapshot", "time_plugin"]

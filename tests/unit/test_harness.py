@@ -17,6 +17,7 @@ from dbo_runtime.harness.compare import Request, Thresholds, compare, verdict
 from dbo_runtime.harness.launch import RunSpec, assemble, describe, launch
 from dbo_runtime.harness.prompts import PromptSpec, for_rank, from_file, synthetic
 from tests.e2e.pool import assign_gpus, run_all
+from tests.harness.runs import record_facts
 
 
 def req(index: int, tokens: list[int], lps: list[dict[int, float]] | None = None) -> Request:
@@ -75,7 +76,7 @@ def test_agreement_standard_error_comes_from_the_per_request_spread() -> None:
     result = compare(ref, other)
     assert result.agreement == 0.5
     assert result.agreement_se == pytest.approx((1 / 3) ** 0.5 / 2)  # sample std sqrt(1/3), n = 4
-    assert result.record_facts("ref", 4)["agreement_se"] == result.agreement_se
+    assert record_facts(result, "ref", 4)["agreement_se"] == result.agreement_se
 
 
 def test_thresholds_validate() -> None:
@@ -442,38 +443,15 @@ def _fake_llm(one_s: float, full_s: float) -> type:
 
 def test_bench_reports_no_step_time_when_the_host_made_it_unmeasurable(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a loaded host (14 engines on the other GPU) the 1-token pass can take longer than the 64-token
-    pass: that rep has no decode step time, not a 0.0 ms one. Self-time counters read 0 with
-    DBO_RUNTIME_SELF_TIME off: that is 'not measured', not 0.0 us per step."""
+    pass: that rep has no decode step time, not a 0.0 ms one."""
     from dbo_runtime.harness import runner
 
-    Params, LLM = _FakeParams, _fake_llm(one_s=0.05, full_s=0.01)
-    stats = [{"summary": {"microbatched_builds": 0, "self_time_ns": 0}}]
-    monkeypatch.setattr(runner, "_stats", lambda llm: stats)
-    monkeypatch.delenv("DBO_RUNTIME_SELF_TIME", raising=False)
-    out = runner._bench(LLM(), Params, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)
+    monkeypatch.setattr(runner, "_stats", lambda llm: [{"summary": {"microbatched_builds": 0, "self_time_ns": 0}}])
+    monkeypatch.delenv(runner.ROW_HOOK_ENV, raising=False)
+    out = runner._bench(_fake_llm(one_s=0.05, full_s=0.01)(), _FakeParams, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)
     [row] = out["reps"]
     assert row["decode_step_ms"] is None and row["decode_tok_per_s"] is None
-    assert "plugin_self_us_per_step" not in row
-    monkeypatch.setenv("DBO_RUNTIME_SELF_TIME", "1")
-    [row] = runner._bench(LLM(), Params, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)["reps"]
-    assert row["plugin_self_us_per_step"] == 0.0  # measured, and the plugin ran nothing
-
-
-def test_bench_reports_the_collections_inside_plugin_code_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The self-timer counts garbage collections that started inside plugin code: per decode step, as the T-token
-    pass minus the 1-token pass, like the self time they are part of."""
-    from dbo_runtime.harness import runner
-
-    def stats(ns: int, gc_n: int, gc_ns: int) -> list[dict]:
-        summary = {"microbatched_builds": 0, "self_time_ns": ns, "self_time_calls": 0, "self_time_gc_count": gc_n, "self_time_gc_ns": gc_ns}
-        return [{"summary": summary, "self_time": {}}]
-
-    # a 1-token pass with one 40 us collection, then an 8-token pass with eight more (7 decode steps: 1 a step)
-    seq = iter([stats(0, 0, 0), stats(50_000, 1, 40_000), stats(400_000, 9, 360_000)])
-    monkeypatch.setattr(runner, "_stats", lambda llm: next(seq))
-    monkeypatch.setenv("DBO_RUNTIME_SELF_TIME", "1")
-    [row] = runner._bench(_fake_llm(0.0, 0.01)(), _FakeParams, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)["reps"]
-    assert row["plugin_gc_per_step"] == 1.0 and row["plugin_gc_us_per_step"] == 40.0
+    assert "plugin_self_us_per_step" not in row  # only a measurement harness adds its columns
 
 
 def test_replay_reads_a_finished_session_back(tmp_path: Path) -> None:
@@ -519,7 +497,7 @@ def test_a_benchmark_stopped_by_a_limit_keeps_the_reps_it_finished(tmp_path: Pat
     from dataclasses import asdict
 
     from dbo_runtime.harness import runner
-    from dbo_runtime.harness.launch import reassemble
+    from tests.harness.runs import reassemble
 
     Params, LLM = _FakeParams, _fake_llm(one_s=0.001, full_s=0.01)
     monkeypatch.setattr(runner, "_stats", lambda llm: [{"summary": {"microbatched_builds": 0}}])
@@ -543,7 +521,7 @@ def test_reassembly_keeps_the_configuration_the_run_was_launched_with(tmp_path: 
     again in another process must not turn a V1 run into a V2 one."""
     from dataclasses import asdict
 
-    from dbo_runtime.harness.launch import reassemble
+    from tests.harness.runs import reassemble
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     spec = RunSpec("off", ["--model", "m"], dp=1)

@@ -18,7 +18,6 @@ import torch
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.sim.reference_planner import (
     SPLIT_KV_TOKENS,
-    native_next_n_supported,
     num_kv_multicast,
     num_next_n_atoms,
     plan_paged_mqa_schedule,
@@ -221,11 +220,6 @@ def test_schedule_slots_sm90_next_n_4_is_one_slot_per_cluster() -> None:
     assert schedule_slots(148, 4, sm_major=12) == 148
 
 
-def test_native_next_n_supported() -> None:
-    assert [n for n in range(1, 9) if native_next_n_supported(n)] == [1, 2, 4]
-    assert all(native_next_n_supported(n, sm_major=10) for n in range(1, 9))
-
-
 @pytest.fixture()
 def vllm_capability(monkeypatch: pytest.MonkeyPatch) -> Callable[[int, int], None]:
     """Pretend the (absent) GPU has a compute capability; vLLM's own logic does the rest."""
@@ -247,7 +241,6 @@ def test_slot_rule_matches_vllm_0_33(vllm_capability: Callable[[int, int], None]
 
     vllm_capability(major, minor)
     for next_n in range(1, 9):
-        assert native_next_n_supported(next_n, major) == vdg.native_next_n_supported(next_n)
         for num_sms in (2, 3, 66, 112, 131, 132, 148):
             assert schedule_slots(num_sms, next_n, major) == vdg._paged_mqa_logits_schedule_slots(num_sms, next_n)
 
@@ -319,6 +312,5 @@ def test_bad_slot_rule_inputs() -> None:
     _raises("num_sms", lambda: schedule_slots(0, 1))
     _raises("num_sms", lambda: schedule_slots(1, 4))  # one SM cannot host a 2-CTA cluster
     _raises("next_n", lambda: schedule_slots(132, 0))
-    _raises("next_n", lambda: native_next_n_supported(0))
     _raises("sm_major", lambda: schedule_slots(132, 1, sm_major=0))
     _raises("num_sms", lambda: schedule_slots(1, 4))

@@ -1,4 +1,4 @@
-"""``sim.report.environment``: the versions a GPU result is recorded with."""
+"""``tests.harness.report.environment``: the versions a GPU result is recorded with."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dbo_runtime.sim import report
+from tests.harness import report
 
 
 def test_deep_gemm_version_falls_back_to_the_copy_vllm_vendors(monkeypatch: pytest.MonkeyPatch) -> None:

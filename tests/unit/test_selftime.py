@@ -141,7 +141,7 @@ def test_threads_do_not_accumulate_records_and_calibration_is_not_counted() -> N
 def test_the_clocks_own_charge_is_calibrated_and_a_net_figure_subtracts_it() -> None:
     """A hook with no plugin work still accrues plugin time (the clock's own switches): the calibration measures
     that charge, a hook that only calls its original accrues about that much, and the net figure takes it out."""
-    from dbo_runtime.harness.runner import net_self_us
+    net_self_us = selftime.net_self_us
 
     snap = selftime.snapshot(calibrate=True)
     assert snap["charged_ns_per_call"] > 0.0 and snap["charged_ns_per_access"] > 0.0
@@ -195,17 +195,15 @@ def test_time_is_charged_to_the_innermost_patch_and_long_charges_are_told_apart(
     assert after["long_ns"] == selftime.LONG_NS
 
 
-def test_the_runner_reports_self_time_and_long_charges_per_patch_per_step() -> None:
-    from dbo_runtime.harness.runner import _per_step_by_patch
-
+def test_a_bench_row_reports_self_time_and_long_charges_per_patch_per_step() -> None:
     def snap(ns: int, long: list[int]) -> list[dict]:
         return [{"self_time": {"ns_by_patch": {"p": ns}, "long_by_patch": {"p": long}}}]
 
     # a 1-token pass costs 100 ns and one long charge, the 5-token pass 100 + 4 * 50 ns and two
     s0, s1, s2 = snap(0, [0, 0]), snap(100, [1, 30]), snap(100 + 100 + 200, [3, 90])
-    assert _per_step_by_patch(s0, s1, s2, 5, key="ns_by_patch") == {"p": 50.0}
-    assert _per_step_by_patch(s0, s1, s2, 5, key="long_by_patch", index=0) == {"p": 0.25}
-    assert _per_step_by_patch(s0, s1, s2, 5, key="long_by_patch", index=1) == {"p": 7.5}
+    assert selftime.per_step_by_patch(s0, s1, s2, 5, key="ns_by_patch") == {"p": 50.0}
+    assert selftime.per_step_by_patch(s0, s1, s2, 5, key="long_by_patch", index=0) == {"p": 0.25}
+    assert selftime.per_step_by_patch(s0, s1, s2, 5, key="long_by_patch", index=1) == {"p": 7.5}
 
 
 def test_reading_the_numbers_out_is_not_charged_to_the_plugin() -> None:
@@ -254,7 +252,53 @@ def test_the_bench_site_hands_the_plugin_the_timer_only_when_the_switch_is_on(sw
     code = (
         "from dbo_runtime.integration import plugin, worker_stats\n"
         "print(getattr(plugin.INSTRUMENT, '__name__', None), len(worker_stats.EXTENSIONS))\n"
+        "import importlib, os\n"  # the runner's bench finds the self-timer's columns the same way
+        "module, _, name = os.environ['DBO_HARNESS_ROW_HOOK'].partition(':')\n"
+        "print(getattr(importlib.import_module(module), name).__name__)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == (["tests.harness.selftime", "1"] if switch == "1" else ["None", "0"])
+    assert proc.stdout.split() == (["tests.harness.selftime", "1"] if switch == "1" else ["None", "0"]) + ["bench_row"]
+
+
+def _bench_row(monkeypatch: pytest.MonkeyPatch, snapshots: list[list[dict]], switch: str = "1") -> dict:
+    """One rep of the runner's bench as a self-timed run makes it (the environment ``plan.bench_env`` gives it), its
+    counter snapshots taken from ``snapshots``."""
+    from dbo_runtime.harness import runner
+    from tests.e2e import plan
+
+    class Params:
+        def __init__(self, **kw: object) -> None:
+            self.max_tokens = kw["max_tokens"]
+
+    class LLM:
+        def generate(self, batch: list[object], params: Params, use_tqdm: bool = False) -> None:
+            time.sleep(0.0 if params.max_tokens == 1 else 0.01)
+
+    seq = iter(snapshots)
+    monkeypatch.setattr(runner, "_stats", lambda llm: next(seq))
+    monkeypatch.setenv(selftime.ENV, switch)
+    monkeypatch.setenv(runner.ROW_HOOK_ENV, plan.bench_env({selftime.ENV: switch})[runner.ROW_HOOK_ENV])
+    [row] = runner._bench(LLM(), Params, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)["reps"]
+    return row
+
+
+def test_a_self_timed_bench_reports_zero_plugin_time_as_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Self-time counters that stay 0 in a self-timed run are a measurement (the plugin ran nothing), not a gap;
+    with the switch off they measured nothing and the row says nothing."""
+    stats = [{"summary": {"microbatched_builds": 0, "self_time_ns": 0}}]
+    assert _bench_row(monkeypatch, [stats] * 3)["plugin_self_us_per_step"] == 0.0
+    assert "plugin_self_us_per_step" not in _bench_row(monkeypatch, [stats] * 3, switch="0")
+
+
+def test_a_self_timed_bench_reports_the_collections_inside_plugin_code_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The self-timer counts garbage collections that started inside plugin code: per decode step, as the T-token
+    pass minus the 1-token pass, like the self time they are part of."""
+
+    def stats(ns: int, gc_n: int, gc_ns: int) -> list[dict]:
+        summary = {"microbatched_builds": 0, "self_time_ns": ns, "self_time_calls": 0, "self_time_gc_count": gc_n, "self_time_gc_ns": gc_ns}
+        return [{"summary": summary, "self_time": {}}]
+
+    # a 1-token pass with one 40 us collection, then an 8-token pass with eight more (7 decode steps: 1 a step)
+    row = _bench_row(monkeypatch, [stats(0, 0, 0), stats(50_000, 1, 40_000), stats(400_000, 9, 360_000)])
+    assert row["plugin_gc_per_step"] == 1.0 and row["plugin_gc_us_per_step"] == 40.0

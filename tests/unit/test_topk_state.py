@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from dbo_runtime.core.errors import ConfigError, DboRuntimeError
-from dbo_runtime.core.topk_memory import groups_with_followers, index_leaders, topk_memory_bytes
+from dbo_runtime.core.topk_memory import index_leaders
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState, parse_layout
+from tests.harness.topk_memory import groups_with_followers, topk_memory_bytes
 
 
 def test_glm53_pattern_and_memory() -> None:

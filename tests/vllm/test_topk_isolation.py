@@ -22,11 +22,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dbo_runtime.core.topk_memory import index_leaders, topk_memory_bytes
+from dbo_runtime.core.topk_memory import index_leaders
 from dbo_runtime.integration import topk_hooks, ubatch_ids
 from dbo_runtime.integration.patching import Patch, PatchSet
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from tests.fakes.topk_boundary import FakeEvent, FakeStream, fake_convert
+from tests.harness.topk_memory import topk_memory_bytes
 from tests.vllm.conftest import fake_group_events, row_width_keyword
 
 

@@ -21,7 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dbo_runtime.harness.compare import Request, compare
-from dbo_runtime.harness.launch import reassemble
+from tests.harness.runs import reassemble, record_facts
 
 PAIRS: dict[str, str] = {}
 """test label -> reference label, for the comparisons the tests make."""
@@ -155,7 +155,7 @@ def _compared(label: str, rec: dict[str, Any], runs: dict[str, dict[str, Any]]) 
     ref = runs.get(ref_label) if ref_label else None
     if ref_label and ref and ref.get("requests") and rec.get("requests"):
         c = compare([Request.from_json(r) for r in ref["requests"]], [Request.from_json(r) for r in rec["requests"]])
-        doc.update(c.record_facts(ref_label, len(ref["requests"])))
+        doc.update(record_facts(c, ref_label, len(ref["requests"])))
     elif ref_label:
         doc["reference"] = ref_label
         doc["comparison_missing"] = f"{ref_label if not ref or not ref.get('requests') else label} has no tokens"

@@ -1,4 +1,4 @@
-"""Provenance for every figure and result file: device, versions, date, command."""
+"""Provenance for every figure and result file of the benches: device, versions, date, command (not the wheel's)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _revision() -> str | None:
 
     root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
-        return None  # an installed copy (site-packages, maybe inside another checkout) or an unpacked tree
+        return None  # an unpacked tree
     try:
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5)
         if rev.returncode != 0:
