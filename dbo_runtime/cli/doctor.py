@@ -125,10 +125,7 @@ def _collect() -> dict[str, Any]:
     try:
         match = releases.identify()
         patches, guard = _targets(usable, match)
-        relied_on = [
-            {"name": r.name, "feature": r.feature, "anchors": list(r.anchors), "fingerprint": _fingerprint(r, usable, match)}
-            for r in all_reliances()
-        ]
+        relied_on = [{"name": r.name, "feature": r.feature, "anchors": list(r.anchors), "fingerprint": _fingerprint(r, usable, match)} for r in all_reliances()]
         states = plugin.feature_states(match=match) if usable else {}
         features = [
             {"name": n, "summary": s.feature.summary, "verdict": s.verdict, "in_force": s.in_force, "applies": s.applies, "state": s.describe(), "detail": s.detail}
