@@ -277,7 +277,6 @@ def _guard_problem(vllm_config: Any) -> str:
 
 
 V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
-WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 
 
 def runner_of(worker: Any) -> str | None:

@@ -533,10 +533,6 @@ class PatchSet:
                     out.append(PatchStatus(patch, "missing" if self.installed else "not installed"))
             return out
 
-    def originals(self) -> dict[str, Any]:
-        """Patch name -> the original object, for tests and ``doctor``."""
-        return {a.patch.name: a.original for a in self._applied}
-
 
 def probe_target(patch: Patch) -> PatchStatus:
     """Check that a patch's target exists without installing it (``dbo-runtime doctor``)."""
