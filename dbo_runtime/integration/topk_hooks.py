@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -232,12 +230,7 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
         def register_layer(self: Any, *args: Any, **kwargs: Any) -> Any:
             is_index_producing_layer, vllm_config = slots.read(args, kwargs)
             follower = not is_index_producing_layer and self.current_group is not None
-            if vllm_config is None:
-                from vllm.config import get_current_vllm_config_or_none
-
-                config = get_current_vllm_config_or_none()
-            else:
-                config = vllm_config
+            config = _current_config() if vllm_config is None else vllm_config
             num_ubatches = _num_ubatches(config)
             if num_ubatches > 1:
                 if follower:
@@ -495,14 +488,7 @@ def _fa4_scalars_skipped(skipped: Mapping[str, str]) -> None:
 
 def fa4_module_present() -> bool:
     """Whether this vLLM ships FA4 sparse MLA (found without importing it)."""
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return False
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    relative = _FA4_SPARSE.split(".", 1)[1].replace(".", "/") + ".py"
-    return any(os.path.isfile(os.path.join(root, relative)) for root in spec.submodule_search_locations)
+    return fingerprints.module_file(_FA4_SPARSE) is not None
 
 
 def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:
