@@ -93,6 +93,3 @@ def summary_line(
     if others:
         text += " -- " + "; ".join(others)
     return text
-
-
-__all__ = ["emitted_in_this_process", "flush", "set_summary", "summary_line", "vllm_logging_configured"]

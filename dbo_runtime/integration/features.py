@@ -220,6 +220,3 @@ class FeatureRegistry:
 
 
 REGISTRY = FeatureRegistry()
-
-
-__all__ = ["REGISTRY", "Feature", "FeatureRegistry", "FeatureState", "Probe", "Reliance", "Upstream", "excluded_optional", "verify"]

@@ -464,17 +464,3 @@ def guard_patches() -> list[Patch]:
             **common,  # type: ignore[arg-type]
         ),
     ]
-
-
-__all__ = [
-    "bind_patch_set",
-    "bound_patch_set",
-    "check",
-    "guard_patches",
-    "microbatching",
-    "on_guard_failure",
-    "partitions_deep_gemm",
-    "pending_required",
-    "problem",
-    "runner_of",
-]

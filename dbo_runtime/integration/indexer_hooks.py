@@ -665,6 +665,3 @@ def patches() -> list[Patch]:
             optional=True,  # without it the call site re-plans for the live count (#60732's path): slower, as correct
         ),
     ]
-
-
-__all__ = ["patches", "register_builder"]

@@ -89,6 +89,3 @@ def patches() -> list[Patch]:
             ("deepseek_v41", V41_MODEL, ("DeepseekV41ForCausalLM",)),
         )
     ]
-
-
-__all__ = ["FEATURES", "TokenWindowAttr", "patches"]

@@ -72,6 +72,3 @@ def identify(patches: Sequence[Patch] | None = None) -> ReleaseMatch:
     assert best is not None, "recorded_fingerprints.RELEASES is empty"
     _, closest, differing = best
     return ReleaseMatch(installed_version(), closest if not differing else None, closest, differing)
-
-
-__all__ = ["SUPPORTED", "ReleaseMatch", "identify", "installed_version", "part_of"]

@@ -20,7 +20,7 @@ from dbo_runtime.integration import activation
 from dbo_runtime.integration.features import Feature
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.services.metrics import export_to_prometheus
-from dbo_runtime.services.sm_control import FunctionKnob, SMControl, SMKnob, sm_control_for
+from dbo_runtime.services.sm_control import SMControl, SMKnob, sm_control_for
 
 logger = get_logger(__name__)
 
@@ -212,6 +212,3 @@ def patches() -> list[Patch]:
             **common,  # type: ignore[arg-type]
         ),
     ]
-
-
-__all__ = ["DboSMControlContext", "FunctionKnob", "budget_from_vllm", "create_sm_control_context", "patches"]

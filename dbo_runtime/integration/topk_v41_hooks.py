@@ -72,6 +72,3 @@ def patches(state: UbatchTopkState | None = None) -> list[Patch]:
         _patch(st, SPARSE_MQA, "SparseMQAIndexer", "topk_indices_buffer"),
         _patch(st, SPARSE_MQA, "SparseMQAIndexer", "candidate_blocks"),
     ]
-
-
-__all__ = ["FEATURES", "patches"]

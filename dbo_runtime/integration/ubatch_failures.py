@@ -142,6 +142,3 @@ class MicrobatchAttr:
             del obj.__dict__[self.name]
         except KeyError:
             raise AttributeError(self.name) from None
-
-
-__all__ = ["FAILURES", "SHIELDS_ITSELF", "MicrobatchAttr", "UbatchFailures", "record", "shield", "shields_itself"]

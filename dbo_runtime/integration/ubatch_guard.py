@@ -16,7 +16,7 @@ from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration.features import REGISTRY, Feature
 from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import Patch
-from dbo_runtime.integration.ubatch_failures import FAILURES, UbatchFailures, record, shields_itself
+from dbo_runtime.integration.ubatch_failures import FAILURES, record, shields_itself
 
 logger = get_logger(__name__)
 
@@ -210,6 +210,3 @@ def patches() -> list[Patch]:
             **common,  # type: ignore[arg-type]
         ),
     ]
-
-
-__all__ = ["FAILURES", "UbatchFailures", "patches", "placeholder_logits", "record", "reserve_placeholders"]

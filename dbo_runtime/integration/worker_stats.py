@@ -137,6 +137,3 @@ def patches() -> list[Patch]:
             anchors=(),  # a method added by name; collective_rpc resolves it, no vLLM code relied on
         )
     ]
-
-
-__all__ = ["METHOD", "collect", "patches"]

@@ -61,6 +61,3 @@ def collect() -> dict[str, Any]:
         "schedule_cache": dataclasses.asdict(schedule_cache().stats),
         "steps": steps,
     }
-
-
-__all__ = ["StepCounters", "collect", "count_microbatched_build", "step_counters"]

@@ -326,6 +326,3 @@ class UbatchTopkState:
         with self._lock:
             self._prune()
             return len(self._logical)
-
-
-__all__ = ["LAYOUT_ENV", "GroupView", "TopkLayout", "UbatchTopkState", "parse_layout", "window_end_reachable"]
