@@ -1,9 +1,7 @@
-"""Fingerprints of the vLLM code each patch relies on, read from source without importing it.
-
-A build is trusted by its code, not its version string: a patch installs only when the fingerprints of its
-*anchors* (the code it relies on) equal those recorded for this release. Sources are read from files, since the
-front-end guard must know before any worker imports them; comments and formatting do not count, decorators do.
-"""
+"""Fingerprints of the vLLM code each patch relies on (its *anchors*), read from source files without importing
+them, since the front-end guard must know before any worker imports them. A build is trusted by its code, not its
+version: a patch installs only where its anchors' fingerprints equal those recorded for this release. Comments
+and formatting do not count, decorators do."""
 
 from __future__ import annotations
 

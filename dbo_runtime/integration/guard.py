@@ -1,11 +1,8 @@
-"""The fail-closed guard: a DBO model that needs a fix which is not in force does not start.
-
-Without the fixes vLLM serves GLM-5.x under DBO with wrong attention, or DeepGEMM asserts mid-serving. Whatever
-keeps a fix out (an unverified build, a failed install, a moved target, an uncovered architecture), the operator
-learns it at engine start in one line naming the cause and the ways out. The guard is small and independent:
-it wraps stable entry points (``EngineArgs.create_engine_config``; ``Worker.load_model`` and
-``compile_or_warm_up_model``), reads only public config, and installs even when no other patch can.
-"""
+"""The fail-closed guard: a DBO model that needs a fix which is not in force does not start (without the fixes
+vLLM serves GLM-5.x with wrong attention, or DeepGEMM asserts mid-serving). Whatever keeps a fix out, the operator
+learns it at engine start in one line naming the cause and the ways out. It wraps stable entry points
+(``EngineArgs.create_engine_config``, ``Worker.load_model``, ``compile_or_warm_up_model``), reads only public
+config, and installs even when no other patch can."""
 
 from __future__ import annotations
 

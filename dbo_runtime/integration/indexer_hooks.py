@@ -1,9 +1,7 @@
-"""Indexer schedule hooks: keep DeepGEMM's paged-MQA schedule valid under DBO (vllm#60732).
-
-The indexer builder plans for the whole GPU before DBO lowers DeepGEMM's SM count. These patches record the
-count each schedule was planned for (planning ahead for the DBO count in microbatched builds) and hand every
-logits call to ``IndexerScheduleCache``; each module that binds the logits function by ``from`` is patched.
-"""
+"""Indexer schedule hooks: keep DeepGEMM's paged-MQA schedule valid under DBO (vllm#60732). The indexer
+builder plans for the whole GPU before DBO lowers DeepGEMM's SM count; these patches record the count each
+schedule was planned for (planning ahead for the DBO count in microbatched builds) and hand every logits call to
+``IndexerScheduleCache``, in each module that binds the logits function by ``from``."""
 
 from __future__ import annotations
 

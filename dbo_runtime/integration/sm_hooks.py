@@ -1,10 +1,7 @@
-"""vLLM's ``create_sm_control_context``, backed by SMControl.
-
-vLLM turns process-global SM knobs without telling anyone, so the indexer schedule cannot know the count it
-runs under. The replacement feeds vLLM's inputs to the pure policy (``core.budget``) and enters through the
-device's SMControl: the same knob calls as vLLM's, but the budget is published before any kernel runs under it
-and a nested or failing scope restores the previous budget. Each runner's ``from`` binding is patched.
-"""
+"""vLLM's ``create_sm_control_context``, backed by SMControl: vLLM turns process-global SM knobs without
+telling anyone, so the indexer schedule cannot know the count it runs under. The replacement feeds vLLM's inputs to
+the pure policy (``core.budget``) and enters through the device's SMControl: vLLM's knob calls, but the budget is
+published before any kernel runs under it and a nested or failing scope restores the previous one."""
 
 from __future__ import annotations
 

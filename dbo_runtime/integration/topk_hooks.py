@@ -1,12 +1,8 @@
-"""Per-microbatch shared top-k for GLM-5.x IndexCache layers under DBO (vllm#60734).
-
-vLLM hands the leader's top-k to its followers through state with no microbatch dimension (the model-wide
-``topk_indices_buffer`` and each index group's workspace, valid counts and ready events), which the other
-microbatch overwrites between layers. These patches route every access through ``UbatchTopkState``:
-``register_layer`` attaches per-microbatch state at model construction and refuses what cannot be made safe;
-the group methods run vLLM's code on the calling microbatch's view; ``topk_indices_buffer`` becomes a data
-descriptor. Per-access hooks are armed at the first microbatched run; all are shielded on microbatch threads.
-"""
+"""Per-microbatch shared top-k for GLM-5.x IndexCache layers under DBO (vllm#60734): vLLM hands the leader's
+top-k to its followers through state with no microbatch dimension (the model's ``topk_indices_buffer``, each index
+group's workspace, counts and events), which the other microbatch overwrites between layers. Every access goes
+through ``UbatchTopkState``: ``register_layer`` attaches it (or refuses), the group methods and the buffer
+descriptor resolve the calling microbatch's view; per-access hooks are armed at the first microbatched run."""
 
 from __future__ import annotations
 

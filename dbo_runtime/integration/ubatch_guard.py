@@ -1,10 +1,7 @@
-"""No exception escapes dbo_runtime code on a DBO microbatch thread; failures are raised after the join.
-
-When one microbatch thread raises, its partner waits for a hand-off that never comes and the DP group hangs
-with no traceback. So shielded patches record failures there (``ubatch_failures``) and continue with a
-placeholder, and the join points patched here raise ``MicrobatchFailure`` on the main thread: fatal, with
-the original traceback as cause, never silently wrong and never a hang.
-"""
+"""No exception escapes dbo_runtime code on a DBO microbatch thread: when one raises, its partner waits for a
+hand-off that never comes and the DP group hangs with no traceback. Shielded patches record failures there
+(``ubatch_failures``) and continue with a placeholder; the join points patched here raise ``MicrobatchFailure``
+on the main thread with the original traceback as cause: fatal, never silently wrong and never a hang."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""SMControl: the single owner of one device's compute/comm SM knobs.
-
-vLLM flips process-global SM counts (DeepGEMM, DeepEP) and tells nobody, so the indexer planned for
-one count while DeepGEMM asserted another. Here the knobs turn and the change is published in one
-place: ``partition()`` turns comm then compute, publishes ``entered``, runs the body, restores the
-*previous* budget and publishes ``exited``; ``announce()`` publishes a budget ahead, at model load.
-Subscribers run inside vLLM's step: their exceptions are counted and logged, never propagated.
-"""
+"""SMControl, the single owner of one device's compute/comm SM knobs: vLLM flips process-global SM counts
+(DeepGEMM, DeepEP) and tells nobody, so the indexer planned for one count while DeepGEMM asserted another.
+``partition()`` turns comm then compute, publishes ``entered``, runs the body, restores the *previous* budget and
+publishes ``exited``; ``announce()`` publishes one ahead, at model load. Subscribers' exceptions are counted and
+logged, never propagated into vLLM's step."""
 
 from __future__ import annotations
 
