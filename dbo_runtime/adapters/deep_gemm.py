@@ -12,19 +12,16 @@ from types import ModuleType
 from typing import Any
 
 
-def _module() -> ModuleType:
-    try:
-        return importlib.import_module("vllm.utils.deep_gemm")
-    except ImportError:
-        return importlib.import_module("deep_gemm")
-
-
 @functools.cache
 def _vllm_wrapper() -> ModuleType | None:
     try:
         return importlib.import_module("vllm.utils.deep_gemm")
     except ImportError:
         return None
+
+
+def _module() -> ModuleType:
+    return _vllm_wrapper() or importlib.import_module("deep_gemm")
 
 
 def next_n_of(context_lens: Any) -> int:

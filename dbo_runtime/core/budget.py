@@ -1,6 +1,5 @@
 """vLLM's SM partition policy as a pure function: subscribers must know the split before any kernel runs
-under it, and the CLI must reproduce it without a GPU. Contract tests hold it equal to vLLM's.
-"""
+under it, and the CLI must reproduce it without a GPU. Contract tests hold it equal to vLLM's."""
 
 from __future__ import annotations
 

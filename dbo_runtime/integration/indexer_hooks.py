@@ -76,16 +76,6 @@ class _Scope(threading.local):
 _tls = _Scope()
 
 
-def _push(scope: _PlanScope) -> _PlanScope | None:
-    previous = _tls.scope
-    _tls.scope = scope
-    return previous
-
-
-def _pop(previous: _PlanScope | None) -> None:
-    _tls.scope = previous
-
-
 def _device_index(builder: Any) -> int | None:
     device = getattr(builder, "device", None)
     if device is None or getattr(device, "type", None) != "cuda":
@@ -138,8 +128,7 @@ def _make_build(original: Any) -> Any:
         if override is not None and cache.defer_plan_ahead:
             defer_into = getattr(self, "scheduler_metadata_buffer", None)
         scope = _PlanScope(override, defer_into)
-        previous = _tls.scope  # _push / _pop, inlined: this runs once per step
-        _tls.scope = scope
+        previous, _tls.scope = _tls.scope, scope
         try:
             metadata = original(self, *args, **kwargs)
         finally:
@@ -175,11 +164,11 @@ def _make_update_draft(original: Any) -> Any:
         state = cache.state_of(decode.schedule_metadata) if decode is not None else None
         # Re-plan for the count the schedule was planned for: vLLM asserts the shape is unchanged.
         scope = _PlanScope(state.intended_sms if state is not None else None)
-        previous = _push(scope)
+        previous, _tls.scope = _tls.scope, scope
         try:
             original(self, metadata)
         finally:
-            _pop(previous)
+            _tls.scope = previous
         if decode is None:
             return
         if state is not None:

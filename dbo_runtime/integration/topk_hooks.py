@@ -212,11 +212,6 @@ def _refuse_unsupported(builder: Any, vllm_config: Any, state: UbatchTopkState) 
         )
 
 
-def _refuse_groupless_follower(vllm_config: Any) -> None:
-    """A layer without an indexer on a builder with no group: it reuses a top-k nothing ties it to."""
-    _refuse(vllm_config, "it builds its sparse MLA layers without a shared index-group builder")
-
-
 def _register_layer_patch(state: UbatchTopkState) -> Patch:
     def make(original: Any) -> Any:
         # by name: the row-width keyword differs between releases
@@ -231,8 +226,8 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
             if num_ubatches > 1:
                 if follower:
                     _refuse_unsupported(self, config, state)
-                elif not is_index_producing_layer:
-                    _refuse_groupless_follower(config)
+                elif not is_index_producing_layer:  # no group: a top-k nothing ties it to
+                    _refuse(config, "it builds its sparse MLA layers without a shared index-group builder")
                 elif _hisparse(config) and _model_shares_topk(config):
                     _refuse_hisparse()  # before HiSparse builds host caches for the leader
             result = original(self, *args, **kwargs)

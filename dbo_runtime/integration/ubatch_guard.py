@@ -5,6 +5,7 @@ on the main thread with the original traceback as cause: fatal, never silently w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -105,14 +106,6 @@ def _checked_join(original: Callable[..., Any], where: str, *, drop_new_graphs: 
     return joined
 
 
-def _make_mrv1_run(original: Any) -> Any:
-    return _checked_join(original, "UBatchWrapper._run_ubatches")
-
-
-def _make_mrv1_capture(original: Any) -> Any:
-    return _checked_join(original, "UBatchWrapper._capture_ubatches", drop_new_graphs=True)
-
-
 def _make_mrv2_begin(original: Any) -> Any:
     def begin_capturable_run(self: Any, *args: Any, **kwargs: Any) -> Any:
         ARMING.arm("UBatchRunner.begin_capturable_run")
@@ -171,7 +164,7 @@ def patches() -> list[Patch]:
             runner="mrv1",
             module=MRV1_MODULE,
             attr="UBatchWrapper._run_ubatches",
-            make=_make_mrv1_run,
+            make=functools.partial(_checked_join, where="UBatchWrapper._run_ubatches"),
             reason="arm the per-access hooks before the first microbatched run's threads start; after the threads "
             "are joined, raise what dbo_runtime hooks recorded on them "
             "(they never raise there: a dead microbatch thread hangs the join and the DP group)",
@@ -182,7 +175,7 @@ def patches() -> list[Patch]:
             runner="mrv1",
             module=MRV1_MODULE,
             attr="UBatchWrapper._capture_ubatches",
-            make=_make_mrv1_capture,
+            make=functools.partial(_checked_join, where="UBatchWrapper._capture_ubatches", drop_new_graphs=True),
             reason="same for a FULL-graph DBO capture; a graph captured with a placeholder is dropped",
             **common,  # type: ignore[arg-type]
         ),
