@@ -5,7 +5,6 @@ published before any kernel runs under it and a nested or failing scope restores
 
 from __future__ import annotations
 
-from types import TracebackType
 from typing import Any
 
 from dbo_runtime.adapters.all2all import All2AllKnob
@@ -49,12 +48,7 @@ class DboSMControlContext:
                 self.control.exit(self._tokens.pop())
         self._tokens.append(self.control.enter(self.budget, comm_knob=self._comm_knob, compute_knob=self._compute_knob))
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.control.exit(self._tokens.pop())
 
     def __repr__(self) -> str:
