@@ -21,12 +21,15 @@ The procedure: ``docs/new-release.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import pathlib
 import re
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -38,6 +41,19 @@ from dbo_runtime.integration.patching import Patch  # noqa: E402
 from dbo_runtime.integration.recorded_fingerprints import RELEASES  # noqa: E402
 
 RECORD = ROOT / "dbo_runtime" / "integration" / "recorded_fingerprints.py"
+
+
+@contextlib.contextmanager
+def use_source_root(root: pathlib.Path) -> Iterator[None]:
+    """Read every anchor from the ``vllm`` package directory ``root``; caches are cleared on entry and exit."""
+    importable = fingerprints._vllm_root
+    fingerprints._vllm_root = functools.lru_cache(maxsize=1)(lambda: root)  # type: ignore[assignment]
+    fingerprints.clear_caches()
+    try:
+        yield
+    finally:
+        fingerprints._vllm_root = importable  # type: ignore[assignment]
+        fingerprints.clear_caches()
 
 
 def fetch_source(version: str, into: pathlib.Path) -> pathlib.Path:
@@ -124,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         root = args.source or fetch_source(args.version, pathlib.Path(tmp))
         if not (root / "__init__.py").is_file():
             parser.error(f"--source {root} is not a vllm package directory (no __init__.py)")
-        with fingerprints.use_source_root(root.resolve()):
+        with use_source_root(root.resolve()):
             # anchors may depend on what exists there
             patches = [*(p for p in all_patches() if p.fingerprint_anchors), *all_reliances()]
             printed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in patches}

@@ -1,8 +1,6 @@
-"""DeepGEMM's SM knob and paged-MQA planner, imported lazily (importing DeepGEMM initialises CUDA).
-
-Through vLLM's wrapper module when importable: vLLM's kernels use it (its vendored copy has its own counter),
-and its slot rule is followed when it changes.
-"""
+"""DeepGEMM's SM knob and paged-MQA planner, imported lazily (importing DeepGEMM initialises CUDA); through
+vLLM's wrapper module when importable, since vLLM's kernels use it (its vendored copy has its own counter) and its
+slot rule is followed when it changes."""
 
 from __future__ import annotations
 
@@ -14,19 +12,16 @@ from types import ModuleType
 from typing import Any
 
 
-def _module() -> ModuleType:
-    try:
-        return importlib.import_module("vllm.utils.deep_gemm")
-    except ImportError:
-        return importlib.import_module("deep_gemm")
-
-
 @functools.cache
 def _vllm_wrapper() -> ModuleType | None:
     try:
         return importlib.import_module("vllm.utils.deep_gemm")
     except ImportError:
         return None
+
+
+def _module() -> ModuleType:
+    return _vllm_wrapper() or importlib.import_module("deep_gemm")
 
 
 def next_n_of(context_lens: Any) -> int:
@@ -58,11 +53,9 @@ def set_num_sms(num_sms: int) -> None:
 
 
 class LiveNumSms:
-    """DeepGEMM's live SM count for the indexer call site, read once per change instead of once per call.
-
-    A DeepGEMM torch-op call dispatches and releases the GIL, once per layer. While vLLM's writers of the count
-    (``WRITERS``) are watched, a read returns the value cached since the last write or ``stale``; unwatched,
-    every read asks DeepGEMM."""
+    """DeepGEMM's live SM count for the indexer call site, read once per change instead of once per layer (a
+    torch-op call dispatches and releases the GIL). While vLLM's writers of the count (``WRITERS``) are watched, a read
+    returns the value cached since the last write or ``stale``; unwatched, every read asks DeepGEMM."""
 
     WRITERS = frozenset({"vllm.utils.deep_gemm.set_num_sms", "vllm.v1.worker.ubatch_utils.deep_gemm_set_num_sms"})
 

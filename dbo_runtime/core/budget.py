@@ -1,6 +1,5 @@
 """vLLM's SM partition policy as a pure function: subscribers must know the split before any kernel runs
-under it, and the CLI must reproduce it without a GPU. Contract tests hold it equal to vLLM's.
-"""
+under it, and the CLI must reproduce it without a GPU. Contract tests hold it equal to vLLM's."""
 
 from __future__ import annotations
 
@@ -38,8 +37,6 @@ ALL2ALL_BACKENDS: tuple[str, ...] = (
     "passthrough",
 )
 """vLLM's ``All2AllBackend`` values over every supported release (a contract test checks the installed one's)."""
-ADDED_AFTER_OLDEST: dict[str, str] = {"mori": "0.34.0"}
-"""Backends a newer supported release added: the one release in which each first appears."""
 
 #: ``DeepEPAll2AllManagerBase.num_sms``: the HT manager clamps requests to it.
 DEEPEP_HT_MANAGER_NUM_SMS = 20
@@ -68,14 +65,14 @@ BACKEND_MAX_SMS_USED: dict[str, int | None] = {
 class BudgetReason:
     """Why a budget has the split it has: the inputs of the policy, kept for display."""
 
-    platform: str
-    all2all_backend: str | None
-    env_comm_sms: int
-    max_sms_used: int | None
-    rocm_override: bool
-    expert_parallel: bool
-    comm_knob: bool
-    compute_knob: bool
+    platform: str = ""
+    all2all_backend: str | None = None
+    env_comm_sms: int = 0
+    max_sms_used: int | None = None
+    rocm_override: bool = False
+    expert_parallel: bool = False
+    comm_knob: bool = False
+    compute_knob: bool = False
     note: str = ""
     compute_multiple: int = 1
     """DeepGEMM's count multiple when the compute knob turns."""
@@ -138,23 +135,7 @@ class SMBudget:
 
 def full_budget(total: int, device: int = 0, *, note: str = "no partition") -> SMBudget:
     """The budget outside any partition: every SM for compute."""
-    return SMBudget(
-        total=total,
-        comm=0,
-        compute=total,
-        device=device,
-        reason=BudgetReason(
-            platform="",
-            all2all_backend=None,
-            env_comm_sms=0,
-            max_sms_used=None,
-            rocm_override=False,
-            expert_parallel=False,
-            comm_knob=False,
-            compute_knob=False,
-            note=note,
-        ),
-    )
+    return SMBudget(total=total, comm=0, compute=total, device=device, reason=BudgetReason(note=note))
 
 
 def min_compute_sms(compute_multiple: int, has_deep_gemm: bool) -> int:

@@ -1,7 +1,6 @@
 """Per DSA-family architecture: whether a config shares top-k the way vLLM builds the layers (bug B) or runs the
 indexer (bug A), and which fixes must be in force under DBO or why it is refused. The guard reads these rules;
-``tools/models_table.py`` renders them into ``docs/models.md``.
-"""
+``tools/models_table.py`` renders them into ``docs/models.md``."""
 
 from __future__ import annotations
 

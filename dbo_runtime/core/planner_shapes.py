@@ -1,7 +1,5 @@
-"""The planner shapes a decode step presents to DeepGEMM, derived from vLLM's microbatch split.
-
-DeepGEMM JIT-compiles one paged-MQA planner per ``(32-aligned batch, SM slots)``. Pure arithmetic.
-"""
+"""The planner shapes a decode step presents to DeepGEMM (which JIT-compiles one paged-MQA planner per
+``(32-aligned batch, SM slots)``), derived from vLLM's microbatch split. Pure arithmetic."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The on/off switches, read one way everywhere. vLLM calls ``register()`` without a ``try``, so an
-unrecognised value never raises; it reads as the choice that keeps the protection, reported in one line.
-"""
+unrecognised value never raises; it reads as the choice that keeps the protection, reported in one line."""
 
 from __future__ import annotations
 

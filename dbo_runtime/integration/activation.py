@@ -1,9 +1,6 @@
-"""The one log line that tells an operator dbo_runtime is active in a process.
-
-vLLM loads plugins before it configures logging, and forks the engine core and workers with plugins loaded,
-so an INFO line in ``register()`` is seen nowhere. The line is pending per process (by pid) and emitted at
-the first trigger that finds vLLM's handler configured: ``register()``, a lazy patch applied, or a per-model hook.
-"""
+"""The one log line that tells an operator dbo_runtime is active in a process: vLLM loads plugins before it
+configures logging and forks workers with them loaded, so an INFO line in ``register()`` is seen nowhere. The
+line is pending per process (by pid) and emitted at the first trigger that finds vLLM's handler configured."""
 
 from __future__ import annotations
 
@@ -93,6 +90,3 @@ def summary_line(
     if others:
         text += " -- " + "; ".join(others)
     return text
-
-
-__all__ = ["emitted_in_this_process", "flush", "set_summary", "summary_line", "vllm_logging_configured"]

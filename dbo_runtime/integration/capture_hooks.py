@@ -3,12 +3,7 @@ the precise capture probe (``adapters.cuda_graph.CaptureCounter``); installed in
 
 from __future__ import annotations
 
-from dbo_runtime.adapters.cuda_graph import (
-    counting_capture_begin,
-    counting_capture_end,
-    counting_installed,
-    counting_uninstalled,
-)
+from dbo_runtime.adapters import cuda_graph
 from dbo_runtime.integration.features import Feature
 from dbo_runtime.integration.patching import Patch
 
@@ -31,16 +26,16 @@ def patches() -> list[Patch]:
             name="torch.capture_begin",
             module="torch.cuda.graphs",
             attr="CUDAGraph.capture_begin",
-            make=counting_capture_begin,
-            on_install=counting_installed,
-            on_uninstall=counting_uninstalled,
+            make=cuda_graph.counting_capture_begin,
+            on_install=cuda_graph.counting_installed,
+            on_uninstall=cuda_graph.counting_uninstalled,
             **_COMMON,  # type: ignore[arg-type]
         ),
         Patch(
             name="torch.capture_end",
             module="torch.cuda.graphs",
             attr="CUDAGraph.capture_end",
-            make=counting_capture_end,
+            make=cuda_graph.counting_capture_end,
             **_COMMON,  # type: ignore[arg-type]
         ),
     ]

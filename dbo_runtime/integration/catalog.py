@@ -35,6 +35,3 @@ def all_features() -> list[Feature]:
 
 def all_reliances() -> list[Reliance]:
     return [reliance for feature in all_features() for reliance in feature.relies_on]
-
-
-__all__ = ["FEATURE_MODULES", "all_features", "all_patches", "all_reliances"]

@@ -20,6 +20,3 @@ def decode_rows(vllm_config: Any) -> tuple[int, int]:
     full = mode is not None and mode.has_full_cudagraphs()
     largest = max((int(x) for x in compilation.cudagraph_capture_sizes or ()), default=0) if full else 0
     return next_n, padded_decode_rows(int(sched.max_num_seqs), next_n, int(sched.max_num_batched_tokens), largest)
-
-
-__all__ = ["decode_rows", "padded_decode_rows"]

@@ -1,9 +1,7 @@
-"""Which of dbo_runtime's fixes are in force in this process, and why not when they are not.
-
-A feature is the patches sharing a name prefix. Before install each gets a verdict: *provided by vLLM* (a probe
-finds the upstream fix; none of its patches install), *unverified* (a fingerprint differs), *needs X*, or
-*verified*; a lazy failure later marks it *broken*. The guard refuses DBO where a needed fix is not in force.
-"""
+"""Which of dbo_runtime's fixes (features: patches sharing a name prefix) are in force here, and why not. Before
+install each gets a verdict: *provided by vLLM* (a probe finds the upstream fix; none of its patches install),
+*unverified* (a fingerprint differs), *needs X*, or *verified*; a lazy failure later marks it *broken*. The guard
+refuses DBO where a needed fix is not in force."""
 
 from __future__ import annotations
 
@@ -220,6 +218,3 @@ class FeatureRegistry:
 
 
 REGISTRY = FeatureRegistry()
-
-
-__all__ = ["REGISTRY", "Feature", "FeatureRegistry", "FeatureState", "Probe", "Reliance", "Upstream", "excluded_optional", "verify"]

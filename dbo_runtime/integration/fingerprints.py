@@ -1,21 +1,18 @@
-"""Fingerprints of the vLLM code each patch relies on, read from source without importing it.
-
-A build is trusted by its code, not its version string: a patch installs only when the fingerprints of its
-*anchors* (the code it relies on) equal those recorded for this release. Sources are read from files, since the
-front-end guard must know before any worker imports them; comments and formatting do not count, decorators do.
-"""
+"""Fingerprints of the vLLM code each patch relies on (its *anchors*), read from source files without importing
+them, since the front-end guard must know before any worker imports them. A build is trusted by its code, not its
+version: a patch installs only where its anchors' fingerprints equal those recorded for this release. Comments
+and formatting do not count, decorators do."""
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
 import hashlib
 import importlib.util
 import pathlib
 import sys
 import textwrap
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 MISSING = "missing"
 """The fingerprint of an anchor whose file, class or function does not exist."""
@@ -24,14 +21,9 @@ EXCLUDED = "excluded"
 OUT_OF_SET = (MISSING, EXCLUDED)
 
 
-_SOURCE_ROOT: pathlib.Path | None = None
-"""A ``vllm`` package directory read instead of the importable one."""
-
-
 @functools.lru_cache(maxsize=1)
 def _vllm_root() -> pathlib.Path | None:
-    if _SOURCE_ROOT is not None:
-        return _SOURCE_ROOT
+    """The importable ``vllm`` package directory (``tools/record_release.py`` reads another one instead)."""
     module = sys.modules.get("vllm")
     origin = getattr(module, "__file__", None) if module is not None else None
     if origin is None:
@@ -262,16 +254,3 @@ def clear_caches() -> None:
     read_source.cache_clear()
     anchor_fingerprint.cache_clear()
     _vllm_root.cache_clear()
-
-
-@contextlib.contextmanager
-def use_source_root(root: pathlib.Path) -> Iterator[None]:
-    """Read every anchor from the ``vllm`` package directory ``root``; caches are cleared on entry and exit."""
-    global _SOURCE_ROOT
-    previous, _SOURCE_ROOT = _SOURCE_ROOT, root
-    clear_caches()
-    try:
-        yield
-    finally:
-        _SOURCE_ROOT = previous
-        clear_caches()

@@ -1,11 +1,8 @@
-"""The fail-closed guard: a DBO model that needs a fix which is not in force does not start.
-
-Without the fixes vLLM serves GLM-5.x under DBO with wrong attention, or DeepGEMM asserts mid-serving. Whatever
-keeps a fix out (an unverified build, a failed install, a moved target, an uncovered architecture), the operator
-learns it at engine start in one line naming the cause and the ways out. The guard is small and independent:
-it wraps stable entry points (``EngineArgs.create_engine_config``; ``Worker.load_model`` and
-``compile_or_warm_up_model``), reads only public config, and installs even when no other patch can.
-"""
+"""The fail-closed guard: a DBO model that needs a fix which is not in force does not start (without the fixes
+vLLM serves GLM-5.x with wrong attention, or DeepGEMM asserts mid-serving). Whatever keeps a fix out, the operator
+learns it at engine start in one line naming the cause and the ways out. It wraps stable entry points
+(``EngineArgs.create_engine_config``, ``Worker.load_model``, ``compile_or_warm_up_model``), reads only public
+config, and installs even when no other patch can."""
 
 from __future__ import annotations
 
@@ -277,7 +274,6 @@ def _guard_problem(vllm_config: Any) -> str:
 
 
 V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
-WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 
 
 def runner_of(worker: Any) -> str | None:
@@ -465,17 +461,3 @@ def guard_patches() -> list[Patch]:
             **common,  # type: ignore[arg-type]
         ),
     ]
-
-
-__all__ = [
-    "bind_patch_set",
-    "bound_patch_set",
-    "check",
-    "guard_patches",
-    "microbatching",
-    "on_guard_failure",
-    "partitions_deep_gemm",
-    "pending_required",
-    "problem",
-    "runner_of",
-]

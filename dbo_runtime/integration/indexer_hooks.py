@@ -1,9 +1,7 @@
-"""Indexer schedule hooks: keep DeepGEMM's paged-MQA schedule valid under DBO (vllm#60732).
-
-The indexer builder plans for the whole GPU before DBO lowers DeepGEMM's SM count. These patches record the
-count each schedule was planned for (planning ahead for the DBO count in microbatched builds) and hand every
-logits call to ``IndexerScheduleCache``; each module that binds the logits function by ``from`` is patched.
-"""
+"""Indexer schedule hooks: keep DeepGEMM's paged-MQA schedule valid under DBO (vllm#60732). The indexer
+builder plans for the whole GPU before DBO lowers DeepGEMM's SM count; these patches record the count each
+schedule was planned for (planning ahead for the DBO count in microbatched builds) and hand every logits call to
+``IndexerScheduleCache``, in each module that binds the logits function by ``from``."""
 
 from __future__ import annotations
 
@@ -78,16 +76,6 @@ class _Scope(threading.local):
 _tls = _Scope()
 
 
-def _push(scope: _PlanScope) -> _PlanScope | None:
-    previous = _tls.scope
-    _tls.scope = scope
-    return previous
-
-
-def _pop(previous: _PlanScope | None) -> None:
-    _tls.scope = previous
-
-
 def _device_index(builder: Any) -> int | None:
     device = getattr(builder, "device", None)
     if device is None or getattr(device, "type", None) != "cuda":
@@ -140,8 +128,7 @@ def _make_build(original: Any) -> Any:
         if override is not None and cache.defer_plan_ahead:
             defer_into = getattr(self, "scheduler_metadata_buffer", None)
         scope = _PlanScope(override, defer_into)
-        previous = _tls.scope  # _push / _pop, inlined: this runs once per step
-        _tls.scope = scope
+        previous, _tls.scope = _tls.scope, scope
         try:
             metadata = original(self, *args, **kwargs)
         finally:
@@ -177,11 +164,11 @@ def _make_update_draft(original: Any) -> Any:
         state = cache.state_of(decode.schedule_metadata) if decode is not None else None
         # Re-plan for the count the schedule was planned for: vLLM asserts the shape is unchanged.
         scope = _PlanScope(state.intended_sms if state is not None else None)
-        previous = _push(scope)
+        previous, _tls.scope = _tls.scope, scope
         try:
             original(self, metadata)
         finally:
-            _pop(previous)
+            _tls.scope = previous
         if decode is None:
             return
         if state is not None:
@@ -665,6 +652,3 @@ def patches() -> list[Patch]:
             optional=True,  # without it the call site re-plans for the live count (#60732's path): slower, as correct
         ),
     ]
-
-
-__all__ = ["patches", "register_builder"]

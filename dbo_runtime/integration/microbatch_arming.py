@@ -99,7 +99,3 @@ class MicrobatchArming:
 
 
 ARMING = MicrobatchArming()
-
-
-
-__all__ = ["ARMING", "ArmedEntry", "MicrobatchArming"]

@@ -1,9 +1,7 @@
-"""The DeepSeek-V4 / V4.1 MTP hidden buffer, written per microbatch at its own rows under DBO.
-
-vLLM's NVIDIA V4/V4.1 models copy the last hidden states into ``_mtp_hidden_buffer[:n]`` from row 0 in every
-microbatch, and the drafter reads it after the join in global token order, so it drafts from the wrong rows
-(acceptance drops). On a microbatch thread the buffer reads as ``buffer[token_offset:]``, as ROCm's model writes.
-"""
+"""The DeepSeek-V4 / V4.1 MTP hidden buffer, written per microbatch at its own rows under DBO: vLLM's NVIDIA
+models copy the last hidden states into ``_mtp_hidden_buffer[:n]`` from row 0 in every microbatch, and the drafter
+reads it after the join in token order, so it drafts from the wrong rows (acceptance drops). On a microbatch
+thread the buffer reads as ``buffer[token_offset:]``, as ROCm's model writes it."""
 
 from __future__ import annotations
 
@@ -89,6 +87,3 @@ def patches() -> list[Patch]:
             ("deepseek_v41", V41_MODEL, ("DeepseekV41ForCausalLM",)),
         )
     ]
-
-
-__all__ = ["FEATURES", "TokenWindowAttr", "patches"]

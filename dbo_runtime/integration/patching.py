@@ -1,10 +1,7 @@
-"""A transactional patch set over vLLM's modules and classes.
-
-``PatchSet.install`` resolves every target and builds every replacement first, applies them all, and restores
-what it applied on any failure; ``uninstall`` puts back the identical originals. Modules that cannot be imported
-everywhere are patched at import by a ``sys.meta_path`` hook; a failure there leaves the rest of the set in
-place and reports the module's patches ``broken``.
-"""
+"""A transactional patch set over vLLM's modules and classes: ``PatchSet.install`` builds every replacement
+first, applies them all, and restores what it applied on any failure; ``uninstall`` puts back the identical
+originals. Modules not importable everywhere are patched at import by a ``sys.meta_path`` hook; a failure there
+leaves the rest of the set in place and reports the module's patches ``broken``."""
 
 from __future__ import annotations
 
@@ -532,10 +529,6 @@ class PatchSet:
                 else:
                     out.append(PatchStatus(patch, "missing" if self.installed else "not installed"))
             return out
-
-    def originals(self) -> dict[str, Any]:
-        """Patch name -> the original object, for tests and ``doctor``."""
-        return {a.patch.name: a.original for a in self._applied}
 
 
 def probe_target(patch: Patch) -> PatchStatus:

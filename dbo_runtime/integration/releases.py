@@ -57,7 +57,7 @@ class ReleaseMatch:
 
 
 def identify(patches: Sequence[Patch] | None = None) -> ReleaseMatch:
-    """Compare vLLM's code on disk (and what features rely on) with every recorded release."""
+    """vLLM's code on disk (and what features rely on) against every recorded release."""
     chosen: list[Patch | Reliance] = [*(all_patches() if patches is None else patches), *all_reliances()]
     printed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in chosen if p.fingerprint_anchors}
     best: tuple[int, str, tuple[str, ...]] | None = None
@@ -72,6 +72,3 @@ def identify(patches: Sequence[Patch] | None = None) -> ReleaseMatch:
     assert best is not None, "recorded_fingerprints.RELEASES is empty"
     _, closest, differing = best
     return ReleaseMatch(installed_version(), closest if not differing else None, closest, differing)
-
-
-__all__ = ["SUPPORTED", "ReleaseMatch", "identify", "installed_version", "part_of"]

@@ -1,14 +1,10 @@
-"""vLLM's ``create_sm_control_context``, backed by SMControl.
-
-vLLM turns process-global SM knobs without telling anyone, so the indexer schedule cannot know the count it
-runs under. The replacement feeds vLLM's inputs to the pure policy (``core.budget``) and enters through the
-device's SMControl: the same knob calls as vLLM's, but the budget is published before any kernel runs under it
-and a nested or failing scope restores the previous budget. Each runner's ``from`` binding is patched.
-"""
+"""vLLM's ``create_sm_control_context``, backed by SMControl: vLLM turns process-global SM knobs without
+telling anyone, so the indexer schedule cannot know the count it runs under. The replacement feeds vLLM's inputs to
+the pure policy (``core.budget``) and enters through the device's SMControl: vLLM's knob calls, but the budget is
+published before any kernel runs under it and a nested or failing scope restores the previous one."""
 
 from __future__ import annotations
 
-from types import TracebackType
 from typing import Any
 
 from dbo_runtime.adapters.all2all import All2AllKnob
@@ -20,7 +16,7 @@ from dbo_runtime.integration import activation
 from dbo_runtime.integration.features import Feature
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.services.metrics import export_to_prometheus
-from dbo_runtime.services.sm_control import FunctionKnob, SMControl, SMKnob, sm_control_for
+from dbo_runtime.services.sm_control import SMControl, SMKnob, sm_control_for
 
 logger = get_logger(__name__)
 
@@ -52,12 +48,7 @@ class DboSMControlContext:
                 self.control.exit(self._tokens.pop())
         self._tokens.append(self.control.enter(self.budget, comm_knob=self._comm_knob, compute_knob=self._compute_knob))
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.control.exit(self._tokens.pop())
 
     def __repr__(self) -> str:
@@ -212,6 +203,3 @@ def patches() -> list[Patch]:
             **common,  # type: ignore[arg-type]
         ),
     ]
-
-
-__all__ = ["DboSMControlContext", "FunctionKnob", "budget_from_vllm", "create_sm_control_context", "patches"]

@@ -1,19 +1,13 @@
-"""Per-microbatch shared top-k for GLM-5.x IndexCache layers under DBO (vllm#60734).
-
-vLLM hands the leader's top-k to its followers through state with no microbatch dimension (the model-wide
-``topk_indices_buffer`` and each index group's workspace, valid counts and ready events), which the other
-microbatch overwrites between layers. These patches route every access through ``UbatchTopkState``:
-``register_layer`` attaches per-microbatch state at model construction and refuses what cannot be made safe;
-the group methods run vLLM's code on the calling microbatch's view; ``topk_indices_buffer`` becomes a data
-descriptor. Per-access hooks are armed at the first microbatched run; all are shielded on microbatch threads.
-"""
+"""Per-microbatch shared top-k for GLM-5.x IndexCache layers under DBO (vllm#60734): vLLM hands the leader's
+top-k to its followers through state with no microbatch dimension (the model's ``topk_indices_buffer``, each index
+group's workspace, counts and events), which the other microbatch overwrites between layers. Every access goes
+through ``UbatchTopkState``: ``register_layer`` attaches it (or refuses), the group methods and the buffer
+descriptor resolve the calling microbatch's view; per-access hooks are armed at the first microbatched run."""
 
 from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -218,11 +212,6 @@ def _refuse_unsupported(builder: Any, vllm_config: Any, state: UbatchTopkState) 
         )
 
 
-def _refuse_groupless_follower(vllm_config: Any) -> None:
-    """A layer without an indexer on a builder with no group: it reuses a top-k nothing ties it to."""
-    _refuse(vllm_config, "it builds its sparse MLA layers without a shared index-group builder")
-
-
 def _register_layer_patch(state: UbatchTopkState) -> Patch:
     def make(original: Any) -> Any:
         # by name: the row-width keyword differs between releases
@@ -232,18 +221,13 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
         def register_layer(self: Any, *args: Any, **kwargs: Any) -> Any:
             is_index_producing_layer, vllm_config = slots.read(args, kwargs)
             follower = not is_index_producing_layer and self.current_group is not None
-            if vllm_config is None:
-                from vllm.config import get_current_vllm_config_or_none
-
-                config = get_current_vllm_config_or_none()
-            else:
-                config = vllm_config
+            config = _current_config() if vllm_config is None else vllm_config
             num_ubatches = _num_ubatches(config)
             if num_ubatches > 1:
                 if follower:
                     _refuse_unsupported(self, config, state)
-                elif not is_index_producing_layer:
-                    _refuse_groupless_follower(config)
+                elif not is_index_producing_layer:  # no group: a top-k nothing ties it to
+                    _refuse(config, "it builds its sparse MLA layers without a shared index-group builder")
                 elif _hisparse(config) and _model_shares_topk(config):
                     _refuse_hisparse()  # before HiSparse builds host caches for the leader
             result = original(self, *args, **kwargs)
@@ -495,14 +479,7 @@ def _fa4_scalars_skipped(skipped: Mapping[str, str]) -> None:
 
 def fa4_module_present() -> bool:
     """Whether this vLLM ships FA4 sparse MLA (found without importing it)."""
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return False
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    relative = _FA4_SPARSE.split(".", 1)[1].replace(".", "/") + ".py"
-    return any(os.path.isfile(os.path.join(root, relative)) for root in spec.submodule_search_locations)
+    return fingerprints.module_file(_FA4_SPARSE) is not None
 
 
 def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:

@@ -1,10 +1,7 @@
-"""Per-microbatch top-k and candidate blocks for DeepSeek-V4.1 under DBO (upstream: vllm#56476).
-
-V4.1 shares top-k through model buffers (``topk_indices_buffer``, ``candidate_block_buffer``) written by the
-indexer layers and read by later layers, with MoE yields in between. The model's setters register them with
-``topk_state`` and every class's getter resolves the calling microbatch's view. Steps aside when vLLM has
-``ubatching.dbo_select_buffer`` (the upstream fix).
-"""
+"""Per-microbatch top-k and candidate blocks for DeepSeek-V4.1 under DBO (upstream: vllm#56476): V4.1 shares
+them through model buffers written by the indexer layers and read by later layers, with MoE yields in between. The
+model's setters register them with ``topk_state``; every class's getter resolves the calling microbatch's view.
+Steps aside when vLLM has ``ubatching.dbo_select_buffer`` (the upstream fix)."""
 
 from __future__ import annotations
 
@@ -72,6 +69,3 @@ def patches(state: UbatchTopkState | None = None) -> list[Patch]:
         _patch(st, SPARSE_MQA, "SparseMQAIndexer", "topk_indices_buffer"),
         _patch(st, SPARSE_MQA, "SparseMQAIndexer", "candidate_blocks"),
     ]
-
-
-__all__ = ["FEATURES", "patches"]

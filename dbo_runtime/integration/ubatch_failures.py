@@ -1,8 +1,6 @@
 """Failures of dbo_runtime code on a DBO microbatch thread: recorded there, raised on the main thread later.
-
 vLLM does not wake the partner when one microbatch thread dies, so patches that run there are shielded: a failure
-is recorded, the call falls back, and ``ubatch_guard``'s join points raise it (docs/architecture.md).
-"""
+is recorded, the call falls back, and ``ubatch_guard``'s join points raise it."""
 
 from __future__ import annotations
 
@@ -142,6 +140,3 @@ class MicrobatchAttr:
             del obj.__dict__[self.name]
         except KeyError:
             raise AttributeError(self.name) from None
-
-
-__all__ = ["FAILURES", "SHIELDS_ITSELF", "MicrobatchAttr", "UbatchFailures", "record", "shield", "shields_itself"]

@@ -1,13 +1,11 @@
-"""No exception escapes dbo_runtime code on a DBO microbatch thread; failures are raised after the join.
-
-When one microbatch thread raises, its partner waits for a hand-off that never comes and the DP group hangs
-with no traceback. So shielded patches record failures there (``ubatch_failures``) and continue with a
-placeholder, and the join points patched here raise ``MicrobatchFailure`` on the main thread: fatal, with
-the original traceback as cause, never silently wrong and never a hang.
-"""
+"""No exception escapes dbo_runtime code on a DBO microbatch thread: when one raises, its partner waits for a
+hand-off that never comes and the DP group hangs with no traceback. Shielded patches record failures there
+(``ubatch_failures``) and continue with a placeholder; the join points patched here raise ``MicrobatchFailure``
+on the main thread with the original traceback as cause: fatal, never silently wrong and never a hang."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +14,7 @@ from dbo_runtime.core.log import get_logger
 from dbo_runtime.integration.features import REGISTRY, Feature
 from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import Patch
-from dbo_runtime.integration.ubatch_failures import FAILURES, UbatchFailures, record, shields_itself
+from dbo_runtime.integration.ubatch_failures import FAILURES, record, shields_itself
 
 logger = get_logger(__name__)
 
@@ -108,14 +106,6 @@ def _checked_join(original: Callable[..., Any], where: str, *, drop_new_graphs: 
     return joined
 
 
-def _make_mrv1_run(original: Any) -> Any:
-    return _checked_join(original, "UBatchWrapper._run_ubatches")
-
-
-def _make_mrv1_capture(original: Any) -> Any:
-    return _checked_join(original, "UBatchWrapper._capture_ubatches", drop_new_graphs=True)
-
-
 def _make_mrv2_begin(original: Any) -> Any:
     def begin_capturable_run(self: Any, *args: Any, **kwargs: Any) -> Any:
         ARMING.arm("UBatchRunner.begin_capturable_run")
@@ -174,7 +164,7 @@ def patches() -> list[Patch]:
             runner="mrv1",
             module=MRV1_MODULE,
             attr="UBatchWrapper._run_ubatches",
-            make=_make_mrv1_run,
+            make=functools.partial(_checked_join, where="UBatchWrapper._run_ubatches"),
             reason="arm the per-access hooks before the first microbatched run's threads start; after the threads "
             "are joined, raise what dbo_runtime hooks recorded on them "
             "(they never raise there: a dead microbatch thread hangs the join and the DP group)",
@@ -185,7 +175,7 @@ def patches() -> list[Patch]:
             runner="mrv1",
             module=MRV1_MODULE,
             attr="UBatchWrapper._capture_ubatches",
-            make=_make_mrv1_capture,
+            make=functools.partial(_checked_join, where="UBatchWrapper._capture_ubatches", drop_new_graphs=True),
             reason="same for a FULL-graph DBO capture; a graph captured with a placeholder is dropped",
             **common,  # type: ignore[arg-type]
         ),
@@ -210,6 +200,3 @@ def patches() -> list[Patch]:
             **common,  # type: ignore[arg-type]
         ),
     ]
-
-
-__all__ = ["FAILURES", "UbatchFailures", "patches", "placeholder_logits", "record", "reserve_placeholders"]

@@ -1,10 +1,7 @@
-"""dbo_runtime's counters on vLLM's Prometheus endpoint.
-
-In multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set before workers start) vLLM's API server
-exports what worker processes write, so the worker creates ordinary ``prometheus_client`` metrics;
-otherwise they are not served, like vLLM's own worker-side metrics. The exporter subscribes to
-SMControl and moves the counters once per DBO step, at ``exited``: never on the per-layer path.
-"""
+"""dbo_runtime's counters on vLLM's Prometheus endpoint: ordinary ``prometheus_client`` metrics in the worker,
+which vLLM's API server exports in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``), like its own worker-side
+metrics. The exporter subscribes to SMControl and moves the counters once per DBO step, at ``exited``: never per
+layer."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""JIT-compiling DeepGEMM's paged-MQA planners at model load, so no step compiles one.
-
-A first compile inside an eager DP step stalls the whole DP group. So, outside any capture, the warm-up compiles
-what a decode step can present, at the builder's own SM count and at every announced DBO count, under vLLM's
-``VLLM_DEEP_GEMM_WARMUP`` policy; variants met first in a step are counted (``jit_in_step``: the goal is 0).
-"""
+"""JIT-compiling DeepGEMM's paged-MQA planners at model load, so no step compiles one (a first compile inside
+an eager DP step stalls the whole DP group). Outside any capture it compiles what a decode step can present, at
+the builder's own SM count and every announced DBO count, under vLLM's ``VLLM_DEEP_GEMM_WARMUP`` policy;
+variants met first in a step are counted (``jit_in_step``: the goal is 0)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """dbo_runtime's counters of one process as one dict: the services' counters (no vLLM import) and the
-microbatched metadata builds, the only count that includes FULL-graph replays.
-"""
+microbatched metadata builds, the only count that includes FULL-graph replays."""
 
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ def step_counters() -> StepCounters:
 
 
 def count_microbatched_build(for_capture: bool = False) -> None:
-    # the lock keeps the count exact across threads
     with _STEPS_LOCK:
         if for_capture:
             _STEPS.microbatched_capture_builds += 1
@@ -61,6 +59,3 @@ def collect() -> dict[str, Any]:
         "schedule_cache": dataclasses.asdict(schedule_cache().stats),
         "steps": steps,
     }
-
-
-__all__ = ["StepCounters", "collect", "count_microbatched_build", "step_counters"]

@@ -1,9 +1,7 @@
-"""DeepGEMM's paged-MQA schedule, kept valid for the SM count in force (vllm#60732).
-
-Each schedule tensor records the count it was planned for (``track``), and the call site resolves it for
-DeepGEMM's live count: as is when they match outside a capture, else re-planned once per count, or recorded
-into the capture that reads it. A microbatched build plans ahead for the DBO count. See docs/architecture.md.
-"""
+"""DeepGEMM's paged-MQA schedule, kept valid for the SM count in force (vllm#60732): each schedule tensor
+records the count it was planned for (``track``), and the call site resolves it for DeepGEMM's live count: as is
+when they match outside a capture, else re-planned once per count, or recorded into the capture that reads it. A
+microbatched build plans ahead for the DBO count."""
 
 from __future__ import annotations
 

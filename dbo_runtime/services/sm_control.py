@@ -1,11 +1,8 @@
-"""SMControl: the single owner of one device's compute/comm SM knobs.
-
-vLLM flips process-global SM counts (DeepGEMM, DeepEP) and tells nobody, so the indexer planned for
-one count while DeepGEMM asserted another. Here the knobs turn and the change is published in one
-place: ``partition()`` turns comm then compute, publishes ``entered``, runs the body, restores the
-*previous* budget and publishes ``exited``; ``announce()`` publishes a budget ahead, at model load.
-Subscribers run inside vLLM's step: their exceptions are counted and logged, never propagated.
-"""
+"""SMControl, the single owner of one device's compute/comm SM knobs: vLLM flips process-global SM counts
+(DeepGEMM, DeepEP) and tells nobody, so the indexer planned for one count while DeepGEMM asserted another.
+``partition()`` turns comm then compute, publishes ``entered``, runs the body, restores the *previous* budget and
+publishes ``exited``; ``announce()`` publishes one ahead, at model load. Subscribers' exceptions are counted and
+logged, never propagated into vLLM's step."""
 
 from __future__ import annotations
 
@@ -88,8 +85,6 @@ class SMControlStats:
     subscriber_errors: int = 0
     """Subscriber callbacks that raised (caught: subscribers are best effort)."""
     subscriber_errors_by_name: dict[str, int] = field(default_factory=dict)
-    seconds_by_budget: dict[tuple[int, int], float] = field(default_factory=dict)
-    """Wall time spent under each ``(compute, comm)`` split, the unpartitioned one included."""
     partition_seconds: float = 0.0
     """Host time inside partitions (the microbatched forward of each DBO step); ``dbo-runtime tune``'s measure."""
 
@@ -116,7 +111,6 @@ class SMControl:
         self._subscribers: dict[int, Subscription] = {}
         self._tokens = itertools.count(1)
         self._clock = clock
-        self._since = clock()
         self.stats = SMControlStats()
         self.announced: list[SMBudget] = []
         self._logged_failures: set[str] = set()
@@ -194,18 +188,11 @@ class SMControl:
         compute_knob: SMKnob | None = None,
     ) -> Iterator[SMBudget]:
         """Hold ``budget`` for the body; restore the budget below it on exit."""
-        token = self._enter(budget, comm_knob, compute_knob)
+        token = self.enter(budget, comm_knob=comm_knob, compute_knob=compute_knob)
         try:
             yield budget
         finally:
-            self._exit(token)
-
-    def enter(self, budget: SMBudget, *, comm_knob: SMKnob | None = None, compute_knob: SMKnob | None = None) -> int:
-        """Non-``with`` form, for enter and exit in different calls."""
-        return self._enter(budget, comm_knob, compute_knob)
-
-    def exit(self, token: int) -> None:
-        self._exit(token)
+            self.exit(token)
 
     def _check_device(self, budget: SMBudget) -> None:
         if budget.device != self.device or budget.total != self.total_sms:
@@ -223,13 +210,8 @@ class SMControl:
             compute_knob.set(budget.compute)
         self.stats.switches += 1
 
-    def _account(self) -> None:
-        now = self._clock()
-        key = (self._active.compute, self._active.comm)
-        self.stats.seconds_by_budget[key] = self.stats.seconds_by_budget.get(key, 0.0) + (now - self._since)
-        self._since = now
-
-    def _enter(self, budget: SMBudget, comm_knob: SMKnob | None, compute_knob: SMKnob | None) -> int:
+    def enter(self, budget: SMBudget, *, comm_knob: SMKnob | None = None, compute_knob: SMKnob | None = None) -> int:
+        """``partition``'s non-``with`` form, for enter and exit in different calls."""
         self._check_device(budget)
         with self._lock:
             previous = self._active
@@ -240,7 +222,6 @@ class SMControl:
                 # A knob failed half-way: put both back to what was in force.
                 self._restore_knobs(previous, comm_knob, compute_knob)
                 raise
-            self._account()
             self._stack.append(frame)
             self._active = budget
             self.stats.partitions_entered += 1
@@ -253,7 +234,7 @@ class SMControl:
         except Exception:
             logger.exception("dbo_runtime: restoring SM knobs to %s failed", budget.describe())
 
-    def _exit(self, token: int) -> None:
+    def exit(self, token: int) -> None:
         with self._lock:
             index = next((i for i, f in enumerate(self._stack) if f.token == token), None)
             if index is None:
@@ -263,7 +244,6 @@ class SMControl:
             if index != len(self._stack):
                 # A partition below the top exited first: the top one stays in force.
                 return
-            self._account()
             left = frame.budget
             restored = self._stack[-1].budget if self._stack else self._root
             self._active = restored

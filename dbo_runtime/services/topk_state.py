@@ -1,10 +1,7 @@
-"""Per-microbatch shared top-k state for DSA layers that reuse an earlier layer's top-k (vllm#60734, #56476).
-
-Followers read their leader's top-k from state with no microbatch dimension, which the other microbatch
-overwrites between layers. Each microbatch after the first gets its own view, found by the calling thread's
-microbatch id and token offset. ``WINDOWS`` (default) uses the rows from the microbatch's token offset and
-allocates nothing; ``COPIES`` is upstream's design. No vLLM import (see docs/architecture.md).
-"""
+"""Per-microbatch shared top-k state for DSA layers that reuse an earlier layer's top-k (vllm#60734, #56476):
+followers read their leader's top-k from state the other microbatch overwrites between layers, so each microbatch
+after the first gets its own view, found by its thread's microbatch id and token offset. ``WINDOWS`` (default)
+uses the rows from that offset and allocates nothing; ``COPIES`` is upstream's design. No vLLM import."""
 
 from __future__ import annotations
 
@@ -130,11 +127,9 @@ class _GroupState:
 
 
 class UbatchTopkState:
-    """Registry of the buffers and index groups that need per-microbatch state (one per process).
-
-    Built at model construction; the hot path only reads dicts. It holds weak references only: dropping the
-    model frees the state by reference counting (a ``weakref.finalize`` could run on a microbatch thread).
-    """
+    """Registry of the buffers and index groups that need per-microbatch state (one per process), built at model
+    construction; the hot path only reads dicts. Weak references only: dropping the model frees the state by
+    reference counting (a ``weakref.finalize`` could run on a microbatch thread)."""
 
     def __init__(self, locate: UbatchLocator, layout: TopkLayout | None = None) -> None:
         # held strongly: ``locate`` must not close over the model
@@ -326,6 +321,3 @@ class UbatchTopkState:
         with self._lock:
             self._prune()
             return len(self._logical)
-
-
-__all__ = ["LAYOUT_ENV", "GroupView", "TopkLayout", "UbatchTopkState", "parse_layout", "window_end_reachable"]

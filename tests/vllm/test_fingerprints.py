@@ -13,6 +13,7 @@ from dbo_runtime.integration.features import Reliance
 from dbo_runtime.integration.patching import Patch
 from dbo_runtime.integration.recorded_fingerprints import RELEASES
 from tests.fakes.vllm_build import edited_sources, replace_once
+from tools import record_release
 
 INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
 ANCHOR = (f"{INDEX_GROUP}:SparseMLAIndexGroupBuilder.register_layer",)
@@ -82,7 +83,7 @@ def test_decorator_lines_are_found_without_taking_the_code_above(tmp_path: Path)
         "    def cached(self):\n        return 3\n\n\n@dataclass\nclass B:\n    y: int = 0\n"
     )
     (root / "m.py").write_text(source)
-    with fingerprints.use_source_root(root):
+    with record_release.use_source_root(root):
         blocks = {q: fingerprints.source_block("vllm.m", q) or "" for q in ("A.x", "A.plain", "A.cached", "B")}
         cached = fingerprints.fingerprint(("vllm.m:A.cached",))
     assert blocks["A.x"].lstrip().startswith("@property\n    def x(")
@@ -90,7 +91,7 @@ def test_decorator_lines_are_found_without_taking_the_code_above(tmp_path: Path)
     assert blocks["A.cached"].lstrip().startswith("@functools.lru_cache(\n        maxsize=2,")
     assert blocks["B"].startswith("@dataclass\nclass B:")
     (root / "m.py").write_text(source.replace("maxsize=2", "maxsize=3"))
-    with fingerprints.use_source_root(root):
+    with record_release.use_source_root(root):
         assert fingerprints.fingerprint(("vllm.m:A.cached",)) != cached
 
 

@@ -412,7 +412,7 @@ def test_failures_are_counted_logged_once_per_hook_and_raised_once(
     from vllm.v1.worker import ubatching
 
     from dbo_runtime.core.errors import MicrobatchFailure
-    from dbo_runtime.integration.ubatch_guard import UbatchFailures
+    from dbo_runtime.integration.ubatch_failures import UbatchFailures
 
     failures = UbatchFailures()
     assert failures.record("hook", RuntimeError("main thread")) is False  # not a microbatch thread: re-raise
