@@ -15,3 +15,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     creates stay collectable, so a test that drops a model and checks it is gone still sees it collected.
     """
     gc.freeze()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _freeze_what_earlier_modules_keep() -> None:
+    """The same for what earlier test modules left alive (the vLLM modules their tests imported): collected
+    first, so no garbage is frozen; everything this module's tests create stays collectable."""
+    gc.collect()
+    gc.freeze()
