@@ -9,57 +9,39 @@ from pathlib import Path
 
 import pytest
 
+from tests.forked import Scenario, run_forked
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 RUNS = {"warm": ("--n", "1000", "--reps", "1"), "cold": ("--cold", "1", "--reps", "1")}
 """The two timed runs the tests read: the default back-to-back blocks (short) and ``--cold``."""
 
-TWICE = r"""
-import json, runpy, sys
-script, runs = sys.argv[1], json.loads(sys.argv[2])
-sys.path[0] = str(__import__("pathlib").Path(script).parent)  # what `python graphs/bench_hook_calls.py` puts there
-for name, args in runs.items():
-    sys.argv = [script, *args]
-    try:
-        runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    for stream in (sys.stdout, sys.stderr):
-        print(f"=== {name} exit {code}", file=stream, flush=True)
-"""
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str, str]]:
-    """Both runs as a user runs the script (``__main__``, its folder first on ``sys.path``), one after the other
-    in one interpreter: the second starts from the vLLM the first leaves behind, which must be vLLM as it found
-    it. Per run: its --out folder, stdout and stderr. One vLLM import for both."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Scenario]]:
+    """Both runs as a user runs the script, each from a fresh interpreter but for the shared import of the vLLM
+    modules the benchmark times (``tests/forked.py``). Per run: its --out folder and what it returned."""
     out = tmp_path_factory.mktemp("bench")
-    argv = {name: [*args, "--out", str(out / name)] for name, args in RUNS.items()}
     script = str(ROOT / "graphs" / "bench_hook_calls.py")
-    proc = subprocess.run([sys.executable, "-c", TWICE, script, json.dumps(argv)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    streams = {"stdout": proc.stdout, "stderr": proc.stderr}
-    split: dict[str, dict[str, str]] = {name: {} for name in RUNS}
-    for key, text in streams.items():
-        for name in RUNS:
-            before, marker, text = text.partition(f"=== {name} exit ")
-            split[name][key] = before + (marker + text.partition("\n")[0] if marker else "")
-            text = text.partition("\n")[2]
-    return {name: (out / name, split[name]["stdout"], split[name]["stderr"]) for name in RUNS}
+    scenarios = {name: f"run_script({script!r}, *{[*args, '--out', str(out / name)]!r})" for name, args in RUNS.items()}
+    prelude = (  # the vLLM modules the benchmark imports first thing, before it touches the plugin
+        f"import importlib, sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom graphs.bench_hook_calls import MODULES\n"
+        "for module in MODULES:\n    importlib.import_module(module)\n"
+    )
+    done = run_forked(prelude, scenarios, cwd=ROOT)
+    return {name: (out / name, done[name]) for name in RUNS}
 
 
-def _run_ok(runs: dict[str, tuple[Path, str, str]], name: str) -> tuple[Path, str]:
+def _run_ok(runs: dict[str, tuple[Path, Scenario]], name: str) -> tuple[Path, str]:
     """The run must succeed with the plugin side really patched (register() would otherwise log its failure and
     leave vLLM vanilla on that side)."""
-    out, stdout, stderr = runs[name]
-    assert stderr.rstrip().endswith(f"=== {name} exit 0"), stderr[-2000:]
-    assert "PatchError" not in stderr and "not installed" not in stderr
-    return out, stdout
+    out, run = runs[name]
+    assert run.code == 0, run.stderr[-2000:]
+    assert "PatchError" not in run.stderr and "not installed" not in run.stderr
+    return out, run.stdout
 
 
-def test_the_benchmark_times_every_hooked_access_against_vanilla(runs: dict[str, tuple[Path, str, str]]) -> None:
+def test_the_benchmark_times_every_hooked_access_against_vanilla(runs: dict[str, tuple[Path, Scenario]]) -> None:
     out, _ = _run_ok(runs, "warm")
     doc = json.loads((out / "bench_hook_calls.json").read_text())
     accesses = {(r["access"], r["thread"]) for r in doc["rows"]}
@@ -106,7 +88,7 @@ def test_the_per_step_estimate_weights_each_access_by_the_engines_count() -> Non
     assert est["main"]["with_build_us"] == 52.3 and est["ubatch 1"]["with_build_us"] == 99.6
 
 
-def test_with_cold_the_default_block_is_a_few_hundred_accesses(runs: dict[str, tuple[Path, str, str]]) -> None:
+def test_with_cold_the_default_block_is_a_few_hundred_accesses(runs: dict[str, tuple[Path, Scenario]]) -> None:
     """--cold times every access alone after K reads: the back-to-back default of 200000 would run for days."""
     out, stdout = _run_ok(runs, "cold")
     assert json.loads((out / "bench_hook_calls_cold.json").read_text())["n"] == 200

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.forked import Scenario, run_forked
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.name for p in (ROOT / "graphs").glob("*.py") if not p.name.startswith("_"))  # _plotting.py: a helper
 ENGINE = {
@@ -58,51 +60,22 @@ def test_every_script_is_covered() -> None:
     ]
 
 
-FORKED = r"""
-import json, os, runpy, sys
-import torch  # every script imports it first; shared by the forks, each child imports the rest itself
-graphs, out = sys.argv[1], sys.argv[2]
-for name in json.loads(sys.argv[3]):
-    sys.stdout.flush(); sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        for fd, stream in ((1, "stdout"), (2, "stderr")):
-            os.dup2(os.open(os.path.join(out, f"{name}.{stream}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        sys.argv = [os.path.join(graphs, name), "--out", os.path.join(out, name)]
-        sys.path[0] = graphs  # what `python graphs/NAME` puts there
-        try:
-            runpy.run_path(sys.argv[0], run_name="__main__")
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        sys.stdout.flush(); sys.stderr.flush()
-        os._exit(code)
-    print(name, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
-"""
-
-
 @pytest.fixture(scope="module")
-def without_cuda(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str, Path]]:
-    """Every GPU script run as a user runs it (``__main__``, its folder first on ``sys.path``), each in a forked
-    child of one interpreter that has imported only torch: a fresh import of everything else, one torch import
-    for all. Per script: exit code, stdout, stderr and its --out folder."""
+def without_cuda(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Scenario, Path]]:
+    """Every GPU script run as a user runs it, each in a fresh interpreter but for the shared torch import (every
+    script imports it first; ``tests/forked.py``). Per script: what it returned and its --out folder."""
     out = tmp_path_factory.mktemp("no_cuda")
-    proc = subprocess.run(
-        [sys.executable, "-c", FORKED, str(ROOT / "graphs"), str(out), json.dumps(GPU)], capture_output=True, text=True, timeout=600
-    )
-    codes = dict(line.rsplit(" ", 1) for line in proc.stdout.splitlines())
-    result = {}
-    for name in GPU:
-        streams = [(out / f"{name}.{s}").read_text() if (out / f"{name}.{s}").exists() else "" for s in ("stdout", "stderr")]
-        result[name] = (int(codes.get(name, -1)), streams[0], streams[1] or proc.stderr[-2000:], out / name)
-    return result
+    scenarios = {name: f"run_script({str(ROOT / 'graphs' / name)!r}, '--out', {str(out / name)!r})" for name in GPU}
+    done = run_forked("import torch\n", scenarios)
+    return {name: (done[name], out / name) for name in GPU}
 
 
 @pytest.mark.parametrize("name", GPU)
-def test_without_cuda_one_line_and_exit_3(name: str, without_cuda: dict[str, tuple[int, str, str, Path]]) -> None:
+def test_without_cuda_one_line_and_exit_3(name: str, without_cuda: dict[str, tuple[Scenario, Path]]) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA; the no-CUDA path is exercised on the CPU box")
-    code, stdout, stderr, out = without_cuda[name]
+    run, out = without_cuda[name]
+    code, stdout, stderr = run.code, run.stdout, run.stderr
     assert code == 3, stderr[-2000:]
     [line] = stderr.strip().splitlines()
     need = ENGINE.get(name, "a CUDA GPU and DeepGEMM")

@@ -9,16 +9,16 @@ fork whose child configures logging and imports a worker module (as
 ``run_engine_core`` / ``worker_main`` do), where every lazy patch must land.
 
 Each scenario runs in a forked child of one interpreter that has imported vLLM's logging and plugin modules
-(neither loads a plugin nor configures logging), so the suite pays for one vLLM import, not one per scenario.
+(neither loads a plugin nor configures logging): one vLLM import for all (``tests/forked.py``).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from importlib import metadata
 
 import pytest
+
+from tests.forked import Scenario, run_forked
 
 LINE = f"patches installed for vLLM {metadata.version('vllm')} (verified by its code)"
 
@@ -85,49 +85,22 @@ plugin.register(); plugin.register()
 SCENARIOS = {"worker order": WORKER_ORDER, "logging first": LOGGING_FIRST}
 
 
-def _script() -> str:
-    import textwrap
-
-    out = (
+@pytest.fixture(scope="module")
+def scenario_logs() -> dict[str, Scenario]:
+    """Per scenario: its exit code and what it wrote, vLLM's log (stdout) and the markers (stderr) in one stream."""
+    prelude = (
         "import os, sys, traceback\n"
         "import vllm.plugins\n"
         "from vllm.config.logging import LoggingConfig\n"
         "from vllm.logger import configure_logging\n"
     )
-    for name, body in SCENARIOS.items():
-        out += (
-            "sys.stdout.flush(); sys.stderr.flush()\n"
-            "pid = os.fork()\n"
-            "if pid == 0:\n"
-            "    try:\n" + textwrap.indent(body, " " * 8) + "    except BaseException:\n"
-            "        traceback.print_exc(); sys.stdout.flush(); sys.stderr.flush(); os._exit(1)\n"
-            "    sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n"
-            f"sys.stderr.write('=== {name} exit %d\\n' % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
-            "sys.stderr.flush()\n"
-        )
-    return out
+    return run_forked(prelude, SCENARIOS, merged=True, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def scenario_logs() -> dict[str, tuple[int, str]]:
-    """Per scenario: its exit code and what it wrote, vLLM's log (stdout) and the markers (stderr) in one pipe."""
-    proc = subprocess.run([sys.executable, "-c", _script()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    logs: dict[str, tuple[int, str]] = {}
-    text = proc.stdout
-    for name in SCENARIOS:
-        marker = f"=== {name} exit "
-        if marker not in text:
-            logs[name] = (-1, text[-3000:])
-            break
-        before, _, text = text.partition(marker)
-        code, _, text = text.partition("\n")
-        logs[name] = (int(code), before)
-    return {name: logs.get(name, (-1, proc.stdout[-3000:])) for name in SCENARIOS}
-
-
-def test_activation_line_in_forked_worker_process(scenario_logs: dict[str, tuple[int, str]]) -> None:
-    code, out = scenario_logs["worker order"]
-    assert code == 0, out[-3000:]
+def test_activation_line_in_forked_worker_process(scenario_logs: dict[str, Scenario]) -> None:
+    run = scenario_logs["worker order"]
+    out = run.stdout
+    assert run.code == 0, out[-3000:]
     before, _, child = out.partition("PARENT-DONE\n")
     child_pid = child.split("CHILD-PID ", 1)[1].split()[0]
     lines = [line for line in out.splitlines() if LINE in line]
@@ -140,21 +113,22 @@ def test_activation_line_in_forked_worker_process(scenario_logs: dict[str, tuple
     assert "patches installed" not in before
 
 
-def test_fresh_process_patches_runner_modules_imported_after_register(scenario_logs: dict[str, tuple[int, str]]) -> None:
+def test_fresh_process_patches_runner_modules_imported_after_register(scenario_logs: dict[str, Scenario]) -> None:
     """In a worker the runner modules load after the plugin: every lazy patch must still land.
 
     (An eager patch that imports a lazy patch's module during install leaves that patch
     stuck 'pending'; the worker order runs the real order in a clean interpreter.)
     """
-    code, out = scenario_logs["worker order"]
-    assert code == 0 and "LAZY-OK" in out, out[-3000:]
+    run = scenario_logs["worker order"]
+    assert run.code == 0 and "LAZY-OK" in run.stdout, run.stdout[-3000:]
 
 
-def test_activation_line_immediately_when_logging_is_configured(scenario_logs: dict[str, tuple[int, str]]) -> None:
+def test_activation_line_immediately_when_logging_is_configured(scenario_logs: dict[str, Scenario]) -> None:
     """Operators grep vLLM's log for 'dbo_runtime:': the line goes through vLLM's handler (our loggers are
     children of vLLM's), once however often ``register`` runs."""
-    code, out = scenario_logs["logging first"]
-    assert code == 0, out[-2000:]
+    run = scenario_logs["logging first"]
+    out = run.stdout
+    assert run.code == 0, out[-2000:]
     lines = [line for line in out.splitlines() if LINE in line]
     assert len(lines) == 1, out[-2000:]
     assert "INFO" in lines[0] and "dbo_runtime: " in lines[0], lines[0]

@@ -35,6 +35,7 @@ from tests.fakes.fake_deep_gemm import (
     vllm_signature_logits,
     vllm_signature_planner,
 )
+from tests.forked import Scenario, run_forked
 from tests.vllm.conftest import has_module, in_release
 
 LAYERS = 21
@@ -892,56 +893,43 @@ ALIAS_SCENARIOS = {
 
 
 @pytest.fixture(scope="module")
-def alias_after_uninstall() -> dict[str, tuple[int, str]]:
-    """Each scenario in a forked child of one fresh interpreter (``ubatch_utils`` not imported yet, as in a
-    worker): ``install``, then import ``ubatch_utils`` so its ``from`` import binds the alias to the hook marked
-    ``mark...``, then ``uninstall``: the alias must be vLLM's own function again. The parent imports torch and
-    ``vllm.config`` first (neither binds the alias), so each child pays only for the modules under test."""
-    import subprocess
-    import sys
-    import textwrap
-
-    script = (
-        "import os, sys, traceback\n"
+def alias_after_uninstall() -> dict[str, Scenario]:
+    """Each scenario in a fresh interpreter (``ubatch_utils`` not imported yet, as in a worker): ``install``, then
+    import ``ubatch_utils`` so its ``from`` import binds the alias to the hook marked ``mark...``, then
+    ``uninstall``: the alias must be vLLM's own function again. torch and ``vllm.config`` are imported first (neither
+    binds the alias), once for both (``tests/forked.py``)."""
+    prelude = (
+        "import sys\n"
         "import torch, vllm.config\n"
         "from dbo_runtime.integration import indexer_hooks, plugin\n"
         "from dbo_runtime.integration.patching import PATCH_MARK, PatchSet\n"
         "assert 'vllm.v1.worker.ubatch_utils' not in sys.modules and 'vllm.utils.deep_gemm' not in sys.modules\n"
     )
-    for name, (install, mark, uninstall) in ALIAS_SCENARIOS.items():
-        child = (
+    scenarios = {
+        name: (
             f"{install}\n"
             "import vllm.v1.worker.ubatch_utils as uu, vllm.utils.deep_gemm as dg\n"
             f"assert getattr(uu.deep_gemm_set_num_sms, PATCH_MARK, '').startswith({mark!r}), uu.deep_gemm_set_num_sms\n"
             f"{uninstall}\n"
             "assert not hasattr(dg.set_num_sms, PATCH_MARK) and uu.deep_gemm_set_num_sms is dg.set_num_sms\n"
         )
-        script += (
-            "sys.stdout.flush(); sys.stderr.flush()\n"
-            "pid = os.fork()\n"
-            "if pid == 0:\n"
-            "    try:\n" + textwrap.indent(child, " " * 8) + "    except BaseException:\n"
-            f"        print({name!r}, 'failed:', file=sys.stderr); traceback.print_exc(); sys.stderr.flush(); os._exit(1)\n"
-            "    os._exit(0)\n"
-            f"print({name!r}, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)\n"
-        )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    codes = dict(line.rsplit(" ", 1) for line in proc.stdout.splitlines() if line.rsplit(" ", 1)[0] in ALIAS_SCENARIOS)
-    return {name: (int(codes.get(name, -1)), proc.stderr[-3000:]) for name in ALIAS_SCENARIOS}
+        for name, (install, mark, uninstall) in ALIAS_SCENARIOS.items()
+    }
+    return run_forked(prelude, scenarios)
 
 
-def test_uninstall_gives_the_alias_vllms_own_function_in_the_real_import_order(alias_after_uninstall: Any) -> None:
+def test_uninstall_gives_the_alias_vllms_own_function_in_the_real_import_order(alias_after_uninstall: dict[str, Scenario]) -> None:
     """The alias is bound by ``from`` import when ``ubatch_utils`` executes, after the wrapper was patched: the set
     recorded the plugin's wrapper as the alias's original, and uninstall must still hand back vLLM's function."""
-    code, stderr = alias_after_uninstall["plugin"]
-    assert code == 0, stderr
+    run = alias_after_uninstall["plugin"]
+    assert run.code == 0, run.stderr[-3000:]
 
 
-def test_uninstalling_the_wrapper_alone_gives_the_alias_vllms_own_function(alias_after_uninstall: Any) -> None:
+def test_uninstalling_the_wrapper_alone_gives_the_alias_vllms_own_function(alias_after_uninstall: dict[str, Scenario]) -> None:
     """The alias patch is optional: where it was skipped, ``ubatch_utils`` imported after the wrapper was patched
     binds the plugin's hook by ``from`` import, and the wrapper's uninstall must hand the alias vLLM's function."""
-    code, stderr = alias_after_uninstall["wrapper alone"]
-    assert code == 0, stderr
+    run = alias_after_uninstall["wrapper alone"]
+    assert run.code == 0, run.stderr[-3000:]
 
 
 def test_a_call_site_whose_parameters_moved_is_refused_at_install(monkeypatch: pytest.MonkeyPatch) -> None:
