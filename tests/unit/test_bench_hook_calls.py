@@ -7,23 +7,43 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.forked import Scenario, run_forked
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_ok(*args: str) -> subprocess.CompletedProcess[str]:
-    """The benchmark as a user runs it; it must succeed with the plugin side really patched (register() would
-    otherwise log its failure and leave vLLM vanilla on that side)."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "graphs" / "bench_hook_calls.py"), *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+RUNS = {"warm": ("--n", "1000", "--reps", "1"), "cold": ("--cold", "1", "--reps", "1")}
+"""The two timed runs the tests read: the default back-to-back blocks (short) and ``--cold``."""
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Scenario]]:
+    """Both runs as a user runs the script, each from a fresh interpreter but for the shared import of the vLLM
+    modules the benchmark times (``tests/forked.py``). Per run: its --out folder and what it returned."""
+    out = tmp_path_factory.mktemp("bench")
+    script = str(ROOT / "graphs" / "bench_hook_calls.py")
+    scenarios = {name: f"run_script({script!r}, *{[*args, '--out', str(out / name)]!r})" for name, args in RUNS.items()}
+    prelude = (  # the vLLM modules the benchmark imports first thing, before it touches the plugin
+        f"import importlib, sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom graphs.bench_hook_calls import MODULES\n"
+        "for module in MODULES:\n    importlib.import_module(module)\n"
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "PatchError" not in proc.stderr and "not installed" not in proc.stderr
-    return proc
+    done = run_forked(prelude, scenarios, cwd=ROOT)
+    return {name: (out / name, done[name]) for name in RUNS}
 
 
-def test_the_benchmark_times_every_hooked_access_against_vanilla(tmp_path: Path) -> None:
-    _run_ok("--n", "1000", "--reps", "1", "--out", str(tmp_path))
-    doc = json.loads((tmp_path / "bench_hook_calls.json").read_text())
+def _run_ok(runs: dict[str, tuple[Path, Scenario]], name: str) -> tuple[Path, str]:
+    """The run must succeed with the plugin side really patched (register() would otherwise log its failure and
+    leave vLLM vanilla on that side)."""
+    out, run = runs[name]
+    assert run.code == 0, run.stderr[-2000:]
+    assert "PatchError" not in run.stderr and "not installed" not in run.stderr
+    return out, run.stdout
+
+
+def test_the_benchmark_times_every_hooked_access_against_vanilla(runs: dict[str, tuple[Path, Scenario]]) -> None:
+    out, _ = _run_ok(runs, "warm")
+    doc = json.loads((out / "bench_hook_calls.json").read_text())
     accesses = {(r["access"], r["thread"]) for r in doc["rows"]}
     assert ("SparseAttnIndexer.topk_indices_buffer", "ubatch 1") in accesses and len(accesses) == 35
     # an engine that never split a step, the main thread of one that has (hooks armed), a microbatch thread
@@ -68,11 +88,11 @@ def test_the_per_step_estimate_weights_each_access_by_the_engines_count() -> Non
     assert est["main"]["with_build_us"] == 52.3 and est["ubatch 1"]["with_build_us"] == 99.6
 
 
-def test_with_cold_the_default_block_is_a_few_hundred_accesses(tmp_path: Path) -> None:
+def test_with_cold_the_default_block_is_a_few_hundred_accesses(runs: dict[str, tuple[Path, Scenario]]) -> None:
     """--cold times every access alone after K reads: the back-to-back default of 200000 would run for days."""
-    proc = _run_ok("--cold", "1", "--reps", "1", "--out", str(tmp_path))
-    assert json.loads((tmp_path / "bench_hook_calls_cold.json").read_text())["n"] == 200
-    assert f"results: {tmp_path / 'bench_hook_calls_cold.json'}" in proc.stdout.splitlines()
+    out, stdout = _run_ok(runs, "cold")
+    assert json.loads((out / "bench_hook_calls_cold.json").read_text())["n"] == 200
+    assert f"results: {out / 'bench_hook_calls_cold.json'}" in stdout.splitlines()
 
 
 def test_a_setting_that_would_change_what_is_timed_is_one_line_before_anything_runs() -> None:

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.forked import Scenario, run_forked
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.name for p in (ROOT / "graphs").glob("*.py") if not p.name.startswith("_"))  # _plotting.py: a helper
 ENGINE = {
@@ -58,18 +60,27 @@ def test_every_script_is_covered() -> None:
     ]
 
 
+@pytest.fixture(scope="module")
+def without_cuda(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Scenario, Path]]:
+    """Every GPU script run as a user runs it, each in a fresh interpreter but for the shared torch import (every
+    script imports it first; ``tests/forked.py``). Per script: what it returned and its --out folder."""
+    out = tmp_path_factory.mktemp("no_cuda")
+    scenarios = {name: f"run_script({str(ROOT / 'graphs' / name)!r}, '--out', {str(out / name)!r})" for name in GPU}
+    done = run_forked("import torch\n", scenarios)
+    return {name: (done[name], out / name) for name in GPU}
+
+
 @pytest.mark.parametrize("name", GPU)
-def test_without_cuda_one_line_and_exit_3(name: str, tmp_path: Path) -> None:
+def test_without_cuda_one_line_and_exit_3(name: str, without_cuda: dict[str, tuple[Scenario, Path]]) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA; the no-CUDA path is exercised on the CPU box")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "graphs" / name), "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    [line] = proc.stderr.strip().splitlines()
+    run, out = without_cuda[name]
+    code, stdout, stderr = run.code, run.stdout, run.stderr
+    assert code == 3, stderr[-2000:]
+    [line] = stderr.strip().splitlines()
     need = ENGINE.get(name, "a CUDA GPU and DeepGEMM")
-    assert line.startswith(f"{name[:-3]}: needs {need}: no CUDA device") and "Traceback" not in proc.stderr
-    assert proc.stdout == "" and not any(tmp_path.iterdir())
+    assert line.startswith(f"{name[:-3]}: needs {need}: no CUDA device") and "Traceback" not in stderr
+    assert stdout == "" and not (out.exists() and any(out.iterdir()))
 
 
 BAD_VALUES = {

@@ -35,6 +35,7 @@ from tests.fakes.fake_deep_gemm import (
     vllm_signature_logits,
     vllm_signature_planner,
 )
+from tests.forked import Scenario, run_forked
 from tests.vllm.conftest import has_module, in_release
 
 LAYERS = 21
@@ -879,44 +880,56 @@ def test_a_writer_rebound_behind_the_plugin_ends_the_trust(monkeypatch: pytest.M
         patch_set.uninstall()
 
 
-def _alias_after_uninstall(install: str, hook_mark: str, uninstall: str) -> None:
-    """In a fresh interpreter (``ubatch_utils`` not imported yet, as in a worker): ``install``, then import
-    ``ubatch_utils`` so its ``from`` import binds the alias to the hook marked ``hook_mark...``, then ``uninstall``:
-    the alias must be vLLM's own function again."""
-    import subprocess
-    import sys
-
-    script = (
-        "import sys\n"
-        "from dbo_runtime.integration import indexer_hooks, plugin\n"
-        "from dbo_runtime.integration.patching import PATCH_MARK, PatchSet\n"
-        "assert 'vllm.v1.worker.ubatch_utils' not in sys.modules\n"
-        f"{install}\n"
-        "import vllm.v1.worker.ubatch_utils as uu, vllm.utils.deep_gemm as dg\n"
-        f"assert getattr(uu.deep_gemm_set_num_sms, PATCH_MARK, '').startswith({hook_mark!r}), uu.deep_gemm_set_num_sms\n"
-        f"{uninstall}\n"
-        "assert not hasattr(dg.set_num_sms, PATCH_MARK) and uu.deep_gemm_set_num_sms is dg.set_num_sms\n"
-        "print('ok')\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
-
-
-def test_uninstall_gives_the_alias_vllms_own_function_in_the_real_import_order() -> None:
-    """The alias is bound by ``from`` import when ``ubatch_utils`` executes, after the wrapper was patched: the set
-    recorded the plugin's wrapper as the alias's original, and uninstall must still hand back vLLM's function."""
-    _alias_after_uninstall("plugin.register()", "indexer.sm_writes.", "plugin.uninstall()")
-
-
-def test_uninstalling_the_wrapper_alone_gives_the_alias_vllms_own_function() -> None:
-    """The alias patch is optional: where it was skipped, ``ubatch_utils`` imported after the wrapper was patched
-    binds the plugin's hook by ``from`` import, and the wrapper's uninstall must hand the alias vLLM's function."""
-    _alias_after_uninstall(
+ALIAS_SCENARIOS = {
+    "plugin": ("plugin.register()", "indexer.sm_writes.", "plugin.uninstall()"),
+    "wrapper alone": (
         "[wrapper] = [p for p in indexer_hooks.patches() if p.name == 'indexer.sm_writes.deep_gemm']\n"
         "patch_set = PatchSet([wrapper]); patch_set.install()",
         "indexer.sm_writes.deep_gemm",
         "patch_set.uninstall()",
+    ),
+}
+"""Per scenario: install, the mark the alias's hook carries, uninstall (the ``alias_after_uninstall`` fixture)."""
+
+
+@pytest.fixture(scope="module")
+def alias_after_uninstall() -> dict[str, Scenario]:
+    """Each scenario in a fresh interpreter (``ubatch_utils`` not imported yet, as in a worker): ``install``, then
+    import ``ubatch_utils`` so its ``from`` import binds the alias to the hook marked ``mark...``, then
+    ``uninstall``: the alias must be vLLM's own function again. torch and ``vllm.config`` are imported first (neither
+    binds the alias), once for both (``tests/forked.py``)."""
+    prelude = (
+        "import sys\n"
+        "import torch, vllm.config\n"
+        "from dbo_runtime.integration import indexer_hooks, plugin\n"
+        "from dbo_runtime.integration.patching import PATCH_MARK, PatchSet\n"
+        "assert 'vllm.v1.worker.ubatch_utils' not in sys.modules and 'vllm.utils.deep_gemm' not in sys.modules\n"
     )
+    scenarios = {
+        name: (
+            f"{install}\n"
+            "import vllm.v1.worker.ubatch_utils as uu, vllm.utils.deep_gemm as dg\n"
+            f"assert getattr(uu.deep_gemm_set_num_sms, PATCH_MARK, '').startswith({mark!r}), uu.deep_gemm_set_num_sms\n"
+            f"{uninstall}\n"
+            "assert not hasattr(dg.set_num_sms, PATCH_MARK) and uu.deep_gemm_set_num_sms is dg.set_num_sms\n"
+        )
+        for name, (install, mark, uninstall) in ALIAS_SCENARIOS.items()
+    }
+    return run_forked(prelude, scenarios)
+
+
+def test_uninstall_gives_the_alias_vllms_own_function_in_the_real_import_order(alias_after_uninstall: dict[str, Scenario]) -> None:
+    """The alias is bound by ``from`` import when ``ubatch_utils`` executes, after the wrapper was patched: the set
+    recorded the plugin's wrapper as the alias's original, and uninstall must still hand back vLLM's function."""
+    run = alias_after_uninstall["plugin"]
+    assert run.code == 0, run.stderr[-3000:]
+
+
+def test_uninstalling_the_wrapper_alone_gives_the_alias_vllms_own_function(alias_after_uninstall: dict[str, Scenario]) -> None:
+    """The alias patch is optional: where it was skipped, ``ubatch_utils`` imported after the wrapper was patched
+    binds the plugin's hook by ``from`` import, and the wrapper's uninstall must hand the alias vLLM's function."""
+    run = alias_after_uninstall["wrapper alone"]
+    assert run.code == 0, run.stderr[-3000:]
 
 
 def test_a_call_site_whose_parameters_moved_is_refused_at_install(monkeypatch: pytest.MonkeyPatch) -> None:
