@@ -55,9 +55,7 @@ def _fingerprint(bound: Any, usable: bool, match: Any) -> str:
 
     if not bound.fingerprint_anchors:
         return "not bound"
-    if not releases.part_of(bound, match.recorded):
-        return "not in release"
-    return "differs" if bound.name in match.differing or not usable else "match"
+    return "not in release" if not releases.part_of(bound, match.recorded) else "differs" if bound.name in match.differing or not usable else "match"
 
 
 def _targets(usable: bool, match: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -28,8 +28,7 @@ KV_CACHE_BYTES = 4 << 30
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    help_ = "measure the DBO step time for each VLLM_DBO_COMM_SMS value and say which to use"
-    p = _engine.add_engine_command(subparsers, "tune", __doc__, help_, 3600.0, "seconds for the whole sweep")
+    p = _engine.add_engine_command(subparsers, "tune", __doc__, "measure the DBO step time for each VLLM_DBO_COMM_SMS value and say which to use", 3600.0, "seconds for the whole sweep")
     p.add_argument("--shape", default="prefill", choices=("prefill", "decode"), help="the workload timed (default prefill, HT's regime)")
     p.add_argument("--prefill-tokens", type=int_in(64, 1 << 20), default=8192, metavar="N", help="prefill tokens per rank per step (default 8192)")
     p.add_argument("--prompt-len", type=int_in(1, 1 << 20), default=1024, metavar="N", help="tokens per prompt (default 1024)")
@@ -185,7 +184,6 @@ def render(doc: dict[str, Any]) -> None:
         print(f"use: {doc['setting']} -- {doc['reason']}")
     else:
         why = doc.get("reason") or "no value was measured with DBO microbatching (dbo_runtime's counters present? `dbo-runtime doctor`)"
-        print(f"verdict: {doc['verdict'].upper()} -- {why}")
-        print(f"logs and records: {doc['workdir']}")
+        print(f"verdict: {doc['verdict'].upper()} -- {why}\nlogs and records: {doc['workdir']}")
     for note in doc.get("notes") or []:
         print(f"note: {note}")

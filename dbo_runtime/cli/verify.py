@@ -34,8 +34,7 @@ def _len_range(text: str) -> tuple[int, int]:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    help_ = "run the model with DBO off and on and say whether DBO changes its outputs"
-    p = _engine.add_engine_command(subparsers, "verify", __doc__, help_, 1800.0, "seconds per engine run")
+    p = _engine.add_engine_command(subparsers, "verify", __doc__, "run the model with DBO off and on and say whether DBO changes its outputs", 1800.0, "seconds per engine run")
     p.add_argument("--prompts", type=int, default=64, metavar="N", help="synthetic prompts (default 64)")
     p.add_argument("--prompt-len", type=_len_range, default=(256, 1024), metavar="MIN-MAX", help="synthetic prompt lengths (default 256-1024)")
     p.add_argument("--prompt-file", metavar="PATH", help="prompts instead of synthetic ids: .jsonl / .json prompt objects, or one text prompt per line")
@@ -43,8 +42,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int_in(1, 4096), default=32, metavar="T", help="greedy tokens per prompt (default 32)")
     p.add_argument("--min-agreement", type=float, default=Thresholds.min_agreement, metavar="A", help="pass needs this fraction of tokens equal")
     p.add_argument("--max-dlogprob", type=float, default=Thresholds.max_dlogprob, metavar="D", help="pass needs max |logprob difference| <= D")
-    floor = "also run DBO off with half the sequences at a time, and judge DBO against how much that batch-shape change alone moves the model"
-    p.add_argument("--noise-floor", action="store_true", help=floor)
+    p.add_argument("--noise-floor", action="store_true", help="also run DBO off with half the sequences at a time, and judge DBO against how much that batch-shape change alone moves the model")
     return p
 
 
@@ -82,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from dbo_runtime.harness.launch import RunSpec, launch
     from dbo_runtime.harness.prompts import PromptSpec, from_file
 
-    thresholds = Thresholds(args.min_agreement, args.max_dlogprob)
-    thresholds.validate()
+    (thresholds := Thresholds(args.min_agreement, args.max_dlogprob)).validate()
     if not args.timeout > 0:
         raise ConfigError("--timeout", args.timeout, "a positive number of seconds")
     prompts = PromptSpec(num=args.prompts, min_len=args.prompt_len[0], max_len=args.prompt_len[1], seed=args.prompt_seed, file=args.prompt_file)
@@ -121,10 +118,8 @@ def _result(records: dict[str, dict[str, Any]], thresholds: Thresholds, folder: 
     """The verdict document, pure given the records; with ``floor_rule`` DBO-on is judged against the noise floor."""
     from dbo_runtime.harness.launch import SIGNATURE_HINTS
 
-    runs = {
-        label: {k: rec.get(k) for k in ("ok", "error", "failure_signatures", "start_s", "generate_s", "microbatched_steps", "plugin")}
-        for label, rec in records.items()
-    }
+    keys = ("ok", "error", "failure_signatures", "start_s", "generate_s", "microbatched_steps", "plugin")
+    runs = {label: {k: rec.get(k) for k in keys} for label, rec in records.items()}
     doc: dict[str, Any] = {"schema": SCHEMA, "runs": runs, "workdir": str(folder), "notes": notes, "thresholds": vars(thresholds)}
     failed = [label for label, rec in records.items() if not rec.get("ok")]
     if not failed and floor_rule is not None and "noise-floor" not in records and not _microbatched(records["dbo-on"]):
@@ -155,8 +150,8 @@ def _result(records: dict[str, dict[str, Any]], thresholds: Thresholds, folder: 
     counted = _counted_steps(records["dbo-on"])
     if not _microbatched(records["dbo-on"]):
         need = "vLLM needs data-parallel size >= 2 and at least --dbo-decode-token-threshold tokens per rank in a decode step"
-        why = f"DBO never microbatched (microbatched steps per rank: {counted}): {need}; send more prompts or lower the threshold"
-        return {**doc, "verdict": "inconclusive", "exit_code": EXIT_INCONCLUSIVE, "reasons": [why]}
+        reasons = [f"DBO never microbatched (microbatched steps per rank: {counted}): {need}; send more prompts or lower the threshold"]
+        return {**doc, "verdict": "inconclusive", "exit_code": EXIT_INCONCLUSIVE, "reasons": reasons}
     if not counted:
         notes.append("dbo_runtime counters unavailable (plugin disabled?): cannot confirm that DBO microbatched")
     return {**doc, "verdict": "pass" if passed else "fail", "exit_code": 0 if passed else 1, "reasons": reasons}
