@@ -61,8 +61,22 @@ WINDOW_BOUNDARIES = (
          f"{_MRV2_UBATCH}:UBatchRunner.begin_capturable_run"),
         "the V2 runner runs each microbatch on its slice's tokens with that slice's start as token offset",
     ),
+    Reliance("topk.ubatch_metadata.mrv2", (f"{_MRV2_UBATCH}:UBatchRunner.prepare", f"{_MRV2_UBATCH}:_slice_input_batch",
+             f"{_MRV2_UBATCH}:_slice_query_start_loc"),
+             "the V2 runner builds each microbatch's metadata from its slice alone, query offsets from its first token"),
+    Reliance("topk.ubatch_metadata.mrv1", (f"{_UBATCH_UTILS}:split_attn_metadata", f"{_UBATCH_UTILS}:_make_metadata_with_slice",
+             "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata"),
+             "the V1 runner builds each microbatch's metadata from its slice alone, query offsets from its first token"),
+    Reliance("topk.shardq_start", (f"{_SPARSE_MLA}:build_shardq_metadata",),
+             "ShardQ reads from topk_start, the decode token count of the metadata built: inside the microbatch's rows"),
+    Reliance("topk.moe_placement.v32", (f"{_V32_MODEL}:DeepseekV32DecoderLayer.__init__",),
+             "padding_reaches_live_rows: DSA's routed experts from first_k_dense_replace on, every moe_layer_freq-th"),
+    Reliance("topk.moe_placement.mistral", ("vllm.models.mistral.common.layer_spec:get_layer_specs",),
+             "padding_reaches_live_rows: Mistral's routed experts from first_k_dense_replace on, every moe_layer_freq-th"),
+    Reliance("topk.decode_padding", (f"{_SPARSE_INDEXER}:sparse_attn_indexer",),
+             "a padded decode microbatch writes B x next_n rows from its window's start: the window-end check's bound"),
 )  # fmt: skip
-"""The code that decides each microbatch's token range, which the windows layout relies on."""
+"""The code that decides each microbatch's token range and rows, which the windows layout relies on."""
 
 FEATURES = [
     Feature(

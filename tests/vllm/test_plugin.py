@@ -127,7 +127,9 @@ def test_a_changed_plan_ahead_target_leaves_the_indexer_fix_in_force_without_it(
     from tests.fakes.vllm_build import edited_sources, replace_once
 
     monkeypatch.setenv("DBO_RUNTIME_STRICT", "1")  # a feature not in force would raise here
-    edited = {"vllm.v1.worker.gpu.ubatch_utils": replace_once("        attn_metadata = []\n", "        attn_metadata = []\n        edited = 0\n")}
+    # its FULL-graph manager anchor: UBatchRunner.prepare, its other, is also code the top-k windows rely on
+    line = "        self.use_aux_hidden_state_outputs = False\n"
+    edited = {"vllm.v1.worker.gpu.cudagraph_utils": replace_once(line, line + "        edited = 0\n")}
     with edited_sources(edited):
         assert releases.identify().differing == ("indexer.plan_ahead.mrv2",)
         plugin.register()

@@ -95,6 +95,36 @@ def test_a_moved_microbatch_boundary_makes_the_topk_fix_unverified(module: str, 
     assert plugin.feature_states()["topk"].verdict == "verified"
 
 
+TOPK_RELIANCE_EDITS = [
+    ("vllm.v1.worker.gpu.ubatch_utils", "    tok_start = ubatch_slice.token_slice.start\n",
+     "    tok_start = ubatch_slice.token_slice.start + 1\n", "topk.ubatch_metadata.mrv2"),
+    ("vllm.v1.worker.ubatch_utils", "    first_tok = token_slice.start\n", "    first_tok = token_slice.start + 1\n",
+     "topk.ubatch_metadata.mrv1"),
+    ("vllm.model_executor.layers.attention.sparse_mla_attention", "        topk_start=num_decode_tokens,\n",
+     "        topk_start=0,\n", "topk.shardq_start"),
+    ("vllm.models.deepseek_v32.nvidia.model", "            and layer_idx % moe_layer_freq == 0\n",
+     "            and layer_idx % moe_layer_freq == 1\n", "topk.moe_placement.v32"),
+    ("vllm.models.mistral.common.layer_spec", "            and i % moe_layer_freq == 0,\n",
+     "            and i % moe_layer_freq == 1,\n", "topk.moe_placement.mistral"),
+    ("vllm.model_executor.layers.sparse_attn_indexer", "        num_padded_tokens = batch_size * next_n\n",
+     "        num_padded_tokens = batch_size * (next_n + 1)\n", "topk.decode_padding"),
+]  # fmt: skip
+_IN_THIS_RELEASE = [e for e in TOPK_RELIANCE_EDITS if RELEASES[metadata.version("vllm")].get(e[3]) != fingerprints.MISSING]
+
+
+@pytest.mark.parametrize(("module", "old", "new", "reliance"), _IN_THIS_RELEASE, ids=[e[3] for e in _IN_THIS_RELEASE])
+def test_code_the_topk_windows_and_padding_rule_rely_on_makes_the_fix_unverified(
+    module: str, old: str, new: str, reliance: str
+) -> None:
+    """Per-microbatch metadata, ShardQ's top-k offset, the MoE layer placement ``padding_reaches_live_rows`` reads
+    and the padded decode write are patched by no required top-k patch: a change there alone fails topk closed."""
+    with edited_sources({module: replace_once(old, new)}):
+        match = releases.identify()
+        states = plugin.feature_states()
+    assert reliance in match.differing
+    assert states["topk"].verdict == "unverified" and reliance in states["topk"].detail
+
+
 def test_code_a_feature_relies_on_is_judged_like_its_required_patches() -> None:
     """Recorded and equal: verified. Differing, unrecorded, or recorded ``missing`` yet present: unverified. Recorded
     ``missing`` and absent: not part of that release (the V1 runner's slicing in 0.34)."""
