@@ -436,8 +436,9 @@ class PatchSet:
 
     def _apply_lazy(self, module: ModuleType) -> None:
         """A lazy module finished importing: patch all of it or none. A failure leaves the rest of the set (the
-        engine may be running) and reports the patches ``broken``; ``DBO_RUNTIME_STRICT=1`` fails the import, or on
-        a microbatch thread (which must not raise) the step after the join."""
+        engine may be running) and reports the patches ``broken``; ``DBO_RUNTIME_STRICT=1`` fails the import. On a
+        microbatch thread (which must not raise) the step fails after the join, STRICT or not: the guard judged at
+        load, and the running step would otherwise go on unpatched."""
         with self._lock:
             if not self.installed:
                 return
@@ -488,11 +489,11 @@ class PatchSet:
                 failed_listener(required, message)
             except Exception as exc:
                 logger.debug("dbo_runtime: failure listener failed: %r", exc)
+        error = PatchError(message)
+        error.__cause__ = failure
+        if record(f"lazy patches for {module.__name__}", error):  # STRICT or not: the join point raises it
+            return
         if parse_switch("DBO_RUNTIME_STRICT"):
-            error = PatchError(message)
-            error.__cause__ = failure
-            if record(f"lazy patches for {module.__name__}", error):  # the join point raises it, not this thread
-                return
             raise error
         logger.error("%s", message)
 

@@ -249,6 +249,36 @@ def test_strict_never_raises_a_lazy_failure_on_a_microbatch_thread(target: str, 
             ps.uninstall()
 
 
+def test_a_lazy_failure_on_a_microbatch_thread_is_raised_after_the_join_without_strict(
+    target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``DBO_RUNTIME_STRICT`` a required lazy patch that fails on a microbatch thread still fails the step at
+    the join: the guard checked at load, so a log line alone would leave this and later steps on vLLM's unpatched
+    code. Off a microbatch thread (load, warm-up: the guard still decides) it stays a log line."""
+    import importlib
+
+    from dbo_runtime.core.errors import MicrobatchFailure
+    from dbo_runtime.integration import ubatch_failures, ubatch_ids
+
+    monkeypatch.delenv("DBO_RUNTIME_STRICT", raising=False)
+    ubatch_failures.FAILURES.take()
+    for on_thread in (True, False):
+        monkeypatch.setattr(ubatch_ids, "ubatch_thread_id", lambda ubatch=1 if on_thread else None: ubatch)
+        sys.modules.pop(target, None)
+        ps = PatchSet([p("lazy-hooked", target, "Klass.method", lazy=True, on_install=_failing_hook)])
+        ps.install()
+        try:
+            assert importlib.import_module(target).Klass().method() == "orig"  # no raise at the import
+            assert [st.state for st in ps.status()] == ["broken"]
+            if on_thread:
+                with pytest.raises(MicrobatchFailure, match=r"lazy patches for .*lazy-hooked.*cannot be applied"):
+                    ubatch_failures.FAILURES.raise_pending()  # what the join point calls
+            else:
+                assert not ubatch_failures.FAILURES.take()
+        finally:
+            ps.uninstall()
+
+
 def test_optional_missing_target_is_skipped(target: str) -> None:
     ps = PatchSet([p("f", target, "func"), p("opt", "dbo_no_such_module_xyz", "f", optional=True)])
     ps.install()
