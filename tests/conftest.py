@@ -12,8 +12,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     ``plugin.uninstall`` runs a full ``gc.collect()`` so that a shut-down engine held in a reference cycle is no
     live model; with vLLM imported that walks several hundred thousand objects on every uninstall. Objects a test
-    creates stay collectable, so a test that drops a model and checks it is gone still sees it collected.
+    creates stay collectable, so a test that drops a model and checks it is gone still sees it collected. Collected
+    first: garbage frozen here could never be collected.
     """
+    gc.collect()
     gc.freeze()
 
 
