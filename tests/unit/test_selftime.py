@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -259,6 +260,26 @@ def test_the_bench_site_hands_the_plugin_the_timer_only_when_the_switch_is_on(sw
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == (["tests.harness.selftime", "1"] if switch == "1" else ["None", "0"]) + ["bench_row"]
+
+
+@pytest.mark.parametrize("site", ["tests/harness/selftime_site", "tests/e2e/emulate/dp_peer"])
+def test_a_runs_sitecustomize_finds_this_checkouts_tests_before_a_foreign_one(site: str, tmp_path: Path) -> None:
+    """Another top-level ``tests`` package on ``PYTHONPATH`` (a dependency's, a user's) never shadows this checkout's:
+    the site puts the checkout first, so the self-timer and the emulation load from here."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    foreign = tmp_path / "foreign" / "tests"
+    for package in (foreign, foreign / "harness", foreign / "e2e"):
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(foreign.parent), str(root / site)]), "DBO_RUNTIME_SELF_TIME": "0"}
+    code = "import tests.harness.selftime as s; print(s.__file__)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Error in sitecustomize" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(root / "tests" / "harness" / "selftime.py")
 
 
 def _bench_row(monkeypatch: pytest.MonkeyPatch, snapshots: list[list[dict]], switch: str = "1") -> dict:

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 _root = str(Path(__file__).resolve().parents[4])
-if (os.environ.get("DBO_EMULATE_DP_PEER") == "1" or "DBO_RUNTIME_SELF_TIME" in os.environ) and _root not in sys.path:
-    sys.path.append(_root)
+if (os.environ.get("DBO_EMULATE_DP_PEER") == "1" or "DBO_RUNTIME_SELF_TIME" in os.environ) and sys.path[:1] != [_root]:
+    sys.path.insert(0, _root)  # first: a foreign top-level ``tests`` package must not win
 if os.environ.get("DBO_EMULATE_DP_PEER") == "1":
     from tests.e2e import dp_emulation
 
