@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         _choices(parser, "models", args.models, tuple(MODELS)),
         _depths(parser, args.depths),
         _choices(parser, "modes", args.modes, MODES),
-        _choices(parser, "dbo", args.dbo, DBO),
+        _choices(parser, "dbo", args.dbo if args.only is None else ",".join(DBO), DBO),  # --only names any row
     )
     if args.only is not None:
         keep = set(_choices(parser, "only", args.only, tuple(c["label"] for c in configs)))

@@ -47,8 +47,8 @@ def budget_for(
             compute_multiple=deep_gemm_compute_multiple(sm_major) if sm_major is not None else 1,
         )  # fmt: skip
     except ConfigError as exc:
-        if exc.parameter == COMM_ENV and source == "--comm-sms":
-            raise ConfigError(source, value, exc.allowed) from None
+        if exc.parameter == COMM_ENV and source != COMM_ENV:  # name what the user can change, not an unset variable
+            raise ConfigError("--comm-sms", value, exc.allowed + ("" if source == "--comm-sms" else f" ({value} is vLLM's default; pass --comm-sms N)")) from None
         raise
     if source != "default" and value >= total:
         raise ConfigError(source, value, f"integers in [0, {total - 1}] (the device has {total} SMs; vLLM asserts comm < total)")

@@ -46,7 +46,7 @@ def _deep_gemm() -> dict[str, Any]:
         ok = deep_gemm.available()
     except Exception as exc:  # a broken build is reported, not a crash
         return {"available": False, "detail": f"{type(exc).__name__}: {exc}"}
-    return {"available": ok, "detail": "importable" if ok else "not importable here (see import_warnings)"}
+    return {"available": ok, "detail": "importable" if ok else "not importable here (--json: import_warnings)"}
 
 
 def _fingerprint(bound: Any, usable: bool, match: Any) -> str:
@@ -184,7 +184,7 @@ def render(doc: dict[str, Any]) -> None:
     differs = [p["name"] for p in [*doc["patches"], *doc["relied_on"]] if p["fingerprint"] == "differs"]
     fingerprints = f"fingerprints differ: {len(differs)}" if differs else "fingerprints match"
     out += [
-        f"patch targets: {', '.join(f'{n} {s}' for s, n in states.items()) or 'none checked'}; {fingerprints} (--json lists each)",
+        f"patch targets: {', '.join(f'{n} {s}' for s, n in sorted(states.items())) or 'none checked'}; {fingerprints} (--json lists each)",
         wrapped("guard targets: " + (", ".join(f"{g['name']} {g['state']}" for g in doc["guard"]) or "not checked")),
         f"entry point {ENTRY_POINT_GROUP}: {'registered' if doc['plugin']['entry_point'] else 'MISSING'}",
         *(wrapped(f"{name}: {'available' if doc[key]['available'] else 'unavailable'} ({doc[key]['detail']})") for name, key in (("DeepGEMM", "deep_gemm"), ("NVML", "nvml"))),

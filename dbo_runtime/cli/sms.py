@@ -61,7 +61,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help=f"print the result as JSON ({SCHEMA})")
     p.add_argument("--total-sms", type=int_in(1, 1024), metavar="N", help="skip the hardware: one N-SM device (132: the H200 profile, SM90)")
     backends = sorted({b for v in BACKENDS.values() for b in v})
-    p.add_argument("--all2all-backend", default="deepep_high_throughput", choices=backends, help="the all2all backend (default deepep_high_throughput)")
+    p.add_argument("--all2all-backend", default="deepep_high_throughput", choices=backends, help="the all2all backend (default deepep_high_throughput; allgather_reducescatter needs --platform rocm)")
     p.add_argument("--comm-sms", type=int, metavar="N", help="VLLM_DBO_COMM_SMS (default: $VLLM_DBO_COMM_SMS, else 20 CUDA / 64 ROCm)")
     p.add_argument("--platform", default="cuda", choices=PLATFORMS, help="cuda (default) or rocm")
     p.add_argument("--no-expert-parallel", action="store_true", help="as without --enable-expert-parallel")

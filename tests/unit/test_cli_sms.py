@@ -124,6 +124,15 @@ def test_a_split_vllm_would_refuse_is_one_line_and_exit_2(
     assert out == "" and len(err.splitlines()) == 1 and err.startswith(f"dbo-runtime sms: error: {start}")
 
 
+def test_a_default_comm_share_too_large_for_the_device_names_the_flag_not_an_unset_variable(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_DBO_COMM_SMS", raising=False)
+    assert main(["sms", "--total-sms", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dbo-runtime sms: error: --comm-sms=20 is not allowed") and "20 is vLLM's default; pass --comm-sms N" in err
+
+
 def test_no_gpu_is_one_line_and_exit_3(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     fake_gpus(monkeypatch, FakePynvml([], init_error=NVMLError_DriverNotLoaded()))
     assert main(["sms"]) == 3

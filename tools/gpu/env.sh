@@ -2,7 +2,7 @@
 # Without install.sh's environment there is no vLLM to run: the sourcing script stops here, exit 2.
 GPU_ENV=${DBO_GPU_ENV:-/tmp/gpu-vllm/env.sh}
 if [ ! -f "$GPU_ENV" ]; then
-  echo "$(basename "$0"): $GPU_ENV is missing: send the seven bundle parts and run /tmp/gpu-vllm/install.sh first (tools/gpu/README.md)" >&2
+  echo "$(basename "$0"): $GPU_ENV is missing: send every bundle part (.gpu-vllm/p0..pN) and run /tmp/gpu-vllm/install.sh first (tools/gpu/README.md)" >&2
   exit 2
 fi
 . "$GPU_ENV"
