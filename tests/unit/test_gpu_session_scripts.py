@@ -48,7 +48,7 @@ def test_without_install_sh_one_line_and_exit_2(script: str, tmp_path: Path) -> 
     proc = _run(script, SESSIONS[script], tmp_path)
     assert proc.returncode == 2, (proc.stdout[-1000:], proc.stderr[-1000:])
     [line] = proc.stderr.strip().splitlines()
-    assert line == f"{script}: {tmp_path / 'no-such-env.sh'} is missing: send the seven bundle parts and run /tmp/gpu-vllm/install.sh first (tools/gpu/README.md)"
+    assert line == f"{script}: {tmp_path / 'no-such-env.sh'} is missing: send every bundle part (.gpu-vllm/p0..pN) and run /tmp/gpu-vllm/install.sh first (tools/gpu/README.md)"
     assert proc.stdout == "" and not _wrote(tmp_path)
 
 
@@ -204,5 +204,5 @@ def test_tune_values_all_passes_the_early_check(tmp_path: Path) -> None:
     """``all`` is tune's own value: the early check lets it through (to the missing install here), and the script
     then asks tune for the rounds its sign test needs for ten values rather than a fixed 6 it would refuse."""
     proc = _run("session-tune.sh", ["v32-width", "540", "all"], tmp_path)
-    assert proc.returncode == 2 and "is missing: send the seven bundle parts" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "is missing: send every bundle part (.gpu-vllm/p0..pN)" in proc.stderr, proc.stderr
     assert '--reps "$REPS"' in (ROOT / "tools" / "gpu" / "session-tune.sh").read_text()
