@@ -1,6 +1,5 @@
-"""``dbo-runtime``: one argparse parser, one module per subcommand (``add_parser`` and ``run``). A bad argument is
-argparse's line and exit 2 (``verify`` and ``tune`` hand unknown ones to vLLM); a ``ConfigError`` one line and exit 2;
-a ``CliError`` one line and its exit code."""
+"""``dbo-runtime``: one argparse parser, one module per subcommand (``add_parser``, ``run``). A bad argument or a
+``ConfigError``: one line, exit 2 (``verify``/``tune`` hand unknown ones to vLLM); a ``CliError``: one line, its code."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ COMMANDS = (sms, doctor, simulate, verify, tune)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="DBO SM-budget introspection and vLLM integration checks.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in COMMANDS:
         module.add_parser(subparsers).set_defaults(run=module.run, takes_engine_args=hasattr(module, "ENGINE_ARGS"))
     return parser
@@ -29,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command is None:  # as vLLM's own CLI: no subcommand prints the help
+        parser.print_help()
+        return 0
     if extra and not args.takes_engine_args:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra_args = extra

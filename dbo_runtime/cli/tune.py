@@ -183,7 +183,6 @@ def render(doc: dict[str, Any]) -> None:
         print(f"fastest: {doc['best']} comm SMs, {doc['best_paired_speedup']:.3f}x vs {doc['default']} (in force today, paired median)")
         print(f"use: {doc['setting']} -- {doc['reason']}")
     else:
-        why = doc.get("reason") or "no value was measured with DBO microbatching (dbo_runtime's counters present? `dbo-runtime doctor`)"
-        print(f"verdict: {doc['verdict'].upper()} -- {why}\nlogs and records: {doc['workdir']}")
+        print(f"verdict: {doc['verdict'].upper()} -- {doc.get('reason') or 'no value was measured with DBO microbatching (dbo_runtime counters present? `dbo-runtime doctor`)'}\nlogs and records: {doc['workdir']}")
     for note in doc.get("notes") or []:
         print(f"note: {note}")

@@ -43,8 +43,10 @@ def test_arguments_a_command_does_not_take_are_refused(argv: list[str], capsys: 
     assert "error: unrecognized arguments:" in usage_error(capsys, argv)
 
 
-def test_a_command_is_required(capsys: pytest.CaptureFixture[str]) -> None:
-    assert "error: the following arguments are required: COMMAND" in usage_error(capsys, [])
+def test_no_command_prints_the_help_as_vllm_does(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dbo-runtime") and all(c in out for c in ("sms", "doctor", "simulate", "verify", "tune"))
 
 
 def test_verify_and_tune_hand_unknown_arguments_on_as_engine_arguments(capsys: pytest.CaptureFixture[str]) -> None:
