@@ -160,3 +160,12 @@ def test_every_eager_dbo_engine_runs_the_in_engine_checks_and_graph_engines_do_n
         for engine, _ in emulated.needs(row, emulated.Settings(model, s.layers, s.runner)):
             checked = engine.env().get("DBO_EMULATE_TOPK_CHECK") == "1"
             assert checked == (engine.dbo and engine.mode == "eager"), (row, engine.label)
+
+
+def test_paired_engines_run_the_engine_core_in_their_own_process_and_the_records_say_so() -> None:
+    """In-process, every request is added before the first step: paired engines see the same batches."""
+    for row in ("a-control-eager", "b-graphs", "mtp-k3", "t-eager"):
+        for engine, _ in emulated.needs(row, emulated.Settings()):
+            assert engine.env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0", (row, engine.label)
+    recorded = [r for r in _read(EMULATED) if "engine_core" in r]
+    assert recorded and all(r["engine_core"] == "in-process" for r in recorded)
