@@ -23,21 +23,16 @@ import numpy as np
 import pytest
 import torch
 
-from dbo_runtime.core.topk_memory import index_leaders
 from dbo_runtime.integration import ubatch_ids
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from tests.fakes.topk_boundary import fake_convert
-from tests.vllm.conftest import row_width_keyword
 from tests.vllm.test_topk_isolation import (
-    DECODE_ROWS,
-    MAX_TOKENS,
     TOPK,
     Boundary,
     FakeForwardContext,
-    Layer,
     Model,
-    _module,
     boundary,  # noqa: F401 - fixture
+    build_model,
     dbo_config,
     installed,  # noqa: F401 - fixture
 )
@@ -118,37 +113,16 @@ def fake_kernels(monkeypatch: pytest.MonkeyPatch, model: Model, trace: Trace) ->
 
 
 def build(vllm_config: Any, reader: type, dcp_world_size: int) -> Model:
-    """DeepseekV32Model's top-k wiring (tests/vllm/test_topk_isolation.py ``build_model``) with ``reader`` impls."""
-    from vllm.models.deepseek_v32.attention import DeepseekV32Attention, DeepseekV32Indexer
-    from vllm.models.deepseek_v32.nvidia.model import DeepseekV32Model
-    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+    """DeepseekV32Model's top-k wiring (``build_model``) with ``reader`` impls at ``dcp_world_size``."""
 
-    model = _module(DeepseekV32Model)
-    model.topk_indices_buffer = torch.full((MAX_TOKENS, TOPK), -7, dtype=torch.int32)
-    buf = model.topk_indices_buffer
-    builder = SparseMLAIndexGroupBuilder(buf, DECODE_ROWS)
-    layers, leader_of, last = [], [], 0
-    for i, is_leader in enumerate(index_leaders(NUM_LAYERS, 4, 3)):
-        indexer = None
-        if is_leader:
-            indexer = _module(DeepseekV32Indexer)
-            indexer.topk_indices_buffer = buf
-            last = i
+    def make_impl() -> Any:
         impl = object.__new__(reader)
         impl.dcp_world_size, impl.dcp_rank = dcp_world_size, dcp_world_size - 1
         impl.num_heads, impl.q_head_size, impl.kv_cache_dtype = 2, 16, "fp8_ds_mla"  # FlashMLA: mixed-batch fp8
         impl.fp8_supports_topk_length = impl.need_to_return_lse_for_decode = False
-        impl.init_topk_indices_buffer(indexer, buf)
-        group, index = builder.register_layer(
-            indexer is not None, vllm_config, **{row_width_keyword(): 576}, kv_cache_dtype="auto"
-        )
-        impl.index_group, impl.index_group_index = group, index
-        attn = _module(DeepseekV32Attention)
-        attn.indexer = indexer
-        attn.topk_indices_buffer = buf
-        layers.append(Layer(is_leader, attn, impl, group, index))
-        leader_of.append(last)
-    return Model(layers, buf, leader_of)
+        return impl
+
+    return build_model(vllm_config, num_layers=NUM_LAYERS, make_impl=make_impl)
 
 
 @dataclass

@@ -15,6 +15,7 @@ followers of 0, followers of 1. Only the GPU boundary is faked
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,9 +117,19 @@ class Model:
     leader_of: list[int]
 
 
-def build_model(vllm_config: Any, freq: int = 4, offset: int = 3) -> Model:
-    """What DeepseekV32Model / DeepseekV32Attention / SparseMLACommonImpl.__init__ do with the top-k state."""
+def _common_impl() -> Any:
     from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonImpl
+
+    impl = object.__new__(SparseMLACommonImpl)
+    impl.dcp_world_size = 1
+    return impl
+
+
+def build_model(
+    vllm_config: Any, freq: int = 4, offset: int = 3, num_layers: int = NUM_LAYERS, make_impl: Callable[[], Any] = _common_impl
+) -> Model:
+    """What DeepseekV32Model / DeepseekV32Attention / SparseMLACommonImpl.__init__ do with the top-k state;
+    ``make_impl``: a layer's attention impl before ``init_topk_indices_buffer`` (another reader, DCP)."""
     from vllm.models.deepseek_v32.attention import DeepseekV32Attention, DeepseekV32Indexer
     from vllm.models.deepseek_v32.nvidia.model import DeepseekV32Model
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
@@ -126,7 +137,7 @@ def build_model(vllm_config: Any, freq: int = 4, offset: int = 3) -> Model:
     model = _module(DeepseekV32Model)
     model.topk_indices_buffer = torch.full((MAX_TOKENS, TOPK), -7, dtype=torch.int32)
     builder = SparseMLAIndexGroupBuilder(model.topk_indices_buffer, DECODE_ROWS)
-    leaders = index_leaders(NUM_LAYERS, freq, offset)
+    leaders = index_leaders(num_layers, freq, offset)
     layers, leader_of, last = [], [], 0
     for i, is_leader in enumerate(leaders):
         buf = model.topk_indices_buffer
@@ -135,8 +146,7 @@ def build_model(vllm_config: Any, freq: int = 4, offset: int = 3) -> Model:
             indexer = _module(DeepseekV32Indexer)
             indexer.topk_indices_buffer = buf
             last = i
-        impl = object.__new__(SparseMLACommonImpl)
-        impl.dcp_world_size = 1
+        impl = make_impl()
         impl.init_topk_indices_buffer(indexer, buf)
         group, index = builder.register_layer(
             indexer is not None, vllm_config, **{row_width_keyword(): 576}, kv_cache_dtype="auto"
