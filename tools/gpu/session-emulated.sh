@@ -7,7 +7,8 @@
 # mtp-k1, mtp-k2, mtp-k3 (--model glm53), v4-mtp (--model v4), t-eager, t-graphs (DBO off: --model glm53|v32|v4|ml4,
 # appended to $OUT/transparency.jsonl).
 # Re-judge a finished session on any machine: python -m tests.e2e.emulated judge --out DIR --rows ROWS --layers N.
-# Engines share the GPU: leave the twins out of a session with 61-layer engines four at once.
+# Engines share the GPU: leave the twins out of a session with 61-layer engines four at once. Sessions run side by
+# side when each has its own EMU_WORK folder and $OUT, with EMU_INSTALLED=1 once the project is in /tmp/site.
 set -u
 cd "$(dirname "$0")/../.."
 . tools/gpu/_checks.sh
@@ -19,14 +20,17 @@ shift || true
 checked=$(python3 -m tests.e2e.emulated plan "$@" 2>&1) || { echo "session-emulated.sh: ${checked##*$'\n'}" >&2; exit 2; }
 . tools/gpu/env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} VLLM_DEEP_GEMM_WARMUP=skip
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
-rm -rf /tmp/emulated && mkdir -p /tmp/emulated
+WORK=${EMU_WORK:-/tmp/emulated}
+if [ "${EMU_INSTALLED-0}" != 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
+fi
+rm -rf "$WORK" && mkdir -p "$WORK"
 echo "engines: $(echo "$checked" | tr '\n' ';')"
 # the engines stop 20 s before the limit, so the records are written for whatever ran
-timeout "$LIMIT" python3 -m tests.e2e.emulated session --out /tmp/emulated --seconds $((LIMIT - 20)) "$@" > /tmp/emulated/session.log 2>&1
+timeout "$LIMIT" python3 -m tests.e2e.emulated session --out "$WORK" --seconds $((LIMIT - 20)) "$@" > "$WORK/session.log" 2>&1
 rc=$?
-echo "exit $rc" >> /tmp/emulated/session.log
-cp /tmp/emulated/emulated.jsonl /tmp/emulated/transparency.jsonl "$OUT/" 2>/dev/null
-tar czf "$OUT/emulated-runs.tgz" -C /tmp emulated 2>/dev/null
-tail -20 /tmp/emulated/session.log
+echo "exit $rc" >> "$WORK/session.log"
+cp "$WORK/emulated.jsonl" "$WORK/transparency.jsonl" "$OUT/" 2>/dev/null
+tar czf "$OUT/emulated-runs.tgz" -C "$(dirname "$WORK")" "$(basename "$WORK")" 2>/dev/null
+tail -20 "$WORK/session.log"
 exit "$rc"
