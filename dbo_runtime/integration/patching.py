@@ -151,13 +151,8 @@ class _Applied:
     """Set for an armable patch: its target holds the replacement only once armed."""
 
 
-def _split(attr: str) -> tuple[list[str], str]:
-    parts = attr.split(".")
-    return parts[:-1], parts[-1]
-
-
 def resolve_owner(module: ModuleType, attr: str) -> tuple[Any, str]:
-    path, name = _split(attr)
+    *path, name = attr.split(".")
     owner: Any = module
     for part in path:
         owner = getattr(owner, part)
@@ -170,14 +165,11 @@ def current_value(module: ModuleType, attr: str) -> Any:
 
 
 def _raw(owner: Any, name: str) -> Any:
-    if isinstance(owner, type):
-        return owner.__dict__.get(name, _MISSING)
     return owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
 
 
 def require_parameters(original: Any, names: tuple[str, ...], patch: str) -> None:
-    """A hook written in vLLM's own parameters refuses a target whose parameters differ (else a ``TypeError``
-    on every call)."""
+    """Refuse a target whose parameters differ from the hook's (else a ``TypeError`` on every call)."""
     try:
         found = tuple(inspect.signature(original).parameters)
     except (TypeError, ValueError) as exc:
@@ -407,8 +399,7 @@ class PatchSet:
                 logger.info("dbo_runtime: optional patch %s skipped (%s)", name, why)
 
     def _set_optional(self, items: list[_Applied], skipped: dict[str, str]) -> list[_Applied]:
-        """Apply each optional patch on its own, after the required ones: one that fails is skipped, never the
-        reason required patches come out."""
+        """Apply each optional patch on its own, after the required ones: one that fails is only skipped."""
         done: list[_Applied] = []
         for item in items:
             try:
