@@ -11,14 +11,9 @@ from dbo_runtime.core.errors import ConfigError
 Platform = Literal["cuda", "rocm"]
 PLATFORMS: tuple[Platform, ...] = ("cuda", "rocm")
 
-#: The CLI's device profile when no GPU is visible (an SM90 GPU with 132 SMs).
-H200_SMS = 132
-
 #: ``VLLM_DBO_COMM_SMS`` defaults.
 DEFAULT_COMM_SMS: dict[Platform, int] = {"cuda": 20, "rocm": 64}
 
-#: The all2all backends vLLM accepts with DBO on CUDA.
-DBO_BACKENDS: tuple[str, ...] = ("deepep_high_throughput", "deepep_low_latency", "nixl_ep")
 ALL2ALL_BACKENDS: tuple[str, ...] = (
     "naive",
     "pplx",
