@@ -12,10 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dbo_runtime.integration.catalog import all_patches, all_reliances
 from dbo_runtime.integration.features import Reliance
-from dbo_runtime.integration.fingerprints import MISSING, OUT_OF_SET
+from dbo_runtime.integration.fingerprints import MISSING, OUT_OF_SET, RELEASES
 from dbo_runtime.integration.guard import guard_patches
 from dbo_runtime.integration.patching import Patch
-from dbo_runtime.integration.recorded_fingerprints import RELEASES
 
 HEADER = """# vLLM patches installed by dbo_runtime
 

@@ -13,7 +13,7 @@ fix relies on without patching it) there and prints one line per patch or relian
 * ``new``        the patch has no record in ``--against`` (or its target was missing there);
 * ``excluded``   ``--against`` left the patch out of its set on purpose (``--exclude``).
 
-``--write`` records this release in ``dbo_runtime/integration/recorded_fingerprints.py`` (other releases
+``--write`` records this release in ``dbo_runtime/integration/recorded_fingerprints.json`` (other releases
 kept); ``--exclude PATCH ...`` records those patches as left out of its set on purpose. Recording is the maintainer's sign-off: a recorded fingerprint makes the patch install there.
 The procedure: ``docs/new-release.md``.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import pathlib
 import re
 import subprocess
@@ -37,10 +38,8 @@ sys.path.insert(0, str(ROOT))
 from dbo_runtime.integration import fingerprints  # noqa: E402
 from dbo_runtime.integration.catalog import all_patches, all_reliances  # noqa: E402
 from dbo_runtime.integration.features import Reliance  # noqa: E402
+from dbo_runtime.integration.fingerprints import RECORD, RELEASES  # noqa: E402
 from dbo_runtime.integration.patching import Patch  # noqa: E402
-from dbo_runtime.integration.recorded_fingerprints import RELEASES  # noqa: E402
-
-RECORD = ROOT / "dbo_runtime" / "integration" / "recorded_fingerprints.py"
 
 
 @contextlib.contextmanager
@@ -103,21 +102,7 @@ def review(patch: Patch | Reliance, printed: str, previous: dict[str, str], root
 
 
 def render(releases: dict[str, dict[str, str]]) -> str:
-    lines = [
-        '"""Fingerprints of the vLLM code every patch (and every feature\'s ``relies_on``) relies on, per release.',
-        "",
-        "Written by ``python tools/record_release.py VERSION --write`` after review (``docs/new-release.md``);",
-        "a test recomputes the installed release's from its source. ``missing``: the patch's target does not",
-        'exist in that release, so the patch is not part of its set."""',
-        "",
-        "RELEASES: dict[str, dict[str, str]] = {",
-    ]
-    for release, prints in releases.items():
-        lines.append(f'    "{release}": {{')
-        lines.extend(f'        "{name}": "{value}",' for name, value in prints.items())
-        lines.append("    },")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    return json.dumps(releases, indent=2) + "\n"
 
 
 def _key(version: str) -> tuple[int, ...]:

@@ -54,15 +54,8 @@ def _get_capture_info() -> Any | None:
             if fn is None:
                 continue
             fn.restype = ctypes.c_int
-            fn.argtypes = [
-                ctypes.c_void_p,
-                ctypes.POINTER(ctypes.c_int),
-                ctypes.POINTER(ctypes.c_ulonglong),
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-            ]
+            outputs = [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_ulonglong)]
+            fn.argtypes = [ctypes.c_void_p, *outputs, *[ctypes.c_void_p] * 4]
             return fn
     logger.warning("dbo_runtime: no stream capture-info entry point; captured re-plans are not shared between layers")
     return None

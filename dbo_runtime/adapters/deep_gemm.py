@@ -29,18 +29,6 @@ def next_n_of(context_lens: Any) -> int:
     return int(context_lens.shape[1]) if context_lens.dim() == 2 else 1
 
 
-def available() -> bool:
-    try:
-        from vllm.utils.import_utils import has_deep_gemm
-    except ImportError:
-        try:
-            importlib.import_module("deep_gemm")
-        except Exception:
-            return False
-        return True
-    return bool(has_deep_gemm())
-
-
 def get_num_sms() -> int:
     return int(_module().get_num_sms())
 
@@ -53,9 +41,9 @@ def set_num_sms(num_sms: int) -> None:
 
 
 class LiveNumSms:
-    """DeepGEMM's live SM count for the indexer call site, read once per change instead of once per layer (a
-    torch-op call dispatches and releases the GIL). While vLLM's writers of the count (``WRITERS``) are watched, a read
-    returns the value cached since the last write or ``stale``; unwatched, every read asks DeepGEMM."""
+    """DeepGEMM's live SM count for the indexer call site, read once per change, not per layer (a torch-op call
+    dispatches and releases the GIL): cached since the last ``stale`` while every writer in ``WRITERS`` is watched,
+    else asked of DeepGEMM at every read."""
 
     WRITERS = frozenset({"vllm.utils.deep_gemm.set_num_sms", "vllm.v1.worker.ubatch_utils.deep_gemm_set_num_sms"})
 
@@ -159,8 +147,8 @@ def kv_multicast(next_n: int, major: int) -> int:
 
 
 def schedule_slots(num_sms: int, next_n: int, major: int | None = None) -> int:
-    """Scheduler slots for ``num_sms`` (the schedule has ``slots + 1`` rows); installed vLLM's rule when
-    ``major`` is None and vLLM is importable."""
+    """Scheduler slots for ``num_sms`` (the schedule has ``slots + 1`` rows); with ``major`` None, vLLM's rule
+    where importable."""
     if major is None:
         wrapper = _vllm_wrapper()
         rule = getattr(wrapper, "_paged_mqa_logits_schedule_slots", None) if wrapper is not None else None

@@ -11,14 +11,9 @@ from dbo_runtime.core.errors import ConfigError
 Platform = Literal["cuda", "rocm"]
 PLATFORMS: tuple[Platform, ...] = ("cuda", "rocm")
 
-#: The CLI's device profile when no GPU is visible (an SM90 GPU with 132 SMs).
-H200_SMS = 132
-
 #: ``VLLM_DBO_COMM_SMS`` defaults.
 DEFAULT_COMM_SMS: dict[Platform, int] = {"cuda": 20, "rocm": 64}
 
-#: The all2all backends vLLM accepts with DBO on CUDA.
-DBO_BACKENDS: tuple[str, ...] = ("deepep_high_throughput", "deepep_low_latency", "nixl_ep")
 ALL2ALL_BACKENDS: tuple[str, ...] = (
     "naive",
     "pplx",
@@ -146,17 +141,12 @@ def min_compute_sms(compute_multiple: int, has_deep_gemm: bool) -> int:
 def parse_comm_sms(raw: object, *, parameter: str = "VLLM_DBO_COMM_SMS") -> int:
     """A comm-SM value from the environment or a flag; a negative one is refused here, by name, instead
     of failing in DeepGEMM far from the cause."""
-    if isinstance(raw, bool):
-        raise ConfigError(parameter, raw, "a non-negative integer")
-    if isinstance(raw, int):
-        value = raw
-    elif isinstance(raw, str):
+    value = raw if isinstance(raw, int) and not isinstance(raw, bool) else -1
+    if isinstance(raw, str):
         try:
             value = int(raw.strip(), 10)
         except ValueError:
-            raise ConfigError(parameter, raw, "a non-negative integer") from None
-    else:
-        raise ConfigError(parameter, raw, "a non-negative integer")
+            pass
     if value < 0:
         raise ConfigError(parameter, raw, "a non-negative integer")
     return value

@@ -105,10 +105,10 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
 
 
 def v32_followers(config: Any, *, indexer_types: bool | None = None) -> list[int]:
-    """Layers DeepSeek-V3.2 / GLM-5.x build without an indexer: a string ``index_topk_pattern`` (``'S'``) wins over
-    ``index_topk_freq`` / ``index_skip_topk_offset``. ``indexer_types``: whether vLLM honours that key first (0.34's
-    ``compute_skip_topk_layers``: its ``'shared'`` entries, none without ``index_topk``); None (release unknown):
-    both rules' followers, so none is missed."""
+    """Layers DeepSeek-V3.2 / GLM-5.x build without an indexer: ``index_topk_pattern`` (``'S'``) wins over
+    ``index_topk_freq`` / ``index_skip_topk_offset``. ``indexer_types``: whether vLLM honours that key first
+    (``compute_skip_topk_layers``: its ``'shared'`` entries, none without ``index_topk``); None: both, so none
+    is missed."""
     if indexer_types is None:
         return sorted(set(v32_followers(config, indexer_types=False)) | set(v32_followers(config, indexer_types=True)))
     if indexer_types:
@@ -120,17 +120,9 @@ def v32_followers(config: Any, *, indexer_types: bool | None = None) -> list[int
     freq = int(_get(config, "index_topk_freq", 1) or 1)
     pattern = _get(config, "index_topk_pattern", None)
     offset = int(_get(config, "index_skip_topk_offset", 2))
-    out = []
-    for layer in range(layers):
-        if pattern is None:
-            skip = max(layer - offset + 1, 0) % freq != 0
-        elif 0 <= layer < len(pattern):
-            skip = pattern[layer] == "S"
-        else:
-            skip = False
-        if skip:
-            out.append(layer)
-    return out
+    if pattern is None:
+        return [layer for layer in range(layers) if max(layer - offset + 1, 0) % freq != 0]
+    return [layer for layer in range(min(layers, len(pattern))) if pattern[layer] == "S"]
 
 
 def mistral_followers(config: Any) -> list[int]:

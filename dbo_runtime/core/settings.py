@@ -17,15 +17,6 @@ VLLM_WARMUP_ENV = "VLLM_DEEP_GEMM_WARMUP"
 VLLM_WARMUP_MODES = ("skip", "full", "relax")
 
 
-class StateError(ConfigError):
-    """A parameter refused for its state ("--model is missing"), not for a value."""
-
-    def __init__(self, parameter: str, state: str, allowed: str) -> None:
-        super().__init__(parameter, state, allowed)
-        self.state = state
-        self.args = (f"{parameter} is {state}; allowed values: {allowed}",)
-
-
 def vllm_warmup_mode(environ: Mapping[str, str] | None = None) -> str:
     """``VLLM_DEEP_GEMM_WARMUP`` as vLLM reads it (exact; unset: ``relax``)."""
     raw = (os.environ if environ is None else environ).get(VLLM_WARMUP_ENV)
@@ -38,15 +29,6 @@ def vllm_warmup_mode(environ: Mapping[str, str] | None = None) -> str:
             "'skip', 'full' or 'relax' (exact, lower case), or not set (relax): vLLM refuses any other value at engine start",
         )
     return raw
-
-
-def vllm_setting_problems(environ: Mapping[str, str] | None = None) -> list[ConfigError]:
-    """vLLM's settings that dbo_runtime follows and vLLM would refuse at engine start."""
-    try:
-        vllm_warmup_mode(environ)
-    except ConfigError as exc:
-        return [exc]
-    return []
 
 
 class TopkLayout(StrEnum):

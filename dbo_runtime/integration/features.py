@@ -116,9 +116,8 @@ class FeatureState:
         return self.verdict in ("verified", "provided by vLLM")
 
     def describe(self) -> str:
-        if self.verdict == "verified":
-            return "in force" + (f" ({self.detail})" if self.detail else "")
-        return self.verdict + (f" ({self.detail})" if self.detail else "")
+        head = "in force" if self.verdict == "verified" else self.verdict
+        return head + (f" ({self.detail})" if self.detail else "")
 
 
 def verify(

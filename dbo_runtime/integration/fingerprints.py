@@ -9,6 +9,7 @@ import ast
 import functools
 import hashlib
 import importlib.util
+import json
 import pathlib
 import sys
 import textwrap
@@ -19,6 +20,8 @@ MISSING = "missing"
 EXCLUDED = "excluded"
 """Recorded for a patch left out of a release's set on purpose: never compared or installed there."""
 OUT_OF_SET = (MISSING, EXCLUDED)
+RECORD = pathlib.Path(__file__).with_name("recorded_fingerprints.json")
+RELEASES: dict[str, dict[str, str]] = json.loads(RECORD.read_text(encoding="utf-8"))
 
 
 @functools.lru_cache(maxsize=1)

@@ -18,8 +18,8 @@ from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.settings import setting_problems
 from dbo_runtime.integration import fingerprints
 from dbo_runtime.integration.features import REGISTRY
+from dbo_runtime.integration.fingerprints import RELEASES
 from dbo_runtime.integration.patching import Patch, PatchSet
-from dbo_runtime.integration.recorded_fingerprints import RELEASES
 
 logger = get_logger(__name__)
 
@@ -220,8 +220,6 @@ _WORKER_DEFINERS = ((WORKER_MODULE, "Worker"), ("vllm.v1.worker.worker_base", "W
 
 def _worker_hooks_missing() -> list[str]:
     """The worker entry points the guard wraps that this build lacks (read from source, before any worker)."""
-    from dbo_runtime.integration import fingerprints
-
     return [
         f"Worker.{name}"
         for name in WORKER_HOOKS

@@ -289,19 +289,15 @@ def _make_builder_init(original: Any) -> Any:
         except PatchError as exc:  # arming failed: its feature is marked broken, the first microbatched run stops
             logger.error("dbo_runtime: %s", exc)
         except Exception as exc:
-            _log_once("register_builder", "dbo_runtime: indexer planner profile not registered (%r); planners compile on first use", exc)
+            if "register_builder" not in _logged:
+                _logged.add("register_builder")
+                logger.warning("dbo_runtime: indexer planner profile not registered (%r); planners compile on first use", exc)
         reserve_builder_placeholders(self)
 
     return __init__
 
 
 _logged: set[str] = set()
-
-
-def _log_once(key: str, message: str, *args: Any) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        logger.warning(message, *args)
 
 
 # -- call sites -----------------------------------------------------------------------------------

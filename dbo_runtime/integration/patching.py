@@ -44,7 +44,7 @@ class Patch:
     upstream_pr: str
     removal: str
     lazy: bool = False
-    """Apply when ``module`` is first imported instead of importing it at install."""
+    """Apply when ``module`` is first imported, not at install."""
     optional: bool = False
     """A missing target is logged and skipped instead of failing the set."""
     adds: bool = False
@@ -151,33 +151,20 @@ class _Applied:
     """Set for an armable patch: its target holds the replacement only once armed."""
 
 
-def _split(attr: str) -> tuple[list[str], str]:
-    parts = attr.split(".")
-    return parts[:-1], parts[-1]
-
-
 def resolve_owner(module: ModuleType, attr: str) -> tuple[Any, str]:
-    path, name = _split(attr)
+    *path, name = attr.split(".")
     owner: Any = module
     for part in path:
         owner = getattr(owner, part)
     return owner, name
 
 
-def current_value(module: ModuleType, attr: str) -> Any:
-    owner, name = resolve_owner(module, attr)
-    return getattr(owner, name)
-
-
 def _raw(owner: Any, name: str) -> Any:
-    if isinstance(owner, type):
-        return owner.__dict__.get(name, _MISSING)
     return owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
 
 
 def require_parameters(original: Any, names: tuple[str, ...], patch: str) -> None:
-    """A hook written in vLLM's own parameters refuses a target whose parameters differ (else a ``TypeError``
-    on every call)."""
+    """Refuse a target whose parameters differ from the hook's (else a ``TypeError`` on every call)."""
     try:
         found = tuple(inspect.signature(original).parameters)
     except (TypeError, ValueError) as exc:
@@ -197,7 +184,7 @@ def _mark(replacement: Any, patch: Patch, original: Any) -> Any:
 
 
 def _shielded(patch: Patch, replacement: Any, original: Any) -> Any:
-    """``replacement`` that never raises on a microbatch thread."""
+    """Never raises on a microbatch thread."""
     if isinstance(replacement, MicrobatchAttr):
         replacement.where = patch.name
         return replacement
@@ -332,7 +319,7 @@ class PatchSet:
         setattr(applied.owner, applied.name, applied.replacement)
 
     def _arm_failed(self, patch: Patch, message: str) -> None:
-        """An armed patch's target could not be set: the patch is broken and the failure listeners hear it."""
+        """An armed patch's target could not be set: the patch is broken; the failure listeners hear it."""
         with self._lock:
             self._broken[patch.name] = message
             listeners = list(self.failure_listeners)
@@ -407,8 +394,7 @@ class PatchSet:
                 logger.info("dbo_runtime: optional patch %s skipped (%s)", name, why)
 
     def _set_optional(self, items: list[_Applied], skipped: dict[str, str]) -> list[_Applied]:
-        """Apply each optional patch on its own, after the required ones: one that fails is skipped, never the
-        reason required patches come out."""
+        """Apply each optional patch on its own, after the required ones: one that fails is only skipped."""
         done: list[_Applied] = []
         for item in items:
             try:
@@ -531,21 +517,3 @@ class PatchSet:
                     out.append(PatchStatus(patch, "missing" if self.installed else "not installed"))
             return out
 
-
-def probe_target(patch: Patch) -> PatchStatus:
-    """Check that a patch's target exists without installing it (``dbo-runtime doctor``)."""
-    module = sys.modules.get(patch.module)
-    if module is None:
-        try:
-            module = importlib.import_module(patch.module)
-        except Exception as exc:  # a lazy module may need what this machine lacks
-            state = "skipped" if patch.optional or patch.lazy else "missing"
-            return PatchStatus(patch, state, f"{type(exc).__name__}: {exc}")
-    try:
-        if patch.adds:
-            resolve_owner(module, patch.attr)
-        else:
-            current_value(module, patch.attr)
-    except Exception as exc:
-        return PatchStatus(patch, "skipped" if patch.optional else "missing", f"{type(exc).__name__}: {exc}")
-    return PatchStatus(patch, "found")

@@ -10,11 +10,11 @@ from importlib import metadata
 from dbo_runtime.integration import fingerprints
 from dbo_runtime.integration.catalog import all_patches, all_reliances
 from dbo_runtime.integration.features import Reliance
+from dbo_runtime.integration.fingerprints import RELEASES
 from dbo_runtime.integration.patching import Patch
-from dbo_runtime.integration.recorded_fingerprints import RELEASES
 
 SUPPORTED: tuple[str, ...] = tuple(RELEASES)
-"""The releases whose fingerprints are recorded, oldest first."""
+"""The recorded releases, oldest first."""
 
 
 def installed_version() -> str | None:
@@ -69,6 +69,6 @@ def identify(patches: Sequence[Patch] | None = None) -> ReleaseMatch:
         differing += unrecorded
         if best is None or len(differing) <= best[0]:
             best = (len(differing), release, differing)
-    assert best is not None, "recorded_fingerprints.RELEASES is empty"
+    assert best is not None, "fingerprints.RELEASES is empty"
     _, closest, differing = best
     return ReleaseMatch(installed_version(), closest if not differing else None, closest, differing)

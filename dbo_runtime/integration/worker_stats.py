@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dbo_runtime.integration import activation, guard
-from dbo_runtime.integration.features import Feature
+from dbo_runtime.integration.features import REGISTRY, Feature
 from dbo_runtime.integration.microbatch_arming import ARMING
 from dbo_runtime.integration.patching import Patch
 
@@ -54,6 +54,7 @@ def _identity(worker: Any) -> dict[str, Any]:
 def collect(worker: Any = None) -> dict[str, Any]:
     """Everything dbo_runtime counts in this process, plus which worker it is."""
     from dbo_runtime.integration.topk_hooks import current_state
+    from dbo_runtime.services import schedule_cache
     from dbo_runtime.services.runtime_stats import collect as services
 
     snap = services()
@@ -89,27 +90,18 @@ def collect(worker: Any = None) -> dict[str, Any]:
         "jit_in_step": cache.get("jit_in_step", 0),
         "jit_at_start": cache.get("jit_at_start", 0),
         "builders_stepped_aside": cache.get("builders_stepped_aside", 0),
-        "indexer_steps_aside": _steps_aside(),
+        "indexer_steps_aside": bool(schedule_cache._CACHE is not None and schedule_cache._CACHE.steps_aside),
         "armed_patches": snap["arming"]["armed_patches"],
         "armable_patches": snap["arming"]["armable_patches"],
         "patches_pending": len(pending),
         "patches_broken": sum(1 for s in statuses if s.state == "broken"),
     }
     snap["pending_required"] = pending
-    from dbo_runtime.integration.features import REGISTRY
-
     snap["features"] = {name: state.describe() for name, state in REGISTRY.all().items()}
     snap["pid"] = os.getpid()
     for extend in EXTENSIONS:
         extend(snap)
     return snap
-
-
-def _steps_aside() -> bool:
-    """Whether the indexer hooks hand vLLM's calls through in this process now (an engine that never microbatches)."""
-    from dbo_runtime.services import schedule_cache
-
-    return bool(schedule_cache._CACHE is not None and schedule_cache._CACHE.steps_aside)
 
 
 def _make_method(existing: Any) -> Any:

@@ -64,21 +64,13 @@ class MetricsExporter:
                 self.replans.labels(kind)
         control.subscribe(self.on_budget, name="prometheus_metrics")
 
-    def _schedule_cache(self) -> Any:
-        if self._cache is None:
-            from dbo_runtime.services.schedule_cache import schedule_cache
-
-            self._cache = schedule_cache()
-        return self._cache
-
     def _add(self, counter: Any, label: str | None, value: int) -> None:
         """Move ``counter`` (its ``label`` child) up to the running total ``value``; a zero delta touches nothing."""
         key = (id(counter), label)
         previous = self._last.get(key, 0)
-        if value <= previous:
-            self._last[key] = value
-            return
         self._last[key] = value
+        if value <= previous:
+            return
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = counter if label is None else counter.labels(label)
@@ -96,7 +88,11 @@ class MetricsExporter:
             stats = event.control.stats
             self._add(self.partitions, device, stats.partitions_entered)
             self._add(self.knob_switches, device, stats.switches)
-            cache = self._schedule_cache().stats
+            if self._cache is None:
+                from dbo_runtime.services.schedule_cache import schedule_cache
+
+                self._cache = schedule_cache()
+            cache = self._cache.stats
             self._add(self.replans, "call_site", cache.replans)
             self._add(self.replans, "captured", cache.captured_replans)
             self._add(self.replans, "untracked", cache.untracked_replans)

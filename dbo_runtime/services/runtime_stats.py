@@ -21,10 +21,6 @@ _STEPS = StepCounters()
 _STEPS_LOCK = threading.Lock()
 
 
-def step_counters() -> StepCounters:
-    return _STEPS
-
-
 def count_microbatched_build(for_capture: bool = False) -> None:
     with _STEPS_LOCK:
         if for_capture:

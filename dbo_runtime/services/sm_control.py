@@ -140,7 +140,6 @@ class SMControl:
             self._subscribers.pop(sub.token, None)
 
     def _deliver(self, sub: Subscription, event: BudgetEvent) -> None:
-        """Call one subscriber; an exception is counted and logged, never propagated."""
         try:
             sub.callback(event)
         except Exception as exc:
@@ -219,20 +218,16 @@ class SMControl:
             try:
                 self._apply(budget, comm_knob, compute_knob)
             except BaseException:
-                # A knob failed half-way: put both back to what was in force.
-                self._restore_knobs(previous, comm_knob, compute_knob)
+                try:  # a knob failed half-way: put both back to what was in force
+                    self._apply(previous, comm_knob, compute_knob)
+                except Exception:
+                    logger.exception("dbo_runtime: restoring SM knobs to %s failed", previous.describe())
                 raise
             self._stack.append(frame)
             self._active = budget
             self.stats.partitions_entered += 1
             self._publish("entered", budget, previous)
             return frame.token
-
-    def _restore_knobs(self, budget: SMBudget, comm_knob: SMKnob | None, compute_knob: SMKnob | None) -> None:
-        try:
-            self._apply(budget, comm_knob, compute_knob)
-        except Exception:
-            logger.exception("dbo_runtime: restoring SM knobs to %s failed", budget.describe())
 
     def exit(self, token: int) -> None:
         with self._lock:

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from dbo_runtime.core.errors import PatchError
-from dbo_runtime.integration.patching import PATCH_MARK, Patch, PatchSet, probe_target
+from dbo_runtime.integration.doctor_probes import probe_target
+from dbo_runtime.integration.patching import PATCH_MARK, Patch, PatchSet
 
 
 @pytest.fixture

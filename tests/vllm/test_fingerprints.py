@@ -10,8 +10,8 @@ import pytest
 from dbo_runtime.integration import fingerprints, plugin, releases
 from dbo_runtime.integration.catalog import all_reliances
 from dbo_runtime.integration.features import Reliance
+from dbo_runtime.integration.fingerprints import RELEASES
 from dbo_runtime.integration.patching import Patch
-from dbo_runtime.integration.recorded_fingerprints import RELEASES
 from tests.fakes.vllm_build import edited_sources, replace_once
 from tools import record_release
 

@@ -295,8 +295,7 @@ def test_deepseek_v41_on_rocm_is_refused(fresh: None, monkeypatch: pytest.Monkey
     monkeypatch.setattr(guard, "platform", lambda: "cuda")
     from importlib import metadata
 
-    from dbo_runtime.integration.fingerprints import EXCLUDED
-    from dbo_runtime.integration.recorded_fingerprints import RELEASES
+    from dbo_runtime.integration.fingerprints import EXCLUDED, RELEASES
 
     record = RELEASES[metadata.version("vllm")]
     if any(v == EXCLUDED for n, v in record.items() if n.startswith("topk_v41.")):

@@ -12,7 +12,7 @@ import vllm.v1.worker.gpu.ubatch_utils  # noqa: F401  (imported so its patches a
 
 from dbo_runtime.core.errors import PatchError
 from dbo_runtime.integration import plugin
-from dbo_runtime.integration.patching import Patch, current_value
+from dbo_runtime.integration.patching import Patch, resolve_owner
 
 HAS_V1_RUNNER = importlib.util.find_spec("vllm.v1.worker.gpu_ubatch_wrapper") is not None
 """Model Runner V1 exists in this release (0.33.0 has both runners, 0.34.0 only V2)."""
@@ -30,7 +30,7 @@ def targets() -> dict[str, Any]:
         if module is None:
             continue
         try:
-            out[patch.name] = current_value(module, patch.attr)
+            out[patch.name] = getattr(*resolve_owner(module, patch.attr))
         except AttributeError:
             continue
     return out

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import vllm.envs
 
+from dbo_runtime.core.cli_support import vllm_setting_problems
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.settings import VLLM_WARMUP_ENV, VLLM_WARMUP_MODES, vllm_setting_problems, vllm_warmup_mode
+from dbo_runtime.core.settings import VLLM_WARMUP_ENV, VLLM_WARMUP_MODES, vllm_warmup_mode
 
 
 def _vllm_reads(monkeypatch: pytest.MonkeyPatch, raw: str | None) -> str | None:

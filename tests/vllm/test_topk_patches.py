@@ -10,7 +10,7 @@ import torch
 
 from dbo_runtime.core.errors import UnsupportedConfiguration
 from dbo_runtime.integration import topk_hooks
-from dbo_runtime.integration.patching import Patch, PatchSet, current_value, resolve_owner
+from dbo_runtime.integration.patching import Patch, PatchSet, resolve_owner
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from tests.vllm.test_topk_isolation import boundary, build_model, dbo_config, installed  # noqa: F401 - fixtures
 
@@ -95,7 +95,7 @@ def test_uninstall_restores_identical_objects(fresh_arming: Any) -> None:
         assert fresh_arming.names() == [] and not fresh_arming.armed  # the next installation starts unarmed
     for key in ("attn", "indexer", "op", "model"):
         assert ATTR not in _classes()[key].__dict__
-    assert isinstance(current_value(importlib.import_module(patches[3].module), patches[3].attr), property)
+    assert isinstance(getattr(*resolve_owner(importlib.import_module(patches[3].module), patches[3].attr)), property)
 
 
 def test_live_modules_keep_their_buffer_across_uninstall() -> None:
