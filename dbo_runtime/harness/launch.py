@@ -110,14 +110,26 @@ def free_port(block: int = 1) -> int:
     raise RuntimeError(f"no block of {block} free ports found")
 
 
-def engine_arg(args: list[str], flag: str) -> str | None:
-    """The value vLLM's parser takes for ``flag`` (the last given, ``_`` as ``-``); None when absent."""
-    found: str | None = None
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name.replace("_", "-") == flag:
-            found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-    return found
+def normal_arg(arg: str) -> str:
+    """A token as vLLM's parser reads it (underscores in an option's name are dashes): one spelling to check."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    head, dot, rest = name[2:].partition(".")
+    return f"--{head.replace('_', '-')}{dot}{rest}{eq}{value}"
+
+
+def engine_arg(args: list[str], *flags: str) -> str | None:
+    """The value vLLM takes for the first of ``flags`` given: the last one, ``--flag v`` or ``--flag=v``."""
+    for flag in flags:
+        found: str | None = None
+        for i, arg in enumerate(args):
+            name, eq, value = normal_arg(arg).partition("=")
+            if name == flag:
+                found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        if found is not None:
+            return found
+    return None
 
 
 def describe(spec: RunSpec) -> dict[str, Any]:
@@ -132,7 +144,7 @@ def describe(spec: RunSpec) -> dict[str, Any]:
     v2 = env.get("VLLM_USE_V2_MODEL_RUNNER")
     runner = "v2" if v2 == "1" else ("v1" if v2 == "0" or dbo else "v2")
     model = engine_arg(args, "--model") or ""
-    compilation = engine_arg(args, "--compilation-config") or engine_arg(args, "-cc") or ""
+    compilation = engine_arg(args, "--compilation-config", "-cc") or ""
     return {
         "model": spec.meta.get("model") or Path(model).name or model,
         "dp": spec.dp,
