@@ -26,7 +26,6 @@ from dbo_runtime.harness.prompts import PromptSpec
 from dbo_runtime.harness.runner import BARRIER_ENV, partial_path, summary_delta
 
 RUNNER_MODULE_ENV = "DBO_HARNESS_RUNNER_MODULE"
-"""Module run per rank; CPU tests point it at a fake engine."""
 
 FAIL_GRACE_S = 20.0
 """How long the other ranks may run on after one failed."""
@@ -66,10 +65,6 @@ class RunSpec:
     max_tokens: int = 32
     logprobs: int = 5
     bench: dict[str, Any] | None = None
-    repeat_mixed: PromptSpec | None = None
-    """A second pass mixing every prompt again (one-token extends) with these fresh ones."""
-    stagger_max_tokens: bool = False
-    """Request i asks for ``max_tokens + i`` tokens, so the decode batch takes every size down to 1."""
     cold_jit_cache: bool = False
     """Start with an empty ``DG_JIT_CACHE_DIR`` of the run's own, so nothing compiled before is found."""
     gpus: list[int] | None = None
@@ -77,12 +72,8 @@ class RunSpec:
     timeout_s: float = 900.0
     meta: dict[str, Any] = field(default_factory=dict)
     """Free-form facts for the record (model name, what the run demonstrates)."""
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["prompts"] = asdict(self.prompts)
-        out["repeat_mixed"] = asdict(self.repeat_mixed) if self.repeat_mixed is not None else None
-        return out
+    module: str = "dbo_runtime.harness.runner"
+    """The module each rank runs (``python -m``); ``$DBO_HARNESS_RUNNER_MODULE`` overrides it."""
 
 
 PORT_BLOCK = 16
@@ -216,9 +207,9 @@ def launch(
     if spec.cold_jit_cache:
         shutil.rmtree(root / "dg-jit-cold", ignore_errors=True)
     spec_path = root / "spec.json"
-    spec_path.write_text(json.dumps(spec.to_json(), indent=1))
+    spec_path.write_text(json.dumps(asdict(spec), indent=1))
     port = free_port(PORT_BLOCK)
-    runner_module = os.environ.get(RUNNER_MODULE_ENV, "dbo_runtime.harness.runner")
+    runner_module = os.environ.get(RUNNER_MODULE_ENV, spec.module)
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
     started = time.monotonic()
