@@ -184,9 +184,7 @@ def query(nvml: ModuleType | None = None) -> NvmlSnapshot:
     error: type[BaseException] = module.NVMLError
     try:
         module.nvmlInit()
-    except error as exc:
-        raise NvmlUnavailable(f"NVML cannot initialise: {exc}") from None
-    except OSError as exc:  # pragma: no cover - defensive: a broken libnvidia-ml
+    except (error, OSError) as exc:  # OSError: a broken libnvidia-ml
         raise NvmlUnavailable(f"NVML cannot initialise: {exc}") from None
     try:
         r = _Reader(module)

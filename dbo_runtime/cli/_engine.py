@@ -149,15 +149,11 @@ def visible_gpus() -> int:
         return 0
 
 
-def require_gpus(need: int, why: str) -> None:
-    if (visible := visible_gpus()) < need:
-        raise CliError(f"needs {need} GPU(s) ({why}); {visible} visible", EXIT_NO_DEVICE)
-
-
 def start(command: str, engine_args: list[str], gpus: int, why: str, notes: list[str], raw_workdir: str | None) -> Path:
     """The last checks before the engines start (vLLM's parser, the GPU count), the notes said, the work folder."""
     check_with_vllm(engine_args, command)
-    require_gpus(gpus, why)
+    if (visible := visible_gpus()) < gpus:
+        raise CliError(f"needs {gpus} GPU(s) ({why}); {visible} visible", EXIT_NO_DEVICE)
     for note in notes:
         say(f"[{command}]", f"note: {note}")
     return workdir(raw_workdir, command)

@@ -190,6 +190,3 @@ def verdict(result: Comparison, thresholds: Thresholds) -> tuple[bool, list[str]
     if result.nonfinite_logprobs:
         reasons.append(f"{result.nonfinite_logprobs} positions with a non-finite logprob")
     return (not reasons), reasons
-
-
-__all__ = ["Comparison", "FloorRule", "Request", "Thresholds", "compare", "verdict"]

@@ -363,6 +363,3 @@ def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s
         "log_tail": text[-4000:] if not ok else None,
     }
     return record
-
-
-__all__ = ["RunSpec", "assemble", "describe", "engine_arg", "free_port", "launch"]

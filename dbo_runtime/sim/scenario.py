@@ -243,11 +243,8 @@ class Scenario:
         self.weights.copy_(torch.rand(self.weights.shape, generator=g))
 
     def rows(self, ub: int | None) -> slice:
-        n = self.cfg.next_n
-        if ub is None:
-            return slice(0, self.cfg.num_requests * n)
-        start = 0 if ub == 0 else self.split[0]
-        return slice(start * n, (start + self.split[ub]) * n)
+        reqs = self.reqs(ub)
+        return slice(reqs.start * self.cfg.next_n, reqs.stop * self.cfg.next_n)
 
     def reqs(self, ub: int | None) -> slice:
         if ub is None:
