@@ -18,4 +18,15 @@ def exit_without_torch(script: str) -> None:
         raise SystemExit(EXIT_NO_DEVICE) from None
 
 
+def refuse_without_kernels(script: str, done: str = "nothing measured") -> int | None:
+    """Exit status 2 with one line on stderr when ``script`` cannot run real DeepGEMM here, else None."""
+    from dbo_runtime.sim.backends import real_kernels_missing
+
+    missing = real_kernels_missing()
+    if missing is None:
+        return None
+    print(f"{script}: needs a CUDA GPU and DeepGEMM: {missing}; {done}", file=sys.stderr)
+    return 2
+
+
 exit_without_torch(Path(sys.argv[0]).stem or "graphs")

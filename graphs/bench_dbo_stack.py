@@ -19,12 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing)
+from graphs._torch import refuse_without_kernels
 
 # isort: split
 
 import torch
 
-from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
+from dbo_runtime.sim.backends import DeepGemmBackend
 from dbo_runtime.sim.scenario import GLM53, Scenario, capture_dbo_graph
 from graphs._args import EXIT_NO_DEVICE, add_out, integer
 from graphs._plotting import bar_panels

@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cold_sms == args.dbo_sms:
         ap.error(f"argument --cold-sms: {args.cold_sms} is not allowed; allowed values: an even count other than --dbo-sms ({args.dbo_sms})")
-    from dbo_runtime.sim.backends import refuse_without_kernels
+    from graphs._torch import refuse_without_kernels
 
     # a fresh JIT cache where the kernels can run: "cold" must mean a compile (DeepGEMM reads it on import, below)
     made = None

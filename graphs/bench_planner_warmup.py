@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(json.loads(args.child))
         return 0
-    from dbo_runtime.sim.backends import refuse_without_kernels
+    from graphs._torch import refuse_without_kernels
 
     refused = refuse_without_kernels("bench_planner_warmup")
     if refused is not None:

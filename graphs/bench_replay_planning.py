@@ -36,7 +36,8 @@ HOST_KEYS = ("build_planner_launches", "build_schedule_copies", "build_schedule_
 def _gpu_or_exit() -> Any:
     """The DeepGEMM backend, or one clear line and exit code 3 (cannot run here)."""
 
-    from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
+    from dbo_runtime.sim.backends import DeepGemmBackend
+    from graphs._torch import refuse_without_kernels
 
     refused = refuse_without_kernels("bench_replay_planning")
     if refused is not None:

@@ -16,10 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import graphs._torch  # noqa: F401  (exits 3 with one line when torch is missing)
+from graphs._torch import refuse_without_kernels
 
 # isort: split
 
-from dbo_runtime.sim.backends import DeepGemmBackend, refuse_without_kernels
+from dbo_runtime.sim.backends import DeepGemmBackend
 from dbo_runtime.sim.scenario import CONTRASTS, GLM53, MODES, run_scenario
 from graphs._args import EXIT_NO_DEVICE, add_out, integer
 from graphs._plotting import pyplot

@@ -60,7 +60,6 @@ class NvmlGpu:
     compute_capability: tuple[int, int] | None
     num_gpu_cores: int | None
     mig_enabled: bool | None
-    mig_pending: bool | None
     sm_clock_mhz: int | None
     max_sm_clock_mhz: int | None
     utilization_gpu_pct: int | None
@@ -158,7 +157,6 @@ def _gpu(r: _Reader, index: int) -> NvmlGpu:
     mig = r.call("nvmlDeviceGetMigMode", handle)
     enable = getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1)
     mig_enabled = None if mig is None else int(mig[0]) == enable
-    mig_pending = None if mig is None else int(mig[1]) == enable
     util = r.call("nvmlDeviceGetUtilizationRates", handle)
     attrs = r.call("nvmlDeviceGetAttributes_v2", handle)
     cores = r.call("nvmlDeviceGetNumGpuCores", handle)
@@ -170,7 +168,6 @@ def _gpu(r: _Reader, index: int) -> NvmlGpu:
         compute_capability=None if cc is None else (int(cc[0]), int(cc[1])),
         num_gpu_cores=None if cores is None else int(cores),
         mig_enabled=mig_enabled,
-        mig_pending=mig_pending,
         sm_clock_mhz=r.clock(handle, maximum=False),
         max_sm_clock_mhz=r.clock(handle, maximum=True),
         utilization_gpu_pct=None if util is None else int(util.gpu),
@@ -187,9 +184,7 @@ def query(nvml: ModuleType | None = None) -> NvmlSnapshot:
     error: type[BaseException] = module.NVMLError
     try:
         module.nvmlInit()
-    except error as exc:
-        raise NvmlUnavailable(f"NVML cannot initialise: {exc}") from None
-    except OSError as exc:  # pragma: no cover - defensive: a broken libnvidia-ml
+    except (error, OSError) as exc:  # OSError: a broken libnvidia-ml
         raise NvmlUnavailable(f"NVML cannot initialise: {exc}") from None
     try:
         r = _Reader(module)

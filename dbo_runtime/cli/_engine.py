@@ -12,6 +12,7 @@ from typing import Any
 from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, say
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.settings import StateError
+from dbo_runtime.harness.launch import engine_arg, normal_arg
 
 DP_SIZE_FLAGS = ("--data-parallel-size", "-dp")
 UNSUPPORTED_FLAGS = (
@@ -30,28 +31,6 @@ def add_engine_command(subparsers: Any, name: str, doc: str, help_: str, timeout
     p.add_argument("--workdir", metavar="DIR", help="keep logs and records here (default: a temporary folder)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
     return p
-
-
-def normal_arg(arg: str) -> str:
-    """A token as vLLM's parser reads it (underscores in an option's name are dashes): one spelling to check."""
-    if not arg.startswith("--"):
-        return arg
-    name, eq, value = arg.partition("=")
-    head, dot, rest = name[2:].partition(".")
-    return f"--{head.replace('_', '-')}{dot}{rest}{eq}{value}"
-
-
-def engine_arg(args: list[str], *flags: str) -> str | None:
-    """The value vLLM takes for the first of ``flags`` given: the last one, ``--flag v`` or ``--flag=v``."""
-    for flag in flags:
-        found: str | None = None
-        for i, arg in enumerate(args):
-            name, eq, value = normal_arg(arg).partition("=")
-            if name == flag:
-                found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-        if found is not None:
-            return found
-    return None
 
 
 def has_flag(args: list[str], *names: str) -> bool:
@@ -170,15 +149,11 @@ def visible_gpus() -> int:
         return 0
 
 
-def require_gpus(need: int, why: str) -> None:
-    if (visible := visible_gpus()) < need:
-        raise CliError(f"needs {need} GPU(s) ({why}); {visible} visible", EXIT_NO_DEVICE)
-
-
 def start(command: str, engine_args: list[str], gpus: int, why: str, notes: list[str], raw_workdir: str | None) -> Path:
     """The last checks before the engines start (vLLM's parser, the GPU count), the notes said, the work folder."""
     check_with_vllm(engine_args, command)
-    require_gpus(gpus, why)
+    if (visible := visible_gpus()) < gpus:
+        raise CliError(f"needs {gpus} GPU(s) ({why}); {visible} visible", EXIT_NO_DEVICE)
     for note in notes:
         say(f"[{command}]", f"note: {note}")
     return workdir(raw_workdir, command)

@@ -246,6 +246,3 @@ def choose(measurements: Sequence[Measurement], default: int, *, min_gain: float
         setting=f"VLLM_DBO_COMM_SMS={value}",
     )
     return doc
-
-
-__all__ = ["ALPHA", "DEFAULT_VALUES", "Measurement", "Sweep", "choose", "measurement", "plan_sweep", "rounds_needed", "sign_test_p"]

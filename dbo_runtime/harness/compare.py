@@ -130,8 +130,8 @@ def compare(reference: Sequence[Request], other: Sequence[Request]) -> Compariso
 @dataclass(frozen=True)
 class Thresholds:
     """The pass line of ``dbo-runtime verify``. DBO changes batch shapes, so a near-tie may flip a few
-    requests (0.95 agreement tolerates about three in 64); a wrong top-k moves logprobs far, which
-    ``max_dlogprob`` judges. Assumes a trained model, whose margins exceed DBO's numerical noise."""
+    requests; a wrong top-k moves logprobs far, which ``max_dlogprob`` judges. Assumes a trained model,
+    whose margins exceed DBO's numerical noise."""
 
     min_agreement: float = 0.95
     max_dlogprob: float = 0.25
@@ -190,6 +190,3 @@ def verdict(result: Comparison, thresholds: Thresholds) -> tuple[bool, list[str]
     if result.nonfinite_logprobs:
         reasons.append(f"{result.nonfinite_logprobs} positions with a non-finite logprob")
     return (not reasons), reasons
-
-
-__all__ = ["Comparison", "FloorRule", "Request", "Thresholds", "compare", "verdict"]

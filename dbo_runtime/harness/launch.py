@@ -26,7 +26,6 @@ from dbo_runtime.harness.prompts import PromptSpec
 from dbo_runtime.harness.runner import BARRIER_ENV, partial_path, summary_delta
 
 RUNNER_MODULE_ENV = "DBO_HARNESS_RUNNER_MODULE"
-"""Module run per rank; CPU tests point it at a fake engine."""
 
 FAIL_GRACE_S = 20.0
 """How long the other ranks may run on after one failed."""
@@ -66,10 +65,6 @@ class RunSpec:
     max_tokens: int = 32
     logprobs: int = 5
     bench: dict[str, Any] | None = None
-    repeat_mixed: PromptSpec | None = None
-    """A second pass mixing every prompt again (one-token extends) with these fresh ones."""
-    stagger_max_tokens: bool = False
-    """Request i asks for ``max_tokens + i`` tokens, so the decode batch takes every size down to 1."""
     cold_jit_cache: bool = False
     """Start with an empty ``DG_JIT_CACHE_DIR`` of the run's own, so nothing compiled before is found."""
     gpus: list[int] | None = None
@@ -77,12 +72,8 @@ class RunSpec:
     timeout_s: float = 900.0
     meta: dict[str, Any] = field(default_factory=dict)
     """Free-form facts for the record (model name, what the run demonstrates)."""
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["prompts"] = asdict(self.prompts)
-        out["repeat_mixed"] = asdict(self.repeat_mixed) if self.repeat_mixed is not None else None
-        return out
+    module: str = "dbo_runtime.harness.runner"
+    """The module each rank runs (``python -m``); ``$DBO_HARNESS_RUNNER_MODULE`` overrides it."""
 
 
 PORT_BLOCK = 16
@@ -110,14 +101,26 @@ def free_port(block: int = 1) -> int:
     raise RuntimeError(f"no block of {block} free ports found")
 
 
-def engine_arg(args: list[str], flag: str) -> str | None:
-    """The value vLLM's parser takes for ``flag`` (the last given, ``_`` as ``-``); None when absent."""
-    found: str | None = None
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name.replace("_", "-") == flag:
-            found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-    return found
+def normal_arg(arg: str) -> str:
+    """A token as vLLM's parser reads it (underscores in an option's name are dashes): one spelling to check."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    head, dot, rest = name[2:].partition(".")
+    return f"--{head.replace('_', '-')}{dot}{rest}{eq}{value}"
+
+
+def engine_arg(args: list[str], *flags: str) -> str | None:
+    """The value vLLM takes for the first of ``flags`` given: the last one, ``--flag v`` or ``--flag=v``."""
+    for flag in flags:
+        found: str | None = None
+        for i, arg in enumerate(args):
+            name, eq, value = normal_arg(arg).partition("=")
+            if name == flag:
+                found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        if found is not None:
+            return found
+    return None
 
 
 def describe(spec: RunSpec) -> dict[str, Any]:
@@ -132,7 +135,7 @@ def describe(spec: RunSpec) -> dict[str, Any]:
     v2 = env.get("VLLM_USE_V2_MODEL_RUNNER")
     runner = "v2" if v2 == "1" else ("v1" if v2 == "0" or dbo else "v2")
     model = engine_arg(args, "--model") or ""
-    compilation = engine_arg(args, "--compilation-config") or engine_arg(args, "-cc") or ""
+    compilation = engine_arg(args, "--compilation-config", "-cc") or ""
     return {
         "model": spec.meta.get("model") or Path(model).name or model,
         "dp": spec.dp,
@@ -204,9 +207,9 @@ def launch(
     if spec.cold_jit_cache:
         shutil.rmtree(root / "dg-jit-cold", ignore_errors=True)
     spec_path = root / "spec.json"
-    spec_path.write_text(json.dumps(spec.to_json(), indent=1))
+    spec_path.write_text(json.dumps(asdict(spec), indent=1))
     port = free_port(PORT_BLOCK)
-    runner_module = os.environ.get(RUNNER_MODULE_ENV, "dbo_runtime.harness.runner")
+    runner_module = os.environ.get(RUNNER_MODULE_ENV, spec.module)
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
     started = time.monotonic()
@@ -360,6 +363,3 @@ def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s
         "log_tail": text[-4000:] if not ok else None,
     }
     return record
-
-
-__all__ = ["RunSpec", "assemble", "describe", "engine_arg", "free_port", "launch"]

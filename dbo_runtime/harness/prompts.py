@@ -140,6 +140,3 @@ def load(spec: PromptSpec, vocab_size: int) -> list[dict[str, Any]]:
 def for_rank(prompts: list[Any], rank: int, size: int) -> list[int]:
     """Indices of the prompts rank ``rank`` of ``size`` serves (round robin: equal loads keep DP ranks in step)."""
     return list(range(rank, len(prompts), size))
-
-
-__all__ = ["PromptSpec", "for_rank", "from_file", "load", "synthetic"]

@@ -152,8 +152,8 @@ def _per_partition_ms(seconds: Any, partitions: Any) -> float | None:
     return float(seconds) / partitions * 1e3
 
 
-def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> dict[str, Any]:
-    """Fill ``result`` as the run goes, so a failure still reports what happened before it."""
+def start(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> tuple[Any, ...]:
+    """(engine, greedy sampling parameters, this rank's prompts, their indices, vocabulary size)."""
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
@@ -176,7 +176,6 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
     mine = for_rank(prompts, rank, size)
     if not mine:
         raise ValueError(f"DP rank {rank} has no prompt: give at least {size} prompts")
-    batch = [prompts[i] for i in mine]
     params = SamplingParams(
         temperature=0.0,
         max_tokens=int(spec["max_tokens"]),
@@ -184,82 +183,37 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
         logprobs=int(spec.get("logprobs", 5)),
         detokenize=False,
     )
-    first_params = params
-    cache_at_ready = jit_cache_kernels() if spec.get("cold_jit_cache") else None  # start-up over, nothing served
-    if spec.get("stagger_max_tokens"):
-        # prefill first, so the staggered pass's decode batch starts whole and shrinks one per step
-        llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False), use_tqdm=False)
-        first_params = staggered(params, len(batch))
+    return llm, params, [prompts[i] for i in mine], mine, vocab
+
+
+def generate(
+    llm: Any, params: Any, batch: list[Any], mine: list[int], rank: int, size: int, result: dict[str, Any]
+) -> None:
+    """The greedy pass, started together on every rank, between two counter snapshots."""
     result["stats_start"] = _stats(llm)
     barrier("generate", rank, size)
     t2 = time.perf_counter()
-    outputs = llm.generate(batch, first_params, use_tqdm=False)
+    outputs = llm.generate(batch, params, use_tqdm=False)
     result["generate_s"] = time.perf_counter() - t2
     result["requests"] = _requests(mine, outputs)
     result["stats_end"] = _stats(llm)
     result["microbatched_builds"] = summary_delta(result["stats_start"], result["stats_end"], "microbatched_builds")
-    if cache_at_ready is not None:
-        result["jit_cache"] = {"at_ready": sorted(cache_at_ready), "new_in_serving": sorted(jit_cache_kernels() - cache_at_ready)}
     _log(f"generated {len(batch)} requests in {result['generate_s']:.2f} s")
-    if spec.get("repeat_mixed"):
-        result["repeat_mixed"] = _repeat_mixed(llm, params, batch, PromptSpec(**spec["repeat_mixed"]), vocab, rank, size)
-    bench = spec.get("bench")
-    if bench:
-        result["bench"] = _bench(llm, SamplingParams, batch, bench, rank, size)
+
+
+def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``result`` as the run goes, so a failure still reports what happened before it."""
+    llm, params, batch, mine, _ = start(spec, rank, size, result)
+    generate(llm, params, batch, mine, rank, size, result)
+    if spec.get("bench"):
+        result["bench"] = bench_reps(llm, type(params), batch, spec["bench"], rank, size)
     result["ok"] = True
     return result
 
 
-def jit_cache_kernels(root: str | None = None) -> set[str]:
-    """The kernels DeepGEMM compiled into ``DG_JIT_CACHE_DIR``: listed before and after serving, a cold
-    cache shows every compile inside a step."""
-    base = root if root is not None else os.environ.get("DG_JIT_CACHE_DIR")
-    if not base or not os.path.isdir(base):
-        return set()
-    return {os.path.relpath(d, base) for d, _, files in os.walk(base) if "kernel.cubin" in files}
-
-
-def staggered(params: Any, n: int) -> list[Any]:
-    """One copy of ``params`` per request, request i asking for ``i`` more tokens than request 0."""
-    out = [params.clone() for _ in range(n)]
-    for i, p in enumerate(out):
-        p.max_tokens = params.max_tokens + i
-    return out
-
-
-def _repeat_mixed(llm: Any, params: Any, batch: list[Any], fresh_spec: PromptSpec, vocab: int, rank: int, size: int) -> dict[str, Any]:
-    """The first pass's prompts again (one-token extends) interleaved with fresh ones, in one generate."""
-    fresh_all = load(fresh_spec, vocab)
-    fresh = [fresh_all[i] for i in for_rank(fresh_all, rank, size)]
-    mixed: list[Any] = []
-    is_repeat: list[bool] = []
-    for i in range(max(len(batch), len(fresh))):
-        for group, repeat in ((batch, True), (fresh, False)):
-            if i < len(group):
-                mixed.append(group[i])
-                is_repeat.append(repeat)
-    s0 = _stats(llm)
-    barrier("repeat-mixed", rank, size)
-    t = time.perf_counter()
-    outputs = llm.generate(mixed, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t
-    s1 = _stats(llm)
-    cached = [getattr(o, "num_cached_tokens", None) for o in outputs]
-    lengths = [len(p["prompt_token_ids"]) if isinstance(p, dict) and "prompt_token_ids" in p else None for p in mixed]
-    return {
-        "requests": len(mixed),
-        "repeats": len(batch),
-        "fresh": len(fresh),
-        "completed": sum(1 for o in outputs if o.outputs and o.outputs[0].token_ids),
-        "generate_s": elapsed,
-        "microbatched_builds": summary_delta(s0, s1, "microbatched_builds"),
-        # the premise: every repeat hits the prefix cache for all but its last token, no fresh prompt does
-        "repeat_cached_short_by": [n - c for n, c, r in zip(lengths, cached, is_repeat) if r and n is not None and c is not None],
-        "fresh_cached": [c for c, r in zip(cached, is_repeat) if not r],
-    }
-
-
-def _bench(llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], rank: int, size: int) -> dict[str, Any]:
+def bench_reps(
+    llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], rank: int, size: int
+) -> dict[str, Any]:
     """Decode timing on warm caches: per rep a 1-token and a T-token pass; their difference over T-1 is the step."""
     steps = int(bench["max_tokens"])
     one = sampling(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
@@ -324,7 +278,7 @@ def _watchdog(seconds: float) -> None:
     threading.Thread(target=fire, daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, run_rank: Any = run) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         sys.stderr.write("usage: python -m dbo_runtime.harness.runner SPEC.json OUT.json\n")
@@ -336,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     _PARTIAL[:] = [partial_path(out)]
     result: dict[str, Any] = {"label": spec.get("label"), "rank": rank, "dp": size, "ok": False, "error": None}
     try:
-        run(spec, rank, size, result)
+        run_rank(spec, rank, size, result)
     except BaseException as exc:  # the run's failure is the result (e.g. vLLM's DeepGEMM assertion)
         result["ok"] = False
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -360,8 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result.get("ok") else 1
 
 
-if __name__ == "__main__":
-    code = main()
+def cli(run_rank: Any = run) -> None:
+    """``main``, then exit (hard under ``DBO_HARNESS_HARD_EXIT=1``)."""
+    code = main(run_rank=run_rank)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code) if os.environ.get("DBO_HARNESS_HARD_EXIT") == "1" else sys.exit(code)
+
+
+if __name__ == "__main__":
+    cli()

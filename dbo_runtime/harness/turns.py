@@ -116,6 +116,3 @@ def run_interleaved(
         result.setdefault(spec.label, {"label": spec.label, "ok": False, "error": "no record (timeout)"})
         result[spec.label]["turn_order"] = [label for _, label in order]
     return result
-
-
-__all__ = ["run_interleaved"]

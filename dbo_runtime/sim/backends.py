@@ -222,17 +222,6 @@ def real_kernels_missing() -> str | None:
     return None
 
 
-def refuse_without_kernels(script: str, done: str = "nothing measured") -> int | None:
-    """Exit status 2 with one line on stderr when ``script`` cannot run real DeepGEMM here, else None."""
-    import sys
-
-    missing = real_kernels_missing()
-    if missing is None:
-        return None
-    print(f"{script}: needs a CUDA GPU and DeepGEMM: {missing}; {done}", file=sys.stderr)
-    return 2
-
-
 def make_backend(kind: str = "auto", *, total_sms: int = 132) -> KernelBackend:
     """``auto``: DeepGEMM when CUDA and ``deep_gemm`` load, else the CPU simulation."""
     from dbo_runtime.core.errors import ConfigError

@@ -42,8 +42,6 @@ class MicrobatchContext:
     comm_stream: Any = None
     compute_done: Any = None
     comm_done: Any = None
-    yields: int = 0
-    trace: list[tuple[int, str]] = field(default_factory=list)
 
     def __enter__(self) -> MicrobatchContext:
         _THREAD_TO_UBATCH[threading.get_ident()] = (self.id, self.token_offset)
@@ -67,7 +65,6 @@ class MicrobatchContext:
 
     def yield_(self) -> None:
         """Hand the CPU to the other microbatch."""
-        self.yields += 1
         self.signal_event.set()
         self.wait_event.wait()
         self.wait_event.clear()
@@ -101,7 +98,6 @@ class MicrobatchRun:
     threads: list[threading.Thread]
     results: dict[int, Any]
     errors: list[BaseException]
-    barrier: threading.Barrier
 
     def finish(self) -> list[Any]:
         self.contexts[0].wait_event.set()
@@ -172,9 +168,4 @@ def start_microbatches(
     for t in threads:
         t.start()
     barrier.wait()
-    return MicrobatchRun(contexts, threads, results, errors, barrier)
-
-
-def run_microbatches(bodies: Sequence[Callable[[MicrobatchContext], Any]], **kw: Any) -> list[Any]:
-    """Start and finish in one go (MRV1 ``_run_ubatches`` / MRV2 ``run``)."""
-    return start_microbatches(bodies, **kw).finish()
+    return MicrobatchRun(contexts, threads, results, errors)

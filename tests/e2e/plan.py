@@ -18,6 +18,7 @@ from dbo_runtime.harness.launch import RunSpec
 from dbo_runtime.harness.prompts import PromptSpec
 from dbo_runtime.harness.runner import ROW_HOOK_ENV
 from tests.harness import selftime
+from tests.harness.engine_runner import E2ESpec
 
 MODELS = Path(__file__).parent / "models"
 KV_CACHE_BYTES = 2 << 30
@@ -294,7 +295,7 @@ def jit_sweep() -> dict[str, RunSpec]:
         ("mtp1-eager", "deepseek-v32-mtp", True, mtp, JIT_SWEEP_WARMUP),
     ):
         label = f"1gpu-jit-sweep-{name}-dbo-dp1"
-        out[label] = RunSpec(
+        out[label] = E2ESpec(
             label=label,
             engine_args=tiny_args(model, eager=eager, extra=[*DBO_DP1, *extra]),
             env=_env(None, True, **env),
@@ -360,7 +361,7 @@ def two_gpu() -> dict[str, RunSpec]:
                 dp_spec(f"dp2-ll-dbo-{model}-{runner}-plugin", model, LL, dbo=True, runner=runner, plugin=True, graphs=True, what="DBO, dbo_runtime"),
                 dp_spec(f"dp2-ll-dbo-{model}-{runner}-vanilla", model, LL, dbo=True, runner=runner, plugin=False, graphs=True, what="DBO vanilla"),
             ]
-    sweep = RunSpec(
+    sweep = E2ESpec(
         label="dp2-jit-sweep-ht-dbo-shared-topk",
         engine_args=tiny_args(
             "shared-topk", eager=True, extra=["--enable-expert-parallel", "--all2all-backend", HT, "--enable-dbo", "--dbo-decode-token-threshold", "2"]
@@ -414,7 +415,7 @@ def production_width() -> dict[str, RunSpec]:
     out: dict[str, RunSpec] = {}
     for plugin in (False, True):
         label = f"dp2w-repro-glm53-{'plugin' if plugin else 'vanilla'}"
-        out[label] = RunSpec(
+        out[label] = E2ESpec(
             label=label,
             engine_args=_width_args("glm53-width", eager=True, extra=REPRODUCER_ARGS),
             dp=2,

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from dbo_runtime.harness.compare import Comparison
-from dbo_runtime.harness.launch import RunSpec, assemble, describe, kill_all, load_ranks
+from dbo_runtime.harness.launch import assemble, describe, kill_all, load_ranks
 from dbo_runtime.harness.prompts import PromptSpec
+from tests.harness.engine_runner import E2ESpec
 
 
 def kill_on_sigterm() -> None:
@@ -34,9 +35,7 @@ def reassemble(run: Path) -> dict[str, Any] | None:
         return stored
     raw = json.loads(spec_path.read_text())
     raw["prompts"] = PromptSpec(**raw["prompts"])
-    if raw.get("repeat_mixed"):
-        raw["repeat_mixed"] = PromptSpec(**raw["repeat_mixed"])
-    spec = RunSpec(**raw)
+    spec = E2ESpec(**raw)  # any run's spec.json, the e2e runs' fields included
     why = "wrote no result" if stored is not None else "stopped before it wrote a result (the session's time limit killed it)"
     ranks = load_ranks(run, spec.dp, lambda rank: why)
     logs = [path.read_text(errors="replace") for path in sorted(run.glob("rank*.log"))]

@@ -269,7 +269,7 @@ def test_a_cold_jit_cache_run_gets_an_empty_cache_of_its_own(tmp_path: Path, fak
 def test_staggered_requests_shrink_the_decode_batch_one_by_one() -> None:
     from vllm import SamplingParams
 
-    from dbo_runtime.harness.runner import staggered
+    from tests.harness.engine_runner import staggered
 
     base = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     assert [p.max_tokens for p in staggered(base, 4)] == [2, 3, 4, 5] and base.max_tokens == 2
@@ -448,7 +448,7 @@ def test_bench_reports_no_step_time_when_the_host_made_it_unmeasurable(monkeypat
 
     monkeypatch.setattr(runner, "_stats", lambda llm: [{"summary": {"microbatched_builds": 0, "self_time_ns": 0}}])
     monkeypatch.delenv(runner.ROW_HOOK_ENV, raising=False)
-    out = runner._bench(_fake_llm(one_s=0.05, full_s=0.01)(), _FakeParams, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)
+    out = runner.bench_reps(_fake_llm(one_s=0.05, full_s=0.01)(), _FakeParams, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)
     [row] = out["reps"]
     assert row["decode_step_ms"] is None and row["decode_tok_per_s"] is None
     assert "plugin_self_us_per_step" not in row  # only a measurement harness adds its columns
@@ -505,7 +505,7 @@ def test_a_benchmark_stopped_by_a_limit_keeps_the_reps_it_finished(tmp_path: Pat
     (tmp_path / "spec.json").write_text(json.dumps(asdict(spec), default=str))
     monkeypatch.setattr(runner, "_PARTIAL", [runner.partial_path(tmp_path / "rank0.json")])
     monkeypatch.setattr(runner, "_VERSIONS", {"vllm": "0.33.0", "device": "NVIDIA H100 80GB HBM3"})  # the engine is up
-    runner._bench(LLM(), Params, [1, 2], {"max_tokens": 8, "reps": 2, "warmup": 1}, 0, 1)
+    runner.bench_reps(LLM(), Params, [1, 2], {"max_tokens": 8, "reps": 2, "warmup": 1}, 0, 1)
     assert runner.partial_path(tmp_path / "rank0.json") == tmp_path / "rank0.partial.json"
     record = reassemble(tmp_path)  # no rank0.json: the engine was killed after its reps
     assert record is not None and not record["ok"] and record["stopped_by_session_limit"]

@@ -1,5 +1,5 @@
 """The upstream reproducer's inputs: the committed prompt file is its generator's, and the repeat pass mixes
-every prompt again with fresh ones (``harness.runner._repeat_mixed``, driven here by a recording stand-in for
+every prompt again with fresh ones (``tests/harness/engine_runner._repeat_mixed``, driven here by a recording stand-in for
 ``vllm.LLM``: boundary, no GPU in CI; GPU twin: the ``dp2w-repro-*`` runs of tests/e2e/test_width_2gpu.py)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 from dbo_runtime.harness import runner
 from dbo_runtime.harness.prompts import PromptSpec
 from tests.e2e import reproducer
+from tests.harness import engine_runner
 
 
 def test_the_committed_prompts_are_the_generators() -> None:
@@ -44,7 +45,7 @@ def test_the_repeat_pass_interleaves_every_prompt_with_fresh_ones(monkeypatch: A
     monkeypatch.setattr(plugin, "installed_patch_set", lambda: object())  # the counters answer
     llm = RecordingLLM()
     first = [{"prompt_token_ids": [i] * (64 * i + 1)} for i in (1, 2, 3)]
-    out = runner._repeat_mixed(llm, None, first, PromptSpec(num=4, min_len=10, max_len=10, seed=1), 4096, 0, 2)
+    out = engine_runner._repeat_mixed(llm, None, first, PromptSpec(num=4, min_len=10, max_len=10, seed=1), 4096, 0, 2)
     [mixed] = llm.batches
     assert mixed[0] == first[0] and mixed[2] == first[1] and mixed[4] == first[2]  # repeats at the head of each pair
     assert len(mixed) == 5 and all(len(p["prompt_token_ids"]) == 10 for p in (mixed[1], mixed[3]))  # rank 0's fresh half

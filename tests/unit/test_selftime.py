@@ -300,7 +300,7 @@ def _bench_row(monkeypatch: pytest.MonkeyPatch, snapshots: list[list[dict]], swi
     monkeypatch.setattr(runner, "_stats", lambda llm: next(seq))
     monkeypatch.setenv(selftime.ENV, switch)
     monkeypatch.setenv(runner.ROW_HOOK_ENV, plan.bench_env({selftime.ENV: switch})[runner.ROW_HOOK_ENV])
-    [row] = runner._bench(LLM(), Params, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)["reps"]
+    [row] = runner.bench_reps(LLM(), Params, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)["reps"]
     return row
 
 

@@ -106,7 +106,7 @@ def test_cli_bad_value_is_argparses_line_and_exit_2(capsys: pytest.CaptureFixtur
 
 
 def test_a_failing_microbatch_never_leaves_the_other_parked() -> None:
-    from dbo_runtime.sim.microbatch import MicrobatchContext, run_microbatches
+    from dbo_runtime.sim.microbatch import MicrobatchContext, start_microbatches
 
     def fails_late(ctx: MicrobatchContext) -> None:
         ctx.yield_()
@@ -117,11 +117,11 @@ def test_a_failing_microbatch_never_leaves_the_other_parked() -> None:
             ctx.yield_()
 
     with pytest.raises(ValueError, match="layer 1 failed"):
-        run_microbatches([fails_late, keeps_yielding])
+        start_microbatches([fails_late, keeps_yielding]).finish()
 
 
 def test_microbatches_run_in_dbo_order() -> None:
-    from dbo_runtime.sim.microbatch import MicrobatchContext, current_ubatch, run_microbatches
+    from dbo_runtime.sim.microbatch import MicrobatchContext, current_ubatch, start_microbatches
 
     order: list[tuple[int, int, int]] = []
 
@@ -131,7 +131,7 @@ def test_microbatches_run_in_dbo_order() -> None:
             order.append((layer, ub, offset))
             ctx.yield_()
 
-    run_microbatches([body, body], token_offsets=[0, 8])
+    start_microbatches([body, body], token_offsets=[0, 8]).finish()
     assert order == [(0, 0, 0), (0, 1, 8), (1, 0, 0), (1, 1, 8), (2, 0, 0), (2, 1, 8)]
     assert current_ubatch() == (0, 0)  # the main thread is never a microbatch
 

@@ -1,0 +1,113 @@
+"""The e2e runs' rank child: ``harness.runner``'s run plus what only the project's proofs ask for.
+
+A staggered decode (request i asks for i more tokens, so the decode batch takes every size down to 1), the
+kernels a cold DeepGEMM JIT cache gains while serving, and a second pass mixing every prompt again with fresh
+ones. An ``E2ESpec`` names this module, so ``harness.launch`` runs it per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dbo_runtime.harness import runner
+from dbo_runtime.harness.launch import RunSpec
+from dbo_runtime.harness.prompts import PromptSpec, for_rank, load
+
+
+@dataclass
+class E2ESpec(RunSpec):
+    repeat_mixed: PromptSpec | None = None
+    """A second pass mixing every prompt again (one-token extends) with these fresh ones."""
+    stagger_max_tokens: bool = False
+    """Request i asks for ``max_tokens + i`` tokens, so the decode batch takes every size down to 1."""
+    module: str = __name__
+
+    def __post_init__(self) -> None:
+        if isinstance(self.repeat_mixed, dict):  # as read back from a run's spec.json
+            self.repeat_mixed = PromptSpec(**self.repeat_mixed)
+
+
+def jit_cache_kernels(root: str | None = None) -> set[str]:
+    """The kernels DeepGEMM compiled into ``DG_JIT_CACHE_DIR``: listed before and after serving, a cold
+    cache shows every compile inside a step."""
+    base = root if root is not None else os.environ.get("DG_JIT_CACHE_DIR")
+    if not base or not os.path.isdir(base):
+        return set()
+    return {os.path.relpath(d, base) for d, _, files in os.walk(base) if "kernel.cubin" in files}
+
+
+def staggered(params: Any, n: int) -> list[Any]:
+    """One copy of ``params`` per request, request i asking for ``i`` more tokens than request 0."""
+    out = [params.clone() for _ in range(n)]
+    for i, p in enumerate(out):
+        p.max_tokens = params.max_tokens + i
+    return out
+
+
+def _repeat_mixed(
+    llm: Any, params: Any, batch: list[Any], fresh_spec: PromptSpec, vocab: int, rank: int, size: int
+) -> dict[str, Any]:
+    """The first pass's prompts again (one-token extends) interleaved with fresh ones, in one generate."""
+    fresh_all = load(fresh_spec, vocab)
+    fresh = [fresh_all[i] for i in for_rank(fresh_all, rank, size)]
+    mixed: list[Any] = []
+    is_repeat: list[bool] = []
+    for i in range(max(len(batch), len(fresh))):
+        for group, repeat in ((batch, True), (fresh, False)):
+            if i < len(group):
+                mixed.append(group[i])
+                is_repeat.append(repeat)
+    s0 = runner._stats(llm)
+    runner.barrier("repeat-mixed", rank, size)
+    t = time.perf_counter()
+    outputs = llm.generate(mixed, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    s1 = runner._stats(llm)
+    cached = [getattr(o, "num_cached_tokens", None) for o in outputs]
+    lengths = [len(p["prompt_token_ids"]) if isinstance(p, dict) and "prompt_token_ids" in p else None for p in mixed]
+    return {
+        "requests": len(mixed),
+        "repeats": len(batch),
+        "fresh": len(fresh),
+        "completed": sum(1 for o in outputs if o.outputs and o.outputs[0].token_ids),
+        "generate_s": elapsed,
+        "microbatched_builds": runner.summary_delta(s0, s1, "microbatched_builds"),
+        # the premise: every repeat hits the prefix cache for all but its last token, no fresh prompt does
+        "repeat_cached_short_by": [
+            n - c for n, c, r in zip(lengths, cached, is_repeat) if r and n is not None and c is not None
+        ],
+        "fresh_cached": [c for c, r in zip(cached, is_repeat) if not r],
+    }
+
+
+def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> dict[str, Any]:
+    """``runner.run`` with the staggered pass, the JIT-cache listing and the repeat pass where the spec asks."""
+    llm, params, batch, mine, vocab = runner.start(spec, rank, size, result)
+    first = params
+    cache_at_ready = jit_cache_kernels() if spec.get("cold_jit_cache") else None  # start-up over, nothing served
+    if spec.get("stagger_max_tokens"):
+        # prefill first, so the staggered pass's decode batch starts whole and shrinks one per step
+        one = type(params)(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+        llm.generate(batch, one, use_tqdm=False)
+        first = staggered(params, len(batch))
+    runner.generate(llm, first, batch, mine, rank, size, result)
+    if cache_at_ready is not None:
+        result["jit_cache"] = {
+            "at_ready": sorted(cache_at_ready),
+            "new_in_serving": sorted(jit_cache_kernels() - cache_at_ready),
+        }
+    if spec.get("repeat_mixed"):
+        result["repeat_mixed"] = _repeat_mixed(
+            llm, params, batch, PromptSpec(**spec["repeat_mixed"]), vocab, rank, size
+        )
+    if spec.get("bench"):
+        result["bench"] = runner.bench_reps(llm, type(params), batch, spec["bench"], rank, size)
+    result["ok"] = True
+    return result
+
+
+if __name__ == "__main__":
+    runner.cli(run)
