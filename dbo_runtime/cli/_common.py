@@ -77,7 +77,8 @@ def disabled_warning(environ: Mapping[str, str] | None = None) -> str | None:
 
 def settings_a_server_refuses(environ: Mapping[str, str] | None = None) -> list[Exception]:
     """The settings an engine start would refuse (the plugin's only while enabled, and vLLM's)."""
-    from dbo_runtime.core.settings import setting_problems, vllm_setting_problems
+    from dbo_runtime.core.cli_support import vllm_setting_problems
+    from dbo_runtime.core.settings import setting_problems
     from dbo_runtime.core.switches import read_switch
 
     plugin = [] if read_switch("DBO_RUNTIME_DISABLE", environ).on else setting_problems(environ)

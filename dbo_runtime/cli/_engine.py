@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, say
+from dbo_runtime.core.cli_support import StateError
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.settings import StateError
 from dbo_runtime.harness.launch import engine_arg, normal_arg
 
 DP_SIZE_FLAGS = ("--data-parallel-size", "-dp")
@@ -69,7 +69,8 @@ def split_engine_args(extra: list[str], command: str) -> tuple[list[str], int, l
 
 def prepare(extra: list[str], command: str, *, expert_parallel: bool) -> tuple[list[str], int, list[str]]:
     """(engine arguments, DP size, notes) after every check an engine would fail, before any starts."""
-    from dbo_runtime.core.settings import setting_problems, vllm_setting_problems
+    from dbo_runtime.core.cli_support import vllm_setting_problems
+    from dbo_runtime.core.settings import setting_problems
 
     engine_args, dp, notes = split_engine_args(extra, command)
     require_dbo_parallelism(engine_args, dp, command, expert_parallel=expert_parallel)

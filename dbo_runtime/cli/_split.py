@@ -12,12 +12,12 @@ from dbo_runtime.core.budget import (
     DEEPEP_HT_MANAGER_NUM_SMS,
     DEFAULT_COMM_SMS,
     EVEN_COMPUTE_WHY,
-    H200_SMS,
     SMBudget,
     compute_budget,
     deep_gemm_compute_multiple,
     parse_comm_sms,
 )
+from dbo_runtime.core.cli_support import H200_SMS
 from dbo_runtime.core.errors import ConfigError
 
 COMM_ENV = "VLLM_DBO_COMM_SMS"

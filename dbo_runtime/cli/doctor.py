@@ -40,10 +40,10 @@ def _vllm_import_error() -> str | None:
 
 def _deep_gemm() -> dict[str, Any]:
     """DeepGEMM as vLLM sees it (what vLLM logs for a build that fails to load goes to ``import_warnings``)."""
-    from dbo_runtime.adapters import deep_gemm
+    from dbo_runtime.integration import doctor_probes
 
     try:
-        ok = deep_gemm.available()
+        ok = doctor_probes.deep_gemm_available()
     except Exception as exc:  # a broken build is reported, not a crash
         return {"available": False, "detail": f"{type(exc).__name__}: {exc}"}
     return {"available": ok, "detail": "importable" if ok else "not importable here (--json: import_warnings)"}
@@ -60,13 +60,13 @@ def _fingerprint(bound: Any, usable: bool, match: Any) -> str:
 
 def _targets(usable: bool, match: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(patches, guard targets), each probed for its target and fingerprinted."""
-    from dbo_runtime.integration import patching, plugin
+    from dbo_runtime.integration import doctor_probes, plugin
     from dbo_runtime.integration.guard import guard_patches
 
     def probe(patch: Any) -> tuple[str, str]:
         if not usable:
             return ("skipped" if patch.optional or patch.lazy else "missing"), "vLLM not importable"
-        status = patching.probe_target(patch)
+        status = doctor_probes.probe_target(patch)
         return status.state, status.detail
 
     patches = []

@@ -15,7 +15,7 @@ from typing import Any
 from dbo_runtime.cli import _common
 from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, int_in, print_json, print_table, say, warn, wrapped
 from dbo_runtime.cli._split import budget_for, comm_sms, split_warnings
-from dbo_runtime.core.budget import H200_SMS
+from dbo_runtime.core.cli_support import H200_SMS
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.switches import switch_problems
 
@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout, vllm_setting_problems, warm_max_batch
+    from dbo_runtime.core.cli_support import vllm_setting_problems
+    from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout, warm_max_batch
     from dbo_runtime.sim.scenario import GLM53, SMALL, for_backend, run_scenario
 
     warnings = switch_problems()

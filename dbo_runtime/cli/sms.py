@@ -13,7 +13,8 @@ from typing import Any
 from dbo_runtime.cli import _common
 from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, int_in, print_json, print_table, warn
 from dbo_runtime.cli._split import budget_for, comm_sms, deepep_sms, split_warnings
-from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, DBO_BACKENDS, H200_SMS, PLATFORMS, SMBudget
+from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, PLATFORMS, SMBudget
+from dbo_runtime.core.cli_support import DBO_BACKENDS, H200_SMS
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.switches import parse_switch, switch_problems
 

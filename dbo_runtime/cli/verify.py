@@ -17,8 +17,8 @@ from typing import Any
 from dbo_runtime.cli import _engine
 from dbo_runtime.cli._common import EXIT_INCONCLUSIVE, EXIT_NO_DEVICE, int_in, print_json, print_table, say
 from dbo_runtime.cli._engine import engine_arg, prepare
+from dbo_runtime.core.cli_support import StateError
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.core.settings import StateError
 from dbo_runtime.harness.compare import FloorRule, Request, Thresholds, compare, verdict
 
 SCHEMA = "dbo-runtime/verify/v1"

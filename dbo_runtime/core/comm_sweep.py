@@ -18,12 +18,11 @@ from typing import Any
 from dbo_runtime.core.budget import (
     DEEPEP_HT_MANAGER_NUM_SMS,
     DEFAULT_COMM_SMS,
-    H200_SMS,
     compute_budget,
     parse_comm_sms,
 )
+from dbo_runtime.core.cli_support import H200_SMS, StateError
 from dbo_runtime.core.errors import ConfigError, did_you_mean
-from dbo_runtime.core.settings import StateError
 
 TUNABLE_BACKEND = "deepep_high_throughput"
 DEFAULT_VALUES = (4, 8, 12, 16, 20)
