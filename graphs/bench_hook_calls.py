@@ -231,9 +231,9 @@ def _stub_kernels() -> Callable[[], None]:
                     delattr(owner, name)
             else:
                 setattr(owner, name, value)
-        schedule_cache.set_schedule_cache_for_tests(previous)
+        schedule_cache._CACHE = previous
 
-    previous = schedule_cache.set_schedule_cache_for_tests(cache)
+    previous, schedule_cache._CACHE = schedule_cache._CACHE, cache
     SparseMLAIndexGroup._convert_once = _convert_once  # type: ignore[method-assign]
     call_site.fp8_fp4_paged_mqa_logits = fp8_fp4_paged_mqa_logits
     for (owner, name), value in platform.items():

@@ -77,7 +77,7 @@ def host_cost(dg: Any, x: dict[str, torch.Tensor], calls: int) -> dict[str, Any]
 
     planner = DeepGemmPlanner()
     cache = sc.IndexerScheduleCache(planner)
-    previous = sc.set_schedule_cache_for_tests(cache)
+    previous, sc._CACHE = sc._CACHE, cache
     try:
         live = int(dg.get_num_sms())
         schedule = planner.plan(x["context_lens"], BLOCK, live)
@@ -124,13 +124,13 @@ def host_cost(dg: Any, x: dict[str, torch.Tensor], calls: int) -> dict[str, Any]
         res["replans_during_measurement"] = cache.stats.replans
         return res
     finally:
-        sc.set_schedule_cache_for_tests(previous)
+        sc._CACHE = previous
 
 
 def steady_state(dg: Any, x: dict[str, torch.Tensor], steps: int, layers: int, dbo_sms: int) -> dict[str, Any]:
     from dbo_runtime.adapters.deep_gemm import DeepGemmPlanner
     from dbo_runtime.services.schedule_cache import IndexerScheduleCache
-    from dbo_runtime.services.sm_control import SMControl
+    from dbo_runtime.sim.sm_scope import SMControl
 
     total = int(dg.get_num_sms())
     out: dict[str, Any] = {"steps": steps, "microbatches": 2, "layers": layers, "dbo_sms": dbo_sms}
@@ -221,7 +221,7 @@ def first_step(dg: Any, x: dict[str, torch.Tensor], warm_sms: int, cold_sms: int
         cache = IndexerScheduleCache(planner)
         control = SMControl(device, total)
         cache.attach(control)
-        cache.register_profile(device, PlannerProfile(device=torch.device("cuda", device), block_kv=BLOCK, shapes=((len(CONTEXTS), 1),)))
+        cache.warmup.register_profile(device, PlannerProfile(device=torch.device("cuda", device), block_kv=BLOCK, shapes=((len(CONTEXTS), 1),)))
         budget, t0 = _budget(total, sms), time.perf_counter()
         if warm:
             control.announce(budget)  # model load: compiles the planner for `sms`

@@ -73,9 +73,9 @@ def child(spec: dict[str, Any]) -> None:
     torch.cuda.synchronize()
     entries_before = set(os.listdir(cache_dir)) if cache_dir.exists() else set()
     cache = IndexerScheduleCache(planner)
-    cache.register_profile(device.index or 0, PlannerProfile(device, BLOCK, tuple(tuple(s) for s in spec["shapes"])))
+    cache.warmup.register_profile(device.index or 0, PlannerProfile(device, BLOCK, tuple(tuple(s) for s in spec["shapes"])))
     t0 = time.perf_counter()
-    launched = cache.warm(device.index or 0, spec["sms"])
+    launched = cache.warmup.warm(device.index or 0, spec["sms"])
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     entries = set(os.listdir(cache_dir)) if cache_dir.exists() else set()

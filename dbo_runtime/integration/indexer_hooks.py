@@ -105,7 +105,7 @@ def _make_builder_planner(original: Any) -> Any:
                     return scope.defer_into[:rows]
         out = original(*args, **kwargs)
         scope.planned = (int(num_sms), int(block_size), next_n_of(context_lens))
-        schedule_cache().note_plan(context_lens, int(block_size), int(num_sms), indices)
+        schedule_cache().warmup.note_plan(context_lens, int(block_size), int(num_sms), indices)
         return out
 
     return get_paged_mqa_logits_metadata
@@ -228,10 +228,10 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
         width=1 if per_token else q,
     )
     if not parallel.use_ubatching:  # nothing microbatches: vLLM's own planning, untouched
-        cache.register_profile(device, profile, full_sms=None, microbatches=False)
+        cache.warmup.register_profile(device, profile, full_sms=None, microbatches=False)
         return profile
     prepare_capture_id()  # a DBO engine's captures may re-plan: find the capture-id entry point before any
-    cache.register_profile(device, profile, full_sms=int(builder.num_sms))
+    cache.warmup.register_profile(device, profile, full_sms=int(builder.num_sms))
     return profile
 
 

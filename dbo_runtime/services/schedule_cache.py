@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from dbo_runtime.adapters.cuda_graph import CAPTURES
 from dbo_runtime.adapters.deep_gemm import next_n_of
 from dbo_runtime.core.log import get_logger
-from dbo_runtime.services.planner_warmup import PlannerProfile, PlannerWarmup
+from dbo_runtime.services.planner_warmup import PlannerWarmup
 from dbo_runtime.services.sm_control import BudgetEvent, SMControl, Subscription, sm_control_for
 
 logger = get_logger(__name__)
@@ -219,19 +219,8 @@ class IndexerScheduleCache:
             and live() == state.planned_sms
         )
 
-    def register_profile(
-        self, device_index: int, profile: PlannerProfile, *, full_sms: int | None = None, microbatches: bool = True
-    ) -> None:
-        self.warmup.register_profile(device_index, profile, full_sms=full_sms, microbatches=microbatches)
-
-    def warm(self, device_index: int, num_sms: int, *, dbo: bool = True) -> int:
-        return self.warmup.warm(device_index, num_sms, dbo=dbo)
-
-    def note_plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None) -> None:
-        self.warmup.note_plan(context_lens, block_kv, num_sms, indices)
-
     def _plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None) -> Any:
-        self.note_plan(context_lens, block_kv, num_sms, indices)
+        self.warmup.note_plan(context_lens, block_kv, num_sms, indices)
         return self.planner.plan(context_lens, block_kv, num_sms, indices)
 
     def resolve(self, schedule: Any, context_lens: Any, indices: Any | None, block_source: Any) -> Any:
@@ -350,7 +339,7 @@ class IndexerScheduleCache:
             self._dbo_sms.pop(budget.device, None)
             return
         self._dbo_sms[budget.device] = budget.compute
-        self.warm(budget.device, budget.compute)
+        self.warmup.warm(budget.device, budget.compute)
         # unannounced: the call site compiles (``jit_in_step``)
 
 _CACHE: IndexerScheduleCache | None = None
@@ -376,10 +365,3 @@ def detach_schedule_cache() -> None:
     if cache is not None:
         cache.detach_all()
 
-
-def set_schedule_cache_for_tests(cache: IndexerScheduleCache | None) -> IndexerScheduleCache | None:
-    """Swap the process cache; returns the previous one."""
-    global _CACHE
-    with _CACHE_LOCK:
-        previous, _CACHE = _CACHE, cache
-        return previous

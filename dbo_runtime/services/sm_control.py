@@ -1,6 +1,6 @@
 """SMControl, the single owner of one device's compute/comm SM knobs: vLLM flips process-global SM counts
 (DeepGEMM, DeepEP) and tells nobody, so the indexer planned for one count while DeepGEMM asserted another.
-``partition()`` turns comm then compute, publishes ``entered``, runs the body, restores the *previous* budget and
+``enter()`` turns comm then compute and publishes ``entered``; ``exit()`` restores the *previous* budget and
 publishes ``exited``; ``announce()`` publishes one ahead, at model load. Subscribers' exceptions are counted and
 logged, never propagated into vLLM's step."""
 
@@ -9,8 +9,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -30,17 +29,6 @@ class SMKnob(Protocol):
     def name(self) -> str: ...
 
     def set(self, num_sms: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class FunctionKnob:
-    """An ``SMKnob`` around a plain setter (what vLLM hands its context)."""
-
-    name: str
-    setter: Callable[[int], None]
-
-    def set(self, num_sms: int) -> None:
-        self.setter(num_sms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,10 +108,6 @@ class SMControl:
         """The budget in force now; a single attribute read, safe from any thread."""
         return self._active
 
-    @property
-    def depth(self) -> int:
-        return len(self._stack)
-
     def subscribe(self, callback: Subscriber, *, name: str | None = None, replay: bool = True) -> Subscription:
         """Register ``callback``; with ``replay`` it is told the budget announced last."""
         with self._lock:
@@ -178,21 +162,6 @@ class SMControl:
             self.announced.append(budget)
         self._publish("announced", budget, self._active)
 
-    @contextmanager
-    def partition(
-        self,
-        budget: SMBudget,
-        *,
-        comm_knob: SMKnob | None = None,
-        compute_knob: SMKnob | None = None,
-    ) -> Iterator[SMBudget]:
-        """Hold ``budget`` for the body; restore the budget below it on exit."""
-        token = self.enter(budget, comm_knob=comm_knob, compute_knob=compute_knob)
-        try:
-            yield budget
-        finally:
-            self.exit(token)
-
     def _check_device(self, budget: SMBudget) -> None:
         if budget.device != self.device or budget.total != self.total_sms:
             raise ConfigError(
@@ -210,7 +179,7 @@ class SMControl:
         self.stats.switches += 1
 
     def enter(self, budget: SMBudget, *, comm_knob: SMKnob | None = None, compute_knob: SMKnob | None = None) -> int:
-        """``partition``'s non-``with`` form, for enter and exit in different calls."""
+        """Hold ``budget`` until ``exit`` of the returned token; the budget below it is restored then."""
         self._check_device(budget)
         with self._lock:
             previous = self._active
@@ -266,8 +235,3 @@ def existing_controls() -> dict[int, SMControl]:
     with _CONTROLS_LOCK:
         return dict(_CONTROLS)
 
-
-def reset_controls_for_tests() -> None:
-    """Forget every SMControl; only tests call this."""
-    with _CONTROLS_LOCK:
-        _CONTROLS.clear()

@@ -23,10 +23,11 @@ from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.topk_memory import index_leaders
 from dbo_runtime.services.planner_warmup import PlannerProfile
 from dbo_runtime.services.schedule_cache import IndexerScheduleCache
-from dbo_runtime.services.sm_control import BudgetEvent, FunctionKnob, SMControl
+from dbo_runtime.services.sm_control import BudgetEvent
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from dbo_runtime.sim.backends import KernelBackend, ScheduleAssertion
 from dbo_runtime.sim.microbatch import MicrobatchContext, current_ubatch, start_microbatches
+from dbo_runtime.sim.sm_scope import FunctionKnob, SMControl
 
 Mode = Literal["eager", "mrv1", "mrv2"]
 MODES: tuple[Mode, ...] = ("eager", "mrv1", "mrv2")
@@ -193,7 +194,7 @@ class Scenario:
         self._t0 = time.perf_counter()
         self.control.subscribe(self._on_budget, name="scenario-timeline")
         shapes = tuple((rows, config.next_n) for rows in self.split)  # exactly this scenario's microbatches
-        self.cache.register_profile(device_index, PlannerProfile(self.dev, config.block_kv, shapes))
+        self.cache.warmup.register_profile(device_index, PlannerProfile(self.dev, config.block_kv, shapes))
         self.cache.attach(self.control)
         self.control.announce(self.budget)
         # Per-microbatch persistent schedule buffers (vLLM: one builder, one buffer per microbatch).

@@ -81,37 +81,39 @@ def _call(fn: Any, c: dict[str, Any], schedule: Any) -> Any:
 @pytest.mark.parametrize("next_n", [1, 2, 4])
 @pytest.mark.parametrize("arch", list(GEOMETRIES))
 def test_every_family_geometry_is_bit_identical_under_the_dbo_count(
-    deep_gemm: ModuleType, cuda_device: torch.device, arch: str, next_n: int, out_dir: Any
+    deep_gemm: ModuleType,
+    cuda_device: torch.device,
+    arch: str,
+    next_n: int,
+    out_dir: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from dbo_runtime.integration.indexer_hooks import _make_logits
 
     heads, dim = GEOMETRIES[arch]
     planner = DeepGemmPlanner()
     cache = IndexerScheduleCache(planner)
-    previous = sc.set_schedule_cache_for_tests(cache)
-    try:
-        total = int(deep_gemm.get_num_sms())
-        vanilla = _vllm_signature(deep_gemm)
-        c = _case(heads, dim, next_n, cuda_device)
-        schedule = planner.plan(c["context_lens"], BLOCK, total)
-        ref = _call(vanilla, c, schedule).clone()
-        cache.track(schedule, planned_sms=total, block_kv=BLOCK, next_n=next_n)
-        deep_gemm.set_num_sms(DBO_SMS)
-        with pytest.raises(Exception, match="_schedule_meta_size"):
-            _call(vanilla, c, schedule)  # vLLM 0.33.0 under DBO
-        got = _call(_make_logits(vanilla), c, schedule)
-        torch.cuda.synchronize()
-        valid = torch.arange(MAX_CTX, device=cuda_device)[None, :] < c["context_lens"].reshape(-1, 1)
-        wrong = int(((got.view(torch.int32) != ref.view(torch.int32)) & valid).sum().item())
-        rows = schedule_slots(DBO_SMS, next_n) + 1
-        if out_dir is not None:
-            name = arch.split(" ")[0]
-            (out_dir / f"call_site_{name}_next_n{next_n}.json").write_text(
-                json.dumps({"arch": arch, "heads": heads, "dim": dim, "next_n": next_n, "replans": cache.stats.replans, "wrong": wrong, "rows": rows})
-            )
-        assert wrong == 0 and cache.stats.replans == 1
-    finally:
-        sc.set_schedule_cache_for_tests(previous)
+    monkeypatch.setattr(sc, "_CACHE", cache)
+    total = int(deep_gemm.get_num_sms())
+    vanilla = _vllm_signature(deep_gemm)
+    c = _case(heads, dim, next_n, cuda_device)
+    schedule = planner.plan(c["context_lens"], BLOCK, total)
+    ref = _call(vanilla, c, schedule).clone()
+    cache.track(schedule, planned_sms=total, block_kv=BLOCK, next_n=next_n)
+    deep_gemm.set_num_sms(DBO_SMS)
+    with pytest.raises(Exception, match="_schedule_meta_size"):
+        _call(vanilla, c, schedule)  # vLLM 0.33.0 under DBO
+    got = _call(_make_logits(vanilla), c, schedule)
+    torch.cuda.synchronize()
+    valid = torch.arange(MAX_CTX, device=cuda_device)[None, :] < c["context_lens"].reshape(-1, 1)
+    wrong = int(((got.view(torch.int32) != ref.view(torch.int32)) & valid).sum().item())
+    rows = schedule_slots(DBO_SMS, next_n) + 1
+    if out_dir is not None:
+        name = arch.split(" ")[0]
+        (out_dir / f"call_site_{name}_next_n{next_n}.json").write_text(
+            json.dumps({"arch": arch, "heads": heads, "dim": dim, "next_n": next_n, "replans": cache.stats.replans, "wrong": wrong, "rows": rows})
+        )
+    assert wrong == 0 and cache.stats.replans == 1
 
 
 def test_out_of_memory_on_a_microbatch_thread_allocates_nothing_and_never_raises(

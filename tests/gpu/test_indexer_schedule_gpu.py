@@ -369,7 +369,7 @@ def test_announced_budget_warms_planner_outside_capture(
     cache = IndexerScheduleCache(planner)
     control = SMControl(cuda_device.index or 0, total)
     cache.attach(control)
-    cache.register_profile(control.device, PlannerProfile(device=cuda_device, block_kv=BLOCK, shapes=((20, 1), (64, 1), (20, 4), (40, 4))))
+    cache.warmup.register_profile(control.device, PlannerProfile(device=cuda_device, block_kv=BLOCK, shapes=((20, 1), (64, 1), (20, 4), (40, 4))))
     budget = compute_budget(
         total_sms=total, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend="deepep_high_throughput"
     )

@@ -16,7 +16,7 @@ import torch
 from dbo_runtime.adapters.deep_gemm import DeepGemmKnob
 from dbo_runtime.adapters.deep_gemm import get_num_sms as adapter_get_num_sms
 from dbo_runtime.core.budget import compute_budget
-from dbo_runtime.services.sm_control import FunctionKnob, SMControl
+from dbo_runtime.sim.sm_scope import FunctionKnob, SMControl
 
 
 def h200_budget(total: int, comm: int = 20):  # type: ignore[no-untyped-def]

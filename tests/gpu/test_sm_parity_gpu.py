@@ -34,7 +34,7 @@ import torch
 from dbo_runtime.adapters.deep_gemm import DeepGemmKnob, DeepGemmPlanner
 from dbo_runtime.core.budget import compute_budget, deep_gemm_compute_multiple
 from dbo_runtime.services.schedule_cache import IndexerScheduleCache
-from dbo_runtime.services.sm_control import SMControl
+from dbo_runtime.sim.sm_scope import SMControl
 from tests.gpu.test_indexer_schedule_gpu import BLOCK, _logits, _make_case, _mismatch, _reference
 
 ROOT = Path(__file__).resolve().parents[2]

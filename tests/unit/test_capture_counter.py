@@ -119,31 +119,28 @@ def test_call_site_wrapper_takes_the_cache_fast_path(monkeypatch: pytest.MonkeyP
     dg = FakeDeepGemm(total_sms=132)
     planner = FakeCountingPlanner(dg)
     cache = IndexerScheduleCache(planner)
-    previous = sc.set_schedule_cache_for_tests(cache)
+    monkeypatch.setattr(sc, "_CACHE", cache)
     counter = cuda_graph.CaptureCounter()
     counter.installed = True
     monkeypatch.setattr(cache, "_captures", counter)
-    try:
-        lens = torch.tensor([[100], [3000]], dtype=torch.int32)
-        schedule = planner.plan(lens, 64, 132)
-        cache.track(schedule, planned_sms=132, block_kv=64, next_n=1)
-        seen: list[object] = []
-        def original(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len, indices=None):  # type: ignore[no-untyped-def]
-            seen.append(schedule_metadata)
+    lens = torch.tensor([[100], [3000]], dtype=torch.int32)
+    schedule = planner.plan(lens, 64, 132)
+    cache.track(schedule, planned_sms=132, block_kv=64, next_n=1)
+    seen: list[object] = []
+    def original(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len, indices=None):  # type: ignore[no-untyped-def]
+        seen.append(schedule_metadata)
 
-        wrapper = _make_logits(original)
-        slow: list[int] = []
-        real_resolve = cache.resolve
-        monkeypatch.setattr(cache, "resolve", lambda *a: (slow.append(1), real_resolve(*a))[1])
-        for _ in range(5):
-            wrapper(None, 64, None, lens, None, schedule, 8)
-        assert len(slow) == 1 and all(s is schedule for s in seen)  # only the first call binds the reader
-        dg.set_num_sms(112)
+    wrapper = _make_logits(original)
+    slow: list[int] = []
+    real_resolve = cache.resolve
+    monkeypatch.setattr(cache, "resolve", lambda *a: (slow.append(1), real_resolve(*a))[1])
+    for _ in range(5):
         wrapper(None, 64, None, lens, None, schedule, 8)
-        assert len(slow) == 2 and seen[-1] is not schedule and seen[-1].shape[0] == 113
-        counter.active = 1  # a capture somewhere: always the precise path
-        dg.set_num_sms(132)
-        wrapper(None, 64, None, lens, None, schedule, 8)
-        assert len(slow) == 3
-    finally:
-        sc.set_schedule_cache_for_tests(previous)
+    assert len(slow) == 1 and all(s is schedule for s in seen)  # only the first call binds the reader
+    dg.set_num_sms(112)
+    wrapper(None, 64, None, lens, None, schedule, 8)
+    assert len(slow) == 2 and seen[-1] is not schedule and seen[-1].shape[0] == 113
+    counter.active = 1  # a capture somewhere: always the precise path
+    dg.set_num_sms(132)
+    wrapper(None, 64, None, lens, None, schedule, 8)
+    assert len(slow) == 3

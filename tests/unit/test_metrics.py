@@ -9,7 +9,7 @@ import pytest
 from dbo_runtime.core.budget import compute_budget
 from dbo_runtime.services.metrics import MetricsExporter
 from dbo_runtime.services.schedule_cache import ScheduleCacheStats
-from dbo_runtime.services.sm_control import SMControl
+from dbo_runtime.sim.sm_scope import SMControl
 
 
 class FakeCacheStats:

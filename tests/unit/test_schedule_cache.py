@@ -19,7 +19,7 @@ from dbo_runtime.core.planner_shapes import align_batch, aligned_buckets, dbo_pl
 from dbo_runtime.core.settings import WARM_MAX_BATCH_ENV, warm_max_batch, warm_policy
 from dbo_runtime.services.planner_warmup import PlannerProfile
 from dbo_runtime.services.schedule_cache import STATE_ATTR, IndexerScheduleCache
-from dbo_runtime.services.sm_control import SMControl
+from dbo_runtime.sim.sm_scope import SMControl
 from tests.fakes.fake_deep_gemm import FakeDeepGemm, FakeSchedulePlanner
 
 BLOCK = 64
@@ -262,7 +262,7 @@ def test_a_later_engine_without_compute_knob_ends_an_earlier_engines_plan_ahead(
         assert cache.plan_ahead_sms(0) is None
     late_dg = FakeDeepGemm(total_sms=132)
     late = IndexerScheduleCache(FakeSchedulePlanner(late_dg))
-    late.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 1),)))
+    late.warmup.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 1),)))
     late.attach(control)  # a subscriber told both announcements ends where the live one did, and warms no 112
     with late.microbatched_build():
         assert late.plan_ahead_sms(0) is None
@@ -320,7 +320,7 @@ def test_warm_up_on_announce_and_on_late_profile() -> None:
     cache.attach(control)
     shapes = ((5, 1), (30, 1), (33, 1), (70, 1), (70, 4), (96, 4))
     profile = PlannerProfile(device="cpu", block_kv=BLOCK, shapes=shapes)
-    cache.register_profile(0, profile)
+    cache.warmup.register_profile(0, profile)
     assert dg.plan_calls == []  # nothing announced yet: nothing to warm
     control.announce(_dbo_budget())  # type: ignore[arg-type]
     # one launch per compiled variant: aligned batch x slots (112 for next_n 1, 56 for SM90 next_n 4)
@@ -336,7 +336,7 @@ def test_warm_up_on_announce_and_on_late_profile() -> None:
     control2.announce(_dbo_budget())  # type: ignore[arg-type]
     late.attach(control2)  # subscribe after the announce: replayed
     assert dg2.plan_calls == []
-    late.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 1),)))
+    late.warmup.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 1),)))
     assert [c[0] for c in dg2.plan_calls] == [112]
 
 
@@ -346,7 +346,7 @@ def test_warm_up_never_inside_capture_nor_inside_a_step_for_an_unannounced_budge
     dg, planner, cache = _setup()
     control = SMControl(0, 132)
     cache.attach(control)
-    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 1),)))
+    cache.warmup.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 1),)))
     planner.capturing_now = True
     control.announce(_dbo_budget())  # type: ignore[arg-type]
     assert dg.plan_calls == [] and cache.stats.warm_skipped_in_capture == 1
@@ -373,7 +373,7 @@ def test_warm_sweep_env(monkeypatch: pytest.MonkeyPatch, raw: str | None, batche
         monkeypatch.setenv(WARM_MAX_BATCH_ENV, raw)
     assert warm_max_batch() == (None if raw is None else int(raw))
     dg, _planner, cache = _setup()
-    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((512, 1),)))
+    cache.warmup.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((512, 1),)))
     control = SMControl(0, 132)
     cache.attach(control)
     control.announce(_dbo_budget())  # type: ignore[arg-type]
@@ -416,12 +416,12 @@ def test_a_bad_warm_sweep_env_is_logged_once_and_read_as_unset(monkeypatch: pyte
 
     monkeypatch.setenv(WARM_MAX_BATCH_ENV, "many")
     dg, _planner, cache = _setup()
-    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((512, 1),)))
+    cache.warmup.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((512, 1),)))
     control = SMControl(0, 132)
     cache.attach(control)
     with caplog.at_level(logging.WARNING):
         control.announce(_dbo_budget())  # type: ignore[arg-type]
-        cache.warm(0, 100)
+        cache.warmup.warm(0, 100)
     assert sorted({c[2][0] for c in dg.plan_calls}) == [512]
     lines = [r.getMessage() for r in caplog.records if WARM_MAX_BATCH_ENV in r.getMessage()]
     assert len(lines) == 1 and "read as unset" in lines[0], lines
@@ -439,15 +439,15 @@ def test_aligned_buckets() -> None:
 def test_warm_returns_at_once_when_the_count_is_already_warm() -> None:
     """SMControl publishes 'entered' every DBO step; a warm count must cost no probe or bucket walk."""
     _dg, planner, cache = _setup()
-    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 1), (64, 1))))
-    assert cache.warm(0, 112) == 2  # buckets 32 and 64
+    cache.warmup.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 1), (64, 1))))
+    assert cache.warmup.warm(0, 112) == 2  # buckets 32 and 64
     probes = []
     planner.capturing = lambda: probes.append(1) or False  # type: ignore[method-assign]
     for _ in range(10):
-        assert cache.warm(0, 112) == 0
+        assert cache.warmup.warm(0, 112) == 0
     assert probes == []
-    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 2),)))
-    assert cache.warm(0, 112) == 0 and len(probes) == 1  # new profile: walked again (already warm)
+    cache.warmup.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=((32, 2),)))
+    assert cache.warmup.warm(0, 112) == 0 and len(probes) == 1  # new profile: walked again (already warm)
 
 
 class FailingJit(FakeSchedulePlanner):
@@ -475,7 +475,7 @@ def test_a_failing_warm_up_neither_raises_at_model_load_nor_retries_every_step()
     cache = IndexerScheduleCache(FailingJit(FakeDeepGemm(total_sms=132)))
     cache.attach(control)
     control.announce(budget())
-    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=64, shapes=((32, 1), (64, 1))))  # model load: no raise
+    cache.warmup.register_profile(0, PlannerProfile(device="cpu", block_kv=64, shapes=((32, 1), (64, 1))))  # model load: no raise
     first = FailingJit.calls
     assert first == 2 and cache.stats.warm_failures == 2 and cache.stats.warmups == 0
     for _ in range(3):
@@ -650,6 +650,6 @@ def test_h200_default_warm_up_compiles_fewer_variants_and_covers_the_full_batch(
         max_num_seqs=1024, max_num_batched_tokens=8192, num_speculative_tokens=0, capture_sizes=H200_CAPTURE_SIZES,
         num_ubatches=2, decode_token_threshold=32, per_token_rows=False,
     )
-    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=shapes))
-    assert cache.warm(0, 112) == 9
+    cache.warmup.register_profile(0, PlannerProfile(device="cpu", block_kv=BLOCK, shapes=shapes))
+    assert cache.warmup.warm(0, 112) == 9
     assert sorted(c[2][0] for c in dg.plan_calls) == [32, 64, 96, 128, 160, 192, 224, 256, 512]

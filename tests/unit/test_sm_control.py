@@ -11,7 +11,8 @@ import pytest
 
 from dbo_runtime.core.budget import SMBudget, compute_budget
 from dbo_runtime.core.errors import ConfigError
-from dbo_runtime.services.sm_control import BudgetEvent, FunctionKnob, SMControl
+from dbo_runtime.services.sm_control import BudgetEvent
+from dbo_runtime.sim.sm_scope import FunctionKnob, SMControl
 
 
 class FakeKnobs:
@@ -166,7 +167,7 @@ def test_planner_warm_up_failing_at_announce_fails_neither_model_load_nor_the_st
     ctl = SMControl(0, 132)
     cache = IndexerScheduleCache(FailingJit(FakeDeepGemm(total_sms=132)))
     cache.attach(ctl)
-    cache.register_profile(0, PlannerProfile(device="cpu", block_kv=64, shapes=((32, 1),)))
+    cache.warmup.register_profile(0, PlannerProfile(device="cpu", block_kv=64, shapes=((32, 1),)))
     ctl.announce(budget(20))
     with ctl.partition(budget(20), compute_knob=rec.knob("compute")):
         pass

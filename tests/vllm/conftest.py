@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dbo_runtime.integration import plugin
-from dbo_runtime.services.sm_control import reset_controls_for_tests
+from dbo_runtime.services import sm_control
 
 
 @dataclass
@@ -114,17 +114,17 @@ class FakeGpuPlatform:
             mp.setattr(torch.version, "hip", "6.4" if platform == "rocm" else None)
         else:
             mp.setenv("VLLM_DBO_COMM_SMS", str(env_comm_sms))
-        reset_controls_for_tests()
+        mp.setattr(sm_control, "_CONTROLS", {})
 
 
 @pytest.fixture
 def gpu_platform(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpuPlatform]:
     from vllm.utils import platform_utils
 
+    monkeypatch.setattr(sm_control, "_CONTROLS", {})
     fake = FakeGpuPlatform(monkeypatch)
     yield fake
     platform_utils.num_compute_units.cache_clear()
-    reset_controls_for_tests()
 
 
 @pytest.fixture

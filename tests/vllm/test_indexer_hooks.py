@@ -27,8 +27,9 @@ import torch
 from dbo_runtime.core.budget import compute_budget
 from dbo_runtime.integration import indexer_hooks
 from dbo_runtime.integration.patching import PatchSet
-from dbo_runtime.services.schedule_cache import IndexerScheduleCache, set_schedule_cache_for_tests
-from dbo_runtime.services.sm_control import reset_controls_for_tests, sm_control_for
+from dbo_runtime.services import schedule_cache, sm_control
+from dbo_runtime.services.schedule_cache import IndexerScheduleCache
+from dbo_runtime.services.sm_control import sm_control_for
 from tests.fakes.fake_deep_gemm import (
     FakeDeepGemm,
     FakeSchedulePlanner,
@@ -198,8 +199,8 @@ def env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     monkeypatch.setattr(vdg, "_lazy_init", lambda: None)  # vLLM's wrapper writes the fake's count (_sm_write)
     monkeypatch.setattr(vdg, "_import_deep_gemm", lambda: dg)
     cache = IndexerScheduleCache(FakeSchedulePlanner(dg))
-    previous = set_schedule_cache_for_tests(cache)
-    reset_controls_for_tests()
+    monkeypatch.setattr(schedule_cache, "_CACHE", cache)
+    monkeypatch.setattr(sm_control, "_CONTROLS", {})
     patch_set = PatchSet(in_release(indexer_hooks.patches()))
     patch_set.install()
     try:
@@ -207,8 +208,6 @@ def env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     finally:
         patch_set.uninstall()
         cache.detach_all()
-        set_schedule_cache_for_tests(previous)
-        reset_controls_for_tests()
 
 
 def _sm_write(num_sms: int) -> None:
@@ -557,10 +556,10 @@ def test_warm_up_under_vllms_default_keeps_every_decode_batch_out_of_jit(env: En
     env.cache.warmup.start_serving()
     for batch in range(1, max_seqs + 1):
         lens = torch.ones((batch, 1), dtype=torch.int32)
-        env.cache.note_plan(lens, BLOCK, 132, None)  # a step that does not microbatch
-        env.cache.note_plan(lens[: batch // 2 + 1], BLOCK, 112, None)  # one microbatch of a DBO step
+        env.cache.warmup.note_plan(lens, BLOCK, 132, None)  # a step that does not microbatch
+        env.cache.warmup.note_plan(lens[: batch // 2 + 1], BLOCK, 112, None)  # one microbatch of a DBO step
     assert env.cache.stats.jit_in_step == 0
-    env.cache.note_plan(torch.ones((max_seqs + 32, 1), dtype=torch.int32), BLOCK, 132, None)
+    env.cache.warmup.note_plan(torch.ones((max_seqs + 32, 1), dtype=torch.int32), BLOCK, 132, None)
     assert env.cache.stats.jit_in_step == 1  # the counter counts: a batch beyond max_num_seqs was never warmed
 
 
@@ -574,14 +573,14 @@ def test_minimal_warm_up_leaves_eager_decode_batches_to_jit_in_step(env: Env, mo
     indexer_hooks.register_builder(builder, device_index=0)
     env.cache.warmup.start_serving()
     for batch in range(1, builder.vllm_config.scheduler_config.max_num_seqs + 1):
-        env.cache.note_plan(torch.ones((batch, 1), dtype=torch.int32), BLOCK, 132, None)
+        env.cache.warmup.note_plan(torch.ones((batch, 1), dtype=torch.int32), BLOCK, 132, None)
     cold = env.cache.stats.jit_in_step
     assert cold > 0
     # every later step of a shape already met is one set lookup: no variant key, no recount
     variants = []
     monkeypatch.setattr(env.cache.warmup, "variant", lambda *a: variants.append(a))
     for batch in (1, 33, 64):
-        env.cache.note_plan(torch.ones((batch, 1), dtype=torch.int32), BLOCK, 132, None)
+        env.cache.warmup.note_plan(torch.ones((batch, 1), dtype=torch.int32), BLOCK, 132, None)
     assert variants == [] and env.cache.stats.jit_in_step == cold
 
 
@@ -733,10 +732,10 @@ def test_start_up_runs_and_failed_warm_ups_are_counted_where_they_happen(env: En
     monkeypatch.setattr(env.cache.planner, "plan", real_plan)
     [(rows, width)] = env.cache.warmup._profiles[0][0].shapes[:1]
     lens = torch.ones((rows, width), dtype=torch.int32)
-    env.cache.note_plan(torch.ones((7, 1), dtype=torch.int32), BLOCK, 132, None)
+    env.cache.warmup.note_plan(torch.ones((7, 1), dtype=torch.int32), BLOCK, 132, None)
     assert (env.cache.stats.jit_at_start, env.cache.stats.jit_in_step) == (1, 0)
     env.cache.warmup.start_serving()
-    env.cache.note_plan(lens, BLOCK, 112, None)  # its warm-up failed: the step compiles it
+    env.cache.warmup.note_plan(lens, BLOCK, 112, None)  # its warm-up failed: the step compiles it
     assert env.cache.stats.jit_in_step == 1
 
 

@@ -32,7 +32,8 @@ import torch
 
 from dbo_runtime.integration import indexer_hooks, topk_hooks, ubatch_ids
 from dbo_runtime.integration.patching import PatchSet
-from dbo_runtime.services.schedule_cache import IndexerScheduleCache, set_schedule_cache_for_tests
+from dbo_runtime.services import schedule_cache
+from dbo_runtime.services.schedule_cache import IndexerScheduleCache
 from dbo_runtime.services.topk_state import TopkLayout, UbatchTopkState
 from tests.fakes.fake_deep_gemm import (
     FakeDeepGemm,
@@ -192,7 +193,7 @@ def env(boundary: Boundary, fresh_arming: Any, monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(sai, "fp8_fp4_paged_mqa_logits", vllm_signature_logits(dg))
     planner = FailingJitPlanner(dg)
     cache = IndexerScheduleCache(planner)
-    previous = set_schedule_cache_for_tests(cache)
+    monkeypatch.setattr(schedule_cache, "_CACHE", cache)
 
     locator = FailingLocator(None)
     state = UbatchTopkState(locator, TopkLayout.WINDOWS)
@@ -212,7 +213,6 @@ def env(boundary: Boundary, fresh_arming: Any, monkeypatch: pytest.MonkeyPatch, 
         yield Env(boundary, state, locator, model, DboModel(model, Logits(sai, dg, schedules)), planner, contexts, fresh_arming)
     finally:
         patch_set.uninstall()
-        set_schedule_cache_for_tests(previous)
         ubatch_guard.FAILURES.take()
 
 
