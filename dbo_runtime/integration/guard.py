@@ -402,8 +402,7 @@ def check_without_worker_hooks() -> None:
     arch = _model(config)[0] if config is not None else "this model"
     raise DboRefusal(
         f"dbo_runtime refuses {arch} with microbatching: {_hooks_failed[0].removeprefix('dbo_runtime: ')}, so this "
-        "worker cannot check that "
-        "dbo_runtime's fixes applied. " + ways_out(verified=VERIFIED)
+        "worker cannot check that dbo_runtime's fixes applied. " + ways_out(verified=VERIFIED)
     )
 
 
@@ -423,22 +422,22 @@ def _around_warm_up(original: Any) -> Any:
 
 
 def guard_patches() -> list[Patch]:
-    common = dict(
+    veto = functools.partial(
+        Patch,
         upstream_pr="none (vLLM has no plugin veto on a configuration)",
         removal="the supported vLLM ships both DBO fixes for every DSA architecture",
         anchors=(),
     )
     return [
-        Patch(
+        veto(
             name="guard.engine_config",
             module="vllm.engine.arg_utils",
             attr="EngineArgs.create_engine_config",
             make=lambda original: _after(original, "config", lambda self, result: result),
             reason="refuse, before any worker starts, a DBO configuration whose model needs a dbo_runtime fix "
             "that is not in force in this vLLM build",
-            **common,  # type: ignore[arg-type]
         ),
-        Patch(
+        veto(
             name="guard.worker_load_model",
             module=WORKER_MODULE,
             attr="Worker.load_model",
@@ -446,9 +445,8 @@ def guard_patches() -> list[Patch]:
             reason="after the model is built (lazy patches applied or failed): refuse a DBO model whose fix is "
             "not in force in this worker",
             lazy=True,
-            **common,  # type: ignore[arg-type]
         ),
-        Patch(
+        veto(
             name="guard.worker_warm_up",
             module=WORKER_MODULE,
             attr="Worker.compile_or_warm_up_model",
@@ -456,6 +454,5 @@ def guard_patches() -> list[Patch]:
             reason="before vLLM's warm-up and graph capture (indexer builders and the KV cache exist by now): the "
             "same check",
             lazy=True,
-            **common,  # type: ignore[arg-type]
         ),
     ]

@@ -539,24 +539,28 @@ def patches() -> list[Patch]:
         "hand the schedule to IndexerScheduleCache: re-plan once per SM count when DeepGEMM's live count "
         "differs (DBO), always record the planner inside CUDA-graph capture"
     )
+    builder = functools.partial(Patch, module=INDEXER_MODULE, upstream_pr=UPSTREAM_PR, removal=removal_cache, lazy=True)
+    plan_ahead = functools.partial(
+        Patch,
+        upstream_pr="none (improvement over #60732: zero steady-state re-plans)",
+        removal="vLLM passes the microbatch SM budget to the indexer builder",
+        lazy=True,
+        optional=True,  # without it the call site re-plans for the live count (#60732's path): slower, as correct
+    )
     return [
-        Patch(
+        builder(
             name="indexer.builder_init",
-            module=INDEXER_MODULE,
             attr=f"{BUILDER}.__init__",
             make=_make_builder_init,
             reason="register the planner shapes vLLM will run microbatched (FULL capture sizes, the full "
             "max_num_seqs batch, from the builder's vLLM config) so the DBO SM count's planner is JIT-compiled "
             "at model load, never in a step or a capture",
-            upstream_pr=UPSTREAM_PR,
             removal="DeepGEMM planner compiled ahead for the DBO count upstream",
-            lazy=True,
             on_install=lambda: guard.after_warm_up(_start_serving),
             on_uninstall=lambda: guard.after_warm_up(_start_serving, remove=True),
         ),
-        Patch(
+        builder(
             name="indexer.builder_planner",
-            module=INDEXER_MODULE,
             attr="get_paged_mqa_logits_metadata",
             make=_make_builder_planner,
             anchors=(
@@ -567,38 +571,27 @@ def patches() -> list[Patch]:
             reason="learn the SM count build()/update_draft_decode_metadata() planned for; while a runner builds "
             "microbatch metadata, plan for the DBO count (plan-ahead: no call-site re-plan) at the first eager "
             "call site instead of in build() (a FULL-graph replay re-plans in the graph and never reads it)",
-            upstream_pr=UPSTREAM_PR,
-            removal=removal_cache,
-            lazy=True,
         ),
-        Patch(
+        builder(
             name="indexer.builder_build",
-            module=INDEXER_MODULE,
             attr=f"{BUILDER}.build",
             make=_make_build,
             reason="attach (planned SMs, block size, next_n) to each new decode schedule; a new build is a new "
             "cache entry. In a process whose engines never microbatch (and whose writes to DeepGEMM's count are "
             "watched) it steps aside, with the planner and call-site hooks: vLLM's build as it is",
-            upstream_pr=UPSTREAM_PR,
-            removal=removal_cache,
-            lazy=True,
         ),
-        Patch(
+        builder(
             name="indexer.builder_update_draft",
-            module=INDEXER_MODULE,
             attr=f"{BUILDER}.update_draft_decode_metadata",
             make=_make_update_draft,
             reason="seq_lens are rewritten in place: drop cached re-plans; re-plan for the schedule's own count "
             "(vLLM asserts an unchanged shape)",
-            upstream_pr=UPSTREAM_PR,
-            removal=removal_cache,
-            lazy=True,
         ),
         _logits_patch("sparse_attn_indexer", SPARSE_ATTN_INDEXER_MODULE, "sparse_attn_indexer",
                       logits_reason + " (custom-op path and the DSA model's direct call)", removal_cache),
         _logits_patch("glm5next", GLM5NEXT_MODULE, "sparse_attn_indexer_kpool", logits_reason + " (GLM-5-Next kpool indexer)",
                       removal_cache, architectures=("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration")),
-        Patch(
+        builder(
             name="indexer.slice_planner",
             module=SPARSE_ATTN_INDEXER_MODULE,
             attr="get_paged_mqa_logits_metadata",
@@ -609,9 +602,6 @@ def patches() -> list[Patch]:
             ),
             reason="the SM100 chunked decode re-plans each row slice for the whole batch's planned count and runs "
             "the logits kernel on it: plan the slice for DeepGEMM's live count (DBO) and track it for the call site",
-            upstream_pr=UPSTREAM_PR,
-            removal=removal_cache,
-            lazy=True,
             # A cost measure: without it the call site re-plans the slice for the live count (one more planner).
             optional=True,
             runs_on_ubatch_thread=True,
@@ -619,7 +609,7 @@ def patches() -> list[Patch]:
         ),
         _sm_writes_patch("indexer.sm_writes.deep_gemm", DEEP_GEMM_WRAPPER, "set_num_sms"),
         _sm_writes_patch("indexer.sm_writes.ubatch_alias", UBATCH_UTILS, ALIAS),
-        Patch(
+        plan_ahead(
             name="indexer.plan_ahead.mrv1",
             runner="mrv1",
             module=MRV1_RUNNER_MODULE,
@@ -627,12 +617,8 @@ def patches() -> list[Patch]:
             make=_make_mrv1_build_attention_metadata,
             reason="metadata built with ubatch_slices is for a microbatched step: plan the schedule for the DBO "
             "compute count up front",
-            upstream_pr="none (improvement over #60732: zero steady-state re-plans)",
-            removal="vLLM passes the microbatch SM budget to the indexer builder",
-            lazy=True,
-            optional=True,  # without it the call site re-plans for the live count (#60732's path): slower, as correct
         ),
-        Patch(
+        plan_ahead(
             name="indexer.plan_ahead.mrv2",
             runner="mrv2",
             module=MRV2_UBATCH_MODULE,
@@ -642,9 +628,5 @@ def patches() -> list[Patch]:
             anchors=(f"{MRV2_UBATCH_MODULE}:UBatchRunner.prepare", "vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager"),
             reason="UBatchRunner.prepare builds per-microbatch metadata: plan the schedule for the DBO compute "
             "count up front",
-            upstream_pr="none (improvement over #60732: zero steady-state re-plans)",
-            removal="vLLM passes the microbatch SM budget to the indexer builder",
-            lazy=True,
-            optional=True,  # without it the call site re-plans for the live count (#60732's path): slower, as correct
         ),
     ]

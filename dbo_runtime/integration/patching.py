@@ -5,6 +5,7 @@ leaves the rest of the set in place and reports the module's patches ``broken``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -176,10 +177,8 @@ def require_parameters(original: Any, names: tuple[str, ...], patch: str) -> Non
 def _mark(replacement: Any, patch: Patch, original: Any) -> Any:
     target = replacement.__func__ if isinstance(replacement, (staticmethod, classmethod)) else replacement
     for key, value in ((PATCH_MARK, patch.name), ("__wrapped__", original)):
-        try:
+        with contextlib.suppress(AttributeError, TypeError):
             setattr(target, key, value)
-        except (AttributeError, TypeError):
-            pass
     return replacement
 
 
@@ -208,6 +207,14 @@ class PatchStatus:
     """``installed``, ``pending`` (lazy, module not imported yet), ``skipped`` (optional, missing),
     ``broken`` (lazy, failed when its module was imported), ``missing``."""
     detail: str = ""
+
+
+def _notify(kind: str, listeners: list[Callable[..., None]], *args: Any) -> None:
+    for listener in listeners:
+        try:
+            listener(*args)
+        except Exception as exc:  # a listener must never break vLLM's import or an armed run
+            logger.debug("dbo_runtime: %s listener failed: %r", kind, exc)
 
 
 class _LazyFinder(importlib.abc.MetaPathFinder):
@@ -323,11 +330,7 @@ class PatchSet:
         with self._lock:
             self._broken[patch.name] = message
             listeners = list(self.failure_listeners)
-        for listener in listeners:
-            try:
-                listener([patch], f"dbo_runtime: {message}")
-            except Exception as exc:
-                logger.debug("dbo_runtime: failure listener failed: %r", exc)
+        _notify("failure", listeners, [patch], f"dbo_runtime: {message}")
 
     @staticmethod
     def _restore(applied: _Applied) -> None:
@@ -421,10 +424,9 @@ class PatchSet:
         return {p.module for p in self._lazy_waiting}
 
     def _apply_lazy(self, module: ModuleType) -> None:
-        """A lazy module finished importing: patch all of it or none. A failure leaves the rest of the set (the
-        engine may be running) and reports the patches ``broken``; ``DBO_RUNTIME_STRICT=1`` fails the import. On a
-        microbatch thread (which must not raise) the step fails after the join, STRICT or not: the guard judged at
-        load, and the running step would otherwise go on unpatched."""
+        """A lazy module finished importing: patch all of it or none. A failure reports its patches ``broken`` and
+        leaves the rest; ``DBO_RUNTIME_STRICT=1`` fails the import, and on a microbatch thread the step fails after
+        the join, STRICT or not (the guard judged at load; the step would go on unpatched)."""
         with self._lock:
             if not self.installed:
                 return
@@ -462,19 +464,11 @@ class PatchSet:
             listeners = list(self.lazy_listeners) if failure is None else []
             failed = list(self.failure_listeners) if failure is not None else []
         if failure is None:
-            for listener in listeners:
-                try:
-                    listener(module.__name__)
-                except Exception as exc:  # a log line must never break vLLM's import
-                    logger.debug("dbo_runtime: lazy listener failed: %r", exc)
+            _notify("lazy", listeners, module.__name__)
             return
         names = ", ".join(p.name for p in required)
         message = f"dbo_runtime: patches for {module.__name__} ({names}) cannot be applied ({failure!r}); none of them is installed"
-        for failed_listener in failed:
-            try:
-                failed_listener(required, message)
-            except Exception as exc:
-                logger.debug("dbo_runtime: failure listener failed: %r", exc)
+        _notify("failure", failed, required, message)
         error = PatchError(message)
         error.__cause__ = failure
         if record(f"lazy patches for {module.__name__}", error):  # STRICT or not: the join point raises it
@@ -487,10 +481,8 @@ class PatchSet:
         """Restore every original object, newest first."""
         with self._lock:
             if self._finder is not None:
-                try:
+                with contextlib.suppress(ValueError):
                     sys.meta_path.remove(self._finder)
-                except ValueError:
-                    pass
                 self._finder = None
             applied, self._applied = self._applied, []
             self._rollback(applied)

@@ -26,6 +26,9 @@ from dbo_runtime.services.topk_state import UbatchTopkState, window_end_reachabl
 UPSTREAM_PR = "vllm#60734 (per-microbatch DSA shared-indexer top-k); see also vllm#56476 dbo_select_buffer"
 REMOVAL = "remove when the supported vLLM keeps shared top-k state per DBO microbatch (vllm#60734 merged)"
 ATTR = "topk_indices_buffer"
+_topk_patch = functools.partial(Patch, upstream_pr=UPSTREAM_PR, removal=REMOVAL, lazy=True)
+_per_access = functools.partial(_topk_patch, runs_on_ubatch_thread=True, armed_at_first_microbatch=True)
+"""A patch vLLM calls on microbatch threads, in force from the first microbatched run."""
 
 _INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
 _SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
@@ -261,7 +264,7 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
 
         return register_layer
 
-    return Patch(
+    return _topk_patch(
         name="topk.builder_register_layer",
         module=_INDEX_GROUP,
         attr="SparseMLAIndexGroupBuilder.register_layer",
@@ -269,15 +272,12 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
         anchors=(f"{_INDEX_GROUP}:SparseMLAIndexGroupBuilder.register_layer", f"{_INDEX_GROUP}:SparseMLAIndexGroup"),
         reason="allocate/attach per-microbatch top-k state when a group gets a follower under DBO; "
         "refuse HiSparse, the compiled generic path and followers built without a shared builder (ROCm DSA)",
-        upstream_pr=UPSTREAM_PR,
-        removal=REMOVAL,
-        lazy=True,
         architectures=SHARED_GROUP_ARCHITECTURES,
     )
 
 
 def _group_method_patch(name: str, method: str, make: Any) -> Patch:
-    return Patch(
+    return _per_access(
         name=name,
         module=_INDEX_GROUP,
         attr=f"SparseMLAIndexGroup.{method}",
@@ -285,12 +285,7 @@ def _group_method_patch(name: str, method: str, make: Any) -> Patch:
         anchors=(f"{_INDEX_GROUP}:SparseMLAIndexGroup",),  # the view is right only while no other method touches its fields
         reason="run vLLM's conversion / ready-event record on the calling microbatch's physical "
         "workspace and events instead of the group's single copy",
-        upstream_pr=UPSTREAM_PR,
-        removal=REMOVAL,
-        lazy=True,
         architectures=SHARED_GROUP_ARCHITECTURES,
-        runs_on_ubatch_thread=True,
-        armed_at_first_microbatch=True,
     )
 
 
@@ -416,7 +411,7 @@ def _descriptor_patch(
     optional: bool = False,
 ) -> Patch:
     shared_by = ("MistralLarge4ForCausalLM", "DeepseekV41ForCausalLM") if module == _SPARSE_INDEXER else ()
-    return Patch(
+    return _topk_patch(
         name=f"topk.{cls}.{ATTR}",
         module=module,
         attr=f"{cls}.{ATTR}",
@@ -427,9 +422,6 @@ def _descriptor_patch(
             if model
             else "writers of the leader's top-k resolve the calling microbatch's logical buffer"
         ),
-        upstream_pr=UPSTREAM_PR,
-        removal=REMOVAL,
-        lazy=True,
         adds=True,
         optional=optional,
         # also writes Mistral Large 4's and DeepSeek-V4.1's shared buffers
@@ -461,7 +453,7 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
 
         return property(topk_indices_buffer, fset, fdel, original.__doc__)
 
-    return Patch(
+    return _per_access(
         name=where,
         module=_SPARSE_MLA,
         attr=f"SharedTopkIndicesBuffer.{ATTR}",
@@ -469,12 +461,7 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
         # windows are right only while every reader indexes from its own microbatch's row 0
         anchors=tuple(f"{_SPARSE_MLA}:{c}" for c in ("SharedTopkIndicesBuffer", "SparseMLACommonImpl", "SparseMLACommonMetadataBuilder")),
         reason="followers' sparse MLA impls read the calling microbatch's logical buffer",
-        upstream_pr=UPSTREAM_PR,
-        removal=REMOVAL,
-        lazy=True,
         architectures=SHARED_GROUP_ARCHITECTURES,
-        runs_on_ubatch_thread=True,
-        armed_at_first_microbatch=True,
     )
 
 
@@ -512,19 +499,14 @@ def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:
 
         return _fa4_varlen_scalars
 
-    return Patch(
+    return _per_access(
         name=FA4_SCALARS,
         module=_FA4_SPARSE,
         attr="_fa4_varlen_scalars",
         make=make,
         reason="keep FA4's never-evicted varlen-scalar cache at one entry when microbatch 1 reads a window "
         "of the logical top-k buffer (a new window length per split point would leak device memory)",
-        upstream_pr=UPSTREAM_PR,
-        removal=REMOVAL,
-        lazy=True,
         optional=True,
-        runs_on_ubatch_thread=True,
-        armed_at_first_microbatch=True,
     )
 
 
