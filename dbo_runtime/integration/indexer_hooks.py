@@ -29,6 +29,7 @@ from dbo_runtime.services import schedule_cache as _sc
 from dbo_runtime.services.planner_warmup import PlannerProfile
 from dbo_runtime.services.runtime_stats import count_microbatched_build
 from dbo_runtime.services.schedule_cache import schedule_cache
+from dbo_runtime.services.sm_control import sm_control_for
 
 logger = get_logger(__name__)
 
@@ -200,7 +201,7 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
     device = _device_index(builder) if device_index is None else device_index
     if device is None:
         return None
-    cache.attach_device(device, int(builder.num_sms))
+    cache.attach(sm_control_for(device, int(builder.num_sms)))
     flat = bool(getattr(builder, "use_flattening", False))
     varlen = bool(getattr(builder, "supports_varlen", False))
     config = builder.vllm_config
@@ -419,10 +420,6 @@ def write_timing() -> tuple[str, ...]:
     )
 
 
-def _is_writer_hook(fn: Any) -> bool:
-    return str(getattr(fn, PATCH_MARK, "")).startswith("indexer.sm_writes.")
-
-
 def _refresh_live_count() -> None:
     """Once per step (main thread): re-read DeepGEMM's count at the next call site, and distrust the cache if a
     watched writer was rebound behind the plugin (in every step: without plan-ahead no build knows it microbatches)."""
@@ -442,7 +439,8 @@ def _restore_alias() -> None:
     """Uninstall hands the alias vLLM's own function, even where it was bound to our wrapper."""
     module = sys.modules.get(UBATCH_UTILS)
     current: Any = getattr(module, ALIAS, None)
-    while _is_writer_hook(current) and getattr(current, "__wrapped__", None) is not None:
+    hook = "indexer.sm_writes."
+    while str(getattr(current, PATCH_MARK, "")).startswith(hook) and getattr(current, "__wrapped__", None) is not None:
         current = current.__wrapped__
     if module is not None and current is not None:
         setattr(module, ALIAS, current)

@@ -5,6 +5,7 @@ published before any kernel runs under it and a nested or failing scope restores
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from dbo_runtime.adapters.all2all import All2AllKnob
@@ -172,7 +173,8 @@ def _replace(original: Any) -> Any:
 
 
 def patches() -> list[Patch]:
-    common = dict(
+    patch = functools.partial(
+        Patch,
         make=_replace,
         reason=(
             "route DBO's compute/comm SM split through SMControl so subscribers (indexer schedule "
@@ -186,20 +188,18 @@ def patches() -> list[Patch]:
     )
     policy = ("vllm.v1.worker.ubatch_utils:create_sm_control_context", "vllm.v1.worker.ubatch_utils:SMControlContextManager")
     return [
-        Patch(
+        patch(
             name="sm_control.mrv1",
             runner="mrv1",
             module="vllm.v1.worker.gpu_ubatch_wrapper",
             attr="create_sm_control_context",
             anchors=(*policy, "vllm.v1.worker.gpu_ubatch_wrapper:UBatchWrapper.__init__"),
-            **common,  # type: ignore[arg-type]
         ),
-        Patch(
+        patch(
             name="sm_control.mrv2",
             runner="mrv2",
             module="vllm.v1.worker.gpu.ubatch_utils",
             attr="create_sm_control_context",
             anchors=(*policy, "vllm.v1.worker.gpu.ubatch_utils:UBatchRunner.__init__"),
-            **common,  # type: ignore[arg-type]
         ),
     ]

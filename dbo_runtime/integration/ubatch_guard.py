@@ -157,9 +157,9 @@ def _make_context_enter(original: Any) -> Any:
 
 
 def patches() -> list[Patch]:
-    common = dict(upstream_pr=UPSTREAM_PR, removal=REMOVAL, lazy=True)
+    patch = functools.partial(Patch, upstream_pr=UPSTREAM_PR, removal=REMOVAL, lazy=True)
     return [
-        Patch(
+        patch(
             name="ubatch_guard.mrv1_run",
             runner="mrv1",
             module=MRV1_MODULE,
@@ -168,18 +168,16 @@ def patches() -> list[Patch]:
             reason="arm the per-access hooks before the first microbatched run's threads start; after the threads "
             "are joined, raise what dbo_runtime hooks recorded on them "
             "(they never raise there: a dead microbatch thread hangs the join and the DP group)",
-            **common,  # type: ignore[arg-type]
         ),
-        Patch(
+        patch(
             name="ubatch_guard.mrv1_capture",
             runner="mrv1",
             module=MRV1_MODULE,
             attr="UBatchWrapper._capture_ubatches",
             make=functools.partial(_checked_join, where="UBatchWrapper._capture_ubatches", drop_new_graphs=True),
             reason="same for a FULL-graph DBO capture; a graph captured with a placeholder is dropped",
-            **common,  # type: ignore[arg-type]
         ),
-        Patch(
+        patch(
             name="ubatch_guard.mrv2_finish",
             runner="mrv2",
             module=MRV2_MODULE,
@@ -187,9 +185,8 @@ def patches() -> list[Patch]:
             make=_make_mrv2_begin,
             reason="wrap the returned finish() (and abort_pending_run's) so it raises what dbo_runtime hooks "
             "recorded on the microbatch threads after joining them",
-            **common,  # type: ignore[arg-type]
         ),
-        Patch(
+        patch(
             name=CONTEXT_ENTER,
             module=UBATCHING,
             attr="UBatchContext.__enter__",
@@ -197,6 +194,5 @@ def patches() -> list[Patch]:
             reason="every microbatch thread registers here: put the patches armed at the first microbatched run "
             "in force before its model code runs, on a path that reached microbatch threads without the join points",
             runs_on_ubatch_thread=True,
-            **common,  # type: ignore[arg-type]
         ),
     ]

@@ -15,7 +15,7 @@ from dbo_runtime.adapters.cuda_graph import CAPTURES
 from dbo_runtime.adapters.deep_gemm import next_n_of
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.services.planner_warmup import PlannerWarmup
-from dbo_runtime.services.sm_control import BudgetEvent, SMControl, Subscription, sm_control_for
+from dbo_runtime.services.sm_control import BudgetEvent, SMControl, Subscription
 
 logger = get_logger(__name__)
 
@@ -318,11 +318,6 @@ class IndexerScheduleCache:
             if control.device in self._subscriptions:
                 return
             self._subscriptions[control.device] = control.subscribe(self.on_budget, name="indexer_schedule_cache")
-
-    def attach_device(self, device: int, total_sms: int) -> SMControl:
-        control = sm_control_for(device, total_sms)
-        self.attach(control)
-        return control
 
     def detach_all(self) -> None:
         with self._lock:
