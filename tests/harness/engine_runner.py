@@ -7,13 +7,16 @@ ones. An ``E2ESpec`` names this module, so ``harness.launch`` runs it per rank.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dbo_runtime.harness import runner
-from dbo_runtime.harness.launch import RunSpec
+from dbo_runtime.harness.launch import RunSpec, engine_arg
 from dbo_runtime.harness.prompts import PromptSpec, for_rank, load
 
 
@@ -28,6 +31,54 @@ class E2ESpec(RunSpec):
     def __post_init__(self) -> None:
         if isinstance(self.repeat_mixed, dict):  # as read back from a run's spec.json
             self.repeat_mixed = PromptSpec(**self.repeat_mixed)
+
+    def record(self, ranks: list[dict[str, Any]], logs: list[str], wall_s: float) -> dict[str, Any]:
+        """``RunSpec.record`` with what the proofs, benches and session records read."""
+        record = super().record(ranks, logs, wall_s)
+        text = "\n".join(logs)
+        stats_end = [s for r in ranks for s in (r.get("stats_end") or [])]
+        versions = next((r["versions"] for r in ranks if r.get("versions")), None)
+        record.update(
+            describe(self),
+            vllm_version=versions.get("vllm") if versions else None,
+            device=versions.get("device") if versions else None,
+            versions=versions,
+            import_s=[r.get("import_s") for r in ranks],
+            num_requests=len(record["requests"]),
+            max_tokens=self.max_tokens,
+            counters=[s.get("summary") for s in stats_end] or None,
+            runner_seen=sorted({s["worker"].get("runner") for s in stats_end if s.get("worker")}) or None,
+            plugin_log_lines=[line.strip() for line in text.splitlines() if PLUGIN_LINE.search(line)][:60],
+            tokens_identical_to=None,
+            meta=self.meta,
+            engine_args=self.engine_args,
+            repeat_mixed=[r.get("repeat_mixed") for r in ranks if r.get("repeat_mixed")] or None,
+            jit_cache=[r.get("jit_cache") for r in ranks if r.get("jit_cache")] or None,
+            log_tail=text[-4000:] if not record["ok"] else None,
+        )
+        return record
+
+
+PLUGIN_LINE = re.compile(r"dbo_runtime[:/]")
+
+
+def describe(spec: RunSpec) -> dict[str, Any]:
+    """The record's configuration keys, read from what the run was given."""
+    args = spec.engine_args
+    dbo = "--enable-dbo" in args
+    v2 = {**os.environ, **spec.env}.get("VLLM_USE_V2_MODEL_RUNNER")
+    model = engine_arg(args, "--model") or ""
+    compilation = engine_arg(args, "--compilation-config", "-cc") or ""
+    return {
+        "model": spec.meta.get("model") or Path(model).name or model,
+        "dp": spec.dp,
+        "dbo": dbo,
+        "runner": "v2" if v2 == "1" else ("v1" if v2 == "0" or dbo else "v2"),
+        "graphs": "--enforce-eager" not in args,
+        "cudagraph_mode": (json.loads(compilation).get("cudagraph_mode") if compilation.startswith("{") else None),
+        "all2all_backend": engine_arg(args, "--all2all-backend"),
+        "env": dict(spec.env),
+    }
 
 
 def jit_cache_kernels(root: str | None = None) -> set[str]:

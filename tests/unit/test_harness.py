@@ -14,9 +14,10 @@ import pytest
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.harness import launch as launch_mod
 from dbo_runtime.harness.compare import Request, Thresholds, compare, verdict
-from dbo_runtime.harness.launch import RunSpec, assemble, describe, launch
+from dbo_runtime.harness.launch import RunSpec, launch
 from dbo_runtime.harness.prompts import PromptSpec, for_rank, from_file, synthetic
 from tests.e2e.pool import assign_gpus, run_all
+from tests.harness.engine_runner import E2ESpec, describe
 from tests.harness.runs import record_facts
 
 
@@ -194,7 +195,7 @@ def test_prompt_file_formats_and_errors(tmp_path: Path) -> None:
         PromptSpec(num=0).validate()
 
 
-# -- describe / assemble ----------------------------------------------------------------------------
+# -- describe / record ------------------------------------------------------------------------------
 def test_describe_reads_the_configuration() -> None:
     spec = RunSpec(
         "x",
@@ -203,16 +204,17 @@ def test_describe_reads_the_configuration() -> None:
         env={"DBO_RUNTIME_DISABLE": "1"},
     )
     d = describe(spec)
-    assert d["model"] == "shared-topk" and d["dbo"] and not d["plugin"] and d["runner"] == "v1" and d["graphs"]
+    assert d["model"] == "shared-topk" and d["dbo"] and d["runner"] == "v1" and d["graphs"]
+    assert not spec.record([], [], 0.0)["plugin"]
     assert d["cudagraph_mode"] == "FULL_DECODE_ONLY" and d["all2all_backend"] == "deepep_low_latency"
     assert describe(RunSpec("y", ["--model", "m", "--enforce-eager"]))["runner"] == "v2"  # vLLM 0.33's default without DBO
 
 
 def test_assemble_names_the_deepgemm_crash() -> None:
-    spec = RunSpec("crash", ["--model", "m"], dp=2)
+    spec = E2ESpec("crash", ["--model", "m"], dp=2)
     ranks = [{"rank": 0, "ok": False, "error": "EngineDeadError: dead"}, {"rank": 1, "ok": False, "error": "killed"}]
     log = "(Worker_DP0) RuntimeError: Assertion error (csrc/apis/attention.hpp:388): _schedule_meta_size == num_sms / num_kv_multicast + 1"
-    rec = assemble(spec, ranks, [log, ""], 3.0)
+    rec = spec.record(ranks, [log, ""], 3.0)
     assert not rec["ok"] and "deepgemm_schedule_assert" in rec["failure_signatures"]
     assert "_schedule_meta_size" in rec["error"] and rec["plugin_log_lines"] == []
 
@@ -223,7 +225,7 @@ def test_assemble_names_deepep_lls_queue_depth_limit() -> None:
 
     spec = RunSpec("ll", ["--model", "m"], dp=2)
     log = "(Worker_DP0_EP0) ERROR [multiproc_executor.py:1189]     assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2"
-    rec = assemble(spec, [{"rank": 0, "ok": False, "error": "RuntimeError: Engine core initialization failed."}], [log], 3.0)
+    rec = spec.record([{"rank": 0, "ok": False, "error": "RuntimeError: Engine core initialization failed."}], [log], 3.0)
     assert rec["failure_signatures"] == ["deepep_ll_qp_depth"]
     assert "NVSHMEM_QP_DEPTH" in SIGNATURE_HINTS["deepep_ll_qp_depth"] and "cuda_oom" not in SIGNATURE_HINTS
 
@@ -236,7 +238,7 @@ def fake_runner(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_launch_merges_ranks(tmp_path: Path, fake_runner: None) -> None:
-    rec = launch(RunSpec("good", ["--model", "m"], dp=2, meta={"fake": {}}), tmp_path)
+    rec = launch(E2ESpec("good", ["--model", "m"], dp=2, meta={"fake": {}}), tmp_path)
     assert rec["ok"] and [r["index"] for r in rec["requests"]] == [0, 1, 2, 3]
     assert rec["microbatched_steps"] == [5, 5] and rec["vllm_version"] == "0.33.0"
     assert any("patches installed" in line for line in rec["plugin_log_lines"])
