@@ -16,9 +16,8 @@ from typing import Any
 
 from dbo_runtime.harness.launch import RunSpec
 from dbo_runtime.harness.prompts import PromptSpec
-from dbo_runtime.harness.runner import ROW_HOOK_ENV
 from tests.harness import selftime
-from tests.harness.engine_runner import E2ESpec
+from tests.harness.engine_runner import ROW_HOOK_ENV, E2ESpec
 
 MODELS = Path(__file__).parent / "models"
 KV_CACHE_BYTES = 2 << 30

@@ -7,10 +7,12 @@ ones. An ``E2ESpec`` names this module, so ``harness.launch`` runs it per rank.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,33 @@ def describe(spec: RunSpec) -> dict[str, Any]:
         "all2all_backend": engine_arg(args, "--all2all-backend"),
         "env": dict(spec.env),
     }
+
+
+ROW_HOOK_ENV = "DBO_HARNESS_ROW_HOOK"
+"""``module:function`` a measurement harness names, called as ``hook(row, s0, s1, s2, steps)`` after each bench rep
+with the counter snapshots before, between and after its two passes: where it adds its own columns."""
+
+
+def bench_row(requests: int) -> Callable[..., None]:
+    """The bench rows' step time, throughput and plugin counters, then ``$DBO_HARNESS_ROW_HOOK``'s columns."""
+    module, _, name = os.environ.get(ROW_HOOK_ENV, "").partition(":")
+    more = getattr(importlib.import_module(module), name) if module else None
+
+    def hook(row: dict[str, Any], s0: Any, s1: Any, s2: Any, steps: int) -> None:
+        decode = row["total_s"] - row["prefill_s"]
+        valid = decode > 0  # a loaded host can make the 1-token pass slower than the full one: no measurement
+        row.update(
+            decode_step_ms=decode / (steps - 1) * 1e3 if valid else None,
+            decode_tok_per_s=requests * (steps - 1) / decode if valid else None,
+            microbatched_builds=runner.summary_delta(s1, s2, "microbatched_builds"),
+            prefill_microbatched_builds=runner.summary_delta(s0, s1, "microbatched_builds"),
+            jit_in_step=runner.summary_delta(s0, s2, "jit_in_step"),
+            armed_patches=max((w["summary"].get("armed_patches", 0) for w in s2 or []), default=0),
+        )
+        if more is not None:
+            more(row, s0, s1, s2, steps)
+
+    return hook
 
 
 def jit_cache_kernels(root: str | None = None) -> set[str]:
@@ -155,7 +184,8 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
             llm, params, batch, PromptSpec(**spec["repeat_mixed"]), vocab, rank, size
         )
     if spec.get("bench"):
-        result["bench"] = runner.bench_reps(llm, type(params), batch, spec["bench"], rank, size)
+        bench = spec["bench"]
+        result["bench"] = runner.bench_reps(llm, type(params), batch, bench, rank, size, bench_row(len(batch)))
     result["ok"] = True
     return result
 

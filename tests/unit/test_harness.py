@@ -403,8 +403,11 @@ def test_bench_reports_no_step_time_when_the_host_made_it_unmeasurable(monkeypat
     from dbo_runtime.harness import runner
 
     monkeypatch.setattr(runner, "_stats", lambda llm: [{"summary": {"microbatched_builds": 0, "self_time_ns": 0}}])
-    monkeypatch.delenv(runner.ROW_HOOK_ENV, raising=False)
-    out = runner.bench_reps(_fake_llm(one_s=0.05, full_s=0.01)(), _FakeParams, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)
+    from tests.harness.engine_runner import ROW_HOOK_ENV, bench_row
+
+    monkeypatch.delenv(ROW_HOOK_ENV, raising=False)
+    bench = {"max_tokens": 8, "reps": 1, "warmup": 0}
+    out = runner.bench_reps(_fake_llm(one_s=0.05, full_s=0.01)(), _FakeParams, [1, 2], bench, 0, 1, bench_row(2))
     [row] = out["reps"]
     assert row["decode_step_ms"] is None and row["decode_tok_per_s"] is None
     assert "plugin_self_us_per_step" not in row  # only a measurement harness adds its columns
