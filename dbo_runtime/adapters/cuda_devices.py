@@ -1,6 +1,4 @@
-"""CUDA device properties through torch: the SM count vLLM partitions. CUDA is initialised only after
-``is_available()``, so a GPU-less box gets an empty list and the reason.
-"""
+"""CUDA devices through torch: the SM count vLLM partitions; a GPU-less box gets no devices and the reason."""
 
 from __future__ import annotations
 

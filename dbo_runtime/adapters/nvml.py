@@ -1,10 +1,6 @@
-"""NVML (``pynvml``, imported lazily) as typed per-GPU snapshots, without touching CUDA.
-
-NVML sees every GPU through the driver, with MIG slicing and memory; it has no SM count for a full
-GPU, so it gives a cross-check (cores / cores per SM) while CUDA gives the authoritative count
-(``adapters.cuda_devices``). Each field degrades to None on its own ``NVMLError``; only a failure to
-start NVML at all is reported, as ``NvmlUnavailable``.
-"""
+"""NVML (``pynvml``, imported lazily) as per-GPU snapshots, without touching CUDA: MIG slices, and for a full GPU
+a cross-check of CUDA's SM count (cores / cores per SM). A field is None on its own ``NVMLError``; only a failure
+to start NVML raises (``NvmlUnavailable``)."""
 
 from __future__ import annotations
 

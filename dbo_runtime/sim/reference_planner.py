@@ -1,36 +1,29 @@
-"""DeepGEMM's paged-MQA-logits schedule planner in pure torch, bit-for-bit.
-
-``dbo-runtime simulate`` and the CPU tests need what ``get_paged_mqa_logits_metadata`` returns for an
-SM count without a GPU (``tests/gpu/test_reference_planner_gpu.py`` checks it against the kernel).
-It syncs with the device, so never inside a capture. Non-varlen path only (SM90, SM100).
-"""
+"""DeepGEMM's ``get_paged_mqa_logits_metadata`` in torch, bit for bit (SM90, SM100); it syncs: never in a capture."""
 
 from __future__ import annotations
 
 import torch
 
 SPLIT_KV_TOKENS = 256
-"""Tokens per schedule segment (DeepGEMM's ``split_kv``)."""
 
 
 def num_kv_multicast(next_n: int, sm_major: int = 9) -> int:
-    """CTAs sharing one schedule slot: 2 for SM90 ``next_n == 4`` (cluster multicast), else 1."""
+    """CTAs per schedule slot: 2 for SM90 ``next_n == 4``, else 1."""
     return 2 if (sm_major == 9 and next_n == 4) else 1
 
 
 def schedule_slots(num_sms: int, next_n: int, sm_major: int = 9) -> int:
-    """Slots for ``num_sms`` SMs (DeepGEMM's ``num_sms`` argument); the metadata has this + 1 rows."""
+    """DeepGEMM's ``num_sms`` argument: the metadata has this + 1 rows."""
     return num_sms // num_kv_multicast(next_n, sm_major)
 
 
 def num_next_n_atoms(next_n: int, sm_major: int = 9) -> int:
-    """Q atoms per request as DeepGEMM passes them: 1 on SM90, ``ceil(next_n / 2)`` on SM100."""
+    """Q atoms per request: 1 on SM90, ``ceil(next_n / 2)`` on SM100."""
     return 1 if sm_major == 9 else (next_n + 1) // 2
 
 
 def plan_paged_mqa_schedule(context_lens: torch.Tensor, block_kv: int, slots: int, sm_major: int = 9) -> torch.Tensor:
-    """DeepGEMM ``get_paged_mqa_logits_metadata(context_lens, block_kv, slots)`` on any device: an int32
-    ``[batch, next_n]`` tensor of lengths, ``block_kv`` 32 or 64 (the split is 256 tokens either way)."""
+    """The metadata for int32 ``[batch, next_n]`` lengths (``block_kv``, 32 or 64, changes nothing)."""
     last = context_lens[:, -1]
     batch, next_n = context_lens.shape
     atoms = num_next_n_atoms(next_n, sm_major)
