@@ -61,9 +61,9 @@ def configurations(models: list[str], depths: list[int], modes: list[str], dbo: 
 
 
 def specs_for(config: dict, steps: int, reps: int) -> list:
-    from dbo_runtime.harness.launch import RunSpec
     from dbo_runtime.harness.prompts import PromptSpec
     from tests.e2e import dp_emulation, plan
+    from tests.harness.engine_runner import E2ESpec
 
     name, overrides = MODELS[config["model"]]
     extra = ["--hf-overrides", json.dumps({"num_hidden_layers": config["depth"], **overrides})]
@@ -72,7 +72,7 @@ def specs_for(config: dict, steps: int, reps: int) -> list:
     extra += ["--dbo-decode-token-threshold", "4", "--dbo-prefill-token-threshold", "32"] if emu else []
     bench = {"max_tokens": steps, "reps": reps, "warmup": 1, "coordinated": True}
     return [
-        RunSpec(label=f"{config['label']}-{variant}", engine_args=plan.tiny_args(name, eager=config["mode"] == "eager", extra=extra),
+        E2ESpec(label=f"{config['label']}-{variant}", engine_args=plan.tiny_args(name, eager=config["mode"] == "eager", extra=extra),
                 env={**plan.bench_env(env), **(dp_emulation.engine_env(EMU_COMM_SMS[variant]) if emu else {})}, cold_jit_cache=emu,
                 prompts=PromptSpec(num=32, min_len=300, max_len=600, seed=13), max_tokens=4, bench=bench, timeout_s=1500,
                 meta={"model": name, "issue": 20, "what": "bench_host_cost", **config, "variant": variant})

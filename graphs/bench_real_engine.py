@@ -39,16 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     if refused is not None:
         return EXIT_NO_DEVICE
 
-    from dbo_runtime.harness.launch import RunSpec, launch
+    from dbo_runtime.harness.launch import launch
     from dbo_runtime.harness.prompts import PromptSpec
     from tests.e2e import plan
+    from tests.harness.engine_runner import E2ESpec
 
     work = Path(args.out) / "bench_real_engine_runs"
     prompts = PromptSpec(num=32, min_len=300, max_len=600, seed=11)
     bench = {"max_tokens": args.steps, "reps": args.decode_reps, "warmup": 1}
 
-    def spec(label: str, env: dict[str, str]) -> RunSpec:
-        return RunSpec(label=label, engine_args=plan.tiny_args(args.model, eager=not args.graphs), env=plan.bench_env(env), prompts=prompts, max_tokens=4,
+    def spec(label: str, env: dict[str, str]) -> E2ESpec:
+        return E2ESpec(label=label, engine_args=plan.tiny_args(args.model, eager=not args.graphs), env=plan.bench_env(env), prompts=prompts, max_tokens=4,
                        bench=bench, timeout_s=900, meta={"model": args.model, "issue": 8, "what": "bench_real_engine"})  # fmt: skip
 
     from tests.harness.report import environment

@@ -1,12 +1,9 @@
-"""CUDA device properties through torch: the SM count vLLM partitions. CUDA is initialised only after
-``is_available()``, so a GPU-less box gets an empty list and the reason.
-"""
+"""CUDA devices through torch: the SM count vLLM partitions; a GPU-less box gets no devices and the reason."""
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,7 +13,6 @@ class CudaDevice:
     name: str
     multi_processor_count: int
     compute_capability: tuple[int, int]
-    total_memory_bytes: int | None
     uuid: str | None
     """As torch prints it, or None on older torch."""
 
@@ -40,11 +36,6 @@ def normalize_uuid(uuid: str | None) -> str | None:
     return text or None
 
 
-def _uuid(props: Any) -> str | None:
-    raw = getattr(props, "uuid", None)
-    return None if raw is None else str(raw)
-
-
 def scan() -> CudaScan:
     """Every CUDA device torch can see."""
     try:
@@ -63,8 +54,7 @@ def scan() -> CudaScan:
                 name=str(props.name),
                 multi_processor_count=int(props.multi_processor_count),
                 compute_capability=(int(props.major), int(props.minor)),
-                total_memory_bytes=int(props.total_memory) if hasattr(props, "total_memory") else None,
-                uuid=_uuid(props),
+                uuid=None if getattr(props, "uuid", None) is None else str(props.uuid),
             )
         )
     return CudaScan(tuple(devices), version, f"{len(devices)} CUDA device(s)")

@@ -1,10 +1,6 @@
-"""NVML (``pynvml``, imported lazily) as typed per-GPU snapshots, without touching CUDA.
-
-NVML sees every GPU through the driver, with MIG slicing and memory; it has no SM count for a full
-GPU, so it gives a cross-check (cores / cores per SM) while CUDA gives the authoritative count
-(``adapters.cuda_devices``). Each field degrades to None on its own ``NVMLError``; only a failure to
-start NVML at all is reported, as ``NvmlUnavailable``.
-"""
+"""NVML (``pynvml``, imported lazily) as per-GPU snapshots, without touching CUDA: MIG slices, and for a full GPU
+a cross-check of CUDA's SM count (cores / cores per SM). A field is None on its own ``NVMLError``; only a failure
+to start NVML raises (``NvmlUnavailable``)."""
 
 from __future__ import annotations
 
@@ -46,8 +42,6 @@ class NvmlMigDevice:
     name: str | None
     uuid: str | None
     multiprocessor_count: int | None
-    sm_clock_mhz: int | None
-    max_sm_clock_mhz: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +54,6 @@ class NvmlGpu:
     compute_capability: tuple[int, int] | None
     num_gpu_cores: int | None
     mig_enabled: bool | None
-    sm_clock_mhz: int | None
-    max_sm_clock_mhz: int | None
-    utilization_gpu_pct: int | None
-    utilization_memory_pct: int | None
     attributes_multiprocessor_count: int | None
     """``nvmlDeviceGetAttributes_v2`` on the GPU handle: None on a full (non-MIG) GPU."""
     mig_devices: tuple[NvmlMigDevice, ...] = field(default_factory=tuple)
@@ -116,10 +106,6 @@ class _Reader:
             return None
         return self.opt(fn, *args)
 
-    def clock(self, handle: Any, maximum: bool) -> int | None:
-        value = self.call("nvmlDeviceGetMaxClockInfo" if maximum else "nvmlDeviceGetClockInfo", handle, self.nvml.NVML_CLOCK_SM)
-        return None if value is None else int(value)
-
 
 def _load() -> ModuleType:
     try:
@@ -143,8 +129,6 @@ def _mig_devices(r: _Reader, parent_index: int, handle: Any) -> tuple[NvmlMigDev
                 name=_text(r.call("nvmlDeviceGetName", mig)),
                 uuid=_text(r.call("nvmlDeviceGetUUID", mig)),
                 multiprocessor_count=None if attrs is None else int(attrs.multiprocessorCount),
-                sm_clock_mhz=r.clock(mig, maximum=False),
-                max_sm_clock_mhz=r.clock(mig, maximum=True),
             )
         )
     return tuple(out)
@@ -157,7 +141,6 @@ def _gpu(r: _Reader, index: int) -> NvmlGpu:
     mig = r.call("nvmlDeviceGetMigMode", handle)
     enable = getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1)
     mig_enabled = None if mig is None else int(mig[0]) == enable
-    util = r.call("nvmlDeviceGetUtilizationRates", handle)
     attrs = r.call("nvmlDeviceGetAttributes_v2", handle)
     cores = r.call("nvmlDeviceGetNumGpuCores", handle)
     memory = r.call("nvmlDeviceGetMemoryInfo", handle)
@@ -168,10 +151,6 @@ def _gpu(r: _Reader, index: int) -> NvmlGpu:
         compute_capability=None if cc is None else (int(cc[0]), int(cc[1])),
         num_gpu_cores=None if cores is None else int(cores),
         mig_enabled=mig_enabled,
-        sm_clock_mhz=r.clock(handle, maximum=False),
-        max_sm_clock_mhz=r.clock(handle, maximum=True),
-        utilization_gpu_pct=None if util is None else int(util.gpu),
-        utilization_memory_pct=None if util is None else int(util.memory),
         attributes_multiprocessor_count=None if attrs is None else int(attrs.multiprocessorCount),
         mig_devices=_mig_devices(r, index, handle) if mig_enabled else (),
         memory_total_bytes=None if memory is None else int(memory.total),

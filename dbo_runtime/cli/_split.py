@@ -35,14 +35,14 @@ def comm_sms(flag: int | None, platform: str, environ: Mapping[str, str] | None 
 
 def budget_for(
     *, total: int, comm: tuple[int, str], platform: str, all2all_backend: str | None, max_sms_used: int | None = None,
-    expert_parallel: bool = True, deep_gemm: bool = True, device: int = 0, sm_major: int | None = None,
+    device: int = 0, sm_major: int | None = None,
 ) -> SMBudget:
     """vLLM's split (SM90: DeepGEMM's share even); a typed comm share >= the SM count is refused: vLLM asserts it."""
     value, source = comm
     try:
         budget = compute_budget(
-            total_sms=total, platform=platform, enable_dbo=True, expert_parallel=expert_parallel, all2all_backend=all2all_backend,
-            env_comm_sms=value, max_sms_used=max_sms_used, has_deep_gemm=deep_gemm, device=device,
+            total_sms=total, platform=platform, enable_dbo=True, expert_parallel=True, all2all_backend=all2all_backend,
+            env_comm_sms=value, max_sms_used=max_sms_used, device=device,
             comm_cap=DEEPEP_HT_MANAGER_NUM_SMS if all2all_backend == "deepep_high_throughput" else None,
             compute_multiple=deep_gemm_compute_multiple(sm_major) if sm_major is not None else 1,
         )  # fmt: skip

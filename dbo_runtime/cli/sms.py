@@ -43,17 +43,9 @@ class DeviceRow:
     cores_per_sm: int | None = None
     sms_consistent: bool | None = None
     mig_enabled: bool | None = None
-    sm_clock_mhz: int | None = None
-    max_sm_clock_mhz: int | None = None
-    utilization_gpu_pct: int | None = None
-    utilization_memory_pct: int | None = None
     budget: dict[str, Any] | None = None
     note: str = ""
     warnings: list[str] = field(default_factory=list)
-
-
-def int_or_none(text: str) -> int | None:
-    return None if text == "none" else int(text)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -65,9 +57,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--all2all-backend", default="deepep_high_throughput", choices=backends, help="the all2all backend (default deepep_high_throughput; allgather_reducescatter needs --platform rocm)")
     p.add_argument("--comm-sms", type=int, metavar="N", help="VLLM_DBO_COMM_SMS (default: $VLLM_DBO_COMM_SMS, else 20 CUDA / 64 ROCm)")
     p.add_argument("--platform", default="cuda", choices=PLATFORMS, help="cuda (default) or rocm")
-    p.add_argument("--no-expert-parallel", action="store_true", help="as without --enable-expert-parallel")
-    p.add_argument("--max-sms-used", type=int_or_none, metavar="N|none", help="override the all2all manager's max_sms_used()")
-    p.add_argument("--no-deep-gemm", action="store_true", help="as if DeepGEMM were not installed (compute knob untouched)")
     return p
 
 
@@ -119,8 +108,6 @@ def _hardware_rows() -> tuple[list[DeviceRow], dict[str, Any], dict[str, Any]]:
             uuid=g.uuid, compute_capability=_cc(g.compute_capability), sms_cuda=None if cd is None else cd.multi_processor_count,
             sms_nvml_mig_attributes=g.attributes_multiprocessor_count, sms_nvml_cores=g.sms_from_cores,
             nvml_gpu_cores=g.num_gpu_cores, cores_per_sm=g.cores_per_sm, mig_enabled=g.mig_enabled,
-            sm_clock_mhz=g.sm_clock_mhz, max_sm_clock_mhz=g.max_sm_clock_mhz,
-            utilization_gpu_pct=g.utilization_gpu_pct, utilization_memory_pct=g.utilization_memory_pct,
         )  # fmt: skip
         row.sms, row.sms_source = (row.sms_cuda, "cuda") if row.sms_cuda is not None else (row.sms_nvml_cores, "nvml-cores")
         row.sms_consistent = _agree(row.sms_cuda, row.sms_nvml_cores, row.sms_nvml_mig_attributes)
@@ -130,7 +117,7 @@ def _hardware_rows() -> tuple[list[DeviceRow], dict[str, Any], dict[str, Any]]:
             mrow = DeviceRow(
                 f"{g.index} MIG {m.slot}", "mig", g.index, None if mcd is None else mcd.index, m.slot, m.name or f"{row.name} MIG",
                 uuid=m.uuid, compute_capability=row.compute_capability, sms_cuda=None if mcd is None else mcd.multi_processor_count,
-                sms_nvml_mig_attributes=m.multiprocessor_count, mig_enabled=True, sm_clock_mhz=m.sm_clock_mhz, max_sm_clock_mhz=m.max_sm_clock_mhz,
+                sms_nvml_mig_attributes=m.multiprocessor_count, mig_enabled=True,
             )  # fmt: skip
             cuda = mrow.sms_cuda is not None
             mrow.sms, mrow.sms_source = (mrow.sms_cuda, "cuda") if cuda else (mrow.sms_nvml_mig_attributes, "nvml-mig-attributes")
@@ -155,7 +142,6 @@ def _apply_budget(row: DeviceRow, args: argparse.Namespace, comm: tuple[int, str
     try:
         budget = budget_for(
             total=row.sms, comm=comm, platform=args.platform, all2all_backend=args.all2all_backend, max_sms_used=max_sms,
-            expert_parallel=not args.no_expert_parallel, deep_gemm=not args.no_deep_gemm,
             device=row.cuda_index if row.cuda_index is not None else (row.nvml_index or 0), sm_major=major,
         )  # fmt: skip
     except ConfigError as exc:
@@ -169,7 +155,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     if args.all2all_backend not in BACKENDS[args.platform]:
         raise ConfigError("--all2all-backend", args.all2all_backend, BACKENDS[args.platform])
     comm = comm_sms(args.comm_sms, args.platform)
-    max_sms = BACKEND_MAX_SMS_USED.get(args.all2all_backend) if args.max_sms_used is None else args.max_sms_used
+    max_sms = BACKEND_MAX_SMS_USED.get(args.all2all_backend)
     if args.total_sms is not None:
         h200 = args.total_sms == H200_SMS and args.platform == "cuda"
         name = H200_PROFILE_NAME if h200 else f"{'SM90 ' if args.platform == 'cuda' else ''}GPU with {args.total_sms} SMs (--total-sms)"
@@ -191,9 +177,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         "source": "--total-sms" if args.total_sms is not None else "hardware",
         "settings": {
             "platform": args.platform, "all2all_backend": args.all2all_backend, "enable_dbo": True,
-            "expert_parallel": not args.no_expert_parallel, "comm_sms": comm[0], "comm_sms_source": comm[1],
-            "max_sms_used": max_sms, "max_sms_used_source": "vllm-manager" if args.max_sms_used is None else "--max-sms-used",
-            "deep_gemm": not args.no_deep_gemm,
+            "comm_sms": comm[0], "comm_sms_source": comm[1], "max_sms_used": max_sms,
         },
         "nvml": nvml_info, "cuda": cuda_info, "vllm_release": _common.release_line(), "devices": [asdict(r) for r in rows],
         "plugin": {"disabled_by_env": parse_switch("DBO_RUNTIME_DISABLE")}, "warnings": warnings + ([disabled] if disabled else []),
@@ -224,23 +208,21 @@ def render(doc: dict[str, Any]) -> None:
         if d["sms_consistent"] is not None:
             check.append("ok" if d["sms_consistent"] else "MISMATCH")
         b = d["budget"]
-        clock = "-" if d["max_sm_clock_mhz"] is None else f"{_dash(d['sm_clock_mhz'])}/{d['max_sm_clock_mhz']}"
         rows.append([
             d["label"], d["name"], _dash(d["sms"]), _dash(d["sms_source"]), ", ".join(check) or "-",
-            "-" if d["mig_enabled"] is None else ("on" if d["mig_enabled"] else "off"), clock, _dash(d["utilization_gpu_pct"]),
+            "-" if d["mig_enabled"] is None else ("on" if d["mig_enabled"] else "off"),
             f"{b['total']}/{b['comm']}/{b['compute']}" if b else d["note"] or "-", _knobs(b) if b else "-",
         ])  # fmt: skip
     s = doc["settings"]
     caption = [
-        f"all2all_backend={s['all2all_backend']} platform={s['platform']} expert_parallel={'on' if s['expert_parallel'] else 'off'} "
-        f"comm_sms={s['comm_sms']} ({s['comm_sms_source']}) max_sms_used={_dash(s['max_sms_used'])} "
-        f"deep_gemm={'assumed present' if s['deep_gemm'] else 'absent'}",
+        f"all2all_backend={s['all2all_backend']} platform={s['platform']} comm_sms={s['comm_sms']} ({s['comm_sms_source']}) "
+        f"max_sms_used={_dash(s['max_sms_used'])}",
         f"NVML: {doc['nvml']['detail']}; CUDA: {doc['cuda']['detail']}",
         f"dbo_runtime verified: {doc['vllm_release']}",
     ]
     caption += [f"warning: device {d['label']}: {w}" for d in doc["devices"] for w in d["warnings"]]
     caption += [f"warning: {w}" for w in doc["warnings"]]
-    columns = ["GPU", "Name", "SMs", "SM source", "NVML check", "MIG", "SM clock MHz", "Util %", "total/comm/compute", "Knobs vLLM turns"]
+    columns = ["GPU", "Name", "SMs", "SM source", "NVML check", "MIG", "total/comm/compute", "Knobs vLLM turns"]
     print_table("dbo-runtime sms: DBO SM split under --enable-dbo", columns, rows, caption)
 
 

@@ -40,10 +40,6 @@ class Sweep:
     notes: tuple[str, ...] = ()
 
 
-def _allowed(ceiling: int) -> str:
-    return f"'all', or a comma-separated list of 0 (no partition) and even integers in [2, {ceiling}]"
-
-
 def plan_sweep(
     raw_values: str,
     *,
@@ -66,33 +62,16 @@ def plan_sweep(
     ceiling = DEEPEP_HT_MANAGER_NUM_SMS
     env_raw = environ.get("VLLM_DBO_COMM_SMS")
     default = parse_comm_sms(env_raw) if env_raw is not None else DEFAULT_COMM_SMS["cuda"]
-    text = raw_values.strip()
-    if text == "all":  # exact, lower case, as every word flag of the CLI (--shape, vLLM's choices)
+    allowed = f"'all', or a comma-separated list of 0 (no partition) and even integers in [2, {ceiling}], each once"
+    parts = [part.strip() for part in raw_values.split(",")]
+    if raw_values.strip() == "all":
         values = list(range(2, ceiling + 1, 2))
-    elif text.lower() == "all":
-        raise ConfigError("--values", raw_values, _allowed(ceiling) + did_you_mean(text, ["all"]))
-    elif not text:
-        raise ConfigError("--values", raw_values, f"{_allowed(ceiling)} (no value given)")
+    elif not all(re.fullmatch(r"[0-9]{1,6}", part) for part in parts):  # int() also reads '1_0' and other digits
+        raise ConfigError("--values", raw_values, allowed + did_you_mean(raw_values.strip(), ["all"]))
     else:
-        values = []
-        for part in (p.strip() for p in text.split(",")):
-            if not re.fullmatch(r"[+-]?[0-9]{1,6}", part):  # ASCII digits only: int() also reads '1_0' and full-width digits
-                shown_part = repr(part if len(part) <= 12 else part[:12] + "...")
-                why = (
-                    "an entry is empty" if not part
-                    else "'all' stands alone" if part.lower() == "all"
-                    else f"{shown_part} is not an integer" if not re.fullmatch(r"[+-]?[0-9]+", part)
-                    else f"{shown_part} is outside [2, {ceiling}]"
-                )
-                raise ConfigError("--values", raw_values, f"{_allowed(ceiling)} ({why})")
-            values.append(int(part))
-    for value in values:
-        if value != 0 and (value % 2 or not 2 <= value <= ceiling):
-            why = "odd" if 2 <= value <= ceiling else f"outside [2, {ceiling}]"
-            raise ConfigError("--values", raw_values, f"{_allowed(ceiling)} ({value} is {why})")
-    twice = sorted({v for v in values if values.count(v) > 1})
-    if twice:  # a list typed with a repeat is a slip, not a request to measure a value twice
-        raise ConfigError("--values", raw_values, f"{_allowed(ceiling)}, each once ({', '.join(map(str, twice))} given more than once)")
+        values = [int(part) for part in parts]
+    if len(set(values)) < len(values) or any(v != 0 and (v % 2 or not 2 <= v <= ceiling) for v in values):
+        raise ConfigError("--values", raw_values, allowed)
     notes = []
     if default not in values:
         values.append(default)

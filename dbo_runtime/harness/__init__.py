@@ -1,8 +1,2 @@
-"""Start real vLLM engines and compare their runs: the machinery behind ``dbo-runtime verify`` and
-``tune``, shared with the project's e2e tests so that the operator's canary and the project's proof
-are the same code.
-
-Not part of the plugin, but not independent of it either: the engine child (``harness.runner``)
-loads vLLM with dbo_runtime installed and reads the plugin's state. The parent process (CLI, pytest)
-imports neither vLLM nor CUDA; whether the engine can run here at all is ``tests/harness/machine.py``'s.
-"""
+"""Start real vLLM engines and compare their runs: ``verify`` and ``tune``, and the e2e tests. The parent process
+imports neither vLLM nor CUDA; the engine child (``harness.runner``) loads vLLM with the plugin and reads its state."""

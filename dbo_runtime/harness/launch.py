@@ -75,6 +75,47 @@ class RunSpec:
     module: str = "dbo_runtime.harness.runner"
     """The module each rank runs (``python -m``); ``$DBO_HARNESS_RUNNER_MODULE`` overrides it."""
 
+    def record(self, ranks: list[dict[str, Any]], logs: list[str], wall_s: float) -> dict[str, Any]:
+        """The run's record from its ranks' results and logs: what verify and tune read (pure: tested on CPU);
+        a subclass adds what its own readers need."""
+        text = "\n".join(logs)
+        signatures = [name for name, pattern in SIGNATURES.items() if re.search(pattern, text)]
+        if "hang_killed" in signatures and sum(1 for log in logs if "engine ready in" in log) < self.dp:
+            # a run that timed out before every engine was up is slow, not the DBO hang
+            signatures = [("start_timeout" if name == "hang_killed" else name) for name in signatures]
+        ok = all(r.get("ok") for r in ranks) and len(ranks) == self.dp
+        error = None
+        if not ok:
+            errors = [str(r.get("error")) for r in ranks if not r.get("ok")]
+            detail = next((line.strip() for line in text.splitlines() if "_schedule_meta_size" in line), None)
+            error = "; ".join(dict.fromkeys(errors))
+            if detail and detail not in error:
+                error += f" | {detail}"
+        # from the counter snapshots around the generate, where a rank has them
+        builds = [
+            summary_delta(r["stats_start"], r["stats_end"], "microbatched_builds")
+            if r.get("stats_start") and r.get("stats_end")
+            else r.get("microbatched_builds")
+            for r in ranks
+        ]
+        try:
+            plugin = not parse_switch("DBO_RUNTIME_DISABLE", {**os.environ, **self.env})
+        except Exception:
+            plugin = False
+        return {
+            "label": self.label,
+            "plugin": plugin,
+            "ok": ok,
+            "error": error,
+            "failure_signatures": signatures,
+            "start_s": [r.get("start_s") for r in ranks],
+            "generate_s": [r.get("generate_s") for r in ranks],
+            "wall_s": wall_s,
+            "microbatched_steps": builds if self.dp > 1 else builds[0],
+            "requests": sorted((req for r in ranks for req in r.get("requests") or []), key=lambda q: q["index"]),
+            "bench": [r.get("bench") for r in ranks if r.get("bench")] or None,
+        }
+
 
 PORT_BLOCK = 16
 """vLLM's offline DP derives more ports from ``VLLM_DP_MASTER_PORT``: runs get whole free blocks."""
@@ -121,32 +162,6 @@ def engine_arg(args: list[str], *flags: str) -> str | None:
         if found is not None:
             return found
     return None
-
-
-def describe(spec: RunSpec) -> dict[str, Any]:
-    """The record's configuration keys, read from what the run was given."""
-    args = spec.engine_args
-    dbo = "--enable-dbo" in args
-    env = {**os.environ, **spec.env}
-    try:
-        plugin = not parse_switch("DBO_RUNTIME_DISABLE", env)
-    except Exception:
-        plugin = False
-    v2 = env.get("VLLM_USE_V2_MODEL_RUNNER")
-    runner = "v2" if v2 == "1" else ("v1" if v2 == "0" or dbo else "v2")
-    model = engine_arg(args, "--model") or ""
-    compilation = engine_arg(args, "--compilation-config", "-cc") or ""
-    return {
-        "model": spec.meta.get("model") or Path(model).name or model,
-        "dp": spec.dp,
-        "dbo": dbo,
-        "plugin": plugin,
-        "runner": runner,
-        "graphs": "--enforce-eager" not in args,
-        "cudagraph_mode": (json.loads(compilation).get("cudagraph_mode") if compilation.startswith("{") else None),
-        "all2all_backend": engine_arg(args, "--all2all-backend"),
-        "env": dict(spec.env),
-    }
 
 
 def _fatal_in_logs(logs: list[Path]) -> bool:
@@ -275,14 +290,11 @@ def launch(
         with open(logs[0], "a") as log:
             log.write(f"\n[dbo-harness launcher] timeout after {spec.timeout_s:.0f} s: killed every rank\n")
     ranks = load_ranks(root, spec.dp, lambda rank: f"wrote no result (exit code {procs[rank].returncode})")
-    record = assemble(spec, ranks, [p.read_text(errors="replace") for p in logs], wall)
+    record = spec.record(ranks, [p.read_text(errors="replace") for p in logs], wall)
     (root / "record.json").write_text(json.dumps(record, indent=1))
     if progress is not None:
         progress(f"{spec.label}: {'ok' if record['ok'] else 'FAILED: ' + str(record['error'])} ({wall:.0f} s)")
     return record
-
-
-PLUGIN_LINE = re.compile(r"dbo_runtime[:/]")
 
 
 def load_ranks(root: Path, dp: int, why_missing: Callable[[int], str]) -> list[dict[str, Any]]:
@@ -308,58 +320,3 @@ def load_ranks(root: Path, dp: int, why_missing: Callable[[int], str]) -> list[d
                     result["versions"] = versions  # the GPU that measured the reps kept
         ranks.append(result)
     return ranks
-
-
-def assemble(spec: RunSpec, ranks: list[dict[str, Any]], logs: list[str], wall_s: float) -> dict[str, Any]:
-    """One record from the ranks' results and logs (pure: tested on CPU)."""
-    text = "\n".join(logs)
-    signatures = [name for name, pattern in SIGNATURES.items() if re.search(pattern, text)]
-    if "hang_killed" in signatures and sum(1 for log in logs if "engine ready in" in log) < spec.dp:
-        # a run that timed out before every engine was up is slow, not the DBO hang
-        signatures = [("start_timeout" if name == "hang_killed" else name) for name in signatures]
-    ok = all(r.get("ok") for r in ranks) and len(ranks) == spec.dp
-    error = None
-    if not ok:
-        errors = [str(r.get("error")) for r in ranks if not r.get("ok")]
-        detail = next((line.strip() for line in text.splitlines() if "_schedule_meta_size" in line), None)
-        error = "; ".join(dict.fromkeys(errors))
-        if detail and detail not in error:
-            error += f" | {detail}"
-    requests = sorted((req for r in ranks for req in r.get("requests") or []), key=lambda q: q["index"])
-    stats_end = [s for r in ranks for s in (r.get("stats_end") or [])]
-    # from the counter snapshots around the generate, where a rank has them
-    builds = [
-        summary_delta(r["stats_start"], r["stats_end"], "microbatched_builds")
-        if r.get("stats_start") and r.get("stats_end")
-        else r.get("microbatched_builds")
-        for r in ranks
-    ]
-    record: dict[str, Any] = {
-        "label": spec.label,
-        **describe(spec),
-        "ok": ok,
-        "error": error,
-        "failure_signatures": signatures,
-        "vllm_version": next((r["versions"].get("vllm") for r in ranks if r.get("versions")), None),
-        "device": next((r["versions"].get("device") for r in ranks if r.get("versions")), None),
-        "versions": next((r["versions"] for r in ranks if r.get("versions")), None),
-        "start_s": [r.get("start_s") for r in ranks],
-        "import_s": [r.get("import_s") for r in ranks],
-        "generate_s": [r.get("generate_s") for r in ranks],
-        "wall_s": wall_s,
-        "num_requests": len(requests),
-        "max_tokens": spec.max_tokens,
-        "microbatched_steps": builds if spec.dp > 1 else builds[0],
-        "counters": [s.get("summary") for s in stats_end] or None,
-        "runner_seen": sorted({s["worker"].get("runner") for s in stats_end if s.get("worker")}) or None,
-        "plugin_log_lines": [line.strip() for line in text.splitlines() if PLUGIN_LINE.search(line)][:60],
-        "tokens_identical_to": None,
-        "meta": spec.meta,
-        "engine_args": spec.engine_args,
-        "requests": requests,
-        "bench": [r.get("bench") for r in ranks if r.get("bench")] or None,
-        "repeat_mixed": [r.get("repeat_mixed") for r in ranks if r.get("repeat_mixed")] or None,
-        "jit_cache": [r.get("jit_cache") for r in ranks if r.get("jit_cache")] or None,
-        "log_tail": text[-4000:] if not ok else None,
-    }
-    return record

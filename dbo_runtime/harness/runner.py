@@ -10,13 +10,13 @@ at file barriers so timed phases start together.
 from __future__ import annotations
 
 import gc
-import importlib
 import json
 import os
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,6 @@ from dbo_runtime.harness.prompts import PromptSpec, for_rank, load
 
 BARRIER_ENV = "DBO_HARNESS_BARRIER_DIR"
 BARRIER_TIMEOUT_S = 600.0
-ROW_HOOK_ENV = "DBO_HARNESS_ROW_HOOK"
-"""``module:function`` a measurement harness names, called as ``hook(row, s0, s1, s2, steps)`` after each bench rep
-with the counter snapshots before, between and after its two passes: where it adds its own columns."""
 _KEEP: list[Any] = []
 _PARTIAL: list[Path] = []
 """Where ``main`` writes the benchmark's reps so far."""
@@ -212,16 +209,21 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
 
 
 def bench_reps(
-    llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], rank: int, size: int
+    llm: Any,
+    sampling: Any,
+    batch: list[Any],
+    bench: dict[str, Any],
+    rank: int,
+    size: int,
+    hook: Callable[..., None] | None = None,
 ) -> dict[str, Any]:
-    """Decode timing on warm caches: per rep a 1-token and a T-token pass; their difference over T-1 is the step."""
+    """Per rep a 1-token and a T-token pass on warm caches, timed, with SMControl's partitions over each;
+    ``hook(row, s0, s1, s2, steps)`` adds a caller's columns from the counter snapshots around the passes."""
     steps = int(bench["max_tokens"])
     one = sampling(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     full = sampling(temperature=0.0, max_tokens=steps, ignore_eos=True, detokenize=False)
     reps = []
     coordinated = bool(bench.get("coordinated"))
-    module, _, name = os.environ.get(ROW_HOOK_ENV, "").partition(":")
-    hook = getattr(importlib.import_module(module), name) if module else None
     for rep in range(int(bench.get("warmup", 1)) + int(bench["reps"])):
         if coordinated:
             wait_turn(f"rep{rep}", rank)
@@ -236,18 +238,8 @@ def bench_reps(
         llm.generate(batch, full, use_tqdm=False)
         total = time.perf_counter() - t
         s2 = _stats(llm)
-        decode = total - prefill
-        valid = decode > 0  # a loaded host can make the 1-token pass slower than the full one: no measurement
-        row: dict[str, Any] = {
-            "rep": rep,
-            "warmup": rep < int(bench.get("warmup", 1)),
-            "prefill_s": prefill,
-            "total_s": total,
-            "decode_step_ms": decode / (steps - 1) * 1e3 if valid else None,
-            "decode_tok_per_s": len(batch) * (steps - 1) / decode if valid else None,
-            "microbatched_builds": summary_delta(s1, s2, "microbatched_builds"),
-            "prefill_microbatched_builds": summary_delta(s0, s1, "microbatched_builds"),
-        }
+        warmup = rep < int(bench.get("warmup", 1))
+        row: dict[str, Any] = {"rep": rep, "warmup": warmup, "prefill_s": prefill, "total_s": total}
         # Per microbatched forward, from SMControl's partition time: free of the skew between DP ranks' starts.
         n01, n12 = summary_delta(s0, s1, "partitions"), summary_delta(s1, s2, "partitions")
         t01, t12 = summary_delta(s0, s1, "partition_s"), summary_delta(s1, s2, "partition_s")
@@ -258,8 +250,6 @@ def bench_reps(
             row["decode_partition_ms"] = _per_partition_ms(t12 - t01, n12 - n01)
         if hook is not None:
             hook(row, s0, s1, s2, steps)
-        row["jit_in_step"] = summary_delta(s0, s2, "jit_in_step")
-        row["armed_patches"] = max((w["summary"].get("armed_patches", 0) for w in s2 or []), default=0)
         reps.append(row)
         _save_partial({"max_tokens": steps, "requests": len(batch), "reps": reps})
         if coordinated:

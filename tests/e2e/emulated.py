@@ -53,9 +53,9 @@ from pathlib import Path
 from typing import Any
 
 from dbo_runtime.harness.compare import Comparison, FloorRule, Request, compare
-from dbo_runtime.harness.runner import ROW_HOOK_ENV
 from tests.e2e import dp_emulation
 from tests.harness import selftime
+from tests.harness.engine_runner import ROW_HOOK_ENV
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent

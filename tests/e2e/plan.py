@@ -16,9 +16,8 @@ from typing import Any
 
 from dbo_runtime.harness.launch import RunSpec
 from dbo_runtime.harness.prompts import PromptSpec
-from dbo_runtime.harness.runner import ROW_HOOK_ENV
 from tests.harness import selftime
-from tests.harness.engine_runner import E2ESpec
+from tests.harness.engine_runner import ROW_HOOK_ENV, E2ESpec
 
 MODELS = Path(__file__).parent / "models"
 KV_CACHE_BYTES = 2 << 30
@@ -154,7 +153,7 @@ def one_gpu() -> dict[str, RunSpec]:
     # 2026-11-30); the control says whether that is vLLM's noise or the plugin.
     for mode in ("eager", "graphs"):
         label = f"1gpu-deepseek-v32-{mode}-v2-vanilla2"
-        out[label] = RunSpec(
+        out[label] = E2ESpec(
             label=label,
             engine_args=tiny_args("deepseek-v32", eager=mode == "eager"),
             env=_env("v2", False),
@@ -167,7 +166,7 @@ def one_gpu() -> dict[str, RunSpec]:
             for runner in ("v1", "v2"):
                 for plugin in (True, False):
                     label = f"1gpu-{model}-{mode}-{runner}-{'plugin' if plugin else 'vanilla'}"
-                    out[label] = RunSpec(
+                    out[label] = E2ESpec(
                         label=label,
                         engine_args=tiny_args(model, eager=mode == "eager"),
                         env=_env(runner, plugin),
@@ -179,7 +178,7 @@ def one_gpu() -> dict[str, RunSpec]:
         for plugin in (True, False):
             label = f"1gpu-mtp{k}-{'plugin' if plugin else 'vanilla'}"
             spec = json.dumps({"method": "mtp", "num_speculative_tokens": k})
-            out[label] = RunSpec(
+            out[label] = E2ESpec(
                 label=label,
                 engine_args=tiny_args("deepseek-v32-mtp", eager=True, extra=["--speculative-config", spec]),
                 env=_env(None, plugin),
@@ -188,7 +187,7 @@ def one_gpu() -> dict[str, RunSpec]:
                 meta={"model": "deepseek-v32-mtp", "issue": 8, "what": f"MTP k={k} (indexer next_n {k + 1}), DBO off"},
             )
     label = "1gpu-shared-topk-dbo-dp1-plugin"
-    out[label] = RunSpec(
+    out[label] = E2ESpec(
         label=label,
         engine_args=tiny_args("shared-topk", eager=True, extra=["--enable-expert-parallel", "--all2all-backend", HT, "--enable-dbo"]),
         env=_env(None, True),
@@ -228,7 +227,7 @@ def family() -> dict[str, RunSpec]:
     emulated = f"{EMULATE / 'unverified_topk'}:{os.environ.get('PYTHONPATH', '')}"
     for label, disable in (("1gpu-guard-unverified-dbo-refused", False), ("1gpu-guard-unverified-dbo-disabled", True)):
         env = {"PYTHONPATH": emulated, **({"DBO_RUNTIME_DISABLE": "1"} if disable else {})}
-        out[label] = RunSpec(
+        out[label] = E2ESpec(
             label=label,
             engine_args=tiny_args("shared-topk", eager=True, extra=DBO_DP1),
             env=env,
@@ -241,7 +240,7 @@ def family() -> dict[str, RunSpec]:
         for mode in ("eager", "graphs"):
             for plugin in (True, False):
                 label = f"1gpu-{model}-{mode}-{'plugin' if plugin else 'vanilla'}"
-                out[label] = RunSpec(
+                out[label] = E2ESpec(
                     label=label,
                     engine_args=_with_memory(
                         tiny_args(model, eager=mode == "eager", extra=list(facts.get("extra", []))), facts["gpu_memory_utilization"]
@@ -253,7 +252,7 @@ def family() -> dict[str, RunSpec]:
                     meta={"model": model, "issue": 17, "what": f"{facts['architecture']}: transparency, DBO off"},
                 )
         label = f"1gpu-{model}-dbo-dp1-plugin"
-        out[label] = RunSpec(
+        out[label] = E2ESpec(
             label=label,
             engine_args=_with_memory(
                 tiny_args(model, eager=True, extra=[*DBO_DP1, *facts.get("extra", [])]), facts["gpu_memory_utilization"]
@@ -320,7 +319,7 @@ def dp_spec(label: str, model: str, backend: str, *, dbo: bool, runner: str, plu
         env = {**LL_ENV, **env}
     if dbo:
         extra.append("--enable-dbo")
-    return RunSpec(
+    return E2ESpec(
         label=label,
         engine_args=tiny_args(model, eager=not graphs, extra=extra),
         dp=2,
@@ -440,7 +439,7 @@ def production_width() -> dict[str, RunSpec]:
                     variants.append(("dbo-vanilla", True, False, vanilla_env))
                 for name, dbo, plugin, more in variants:
                     label = f"dp2w-{mode}-{name}-{model}-{runner}"
-                    out[label] = RunSpec(
+                    out[label] = E2ESpec(
                         label=label,
                         engine_args=_width_args(
                             model, eager=eager, extra=[*base, *(["--enable-dbo"] if dbo else [])], memory=WIDTH_MEMORY[mode]
@@ -453,7 +452,7 @@ def production_width() -> dict[str, RunSpec]:
                     )
     for layout in ("windows", "copies"):
         label = f"dp2w-memory-glm53-{layout}"
-        out[label] = RunSpec(
+        out[label] = E2ESpec(
             label=label,
             engine_args=_width_args(
                 "glm53-width",
@@ -472,7 +471,7 @@ def production_width() -> dict[str, RunSpec]:
         extra = ["--enable-expert-parallel", "--all2all-backend", HT, *DBO_THRESHOLDS, *facts.get("extra", [])]
         for name, dbo, plugin in (("ref", False, True), ("dbo-plugin", True, True), ("dbo-vanilla", True, False)):
             label = f"dp2-family-{model}-{name}"
-            out[label] = RunSpec(
+            out[label] = E2ESpec(
                 label=label,
                 engine_args=_with_memory(tiny_args(model, eager=True, extra=[*extra, *(["--enable-dbo"] if dbo else [])]), facts["gpu_memory_utilization"]),
                 dp=2,

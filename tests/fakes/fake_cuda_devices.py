@@ -16,7 +16,6 @@ def fake_cuda_device(index: int, sms: int, uuid: str | None, name: str = "NVIDIA
         name=name,
         multi_processor_count=sms,
         compute_capability=(9, 0),
-        total_memory_bytes=150_000_000_000,
         uuid=uuid,
     )
 

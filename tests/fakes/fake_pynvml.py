@@ -14,7 +14,6 @@ from __future__ import annotations
 import types
 from dataclasses import dataclass, field
 
-NVML_CLOCK_SM = 1
 NVML_DEVICE_MIG_DISABLE = 0
 NVML_DEVICE_MIG_ENABLE = 1
 
@@ -68,10 +67,6 @@ class FakeGpu:
     capability: tuple[int, int] = (9, 0)
     cores: int = 16896
     mig_enabled: bool = False
-    sm_clock: int = 345
-    max_sm_clock: int = 1980
-    util_gpu: int = 7
-    util_memory: int = 1
     memory_total: int = 143_771 * 2**20
     """``nvmlDeviceGetMemoryInfo(...).total`` of an H200 (``nvidia-smi``: 143,771 MiB)."""
     mig_slots: list[FakeMig | None] = field(default_factory=list)
@@ -87,12 +82,6 @@ class _Attrs:
         self.memorySizeMB = mig.memory_size_mb
 
 
-class _Util:
-    def __init__(self, gpu: int, memory: int) -> None:
-        self.gpu = gpu
-        self.memory = memory
-
-
 @dataclass(frozen=True)
 class _Handle:
     gpu: FakeGpu
@@ -102,7 +91,6 @@ class _Handle:
 class FakePynvml(types.ModuleType):
     """A module object with pynvml's names over a list of ``FakeGpu``; counts init/shutdown."""
 
-    NVML_CLOCK_SM = NVML_CLOCK_SM
     NVML_DEVICE_MIG_DISABLE = NVML_DEVICE_MIG_DISABLE
     NVML_DEVICE_MIG_ENABLE = NVML_DEVICE_MIG_ENABLE
     NVMLError = NVMLError
@@ -183,22 +171,6 @@ class FakePynvml(types.ModuleType):
         mode = NVML_DEVICE_MIG_ENABLE if handle.gpu.mig_enabled else NVML_DEVICE_MIG_DISABLE
         return [mode, mode]
 
-    def nvmlDeviceGetClockInfo(self, handle: _Handle, clock: int) -> int:
-        self._check(handle, "nvmlDeviceGetClockInfo")
-        assert clock == NVML_CLOCK_SM
-        return handle.gpu.sm_clock
-
-    def nvmlDeviceGetMaxClockInfo(self, handle: _Handle, clock: int) -> int:
-        self._check(handle, "nvmlDeviceGetMaxClockInfo")
-        assert clock == NVML_CLOCK_SM
-        return handle.gpu.max_sm_clock
-
-    def nvmlDeviceGetUtilizationRates(self, handle: _Handle) -> _Util:
-        self._check(handle, "nvmlDeviceGetUtilizationRates")
-        if handle.mig or handle.gpu.mig_enabled:  # NVML has no per-instance utilisation
-            raise NVMLError_NotSupported()
-        return _Util(handle.gpu.util_gpu, handle.gpu.util_memory)
-
     def nvmlDeviceGetAttributes_v2(self, handle: _Handle) -> _Attrs:
         self._check(handle, "nvmlDeviceGetAttributes_v2")
         if handle.mig is None:  # measured: NotSupported on a full H200
@@ -232,10 +204,10 @@ class FakePynvml(types.ModuleType):
 
 
 def h200() -> FakeGpu:
-    """A full H200 as measured: 16896 cores, CC 9.0, MIG off, max SM clock 1980 MHz."""
+    """A full H200 as measured: 16896 cores, CC 9.0, MIG off."""
     return FakeGpu()
 
 
 def h200_mig(*slots: FakeMig | None) -> FakeGpu:
     """An H200 in MIG mode with the given instances in its slots."""
-    return FakeGpu(uuid="GPU-6b1f0c2e-0000-4000-8000-0000000000aa", mig_enabled=True, util_gpu=0, mig_slots=list(slots))
+    return FakeGpu(uuid="GPU-6b1f0c2e-0000-4000-8000-0000000000aa", mig_enabled=True, mig_slots=list(slots))

@@ -7,13 +7,18 @@ ones. An ``E2ESpec`` names this module, so ``harness.launch`` runs it per rank.
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dbo_runtime.harness import runner
-from dbo_runtime.harness.launch import RunSpec
+from dbo_runtime.harness.launch import RunSpec, engine_arg
 from dbo_runtime.harness.prompts import PromptSpec, for_rank, load
 
 
@@ -28,6 +33,81 @@ class E2ESpec(RunSpec):
     def __post_init__(self) -> None:
         if isinstance(self.repeat_mixed, dict):  # as read back from a run's spec.json
             self.repeat_mixed = PromptSpec(**self.repeat_mixed)
+
+    def record(self, ranks: list[dict[str, Any]], logs: list[str], wall_s: float) -> dict[str, Any]:
+        """``RunSpec.record`` with what the proofs, benches and session records read."""
+        record = super().record(ranks, logs, wall_s)
+        text = "\n".join(logs)
+        stats_end = [s for r in ranks for s in (r.get("stats_end") or [])]
+        versions = next((r["versions"] for r in ranks if r.get("versions")), None)
+        record.update(
+            describe(self),
+            vllm_version=versions.get("vllm") if versions else None,
+            device=versions.get("device") if versions else None,
+            versions=versions,
+            import_s=[r.get("import_s") for r in ranks],
+            num_requests=len(record["requests"]),
+            max_tokens=self.max_tokens,
+            counters=[s.get("summary") for s in stats_end] or None,
+            runner_seen=sorted({s["worker"].get("runner") for s in stats_end if s.get("worker")}) or None,
+            plugin_log_lines=[line.strip() for line in text.splitlines() if PLUGIN_LINE.search(line)][:60],
+            tokens_identical_to=None,
+            meta=self.meta,
+            engine_args=self.engine_args,
+            repeat_mixed=[r.get("repeat_mixed") for r in ranks if r.get("repeat_mixed")] or None,
+            jit_cache=[r.get("jit_cache") for r in ranks if r.get("jit_cache")] or None,
+            log_tail=text[-4000:] if not record["ok"] else None,
+        )
+        return record
+
+
+PLUGIN_LINE = re.compile(r"dbo_runtime[:/]")
+
+
+def describe(spec: RunSpec) -> dict[str, Any]:
+    """The record's configuration keys, read from what the run was given."""
+    args = spec.engine_args
+    dbo = "--enable-dbo" in args
+    v2 = {**os.environ, **spec.env}.get("VLLM_USE_V2_MODEL_RUNNER")
+    model = engine_arg(args, "--model") or ""
+    compilation = engine_arg(args, "--compilation-config", "-cc") or ""
+    return {
+        "model": spec.meta.get("model") or Path(model).name or model,
+        "dp": spec.dp,
+        "dbo": dbo,
+        "runner": "v2" if v2 == "1" else ("v1" if v2 == "0" or dbo else "v2"),
+        "graphs": "--enforce-eager" not in args,
+        "cudagraph_mode": (json.loads(compilation).get("cudagraph_mode") if compilation.startswith("{") else None),
+        "all2all_backend": engine_arg(args, "--all2all-backend"),
+        "env": dict(spec.env),
+    }
+
+
+ROW_HOOK_ENV = "DBO_HARNESS_ROW_HOOK"
+"""``module:function`` a measurement harness names, called as ``hook(row, s0, s1, s2, steps)`` after each bench rep
+with the counter snapshots before, between and after its two passes: where it adds its own columns."""
+
+
+def bench_row(requests: int) -> Callable[..., None]:
+    """The bench rows' step time, throughput and plugin counters, then ``$DBO_HARNESS_ROW_HOOK``'s columns."""
+    module, _, name = os.environ.get(ROW_HOOK_ENV, "").partition(":")
+    more = getattr(importlib.import_module(module), name) if module else None
+
+    def hook(row: dict[str, Any], s0: Any, s1: Any, s2: Any, steps: int) -> None:
+        decode = row["total_s"] - row["prefill_s"]
+        valid = decode > 0  # a loaded host can make the 1-token pass slower than the full one: no measurement
+        row.update(
+            decode_step_ms=decode / (steps - 1) * 1e3 if valid else None,
+            decode_tok_per_s=requests * (steps - 1) / decode if valid else None,
+            microbatched_builds=runner.summary_delta(s1, s2, "microbatched_builds"),
+            prefill_microbatched_builds=runner.summary_delta(s0, s1, "microbatched_builds"),
+            jit_in_step=runner.summary_delta(s0, s2, "jit_in_step"),
+            armed_patches=max((w["summary"].get("armed_patches", 0) for w in s2 or []), default=0),
+        )
+        if more is not None:
+            more(row, s0, s1, s2, steps)
+
+    return hook
 
 
 def jit_cache_kernels(root: str | None = None) -> set[str]:
@@ -104,7 +184,8 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
             llm, params, batch, PromptSpec(**spec["repeat_mixed"]), vocab, rank, size
         )
     if spec.get("bench"):
-        result["bench"] = runner.bench_reps(llm, type(params), batch, spec["bench"], rank, size)
+        bench = spec["bench"]
+        result["bench"] = runner.bench_reps(llm, type(params), batch, bench, rank, size, bench_row(len(batch)))
     result["ok"] = True
     return result
 

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from dbo_runtime.harness.compare import Comparison
-from dbo_runtime.harness.launch import assemble, describe, kill_all, load_ranks
+from dbo_runtime.harness.launch import kill_all, load_ranks
 from dbo_runtime.harness.prompts import PromptSpec
-from tests.harness.engine_runner import E2ESpec
+from tests.harness.engine_runner import E2ESpec, describe
 
 
 def kill_on_sigterm() -> None:
@@ -39,10 +39,10 @@ def reassemble(run: Path) -> dict[str, Any] | None:
     why = "wrote no result" if stored is not None else "stopped before it wrote a result (the session's time limit killed it)"
     ranks = load_ranks(run, spec.dp, lambda rank: why)
     logs = [path.read_text(errors="replace") for path in sorted(run.glob("rank*.log"))]
-    record = assemble(spec, ranks, logs, wall_s=float(stored["wall_s"]) if stored else float("nan"))
+    record = spec.record(ranks, logs, wall_s=float(stored["wall_s"]) if stored else float("nan"))
     if stored is not None:
         # ``describe`` also reads the launching process's environment: what the run was given.
-        record.update({key: stored[key] for key in describe(spec) if key in stored})
+        record.update({key: stored[key] for key in [*describe(spec), "plugin"] if key in stored})
         if not record["ok"] and stored.get("error"):
             record["error"] = stored["error"]  # it names the exit codes, which only the launcher saw
     else:

@@ -356,7 +356,7 @@ def snapshot(calibrate: bool = True) -> dict[str, Any]:
 
 
 def bench_row(row: dict[str, Any], s0: Any, s1: Any, s2: Any, steps: int) -> None:
-    """The self-timer's columns of a bench rep (``runner.ROW_HOOK_ENV``): each figure per decode step, as
+    """The self-timer's columns of a bench rep (``engine_runner.ROW_HOOK_ENV``): each figure per decode step, as
     the T-token pass less the 1-token pass over ``steps - 1``, like the step time itself."""
     self_ns = _per_decode_step(s0, s1, s2, "self_time_ns", steps)
     if self_ns is None or not enabled():  # switched off, the counters measure nothing

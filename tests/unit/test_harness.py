@@ -14,9 +14,10 @@ import pytest
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.harness import launch as launch_mod
 from dbo_runtime.harness.compare import Request, Thresholds, compare, verdict
-from dbo_runtime.harness.launch import RunSpec, assemble, describe, launch
+from dbo_runtime.harness.launch import RunSpec, launch
 from dbo_runtime.harness.prompts import PromptSpec, for_rank, from_file, synthetic
 from tests.e2e.pool import assign_gpus, run_all
+from tests.harness.engine_runner import E2ESpec, describe
 from tests.harness.runs import record_facts
 
 
@@ -113,88 +114,42 @@ def test_a_json_lines_prompt_file_is_read_as_such_whatever_its_suffixs_case(tmp_
     assert from_file(str(f)) == [{"prompt_token_ids": [5, 6]}, {"prompt": "hi"}]
 
 
-@pytest.mark.parametrize(
-    "line", ['{"prompt_token_ids": [true]}', '{"prompt_token_ids": [3, false]}', '{"prompt_token_ids": []}', '{"prompt": ""}', "[1, 2]"]
-)
-def test_a_bad_json_line_is_named_by_its_number_outside_the_quoted_path(tmp_path: Path, line: str) -> None:
-    """A bool is an int in Python (``true`` would be token 1); empty prompts say that they must not be."""
-    f = tmp_path / "bad.jsonl"
-    f.write_text('{"prompt": "fine"}\n' + line + "\n")
-    with pytest.raises(ConfigError) as err:
-        from_file(str(f))
-    assert str(err.value) == (
-        f"--prompt-file='{f}' line 2 is not allowed; allowed values: objects with a non-empty \"prompt_token_ids\" list "
-        'of non-negative integers (not true/false), or a non-empty "prompt" text'
-    )
-    assert err.value.value == str(f) and err.value.parameter == "--prompt-file"
-
-
-def test_a_json_prompt_file_may_be_one_json_document(tmp_path: Path) -> None:
-    """A ``.json`` file is as often one array (or one pretty-printed object) as JSON lines: both are read, a bad
-    element is named by its item number, and a line giving both keys is refused rather than one silently winning."""
+def test_a_json_prompt_file_may_be_one_array_and_a_text_file_is_a_prompt_per_line(tmp_path: Path) -> None:
     f = tmp_path / "p.json"
-    f.write_text('[{"prompt": "a"},\n {"prompt_token_ids": [7]}]\n')
-    assert from_file(str(f)) == [{"prompt": "a"}, {"prompt_token_ids": [7]}]
-    f.write_text('{\n  "prompt": "a"\n}\n')
-    assert from_file(str(f)) == [{"prompt": "a"}]
-    f.write_text('[{"prompt": "a"}, {"prompt": ""}]')
-    with pytest.raises(ConfigError, match=r"item 2 is not allowed; allowed values: objects with a non-empty"):
-        from_file(str(f))
-    f.write_text("[]")
-    with pytest.raises(ConfigError, match=r"at least one prompt \(this one is an empty JSON array\)"):
-        from_file(str(f))
-    f.write_text('{"prompt": "a"}\n{"prompt": "b"\n')
-    with pytest.raises(ConfigError, match=r"line 2 is not allowed; allowed values: one JSON object per line or, in a .json file, one JSON array"):
-        from_file(str(f))
-    # counted after parsing: a pretty-printed array spends a line per token id
-    f.write_text(json.dumps([{"prompt_token_ids": list(range(1200))}] * 100, indent=2))
-    assert len(f.read_text().splitlines()) > 100_000 and len(from_file(str(f))) == 100
-    f.write_text(json.dumps([{"prompt": "a\u2028b"}], ensure_ascii=False))  # a line separator inside a prompt
-    assert from_file(str(f)) == [{"prompt": "a\u2028b"}]
-    f.write_text('[\n  {"prompt": "a"},\n  {"prompt": "b"},\n]\n')  # a trailing comma: where the parser stopped
-    with pytest.raises(ConfigError, match=r"line 4 is not allowed; allowed values: one JSON array of prompt objects \(Expecting value"):
-        from_file(str(f))
-    crlf = tmp_path / "p.txt"
-    crlf.write_bytes(b"one\r\ntwo\r\n")
-    assert from_file(str(crlf)) == [{"prompt": "one"}, {"prompt": "two"}]
-    both = tmp_path / "both.jsonl"
-    both.write_text('{"prompt": "a", "prompt_token_ids": [1]}\n')
-    with pytest.raises(ConfigError, match=r"line 1 is not allowed; .*; one of the two, not both$"):
-        from_file(str(both))
-
-
-def test_a_prompt_file_that_is_no_regular_file_says_what_it_is(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError) as err:
-        from_file("/dev/null")
-    assert "a regular file (/dev/null is a device, pipe or socket, not a regular file)" in str(err.value)
-    with pytest.raises(ConfigError) as err:
-        from_file(str(tmp_path))
-    assert f"({tmp_path} is a folder)" in str(err.value)
-    empty = tmp_path / "empty.txt"
-    empty.write_text("\n  \n")
-    with pytest.raises(ConfigError, match="at least one prompt \\(this one is empty or only blank lines\\)"):
-        from_file(str(empty))
-
-
-def test_prompt_file_formats_and_errors(tmp_path: Path) -> None:
-    jl = tmp_path / "p.jsonl"
-    jl.write_text('{"prompt_token_ids": [1, 2, 3]}\n{"prompt": "hello"}\n')
-    assert from_file(str(jl)) == [{"prompt_token_ids": [1, 2, 3]}, {"prompt": "hello"}]
+    f.write_text(json.dumps([{"prompt": "a\u2028b"}, {"prompt_token_ids": [7]}], indent=2, ensure_ascii=False))
+    assert from_file(str(f)) == [{"prompt": "a\u2028b"}, {"prompt_token_ids": [7]}]
     txt = tmp_path / "p.txt"
-    txt.write_text("one\n\ntwo\n")
+    txt.write_bytes(b"one\r\n\ntwo\r\n")
     assert from_file(str(txt)) == [{"prompt": "one"}, {"prompt": "two"}]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt_token_ids": [-1]}\n')
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"prompt_token_ids": [true]}',  # a bool is an int in Python: true would be token 1
+        '{"prompt_token_ids": [-1]}',
+        '{"prompt_token_ids": []}',
+        '{"prompt": ""}',
+        '{"prompt": "a", "prompt_token_ids": [1]}',
+        "[1, 2]",
+        '{"prompt": "b"',
+        "",
+    ],
+)
+def test_a_bad_prompt_file_is_one_config_error_naming_the_flag(tmp_path: Path, text: str) -> None:
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "fine"}\n' + text + "\n" if text else "\n  \n")
     with pytest.raises(ConfigError) as err:
-        from_file(str(bad))
-    assert str(err.value).startswith(f"--prompt-file='{bad}' line 1 is not allowed; allowed values: objects with a non-empty")
-    with pytest.raises(ConfigError, match="--prompt-file"):
-        from_file(str(tmp_path / "absent.jsonl"))
+        from_file(str(f))
+    assert err.value.parameter == "--prompt-file" and err.value.value == str(f)
+    for absent in (tmp_path / "absent.jsonl", tmp_path):
+        with pytest.raises(ConfigError, match="--prompt-file"):
+            from_file(str(absent))
     with pytest.raises(ConfigError, match="--prompts"):
         PromptSpec(num=0).validate()
 
 
-# -- describe / assemble ----------------------------------------------------------------------------
+# -- describe / record ------------------------------------------------------------------------------
 def test_describe_reads_the_configuration() -> None:
     spec = RunSpec(
         "x",
@@ -203,16 +158,17 @@ def test_describe_reads_the_configuration() -> None:
         env={"DBO_RUNTIME_DISABLE": "1"},
     )
     d = describe(spec)
-    assert d["model"] == "shared-topk" and d["dbo"] and not d["plugin"] and d["runner"] == "v1" and d["graphs"]
+    assert d["model"] == "shared-topk" and d["dbo"] and d["runner"] == "v1" and d["graphs"]
+    assert not spec.record([], [], 0.0)["plugin"]
     assert d["cudagraph_mode"] == "FULL_DECODE_ONLY" and d["all2all_backend"] == "deepep_low_latency"
     assert describe(RunSpec("y", ["--model", "m", "--enforce-eager"]))["runner"] == "v2"  # vLLM 0.33's default without DBO
 
 
 def test_assemble_names_the_deepgemm_crash() -> None:
-    spec = RunSpec("crash", ["--model", "m"], dp=2)
+    spec = E2ESpec("crash", ["--model", "m"], dp=2)
     ranks = [{"rank": 0, "ok": False, "error": "EngineDeadError: dead"}, {"rank": 1, "ok": False, "error": "killed"}]
     log = "(Worker_DP0) RuntimeError: Assertion error (csrc/apis/attention.hpp:388): _schedule_meta_size == num_sms / num_kv_multicast + 1"
-    rec = assemble(spec, ranks, [log, ""], 3.0)
+    rec = spec.record(ranks, [log, ""], 3.0)
     assert not rec["ok"] and "deepgemm_schedule_assert" in rec["failure_signatures"]
     assert "_schedule_meta_size" in rec["error"] and rec["plugin_log_lines"] == []
 
@@ -223,7 +179,7 @@ def test_assemble_names_deepep_lls_queue_depth_limit() -> None:
 
     spec = RunSpec("ll", ["--model", "m"], dp=2)
     log = "(Worker_DP0_EP0) ERROR [multiproc_executor.py:1189]     assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2"
-    rec = assemble(spec, [{"rank": 0, "ok": False, "error": "RuntimeError: Engine core initialization failed."}], [log], 3.0)
+    rec = spec.record([{"rank": 0, "ok": False, "error": "RuntimeError: Engine core initialization failed."}], [log], 3.0)
     assert rec["failure_signatures"] == ["deepep_ll_qp_depth"]
     assert "NVSHMEM_QP_DEPTH" in SIGNATURE_HINTS["deepep_ll_qp_depth"] and "cuda_oom" not in SIGNATURE_HINTS
 
@@ -236,7 +192,7 @@ def fake_runner(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_launch_merges_ranks(tmp_path: Path, fake_runner: None) -> None:
-    rec = launch(RunSpec("good", ["--model", "m"], dp=2, meta={"fake": {}}), tmp_path)
+    rec = launch(E2ESpec("good", ["--model", "m"], dp=2, meta={"fake": {}}), tmp_path)
     assert rec["ok"] and [r["index"] for r in rec["requests"]] == [0, 1, 2, 3]
     assert rec["microbatched_steps"] == [5, 5] and rec["vllm_version"] == "0.33.0"
     assert any("patches installed" in line for line in rec["plugin_log_lines"])
@@ -447,8 +403,11 @@ def test_bench_reports_no_step_time_when_the_host_made_it_unmeasurable(monkeypat
     from dbo_runtime.harness import runner
 
     monkeypatch.setattr(runner, "_stats", lambda llm: [{"summary": {"microbatched_builds": 0, "self_time_ns": 0}}])
-    monkeypatch.delenv(runner.ROW_HOOK_ENV, raising=False)
-    out = runner.bench_reps(_fake_llm(one_s=0.05, full_s=0.01)(), _FakeParams, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)
+    from tests.harness.engine_runner import ROW_HOOK_ENV, bench_row
+
+    monkeypatch.delenv(ROW_HOOK_ENV, raising=False)
+    bench = {"max_tokens": 8, "reps": 1, "warmup": 0}
+    out = runner.bench_reps(_fake_llm(one_s=0.05, full_s=0.01)(), _FakeParams, [1, 2], bench, 0, 1, bench_row(2))
     [row] = out["reps"]
     assert row["decode_step_ms"] is None and row["decode_tok_per_s"] is None
     assert "plugin_self_us_per_step" not in row  # only a measurement harness adds its columns

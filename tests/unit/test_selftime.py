@@ -287,6 +287,7 @@ def _bench_row(monkeypatch: pytest.MonkeyPatch, snapshots: list[list[dict]], swi
     counter snapshots taken from ``snapshots``."""
     from dbo_runtime.harness import runner
     from tests.e2e import plan
+    from tests.harness.engine_runner import ROW_HOOK_ENV, bench_row
 
     class Params:
         def __init__(self, **kw: object) -> None:
@@ -299,8 +300,9 @@ def _bench_row(monkeypatch: pytest.MonkeyPatch, snapshots: list[list[dict]], swi
     seq = iter(snapshots)
     monkeypatch.setattr(runner, "_stats", lambda llm: next(seq))
     monkeypatch.setenv(selftime.ENV, switch)
-    monkeypatch.setenv(runner.ROW_HOOK_ENV, plan.bench_env({selftime.ENV: switch})[runner.ROW_HOOK_ENV])
-    [row] = runner.bench_reps(LLM(), Params, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1)["reps"]
+    monkeypatch.setenv(ROW_HOOK_ENV, plan.bench_env({selftime.ENV: switch})[ROW_HOOK_ENV])
+    bench = {"max_tokens": 8, "reps": 1, "warmup": 0}
+    [row] = runner.bench_reps(LLM(), Params, [1, 2], bench, 0, 1, bench_row(2))["reps"]
     return row
 
 
