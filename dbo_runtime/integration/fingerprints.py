@@ -1,7 +1,6 @@
-"""Fingerprints of the vLLM code each patch relies on (its *anchors*), read from source files without importing
-them, since the front-end guard must know before any worker imports them. A build is trusted by its code, not its
-version: a patch installs only where its anchors' fingerprints equal those recorded for this release. Comments
-and formatting do not count, decorators do."""
+"""Fingerprints of the vLLM code each patch relies on (its *anchors*), read from source without importing it, since
+the front-end guard must know before any worker imports it: a patch installs only where they equal those recorded
+for this release (trusted by code, not version). Comments and formatting do not count, decorators do."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The fail-closed guard: a DBO model that needs a fix which is not in force does not start (without the fixes
-vLLM serves GLM-5.x with wrong attention, or DeepGEMM asserts mid-serving). Whatever keeps a fix out, the operator
-learns it at engine start in one line naming the cause and the ways out. It wraps stable entry points
-(``EngineArgs.create_engine_config``, ``Worker.load_model``, ``compile_or_warm_up_model``), reads only public
-config, and installs even when no other patch can."""
+"""The fail-closed guard: a DBO model that needs a fix not in force does not start (else vLLM serves GLM-5.x with
+wrong attention, or DeepGEMM asserts mid-serving); one line at engine start names the cause and the ways out. It
+wraps stable entry points and reads only public config, so it installs even when no other patch can."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""A transactional patch set over vLLM's modules and classes: ``PatchSet.install`` builds every replacement
-first, applies them all, and restores what it applied on any failure; ``uninstall`` puts back the identical
-originals. Modules not importable everywhere are patched at import by a ``sys.meta_path`` hook; a failure there
-leaves the rest of the set in place and reports the module's patches ``broken``."""
+"""A transactional patch set over vLLM's modules and classes: ``install`` builds every replacement first, applies
+them all and restores them on any failure; ``uninstall`` puts back the identical originals. Modules not importable
+everywhere are patched at import (``sys.meta_path``); a failure there marks only that module's patches ``broken``."""
 
 from __future__ import annotations
 

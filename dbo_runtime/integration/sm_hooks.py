@@ -1,7 +1,6 @@
-"""vLLM's ``create_sm_control_context``, backed by SMControl: vLLM turns process-global SM knobs without
-telling anyone, so the indexer schedule cannot know the count it runs under. The replacement feeds vLLM's inputs to
-the pure policy (``core.budget``) and enters through the device's SMControl: vLLM's knob calls, but the budget is
-published before any kernel runs under it and a nested or failing scope restores the previous one."""
+"""vLLM's ``create_sm_control_context`` backed by SMControl: vLLM turns process-global SM knobs telling no one, so
+the indexer schedule cannot know its count. This feeds vLLM's inputs to ``core.budget`` and enters the device's
+SMControl, which publishes the budget before any kernel runs and restores the previous one on exit or failure."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Per-microbatch shared top-k for GLM-5.x IndexCache layers under DBO (vllm#60734): vLLM hands the leader's
-top-k to its followers through state with no microbatch dimension (the model's ``topk_indices_buffer``, each index
-group's workspace, counts and events), which the other microbatch overwrites between layers. Every access goes
-through ``UbatchTopkState``: ``register_layer`` attaches it (or refuses), the group methods and the buffer
-descriptor resolve the calling microbatch's view; per-access hooks are armed at the first microbatched run."""
+"""Per-microbatch shared top-k for GLM-5.x IndexCache layers under DBO (vllm#60734): followers read the leader's
+top-k from state the other microbatch overwrites (``topk_indices_buffer``, index groups' workspaces and events);
+``register_layer`` attaches ``UbatchTopkState`` or refuses, and per-access hooks resolve the caller's view."""
 
 from __future__ import annotations
 
