@@ -228,28 +228,20 @@ def has_member(module: str, qualname: str, name: str) -> bool:
     return False
 
 
+def _named(node: ast.AST, name: str) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == name) or (isinstance(node, ast.Name) and node.id == name)
+
+
 def uses(module: str, qualname: str, name: str) -> bool:
     """Whether code in ``qualname`` (module for ``""``) reads something named ``name``."""
     node = _node(module, qualname)
-    if node is None:
-        return False
-    return any(
-        (isinstance(sub, ast.Attribute) and sub.attr == name) or (isinstance(sub, ast.Name) and sub.id == name)
-        for sub in ast.walk(node)
-    )
+    return node is not None and any(_named(sub, name) for sub in ast.walk(node))
 
 
 def calls(module: str, qualname: str, name: str) -> bool:
     """Whether code in ``qualname`` (module for ``""``) calls something named ``name``."""
     node = _node(module, qualname)
-    if node is None:
-        return False
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Call):
-            func = sub.func
-            if (isinstance(func, ast.Name) and func.id == name) or (isinstance(func, ast.Attribute) and func.attr == name):
-                return True
-    return False
+    return node is not None and any(isinstance(sub, ast.Call) and _named(sub.func, name) for sub in ast.walk(node))
 
 
 def clear_caches() -> None:
