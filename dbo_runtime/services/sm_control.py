@@ -44,7 +44,7 @@ Subscriber = Callable[[BudgetEvent], None]
 
 @dataclass
 class Subscription:
-    """Handle returned by ``subscribe``; ``close()`` (or ``with``) unsubscribes."""
+    """Handle returned by ``subscribe``; ``close()`` unsubscribes."""
 
     control: SMControl
     name: str
@@ -53,12 +53,6 @@ class Subscription:
 
     def close(self) -> None:
         self.control.unsubscribe(self)
-
-    def __enter__(self) -> Subscription:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 @dataclass
