@@ -67,14 +67,11 @@ def setting_problems(environ: Mapping[str, str] | None = None) -> list[ConfigErr
     """The plugin's settings a DBO engine reads only at model load, checked before any engine starts."""
     env = os.environ if environ is None else environ
     problems = []
-    try:
-        parse_layout(env.get(LAYOUT_ENV))
-    except ConfigError as exc:
-        problems.append(exc)
-    try:
-        warm_max_batch(env)
-    except ConfigError as exc:
-        problems.append(exc)
+    for check in (lambda: parse_layout(env.get(LAYOUT_ENV)), lambda: warm_max_batch(env)):
+        try:
+            check()
+        except ConfigError as exc:
+            problems.append(exc)
     return problems
 
 

@@ -1,7 +1,6 @@
-"""Which of dbo_runtime's fixes (features: patches sharing a name prefix) are in force here, and why not. Before
-install each gets a verdict: *provided by vLLM* (a probe finds the upstream fix; none of its patches install),
-*unverified* (a fingerprint differs), *needs X*, or *verified*; a lazy failure later marks it *broken*. The guard
-refuses DBO where a needed fix is not in force."""
+"""Which of dbo_runtime's fixes (features: patches sharing a name prefix) are in force here, and why not: before
+install each is *provided by vLLM* (an upstream probe hits; none of its patches install), *unverified* (a fingerprint
+differs), *needs X* or *verified*; a lazy failure marks it *broken*. The guard refuses DBO without a needed fix."""
 
 from __future__ import annotations
 

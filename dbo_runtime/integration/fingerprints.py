@@ -1,7 +1,6 @@
-"""Fingerprints of the vLLM code each patch relies on (its *anchors*), read from source files without importing
-them, since the front-end guard must know before any worker imports them. A build is trusted by its code, not its
-version: a patch installs only where its anchors' fingerprints equal those recorded for this release. Comments
-and formatting do not count, decorators do."""
+"""Fingerprints of the vLLM code each patch relies on (its *anchors*), read from source without importing it, since
+the front-end guard must know before any worker imports it: a patch installs only where they equal those recorded
+for this release (trusted by code, not version). Comments and formatting do not count, decorators do."""
 
 from __future__ import annotations
 
@@ -229,28 +228,20 @@ def has_member(module: str, qualname: str, name: str) -> bool:
     return False
 
 
+def _named(node: ast.AST, name: str) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == name) or (isinstance(node, ast.Name) and node.id == name)
+
+
 def uses(module: str, qualname: str, name: str) -> bool:
     """Whether code in ``qualname`` (module for ``""``) reads something named ``name``."""
     node = _node(module, qualname)
-    if node is None:
-        return False
-    return any(
-        (isinstance(sub, ast.Attribute) and sub.attr == name) or (isinstance(sub, ast.Name) and sub.id == name)
-        for sub in ast.walk(node)
-    )
+    return node is not None and any(_named(sub, name) for sub in ast.walk(node))
 
 
 def calls(module: str, qualname: str, name: str) -> bool:
     """Whether code in ``qualname`` (module for ``""``) calls something named ``name``."""
     node = _node(module, qualname)
-    if node is None:
-        return False
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Call):
-            func = sub.func
-            if (isinstance(func, ast.Name) and func.id == name) or (isinstance(func, ast.Attribute) and func.attr == name):
-                return True
-    return False
+    return node is not None and any(isinstance(sub, ast.Call) and _named(sub.func, name) for sub in ast.walk(node))
 
 
 def clear_caches() -> None:

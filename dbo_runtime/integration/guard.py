@@ -1,8 +1,6 @@
-"""The fail-closed guard: a DBO model that needs a fix which is not in force does not start (without the fixes
-vLLM serves GLM-5.x with wrong attention, or DeepGEMM asserts mid-serving). Whatever keeps a fix out, the operator
-learns it at engine start in one line naming the cause and the ways out. It wraps stable entry points
-(``EngineArgs.create_engine_config``, ``Worker.load_model``, ``compile_or_warm_up_model``), reads only public
-config, and installs even when no other patch can."""
+"""The fail-closed guard: a DBO model that needs a fix not in force does not start (else vLLM serves GLM-5.x with
+wrong attention, or DeepGEMM asserts mid-serving); one line at engine start names the cause and the ways out. It
+wraps stable entry points and reads only public config, so it installs even when no other patch can."""
 
 from __future__ import annotations
 
@@ -42,12 +40,13 @@ def bound_patch_set() -> PatchSet | None:
     return _PATCH_SET
 
 
-def _model(vllm_config: Any) -> tuple[str, Any]:
+def model_of(vllm_config: Any, unknown: str = "unknown architecture") -> tuple[str, Any]:
+    """``(architecture, HF text config or None)``; ``unknown`` names an architecture vLLM does not give."""
     model_config = getattr(vllm_config, "model_config", None)
     arch = getattr(model_config, "architecture", None) if model_config is not None else None
     if not arch:
         archs = getattr(model_config, "architectures", None) or []
-        arch = archs[0] if archs else "unknown architecture"
+        arch = archs[0] if archs else unknown
     hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
     return str(arch), hf
 
@@ -172,7 +171,7 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
     if not microbatching(parallel):
         return ""
     switch = "--enable-dbo" if bool(getattr(parallel, "enable_dbo", False)) else "--ubatch-size"
-    arch, hf = _model(vllm_config)
+    arch, hf = model_of(vllm_config)
     if hf is None:
         return ""
     row = coverage.BY_ARCHITECTURE.get(arch)
@@ -229,7 +228,7 @@ def _worker_hooks_missing() -> list[str]:
 
 def _needs_worker_check(vllm_config: Any) -> bool:
     """Whether the worker stage could refuse this model: it shares top-k, or runs the DSA indexer."""
-    arch, hf = _model(vllm_config)
+    arch, hf = model_of(vllm_config)
     return hf is not None and bool(coverage.shared_topk(arch, hf) or coverage.uses_indexer(arch, hf))
 
 
@@ -267,7 +266,7 @@ def _guard_problem(vllm_config: Any) -> str:
     )
     if not why:
         return ""
-    arch, _ = _model(vllm_config)
+    arch, _ = model_of(vllm_config)
     return f"dbo_runtime refuses {arch} with microbatching: {why}. " + ways_out(verified=VERIFIED)
 
 
@@ -322,7 +321,7 @@ def _report_worker(vllm_config: Any, runner: str | None) -> None:
     if pid in _reported:
         return
     _reported.add(pid)
-    arch, _ = _model(vllm_config)
+    arch, _ = model_of(vllm_config)
     pending = pending_required(runner)
     if pending:
         logger.info(
@@ -399,7 +398,7 @@ def check_without_worker_hooks() -> None:
         config = None
     if config is not None and not _needs_worker_check(config):
         return
-    arch = _model(config)[0] if config is not None else "this model"
+    arch = model_of(config)[0] if config is not None else "this model"
     raise DboRefusal(
         f"dbo_runtime refuses {arch} with microbatching: {_hooks_failed[0].removeprefix('dbo_runtime: ')}, so this "
         "worker cannot check that dbo_runtime's fixes applied. " + ways_out(verified=VERIFIED)

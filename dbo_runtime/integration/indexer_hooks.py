@@ -1,7 +1,6 @@
-"""Indexer schedule hooks: keep DeepGEMM's paged-MQA schedule valid under DBO (vllm#60732). The indexer
-builder plans for the whole GPU before DBO lowers DeepGEMM's SM count; these patches record the count each
-schedule was planned for (planning ahead for the DBO count in microbatched builds) and hand every logits call to
-``IndexerScheduleCache``, in each module that binds the logits function by ``from``."""
+"""Indexer schedule hooks (vllm#60732): the builder plans for the whole GPU before DBO lowers DeepGEMM's SM count,
+so these patches record each schedule's planned count (planning ahead in microbatched builds) and hand every logits
+call, in each module that binds it by ``from``, to ``IndexerScheduleCache``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The DeepSeek-V4 / V4.1 MTP hidden buffer, written per microbatch at its own rows under DBO: vLLM's NVIDIA
-models copy the last hidden states into ``_mtp_hidden_buffer[:n]`` from row 0 in every microbatch, and the drafter
-reads it after the join in token order, so it drafts from the wrong rows (acceptance drops). On a microbatch
-thread the buffer reads as ``buffer[token_offset:]``, as ROCm's model writes it."""
+"""The DeepSeek-V4 / V4.1 MTP hidden buffer under DBO: vLLM's NVIDIA models write ``_mtp_hidden_buffer[:n]`` from
+row 0 in every microbatch, but the drafter reads it after the join in token order (acceptance drops). On a
+microbatch thread the buffer reads as ``buffer[token_offset:]``, as ROCm's model writes it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""A transactional patch set over vLLM's modules and classes: ``PatchSet.install`` builds every replacement
-first, applies them all, and restores what it applied on any failure; ``uninstall`` puts back the identical
-originals. Modules not importable everywhere are patched at import by a ``sys.meta_path`` hook; a failure there
-leaves the rest of the set in place and reports the module's patches ``broken``."""
+"""A transactional patch set over vLLM's modules and classes: ``install`` builds every replacement first, applies
+them all and restores them on any failure; ``uninstall`` puts back the identical originals. Modules not importable
+everywhere are patched at import (``sys.meta_path``); a failure there marks only that module's patches ``broken``."""
 
 from __future__ import annotations
 
@@ -65,11 +64,10 @@ class Patch:
     """vLLM calls the replacement on microbatch threads, where nothing may raise: ``PatchSet`` shields it (a data
     descriptor must be a ``MicrobatchAttr``; a hot function may use ``shields_itself``)."""
     armed_at_first_microbatch: bool = False
-    """Target keeps vLLM's original until the first microbatched run (``microbatch_arming``). Only for a
-    replacement that equals the original while no microbatch thread exists."""
+    """vLLM's original stays until the first microbatched run (``microbatch_arming``): only for a replacement
+    equal to it while no microbatch thread exists."""
     fallback: Callable[[Any], Callable[..., Any]] | None = None
-    """``fallback(original)`` is called with the arguments when the replacement fails on a microbatch thread
-    (default: the original)."""
+    """``fallback(original)`` takes the call when the replacement fails on a microbatch thread (default: original)."""
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -302,8 +300,7 @@ class PatchSet:
         return _Applied(patch, owner, name, raw, _mark(replacement, patch, current))
 
     def _set(self, applied: _Applied) -> None:
-        """Apply one patch, or leave its target as it was (a failing hook is undone here: callers roll back only
-        the patches that returned)."""
+        """Apply one patch, or leave its target as it was (a failing hook is undone here; callers undo the rest)."""
         if applied.patch.armed_at_first_microbatch:
             applied.armable = ArmedEntry(
                 applied.patch.name, arm=lambda: self._arm(applied), on_failure=lambda message: self._arm_failed(applied.patch, message)
@@ -374,19 +371,7 @@ class PatchSet:
                     lazy.append(patch)
                 else:
                     self._prepare_into(patch, loaded, prepared, skipped)
-            applied: list[_Applied] = []
-            required = [item for item in prepared if not item.patch.optional]
-            try:
-                for item in required:
-                    self._set(item)
-                    applied.append(item)
-            except BaseException as exc:  # KeyboardInterrupt too: never leave unrecorded patches behind
-                self._rollback(applied)
-                if not isinstance(exc, Exception):
-                    raise
-                raise PatchError(f"patch {required[len(applied)].patch.name!r} failed to apply: {exc!r}; rolled back") from exc
-            applied += self._set_optional([item for item in prepared if item.patch.optional], skipped)
-            self._applied = applied
+            self._applied = self._set_all(prepared, skipped)
             self._lazy_waiting = lazy
             self._skipped = skipped
             self.installed = True
@@ -396,10 +381,19 @@ class PatchSet:
             for name, why in skipped.items():
                 logger.info("dbo_runtime: optional patch %s skipped (%s)", name, why)
 
-    def _set_optional(self, items: list[_Applied], skipped: dict[str, str]) -> list[_Applied]:
-        """Apply each optional patch on its own, after the required ones: one that fails is only skipped."""
+    def _set_all(self, prepared: list[_Applied], skipped: dict[str, str]) -> list[_Applied]:
+        """The required patches all or none (else ``PatchError``), then each optional one alone (a failure skips it)."""
         done: list[_Applied] = []
-        for item in items:
+        for item in (item for item in prepared if not item.patch.optional):
+            try:
+                self._set(item)
+            except BaseException as exc:  # KeyboardInterrupt too: never leave unrecorded patches behind
+                self._rollback(done)
+                if not isinstance(exc, Exception):
+                    raise
+                raise PatchError(f"patch {item.patch.name!r} failed to apply: {exc!r}; rolled back") from exc
+            done.append(item)
+        for item in (item for item in prepared if item.patch.optional):
             try:
                 self._set(item)
             except Exception as exc:
@@ -424,9 +418,9 @@ class PatchSet:
         return {p.module for p in self._lazy_waiting}
 
     def _apply_lazy(self, module: ModuleType) -> None:
-        """A lazy module finished importing: patch all of it or none. A failure reports its patches ``broken`` and
-        leaves the rest; ``DBO_RUNTIME_STRICT=1`` fails the import, and on a microbatch thread the step fails after
-        the join, STRICT or not (the guard judged at load; the step would go on unpatched)."""
+        """A lazy module finished importing: patch all of it or none. A failure marks its patches ``broken``; it
+        fails the import under ``DBO_RUNTIME_STRICT=1``, and on a microbatch thread the step after the join, STRICT
+        or not (the guard judged at load; the step would go on unpatched)."""
         with self._lock:
             if not self.installed:
                 return
@@ -444,19 +438,10 @@ class PatchSet:
                     break
             self._lazy_waiting = [p for p in self._lazy_waiting if p not in todo]
             if failure is None:
-                done: list[_Applied] = []
                 try:
-                    for item in (item for item in prepared if not item.patch.optional):
-                        self._set(item)
-                        done.append(item)
-                except BaseException as exc:
-                    self._rollback(done)
-                    if not isinstance(exc, Exception):
-                        raise
-                    failure = exc
-                else:
-                    done += self._set_optional([item for item in prepared if item.patch.optional], self._skipped)
-                    self._applied.extend(done)
+                    self._applied.extend(self._set_all(prepared, self._skipped))
+                except PatchError as exc:
+                    failure = exc.__cause__
             required = [p for p in todo if not p.optional or p.name not in self._skipped]
             if failure is not None:
                 for patch in required:

@@ -1,7 +1,6 @@
-"""The vLLM general plugin. vLLM calls ``register`` once per process, without a ``try``: it is idempotent, never
-initialises CUDA, and installs the guard (unless ``DBO_RUNTIME_DISABLE=1``), then, as one transaction, every
-feature whose vLLM code matches this release's fingerprints and that vLLM does not fix itself. A feature not
-installed is no error (the guard refuses a DBO model that needs it); ``DBO_RUNTIME_STRICT=1`` makes it one."""
+"""The vLLM general plugin. ``register`` (once per process, no ``try`` around it) is idempotent, never touches
+CUDA, installs the guard (unless ``DBO_RUNTIME_DISABLE=1``), then as one transaction each feature whose fingerprints
+match and that vLLM lacks; one left out is no error unless ``DBO_RUNTIME_STRICT=1`` (the guard refuses it for DBO)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""vLLM's ``create_sm_control_context``, backed by SMControl: vLLM turns process-global SM knobs without
-telling anyone, so the indexer schedule cannot know the count it runs under. The replacement feeds vLLM's inputs to
-the pure policy (``core.budget``) and enters through the device's SMControl: vLLM's knob calls, but the budget is
-published before any kernel runs under it and a nested or failing scope restores the previous one."""
+"""vLLM's ``create_sm_control_context`` backed by SMControl: vLLM turns process-global SM knobs telling no one, so
+the indexer schedule cannot know its count. This feeds vLLM's inputs to ``core.budget`` and enters the device's
+SMControl, which publishes the budget before any kernel runs and restores the previous one on exit or failure."""
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 from dbo_runtime.adapters.all2all import All2AllKnob
@@ -68,24 +68,6 @@ def _platform_name(platform: Any) -> str:
     )
 
 
-def _read_env_comm_sms(envs: Any) -> object:
-    import os
-
-    try:
-        return envs.VLLM_DBO_COMM_SMS
-    except ValueError:
-        # vLLM parses with a bare int(); give the operator the variable's name instead.
-        return os.environ.get("VLLM_DBO_COMM_SMS")
-
-
-def _sm_major(platform_name: str, current_platform: Any, device: int) -> int:
-    """Compute-capability major of ``device``; 0 off CUDA (ROCm reports gfx9xx as 9.x)."""
-    if platform_name != "cuda":
-        return 0
-    capability = current_platform.get_device_capability(device_id=device)
-    return int(capability.major) if capability is not None else 0
-
-
 _unknown_logged: set[str] = set()
 
 
@@ -108,6 +90,12 @@ def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMK
             max_sms_used = manager.max_sms_used()
 
     deep_gemm_present = bool(uu.has_deep_gemm())
+    try:
+        env_comm_sms: object = uu.envs.VLLM_DBO_COMM_SMS
+    except ValueError:  # vLLM parses with a bare int(); give the operator the variable's name instead
+        env_comm_sms = os.environ.get("VLLM_DBO_COMM_SMS")
+    # compute-capability major, 0 off CUDA (ROCm reports gfx9xx as 9.x)
+    capability = uu.current_platform.get_device_capability(device_id=device) if platform == "cuda" else None
     cap = getattr(manager, "num_sms", None) if manager is not None else None
     backend = parallel_config.all2all_backend
     if backend is not None and backend not in ALL2ALL_BACKENDS and backend not in _unknown_logged:
@@ -126,20 +114,18 @@ def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMK
         enable_dbo=bool(parallel_config.enable_dbo),
         expert_parallel=bool(parallel_config.enable_expert_parallel),
         all2all_backend=parallel_config.all2all_backend,
-        env_comm_sms=_read_env_comm_sms(uu.envs),
+        env_comm_sms=env_comm_sms,
         has_all2all_manager=manager is not None,
         max_sms_used=max_sms_used,
         has_deep_gemm=deep_gemm_present,
         device=device,
         comm_cap=cap if isinstance(cap, int) and not isinstance(cap, bool) else None,
-        compute_multiple=deep_gemm_compute_multiple(_sm_major(platform, uu.current_platform, device)),
+        compute_multiple=deep_gemm_compute_multiple(int(capability.major) if capability is not None else 0),
         allow_unknown_backend=True,
     )
     comm_knob: SMKnob | None = All2AllKnob(manager) if budget.comm_knob else None
-    compute_knob: SMKnob | None = None
-    if budget.compute_knob:
-        # Resolve vLLM's alias at call time, like vLLM's lambda does.
-        compute_knob = DeepGemmKnob(lambda sms: uu.deep_gemm_set_num_sms(sms))
+    # the compute knob resolves vLLM's alias at call time, like vLLM's lambda does
+    compute_knob = DeepGemmKnob(lambda sms: uu.deep_gemm_set_num_sms(sms)) if budget.compute_knob else None
     return budget, comm_knob, compute_knob
 
 

@@ -1,8 +1,6 @@
-"""Per-microbatch shared top-k for GLM-5.x IndexCache layers under DBO (vllm#60734): vLLM hands the leader's
-top-k to its followers through state with no microbatch dimension (the model's ``topk_indices_buffer``, each index
-group's workspace, counts and events), which the other microbatch overwrites between layers. Every access goes
-through ``UbatchTopkState``: ``register_layer`` attaches it (or refuses), the group methods and the buffer
-descriptor resolve the calling microbatch's view; per-access hooks are armed at the first microbatched run."""
+"""Per-microbatch shared top-k for GLM-5.x IndexCache layers under DBO (vllm#60734): followers read the leader's
+top-k from state the other microbatch overwrites (``topk_indices_buffer``, index groups' workspaces and events);
+``register_layer`` attaches ``UbatchTopkState`` or refuses, and per-access hooks resolve the caller's view."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from typing import Any
 from dbo_runtime.core import coverage
 from dbo_runtime.core.errors import UnsupportedConfiguration, ways_out
 from dbo_runtime.core.log import get_logger
-from dbo_runtime.integration import fingerprints
+from dbo_runtime.integration import fingerprints, guard
 from dbo_runtime.integration.engine_config import decode_rows
 from dbo_runtime.integration.features import Feature, Probe, Reliance, Upstream
 from dbo_runtime.integration.patching import ArgSlots, Patch, require_parameters
@@ -184,9 +182,7 @@ def honours_indexer_types() -> bool:
 
 def _model_shares_topk(vllm_config: Any) -> bool:
     """Whether vLLM builds layers that reuse top-k for this config."""
-    model = getattr(vllm_config, "model_config", None)
-    hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
-    arch = _architecture(vllm_config)
+    arch, hf = guard.model_of(vllm_config, "this model")
     return hf is not None and bool(coverage.shared_topk(arch, hf, indexer_types=honours_indexer_types()))
 
 
@@ -199,16 +195,9 @@ def _refuse_hisparse() -> None:
     )
 
 
-def _architecture(vllm_config: Any) -> str:
-    model = getattr(vllm_config, "model_config", None)
-    arch = getattr(model, "architecture", None) if model is not None else None
-    archs = getattr(model, "architectures", None) if model is not None else None
-    return str(arch or (archs[0] if archs else "this model"))
-
-
 def _refuse(vllm_config: Any, default_reason: str) -> None:
     """One line: the architecture, the real reason (``core.coverage``) and the ways out."""
-    arch = _architecture(vllm_config)
+    arch = guard.model_of(vllm_config, "this model")[0]
     row = coverage.BY_ARCHITECTURE.get(arch)
     reason = row.refusal if row is not None and row.refusal else default_reason
     raise UnsupportedConfiguration(

@@ -1,7 +1,6 @@
-"""Per-microbatch top-k and candidate blocks for DeepSeek-V4.1 under DBO (upstream: vllm#56476): V4.1 shares
-them through model buffers written by the indexer layers and read by later layers, with MoE yields in between. The
-model's setters register them with ``topk_state``; every class's getter resolves the calling microbatch's view.
-Steps aside when vLLM has ``ubatching.dbo_select_buffer`` (the upstream fix)."""
+"""Per-microbatch top-k and candidate blocks for DeepSeek-V4.1 under DBO (vllm#56476), shared through model buffers
+across MoE yields: the setters register them with ``topk_state``, the getters resolve the calling microbatch's view.
+Steps aside where vLLM has ``ubatching.dbo_select_buffer`` (the upstream fix)."""
 
 from __future__ import annotations
 

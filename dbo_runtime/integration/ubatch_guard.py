@@ -1,7 +1,6 @@
-"""No exception escapes dbo_runtime code on a DBO microbatch thread: when one raises, its partner waits for a
-hand-off that never comes and the DP group hangs with no traceback. Shielded patches record failures there
-(``ubatch_failures``) and continue with a placeholder; the join points patched here raise ``MicrobatchFailure``
-on the main thread with the original traceback as cause: fatal, never silently wrong and never a hang."""
+"""No exception escapes dbo_runtime code on a DBO microbatch thread (its partner would wait forever: a DP hang with no
+traceback). Shielded patches record failures (``ubatch_failures``) and go on with a placeholder; the join points
+patched here raise ``MicrobatchFailure`` on the main thread, caused by the original: fatal, never wrong or a hang."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Per-worker counters through vLLM's own RPC, ``llm.collective_rpc("dbo_runtime_stats")``: the counters live
-in the worker process, and ``collective_rpc`` resolves a method named by a string on each worker without insecure
-serialization, so the plugin adds that method to vLLM's ``Worker``. Under ``vllm serve`` the same counters go to
-``/metrics``. Retired by a plugin RPC registry in vLLM."""
+"""Per-worker counters through vLLM's own RPC, ``llm.collective_rpc("dbo_runtime_stats")``, which calls a method
+named by a string on each worker without insecure serialization: the plugin adds it to vLLM's ``Worker``. Under
+``vllm serve`` the same counters go to ``/metrics``. Retired by a plugin RPC registry in vLLM."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""dbo_runtime's counters on vLLM's Prometheus endpoint: ordinary ``prometheus_client`` metrics in the worker,
-which vLLM's API server exports in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``), like its own worker-side
-metrics. The exporter subscribes to SMControl and moves the counters once per DBO step, at ``exited``: never per
-layer."""
+"""dbo_runtime's counters on vLLM's Prometheus endpoint: ``prometheus_client`` metrics in the worker, which vLLM's
+API server exports in multiprocess mode like its own. The exporter subscribes to SMControl and moves the counters
+once per DBO step (``exited``), never per layer."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""JIT-compiling DeepGEMM's paged-MQA planners at model load, so no step compiles one (a first compile inside
-an eager DP step stalls the whole DP group). Outside any capture it compiles what a decode step can present, at
-the builder's own SM count and every announced DBO count, under vLLM's ``VLLM_DEEP_GEMM_WARMUP`` policy;
-variants met first in a step are counted (``jit_in_step``: the goal is 0)."""
+"""JIT-compiles DeepGEMM's paged-MQA planners at model load (a first compile in an eager DP step stalls the DP
+group): outside any capture, what a decode step can present at the builder's SM count and each announced DBO count,
+under ``VLLM_DEEP_GEMM_WARMUP``; variants first met in a step count as ``jit_in_step`` (goal 0)."""
 
 from __future__ import annotations
 

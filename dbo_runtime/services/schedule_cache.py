@@ -1,7 +1,6 @@
-"""DeepGEMM's paged-MQA schedule, kept valid for the SM count in force (vllm#60732): each schedule tensor
-records the count it was planned for (``track``), and the call site resolves it for DeepGEMM's live count: as is
-when they match outside a capture, else re-planned once per count, or recorded into the capture that reads it. A
-microbatched build plans ahead for the DBO count."""
+"""DeepGEMM's paged-MQA schedule, kept valid for the SM count in force (vllm#60732): a schedule records the count
+it was planned for (``track``); the call site keeps it where that is DeepGEMM's live count outside a capture, else
+re-plans once per count or into the capture. A microbatched build plans ahead for the DBO count."""
 
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ DEFERRED = -1
 """``planned_sms`` of a tensor not planned yet: no live count equals it, so the call site always resolves."""
 
 
-
 class SchedulePlanner(Protocol):
     """DeepGEMM's side: live SM count, slot rule, planner, capture probes."""
 
@@ -48,7 +46,6 @@ class SchedulePlanner(Protocol):
 
 @dataclass(frozen=True, eq=False)
 class DeferredPlan:
-
     sms: int
     context_lens: Any
     indices: Any | None
@@ -56,7 +53,6 @@ class DeferredPlan:
 
 @dataclass(eq=False)
 class ScheduleState:
-
     planned_sms: int
     block_kv: int
     next_n: int
@@ -145,13 +141,12 @@ class IndexerScheduleCache:
             self._planner = DeepGemmPlanner()
         return self._planner
 
-    def _bind(self) -> None:
+    def _bind(self) -> Callable[[], int]:
+        """Bind the hot probes (live SM count, capture probe); returns the first."""
         planner = self.planner
         probes = getattr(planner, "hot_probes", None)
-        if probes is not None:
-            self._num_sms, self._capturing = probes()
-        else:
-            self._num_sms, self._capturing = planner.get_num_sms, planner.capturing
+        self._num_sms, self._capturing = probes() if probes is not None else (planner.get_num_sms, planner.capturing)
+        return self._num_sms
 
     def track(
         self, schedule: Any, *, planned_sms: int, block_kv: int, next_n: int, ahead: bool = False
@@ -226,11 +221,7 @@ class IndexerScheduleCache:
     def resolve(self, schedule: Any, context_lens: Any, indices: Any | None, block_source: Any) -> Any:
         """The schedule the logits kernel must get for DeepGEMM's live SM count; ``block_source`` (an int or the
         ``kv_cache``) is read only for untracked schedules."""
-        num_sms = self._num_sms
-        if num_sms is None:
-            self._bind()
-            num_sms = self._num_sms
-        current = num_sms()  # type: ignore[misc]
+        current = (self._num_sms or self._bind())()
         state = schedule.__dict__.get(STATE_ATTR)
         if state is not None and current == state.planned_sms:
             # the counter is far cheaper than the precise probe
@@ -241,9 +232,7 @@ class IndexerScheduleCache:
         return self._resolve_slow(state, schedule, context_lens, block_kv, indices, current)
 
     def live_num_sms(self) -> int:
-        if self._num_sms is None:
-            self._bind()
-        return int(self._num_sms())  # type: ignore[misc]
+        return int((self._num_sms or self._bind())())
 
     def _resolve_slow(
         self, state: ScheduleState | None, schedule: Any, context_lens: Any, block_kv: int, indices: Any, current: int
@@ -337,6 +326,7 @@ class IndexerScheduleCache:
         self.warmup.warm(budget.device, budget.compute)
         # unannounced: the call site compiles (``jit_in_step``)
 
+
 _CACHE: IndexerScheduleCache | None = None
 _CACHE_LOCK = threading.Lock()
 
@@ -359,4 +349,3 @@ def detach_schedule_cache() -> None:
     cache = _CACHE
     if cache is not None:
         cache.detach_all()
-

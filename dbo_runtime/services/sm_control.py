@@ -1,8 +1,6 @@
-"""SMControl, the single owner of one device's compute/comm SM knobs: vLLM flips process-global SM counts
-(DeepGEMM, DeepEP) and tells nobody, so the indexer planned for one count while DeepGEMM asserted another.
-``enter()`` turns comm then compute and publishes ``entered``; ``exit()`` restores the *previous* budget and
-publishes ``exited``; ``announce()`` publishes one ahead, at model load. Subscribers' exceptions are counted and
-logged, never propagated into vLLM's step."""
+"""SMControl, the single owner of one device's compute/comm SM knobs, since vLLM flips process-global counts
+(DeepGEMM, DeepEP) telling no one. ``enter()`` turns comm then compute and publishes ``entered``; ``exit()`` restores
+the previous budget (``exited``); ``announce()`` publishes one at load. Subscriber errors are logged, never raised."""
 
 from __future__ import annotations
 
@@ -46,7 +44,7 @@ Subscriber = Callable[[BudgetEvent], None]
 
 @dataclass
 class Subscription:
-    """Handle returned by ``subscribe``; ``close()`` (or ``with``) unsubscribes."""
+    """Handle returned by ``subscribe``; ``close()`` unsubscribes."""
 
     control: SMControl
     name: str
@@ -55,12 +53,6 @@ class Subscription:
 
     def close(self) -> None:
         self.control.unsubscribe(self)
-
-    def __enter__(self) -> Subscription:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 @dataclass

@@ -1,7 +1,6 @@
-"""Per-microbatch shared top-k state for DSA layers that reuse an earlier layer's top-k (vllm#60734, #56476):
-followers read their leader's top-k from state the other microbatch overwrites between layers, so each microbatch
-after the first gets its own view, found by its thread's microbatch id and token offset. ``WINDOWS`` (default)
-uses the rows from that offset and allocates nothing; ``COPIES`` is upstream's design. No vLLM import."""
+"""Per-microbatch views of shared top-k state (vllm#60734, #56476), which the other microbatch overwrites between
+layers, found by the thread's microbatch id and token offset: ``WINDOWS`` (default) are the rows from that offset,
+``COPIES`` (upstream's design) allocate. No vLLM import."""
 
 from __future__ import annotations
 
@@ -165,11 +164,7 @@ class UbatchTopkState:
             layout = self._settle_layout()
             if self._group_state(group) is not None:
                 return
-            ref = self._logical.get(id(base))
-            logical = ref() if ref is not None else None
-            if logical is None or logical.base_ref() is not base:
-                logical = _LogicalState(base, layout, num_ubatches)
-                self._logical[id(base)] = weakref.ref(logical)
+            logical = self._logical_for(base, layout, num_ubatches)
             setattr(group, STATE_ATTR, _GroupState(self, group, logical, layout, num_ubatches, make_event))
             self._groups[id(group)] = weakref.ref(group)
 
@@ -179,13 +174,16 @@ class UbatchTopkState:
             return None
         with self._lock:
             self._prune()
-            layout = self._settle_layout()
-            ref = self._logical.get(id(base))
-            state = ref() if ref is not None else None
-            if state is None or state.base_ref() is not base:
-                state = _LogicalState(base, layout, num_ubatches)
-                self._logical[id(base)] = weakref.ref(state)
-            return state
+            return self._logical_for(base, self._settle_layout(), num_ubatches)
+
+    def _logical_for(self, base: torch.Tensor, layout: TopkLayout, num_ubatches: int) -> _LogicalState:
+        """``base``'s state, found or created (caller holds the lock)."""
+        ref = self._logical.get(id(base))
+        state = ref() if ref is not None else None
+        if state is None or state.base_ref() is not base:
+            state = _LogicalState(base, layout, num_ubatches)
+            self._logical[id(base)] = weakref.ref(state)
+        return state
 
     def _settle_layout(self) -> TopkLayout:
         """The layout for a new buffer (caller holds the lock)."""

@@ -218,8 +218,9 @@ def test_unsubscribe_and_replay_of_announced() -> None:
     with ctl.partition(budget(20)):
         pass
     assert got == ["announced:112"]
-    with ctl.subscribe(lambda e: got.append(e.kind), replay=False):
-        ctl.announce(budget(24))
+    quiet = ctl.subscribe(lambda e: got.append(e.kind), replay=False)
+    ctl.announce(budget(24))
+    quiet.close()
     assert got[-1] == "announced"
     late: list[int] = []
     ctl.subscribe(lambda e: late.append(e.budget.compute))
