@@ -1,10 +1,6 @@
-"""Which ``VLLM_DBO_COMM_SMS`` values ``dbo-runtime tune`` tries, and which one the measurements support.
-
-vLLM's default comm share is not derived from the operator's workload, and DeepEP accepts only some
-values (HT: even, at most the manager's share). The choice is conservative: a value replaces the
-default only when it beats it in every paired round by at least ``min_gain``, with enough rounds that
-noise alone does so in at most 5 % of sweeps.
-"""
+"""Which ``VLLM_DBO_COMM_SMS`` values ``dbo-runtime tune`` tries (DeepEP HT: even, at most its manager's share), and
+which one the measurements support: a value replaces today's only when it beats it in every paired round by at
+least ``min_gain``, over enough rounds that noise alone does so in at most 5 % of sweeps."""
 
 from __future__ import annotations
 

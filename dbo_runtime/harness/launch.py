@@ -1,9 +1,6 @@
-"""Start one real-engine run (all its DP ranks), wait for it, and turn it into a record.
-
-A DP rank whose peer died blocks forever in a collective, and vLLM's processes can outlive a killed
-parent: every rank runs in its own session, the others get a grace period once one fails, and every
-process group is killed at the end.
-"""
+"""Start one real-engine run (all its DP ranks), wait for it, and turn it into a record. A rank whose peer died
+blocks forever in a collective and vLLM's processes outlive a killed parent: each rank runs in a session of its
+own, the others get a grace period once one fails, and every process group is killed at the end."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""One rank of one real-engine run, in a child process: ``python -m dbo_runtime.harness.runner SPEC OUT``.
-
-A child per rank because vLLM's offline DP is one process per rank with ``VLLM_DP_*`` set before the
-engine exists, a vanilla run must not inherit the plugin, and a crashing engine must not take the
-caller with it. The spec (from ``harness.launch``) holds the engine arguments, prompts and timing
-phase; the result holds greedy tokens, top-k logprobs, the plugin's counters and timings. Ranks meet
-at file barriers so timed phases start together.
-"""
+"""One rank of one real-engine run: ``python -m dbo_runtime.harness.runner SPEC OUT`` (spec from ``harness.launch``;
+result: greedy tokens, top-k logprobs, the plugin's counters, timings). A child per rank: vLLM's offline DP wants
+``VLLM_DP_*`` set before the engine exists, and a crash must not take the caller along. Ranks meet at file barriers."""
 
 from __future__ import annotations
 

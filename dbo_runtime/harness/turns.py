@@ -1,9 +1,5 @@
-"""Interleaved timing of several live engines: start them all, then let one run a rep at a time.
-
-Configurations must be measured under the same conditions, and restarting engines per rep costs a
-minute each; waiting engines are idle. The order rotates by one each rep so no configuration always
-runs first.
-"""
+"""Interleaved timing of several live engines: start them all, then let one run a rep at a time (same conditions
+for every configuration, no restart per rep), the order rotated by one each rep so none always runs first."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Two microbatches on two threads, scheduled the way vLLM's DBO schedules them, for ``simulate`` and
-the scenario where vLLM or CUDA is absent: one thread per microbatch, exactly one running Python at
-a time, handing over at each ``yield_``; shared compute and comm streams; the main thread releases
-microbatch 0 and joins. ``current_ubatch()`` is ``(0, 0)`` off the microbatch threads.
-"""
+"""Microbatch threads scheduled as vLLM's DBO schedules them, without vLLM: one running Python at a time, handing
+over at each ``yield_``, on shared compute and comm streams; ``current_ubatch()`` is ``(0, 0)`` off them."""
 
 from __future__ import annotations
 
