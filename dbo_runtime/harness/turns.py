@@ -36,17 +36,8 @@ def _turn(root: Path, rep: int, dp: int, deadline: float, finished: Callable[[],
     return "done"
 
 
-def _finished(records: dict[str, dict[str, Any]], label: str) -> Callable[[], bool]:
-    return lambda: label in records
-
-
 def run_interleaved(
-    specs: Sequence[RunSpec],
-    workdir: Path,
-    reps: int,
-    *,
-    timeout_s: float = 1800.0,
-    progress: Callable[[str], None] | None = None,
+    specs: Sequence[RunSpec], workdir: Path, reps: int, *, timeout_s: float = 1800.0, progress: Any = None
 ) -> dict[str, dict[str, Any]]:
     """Launch every spec, then run turn ``rep r`` of each, the order rotated by ``r``. Turn files live in a
     folder made for this call, so an earlier run's engine cannot answer; past ``timeout_s`` no turn starts
@@ -81,7 +72,7 @@ def run_interleaved(
         for rep in range(total):
             shift = rep % len(specs)
             for spec in [*specs[shift:], *specs[:shift]]:
-                outcome = _turn(barriers[spec.label], rep, spec.dp, deadline, _finished(records, spec.label))
+                outcome = _turn(barriers[spec.label], rep, spec.dp, deadline, lambda: spec.label in records)
                 if progress is not None:
                     progress(f"rep {rep}: {spec.label} {outcome}")
                 if outcome == "done":
