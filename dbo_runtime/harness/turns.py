@@ -3,6 +3,7 @@ for every configuration, no restart per rep), the order rotated by one each rep 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -72,7 +73,7 @@ def run_interleaved(
         for rep in range(total):
             shift = rep % len(specs)
             for spec in [*specs[shift:], *specs[:shift]]:
-                outcome = _turn(barriers[spec.label], rep, spec.dp, deadline, lambda: spec.label in records)
+                outcome = _turn(barriers[spec.label], rep, spec.dp, deadline, functools.partial(records.__contains__, spec.label))
                 if progress is not None:
                     progress(f"rep {rep}: {spec.label} {outcome}")
                 if outcome == "done":
