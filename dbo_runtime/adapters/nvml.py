@@ -32,7 +32,7 @@ class NvmlUnavailable(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class NvmlMigDevice:
-    """One MIG instance: its ``nvmlDeviceGetMigDeviceHandleByIndex`` slot; SMs from ``nvmlDeviceGetAttributes_v2``."""
+    """One MIG instance: its handle's slot index; SMs from ``nvmlDeviceGetAttributes_v2``."""
 
     slot: int
     name: str | None
@@ -54,7 +54,6 @@ class NvmlGpu:
     """``nvmlDeviceGetAttributes_v2`` on the GPU handle: None on a full (non-MIG) GPU."""
     mig_devices: tuple[NvmlMigDevice, ...] = field(default_factory=tuple)
     memory_total_bytes: int | None = None
-    """``nvmlDeviceGetMemoryInfo(...).total``: what engines sharing this GPU must fit in."""
 
     @property
     def cores_per_sm(self) -> int | None:

@@ -107,12 +107,12 @@ def int_in(low: int, high: int) -> Any:
 
 @contextlib.contextmanager
 def import_noise() -> Iterator[list[str]]:
-    """Collect what vLLM and torch log or warn on import, so it does not read as findings."""
+    """What vLLM and torch log or warn on import (a filter takes every record), so it does not read as findings."""
     with contextlib.suppress(ImportError):
         import torch  # noqa: F401  (installs its own stderr handler)
     lines: list[str] = []
 
-    def take(record: logging.LogRecord) -> bool:  # as a filter: the record is kept here and emitted nowhere
+    def take(record: logging.LogRecord) -> bool:
         if record.levelno >= logging.WARNING:
             lines.append(record.getMessage())
         return False

@@ -233,8 +233,9 @@ def launch(
         logs.append(log_path)
         command = [sys.executable, "-m", runner_module, str(spec_path), str(root / f"rank{rank}.json")]
         with open(log_path, "wb") as log:
-            procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            _LIVE.add(procs[-1])
+            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(proc)
+        _LIVE.add(proc)
     failed_at: float | None = None
     last_scan = 0.0
     timed_out = False

@@ -73,7 +73,8 @@ def run_interleaved(
         for rep in range(total):
             shift = rep % len(specs)
             for spec in [*specs[shift:], *specs[:shift]]:
-                outcome = _turn(barriers[spec.label], rep, spec.dp, deadline, functools.partial(records.__contains__, spec.label))
+                finished = functools.partial(records.__contains__, spec.label)
+                outcome = _turn(barriers[spec.label], rep, spec.dp, deadline, finished)
                 if progress is not None:
                     progress(f"rep {rep}: {spec.label} {outcome}")
                 if outcome == "done":
