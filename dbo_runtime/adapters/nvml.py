@@ -4,13 +4,13 @@ to start NVML raises (``NvmlUnavailable``)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, TypeVar
-
-T = TypeVar("T")
+from typing import Any
 
 CORES_PER_SM: dict[tuple[int, int], int] = {
     **dict.fromkeys([(3, 0), (3, 2), (3, 5), (3, 7)], 192),
@@ -23,9 +23,7 @@ CORES_PER_SM: dict[tuple[int, int], int] = {
 
 def cores_per_sm(capability: tuple[int, int] | None) -> int | None:
     """Cores per SM for a compute capability, or None when not in the table."""
-    if capability is None:
-        return None
-    return CORES_PER_SM.get((int(capability[0]), int(capability[1])))
+    return None if capability is None else CORES_PER_SM.get((int(capability[0]), int(capability[1])))
 
 
 class NvmlUnavailable(RuntimeError):
@@ -34,11 +32,9 @@ class NvmlUnavailable(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class NvmlMigDevice:
-    """One MIG instance of a GPU; ``multiprocessor_count`` from ``nvmlDeviceGetAttributes_v2``."""
+    """One MIG instance: its handle's slot index; SMs from ``nvmlDeviceGetAttributes_v2``."""
 
-    parent_index: int
     slot: int
-    """Index passed to ``nvmlDeviceGetMigDeviceHandleByIndex``."""
     name: str | None
     uuid: str | None
     multiprocessor_count: int | None
@@ -58,7 +54,6 @@ class NvmlGpu:
     """``nvmlDeviceGetAttributes_v2`` on the GPU handle: None on a full (non-MIG) GPU."""
     mig_devices: tuple[NvmlMigDevice, ...] = field(default_factory=tuple)
     memory_total_bytes: int | None = None
-    """``nvmlDeviceGetMemoryInfo(...).total``: what engines sharing this GPU must fit in."""
 
     @property
     def cores_per_sm(self) -> int | None:
@@ -80,31 +75,15 @@ class NvmlSnapshot:
 
 
 def _text(value: Any) -> str | None:
-    if value is None:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else None if value is None else str(value)
+
+
+def _call(nvml: Any, name: str, *args: Any) -> Any:
+    """``nvml.name(*args)``, None on an ``NVMLError`` or a binding an older nvidia-ml-py lacks."""
+    try:
+        return getattr(nvml, name)(*args)
+    except (nvml.NVMLError, AttributeError):
         return None
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)
-
-
-class _Reader:
-    """Calls NVML functions, turning any ``NVMLError`` into ``None`` for that field."""
-
-    def __init__(self, nvml: ModuleType) -> None:
-        self.nvml = nvml
-        self.error: type[BaseException] = nvml.NVMLError
-
-    def opt(self, fn: Callable[..., T], *args: Any) -> T | None:
-        try:
-            return fn(*args)
-        except self.error:
-            return None
-
-    def call(self, name: str, *args: Any) -> Any:
-        fn = getattr(self.nvml, name, None)
-        if fn is None:  # an older nvidia-ml-py without this binding
-            return None
-        return self.opt(fn, *args)
 
 
 def _load() -> ModuleType:
@@ -114,45 +93,37 @@ def _load() -> ModuleType:
         raise NvmlUnavailable(f"nvidia-ml-py is not installed ({exc})") from None
 
 
-def _mig_devices(r: _Reader, parent_index: int, handle: Any) -> tuple[NvmlMigDevice, ...]:
-    count = r.call("nvmlDeviceGetMaxMigDeviceCount", handle)
+def _mig_devices(r: Callable[..., Any], handle: Any) -> tuple[NvmlMigDevice, ...]:
+    count = r("nvmlDeviceGetMaxMigDeviceCount", handle)
     out: list[NvmlMigDevice] = []
     for slot in range(int(count or 0)):
-        mig = r.call("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
+        mig = r("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
         if mig is None:  # NVMLError_NotFound: an empty slot
             continue
-        attrs = r.call("nvmlDeviceGetAttributes_v2", mig)
-        out.append(
-            NvmlMigDevice(
-                parent_index=parent_index,
-                slot=slot,
-                name=_text(r.call("nvmlDeviceGetName", mig)),
-                uuid=_text(r.call("nvmlDeviceGetUUID", mig)),
-                multiprocessor_count=None if attrs is None else int(attrs.multiprocessorCount),
-            )
-        )
+        attrs = r("nvmlDeviceGetAttributes_v2", mig)
+        name, uuid = _text(r("nvmlDeviceGetName", mig)), _text(r("nvmlDeviceGetUUID", mig))
+        out.append(NvmlMigDevice(slot, name, uuid, None if attrs is None else int(attrs.multiprocessorCount)))
     return tuple(out)
 
 
-def _gpu(r: _Reader, index: int) -> NvmlGpu:
-    nvml = r.nvml
+def _gpu(nvml: Any, index: int) -> NvmlGpu:
+    r = functools.partial(_call, nvml)
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
-    cc = r.call("nvmlDeviceGetCudaComputeCapability", handle)
-    mig = r.call("nvmlDeviceGetMigMode", handle)
-    enable = getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1)
-    mig_enabled = None if mig is None else int(mig[0]) == enable
-    attrs = r.call("nvmlDeviceGetAttributes_v2", handle)
-    cores = r.call("nvmlDeviceGetNumGpuCores", handle)
-    memory = r.call("nvmlDeviceGetMemoryInfo", handle)
+    cc = r("nvmlDeviceGetCudaComputeCapability", handle)
+    mig = r("nvmlDeviceGetMigMode", handle)
+    mig_enabled = None if mig is None else int(mig[0]) == getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1)
+    attrs = r("nvmlDeviceGetAttributes_v2", handle)
+    cores = r("nvmlDeviceGetNumGpuCores", handle)
+    memory = r("nvmlDeviceGetMemoryInfo", handle)
     return NvmlGpu(
         index=index,
-        name=_text(r.call("nvmlDeviceGetName", handle)),
-        uuid=_text(r.call("nvmlDeviceGetUUID", handle)),
+        name=_text(r("nvmlDeviceGetName", handle)),
+        uuid=_text(r("nvmlDeviceGetUUID", handle)),
         compute_capability=None if cc is None else (int(cc[0]), int(cc[1])),
         num_gpu_cores=None if cores is None else int(cores),
         mig_enabled=mig_enabled,
         attributes_multiprocessor_count=None if attrs is None else int(attrs.multiprocessorCount),
-        mig_devices=_mig_devices(r, index, handle) if mig_enabled else (),
+        mig_devices=_mig_devices(r, handle) if mig_enabled else (),
         memory_total_bytes=None if memory is None else int(memory.total),
     )
 
@@ -166,26 +137,18 @@ def query(nvml: ModuleType | None = None) -> NvmlSnapshot:
     except (error, OSError) as exc:  # OSError: a broken libnvidia-ml
         raise NvmlUnavailable(f"NVML cannot initialise: {exc}") from None
     try:
-        r = _Reader(module)
         try:
             count = int(module.nvmlDeviceGetCount())
         except error as exc:
             raise NvmlUnavailable(f"nvmlDeviceGetCount failed: {exc}") from None
         gpus = []
         for index in range(count):
-            try:
-                gpus.append(_gpu(r, index))
-            except error:  # a GPU that cannot be opened: report the others
-                continue
-        return NvmlSnapshot(
-            driver_version=_text(r.call("nvmlSystemGetDriverVersion")),
-            gpus=tuple(gpus),
-        )
+            with contextlib.suppress(error):  # a GPU that cannot be opened: report the others
+                gpus.append(_gpu(module, index))
+        return NvmlSnapshot(_text(_call(module, "nvmlSystemGetDriverVersion")), tuple(gpus))
     finally:
-        try:
+        with contextlib.suppress(error):
             module.nvmlShutdown()
-        except error:
-            pass
 
 
 def availability(nvml: ModuleType | None = None) -> tuple[bool, str]:

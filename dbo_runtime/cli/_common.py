@@ -105,40 +105,31 @@ def int_in(low: int, high: int) -> Any:
     return parse
 
 
-class _Capture(logging.Handler):
-    """Collects log records as lines; as a filter it keeps them from another handler."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= self.level:
-            self.emit(record)
-        return False
-
-
 @contextlib.contextmanager
 def import_noise() -> Iterator[list[str]]:
-    """Collect what vLLM and torch log on import, so it does not read as findings."""
+    """What vLLM and torch log or warn on import (a filter takes every record), so it does not read as findings."""
     with contextlib.suppress(ImportError):
         import torch  # noqa: F401  (installs its own stderr handler)
-    capture = _Capture()
-    torch_handlers = list(logging.getLogger("torch").handlers)
+    lines: list[str] = []
+
+    def take(record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            lines.append(record.getMessage())
+        return False
+
+    capture = logging.Handler()
+    handlers = [capture, *logging.getLogger("torch").handlers]
     logging.getLogger().addHandler(capture)
-    for handler in torch_handlers:
-        handler.addFilter(capture)
+    for handler in handlers:
+        handler.addFilter(take)
     try:
         with warnings.catch_warnings(record=True) as caught:
-            yield capture.lines
-        capture.lines.extend(f"{w.category.__name__}: {w.message}" for w in caught)
+            yield lines
+        lines.extend(f"{w.category.__name__}: {w.message}" for w in caught)
     finally:
         logging.getLogger().removeHandler(capture)
-        for handler in torch_handlers:
-            handler.removeFilter(capture)
+        for handler in handlers:
+            handler.removeFilter(take)
 
 
 def protection() -> dict[str, Any]:

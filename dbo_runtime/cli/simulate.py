@@ -42,14 +42,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _backend(kind: str, mode: str, total_sms: int) -> Any:
     """The kernel backend; exit 3 where this machine cannot run what was asked."""
-    from dbo_runtime.sim.backends import make_backend, real_kernels_missing
+    from dbo_runtime.sim.backends import DeepGemmBackend, SimulatedDeepGemm, real_kernels_missing
 
     if kind == "cpu" and mode != "eager":
         raise ConfigError("--mode", mode, "eager with --backend cpu (CUDA graphs capture the real kernels: --backend auto)")
-    if kind == "deep_gemm" and (missing := real_kernels_missing()) is not None:
+    missing = None if kind == "cpu" else real_kernels_missing()
+    if kind == "deep_gemm" and missing is not None:
         raise CliError(f"--backend deep_gemm needs a CUDA GPU and DeepGEMM: {missing}; --backend cpu runs the CPU simulation", EXIT_NO_DEVICE)
-    backend = make_backend(kind, total_sms=total_sms)
-    if mode != "eager" and backend.device.type != "cuda":
+    backend = SimulatedDeepGemm(total_sms) if kind == "cpu" or missing else DeepGemmBackend()
+    if mode != "eager" and backend.simulated:
         raise CliError(f"--mode {mode} needs a CUDA GPU and DeepGEMM (FULL CUDA-graph capture); --mode eager runs here", EXIT_NO_DEVICE)
     return backend
 

@@ -1,10 +1,6 @@
-"""Which ``VLLM_DBO_COMM_SMS`` values ``dbo-runtime tune`` tries, and which one the measurements support.
-
-vLLM's default comm share is not derived from the operator's workload, and DeepEP accepts only some
-values (HT: even, at most the manager's share). The choice is conservative: a value replaces the
-default only when it beats it in every paired round by at least ``min_gain``, with enough rounds that
-noise alone does so in at most 5 % of sweeps.
-"""
+"""Which ``VLLM_DBO_COMM_SMS`` values ``dbo-runtime tune`` tries (DeepEP HT: even, at most its manager's share), and
+which one the measurements support: a value replaces today's only when it beats it in every paired round by at
+least ``min_gain``, over enough rounds that noise alone does so in at most 5 % of sweeps."""
 
 from __future__ import annotations
 
@@ -15,12 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dbo_runtime.core.budget import (
-    DEEPEP_HT_MANAGER_NUM_SMS,
-    DEFAULT_COMM_SMS,
-    compute_budget,
-    parse_comm_sms,
-)
+from dbo_runtime.core.budget import DEEPEP_HT_MANAGER_NUM_SMS, DEFAULT_COMM_SMS, compute_budget, parse_comm_sms
 from dbo_runtime.core.cli_support import H200_SMS, StateError
 from dbo_runtime.core.errors import ConfigError, did_you_mean
 
@@ -41,12 +32,7 @@ class Sweep:
 
 
 def plan_sweep(
-    raw_values: str,
-    *,
-    backend: str | None,
-    platform: str,
-    environ: Mapping[str, str],
-    total_sms: int = H200_SMS,
+    raw_values: str, *, backend: str | None, platform: str, environ: Mapping[str, str], total_sms: int = H200_SMS
 ) -> Sweep:
     """The values to measure, the operator's current one included (so every ratio is side by side)."""
     if platform == "rocm":
@@ -81,14 +67,9 @@ def plan_sweep(
         raise ConfigError("--values", raw_values, "at least one value besides the one in force today")
     for value in values:  # vLLM's policy must accept each, as the engine will see it
         compute_budget(
-            total_sms=total_sms,
-            platform="cuda",
-            enable_dbo=True,
-            expert_parallel=True,
-            all2all_backend=backend,
-            env_comm_sms=str(value),
-            compute_multiple=2,
-        )
+            total_sms=total_sms, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend=backend,
+            env_comm_sms=str(value), compute_multiple=2,
+        )  # fmt: skip
     return Sweep(tuple(values), default, ceiling, total_sms, tuple(notes))
 
 
@@ -158,23 +139,14 @@ def choose(measurements: Sequence[Measurement], default: int, *, min_gain: float
     base = next((m for m in usable if m.value == default), None)
     curve: list[dict[str, Any]] = []
     for m in measurements:
-        row: dict[str, Any] = {
-            "comm_sms": m.value,
-            "median_ms": m.median_ms,
-            "min_ms": min(m.reps_ms) if m.reps_ms else None,
-            "max_ms": max(m.reps_ms) if m.reps_ms else None,
-            "reps_ms": m.reps_ms,
-            "microbatched_steps": m.microbatched,
-            "error": m.error,
-        }
+        low, high = (min(m.reps_ms), max(m.reps_ms)) if m.reps_ms else (None, None)
+        row: dict[str, Any] = {"comm_sms": m.value, "median_ms": m.median_ms, "min_ms": low, "max_ms": high}
+        row.update(reps_ms=m.reps_ms, microbatched_steps=m.microbatched, error=m.error)
         if base is not None and m.by_rep:
             common = sorted(set(m.by_rep) & set(base.by_rep))
             ratios = [base.by_rep[r] / m.by_rep[r] for r in common]
-            row.update(
-                rounds=len(common),
-                paired_speedup=statistics.median(ratios) if ratios else None,
-                faster_rounds=sum(1 for x in ratios if x > 1),
-            )
+            speedup = statistics.median(ratios) if ratios else None
+            row.update(rounds=len(common), paired_speedup=speedup, faster_rounds=sum(1 for x in ratios if x > 1))
         curve.append(row)
     doc: dict[str, Any] = {"default": default, "min_gain": min_gain, "alpha": alpha, "curve": curve}
     if not usable:

@@ -1,13 +1,10 @@
-"""Compare two greedy runs request by request: the metrics behind ``verify`` and the accuracy A/B.
-
-DBO must not change what a model says; greedy decoding makes that checkable token by token. After the
-first differing token the runs continue from different contexts, so logprob differences are taken
-only up to the first divergence.
-"""
+"""Compare two greedy runs request by request, token by token (``verify``, the accuracy A/B). After the first
+differing token the runs continue from different contexts: logprob differences count up to it only."""
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -74,44 +71,35 @@ def compare(reference: Sequence[Request], other: Sequence[Request]) -> Compariso
     """Compare ``other`` against ``reference`` (matched by ``index``)."""
     by_index = {r.index: r for r in other}
     out = Comparison()
-    prefix_sum = 0.0
-    dsum = 0.0
-    exact_sum = 0.0
+    prefix_sum = dsum = exact_sum = 0.0
     exact_n = 0
     per_request: list[float] = []
     for ref in sorted(reference, key=lambda r: r.index):
+        n = len(ref.tokens)
+        out.tokens += n
         test = by_index.get(ref.index)
         if test is None:
             out.missing_requests.append(ref.index)
-            out.tokens += len(ref.tokens)
             out.first_divergences.append(0)
             per_request.append(0.0)
             continue
         out.requests += 1
-        n = len(ref.tokens)
-        out.tokens += n
-        equal = sum(1 for i in range(n) if i < len(test.tokens) and test.tokens[i] == ref.tokens[i])
-        out.equal_tokens += equal
-        per_request.append(equal / n if n else 1.0)
-        first = next((i for i in range(n) if i >= len(test.tokens) or test.tokens[i] != ref.tokens[i]), None)
+        same = [i < len(test.tokens) and test.tokens[i] == ref.tokens[i] for i in range(n)]
+        first = same.index(False) if False in same else None
+        out.equal_tokens += sum(same)
+        per_request.append(sum(same) / n if n else 1.0)
         out.first_divergences.append(first)
-        if first is None and len(test.tokens) == n:
-            out.exact_requests += 1
+        out.exact_requests += first is None and len(test.tokens) == n
         prefix_sum += (n if first is None else first) / n if n else 1.0
-        last = (n - 1) if first is None else first
-        for pos in range(last + 1):
+        for pos in range(n if first is None else first + 1):
             kind, d = _dlogprob(ref, test, pos)
-            if kind == "missing":
-                out.dlogprob_missing += 1
+            out.dlogprob_missing += kind == "missing"
+            out.nonfinite_logprobs += kind == "nonfinite"
+            if kind in ("missing", "nonfinite"):
                 continue
-            if kind == "nonfinite":
-                out.nonfinite_logprobs += 1
-                continue
-            if kind == "bound":
-                out.dlogprob_bounded += 1
-            else:
-                exact_sum += d
-                exact_n += 1
+            out.dlogprob_bounded += kind == "bound"
+            if kind == "exact":
+                exact_sum, exact_n = exact_sum + d, exact_n + 1
             out.dlogprob_positions += 1
             dsum += d
             out.max_abs_dlogprob = max(out.max_abs_dlogprob, d)
@@ -121,9 +109,7 @@ def compare(reference: Sequence[Request], other: Sequence[Request]) -> Compariso
     out.mean_abs_dlogprob = dsum / out.dlogprob_positions if out.dlogprob_positions else 0.0
     out.mean_abs_dlogprob_exact = exact_sum / exact_n if exact_n else 0.0
     if len(per_request) > 1:
-        mean = sum(per_request) / len(per_request)
-        var = sum((x - mean) ** 2 for x in per_request) / (len(per_request) - 1)
-        out.agreement_se = math.sqrt(var / len(per_request))
+        out.agreement_se = statistics.stdev(per_request) / math.sqrt(len(per_request))
     return out
 
 

@@ -1,12 +1,10 @@
-"""Start one real-engine run (all its DP ranks), wait for it, and turn it into a record.
-
-A DP rank whose peer died blocks forever in a collective, and vLLM's processes can outlive a killed
-parent: every rank runs in its own session, the others get a grace period once one fails, and every
-process group is killed at the end.
-"""
+"""Start one real-engine run (all its DP ranks), wait for it, and turn it into a record. A rank whose peer died
+blocks forever in a collective and vLLM's processes outlive a killed parent: each rank runs in a session of its
+own, the others get a grace period once one fails, and every process group is killed at the end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -67,8 +65,6 @@ class RunSpec:
     bench: dict[str, Any] | None = None
     cold_jit_cache: bool = False
     """Start with an empty ``DG_JIT_CACHE_DIR`` of the run's own, so nothing compiled before is found."""
-    gpus: list[int] | None = None
-    """Physical GPUs to expose (``CUDA_VISIBLE_DEVICES``); None keeps the caller's."""
     timeout_s: float = 900.0
     meta: dict[str, Any] = field(default_factory=dict)
     """Free-form facts for the record (model name, what the run demonstrates)."""
@@ -176,10 +172,8 @@ def _fatal_in_logs(logs: list[Path]) -> bool:
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 _LIVE: set[subprocess.Popen[bytes]] = set()
@@ -231,30 +225,17 @@ def launch(
     for rank in range(spec.dp):
         env = {**os.environ, **spec.env, BARRIER_ENV: str(barrier), "PYTHONUNBUFFERED": "1"}
         if spec.dp > 1:
-            env.update(
-                VLLM_DP_RANK=str(rank),
-                VLLM_DP_RANK_LOCAL=str(rank),
-                VLLM_DP_SIZE=str(spec.dp),
-                VLLM_DP_MASTER_IP="127.0.0.1",
-                VLLM_DP_MASTER_PORT=str(port),
-            )
+            dp_env = {"RANK": rank, "RANK_LOCAL": rank, "SIZE": spec.dp, "MASTER_IP": "127.0.0.1", "MASTER_PORT": port}
+            env.update({f"VLLM_DP_{key}": str(value) for key, value in dp_env.items()})
         if spec.cold_jit_cache:
             env["DG_JIT_CACHE_DIR"] = str(root / "dg-jit-cold")
-        if spec.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
         log_path = root / f"rank{rank}.log"
         logs.append(log_path)
+        command = [sys.executable, "-m", runner_module, str(spec_path), str(root / f"rank{rank}.json")]
         with open(log_path, "wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", runner_module, str(spec_path), str(root / f"rank{rank}.json")],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-            _LIVE.add(procs[-1])
+            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(proc)
+        _LIVE.add(proc)
     failed_at: float | None = None
     last_scan = 0.0
     timed_out = False
@@ -280,10 +261,8 @@ def launch(
         for p in procs:
             _kill_group(p)
         for p in procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
             _LIVE.discard(p)
     wall = time.monotonic() - started
     if timed_out:

@@ -1,11 +1,6 @@
-"""One rank of one real-engine run, in a child process: ``python -m dbo_runtime.harness.runner SPEC OUT``.
-
-A child per rank because vLLM's offline DP is one process per rank with ``VLLM_DP_*`` set before the
-engine exists, a vanilla run must not inherit the plugin, and a crashing engine must not take the
-caller with it. The spec (from ``harness.launch``) holds the engine arguments, prompts and timing
-phase; the result holds greedy tokens, top-k logprobs, the plugin's counters and timings. Ranks meet
-at file barriers so timed phases start together.
-"""
+"""One rank of one real-engine run: ``python -m dbo_runtime.harness.runner SPEC OUT`` (spec from ``harness.launch``;
+result: greedy tokens, top-k logprobs, the plugin's counters, timings). A child per rank: vLLM's offline DP wants
+``VLLM_DP_*`` set before the engine exists, and a crash must not take the caller along. Ranks meet at file barriers."""
 
 from __future__ import annotations
 
@@ -16,7 +11,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,11 +101,9 @@ def _stats(llm: Any) -> list[dict[str, Any]] | None:
 def _requests(indices: list[int], outputs: list[Any]) -> list[dict[str, Any]]:
     out = []
     for index, output in zip(indices, outputs, strict=True):
-        completion = output.outputs[0]
-        logprobs = []
-        for position in completion.logprobs or []:
-            logprobs.append({str(tid): float(lp.logprob) for tid, lp in position.items()})
-        out.append({"index": index, "tokens": list(completion.token_ids), "logprobs": logprobs})
+        done = output.outputs[0]
+        logprobs = [{str(tid): float(lp.logprob) for tid, lp in position.items()} for position in done.logprobs or []]
+        out.append({"index": index, "tokens": list(done.token_ids), "logprobs": logprobs})
     return out
 
 
@@ -173,12 +165,9 @@ def start(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) ->
     mine = for_rank(prompts, rank, size)
     if not mine:
         raise ValueError(f"DP rank {rank} has no prompt: give at least {size} prompts")
+    logprobs = int(spec.get("logprobs", 5))
     params = SamplingParams(
-        temperature=0.0,
-        max_tokens=int(spec["max_tokens"]),
-        ignore_eos=True,
-        logprobs=int(spec.get("logprobs", 5)),
-        detokenize=False,
+        temperature=0.0, max_tokens=int(spec["max_tokens"]), ignore_eos=True, logprobs=logprobs, detokenize=False
     )
     return llm, params, [prompts[i] for i in mine], mine, vocab
 
@@ -209,13 +198,7 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
 
 
 def bench_reps(
-    llm: Any,
-    sampling: Any,
-    batch: list[Any],
-    bench: dict[str, Any],
-    rank: int,
-    size: int,
-    hook: Callable[..., None] | None = None,
+    llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], rank: int, size: int, hook: Any = None
 ) -> dict[str, Any]:
     """Per rep a 1-token and a T-token pass on warm caches, timed, with SMControl's partitions over each;
     ``hook(row, s0, s1, s2, steps)`` adds a caller's columns from the counter snapshots around the passes."""
@@ -243,11 +226,9 @@ def bench_reps(
         # Per microbatched forward, from SMControl's partition time: free of the skew between DP ranks' starts.
         n01, n12 = summary_delta(s0, s1, "partitions"), summary_delta(s1, s2, "partitions")
         t01, t12 = summary_delta(s0, s1, "partition_s"), summary_delta(s1, s2, "partition_s")
-        row["prefill_partitions"] = n01
-        row["prefill_partition_ms"] = _per_partition_ms(t01, n01)
+        row.update(prefill_partitions=n01, prefill_partition_ms=_per_partition_ms(t01, n01))
         if isinstance(n01, int) and isinstance(n12, int) and t01 is not None and t12 is not None:
-            row["decode_partitions"] = n12 - n01
-            row["decode_partition_ms"] = _per_partition_ms(t12 - t01, n12 - n01)
+            row.update(decode_partitions=n12 - n01, decode_partition_ms=_per_partition_ms(t12 - t01, n12 - n01))
         if hook is not None:
             hook(row, s0, s1, s2, steps)
         reps.append(row)
@@ -274,17 +255,14 @@ def main(argv: list[str] | None = None, run_rank: Any = run) -> int:
         sys.stderr.write("usage: python -m dbo_runtime.harness.runner SPEC.json OUT.json\n")
         return 2
     spec = json.loads(Path(args[0]).read_text())
-    rank = int(os.environ.get("VLLM_DP_RANK", "0"))
-    size = int(os.environ.get("VLLM_DP_SIZE", "1"))
+    rank, size = int(os.environ.get("VLLM_DP_RANK", "0")), int(os.environ.get("VLLM_DP_SIZE", "1"))
     out = Path(args[1])
     _PARTIAL[:] = [partial_path(out)]
     result: dict[str, Any] = {"label": spec.get("label"), "rank": rank, "dp": size, "ok": False, "error": None}
     try:
         run_rank(spec, rank, size, result)
     except BaseException as exc:  # the run's failure is the result (e.g. vLLM's DeepGEMM assertion)
-        result["ok"] = False
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()[-6000:]
+        result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-6000:])
         _log(f"failed: {result['error']}")
     if _superseded():  # an orphan: the later run's rank files are its own
         _log("this run's folder was taken over by a later run: no result written")

@@ -1,12 +1,9 @@
-"""Interleaved timing of several live engines: start them all, then let one run a rep at a time.
-
-Configurations must be measured under the same conditions, and restarting engines per rep costs a
-minute each; waiting engines are idle. The order rotates by one each rep so no configuration always
-runs first.
-"""
+"""Interleaved timing of several live engines: start them all, then let one run a rep at a time (same conditions
+for every configuration, no restart per rep), the order rotated by one each rep so none always runs first."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -40,17 +37,8 @@ def _turn(root: Path, rep: int, dp: int, deadline: float, finished: Callable[[],
     return "done"
 
 
-def _finished(records: dict[str, dict[str, Any]], label: str) -> Callable[[], bool]:
-    return lambda: label in records
-
-
 def run_interleaved(
-    specs: Sequence[RunSpec],
-    workdir: Path,
-    reps: int,
-    *,
-    timeout_s: float = 1800.0,
-    progress: Callable[[str], None] | None = None,
+    specs: Sequence[RunSpec], workdir: Path, reps: int, *, timeout_s: float = 1800.0, progress: Any = None
 ) -> dict[str, dict[str, Any]]:
     """Launch every spec, then run turn ``rep r`` of each, the order rotated by ``r``. Turn files live in a
     folder made for this call, so an earlier run's engine cannot answer; past ``timeout_s`` no turn starts
@@ -85,7 +73,8 @@ def run_interleaved(
         for rep in range(total):
             shift = rep % len(specs)
             for spec in [*specs[shift:], *specs[:shift]]:
-                outcome = _turn(barriers[spec.label], rep, spec.dp, deadline, _finished(records, spec.label))
+                finished = functools.partial(records.__contains__, spec.label)
+                outcome = _turn(barriers[spec.label], rep, spec.dp, deadline, finished)
                 if progress is not None:
                     progress(f"rep {rep}: {spec.label} {outcome}")
                 if outcome == "done":

@@ -1,9 +1,6 @@
-"""Kernel backends of the DBO scenario: real DeepGEMM on a GPU, a simulation on a CPU.
-
-Both expose a process-global SM count, the paged-MQA planner, the logits kernel *with DeepGEMM's
-host-side schedule assertion*, and capture probes, so the crash and its fix show on a CPU as on the
-GPU. The CPU backend plans with ``sim.reference_planner`` and says it is a simulation in every report.
-"""
+"""The DBO scenario's kernels: real DeepGEMM on a GPU, or a CPU simulation (``sim.reference_planner``) with the
+same SM count, planner, capture probes and the logits kernel's schedule assertion, so the crash and its fix show
+on a CPU as on the GPU."""
 
 from __future__ import annotations
 
@@ -11,7 +8,7 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 # numpy first: torch's initialisation swallows a Ctrl-C raised while it imports numpy
 import numpy  # noqa: F401
@@ -25,8 +22,6 @@ def logits_options(kernel: Callable[..., Any]) -> dict[str, Any]:
     """Options calling DeepGEMM's paged-MQA logits alike on every build (some have no ``clean_logits``)."""
     import inspect
 
-    import torch
-
     params: Any
     try:
         params = inspect.signature(kernel).parameters
@@ -39,29 +34,6 @@ class ScheduleAssertion(RuntimeError):
     """DeepGEMM's ``_schedule_meta_size == num_sms / num_kv_multicast + 1`` host assertion."""
 
 
-class KernelBackend(Protocol):
-    name: str
-    simulated: bool
-    device: torch.device
-    total_sms: int
-    sm_major: int
-    """Compute-capability major: DeepGEMM's SM count must be even on SM90 (``core.budget``)."""
-
-    # SchedulePlanner surface (dbo_runtime.services.schedule_cache)
-    def get_num_sms(self) -> int: ...
-    def set_num_sms(self, num_sms: int) -> None: ...
-    def slots(self, num_sms: int, next_n: int) -> int: ...
-    def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any: ...
-    def capturing(self) -> bool: ...
-    def capture_id(self) -> int | None: ...
-
-    def make_inputs(self, *, q: torch.Tensor, k: torch.Tensor, block_kv: int) -> tuple[Any, Any]: ...
-    def logits(
-        self, q: Any, kv_cache: Any, weights: torch.Tensor, context_lens: torch.Tensor,
-        block_table: torch.Tensor, schedule: torch.Tensor, max_context_len: int,
-    ) -> torch.Tensor: ...
-
-
 @dataclass
 class JitLedger:
     """Variants launched eagerly: a first launch inside a capture would JIT-compile there."""
@@ -71,9 +43,7 @@ class JitLedger:
 
     def note(self, kernel: str, batch: int, slots: int, capturing: bool) -> None:
         key = (kernel, -(-batch // 32) * 32, slots)
-        if key in self.seen:
-            return
-        if capturing:
+        if capturing and key not in self.seen:
             self.compiled_in_capture.append(key)
         self.seen.add(key)
 
@@ -89,7 +59,6 @@ class SimulatedDeepGemm:
         self.total_sms = total_sms
         self.sm_major = sm_major
         self._num_sms = total_sms
-        self.jit = JitLedger()
         self.planner_launches = 0
 
     def get_num_sms(self) -> int:
@@ -106,7 +75,6 @@ class SimulatedDeepGemm:
     def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
         slots = self.slots(num_sms, int(context_lens.shape[1]))
         self.planner_launches += 1
-        self.jit.note("planner", int(context_lens.shape[0]), slots, False)
         return ref.plan_paged_mqa_schedule(context_lens, block_kv, slots, sm_major=self.sm_major)
 
     def capturing(self) -> bool:
@@ -131,7 +99,6 @@ class SimulatedDeepGemm:
                 f"num_kv_multicast + 1 and _meta_info_size == 2 (schedule rows {schedule.shape[0]}, "
                 f"DeepGEMM SMs {self._num_sms})"
             )
-        self.jit.note("logits", batch, slots, False)
         block_kv = kv_cache.shape[1]
         blocks = -(-max_context_len // block_kv)
         keys = kv_cache[block_table[:, :blocks].long()].reshape(batch, blocks * block_kv, dim)[:, :max_context_len]
@@ -222,17 +189,5 @@ def real_kernels_missing() -> str | None:
     return None
 
 
-def make_backend(kind: str = "auto", *, total_sms: int = 132) -> KernelBackend:
-    """``auto``: DeepGEMM when CUDA and ``deep_gemm`` load, else the CPU simulation."""
-    from dbo_runtime.core.errors import ConfigError
-
-    if kind not in ("auto", "cpu", "deep_gemm"):
-        raise ConfigError("backend", kind, ("auto", "cpu", "deep_gemm"))
-    if kind == "cpu":
-        return SimulatedDeepGemm(total_sms=total_sms)
-    missing = real_kernels_missing()
-    if missing is None:
-        return DeepGemmBackend()
-    if kind == "deep_gemm":
-        raise ConfigError("backend", kind, f"auto or cpu here: {missing}")
-    return SimulatedDeepGemm(total_sms=total_sms)
+KernelBackend = SimulatedDeepGemm | DeepGemmBackend
+"""What the scenario runs on; ``sm_major`` decides DeepGEMM's SM multiple (even on SM90, ``core.budget``)."""

@@ -1,8 +1,5 @@
-"""Two microbatches on two threads, scheduled the way vLLM's DBO schedules them, for ``simulate`` and
-the scenario where vLLM or CUDA is absent: one thread per microbatch, exactly one running Python at
-a time, handing over at each ``yield_``; shared compute and comm streams; the main thread releases
-microbatch 0 and joins. ``current_ubatch()`` is ``(0, 0)`` off the microbatch threads.
-"""
+"""Microbatch threads scheduled as vLLM's DBO schedules them, without vLLM: one running Python at a time, handing
+over at each ``yield_``, on shared compute and comm streams; ``current_ubatch()`` is ``(0, 0)`` off them."""
 
 from __future__ import annotations
 
@@ -109,13 +106,9 @@ class MicrobatchRun:
 
 
 def start_microbatches(
-    bodies: Sequence[Callable[[MicrobatchContext], Any]],
-    *,
-    token_offsets: Sequence[int] | None = None,
-    compute_stream: Any = None,
-    comm_stream: Any = None,
-    device: int | None = None,
-) -> MicrobatchRun:
+    bodies: Sequence[Callable[[MicrobatchContext], Any]], *, token_offsets: Sequence[int] | None = None,
+    compute_stream: Any = None, comm_stream: Any = None, device: int | None = None,
+) -> MicrobatchRun:  # fmt: skip
     """Start one parked thread per body; every body must yield the same number of times."""
     n = len(bodies)
     barrier = threading.Barrier(n + 1)
@@ -126,19 +119,9 @@ def start_microbatches(
         import torch
 
         gpu_events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in range(n)]
+    offsets, streams = token_offsets if token_offsets is not None else [0] * n, (compute_stream, comm_stream)
     contexts = [
-        MicrobatchContext(
-            id=i,
-            wait_event=events[i],
-            signal_event=events[(i + 1) % n],
-            barrier=barrier,
-            run_state=run_state,
-            token_offset=token_offsets[i] if token_offsets is not None else 0,
-            compute_stream=compute_stream,
-            comm_stream=comm_stream,
-            compute_done=gpu_events[i][0],
-            comm_done=gpu_events[i][1],
-        )
+        MicrobatchContext(i, events[i], events[(i + 1) % n], barrier, run_state, offsets[i], *streams, *gpu_events[i])
         for i in range(n)
     ]
     results: dict[int, Any] = {}

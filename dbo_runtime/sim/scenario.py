@@ -1,12 +1,6 @@
-"""A DSA stack run the way vLLM runs DBO, checked bit for bit against an unsplit run.
-
-Leader layers run the indexer (paged-MQA logits with the decode schedule, then a top-k into the
-model-wide buffer) and followers read that buffer into a checksum. Two microbatch threads yield after
-every layer, so microbatch 1's leader runs between microbatch 0's leader and followers: the order
-that corrupts shared top-k state. The step runs under ``SMControl.partition`` with vLLM's policy, so
-a schedule planned for the whole GPU trips the logits kernel's assertion. Modes: ``eager``, ``mrv1``
-and ``mrv2`` (graphs captured as each runner captures them, replayed without SM control).
-"""
+"""A DSA stack run the way vLLM runs DBO (eager, or captured as MRV1/MRV2 capture), checked bit for bit against an
+unsplit run: microbatches yield after every layer, so one's indexer leader runs between the other's leader and its
+followers (what corrupts shared top-k state), under ``SMControl.partition`` (what trips DeepGEMM's assertion)."""
 
 from __future__ import annotations
 
@@ -171,21 +165,16 @@ class Scenario:
         # Held for the scenario's lifetime: the per-microbatch state is anchored to the group.
         self.topk_group = _SimIndexGroup(self.logical)
         if config.isolate_topk:
-            self.topk.attach(self.topk_group, 2, self._make_event)
+            self.topk.attach(self.topk_group, 2, lambda: torch.cuda.Event() if self.dev.type == "cuda" else None)
         self.cache = IndexerScheduleCache(planner=backend, defer_plan_ahead=config.defer_plan_ahead)  # type: ignore[arg-type]
         device_index = self.dev.index if self.dev.index is not None else 0
         self.control = SMControl(device_index, backend.total_sms)
+        # the worker's SM90 rule (even DeepGEMM counts), so simulate and sms agree with it
+        multiple = deep_gemm_compute_multiple(backend.sm_major)
         self.budget: SMBudget = compute_budget(
-            total_sms=backend.total_sms,
-            platform="cuda",
-            enable_dbo=True,
-            expert_parallel=True,
-            all2all_backend="deepep_high_throughput",
-            env_comm_sms=config.comm_sms,
-            device=device_index,
-            # the worker's SM90 rule (even DeepGEMM counts), so simulate and sms agree with it
-            compute_multiple=deep_gemm_compute_multiple(backend.sm_major),
-        )
+            total_sms=backend.total_sms, platform="cuda", enable_dbo=True, expert_parallel=True, device=device_index,
+            all2all_backend="deepep_high_throughput", env_comm_sms=config.comm_sms, compute_multiple=multiple,
+        )  # fmt: skip
         self.knob = FunctionKnob("deep_gemm.set_num_sms", backend.set_num_sms)
         shapes = tuple((rows, config.next_n) for rows in self.split)  # exactly this scenario's microbatches
         self.cache.warmup.register_profile(device_index, PlannerProfile(self.dev, config.block_kv, shapes))
@@ -201,10 +190,6 @@ class Scenario:
         else:
             self.compute_stream = self.comm_stream = None
 
-    def _make_event(self) -> Any:
-        return torch.cuda.Event() if self.dev.type == "cuda" else None
-
-    # -- inputs --------------------------------------------------------------------------------
     def new_inputs(self) -> None:
         """Fresh contexts, block tables, queries and weights, copied in place."""
         c, g = self.cfg, self.gen
@@ -229,7 +214,6 @@ class Scenario:
         start = 0 if ub == 0 else self.split[0]
         return slice(start, start + self.split[ub])
 
-    # -- metadata build (outside SM control, as in both runners) --------------------------------
     def build(self, microbatched: bool) -> None:
         """Plan each microbatch's schedule, like ``DeepseekV32IndexerMetadataBuilder.build``."""
         builder_sms = self.be.total_sms  # vLLM: num_compute_units(), fixed for the builder's lifetime
@@ -263,7 +247,6 @@ class Scenario:
                     self.cache.stats.planned_ahead += int(sms != builder_sms)
             self.schedules.append(view)
 
-    # -- forward ---------------------------------------------------------------------------------
     def forward(self, ub: int | None, ctx: MicrobatchContext | None) -> None:
         c = self.cfg
         rows, reqs = self.rows(ub), self.reqs(ub)
@@ -289,10 +272,7 @@ class Scenario:
             else:
                 self.out_follow[layer, rows].copy_((buf[:nrows].long() * (layer + 1)).sum(dim=-1))
             if ctx is not None:
-                ctx.comm(self._comm_op)
-
-    def _comm_op(self) -> None:
-        self.comm_buf.add_(1.0)
+                ctx.comm(lambda: self.comm_buf.add_(1.0))
 
     def run_reference(self) -> dict[str, torch.Tensor]:
         """Unsplit, full SMs, no DBO: the ground truth for the same inputs."""
@@ -314,19 +294,13 @@ class Scenario:
         if self.compute_stream is not None and not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream().wait_stream(self.compute_stream)
 
-    def bodies(self) -> list[Callable[[MicrobatchContext], None]]:
-        def body(ub: int) -> Callable[[MicrobatchContext], None]:
-            return lambda ctx: self.forward(ub, ctx)
-
-        return [body(0), body(1)]
-
     def start(self) -> Any:
         """Park the two microbatch threads; the compute stream first waits for the inputs."""
         n = self.cfg.next_n
         if self.compute_stream is not None and not torch.cuda.is_current_stream_capturing():
             self.compute_stream.wait_stream(torch.cuda.current_stream())
         return start_microbatches(
-            self.bodies(),
+            [lambda ctx: self.forward(0, ctx), lambda ctx: self.forward(1, ctx)],
             token_offsets=[0, self.split[0] * n],
             compute_stream=self.compute_stream,
             comm_stream=self.comm_stream,
@@ -338,18 +312,8 @@ class Scenario:
         logits_bad = (out["logits"] != ref["logits"]).any(dim=-1).any(dim=0)
         # -inf == -inf is True; NaN never appears (masked columns are -inf, valid ones are finite).
         topk_bad = (out["topk"] != ref["topk"]).any(dim=-1).any(dim=0)
-        follow_bad = (out["follow"] != ref["follow"]).sum()
-        chk = StepCheck(
-            step=step,
-            phase=phase,
-            ok=False,
-            logits_mismatch_rows=int(logits_bad.sum()),
-            topk_mismatch_rows=int(topk_bad.sum()),
-            follower_mismatch=int(follow_bad),
-            replans=replans,
-        )
-        chk.ok = chk.logits_mismatch_rows == 0 and chk.topk_mismatch_rows == 0 and chk.follower_mismatch == 0
-        return chk
+        bad = int(logits_bad.sum()), int(topk_bad.sum()), int((out["follow"] != ref["follow"]).sum())
+        return StepCheck(step, phase, not any(bad), *bad, replans=replans)
 
 
 @dataclass(frozen=True)
@@ -376,11 +340,6 @@ CONTRASTS: tuple[Contrast, ...] = (
 """What vLLM does, what the upstream schedule fix alone does, and its re-plan cost."""
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def run_scenario(
     config: ScenarioConfig,
     backend: KernelBackend,
@@ -391,16 +350,11 @@ def run_scenario(
     """Reference + DBO steps in ``mode`` (graph modes on a CUDA backend); never raises for a scenario failure
     (it is in the result)."""
     sc = Scenario(config, backend)
+    n = len(sc.leader_ids)
     result = ScenarioResult(
-        mode=mode,
-        backend=backend.name,
-        simulated=backend.simulated,
-        config=asdict(config),
-        budget=sc.budget.describe(),
-        leaders=len(sc.leader_ids),
-        followers=config.num_layers - len(sc.leader_ids),
-        topk_extra_bytes=sc.topk.extra_bytes(),
+        mode, backend.name, backend.simulated, asdict(config), sc.budget.describe(), n, config.num_layers - n
     )
+    result.topk_extra_bytes = sc.topk.extra_bytes()
     graph: Any = None
     try:
         for step in range(config.steps):
@@ -414,17 +368,16 @@ def run_scenario(
                 sc.build(microbatched=True)
                 with sc.control.partition(sc.budget, compute_knob=sc.knob):
                     sc.join(sc.start())
-                _sync(sc.dev)
                 phase = "eager" if mode == "eager" else "warmup"
             elif graph is None:
                 graph = capture_dbo_graph(sc, mode)
-                _sync(sc.dev)
                 phase = "capture"
             else:
                 sc.build(microbatched=True)  # vLLM rebuilds metadata every step, also before a replay
                 graph.replay()
-                _sync(sc.dev)
                 phase = "replay"
+            if sc.dev.type == "cuda":
+                torch.cuda.synchronize(sc.dev)
             result.step_ms.append((time.perf_counter() - t0) * 1e3)
             result.checks.append(sc.compare(ref, step, phase, sc.cache.stats.replans - before))
             if progress is not None:
@@ -436,11 +389,8 @@ def run_scenario(
     finally:
         sc.be.set_num_sms(sc.be.total_sms)
     st = sc.cache.stats
-    result.replans_total = st.replans
-    result.captured_replans = st.captured_replans
-    result.planned_ahead = st.planned_ahead
-    result.deferred_plans = st.deferred_plans
-    result.warmups = st.warmups
+    result.replans_total, result.captured_replans, result.warmups = st.replans, st.captured_replans, st.warmups
+    result.planned_ahead, result.deferred_plans = st.planned_ahead, st.deferred_plans
     jit = getattr(sc.be, "jit", None)
     result.jit_in_capture = list(jit.compiled_in_capture) if jit is not None else []
     return result

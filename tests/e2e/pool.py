@@ -20,6 +20,9 @@ from typing import Any
 from dbo_runtime.harness.launch import RunSpec, launch
 from tests.harness.runs import reassemble
 
+VISIBLE = "CUDA_VISIBLE_DEVICES"
+"""A run pinned to physical GPUs sets it in its ``env``."""
+
 
 def assign_gpus(specs: Sequence[RunSpec], gpus: Sequence[int] | None) -> list[RunSpec]:
     """Spread single-rank runs over ``gpus`` round robin; DP runs see every GPU (vLLM maps rank r to GPU r)."""
@@ -28,8 +31,8 @@ def assign_gpus(specs: Sequence[RunSpec], gpus: Sequence[int] | None) -> list[Ru
     out = []
     turn = 0
     for spec in specs:
-        if spec.gpus is None and spec.dp == 1:
-            spec = replace(spec, gpus=[gpus[turn % len(gpus)]])
+        if VISIBLE not in spec.env and spec.dp == 1:
+            spec = replace(spec, env={**spec.env, VISIBLE: str(gpus[turn % len(gpus)])})
             turn += 1
         out.append(spec)
     return out
@@ -54,8 +57,8 @@ def memory_share(spec: RunSpec) -> float:
 
 def gpus_of(spec: RunSpec, visible: Sequence[int] | None) -> list[int]:
     """The GPUs a run's ranks use: its assigned ones, or rank r on GPU r (vLLM's offline DP)."""
-    if spec.gpus is not None:
-        return list(spec.gpus)
+    if VISIBLE in spec.env:
+        return [int(gpu) for gpu in spec.env[VISIBLE].split(",")]
     return list(range(spec.dp)) if visible is None else list(visible[: spec.dp])
 
 

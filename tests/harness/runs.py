@@ -4,6 +4,7 @@ engines killed on SIGTERM."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 from pathlib import Path
@@ -33,7 +34,8 @@ def reassemble(run: Path) -> dict[str, Any] | None:
     stored = json.loads(record_path.read_text()) if record_path.exists() else None
     if not spec_path.exists():
         return stored
-    raw = json.loads(spec_path.read_text())
+    known = {f.name for f in dataclasses.fields(E2ESpec)}
+    raw = {key: value for key, value in json.loads(spec_path.read_text()).items() if key in known}  # older runs' too
     raw["prompts"] = PromptSpec(**raw["prompts"])
     spec = E2ESpec(**raw)  # any run's spec.json, the e2e runs' fields included
     why = "wrote no result" if stored is not None else "stopped before it wrote a result (the session's time limit killed it)"

@@ -258,7 +258,7 @@ def test_pool_runs_everything_within_the_engine_budget(tmp_path: Path, fake_runn
     jobs = [("job", 2, lambda: {"label": "job", "ok": True})]
     got = run_all(specs, tmp_path, max_engines=2, gpus=[0, 1], jobs=jobs)
     assert list(got) == ["r0", "r1", "r2", "r3", "job"] and all(r["ok"] for r in got.values())
-    assert [s.gpus for s in assign_gpus(specs, [0, 1])] == [[0], None, [1], None]
+    assert [s.env.get("CUDA_VISIBLE_DEVICES") for s in assign_gpus(specs, [0, 1])] == ["0", None, "1", None]
     with pytest.raises(ValueError, match="duplicate"):
         run_all([specs[0], specs[0]], tmp_path, max_engines=1)
 
@@ -520,7 +520,7 @@ def test_pool_admits_runs_by_their_memory_share_on_each_gpu(tmp_path: Path, monk
     assert all(r["ok"] for r in got.values())
     assert max(peaks) <= pool.MEMORY_BUDGET + 1e-9  # at most two wide runs and the small ones beside them
     assert pool.memory_share(RunSpec("d", ["--model", "m"])) == pool.DEFAULT_UTILIZATION
-    assert pool.gpus_of(RunSpec("one", ["--model", "m"], gpus=[1]), [0, 1]) == [1]
+    assert pool.gpus_of(RunSpec("one", ["--model", "m"], env={"CUDA_VISIBLE_DEVICES": "1"}), [0, 1]) == [1]
 
 
 def test_an_engine_whose_run_folder_was_taken_over_stops_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
