@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,10 @@ _PARTIAL: list[Path] = []
 """Where ``main`` writes the benchmark's reps so far."""
 _VERSIONS: dict[str, Any] = {}
 """This engine's versions and GPU, kept with the partial reps."""
+Stats = list[dict[str, Any]] | None
+RowHook = Callable[[dict[str, Any], Stats, Stats, Stats, int], None]
+"""``hook(row, s0, s1, s2, steps)``: a caller's columns for one rep, from the counter snapshots around its passes."""
+RankRun = Callable[[dict[str, Any], int, int, dict[str, Any]], dict[str, Any]]
 
 
 def _log(msg: str) -> None:
@@ -85,7 +90,7 @@ def wait_turn(name: str, rank: int) -> None:
         time.sleep(0.02)
 
 
-def _stats(llm: Any) -> list[dict[str, Any]] | None:
+def _stats(llm: Any) -> Stats:
     """Per-worker dbo_runtime counters, or None where the plugin is not installed (vanilla)."""
     from dbo_runtime.integration.plugin import installed_patch_set
 
@@ -124,7 +129,7 @@ def _versions() -> dict[str, Any]:
     return info
 
 
-def summary_delta(before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None, key: str) -> Any:
+def summary_delta(before: Stats, after: Stats, key: str) -> Any:
     """The change of one summary counter over this rank's workers (an int for counts, a float for seconds)."""
     if not before or not after:
         return None
@@ -198,10 +203,16 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
 
 
 def bench_reps(
-    llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], rank: int, size: int, hook: Any = None
+    llm: Any,
+    sampling: Any,
+    batch: list[Any],
+    bench: dict[str, Any],
+    rank: int,
+    size: int,
+    hook: RowHook | None = None,
 ) -> dict[str, Any]:
     """Per rep a 1-token and a T-token pass on warm caches, timed, with SMControl's partitions over each;
-    ``hook(row, s0, s1, s2, steps)`` adds a caller's columns from the counter snapshots around the passes."""
+    ``hook`` adds a caller's columns."""
     steps = int(bench["max_tokens"])
     one = sampling(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     full = sampling(temperature=0.0, max_tokens=steps, ignore_eos=True, detokenize=False)
@@ -249,7 +260,7 @@ def _watchdog(seconds: float) -> None:
     threading.Thread(target=fire, daemon=True).start()
 
 
-def main(argv: list[str] | None = None, run_rank: Any = run) -> int:
+def main(argv: list[str] | None = None, run_rank: RankRun = run) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         sys.stderr.write("usage: python -m dbo_runtime.harness.runner SPEC.json OUT.json\n")
@@ -282,7 +293,7 @@ def main(argv: list[str] | None = None, run_rank: Any = run) -> int:
     return 0 if result.get("ok") else 1
 
 
-def cli(run_rank: Any = run) -> None:
+def cli(run_rank: RankRun = run) -> None:
     """``main``, then exit (hard under ``DBO_HARNESS_HARD_EXIT=1``)."""
     code = main(run_rank=run_rank)
     sys.stdout.flush()

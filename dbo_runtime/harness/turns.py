@@ -38,7 +38,12 @@ def _turn(root: Path, rep: int, dp: int, deadline: float, finished: Callable[[],
 
 
 def run_interleaved(
-    specs: Sequence[RunSpec], workdir: Path, reps: int, *, timeout_s: float = 1800.0, progress: Any = None
+    specs: Sequence[RunSpec],
+    workdir: Path,
+    reps: int,
+    *,
+    timeout_s: float = 1800.0,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Launch every spec, then run turn ``rep r`` of each, the order rotated by ``r``. Turn files live in a
     folder made for this call, so an earlier run's engine cannot answer; past ``timeout_s`` no turn starts
