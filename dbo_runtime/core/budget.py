@@ -133,11 +133,6 @@ def full_budget(total: int, device: int = 0, *, note: str = "no partition") -> S
     return SMBudget(total=total, comm=0, compute=total, device=device, reason=BudgetReason(note=note))
 
 
-def min_compute_sms(compute_multiple: int, has_deep_gemm: bool) -> int:
-    """The fewest compute SMs a split may leave; refusals name ``total - min_compute_sms``."""
-    return compute_multiple if has_deep_gemm else 1
-
-
 def parse_comm_sms(raw: object, *, parameter: str = "VLLM_DBO_COMM_SMS") -> int:
     """A comm-SM value from the environment or a flag; a negative one is refused here, by name, instead
     of failing in DeepGEMM far from the cause."""
@@ -234,27 +229,25 @@ def compute_budget(
         has_deep_gemm=has_deep_gemm,
         allow_unknown_backend=allow_unknown_backend,
     )
-    env_value, comm, comm_knob, compute_knob = decision.env_value, decision.comm, decision.comm_knob, decision.compute_knob
-    rocm_override, effective_max = decision.rocm_override, decision.max_sms_used
-
-    if comm >= total_sms:
+    env_value, comm, compute_knob = decision.env_value, decision.comm, decision.compute_knob
+    if comm >= total_sms:  # the fewest compute SMs a split may leave: DeepGEMM's multiple
+        least = compute_multiple if has_deep_gemm else 1
         raise ConfigError(
             "VLLM_DBO_COMM_SMS",
             env_value,
-            f"integers in [0, {total_sms - min_compute_sms(compute_multiple, has_deep_gemm)}] on this device ({total_sms} SMs): "
+            f"integers in [0, {total_sms - least}] on this device ({total_sms} SMs): "
             "the comm share must leave compute SMs",
         )
     if comm_cap is None and all2all_backend == "deepep_high_throughput":
         comm_cap = DEEPEP_HT_MANAGER_NUM_SMS
     reaches_deepep = min(comm, comm_cap) if comm_cap is not None else comm
-    if comm_knob and all2all_backend == "deepep_high_throughput" and reaches_deepep % 2:
+    if decision.comm_knob and all2all_backend == "deepep_high_throughput" and reaches_deepep % 2:
         raise ConfigError(
             "VLLM_DBO_COMM_SMS",
             env_value,
             f"even integers up to the DeepEP manager's {comm_cap}-SM ceiling, or values above it (vLLM clamps "
             "those to the ceiling); DeepEP's Buffer.set_num_sms asserts an even SM count",
         )
-
     idle = (total_sms - comm) % compute_multiple if compute_knob else 0
     if idle and total_sms - comm - idle <= 0:
         raise ConfigError(
@@ -264,7 +257,6 @@ def compute_budget(
             f"must be a multiple of {compute_multiple} here ({EVEN_COMPUTE_WHY}), and {total_sms} - {comm} leaves fewer "
             "compute SMs than that",
         )
-
     return SMBudget(
         total=total_sms,
         comm=comm,
@@ -275,10 +267,10 @@ def compute_budget(
             platform=platform,
             all2all_backend=all2all_backend,
             env_comm_sms=env_value,
-            max_sms_used=effective_max,
-            rocm_override=rocm_override,
+            max_sms_used=decision.max_sms_used,
+            rocm_override=decision.rocm_override,
             expert_parallel=expert_parallel,
-            comm_knob=comm_knob,
+            comm_knob=decision.comm_knob,
             compute_knob=compute_knob,
             compute_multiple=compute_multiple,
         ),

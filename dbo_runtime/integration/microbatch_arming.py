@@ -85,10 +85,6 @@ class MicrobatchArming:
         with self._lock:
             return [e.name for e in self._entries]
 
-    def armed_names(self) -> list[str]:
-        with self._lock:
-            return [e.name for e in self._entries if e.armed]
-
     def counters(self) -> dict[str, int | str | None]:
         with self._lock:
             return {

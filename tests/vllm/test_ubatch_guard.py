@@ -302,12 +302,16 @@ RUNNERS = {"mrv1": _mrv1, "mrv2": _mrv2} if has_module("vllm.v1.worker.gpu_ubatc
 @pytest.mark.parametrize("runner", list(RUNNERS))
 def test_a_healthy_step_is_untouched(env: Env, runner: str) -> None:
     arming = env.arming
-    assert arming.armed_names() == []  # before the first microbatched run the per-access hooks are vLLM's own
+
+    def armed_names() -> list[str]:
+        return [e.name for e in arming._entries if e.armed]
+
+    assert armed_names() == []  # before the first microbatched run the per-access hooks are vLLM's own
     result, error = RUNNERS[runner](env)
     assert error is None
     # armed on the main thread by the join point, before the threads started, and kept
     assert arming.armed and arming.armed_by == {"mrv1": "UBatchWrapper._run_ubatches", "mrv2": "UBatchRunner.begin_capturable_run"}[runner]
-    assert "topk.DeepseekV32Attention.topk_indices_buffer" in arming.armed_names()
+    assert "topk.DeepseekV32Attention.topk_indices_buffer" in armed_names()
     assert torch.equal(result, torch.arange(TOTAL).float()[:, None])
     assert env.dbo_model.done == {0: len(env.model.layers), 1: len(env.model.layers)}
     assert all(v == 113.0 for rows in env.dbo_model.logits_rows.values() for v in rows)  # re-planned for 112 SMs
