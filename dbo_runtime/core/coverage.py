@@ -4,7 +4,7 @@ indexer (bug A), and which fixes must be in force under DBO or why it is refused
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -165,30 +165,28 @@ def _generic_markers(config: Any) -> str:
     return ""
 
 
+_SHARING: dict[str, tuple[Callable[[Any, bool | None], list[int]], str]] = {
+    "index_topk_freq": (
+        lambda config, types: v32_followers(config, indexer_types=types),
+        "reuse an earlier layer's top-k (index_topk_freq / index_topk_pattern / indexer_types)",
+    ),
+    "index_sharing": (lambda config, _: mistral_followers(config), "reuse an earlier layer's top-k (index_sharing)"),
+    "hy_v4": (lambda config, _: hy_v4_shared_layers(config), "are 'shared' indexer layers (indexer_types)"),
+    "deepseek_v41": (lambda config, _: v41_consumers(config), "reuse an index source's top-k (index_source_layer_ids)"),
+}
+
+
 def shared_topk(architecture: str, config: Any, *, indexer_types: bool | None = None) -> str:
     """Why this config makes vLLM build layers that reuse an earlier layer's top-k ("" when it does not);
     ``indexer_types`` as in ``v32_followers``."""
     row = BY_ARCHITECTURE.get(architecture)
     if row is None:
         return _generic_markers(config)
-    if row.sharing == "index_topk_freq":
-        if row.indexer == "with index_topk" and _get(config, "index_topk") is None:
-            return ""  # the generic DeepseekV2 path builds no indexer without index_topk
-        followers = v32_followers(config, indexer_types=indexer_types)
-        return (
-            f"layers {_short(followers)} reuse an earlier layer's top-k (index_topk_freq / index_topk_pattern / "
-            "indexer_types)" if followers else ""
-        )  # fmt: skip
-    if row.sharing == "index_sharing":
-        followers = mistral_followers(config)
-        return f"layers {_short(followers)} reuse an earlier layer's top-k (index_sharing)" if followers else ""
-    if row.sharing == "hy_v4":
-        shared = hy_v4_shared_layers(config)
-        return f"layers {_short(shared)} are 'shared' indexer layers (indexer_types)" if shared else ""
-    if row.sharing == "deepseek_v41":
-        consumers = v41_consumers(config)
-        return f"layers {_short(consumers)} reuse an index source's top-k (index_source_layer_ids)" if consumers else ""
-    return ""
+    if row.sharing == "none" or (row.indexer == "with index_topk" and _get(config, "index_topk") is None):
+        return ""  # the generic DeepseekV2 path builds no indexer without index_topk
+    followers, what = _SHARING[row.sharing]
+    layers = followers(config, indexer_types)
+    return f"layers {_short(layers)} {what}" if layers else ""
 
 
 def _short(layers: Sequence[int]) -> str:
