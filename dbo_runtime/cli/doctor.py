@@ -1,8 +1,5 @@
-"""``dbo-runtime doctor``: will dbo_runtime's fixes be in force with the vLLM installed here?
-
-Installs nothing. Reports the release identified by its code, every feature's verdict as ``register()`` would reach
-it, every patch and guard target, the entry point and the settings, then one ``next:`` line. Exit 0 when all is in
-force (or the plugin is deliberately disabled), 1 otherwise."""
+"""``dbo-runtime doctor``: will dbo_runtime's fixes be in force with the vLLM installed here? Installs nothing; says
+each feature's verdict as ``register()`` would reach it, then one ``next:`` line. Exit 0 all in force (or disabled)."""
 
 from __future__ import annotations
 

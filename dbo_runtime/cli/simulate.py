@@ -1,9 +1,8 @@
 """``dbo-runtime simulate``: the DBO + DSA scenario at small scale, with a verdict.
 
-Runs the GLM-5.3 layer pattern as two microbatches under SMControl's DBO budget, with the schedule cache and
-per-microbatch top-k state, each step checked bit-for-bit against an unsplit run (CPU: reference kernels; CUDA with
-DeepGEMM: the real ones), and unless ``--no-contrast`` vLLM without dbo_runtime. Exit 1 also where the fixes are
-not in force on the installed vLLM: a PASS of dbo_runtime's logic must not read as "protected"."""
+Runs the GLM-5.3 layer pattern as two microbatches under DBO's SM budget with dbo_runtime's fixes, each step
+checked bit for bit against an unsplit run (reference kernels on CPU, DeepGEMM's on CUDA), and unless --no-contrast
+vLLM without them. Exit 1 also where the fixes are not in force on the installed vLLM."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """``dbo-runtime tune [options] VLLM_ENGINE_ARGS...``: which ``VLLM_DBO_COMM_SMS`` is fastest for my deployment?
 
-vLLM's default comm share (20 SMs with DeepEP high-throughput) was chosen for no model or workload. ``tune``
-keeps one DBO engine per candidate value alive on the operator's model and gives them interleaved turns at the
-operator's workload shape, so every value is measured under the same conditions; ``core.comm_sweep`` decides.
-Exit 0 measured, 2 bad arguments, 3 could not run, 4 inconclusive (DBO never microbatched)."""
+vLLM's default comm share (20 SMs with DeepEP high-throughput) fits no model or workload in particular. ``tune``
+keeps one DBO engine per value alive on your model and gives them interleaved turns at your workload's shape, so
+every value runs under the same conditions. Exit 0 measured, 2 bad arguments, 3 could not run, 4 inconclusive."""
 
 from __future__ import annotations
 

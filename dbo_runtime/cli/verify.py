@@ -1,9 +1,8 @@
 """``dbo-runtime verify [options] VLLM_ENGINE_ARGS...``: does DBO change my model's outputs?
 
-Runs the operator's model and parallel configuration with DBO off, then on, on the same prompts with greedy
-decoding, compares the runs request by request and prints a verdict. A DBO run that never microbatched is
-inconclusive: two identical non-DBO runs prove nothing. Exit 0 pass, 1 outputs differ, 2 bad arguments,
-3 could not run, 4 inconclusive."""
+Runs your model and parallel configuration with DBO off, then on, on the same prompts (greedy), compares the
+runs request by request and prints a verdict; a DBO run that never microbatched proves nothing (inconclusive).
+Exit 0 pass, 1 outputs differ, 2 bad arguments, 3 could not run, 4 inconclusive."""
 
 from __future__ import annotations
 
