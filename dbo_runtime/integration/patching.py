@@ -427,15 +427,11 @@ class PatchSet:
             todo = [p for p in self._lazy_waiting if p.module == module.__name__]
             prepared: list[_Applied] = []
             failure: BaseException | None = None
-            for patch in todo:
-                try:
-                    prepared.append(self._prepare(patch, module))
-                except Exception as exc:
-                    if patch.optional:
-                        self._skipped[patch.name] = f"{type(exc).__name__}: {exc}"
-                        continue
-                    failure = exc
-                    break
+            try:
+                for patch in todo:
+                    self._prepare_into(patch, module, prepared, self._skipped)
+            except PatchError as exc:  # a required one: the cause is what failed
+                failure = exc.__cause__
             self._lazy_waiting = [p for p in self._lazy_waiting if p not in todo]
             if failure is None:
                 try:
