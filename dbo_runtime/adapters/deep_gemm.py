@@ -142,10 +142,6 @@ def sm_major(device: int | None = None) -> int:
     return int(torch.cuda.get_device_capability(index)[0])
 
 
-def kv_multicast(next_n: int, major: int) -> int:
-    return 2 if next_n == 4 and major == 9 else 1
-
-
 def schedule_slots(num_sms: int, next_n: int, major: int | None = None) -> int:
     """Scheduler slots for ``num_sms`` (the schedule has ``slots + 1`` rows); with ``major`` None, vLLM's rule
     where importable."""
@@ -155,19 +151,7 @@ def schedule_slots(num_sms: int, next_n: int, major: int | None = None) -> int:
         if rule is not None:
             return int(rule(num_sms, next_n))
         major = sm_major()
-    return num_sms // kv_multicast(next_n, major)
-
-
-def plan_paged_mqa_schedule(context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
-    """``get_paged_mqa_logits_metadata`` for ``num_sms`` SMs."""
-    wrapper = _vllm_wrapper()
-    if wrapper is not None:
-        return wrapper.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=indices)
-    dg = importlib.import_module("deep_gemm")
-    slots = schedule_slots(num_sms, next_n_of(context_lens))
-    if indices is None:
-        return dg.get_paged_mqa_logits_metadata(context_lens, block_kv, slots)
-    return dg.get_paged_mqa_logits_metadata(context_lens, block_kv, slots, indices=indices)
+    return num_sms // (2 if next_n == 4 and major == 9 else 1)  # SM90's KV multicast at next_n 4
 
 
 class DeepGemmPlanner:
@@ -175,20 +159,22 @@ class DeepGemmPlanner:
 
     name = "deep_gemm"
 
-    def __init__(self) -> None:
-        self._reader: Callable[[], int] | None = None
-
     def get_num_sms(self) -> int:
-        reader = self._reader
-        if reader is None:
-            reader = self._reader = num_sms_reader()
-        return int(reader())
+        return int(num_sms_reader()())
 
     def slots(self, num_sms: int, next_n: int) -> int:
         return schedule_slots(num_sms, next_n)
 
     def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
-        return plan_paged_mqa_schedule(context_lens, block_kv, num_sms, indices)
+        """``get_paged_mqa_logits_metadata`` for ``num_sms`` SMs (the bare wheel takes scheduler slots)."""
+        wrapper = _vllm_wrapper()
+        if wrapper is not None:
+            return wrapper.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=indices)
+        dg = importlib.import_module("deep_gemm")
+        slots = schedule_slots(num_sms, next_n_of(context_lens))
+        if indices is None:
+            return dg.get_paged_mqa_logits_metadata(context_lens, block_kv, slots)
+        return dg.get_paged_mqa_logits_metadata(context_lens, block_kv, slots, indices=indices)
 
     def capturing(self) -> bool:
         import torch
