@@ -108,10 +108,7 @@ class ScenarioResult:
         return sum(c.replans for c in self.checks[1:] if c.phase != "reference")
 
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["ok"] = self.ok
-        out["steady_state_replans"] = self.steady_state_replans
-        return out
+        return {**asdict(self), "ok": self.ok, "steady_state_replans": self.steady_state_replans}
 
 
 class _SimIndexGroup:
