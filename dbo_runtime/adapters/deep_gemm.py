@@ -1,6 +1,5 @@
-"""DeepGEMM's SM knob and paged-MQA planner, imported lazily (importing DeepGEMM initialises CUDA); through
-vLLM's wrapper module when importable, since vLLM's kernels use it (its vendored copy has its own counter) and its
-slot rule is followed when it changes."""
+"""DeepGEMM's SM knob and paged-MQA planner, imported lazily (importing DeepGEMM initialises CUDA); through vLLM's
+wrapper where importable: vLLM's kernels use its vendored copy, which has its own SM counter and slot rule."""
 
 from __future__ import annotations
 
@@ -41,9 +40,8 @@ def set_num_sms(num_sms: int) -> None:
 
 
 class LiveNumSms:
-    """DeepGEMM's live SM count for the indexer call site, read once per change, not per layer (a torch-op call
-    dispatches and releases the GIL): cached since the last ``stale`` while every writer in ``WRITERS`` is watched,
-    else asked of DeepGEMM at every read."""
+    """DeepGEMM's live SM count for the indexer call site, read once per change, not per layer (a torch op releases
+    the GIL): cached since the last ``stale`` while every writer in ``WRITERS`` is watched, else read every time."""
 
     WRITERS = frozenset({"vllm.utils.deep_gemm.set_num_sms", "vllm.v1.worker.ubatch_utils.deep_gemm_set_num_sms"})
 
@@ -143,15 +141,14 @@ def sm_major(device: int | None = None) -> int:
 
 
 def schedule_slots(num_sms: int, next_n: int, major: int | None = None) -> int:
-    """Scheduler slots for ``num_sms`` (the schedule has ``slots + 1`` rows); with ``major`` None, vLLM's rule
-    where importable."""
+    """Scheduler slots for ``num_sms`` (a schedule has ``slots + 1`` rows); ``major`` None: vLLM's rule if any."""
     if major is None:
         wrapper = _vllm_wrapper()
         rule = getattr(wrapper, "_paged_mqa_logits_schedule_slots", None) if wrapper is not None else None
         if rule is not None:
             return int(rule(num_sms, next_n))
         major = sm_major()
-    return num_sms // (2 if next_n == 4 and major == 9 else 1)  # SM90's KV multicast at next_n 4
+    return num_sms // (2 if next_n == 4 and major == 9 else 1)
 
 
 class DeepGemmPlanner:
@@ -166,7 +163,7 @@ class DeepGemmPlanner:
         return schedule_slots(num_sms, next_n)
 
     def plan(self, context_lens: Any, block_kv: int, num_sms: int, indices: Any | None = None) -> Any:
-        """``get_paged_mqa_logits_metadata`` for ``num_sms`` SMs (the bare wheel takes scheduler slots)."""
+        """The bare wheel's planner takes scheduler slots, not SMs."""
         wrapper = _vllm_wrapper()
         if wrapper is not None:
             return wrapper.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=indices)

@@ -17,7 +17,6 @@ class ArmedEntry:
     name: str
     arm: Callable[[], None]
     on_failure: Callable[[str], None] | None = None
-    """Told why the target could not be set."""
     armed: bool = False
 
 

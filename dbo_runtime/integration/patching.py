@@ -111,7 +111,7 @@ class ArgSlots:
         self._plan = tuple((n, self.position.get(n, -1), self.default[n]) for n in names)
 
     def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        """Every name given at construction, in order, in one call (a per-step hook pays per Python call)."""
+        """Every name given at construction, in order, in one call (a hook pays per call)."""
         count = len(args)
         out = []
         for name, i, default in self._plan:
@@ -147,7 +147,7 @@ class _Applied:
     """Raw value in ``owner.__dict__`` before install, or ``_MISSING`` when inherited."""
     replacement: Any
     armable: ArmedEntry | None = None
-    """Set for an armable patch: its target holds the replacement only once armed."""
+    """An armable patch's: its target holds the replacement only once armed."""
 
 
 def resolve_owner(module: ModuleType, attr: str) -> tuple[Any, str]:
@@ -430,7 +430,7 @@ class PatchSet:
             try:
                 for patch in todo:
                     self._prepare_into(patch, module, prepared, self._skipped)
-            except PatchError as exc:  # a required one: the cause is what failed
+            except PatchError as exc:
                 failure = exc.__cause__
             self._lazy_waiting = [p for p in self._lazy_waiting if p not in todo]
             if failure is None:
