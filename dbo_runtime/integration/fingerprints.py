@@ -20,7 +20,11 @@ EXCLUDED = "excluded"
 """Recorded for a patch left out of a release's set on purpose: never compared or installed there."""
 OUT_OF_SET = (MISSING, EXCLUDED)
 RECORD = pathlib.Path(__file__).with_name("recorded_fingerprints.json")
-RELEASES: dict[str, dict[str, str]] = json.loads(RECORD.read_text(encoding="utf-8"))
+try:  # an import error here would make vLLM skip the plugin (guard included): fail at register instead
+    RELEASES: dict[str, dict[str, str]] = json.loads(RECORD.read_text(encoding="utf-8"))
+    RECORD_PROBLEM = ""
+except (OSError, ValueError) as _exc:
+    RELEASES, RECORD_PROBLEM = {}, f"{RECORD.name} unreadable ({_exc!r})"
 
 
 @functools.lru_cache(maxsize=1)

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 
+from dbo_runtime.core.errors import PatchError
 from dbo_runtime.integration import fingerprints
 from dbo_runtime.integration.catalog import all_patches, all_reliances
 from dbo_runtime.integration.features import Reliance
@@ -69,6 +70,7 @@ def identify(patches: Sequence[Patch] | None = None) -> ReleaseMatch:
         differing += unrecorded
         if best is None or len(differing) <= best[0]:
             best = (len(differing), release, differing)
-    assert best is not None, "fingerprints.RELEASES is empty"
+    if best is None:
+        raise PatchError(f"no recorded vLLM release: {fingerprints.RECORD_PROBLEM or 'RELEASES is empty'}")
     _, closest, differing = best
     return ReleaseMatch(installed_version(), closest if not differing else None, closest, differing)
