@@ -431,13 +431,13 @@ class PatchSet:
                 for patch in todo:
                     self._prepare_into(patch, module, prepared, self._skipped)
             except PatchError as exc:
-                failure = exc.__cause__
+                failure = exc.__cause__ or exc
             self._lazy_waiting = [p for p in self._lazy_waiting if p not in todo]
             if failure is None:
                 try:
                     self._applied.extend(self._set_all(prepared, self._skipped))
                 except PatchError as exc:
-                    failure = exc.__cause__
+                    failure = exc.__cause__ or exc
             required = [p for p in todo if not p.optional or p.name not in self._skipped]
             if failure is not None:
                 for patch in required:

@@ -362,3 +362,30 @@ def test_a_differing_fa4_scalar_cache_turns_the_default_topk_layout_to_copies(
         assert topk_hooks.default_state().windows_unsafe is None
     finally:
         plugin.uninstall()
+
+
+def test_an_unreadable_fingerprint_record_refuses_dbo_models_instead_of_losing_the_guard(
+    unpatched: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wheel without its recorded fingerprints (a repackaged or copied tree) must not make vLLM skip the plugin:
+    the guard installs, no fix does, and a DBO model that needs one is refused."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from dbo_runtime.integration import fingerprints, guard, releases
+
+    monkeypatch.setattr(releases, "RELEASES", {})  # what fingerprints.py leaves when the file cannot be read
+    monkeypatch.setattr(fingerprints, "RECORD_PROBLEM", "recorded_fingerprints.json unreadable (FileNotFoundError())")
+    with pytest.raises(PatchError, match="recorded_fingerprints.json unreadable"):
+        releases.identify()
+    plugin.register()
+    assert EngineArgs.create_engine_config is not unpatched["guard.engine_config"]
+    assert plugin.installed_patch_set() is None
+    assert "not installed" in guard._not_in_force("indexer", "DeepseekV32ForCausalLM", "config")
+
+
+def test_the_wheel_ships_the_fingerprint_record() -> None:
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert "recorded_fingerprints.json" in project["tool"]["setuptools"]["package-data"]["dbo_runtime.integration"]
