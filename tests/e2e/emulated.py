@@ -79,7 +79,8 @@ MTP_TOKENS = 48
 MTP_ROWS = {"mtp-k1": 1, "mtp-k2": 2, "mtp-k3": 3}
 """Row -> speculative tokens K; DeepGEMM's SM90 paged MQA takes ``next_n`` K + 1 in {1, 2, 4}, others flattened."""
 ROWS = (
-    "repro", "a-eager", "a-control-eager", "b-eager", "c", "a-graphs", "a-control-graphs", "b-graphs",
+    "repro", "a-eager", "a-control-eager", "b-eager", "b-control-eager", "c", "a-graphs", "a-control-graphs",
+    "b-graphs", "b-control-graphs",
     "n-eager", "n-control-eager", "n-graphs", "n-control-graphs", *MTP_ROWS, "v4-mtp", "t-eager", "t-graphs",
 )  # fmt: skip
 MODELS_OF = {
@@ -200,6 +201,8 @@ def needs(row: str, s: Settings) -> list[tuple[Engine, str]]:
         return [(e(model, False, 0), "accuracy"), (e(model, True, 0), "accuracy")]
     if row.startswith("a-control"):
         return [(e(CONTROL, False, 0), "accuracy"), (e(CONTROL, True, 0), "accuracy")]
+    if row.startswith("b-control"):
+        return [(e(CONTROL, True, 20), "accuracy"), (e(CONTROL, True, 0), "accuracy")]
     if row.startswith("b-"):
         return [(e(model, True, 20), "accuracy"), (e(model, True, 0), "accuracy")]
     if row.startswith("n-control"):
@@ -393,18 +396,26 @@ def within_floor(comparison: dict[str, Any], floor: dict[str, Any]) -> tuple[boo
 
 FLOOR_OF = {"eager": "a-control-eager", "graphs": "a-control-graphs"}
 """The row whose pair is the floor for a mode's floor-judged rows (``mtp-kK`` are eager)."""
+COMM_FLOOR_OF = {"eager": "b-control-eager", "graphs": "b-control-graphs"}
+"""The floor of ``b-*``: dbo_runtime at comm 20 against comm 0 on the control, where no follower exists. Lowering
+DeepGEMM's SM count changes every DeepGEMM GEMM's split, not only the indexer's schedule, so ``b-*`` compare with
+that same change on a model bug B cannot touch."""
+FLOORS = (*FLOOR_OF.values(), *COMM_FLOOR_OF.values())
 
 
 def floor_row(row: str) -> str | None:
     """The floor row ``row`` is judged against, None for rows judged otherwise."""
-    if row.startswith(("a-eager", "a-graphs", "b-")):
-        return FLOOR_OF["graphs" if row.endswith("graphs") else "eager"]
+    mode = "graphs" if row.endswith("graphs") else "eager"
+    if row.startswith("b-") and row not in FLOORS:
+        return COMM_FLOOR_OF[mode]
+    if row.startswith(("a-eager", "a-graphs")):
+        return FLOOR_OF[mode]
     return FLOOR_OF["eager"] if row in MTP_ROWS else None
 
 
 def with_floors(rows: list[str]) -> list[str]:
     """``rows`` with each floor they need, floors first (a floor must be judged before its rows)."""
-    floors = [f for f in FLOOR_OF.values() if f in rows or any(floor_row(r) == f for r in rows)]
+    floors = [f for f in FLOORS if f in rows or any(floor_row(r) == f for r in rows)]
     return floors + [r for r in rows if r not in floors]
 
 
@@ -479,8 +490,8 @@ def verdict(row: str, s: Settings, out: Path, floors: dict[str, Comparison] | No
     c = comparison(a, b)
     rec.update(sequences=len(a), differing=differing(a, b), comparison=_facts(c))
     rec["microbatched"] = c1.get("microbatched_steps", 0) > 0 and c2.get("microbatched_steps", 0) > 0
-    if row.startswith("n-") or row in FLOOR_OF.values():
-        if row in FLOOR_OF.values() and rec["microbatched"]:
+    if row.startswith("n-") or row in FLOORS:
+        if row in FLOORS and rec["microbatched"]:
             floors[row] = c
         rec["pass"] = rec["microbatched"]
         return rec

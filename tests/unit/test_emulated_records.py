@@ -65,7 +65,7 @@ def _expected(row: str, rec: dict[str, Any]) -> bool | None:
         return rec["vanilla_wrong_reads"] > 0 and rec["plugin_reads"] > 0 and rec["plugin_wrong_reads"] == 0
     if row == "v4-mtp":
         return rec["vanilla_hidden_wrong"] > 0 and rec["plugin_hidden_checks"] > 0 and rec["plugin_hidden_wrong"] == 0
-    if row.startswith("n-") or row in emulated.FLOOR_OF.values():
+    if row.startswith("n-") or row in emulated.FLOORS:
         return rec.get("microbatched") is True
     if emulated.floor_row(row):
         within, _ = emulated.within_floor(rec["comparison"], rec["floor"])
@@ -169,3 +169,13 @@ def test_paired_engines_run_the_engine_core_in_their_own_process_and_the_records
             assert engine.env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0", (row, engine.label)
     recorded = [r for r in _read(EMULATED) if "engine_core" in r]
     assert recorded and all(r["engine_core"] == "in-process" for r in recorded)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_comm_rows_are_judged_against_the_same_comm_change_on_the_control(mode: str) -> None:
+    """``b-*`` lower DeepGEMM's SM count for every GEMM: their floor is that change where bug B cannot act."""
+    floor = f"b-control-{mode}"
+    assert emulated.with_floors([f"b-{mode}"]) == [floor, f"b-{mode}"]
+    engines = [e for e, _ in emulated.needs(floor, emulated.Settings())]
+    assert [(e.model, e.plugin, e.comm_sms) for e in engines] == [(emulated.CONTROL, True, 20), (emulated.CONTROL, True, 0)]
+    assert emulated.floor_row(floor) is None and emulated.floor_row(f"a-{mode}") == f"a-control-{mode}"

@@ -375,7 +375,7 @@ def test_an_unreadable_fingerprint_record_refuses_dbo_models_instead_of_losing_t
 
     monkeypatch.setattr(releases, "RELEASES", {})  # what fingerprints.py leaves when the file cannot be read
     monkeypatch.setattr(fingerprints, "RECORD_PROBLEM", "recorded_fingerprints.json unreadable (FileNotFoundError())")
-    with pytest.raises(PatchError, match="recorded_fingerprints.json unreadable"):
+    with pytest.raises(PatchError, match=r"recorded_fingerprints\.json unreadable"):
         releases.identify()
     plugin.register()
     assert EngineArgs.create_engine_config is not unpatched["guard.engine_config"]
