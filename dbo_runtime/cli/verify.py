@@ -1,4 +1,4 @@
-"""``dbo-runtime verify [options] VLLM_ENGINE_ARGS...``: does DBO change my model's outputs?
+"""``dbo-runtime verify [options] MODEL [vllm serve engine arguments]``: does DBO change my model's outputs?
 
 Runs your model and parallel configuration with DBO off, then on, on the same prompts (greedy), compares the
 runs request by request and prints a verdict; a DBO run that never microbatched proves nothing (inconclusive).
