@@ -27,8 +27,7 @@ DP_RULE = "an integer >= 2 (vLLM microbatches only with data parallelism; {comma
 
 def add_engine_command(subparsers: Any, name: str, doc: str, help_: str, timeout: float, timeout_help: str) -> argparse.ArgumentParser:
     """A subcommand that runs engines: its own options first, then the operator's ``vllm serve`` arguments."""
-    usage = "%(prog)s [options] MODEL [vllm serve engine arguments]"
-    p = subparsers.add_parser(name, help=help_, usage=usage, description=doc.split("\n\n")[1].replace("``", "") + f" Put {name}'s own options first, then your `vllm serve` engine arguments.", allow_abbrev=False)
+    p = subparsers.add_parser(name, help=help_, usage="%(prog)s [options] MODEL [vllm serve engine arguments]", description=doc.split("\n\n")[1].replace("``", "") + f" Put {name}'s own options first, then your `vllm serve` engine arguments.", allow_abbrev=False)
     p.add_argument("--timeout", type=float, default=timeout, metavar="S", help=f"{timeout_help} (default {timeout:.0f})")
     p.add_argument("--workdir", metavar="DIR", help="keep logs and records here (default: a temporary folder)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")

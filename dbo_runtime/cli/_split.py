@@ -27,11 +27,8 @@ def comm_sms(flag: int | None, platform: str, environ: Mapping[str, str] | None 
     if flag is not None:
         return flag, "--comm-sms"
     raw = (os.environ if environ is None else environ).get(COMM_ENV)
-    if raw is not None:  # a bad value is refused in budget_for, with the device's range
-        try:
-            return int(raw, 10), COMM_ENV
-        except ValueError:
-            return raw, COMM_ENV  # type: ignore[return-value]
+    if raw is not None:  # refused in budget_for, with the range
+        return (int(raw, 10) if raw.strip().removeprefix("-").isdecimal() else raw), COMM_ENV  # type: ignore[return-value]
     return DEFAULT_COMM_SMS["rocm" if platform == "rocm" else "cuda"], "default"
 
 
