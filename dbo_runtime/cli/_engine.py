@@ -22,11 +22,12 @@ UNSUPPORTED_FLAGS = (
 )  # fmt: skip
 """Multi-node / server-only options: the commands run offline on one node."""
 DBO_FLAGS = ("--enable-dbo", "--no-enable-dbo")
+DP_RULE = "an integer >= 2 (vLLM microbatches only with data parallelism; {command} needs DBO to run)"
 
 
 def add_engine_command(subparsers: Any, name: str, doc: str, help_: str, timeout: float, timeout_help: str) -> argparse.ArgumentParser:
     """A subcommand that runs engines: its own options first, then the operator's ``vllm serve`` arguments."""
-    p = subparsers.add_parser(name, help=help_, description=doc.split("\n\n")[1].replace("``", "") + f" Put {name}'s own options first, then your `vllm serve` engine arguments.", allow_abbrev=False)
+    p = subparsers.add_parser(name, help=help_, usage="%(prog)s [options] MODEL [vllm serve engine arguments]", description=doc.split("\n\n")[1].replace("``", "") + f" Put {name}'s own options first, then your `vllm serve` engine arguments.", allow_abbrev=False)
     p.add_argument("--timeout", type=float, default=timeout, metavar="S", help=f"{timeout_help} (default {timeout:.0f})")
     p.add_argument("--workdir", metavar="DIR", help="keep logs and records here (default: a temporary folder)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
@@ -53,8 +54,8 @@ def split_engine_args(extra: list[str], command: str) -> tuple[list[str], int, l
             if not eq:
                 i += 1
                 value = args[i] if i < len(args) else ""
-            if not value.isdigit() or int(value) < 1:
-                raise ConfigError(name, value, "a positive integer")
+            if not value.isdigit():
+                raise ConfigError(name, value, DP_RULE.format(command=command))
             dp = int(value)
         else:
             out.append(args[i])
@@ -63,7 +64,7 @@ def split_engine_args(extra: list[str], command: str) -> tuple[list[str], int, l
         out = ["--model", *out]  # `vllm serve MODEL ...`: the positional model
     model = engine_arg(out, "--model")
     if not model or model.startswith("-"):
-        raise StateError("--model", "missing", f"the model to {command}, as for `vllm serve` (--model NAME_OR_PATH)")
+        raise StateError("MODEL", "missing", f"the model to {command}, as in `vllm serve MODEL ...` (or --model NAME_OR_PATH)")
     return out, dp, notes
 
 
@@ -100,7 +101,7 @@ def qp_depth_problem(engine_args: list[str], environ: Any) -> ConfigError | None
 def require_dbo_parallelism(engine_args: list[str], dp: int, command: str, *, expert_parallel: bool = True) -> None:
     """vLLM microbatches only with DP >= 2, and DBO's comm SMs serve the expert-parallel all2all."""
     if dp < 2:
-        raise ConfigError("--data-parallel-size", dp, f"2 or more (vLLM microbatches only with data parallelism; {command} needs DBO to run)")
+        raise ConfigError("--data-parallel-size", dp, DP_RULE.format(command=command))
     last = [normal_arg(a) for a in engine_args if normal_arg(a) in ("--enable-expert-parallel", "--no-enable-expert-parallel", "-ep")]
     if expert_parallel and (not last or last[-1] == "--no-enable-expert-parallel"):
         raise StateError("--enable-expert-parallel", "missing", "given (DBO overlaps the expert-parallel all2all)")
@@ -131,7 +132,7 @@ def check_with_vllm(engine_args: list[str], command: str) -> None:
 
     class _Parser(FlexibleArgumentParser):
         def error(self, message: str) -> Any:
-            raise ConfigError("VLLM_ENGINE_ARGS", " ".join(engine_args), f"arguments vLLM accepts ({message})")
+            raise refused_engine_arg(message, command)
 
     try:
         parser = EngineArgs.add_cli_args(_Parser(prog="vllm", allow_abbrev=False))
@@ -139,6 +140,23 @@ def check_with_vllm(engine_args: list[str], command: str) -> None:
         why = "no GPU platform" if "infer device type" in str(exc) else f"{type(exc).__name__}: {exc}"
         raise CliError(f"engine arguments not checked: vLLM cannot build its parser here ({why}); {command} needs a GPU machine", EXIT_NO_DEVICE) from exc
     parser.parse_args(engine_args)
+
+
+def refused_engine_arg(message: str, command: str) -> StateError:
+    """vLLM's parser refusal, naming the first unknown option and whether it is a ``vllm serve`` server option."""
+    unknown = message.partition("unrecognized arguments:")[2].split()
+    if not unknown:
+        return StateError("an engine argument", f"refused by vLLM's parser ({message})", "vLLM engine arguments")
+    name = next((u for u in unknown if u.startswith("-")), unknown[0]).split("=")[0]
+    try:
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        server = name in make_arg_parser(FlexibleArgumentParser())._option_string_actions
+    except Exception:  # another vLLM layout: the option is named all the same
+        server = False
+    why = f"it is a vllm serve server option; {command} runs the engine offline" if server else "vLLM has no such engine argument"
+    return StateError(f"engine argument {name!r}", f"not allowed: {why}", "vLLM engine arguments")
 
 
 def visible_gpus() -> int:

@@ -21,7 +21,7 @@ ENTRY_POINT_VALUE = "dbo_runtime.integration.plugin:register"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("doctor", help="check that dbo_runtime's fixes are in force with the installed vLLM", description="Check, installing nothing, that dbo_runtime's fixes are in force with the installed vLLM.")
+    p = subparsers.add_parser("doctor", help="check that dbo_runtime's fixes are in force with the installed vLLM", description="Check, installing nothing, that dbo_runtime's fixes are in force with the installed vLLM. Exit 0 no problem (warnings do not fail), 1 a problem listed, 2 bad arguments.")
     p.add_argument("--json", action="store_true", help=f"print the result as JSON ({SCHEMA})")
     return p
 
@@ -135,10 +135,10 @@ def _collect() -> dict[str, Any]:
         problems += [f"patch target missing: {p['target']} ({p['name']}): {p['detail']}" for p in patches if p["state"] == "missing"]
     problems += _environment_problems()
     warnings_ = [w for w in (disabled_warning(),) if w]
-    unchecked = "if it does not resolve in a worker, the feature is marked broken and the worker refuses a DBO model that needs it"
+    unresolved = ("the feature is marked broken and the worker refuses a DBO model that needs it", "the worker runs without this optional patch")
     warnings_ += [
-        f"{p['name']}: target not checked here ({p['detail']}); {unchecked}"
-        for p in patches if usable and p["state"] == "skipped" and not p["optional"] and p["fingerprint"] != "not in release"
+        f"{p['name']}: target not checked here ({p['detail']}); if it does not resolve in a worker, {unresolved[p['optional']]}"
+        for p in patches if usable and p["state"] == "skipped" and p["fingerprint"] != "not in release"
     ]  # fmt: skip
     return {
         "schema": SCHEMA, "ok": not problems, "problems": problems, "warnings": warnings_,
@@ -177,11 +177,11 @@ def render(doc: dict[str, Any]) -> None:
         "features:" if doc["features"] else "features: not checked (vLLM not importable)",
     ]
     out += [wrapped(f"  {f['name']}: {'disabled by DBO_RUNTIME_DISABLE' if doc['plugin']['disabled_by_env'] else f['state']}", "    ") for f in doc["features"]]
-    states = Counter(p["state"] for p in doc["patches"])
+    states = Counter("not in this release" if p["fingerprint"] == "not in release" else p["state"] for p in doc["patches"])
     differs = [p["name"] for p in [*doc["patches"], *doc["relied_on"]] if p["fingerprint"] == "differs"]
     fingerprints = f"fingerprints differ: {len(differs)}" if differs else "fingerprints match"
     out += [
-        f"patch targets: {', '.join(f'{n} {s}' for s, n in sorted(states.items())) or 'none checked'}; {fingerprints} (--json lists each)",
+        wrapped(f"patch targets: {', '.join(f'{n} {s}' for s, n in sorted(states.items())) or 'none checked'}; {fingerprints} (--json lists each)"),
         wrapped("guard targets: " + (", ".join(f"{g['name']} {g['state']}" for g in doc["guard"]) or "not checked")),
         f"entry point {ENTRY_POINT_GROUP}: {'registered' if doc['plugin']['entry_point'] else 'MISSING'}",
         *(wrapped(f"{name}: {'available' if doc[key]['available'] else 'unavailable'} ({doc[key]['detail']})") for name, key in (("DeepGEMM", "deep_gemm"), ("NVML", "nvml"))),

@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
         runs_json = [{"name": c.name, "expect": c.expect, "as_expected": c.as_expected(r), **r.to_json()} for c, r in results]
         print_json({
             "schema": SCHEMA, "backend": backend.name, "simulated": backend.simulated, "mode": args.mode, "budget": results[0][1].budget,
-            "verdict": "PASS" if passed else "FAIL", "vllm": vllm, "protected": vllm["in_force"] and disabled is None,
+            "verdict": "PASS" if code == 0 else "NOT PROTECTED" if passed else "FAIL", "simulation": "PASS" if passed else "FAIL", "vllm": vllm, "protected": vllm["in_force"] and disabled is None,
             "dbo_runtime_disabled_by_env": disabled is not None, "server_runs": "vanilla vLLM" if disabled else "dbo_runtime",
             "warnings": warnings, "exit_code": code, "runs": runs_json,
         })  # fmt: skip
@@ -161,9 +161,9 @@ def _print_human(backend: Any, mode: str, results: list[Any], passed: bool, vllm
     if not passed:
         verdict = "FAIL: not as expected: " + ", ".join(c.name for c, r in results if not c.as_expected(r))
     elif not vllm["in_force"]:
-        verdict = "dbo_runtime's own logic PASSES (the simulation checks it, not vLLM), but this vLLM is NOT protected: its fixes are not in force here (dbo-runtime doctor says why)"
+        verdict = "NOT PROTECTED: this vLLM's fixes are not in force here (dbo-runtime doctor says why); the simulation of dbo_runtime's own logic passed (it checks dbo_runtime, not vLLM)"
     elif disabled is not None:
-        verdict = "PASS for dbo_runtime, which DBO_RUNTIME_DISABLE turns off here: a server with this environment runs vanilla vLLM"
+        verdict = "NOT PROTECTED: DBO_RUNTIME_DISABLE turns dbo_runtime off here (a server with this environment runs vanilla vLLM); the simulation of dbo_runtime's own logic passed"
     elif any(not r.ok for _, r in results):
         verdict = "PASS: bit-identical; fixes in force on this vLLM; the crash/WRONG rows are vLLM's bugs"
     else:

@@ -1,4 +1,4 @@
-"""``dbo-runtime tune [options] VLLM_ENGINE_ARGS...``: which ``VLLM_DBO_COMM_SMS`` is fastest for my deployment?
+"""``dbo-runtime tune [options] MODEL [vllm serve engine arguments]``: which ``VLLM_DBO_COMM_SMS`` is fastest for my deployment?
 
 vLLM's default comm share (20 SMs with DeepEP high-throughput) fits no model or workload in particular. ``tune``
 keeps one DBO engine per value alive on your model and gives them interleaved turns at your workload's shape, so
@@ -32,7 +32,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prefill-tokens", type=int_in(64, 1 << 20), default=8192, metavar="N", help="prefill tokens per rank per step (default 8192)")
     p.add_argument("--prompt-len", type=int_in(1, 1 << 20), default=1024, metavar="N", help="tokens per prompt (default 1024)")
     p.add_argument("--decode-batch", type=int_in(1, 65536), default=128, metavar="B", help="decode requests per rank (default 128)")
-    p.add_argument("--values", default=",".join(map(str, DEFAULT_VALUES)), metavar="LIST", help="comm-SM values to try, comma-separated, or 'all'")
+    p.add_argument("--values", default=",".join(map(str, DEFAULT_VALUES)), metavar="LIST", help="comm-SM values to try, comma-separated, or 'all' (default %(default)s)")
     p.add_argument("--reps", type=int_in(1, 100), metavar="N", help="measured rounds (default: what confirming a value against the others needs, at least 7)")
     p.add_argument("--warmup", type=int_in(1, 100), default=1, metavar="N", help="unmeasured rounds first (default 1)")
     p.add_argument("--steps", type=int_in(1, 64), default=4, metavar="N", help="prefill steps per turn (default 4)")

@@ -1,4 +1,4 @@
-"""``dbo-runtime verify [options] VLLM_ENGINE_ARGS...``: does DBO change my model's outputs?
+"""``dbo-runtime verify [options] MODEL [vllm serve engine arguments]``: does DBO change my model's outputs?
 
 Runs your model and parallel configuration with DBO off, then on, on the same prompts (greedy), compares the
 runs request by request and prints a verdict; a DBO run that never microbatched proves nothing (inconclusive).
@@ -39,9 +39,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", metavar="PATH", help="prompts instead of synthetic ids: .jsonl / .json prompt objects, or one text prompt per line")
     p.add_argument("--prompt-seed", type=int, default=0, metavar="S", help="seed of the synthetic prompts")
     p.add_argument("--max-tokens", type=int_in(1, 4096), default=32, metavar="T", help="greedy tokens per prompt (default 32)")
-    p.add_argument("--min-agreement", type=float, default=Thresholds.min_agreement, metavar="A", help="pass needs this fraction of tokens equal")
-    p.add_argument("--max-dlogprob", type=float, default=Thresholds.max_dlogprob, metavar="D", help="pass needs max |logprob difference| <= D")
-    p.add_argument("--noise-floor", action="store_true", help="also run DBO off with half the sequences at a time, and judge DBO against how much that batch-shape change alone moves the model")
+    p.add_argument("--min-agreement", type=float, default=Thresholds.min_agreement, metavar="A", help=f"pass needs this fraction of tokens equal (default {Thresholds.min_agreement})")
+    p.add_argument("--max-dlogprob", type=float, default=Thresholds.max_dlogprob, metavar="D", help=f"pass needs max |logprob difference| <= D (default {Thresholds.max_dlogprob})")
+    p.add_argument("--noise-floor", action="store_true", help="also run DBO off with half the sequences at a time, and judge DBO against how much that batch-shape change alone moves the model instead of --min-agreement / --max-dlogprob")
     return p
 
 

@@ -218,26 +218,25 @@ def compute_budget(
         raise ConfigError("compute_multiple", compute_multiple, "a positive integer")
     if not isinstance(total_sms, int) or isinstance(total_sms, bool) or total_sms <= 0:
         raise ConfigError("total_sms", total_sms, "a positive integer")
-    decision = decide_comm(
-        platform=platform,
-        enable_dbo=enable_dbo,
-        expert_parallel=expert_parallel,
-        all2all_backend=all2all_backend,
-        env_comm_sms=env_comm_sms,
-        has_all2all_manager=has_all2all_manager,
-        max_sms_used=max_sms_used,
-        has_deep_gemm=has_deep_gemm,
-        allow_unknown_backend=allow_unknown_backend,
-    )
-    env_value, comm, compute_knob = decision.env_value, decision.comm, decision.compute_knob
-    if comm >= total_sms:  # the fewest compute SMs a split may leave: DeepGEMM's multiple
-        least = compute_multiple if has_deep_gemm else 1
-        raise ConfigError(
-            "VLLM_DBO_COMM_SMS",
-            env_value,
-            f"integers in [0, {total_sms - least}] on this device ({total_sms} SMs): "
-            "the comm share must leave compute SMs",
+    # the fewest compute SMs a split may leave: DeepGEMM's multiple
+    in_range = f"integers in [0, {total_sms - (compute_multiple if has_deep_gemm else 1)}] on this device ({total_sms} SMs)"
+    try:
+        decision = decide_comm(
+            platform=platform,
+            enable_dbo=enable_dbo,
+            expert_parallel=expert_parallel,
+            all2all_backend=all2all_backend,
+            env_comm_sms=env_comm_sms,
+            has_all2all_manager=has_all2all_manager,
+            max_sms_used=max_sms_used,
+            has_deep_gemm=has_deep_gemm,
+            allow_unknown_backend=allow_unknown_backend,
         )
+    except ConfigError as exc:  # not an integer >= 0: the same range as a share too large
+        raise ConfigError(exc.parameter, exc.value, in_range) if exc.parameter == "VLLM_DBO_COMM_SMS" else exc from None
+    env_value, comm, compute_knob = decision.env_value, decision.comm, decision.compute_knob
+    if comm >= total_sms:
+        raise ConfigError("VLLM_DBO_COMM_SMS", env_value, f"{in_range}: the comm share must leave compute SMs")
     if comm_cap is None and all2all_backend == "deepep_high_throughput":
         comm_cap = DEEPEP_HT_MANAGER_NUM_SMS
     reaches_deepep = min(comm, comm_cap) if comm_cap is not None else comm

@@ -30,8 +30,10 @@ def refuse_without_engine(script: str, gpus: int, done: str = "nothing measured"
     missing = engine_missing(gpus)
     if missing is None:
         return None
+    from dbo_runtime.integration.releases import SUPPORTED
+
     need = {1: "a CUDA GPU", 2: "two CUDA GPUs"}.get(gpus, f"{gpus} CUDA GPUs")
-    print(f"{script}: needs {need} and vLLM 0.33: {missing}; {done}", file=sys.stderr)
+    print(f"{script}: needs {need} and vLLM {' or '.join(SUPPORTED)}: {missing}; {done}", file=sys.stderr)
     return 3
 
 __all__ = ["engine_missing", "refuse_without_engine"]

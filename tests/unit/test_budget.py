@@ -86,7 +86,7 @@ def test_comm_at_or_above_total_is_named_error(env: int) -> None:
 def test_bad_env_values(raw: object) -> None:
     with pytest.raises(ConfigError) as e:
         ht(env_comm_sms=raw)
-    assert e.value.parameter == "VLLM_DBO_COMM_SMS" and "non-negative integer" in str(e.value)
+    assert e.value.parameter == "VLLM_DBO_COMM_SMS" and "allowed values: integers in [0, 131] on this device (132 SMs)" in str(e.value)
 
 
 def test_odd_comm_for_deepep_ht_rejected() -> None:

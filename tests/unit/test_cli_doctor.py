@@ -73,8 +73,20 @@ def test_a_missing_target_fails_unless_optional(extra: dict, rc: int, capsys: py
     assert code == (rc if VERIFIED else 1) and bogus["state"] == ("skipped" if extra.get("optional") else "missing")
     assert any("no_such_function_in_vllm" in line for line in doc["problems"]) == (rc == 1)
     assert ("NOT OK" in out) == (code == 1)
-    if code == 0:  # an optional target skipped: a warning, and the last verdict says so
-        assert doc["warnings"] and "\nWARNINGS\n" in out
+    if code == 0:  # an optional target skipped: a warning naming it, and the last verdict says so
+        assert any(w.startswith("test.bogus: target not checked here") and "runs without this optional patch" in w for w in doc["warnings"])
+        assert "\nWARNINGS\n" in out
+
+
+def test_every_target_not_checked_is_a_warning_and_the_count_says_what_the_release_leaves_out(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each target the doctor could not check is listed the same way, optional or not; one a release leaves out is
+    counted apart, not as a skip."""
+    _rc, doc, out = doctor(capsys)
+    unchecked = [p["name"] for p in doc["patches"] if p["state"] == "skipped" and p["fingerprint"] != "not in release"]
+    assert sorted(unchecked) == sorted(w.split(":")[0] for w in doc["warnings"] if "target not checked here" in w)
+    left_out = sum(p["fingerprint"] == "not in release" for p in doc["patches"])
+    line = " ".join(out.split()).split("patch targets: ", 1)[1].split("(--json lists each)", 1)[0]
+    assert (f"{left_out} not in this release" in line) == bool(left_out) and (f"{len(unchecked)} skipped" in line) == bool(unchecked), line
 
 
 def test_code_that_differs_from_the_release_is_named_with_what_to_do(capsys: pytest.CaptureFixture[str]) -> None:

@@ -54,7 +54,20 @@ def test_verify_and_tune_hand_unknown_arguments_on_as_engine_arguments(capsys: p
     for command in ("verify", "tune"):
         assert main([command, "--model", "m", "--enable-expert-parallel"]) == 2
         [line] = capsys.readouterr().err.splitlines()
-        assert line.startswith(f"dbo-runtime {command}: error: --data-parallel-size=1 is not allowed; allowed values: 2 or more")
+        assert line.startswith(f"dbo-runtime {command}: error: --data-parallel-size=1 is not allowed; allowed values: an integer >= 2")
+
+
+@pytest.mark.parametrize(("command", "defaults"), [("verify", ["(default 0.95)", "(default 0.25)"]), ("tune", ["(default 4,8,12,16,20)"])])
+def test_verify_and_tune_usage_shows_the_model_and_engine_arguments(command: str, defaults: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Where the copied ``vllm serve`` line goes, in the usage an argparse error prints and in ``--help``."""
+    usage = f"usage: dbo-runtime {command} [options] MODEL [vllm serve engine arguments]"
+    with pytest.raises(SystemExit):
+        main([command, "--timeout", "x"])
+    assert capsys.readouterr().err.startswith(usage)
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith(usage) and all(d in out for d in defaults), out
 
 
 def test_a_value_refused_after_parsing_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

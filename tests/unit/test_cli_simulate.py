@@ -25,7 +25,8 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_verdict_and_the_installed_vllm_in_json_and_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*QUICK, "--json"]) == CODE
     doc = json.loads(capsys.readouterr().out)
-    assert doc["schema"] == "dbo-runtime/simulate/v2" and doc["verdict"] == "PASS" and doc["protected"] is VERIFIED
+    assert doc["schema"] == "dbo-runtime/simulate/v2" and doc["simulation"] == "PASS" and doc["protected"] is VERIFIED
+    assert doc["verdict"] == ("PASS" if VERIFIED else "NOT PROTECTED")
     assert doc["vllm"]["installed"] == releases.installed_version() and doc["vllm"]["in_force"] is VERIFIED and doc["exit_code"] == CODE
     assert next(r["name"] for r in doc["runs"]) == "dbo_runtime" and all(r["as_expected"] for r in doc["runs"])
     assert main(QUICK) == CODE
@@ -33,7 +34,7 @@ def test_the_verdict_and_the_installed_vllm_in_json_and_text(capsys: pytest.Capt
     assert all(len(line) <= 100 for line in out.splitlines() if not line.startswith("verdict: ")), out
     assert f"vLLM here: {doc['vllm']['installed']}" in out and "crash: assertion" in out and "WRONG RESULTS" in out
     verdict = out.split("\nverdict: ", 1)[1]
-    assert verdict.startswith("PASS: ") if VERIFIED else "this vLLM is NOT protected" in verdict
+    assert verdict.startswith("PASS: ") if VERIFIED else verdict.startswith("NOT PROTECTED: ")
 
 
 def test_on_a_vllm_the_fixes_do_not_hold_the_verdict_says_it_is_not_protected(capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,8 +49,9 @@ def test_on_a_vllm_the_fixes_do_not_hold_the_verdict_says_it_is_not_protected(ca
         assert main([*QUICK, "--no-contrast", "--json"]) == 1
         doc = json.loads(capsys.readouterr().out)
     verdict = " ".join(out.split("verdict: ", 1)[1].split())
-    assert verdict.startswith("dbo_runtime's own logic PASSES") and "this vLLM is NOT protected" in verdict
-    assert doc["verdict"] == "PASS" and doc["protected"] is False and "indexer" in doc["vllm"]["detail"]
+    assert verdict.startswith("NOT PROTECTED: this vLLM's fixes are not in force") and "dbo_runtime's own logic passed" in verdict
+    assert "PASS" not in verdict and doc["verdict"] == "NOT PROTECTED" and doc["simulation"] == "PASS"
+    assert doc["protected"] is False and "indexer" in doc["vllm"]["detail"]
 
 
 def test_disabled_is_a_warning_with_the_verdict(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

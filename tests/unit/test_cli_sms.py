@@ -98,9 +98,10 @@ def test_the_comm_share_comes_from_the_flag_then_the_environment(capsys: pytest.
 @pytest.mark.parametrize(
     ("args", "env", "start"),
     [
-        (["--comm-sms", "131"], None, "--comm-sms=131 is not allowed"),  # SM90's even rounding leaves no compute SM
-        (["--comm-sms", "-2"], None, "--comm-sms=-2 is not allowed"),
-        ([], "abc", "VLLM_DBO_COMM_SMS='abc' is not allowed"),
+        (["--comm-sms", "131"], None, "--comm-sms=131 is not allowed; allowed values: integers in [0, 130]"),  # SM90's even rounding leaves no compute SM
+        (["--comm-sms", "-2"], None, "--comm-sms=-2 is not allowed; allowed values: integers in [0, 130]"),  # the range, however far off
+        ([], "abc", "VLLM_DBO_COMM_SMS='abc' is not allowed; allowed values: integers in [0, 130]"),
+        ([], "-3", "VLLM_DBO_COMM_SMS=-3 is not allowed; allowed values: integers in [0, 130]"),
         (["--platform", "rocm", "--all2all-backend", "nixl_ep", "--comm-sms", "400"], None, "--comm-sms=400 is not allowed"),
     ],
 )

@@ -73,7 +73,7 @@ def test_without_install_sh_one_line_and_exit_2(script: str, tmp_path: Path) -> 
         ("session-bench.sh", ["0", "-1"], {}, "seconds S2 '-1' is not allowed"),
         ("session-bench.sh", ["0", "10", "foo"], {}, "GROUPS 'foo' is not allowed; allowed values: ht, ll, ht,ll"),
         ("session-bench.sh", ["00", "0"], {}, "seconds S1 '00' is not allowed"),  # `timeout 00` would have no limit
-        ("session-tune.sh", ["v32-width", "0540"], {}, "seconds '0540' is not allowed"),  # bash reads it as octal
+        ("session-tune.sh", ["v32-width", "0540"], {}, "seconds '0540' is not allowed; allowed values: an integer in [61, 3600] (digits only, no leading zero)"),  # bash reads it as octal
         ("session-host-cost.sh", ["12345678901234567890123"], {}, "seconds '12345678901234567890123' is not allowed"),
         ("session-hook-calls.sh", [".", "/nonexistent"], {}, "tree '/nonexistent' is not allowed"),
         ("session-e2e.sh", [], {"E2E": "yes"}, "E2E 'yes' is not allowed; allowed values: 0 (off), 1 (on)"),
@@ -147,18 +147,35 @@ def test_the_two_gpu_benchmark_on_one_gpu_is_exit_3(tmp_path: Path) -> None:
     assert not _wrote(tmp_path)
 
 
+def _bundle(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if k != "DRY_RUN"}
+    return subprocess.run(["bash", str(ROOT / "tools" / "gpu" / "bundle.sh"), *args], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, env={**clean, "PATH": "/usr/bin:/bin", **env})  # fmt: skip
+
+
+@pytest.mark.parametrize("dry_run", [{}, {"DRY_RUN": "1"}])
 @pytest.mark.parametrize("folder", [".", "..", "/tmp/x", "a/b", ".git", "docs"])
-def test_bundle_refuses_a_folder_it_would_delete(folder: str, tmp_path: Path) -> None:
+def test_bundle_refuses_a_folder_it_would_delete(folder: str, dry_run: dict[str, str], tmp_path: Path) -> None:
     """bundle.sh replaces its output folder (rm -rf) after minutes of downloads: the checkout, a system path or a
-    folder holding anything but an earlier bundle's parts is refused first, with nothing downloaded or written."""
+    folder holding anything but an earlier bundle's parts is refused first, with nothing downloaded or written;
+    a dry run refuses it too, so it previews a run that would start."""
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "notes.md").write_text("keep me")
-    proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu" / "bundle.sh"), folder], capture_output=True, text=True,
-                          timeout=60, cwd=tmp_path, env={**os.environ, "PATH": "/usr/bin:/bin"})  # fmt: skip
+    proc = _bundle(tmp_path, folder, **dry_run)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"bundle.sh: folder '{folder}' is not allowed; allowed values: ")
     assert (tmp_path / "docs" / "notes.md").read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["docs"]
+
+
+@pytest.mark.parametrize("value", ["yes", "", "true"])
+def test_bundle_refuses_a_dry_run_switch_that_is_not_0_or_1(value: str, tmp_path: Path) -> None:
+    """A mistyped DRY_RUN would otherwise read as off and start minutes of downloads."""
+    proc = _bundle(tmp_path, DRY_RUN=value)
+    assert proc.returncode == 2 and proc.stdout == "" and list(tmp_path.iterdir()) == []
+    assert proc.stderr.strip().splitlines() == [f"bundle.sh: DRY_RUN '{value}' is not allowed; allowed values: 0 (off), 1 (on)"]
+    dry = _bundle(tmp_path, DRY_RUN="1")
+    assert dry.returncode == 0 and "into .gpu-vllm/p0..pN" in dry.stdout and list(tmp_path.iterdir()) == [], dry.stderr
 
 
 def test_install_without_the_bundle_parts_is_one_line_and_exit_2(tmp_path: Path) -> None:
@@ -169,7 +186,7 @@ def test_install_without_the_bundle_parts_is_one_line_and_exit_2(tmp_path: Path)
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
-        f"tools/gpu/install.sh: no bundle parts in {tmp_path}: copy .gpu-vllm/p0..p6 there first (tools/gpu/README.md)"
+        f"tools/gpu/install.sh: no bundle parts in {tmp_path}: copy every part of .gpu-vllm/p0..pN there first (tools/gpu/README.md)"
     ]
     assert list(tmp_path.iterdir()) == []
 

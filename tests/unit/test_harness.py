@@ -582,6 +582,6 @@ def test_a_machine_that_cannot_run_the_engine_is_exit_3(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(machine, "engine_missing", lambda gpus: "no CUDA device")
     assert machine.refuse_without_engine("check_load_format", 1, "nothing checked") == 3
-    assert capsys.readouterr().err == "check_load_format: needs a CUDA GPU and vLLM 0.33: no CUDA device; nothing checked\n"
+    assert capsys.readouterr().err == "check_load_format: needs a CUDA GPU and vLLM 0.33.0 or 0.34.0: no CUDA device; nothing checked\n"
     monkeypatch.setattr(machine, "engine_missing", lambda gpus: None)
     assert machine.refuse_without_engine("x", 1) is None

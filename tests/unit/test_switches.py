@@ -146,17 +146,18 @@ def test_simulate_and_doctor_say_disable_the_same_way(monkeypatch: pytest.Monkey
     fast = ["simulate", "--backend", "cpu", "--steps", "1", "--requests", "4", "--no-contrast"]
     assert main([*fast, "--json"]) == 1  # the logic passes; a server with this environment is not protected
     doc = json.loads(capsys.readouterr().out)
-    assert doc["verdict"] == "PASS" and doc["dbo_runtime_disabled_by_env"] is True and doc["warnings"] == [line]
+    assert doc["verdict"] == "NOT PROTECTED" and doc["simulation"] == "PASS" and doc["exit_code"] == 1
+    assert doc["dbo_runtime_disabled_by_env"] is True and doc["warnings"] == [line]
     assert doc["server_runs"] == "vanilla vLLM"  # whose PASS it is, in the document itself
     [run] = doc["runs"]
     assert run["name"] == "dbo_runtime" and run["ok"] and run["as_expected"]
     assert main(fast) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[-2] == (
-        "verdict: PASS for dbo_runtime, which DBO_RUNTIME_DISABLE turns off here: a server with this environment runs "
-        "vanilla vLLM"
+        "verdict: NOT PROTECTED: DBO_RUNTIME_DISABLE turns dbo_runtime off here (a server with this environment runs "
+        "vanilla vLLM); the simulation of dbo_runtime's own logic passed"
     )
-    assert out[-1] == f"WARNING: {line}" and "FAIL" not in "\n".join(out)
+    assert out[-1] == f"WARNING: {line}" and "FAIL" not in "\n".join(out) and "PASS" not in "\n".join(out)
     monkeypatch.delenv("DBO_RUNTIME_DISABLE")
     assert disabled_warning() is None
     assert main([*fast, "--json"]) == 0

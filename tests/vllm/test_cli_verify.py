@@ -41,11 +41,12 @@ def test_the_engine_arguments_lose_the_dp_size_and_the_dbo_flags() -> None:
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--model", "m", "-dp", "x"], "-dp='x' is not allowed"),
+        (["--model", "m", "-dp", "x"], "-dp='x' is not allowed; allowed values: an integer >= 2"),
         (["--model", "m", "--data-parallel-address", "10.0.0.1"], "--data-parallel-address is given"),
         (["--model", "m", "--config", "serve.yaml"], "--config is given"),
-        (["--enable-expert-parallel", "-dp", "2"], "--model is missing"),
-        (["--model", "m"], "--data-parallel-size=1 is not allowed; allowed values: 2 or more"),
+        (["--enable-expert-parallel", "-dp", "2"], "MODEL is missing"),
+        (["--model", "m", "-dp", "0"], "--data-parallel-size=0 is not allowed; allowed values: an integer >= 2"),
+        (["--model", "m"], "--data-parallel-size=1 is not allowed; allowed values: an integer >= 2"),
         (["--prompts", "1", "--model", "m", "-dp", "2"], "at least the data-parallel size"),
         (["--prompt-len", "9-3", "--model", "m", "-dp", "2"], "--prompt-len='9-3' is not allowed"),
         (["--min-agreement", "1.5", "--model", "m", "-dp", "2"], "--min-agreement=1.5 is not allowed"),
@@ -64,10 +65,20 @@ def test_what_an_engine_would_refuse_is_one_line_before_any_starts(
     assert not (tmp_path / "w").exists()  # a refused run leaves nothing on disk
 
 
-def test_bad_vllm_args_are_one_line_exit_2(fake_cuda_device_type: None, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["verify", "--model", "m", "-dp", "2", "--no-such-vllm-flag", "1"]) == 2
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--no-such-vllm-flag", "1"], "engine argument '--no-such-vllm-flag' is not allowed: vLLM has no such engine argument"),
+        (["--port=8000", "--host", "0.0.0.0"], "engine argument '--port' is not allowed: it is a vllm serve server option; verify runs the engine offline"),
+        (["--max-model-len", "abc"], "an engine argument is refused by vLLM's parser (argument --max-model-len: invalid"),
+    ],
+)  # fmt: skip
+def test_bad_vllm_args_are_one_line_exit_2(argv: list[str], expected: str, fake_cuda_device_type: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """A copied ``vllm serve`` line: the option vLLM's engine parser refuses is named, a server option as one."""
+    assert main(["verify", "--model", "m", "-dp", "2", *argv]) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[verify]")]
-    assert len(err) == 1 and "VLLM_ENGINE_ARGS" in err[0] and "--no-such-vllm-flag" in err[0], err
+    assert len(err) == 1 and err[0].startswith(f"dbo-runtime verify: error: {expected}"), err
+    assert err[0].endswith("allowed values: vLLM engine arguments"), err
 
 
 def test_too_few_gpus_is_one_line_exit_3(fake_cuda_device_type: None, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

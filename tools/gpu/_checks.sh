@@ -1,4 +1,4 @@
-# Sourced by every tools/gpu/session-*.sh before it loads vLLM's environment: a bad argument is one line and exit 2,
+# Sourced by bundle.sh, and by every tools/gpu/session-*.sh before it loads vLLM's environment: a bad argument is one line and exit 2,
 # with nothing run or written, so a failed lease command never reads as a finished one.
 #   need_out SCRIPT                     OUT must name a writable folder that receives the results
 #   need_switch SCRIPT NAME VALUE       VALUE must be 0 or 1 (a typo such as 'yes' would otherwise read as off)
@@ -16,7 +16,7 @@ need_switch() {
 }
 need_int() {
   case "$3" in
-    ''|*[!0-9]*|0?*|??????????*) echo "$1: $2 '$3' is not allowed; allowed values: an integer in [$4, $5]" >&2; exit 2 ;;
+    ''|*[!0-9]*|0?*|??????????*) echo "$1: $2 '$3' is not allowed; allowed values: an integer in [$4, $5] (digits only, no leading zero)" >&2; exit 2 ;;
   esac
   { [ "$3" -ge "$4" ] && [ "$3" -le "$5" ]; } || { echo "$1: $2 '$3' is not allowed; allowed values: an integer in [$4, $5]" >&2; exit 2; }
 }

@@ -28,18 +28,20 @@ version=${VLLM_VERSION:-0.34.0}
 locks=("$here/gpu-extra-lock.txt")
 [ ! -f "$here/gpu-extra-lock-$version.txt" ] || locks+=("$here/gpu-extra-lock-$version.txt")
 drop=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs vllm/_qutlass_C.abi3.so vllm/third_party/fmha_sm100)
-if [ "${DRY_RUN:-0}" = 1 ]; then
-  echo "vllm==$version; extra wheels from ${locks[*]##*/}: $(cat "${locks[@]}" | grep -c .)"
-  echo "removed from the wheel: ${drop[*]}"
-  echo "parts of at most 50000000 bytes into $out/p0..pN; install.sh and the checksum with the last"
-  exit 0
-fi
+. "$here/_checks.sh"
+need_switch bundle.sh DRY_RUN "${DRY_RUN-0}"
 # The folder is replaced at the end (rm -rf): only a new one, or an earlier bundle (p0, p1, ... and nothing else).
 case "$out" in
   ''|/*|.|..|*/*|.git*) echo "bundle.sh: folder '$out' is not allowed; allowed values: a new folder name in the project root (default .gpu-vllm)" >&2; exit 2 ;;
 esac
 if [ -e "$out" ] && { [ ! -d "$out" ] || [ -n "$(find "$out" -mindepth 1 -maxdepth 1 ! -name 'p[0-9]*' -print -quit)" ]; }; then
   echo "bundle.sh: folder '$out' is not allowed; allowed values: a new folder, or an earlier bundle (only p0, p1, ... inside): it holds other files and would be deleted" >&2; exit 2
+fi
+if [ "${DRY_RUN-0}" = 1 ]; then
+  echo "vllm==$version; extra wheels from ${locks[*]##*/}: $(cat "${locks[@]}" | grep -c .)"
+  echo "removed from the wheel: ${drop[*]}"
+  echo "parts of at most 50000000 bytes into $out/p0..pN; install.sh and the checksum with the last"
+  exit 0
 fi
 work=$(mktemp -d /tmp/gpu-vllm.XXXX)
 if [ -d .git/info ]; then grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude; fi
