@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
-        print(f"bench_hook_calls needs vLLM 0.33 importable here ({exc})", file=sys.stderr)
+        print(f"bench_hook_calls needs vLLM 0.33.0 or 0.34.0 importable here ({exc})", file=sys.stderr)
         return EXIT_NO_DEVICE
     out = Path(args.out)
     from tests.harness.report import environment, write_json

@@ -24,9 +24,9 @@ from tests.forked import Scenario, run_forked
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.name for p in (ROOT / "graphs").glob("*.py") if not p.name.startswith("_"))  # _plotting.py: a helper
 ENGINE = {
-    "bench_real_engine.py": "a CUDA GPU and vLLM 0.33",
-    "bench_dbo_engine.py": "two CUDA GPUs and vLLM 0.33",
-    "bench_host_cost.py": "a CUDA GPU and vLLM 0.33",
+    "bench_real_engine.py": "a CUDA GPU and vLLM 0.33.0 or 0.34.0",
+    "bench_dbo_engine.py": "two CUDA GPUs and vLLM 0.33.0 or 0.34.0",
+    "bench_host_cost.py": "a CUDA GPU and vLLM 0.33.0 or 0.34.0",
 }
 """Real-engine benchmarks: they need vLLM and GPUs, not DeepGEMM directly."""
 CPU = ["bench_hook_calls.py", "bench_sm_count_read.py"]
@@ -152,7 +152,7 @@ def test_cpu_benchmark_without_vllm_one_line_and_exit_3(
     assert load(name).main(["--out", str(tmp_path / "out")]) == 3
     out, err = capsys.readouterr()
     [line] = err.strip().splitlines()
-    assert line.startswith(name[:-3]) and "needs vLLM 0.33" in line and out == ""
+    assert line.startswith(name[:-3]) and "needs vLLM 0.33.0 or 0.34.0" in line and out == ""
     assert not (tmp_path / "out").exists()
 
 
