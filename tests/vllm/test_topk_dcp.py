@@ -35,6 +35,7 @@ from tests.vllm.test_topk_isolation import (
     build_model,
     dbo_config,
     installed,  # noqa: F401 - fixture
+    run_microbatches,
 )
 
 NUM_LAYERS = 15  # GLM-5.3's pattern (freq 4, offset 3): leaders 0, 1, 2, 6, 10, 14; groups with followers 2, 6, 10
@@ -214,16 +215,7 @@ def run(
         ready_barrier=barrier,
         token_offsets=offsets,
     )
-    threads = [threading.Thread(target=body, args=(ctxs[u], u), daemon=True) for u in range(2)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    ctxs[0].cpu_wait_event.set()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), f"microbatch threads hung; errors: {errors!r}"
-    if errors:
-        raise errors[0]
+    run_microbatches(ctxs, body, barrier, errors)
     trace.metas = metas
     return written
 

@@ -228,16 +228,7 @@ def run_step(model: Model, boundary: Boundary, total: int, seed: int) -> StepRes
         ready_barrier=barrier,
         token_offsets=[0, n0],
     )
-    threads = [threading.Thread(target=body, args=(ctxs[u], u), daemon=True) for u in range(2)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    ctxs[0].cpu_wait_event.set()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), f"microbatch threads hung; errors: {errors!r}"
-    if errors:
-        raise errors[0]
+    run_microbatches(ctxs, body, barrier, errors)
     return res
 
 
@@ -376,3 +367,18 @@ def test_dbo_off_attaches_nothing(boundary: Boundary, installed: Any) -> None:
 def test_patch_list_is_well_formed() -> None:
     for p in topk_hooks.patches(UbatchTopkState(lambda: (0, 0))):
         assert isinstance(p, Patch) and p.reason and p.upstream_pr and p.removal
+
+
+def run_microbatches(ctxs: list[Any], body: Any, barrier: threading.Barrier, errors: list[BaseException]) -> None:
+    """vLLM's two microbatch threads over ``ctxs`` (``body(ctx, ubatch)``), released as vLLM's runner releases them;
+    the first error a thread recorded is raised here, a hang fails the test."""
+    threads = [threading.Thread(target=body, args=(ctxs[u], u), daemon=True) for u in range(2)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    ctxs[0].cpu_wait_event.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), f"microbatch threads hung; errors: {errors!r}"
+    if errors:
+        raise errors[0]
