@@ -25,9 +25,11 @@ Rows (MODE is ``eager`` or ``graphs``, FULL_DECODE_ONLY):
 - ``v4-mtp``: eager, DeepSeek-V4 with one MTP layer, vanilla against dbo_runtime at comm 0: the MTP hidden buffer
   after both microbatches joined holds each microbatch's rows at its own offset (0 wrong with dbo_runtime, more
   than 0 vanilla, which writes every microbatch from row 0); draft acceptance recorded with and without the fix;
-- ``t-MODE``: DBO off, no emulation: dbo_runtime against vanilla token- and logprob-identical on a tiny model
-  (``--model`` glm53, v32, v4 or ml4: ``glm53-geometry``, ``deepseek-v32``, ``deepseek-v4``, ``mistral-large4``),
-  recorded in ``transparency.jsonl`` with ``dp_emulated`` false.
+- ``t-MODE``: DBO off, no emulation, on a tiny model (``--model`` glm53, v32, v4 or ml4: ``glm53-geometry``,
+  ``deepseek-v32``, ``deepseek-v4``, ``mistral-large4``): dbo_runtime against vanilla token-identical in every
+  sequence, and its logprobs bit-identical or within vanilla's own run-to-run drift (a second vanilla engine: past
+  ``index_topk`` the indexer's top-k comes back in a varying order, so vanilla is not bit-repeatable); recorded in
+  ``transparency.jsonl`` with ``dp_emulated`` false.
 
 Pairs are compared with ``dbo_runtime.harness.compare`` (logprobs up to each request's first differing token) and
 judged by its ``FloorRule`` against the same session's ``a-control-MODE`` row, which a session adds when a row
@@ -189,7 +191,8 @@ def needs(row: str, s: Settings) -> list[tuple[Engine, str]]:
     if row == "v4-mtp":
         return [(Engine(V4_MTP_MODEL, p, 0, mode, 0, s.runner, spec_tokens=1), "mtp") for p in (False, True)]
     if row.startswith("t-"):
-        return [(Engine(TRANSPARENCY[s.model], p, 0, mode, 0, s.runner, dbo=False), "accuracy") for p in (False, True)]
+        pairs = ((False, 0), (True, 0), (False, 1))  # vanilla, dbo_runtime, vanilla again (the run-to-run floor)
+        return [(Engine(TRANSPARENCY[s.model], p, 0, mode, 0, s.runner, dbo=False, replica=r), "accuracy") for p, r in pairs]
     model = FOLLOWERS[s.model]
 
     def e(m: str, plugin: bool, comm: int, replica: int = 0) -> Engine:
@@ -450,6 +453,35 @@ def acceptance(spec: dict[str, int] | None) -> float | None:
     return round(spec["num_accepted_tokens"] / spec["num_draft_tokens"], 4)
 
 
+def transparency_pass(rec: dict[str, Any]) -> bool:
+    """The t-row rule on a record's numbers: every sequence token-identical, and the logprobs not outside
+    vanilla's own run-to-run drift (a record without that floor is judged on tokens alone, and says so)."""
+    return not rec.get("error") and rec.get("tokens_differing") == 0 and rec.get("logprobs") != "outside run-to-run floor"
+
+
+def _verdict_transparency(engines: list[tuple[Engine, str]], out: Path) -> dict[str, Any]:
+    (vanilla, _), (plugin, _), (again, _) = engines
+    r1, r2, r3 = (_load(out, e) for e in (vanilla, plugin, again))
+    rec: dict[str, Any] = {"engines": [vanilla.label, plugin.label], "counters": [{}, {}]}  # DBO off: nothing to count
+    if not (r1.get("ok") and r2.get("ok")):
+        return {**rec, "error": [r.get("log_tail") for r in (r1, r2) if not r.get("ok")], "pass": False}
+    a, b = r1["passes"]["accuracy"]["requests"], r2["passes"]["accuracy"]["requests"]
+    rec.update(
+        sequences=len(a), differing=differing(a, b), comparison=_facts(comparison(a, b)),
+        tokens_differing=sum(1 for x, y in zip(a, b, strict=True) if x["tokens"] != y["tokens"]),
+    )
+    if rec["differing"] == 0:
+        rec["logprobs"] = "bit-identical"
+    elif not r3.get("ok"):
+        rec["logprobs"] = "no run-to-run floor ran"
+    else:
+        floor = comparison(a, r3["passes"]["accuracy"]["requests"])
+        within, reasons = within_floor(rec["comparison"], _facts(floor))
+        rec.update(floor=_facts(floor), floor_reasons=reasons, floor_engine=again.label)
+        rec["logprobs"] = "within run-to-run floor" if within else "outside run-to-run floor"
+    return {**rec, "pass": transparency_pass(rec)}
+
+
 def verdict(row: str, s: Settings, out: Path, floors: dict[str, Comparison] | None = None) -> dict[str, Any]:
     """One row's record numbers and ``pass`` (bool) from its engines' results; a floor row adds its comparison
     to ``floors`` for the rows judged against it."""
@@ -457,15 +489,12 @@ def verdict(row: str, s: Settings, out: Path, floors: dict[str, Comparison] | No
     engines = needs(row, s)
     if row in MTP_ROWS or row == "v4-mtp":
         return _verdict_mtp(row, engines, out, floors.get(FLOOR_OF["eager"]))
-    (e1, what), (e2, _) = engines
+    if row.startswith("t-"):
+        return _verdict_transparency(engines, out)
+    (e1, what), (e2, _) = engines[:2]
     r1, r2 = _load(out, e1), _load(out, e2)
     c1, c2 = _counted(r1, what), _counted(r2, what)
     rec: dict[str, Any] = {"engines": [e1.label, e2.label], "counters": [c1, c2]}
-    if row.startswith("t-"):
-        if not (r1.get("ok") and r2.get("ok")):
-            return {**rec, "error": [r.get("log_tail") for r in (r1, r2) if not r.get("ok")], "pass": False}
-        a, b = r1["passes"]["accuracy"]["requests"], r2["passes"]["accuracy"]["requests"]
-        return {**rec, "sequences": len(a), "differing": differing(a, b), "pass": differing(a, b) == 0}
     if row == "repro":
         served = r2["passes"].get("repro", {})
         rec.update(
