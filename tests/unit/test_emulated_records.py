@@ -36,7 +36,11 @@ def problems(rec: dict[str, Any]) -> list[str]:
     if row not in emulated.ROWS:
         return [*out, f"unknown row {row!r}"]
     if transparency:
-        want = emulated.transparency_pass(rec) and rec.get("sequences", 0) > 0
+        if "floor" in rec and rec.get("logprobs") != emulated.transparency_floor(rec):
+            out.append(f"logprobs {rec.get('logprobs')!r} do not follow from its comparison and floor")
+        if "floor" not in rec and rec.get("logprobs") in ("within run-to-run floor", "outside run-to-run floor"):
+            out.append(f"logprobs {rec['logprobs']!r} without a floor")
+        want = emulated.transparency_pass(rec)
         return out + ([] if want == rec["pass"] else [f"pass {rec['pass']} but tokens differ in {rec.get('tokens_differing')} of {rec.get('sequences')}, logprobs {rec.get('logprobs')}"])
     steps, batched = rec.get("steps") or [], rec.get("microbatched_steps") or []
     if rec["pass"]:
@@ -125,9 +129,16 @@ NOISE = {"comparison": _cmp(1.0, 5e-5), "floor": FLOOR, "within_floor": True, "m
         ({**T_GOOD, "pass": True}, True),
         ({**T_GOOD, "dp_emulated": True, "pass": True}, False),
         ({**T_GOOD, "differing": 7, "logprobs": "no run-to-run floor ran", "pass": True}, True),
-        ({**T_GOOD, "differing": 7, "logprobs": "within run-to-run floor", "pass": True}, True),
-        ({**T_GOOD, "differing": 7, "logprobs": "outside run-to-run floor", "pass": True}, False),
-        ({**T_GOOD, "tokens_differing": 1, "differing": 1, "logprobs": "within run-to-run floor", "pass": True}, False),
+        ({**T_GOOD, "differing": 7, "logprobs": "within run-to-run floor", "pass": True}, False),
+        ({**T_GOOD, "differing": 7, "logprobs": "within run-to-run floor", "comparison": _cmp(1.0, 1e-5), "floor": _cmp(1.0, 1e-5), "floor_differing": 7, "pass": True}, True),
+        ({**T_GOOD, "differing": 7, "logprobs": "within run-to-run floor", "comparison": _cmp(1.0, 1e-6), "floor": _cmp(1.0, 0.0), "floor_differing": 0, "pass": True}, False),
+        ({**T_GOOD, "differing": 7, "logprobs": "within run-to-run floor", "comparison": _cmp(1.0, 1e-3), "floor": _cmp(1.0, 1e-5), "pass": True}, False),
+        ({**T_GOOD, "differing": 7, "logprobs": "outside run-to-run floor", "comparison": _cmp(1.0, 1e-3), "floor": _cmp(1.0, 1e-5), "pass": True}, False),
+        ({**T_GOOD, "differing": 7, "logprobs": "outside run-to-run floor", "comparison": _cmp(1.0, 1e-3), "floor": _cmp(1.0, 1e-5), "pass": False}, True),
+        ({**T_GOOD, "differing": 0, "logprobs": "no run-to-run floor ran", "pass": True}, False),
+        ({**T_GOOD, "logprobs": "identical-ish", "pass": True}, False),
+        ({**T_GOOD, "sequences": 0, "pass": True}, False),
+        ({**T_GOOD, "tokens_differing": 1, "differing": 1, "logprobs": "no run-to-run floor ran", "pass": True}, False),
         ({**T_GOOD, "differing": 32, "tokens_differing": None, "error": "tokens not compared", "pass": False}, True),
         ({**GOOD, "row": "a-graphs", "error": ["Traceback"], "differing": 0, "pass": False}, True),
     ],
@@ -200,6 +211,7 @@ def _requests(lp: float, token: int = 5) -> list[dict[str, Any]]:
     [
         (-1.0, -1.0, 5, "bit-identical", True),
         (-1.0 + 1e-6, -1.0 + 1e-6, 5, "within run-to-run floor", True),
+        (-1.0 + 1e-6, -1.0, 5, "outside run-to-run floor", False),
         (-1.5, -1.0, 5, "outside run-to-run floor", False),
         (-1.0, None, 6, "no run-to-run floor ran", False),
         (-1.0 + 1e-6, None, 5, "no run-to-run floor ran", True),
@@ -220,3 +232,14 @@ def test_transparency_is_judged_on_tokens_and_on_vanillas_own_run_to_run_drift(
     rec = emulated.verdict("t-eager", emulated.Settings("glm53"), tmp_path)
     assert (rec.get("logprobs"), rec["pass"]) == (logprobs, passed)
     assert rec["tokens_differing"] == (0 if plugin_token == 5 else 4)
+
+
+def test_a_transparency_floor_engine_that_was_planned_but_did_not_run_leaves_no_verdict(tmp_path: Path) -> None:
+    """A session's replica that crashed or never started is an error, not a pass on tokens alone."""
+    engines = [e for e, _ in emulated.needs("t-graphs", emulated.Settings("v32"))]
+    _write_results(tmp_path, engines[0], _requests(-1.0))
+    _write_results(tmp_path, engines[1], _requests(-1.0 + 1e-6))
+    (tmp_path / "plan.json").write_text(json.dumps([e.label for e in engines]))
+    (tmp_path / f"{engines[2].label}.log").write_text("RuntimeError: CUDA out of memory")
+    rec = emulated.verdict("t-graphs", emulated.Settings("v32"), tmp_path)
+    assert rec["pass"] is False and "out of memory" in rec["error"][0]

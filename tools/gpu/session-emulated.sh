@@ -2,7 +2,8 @@
 # On the GPU machine, after install.sh: the one-GPU DBO emulation matrix (tests/e2e/emulated.py), one record per
 # row appended to $OUT/emulated.jsonl, engine logs and results in $OUT/emulated-runs.tgz.
 #   tools/gpu/session-emulated.sh [seconds] [tests.e2e.emulated session arguments: --rows --model --layers --runner --at-once]
-# Rows: repro, a-eager, a-control-eager, b-eager, b-control-eager, c (default), a-graphs, a-control-graphs, b-graphs,
+# SECONDS comes first when arguments follow (60-3600, default 540). Rows (default repro,a-eager,a-control-eager,b-eager,c):
+# repro, a-eager, a-control-eager, b-eager, b-control-eager, c, a-graphs, a-control-graphs, b-graphs,
 # b-control-graphs, n-eager, n-control-eager, n-graphs, n-control-graphs (floor rows a-control-*, b-control-* are
 # added where a row needs them),
 # mtp-k1, mtp-k2, mtp-k3 (--model glm53), v4-mtp (--model v4), t-eager, t-graphs (DBO off: --model glm53|v32|v4|ml4,
