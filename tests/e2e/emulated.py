@@ -667,12 +667,19 @@ def judge(rows: list[str], s: Settings, out: Path, command: str) -> int:
     """Re-judge a finished session from its engine results, without a GPU: records to ``*-judged.jsonl`` beside
     the session's own, with the session's device, vLLM, date and command and this ``judged_by``."""
     found = [out / n for n in ("emulated.jsonl", "transparency.jsonl") if (out / n).exists()]
-    first: dict[str, Any] = json.loads(found[0].read_text().splitlines()[0]) if found else {}
-    if not first:
-        print(f"judge: {out} has no session records (emulated.jsonl or transparency.jsonl)", file=sys.stderr)
+    lines = [line for f in found for line in f.read_text().splitlines() if line.strip()]
+    if not lines:
+        print(
+            f"judge: {out} holds no session records (emulated.jsonl or transparency.jsonl): pass the folder that "
+            "the session's emulated-runs.tgz unpacks to",
+            file=sys.stderr,
+        )
         return 2
+    first: dict[str, Any] = json.loads(lines[0])
     run = {k: first[k] for k in ("device", "vllm", "date", "command")}
-    return records(rows, s, out, {**run, "judged_by": command}, suffix="-judged")
+    status = records(rows, s, out, {**run, "judged_by": command}, suffix="-judged")
+    print(f"judge: records in {out}/*-judged.jsonl", file=sys.stderr)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -689,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=540.0)
     p.add_argument("--at-once", type=int, default=None)
     a = p.parse_args(argv)
+    if a.at_once is not None and a.at_once < 1:
+        p.error(f"argument --at-once: {a.at_once} is not allowed; allowed values: an integer >= 1")
     rows = with_floors([r for r in a.rows.split(",") if r])
     bad = [r for r in rows if r not in ROWS]
     if bad:

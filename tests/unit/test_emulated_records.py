@@ -243,3 +243,12 @@ def test_a_transparency_floor_engine_that_was_planned_but_did_not_run_leaves_no_
     (tmp_path / f"{engines[2].label}.log").write_text("RuntimeError: CUDA out of memory")
     rec = emulated.verdict("t-graphs", emulated.Settings("v32"), tmp_path)
     assert rec["pass"] is False and "out of memory" in rec["error"][0]
+
+
+def test_judge_and_plan_refuse_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "transparency.jsonl").write_text("")
+    assert emulated.main(["judge", "--out", str(tmp_path), "--rows", "t-eager"]) == 2
+    assert "holds no session records" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        emulated.main(["plan", "--rows", "t-eager", "--at-once", "0"])
+    assert stop.value.code == 2 and "--at-once" in capsys.readouterr().err
