@@ -18,6 +18,9 @@ need_out session-emulated.sh
 LIMIT=${1-540}
 need_int session-emulated.sh seconds "$LIMIT" 60 3600
 shift || true
+for arg in "$@"; do
+  case "$arg" in --out|--out=*|--seconds|--seconds=*) echo "session-emulated.sh: $arg is set by this script (\$OUT and SECONDS)" >&2; exit 2;; esac
+done
 # the matrix's own parser checks the arguments before anything is installed (it needs no vLLM)
 checked=$(python3 -m tests.e2e.emulated plan "$@" 2>&1) || { echo "session-emulated.sh: ${checked##*$'\n'}" >&2; exit 2; }
 . tools/gpu/env.sh
