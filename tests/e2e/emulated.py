@@ -698,12 +698,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.at_once is not None and a.at_once < 1:
         p.error(f"argument --at-once: {a.at_once} is not allowed; allowed values: an integer >= 1")
-    rows = with_floors([r for r in a.rows.split(",") if r])
-    bad = [r for r in rows if r not in ROWS]
+    asked = [r for r in a.rows.split(",") if r]
+    bad = [r for r in asked if r not in ROWS]
     if bad:
         p.error(f"unknown row(s) {','.join(bad)}; rows are {','.join(ROWS)}")
+    rows = with_floors(asked)
     s = Settings(a.model, a.layers, a.runner)
-    wrong = [r for r in rows if a.model not in MODELS_OF[r]]
+    wrong = [r for r in asked if a.model not in MODELS_OF[r]]
     if wrong:
         p.error(f"row(s) {','.join(wrong)} do not take --model {a.model} (" + "; ".join(f"{r}: {','.join(MODELS_OF[r])}" for r in wrong) + ")")
     if a.cmd == "plan":
