@@ -8,6 +8,8 @@
 # added where a row needs them),
 # mtp-k1, mtp-k2, mtp-k3 (--model glm53), v4-mtp (--model v4), t-eager, t-graphs (DBO off: --model glm53|v32|v4|ml4,
 # appended to $OUT/transparency.jsonl; t-rows start vanilla twice, the second the run-to-run floor).
+# `python3 -m tests.e2e.emulated plan ARGS` lists the engines, MODEL-DEPTH-RUNNER-MODE-plugin|vanilla-commN, then -dbooff,
+# -mtpK, -rN (a replica, the run-to-run floor) where they apply (DEPTH "asis": the model's own), and the passes each runs.
 # Re-judge a finished session on any machine: python -m tests.e2e.emulated judge --out DIR --rows ROWS --layers N.
 # Engines share the GPU: leave the twins out of a session with 61-layer engines four at once. Sessions run side by
 # side when each has its own EMU_WORK folder and $OUT, with EMU_INSTALLED=1 once the project is in /tmp/site.
