@@ -485,23 +485,21 @@ def _verdict_transparency(engines: list[tuple[Engine, str]], out: Path) -> dict[
         return {**rec, "error": [r.get("log_tail") or "no engine result" for r in (r1, r2) if not r.get("ok")], "pass": False}
     a, b = r1["passes"]["accuracy"]["requests"], r2["passes"]["accuracy"]["requests"]
     pairs = list(zip(a, b, strict=True))
+    c = comparison(a, b)
     rec.update(
-        sequences=len(a), differing=differing(a, b), comparison=_facts(comparison(a, b)),
-        differing_sequences=[i for i, (x, y) in enumerate(pairs) if x != y],
+        sequences=len(a), differing_sequences=[i for i, (x, y) in enumerate(pairs) if x != y],
         tokens_differing=sum(1 for x, y in pairs if x["tokens"] != y["tokens"]),
-        max_abs_dlogprob=max(
-            (abs(p[k] - q[k]) for x, y in pairs if x["tokens"] == y["tokens"]
-             for p, q in zip(x["logprobs"], y["logprobs"], strict=True) for k in p if k in q),
-            default=0.0,
-        ),
+        comparison=_facts(c), max_abs_dlogprob=c.max_abs_dlogprob,
     )  # fmt: skip
+    rec["differing"] = len(rec["differing_sequences"])
     planned = out / "plan.json"
     replica_planned = planned.exists() and again.label in json.loads(planned.read_text())
     if rec["differing"] == 0:
         rec["logprobs"] = "bit-identical"
     elif r3.get("ok"):
-        c = r3["passes"]["accuracy"]["requests"]
-        rec.update(floor=_facts(comparison(a, c)), floor_differing=differing(a, c), floor_engine=again.label)
+        again_requests = r3["passes"]["accuracy"]["requests"]
+        rec.update(floor=_facts(comparison(a, again_requests)), floor_differing=differing(a, again_requests))
+        rec["floor_engine"] = again.label
         rec["logprobs"] = transparency_floor(rec)
     elif replica_planned:  # the floor engine failed or never started: no verdict on the logprobs
         return {**rec, "error": [r3.get("log_tail") or f"{again.label} did not run"], "pass": False}
