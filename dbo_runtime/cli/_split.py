@@ -15,6 +15,7 @@ from dbo_runtime.core.budget import (
     SMBudget,
     compute_budget,
     deep_gemm_compute_multiple,
+    parse_comm_sms,
 )
 from dbo_runtime.core.cli_support import H200_SMS
 from dbo_runtime.core.errors import ConfigError
@@ -27,8 +28,11 @@ def comm_sms(flag: int | None, platform: str, environ: Mapping[str, str] | None 
     if flag is not None:
         return flag, "--comm-sms"
     raw = (os.environ if environ is None else environ).get(COMM_ENV)
-    if raw is not None:  # refused in budget_for, with the range
-        return (int(raw, 10) if raw.strip().removeprefix("-").isdecimal() else raw), COMM_ENV  # type: ignore[return-value]
+    if raw is not None:  # a refused value goes on: budget_for names the range
+        try:
+            return parse_comm_sms(raw), COMM_ENV
+        except ConfigError:
+            return raw, COMM_ENV  # type: ignore[return-value]
     return DEFAULT_COMM_SMS["rocm" if platform == "rocm" else "cuda"], "default"
 
 

@@ -93,6 +93,8 @@ def test_the_comm_share_comes_from_the_flag_then_the_environment(capsys: pytest.
     assert (doc["settings"]["comm_sms"], doc["settings"]["comm_sms_source"]) == (16, "VLLM_DBO_COMM_SMS")
     doc = run_json(capsys, "--total-sms", "132", "--comm-sms", "24")
     assert (doc["settings"]["comm_sms"], doc["settings"]["comm_sms_source"]) == (24, "--comm-sms")
+    monkeypatch.setenv("VLLM_DBO_COMM_SMS", "+8")  # int() reads it, as vLLM does
+    assert run_json(capsys, "--total-sms", "132")["settings"]["comm_sms"] == 8
 
 
 @pytest.mark.parametrize(
