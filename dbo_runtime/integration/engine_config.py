@@ -1,4 +1,4 @@
-"""The decode-row bound that the top-k layout and the guard share."""
+"""What the guard and the hooks both read of vLLM's config."""
 
 from __future__ import annotations
 
@@ -20,3 +20,14 @@ def decode_rows(vllm_config: Any) -> tuple[int, int]:
     full = mode is not None and mode.has_full_cudagraphs()
     largest = max((int(x) for x in compilation.cudagraph_capture_sizes or ()), default=0) if full else 0
     return next_n, padded_decode_rows(int(sched.max_num_seqs), next_n, int(sched.max_num_batched_tokens), largest)
+
+
+def model_of(vllm_config: Any, unknown: str = "unknown architecture") -> tuple[str, Any]:
+    """``(architecture, HF text config or None)``; ``unknown`` when vLLM gives no architecture."""
+    model_config = getattr(vllm_config, "model_config", None)
+    arch = getattr(model_config, "architecture", None) if model_config is not None else None
+    if not arch:
+        archs = getattr(model_config, "architectures", None) or []
+        arch = archs[0] if archs else unknown
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    return str(arch), hf

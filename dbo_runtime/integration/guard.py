@@ -15,6 +15,7 @@ from dbo_runtime.core.errors import ConfigError, DboRefusal, ways_out
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.settings import setting_problems
 from dbo_runtime.integration import fingerprints
+from dbo_runtime.integration.engine_config import model_of
 from dbo_runtime.integration.features import REGISTRY
 from dbo_runtime.integration.fingerprints import RELEASES
 from dbo_runtime.integration.patching import Patch, PatchSet
@@ -38,17 +39,6 @@ def bind_patch_set(patch_set: PatchSet | None) -> None:
 def bound_patch_set() -> PatchSet | None:
     """The main patch set the plugin installed in this process (None before, or without one)."""
     return _PATCH_SET
-
-
-def model_of(vllm_config: Any, unknown: str = "unknown architecture") -> tuple[str, Any]:
-    """``(architecture, HF text config or None)``; ``unknown`` names an architecture vLLM does not give."""
-    model_config = getattr(vllm_config, "model_config", None)
-    arch = getattr(model_config, "architecture", None) if model_config is not None else None
-    if not arch:
-        archs = getattr(model_config, "architectures", None) or []
-        arch = archs[0] if archs else unknown
-    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
-    return str(arch), hf
 
 
 def platform() -> str:

@@ -13,8 +13,8 @@ from typing import Any
 from dbo_runtime.core import coverage
 from dbo_runtime.core.errors import UnsupportedConfiguration, ways_out
 from dbo_runtime.core.log import get_logger
-from dbo_runtime.integration import fingerprints, guard
-from dbo_runtime.integration.engine_config import decode_rows
+from dbo_runtime.integration import fingerprints
+from dbo_runtime.integration.engine_config import decode_rows, model_of
 from dbo_runtime.integration.features import Feature, Probe, Reliance, Upstream
 from dbo_runtime.integration.patching import ArgSlots, Patch, require_parameters
 from dbo_runtime.integration.ubatch_failures import MicrobatchAttr, record, shields_itself
@@ -182,7 +182,7 @@ def honours_indexer_types() -> bool:
 
 def _model_shares_topk(vllm_config: Any) -> bool:
     """Whether vLLM builds layers that reuse top-k for this config."""
-    arch, hf = guard.model_of(vllm_config, "this model")
+    arch, hf = model_of(vllm_config, "this model")
     return hf is not None and bool(coverage.shared_topk(arch, hf, indexer_types=honours_indexer_types()))
 
 
@@ -197,7 +197,7 @@ def _refuse_hisparse() -> None:
 
 def _refuse(vllm_config: Any, default_reason: str) -> None:
     """One line: the architecture, the real reason (``core.coverage``) and the ways out."""
-    arch = guard.model_of(vllm_config, "this model")[0]
+    arch = model_of(vllm_config, "this model")[0]
     row = coverage.BY_ARCHITECTURE.get(arch)
     reason = row.refusal if row is not None and row.refusal else default_reason
     raise UnsupportedConfiguration(
