@@ -160,14 +160,8 @@ class IndexerScheduleCache:
         self, schedule: Any, *, planned_sms: int, block_kv: int, next_n: int, context_lens: Any, indices: Any | None
     ) -> ScheduleState:
         """Record a planned-ahead schedule with no plan yet; the first eager ``resolve`` plans it in place."""
-        state = ScheduleState(
-            planned_sms=DEFERRED,
-            block_kv=int(block_kv),
-            next_n=int(next_n),
-            ahead=True,
-            deferred=DeferredPlan(int(planned_sms), context_lens, indices),
-        )
-        setattr(schedule, STATE_ATTR, state)
+        state = self.track(schedule, planned_sms=DEFERRED, block_kv=block_kv, next_n=next_n, ahead=True)
+        state.deferred = DeferredPlan(int(planned_sms), context_lens, indices)
         self.stats.deferred += 1
         return state
 
