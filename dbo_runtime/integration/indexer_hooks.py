@@ -67,6 +67,14 @@ class _PlanScope:
     """``(num_sms, block_kv, next_n)`` of the last planner call in this scope."""
     deferred: tuple[Any, Any] | None = None
     """``(context_lens, indices)`` of a planner call that was skipped (deferred to the call site)."""
+    previous: _PlanScope | None = None
+
+    def __enter__(self) -> _PlanScope:
+        self.previous, _tls.scope = _tls.scope, self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _tls.scope = self.previous
 
 
 class _Scope(threading.local):
@@ -116,23 +124,15 @@ def _make_build(original: Any) -> Any:
         cache = _sc._CACHE or schedule_cache()
         if cache.steps_aside:  # an engine that never microbatches: vLLM's build as it is
             return original(self, *args, **kwargs)
-        microbatched = cache.in_microbatched_build()
+        # only a microbatched build has a DBO count to plan for (and a device to read)
+        device = _device_index(self) if cache.in_microbatched_build() else None
         _refresh_live_count()
-        override = None
-        if microbatched:  # only then is there a DBO count to plan for (and a device to read)
-            device = _device_index(self)
-            override = cache.plan_ahead_sms(device) if device is not None else None
-        defer_into = None
+        override = cache.plan_ahead_sms(device) if device is not None else None
         if override is not None:  # planned (or left) for the DBO count: only the call site makes it fit
             ARMING.arm("DeepseekV32IndexerMetadataBuilder.build (plan-ahead)")
-        if override is not None and cache.defer_plan_ahead:
-            defer_into = getattr(self, "scheduler_metadata_buffer", None)
-        scope = _PlanScope(override, defer_into)
-        previous, _tls.scope = _tls.scope, scope
-        try:
+        defer = override is not None and cache.defer_plan_ahead
+        with _PlanScope(override, getattr(self, "scheduler_metadata_buffer", None) if defer else None) as scope:
             metadata = original(self, *args, **kwargs)
-        finally:
-            _tls.scope = previous
         decode = getattr(metadata, "decode", None)
         if decode is not None and scope.planned is not None:
             sms, block_kv, next_n = scope.planned
@@ -163,12 +163,8 @@ def _make_update_draft(original: Any) -> Any:
         decode = getattr(metadata, "decode", None)
         state = cache.state_of(decode.schedule_metadata) if decode is not None else None
         # Re-plan for the count the schedule was planned for: vLLM asserts the shape is unchanged.
-        scope = _PlanScope(state.intended_sms if state is not None else None)
-        previous, _tls.scope = _tls.scope, scope
-        try:
+        with _PlanScope(state.intended_sms if state is not None else None) as scope:
             original(self, metadata)
-        finally:
-            _tls.scope = previous
         if decode is None:
             return
         if state is not None:
@@ -309,6 +305,14 @@ LOGITS_DTYPE_PARAMETERS = (*LOGITS_PARAMETERS[:-1], "logits_dtype", "indices")
 """The same with ``logits_dtype`` (the placeholder takes that dtype)."""
 
 
+def _fitted(schedule_metadata: Any, context_lens: Any, indices: Any, kv_cache: Any) -> Any:
+    """The schedule the logits kernel must get (both signatures' shared body)."""
+    cache = _sc._CACHE or schedule_cache()
+    if cache.steps_aside or cache.fits(schedule_metadata):
+        return schedule_metadata
+    return cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
+
+
 def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
     """The call site, in vLLM's own (anchored) signature. It shields itself: on a microbatch thread a failure is
     recorded and answered with placeholder logits, no kernel and no allocation; the step raises after the join."""
@@ -334,9 +338,7 @@ def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
         indices: Any = None,
     ) -> Any:
         try:
-            cache = _sc._CACHE or schedule_cache()
-            if not cache.steps_aside and not cache.fits(schedule_metadata):
-                schedule_metadata = cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
+            schedule_metadata = _fitted(schedule_metadata, context_lens, indices, kv_cache)
             return original(
                 q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len=max_model_len,
                 indices=indices,
@@ -367,9 +369,7 @@ def _make_logits_with_dtype(original: Any, where: str) -> Any:
         indices: Any = None,
     ) -> Any:
         try:
-            cache = _sc._CACHE or schedule_cache()
-            if not cache.steps_aside and not cache.fits(schedule_metadata):
-                schedule_metadata = cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
+            schedule_metadata = _fitted(schedule_metadata, context_lens, indices, kv_cache)
             return original(
                 q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len=max_model_len,
                 logits_dtype=logits_dtype, indices=indices,
