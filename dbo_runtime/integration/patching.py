@@ -66,8 +66,6 @@ class Patch:
     armed_at_first_microbatch: bool = False
     """vLLM's original stays until the first microbatched run (``microbatch_arming``): only for a replacement
     equal to it while no microbatch thread exists."""
-    fallback: Callable[[Any], Callable[..., Any]] | None = None
-    """``fallback(original)`` takes the call when the replacement fails on a microbatch thread (default: original)."""
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -188,13 +186,12 @@ def _shielded(patch: Patch, replacement: Any, original: Any) -> Any:
     if getattr(replacement.fget if isinstance(replacement, property) else replacement, SHIELDS_ITSELF, False):
         return replacement
     if isinstance(replacement, property) and replacement.fget is not None:
-        fallback = patch.fallback(original) if patch.fallback is not None else original.fget
-        return property(shield(replacement.fget, fallback, patch.name), replacement.fset, replacement.fdel, replacement.__doc__)
+        fget = shield(replacement.fget, original.fget, patch.name)
+        return property(fget, replacement.fset, replacement.fdel, replacement.__doc__)
     if callable(replacement) and not isinstance(replacement, type):
-        fallback = patch.fallback(original) if patch.fallback is not None else original
-        if fallback is None:
+        if original is None:
             raise PatchError(f"patch {patch.name!r} runs on microbatch threads but has no fallback")
-        return shield(replacement, fallback, patch.name)
+        return shield(replacement, original, patch.name)
     raise PatchError(f"patch {patch.name!r} runs on microbatch threads but {type(replacement).__name__} cannot be shielded")
 
 
@@ -223,7 +220,7 @@ class _LazyFinder(importlib.abc.MetaPathFinder):
         self._busy = threading.local()
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
-        if fullname not in self.owner._pending_modules() or getattr(self._busy, "on", False):
+        if fullname not in {p.module for p in self.owner._lazy_waiting} or getattr(self._busy, "on", False):
             return None
         self._busy.on = True
         try:
@@ -413,9 +410,6 @@ class PatchSet:
             if not patch.optional:
                 raise PatchError(f"patch {patch.name!r} ({patch.target}) cannot be prepared: {exc!r}") from exc
             skipped[patch.name] = f"{type(exc).__name__}: {exc}"
-
-    def _pending_modules(self) -> set[str]:
-        return {p.module for p in self._lazy_waiting}
 
     def _apply_lazy(self, module: ModuleType) -> None:
         """A lazy module finished importing: patch all of it or none. A failure marks its patches ``broken``; it
