@@ -108,12 +108,10 @@ def _closure(feature: str) -> list[str]:
     todo = [feature]
     while todo:
         name = todo.pop(0)
-        if name in order:
-            continue
-        order.append(name)
-        state = REGISTRY.get(name)
-        if state is not None:
-            todo.extend(state.feature.requires)
+        if name not in order:
+            order.append(name)
+            state = REGISTRY.get(name)
+            todo.extend(state.feature.requires if state is not None else ())
     return order
 
 
