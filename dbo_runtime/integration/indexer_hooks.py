@@ -305,14 +305,6 @@ LOGITS_DTYPE_PARAMETERS = (*LOGITS_PARAMETERS[:-1], "logits_dtype", "indices")
 """The same with ``logits_dtype`` (the placeholder takes that dtype)."""
 
 
-def _fitted(schedule_metadata: Any, context_lens: Any, indices: Any, kv_cache: Any) -> Any:
-    """The schedule the logits kernel must get (both signatures' shared body)."""
-    cache = _sc._CACHE or schedule_cache()
-    if cache.steps_aside or cache.fits(schedule_metadata):
-        return schedule_metadata
-    return cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
-
-
 def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
     """The call site, in vLLM's own (anchored) signature. It shields itself: on a microbatch thread a failure is
     recorded and answered with placeholder logits, no kernel and no allocation; the step raises after the join."""
@@ -338,7 +330,9 @@ def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
         indices: Any = None,
     ) -> Any:
         try:
-            schedule_metadata = _fitted(schedule_metadata, context_lens, indices, kv_cache)
+            cache = _sc._CACHE or schedule_cache()
+            if not cache.steps_aside and not cache.fits(schedule_metadata):
+                schedule_metadata = cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
             return original(
                 q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len=max_model_len,
                 indices=indices,
@@ -369,7 +363,9 @@ def _make_logits_with_dtype(original: Any, where: str) -> Any:
         indices: Any = None,
     ) -> Any:
         try:
-            schedule_metadata = _fitted(schedule_metadata, context_lens, indices, kv_cache)
+            cache = _sc._CACHE or schedule_cache()
+            if not cache.steps_aside and not cache.fits(schedule_metadata):
+                schedule_metadata = cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
             return original(
                 q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len=max_model_len,
                 logits_dtype=logits_dtype, indices=indices,
