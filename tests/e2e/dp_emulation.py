@@ -147,11 +147,12 @@ _V2 = (
     Target("vllm.v1.worker.gpu.cudagraph_utils", "BatchExecutionDescriptor.num_ubatches"),
     Target("vllm.v1.worker.gpu.cudagraph_utils", "BatchExecutionDescriptor.cg_mode"),
 )
+_ML4 = (Target("vllm.models.mistral.nvidia.attention", "MistralMLAAttention.forward", ("self", "positions")),)
 TARGETS: dict[str, tuple[Target, ...]] = {
     "0.33.0": _COMMON + _V1 + _V2,
-    "0.34.0": _COMMON + _V2,
+    "0.34.0": _COMMON + _V2 + _ML4,
 }
-"""Every vLLM attribute the emulation reaches, per release (0.34.0 has no V1 runner)."""
+"""Every vLLM attribute the emulation reaches, per release (0.34.0 has no V1 runner, 0.33.0 no Mistral Large 4)."""
 RUNNERS = {"0.33.0": ("v1", "v2"), "0.34.0": ("v2",)}
 
 
@@ -503,12 +504,11 @@ def _patch_prepare_finalize(module: Any) -> None:
 # ---------------------------------------------------------------------------------------------- top-k check
 
 
-def _patch_topk_check(module: Any) -> None:
-    """Each follower's read of the logical top-k against its own microbatch's last leader, counted on the GPU."""
+def _topk_checked(run: Callable[..., Any], leads: Callable[[Any], bool], buffer: Callable[[Any], Any]) -> Callable[..., Any]:
+    """``run(self, positions, ...)`` (one layer's sparse attention) with each follower's read of the logical top-k
+    (``buffer(self)``, as the layer reads it) compared with its own microbatch's last leader's, counted on the GPU."""
     from vllm.v1.worker import ubatching
 
-    cls = module.DeepseekV32Attention
-    run = cls._sparse_indexer_and_attn
     leader_rows: dict[int, Any] = {}
 
     @functools.wraps(run)
@@ -517,22 +517,37 @@ def _patch_topk_check(module: Any) -> None:
             return run(self, positions, *args, **kwargs)
         ubatch = ubatching.dbo_current_ubatch_id()
         rows = int(positions.shape[0])
-        leads = self.indexer is not None and not self.skip_topk
-        if not leads and ubatch in leader_rows:
+        leader = leads(self)
+        if not leader and ubatch in leader_rows:
             expected = leader_rows[ubatch]
             n = min(rows, expected.shape[0])
-            wrong = (self.topk_indices_buffer[:n] != expected[:n]).any()
+            wrong = (buffer(self)[:n] != expected[:n]).any()
             with COUNTERS.lock:
                 if COUNTERS.topk_wrong is None:
                     COUNTERS.topk_wrong = wrong.new_zeros((), dtype=_int64())
                 COUNTERS.topk_wrong += wrong
                 COUNTERS.topk_reads += 1
         out = run(self, positions, *args, **kwargs)
-        if leads:
-            leader_rows[ubatch] = self.topk_indices_buffer[:rows].clone()
+        if leader:
+            leader_rows[ubatch] = buffer(self)[:rows].clone()
         return out
 
-    cls._sparse_indexer_and_attn = checked
+    return checked
+
+
+def _patch_topk_check(module: Any) -> None:
+    """DeepSeek-V3.2 / GLM-5.x: a layer leads when it runs its indexer (not ``skip_topk``)."""
+    cls = module.DeepseekV32Attention
+    cls._sparse_indexer_and_attn = _topk_checked(
+        cls._sparse_indexer_and_attn, lambda a: a.indexer is not None and not a.skip_topk, lambda a: a.topk_indices_buffer
+    )
+
+
+def _patch_ml4_topk_check(module: Any) -> None:
+    """Mistral Large 4: a layer leads when it has an indexer (``index_sharing`` "full"); every layer's sparse MLA
+    reads the top-k through its impl (the indexer's buffer on a leader, the shared one on a follower)."""
+    cls = module.MistralMLAAttention
+    cls.forward = _topk_checked(cls.forward, lambda a: a.indexer is not None, lambda a: a.attn.impl.topk_indices_buffer)
 
 
 _MTP_ROWS: list[tuple[int, Any, Any]] = []
@@ -613,6 +628,7 @@ PATCHES: dict[str, Callable[[Any], None]] = {
 """Module -> what is patched right after that module is imported."""
 CHECK_PATCHES: dict[str, Callable[[Any], None]] = {
     "vllm.models.deepseek_v32.attention": _patch_topk_check,
+    "vllm.models.mistral.nvidia.attention": _patch_ml4_topk_check,
     "vllm.models.deepseek_v4.nvidia.model": _patch_mtp_hidden_check,
 }
 PATCHED: list[str] = []

@@ -31,6 +31,9 @@ Rows (MODE is ``eager`` or ``graphs``, FULL_DECODE_ONLY):
   ``index_topk`` the indexer's top-k may come back in a varying order, so vanilla need not be bit-repeatable); recorded in
   ``transparency.jsonl`` with ``dp_emulated`` false.
 
+``--model ml4`` (vLLM 0.34): the a/b/c/n rows on Mistral Large 4 (``ml4-emu``, followers from ``index_sharing``, 78
+layers that ``--layers`` cuts) against its control ``ml4-emu-control``; row c checks ``MistralMLAAttention``.
+
 Pairs are compared with ``dbo_runtime.harness.compare`` (logprobs up to each request's first differing token) and
 judged by its ``FloorRule`` against the same session's ``a-control-MODE`` row, which a session adds when a row
 needs it; ``python -m tests.e2e.emulated judge --out DIR`` re-judges a finished session's engine results. The
@@ -62,11 +65,17 @@ from tests.harness.engine_runner import ROW_HOOK_ENV
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 MODELS = HERE / "models"
-FOLLOWERS = {"glm53": "glm53-emu", "glm53-pattern": "glm53-emu-pattern", "v32": "v32-emu"}
-"""The model under test by name; ``v32`` (DeepSeek-V3.2, every layer its own indexer) has no followers."""
-CONTROL = "glm53-emu-control"
-"""GLM-5.3 geometry with ``index_topk_freq`` 1: no followers, so dbo_runtime must change nothing."""
-GIB_PER_ENGINE = {("glm53", 8): 8, ("glm53-pattern", 8): 8, ("v32", 8): 9, ("glm53", 61): 21, ("glm53", 78): 26, ("glm53-pattern", 61): 21, ("glm53-pattern", 78): 26, ("v32", 61): 24, ("v32", 78): 30}
+FOLLOWERS = {"glm53": "glm53-emu", "glm53-pattern": "glm53-emu-pattern", "v32": "v32-emu", "ml4": "ml4-emu"}
+"""The model under test by name; ``v32`` (DeepSeek-V3.2, every layer its own indexer) has no followers. ``ml4``
+(Mistral Large 4, vLLM 0.34 only) is a Mistral ``params.json`` whose ``index_sharing`` makes followers."""
+CONTROLS = {"glm53": "glm53-emu-control", "glm53-pattern": "glm53-emu-control", "v32": "glm53-emu-control", "ml4": "ml4-emu-control"}
+"""Each model's control: its geometry with every layer its own indexer, so dbo_runtime must change nothing
+(``v32`` has no followers itself, so its floor is GLM-5.3's control)."""
+GIB_PER_ENGINE = {
+    ("glm53", 8): 8, ("glm53-pattern", 8): 8, ("v32", 8): 9, ("ml4", 8): 8,
+    ("glm53", 61): 21, ("glm53", 78): 26, ("glm53-pattern", 61): 21, ("glm53-pattern", 78): 26,
+    ("v32", 61): 24, ("v32", 78): 30, ("ml4", 61): 20, ("ml4", 78): 25,
+}  # fmt: skip
 """Estimated GPU memory of one engine (fp8 weights with 8 experts of 256, 1 GiB of KV, workspaces); 8 layers is a
 quick smoke of the matrix's plumbing, 61 and 78 the production depths."""
 ACCURACY_PROMPTS = {"num": 32, "min_len": 300, "max_len": 2500, "seed": 40}
@@ -87,6 +96,7 @@ ROWS = (
 )  # fmt: skip
 MODELS_OF = {
     **{row: tuple(FOLLOWERS) for row in ROWS},
+    "repro": ("glm53", "glm53-pattern", "v32"),
     **{row: ("glm53",) for row in MTP_ROWS},
     "v4-mtp": ("v4",),
     "t-eager": tuple(TRANSPARENCY),
@@ -126,11 +136,17 @@ class Engine:
         return f"{self.model}-{depth}-{self.runner}-{self.mode}-{'plugin' if self.plugin else 'vanilla'}-comm{self.comm_sms}{extra}"
 
     def args(self) -> list[str]:
-        """vLLM's CLI for this engine. ``layers`` 0 keeps the config's depth; DBO-off engines keep vLLM's defaults
+        """vLLM's CLI for this engine. ``layers`` 0 keeps the config's depth, which a Mistral ``params.json`` (its
+        per-layer lists expanded at that depth) bounds: ``ml4-emu`` is 78 deep. DBO-off engines keep vLLM's defaults
         but the KV cache dtype (no EP), the same for plugin and vanilla. The KV cache is fp8 (FLASHMLA_SPARSE, the
         reproducer's) except on DeepSeek-V4, which picks its own."""
         compilation = {"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 64}
-        mistral = (MODELS / self.model / "params.json").exists()
+        params = MODELS / self.model / "params.json"
+        mistral = params.exists()
+        depth = json.loads(params.read_text())["n_layers"] if mistral else None
+        if depth is not None and self.layers > depth:
+            # vLLM expands a Mistral config's per-layer patterns at its own depth: the override can only cut it
+            raise ValueError(f"{self.model} has {depth} layers: --layers {self.layers} cannot deepen it")
         out = [
             "--model", str(MODELS / self.model),
             "--load-format", "dummy", "--skip-tokenizer-init",
@@ -193,7 +209,7 @@ def needs(row: str, s: Settings) -> list[tuple[Engine, str]]:
     if row.startswith("t-"):
         pairs = ((False, 0), (True, 0), (False, 1))  # vanilla, dbo_runtime, vanilla again (the run-to-run floor)
         return [(Engine(TRANSPARENCY[s.model], p, 0, mode, 0, s.runner, dbo=False, replica=r), "accuracy") for p, r in pairs]
-    model = FOLLOWERS[s.model]
+    model, control = FOLLOWERS[s.model], CONTROLS[s.model]
 
     def e(m: str, plugin: bool, comm: int, replica: int = 0) -> Engine:
         return Engine(m, plugin, comm, mode, s.layers, s.runner, replica=replica)
@@ -203,13 +219,13 @@ def needs(row: str, s: Settings) -> list[tuple[Engine, str]]:
     if row in ("a-eager", "a-graphs", "c"):
         return [(e(model, False, 0), "accuracy"), (e(model, True, 0), "accuracy")]
     if row.startswith("a-control"):
-        return [(e(CONTROL, False, 0), "accuracy"), (e(CONTROL, True, 0), "accuracy")]
+        return [(e(control, False, 0), "accuracy"), (e(control, True, 0), "accuracy")]
     if row.startswith("b-control"):
-        return [(e(CONTROL, True, 20), "accuracy"), (e(CONTROL, True, 0), "accuracy")]
+        return [(e(control, True, 20), "accuracy"), (e(control, True, 0), "accuracy")]
     if row.startswith("b-"):
         return [(e(model, True, 20), "accuracy"), (e(model, True, 0), "accuracy")]
     if row.startswith("n-control"):
-        return [(e(CONTROL, False, 0), "accuracy"), (e(CONTROL, False, 0, 1), "accuracy")]
+        return [(e(control, False, 0), "accuracy"), (e(control, False, 0, 1), "accuracy")]
     if row.startswith("n-"):
         return [(e(model, True, 0), "accuracy"), (e(model, True, 0, 1), "accuracy")]
     raise ValueError(row)

@@ -194,7 +194,8 @@ def test_comm_rows_are_judged_against_the_same_comm_change_on_the_control(mode: 
     floor = f"b-control-{mode}"
     assert emulated.with_floors([f"b-{mode}"]) == [floor, f"b-{mode}"]
     engines = [e for e, _ in emulated.needs(floor, emulated.Settings())]
-    assert [(e.model, e.plugin, e.comm_sms) for e in engines] == [(emulated.CONTROL, True, 20), (emulated.CONTROL, True, 0)]
+    control = emulated.CONTROLS["glm53"]
+    assert [(e.model, e.plugin, e.comm_sms) for e in engines] == [(control, True, 20), (control, True, 0)]
     assert emulated.floor_row(floor) is None and emulated.floor_row(f"a-{mode}") == f"a-control-{mode}"
 
 
@@ -252,3 +253,16 @@ def test_judge_and_plan_refuse_in_one_line(tmp_path: Path, capsys: pytest.Captur
     with pytest.raises(SystemExit) as stop:
         emulated.main(["plan", "--rows", "t-eager", "--at-once", "0"])
     assert stop.value.code == 2 and "--at-once" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["glm53", "ml4"])
+def test_each_model_is_judged_against_its_own_control(model: str) -> None:
+    """The a/b/c/n rows of a model run its follower model and, as their floor, its control (no followers): Mistral
+    Large 4's floor is ``ml4-emu-control``, never GLM-5.3 geometry."""
+    s = emulated.Settings(model, 61)
+    rows = emulated.with_floors(["a-eager", "b-graphs", "c", "n-eager", "n-control-eager"])
+    engines = {row: {e.model for e, _ in emulated.needs(row, s)} for row in rows}
+    control, followers = emulated.CONTROLS[model], emulated.FOLLOWERS[model]
+    assert rows == ["a-control-eager", "b-control-graphs", "a-eager", "b-graphs", "c", "n-eager", "n-control-eager"]
+    assert engines == {r: {control if "control" in r else followers} for r in rows}
+    assert emulated._gib(rows, s) == emulated.GIB_PER_ENGINE[(model, 61)]

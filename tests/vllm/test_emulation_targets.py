@@ -24,6 +24,7 @@ from tests.e2e import dp_emulation
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "tests" / "e2e" / "emulate" / "dp_peer"
 RELEASE = dp_emulation.release_of(metadata.version("vllm"))
+ML4_ATTENTION = "vllm.models.mistral.nvidia.attention"
 
 
 def test_the_installed_vllm_has_a_target_table() -> None:
@@ -91,6 +92,10 @@ import torch
 from tests.e2e import dp_emulation as d
 if "v1" in d.RUNNERS[d.release_of(__import__("importlib.metadata").metadata.version("vllm"))]:
     import vllm.v1.worker.gpu_model_runner  # noqa: F401
+try:
+    import vllm.models.mistral.nvidia.attention as ml4
+except ImportError:  # a release without Mistral Large 4
+    ml4 = None
 
 config = ParallelConfig(enable_dbo=True, dbo_decode_token_threshold=4, dbo_prefill_token_threshold=8)
 v2 = []
@@ -112,6 +117,7 @@ print(json.dumps({
     "deferred": [c.supports_deferred_moe_finalize(c.__new__(c)) for c in (pf.MoEPrepareAndFinalizeNoDPEPModular, pf.MoEPrepareAndFinalizeNoDPEPMonolithic)],
     "checked": attn.DeepseekV32Attention._sparse_indexer_and_attn.__name__,
     "v4_checked": [hasattr(v4.DeepseekV4Model.forward, "__wrapped__"), hasattr(v4.hc_head_fused_kernel_tilelang, "__wrapped__")],
+    "ml4_checked": None if ml4 is None else getattr(ml4.MistralMLAAttention.forward, "__wrapped__", None) is not None,
     "counters": d.COUNTERS.snapshot(),
 }))
 """
@@ -137,6 +143,14 @@ def test_sitecustomize_patches_every_target_module_of_the_release(child: dict) -
     assert child["rpc"] and child["dbo"] == [True, True] and child["deferred"] == [False, False]
     assert child["checked"] == "_sparse_indexer_and_attn"
     assert child["v4_checked"] == [True, True], "the V4 MTP hidden check wraps the model's forward and its hc head"
+
+
+@pytest.mark.skipif(RELEASE is None, reason="no table for this vLLM (the test above fails)")
+def test_the_release_table_checks_mistral_large4_exactly_where_vllm_has_it(child: dict) -> None:
+    """Row c's Mistral Large 4 check: in the table and wrapping its attention where the installed vLLM has the
+    model (0.34), absent from both where it has not (0.33: importing its attention module fails)."""
+    listed = any(t.module == ML4_ATTENTION for t in dp_emulation.TARGETS[RELEASE])  # type: ignore[index]
+    assert child["ml4_checked"] is (True if listed else None), child["ml4_checked"]
 
 
 def test_the_patched_v2_dispatch_microbatches_by_vllms_thresholds_at_dp1(child: dict) -> None:
@@ -180,3 +194,47 @@ def test_the_mtp_hidden_check_counts_microbatches_whose_rows_are_not_at_their_of
         assert dp_emulation._MTP_ROWS == []
     finally:
         counters.mtp_hidden_checks, counters.mtp_hidden_wrong = saved
+
+
+def test_the_ml4_topk_check_counts_followers_that_read_another_microbatchs_topk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leaders (an indexer) write the top-k their impl reads, followers read it; microbatch 1's leader runs between
+    microbatch 0's leader and follower. One shared buffer (vanilla): microbatch 0's follower reads microbatch 1's
+    top-k, one wrong read of two; a buffer per microbatch (dbo_runtime): none."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker import ubatching
+
+    current = {"ubatch": 0}
+    monkeypatch.setattr(ubatching, "dbo_enabled", lambda: True)
+    monkeypatch.setattr(ubatching, "dbo_current_ubatch_id", lambda: current["ubatch"])
+
+    class MistralMLAAttention:
+        def __init__(self, leads: bool, buffers: dict[int, torch.Tensor]) -> None:
+            self.indexer = object() if leads else None
+            self.buffers = buffers
+            self.attn = SimpleNamespace(impl=self)
+
+        @property
+        def topk_indices_buffer(self) -> torch.Tensor:
+            return self.buffers[current["ubatch"]]
+
+        def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> None:
+            if self.indexer is not None:
+                self.topk_indices_buffer[: positions.shape[0]] = hidden_states
+
+    module = SimpleNamespace(MistralMLAAttention=MistralMLAAttention)
+    dp_emulation._patch_ml4_topk_check(module)
+    counters = dp_emulation.COUNTERS
+    saved = (counters.topk_reads, counters.topk_wrong)
+    try:
+        for shared, wrong in ((True, 1), (False, 0)):
+            counters.topk_reads, counters.topk_wrong = 0, None
+            one = torch.zeros(8, 4, dtype=torch.int32)
+            buffers = {0: one, 1: one} if shared else {0: one, 1: torch.zeros(8, 4, dtype=torch.int32)}
+            leader, follower = MistralMLAAttention(True, buffers), MistralMLAAttention(False, buffers)
+            for ubatch, layer in ((0, leader), (1, leader), (0, follower), (1, follower)):
+                current["ubatch"] = ubatch
+                layer.forward(torch.arange(3), torch.full((3, 4), 10 + ubatch, dtype=torch.int32))
+            assert (counters.topk_reads, int(counters.topk_wrong)) == (2, wrong), shared
+    finally:
+        counters.topk_reads, counters.topk_wrong = saved

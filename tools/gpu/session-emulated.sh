@@ -6,6 +6,7 @@
 # repro, a-eager, a-control-eager, b-eager, b-control-eager, c, a-graphs, a-control-graphs, b-graphs,
 # b-control-graphs, n-eager, n-control-eager, n-graphs, n-control-graphs (floor rows a-control-*, b-control-* are
 # added where a row needs them),
+# --model ml4 (vLLM 0.34, Mistral Large 4) takes every row above but repro (ml4-emu against ml4-emu-control),
 # mtp-k1, mtp-k2, mtp-k3 (--model glm53), v4-mtp (--model v4), t-eager, t-graphs (DBO off: --model glm53|v32|v4|ml4,
 # appended to $OUT/transparency.jsonl; t-rows start vanilla twice, the second the run-to-run floor).
 # `python3 -m tests.e2e.emulated plan ARGS` lists the engines, MODEL-DEPTH-RUNNER-MODE-plugin|vanilla-commN, then -dbooff,
