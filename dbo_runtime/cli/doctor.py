@@ -13,6 +13,7 @@ from typing import Any
 
 from dbo_runtime import __version__
 from dbo_runtime.cli._common import disabled_warning, import_noise, print_json, settings_a_server_refuses, wrapped
+from dbo_runtime.core.errors import PatchError
 from dbo_runtime.core.switches import parse_switch, switch_problems
 
 SCHEMA = "dbo-runtime/doctor/v3"
@@ -126,7 +127,7 @@ def _collect() -> dict[str, Any]:
             {"name": n, "summary": s.feature.summary, "verdict": s.verdict, "in_force": s.in_force, "applies": s.applies, "state": s.describe(), "detail": s.detail}
             for n, s in states.items()
         ]
-    except ImportError as exc:  # a feature module imports vLLM at module level and vLLM is broken
+    except (ImportError, PatchError) as exc:  # vLLM broken at a feature's import, or no readable fingerprint record
         problems.append(f"patch list unavailable: {type(exc).__name__}: {exc}")
     if usable and not disabled:
         refused = "a --enable-dbo model that needs it is refused at engine start"

@@ -138,3 +138,14 @@ def test_a_setting_the_engines_refuse_is_a_problem(name: str, value: str, needle
     rc = main(["doctor", "--json"])
     problems = json.loads(capsys.readouterr().out)["problems"]
     assert rc == 1 and any(p.startswith(needle) for p in problems), problems
+
+
+def test_an_unreadable_fingerprint_record_is_a_problem_not_a_traceback(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wheel without ``recorded_fingerprints.json`` (the engine refuses DBO models): doctor names it and exits 1."""
+    from dbo_runtime.integration import fingerprints
+
+    monkeypatch.setattr(releases, "RELEASES", {})  # what fingerprints.py leaves when the file cannot be read
+    monkeypatch.setattr(fingerprints, "RECORD_PROBLEM", "recorded_fingerprints.json unreadable (FileNotFoundError())")
+    rc, doc, _ = doctor(capsys)
+    assert rc == 1 and not doc["ok"]
+    assert any("recorded_fingerprints.json unreadable" in p for p in doc["problems"]), doc["problems"]
