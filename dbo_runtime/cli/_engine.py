@@ -39,9 +39,9 @@ def has_flag(args: list[str], *names: str) -> bool:
 
 
 def split_engine_args(extra: list[str], command: str) -> tuple[list[str], int, list[str]]:
-    """(engine arguments without the DP size and DBO flags, in vLLM's spelling; the DP size; notes)."""
+    """(engine arguments without the DP size and DBO flags, in vLLM's spelling; the DP size, 0 if not given; notes)."""
     args = [normal_arg(a) for a in extra if a != "--"]
-    notes, out, dp, i = [], [], 1, 0
+    notes, out, dp, i = [], [], 0, 0
     while i < len(args):
         name, eq, value = args[i].partition("=")
         if name == "--config":
@@ -63,6 +63,8 @@ def split_engine_args(extra: list[str], command: str) -> tuple[list[str], int, l
     if out and not out[0].startswith("-"):
         out = ["--model", *out]  # `vllm serve MODEL ...`: the positional model
     model = engine_arg(out, "--model")
+    if (not model or model.startswith("-")) and out and out[0].startswith("-"):
+        raise StateError(out[0], f"not a {command} option", f"{command}'s options (--help) first, then MODEL, then vLLM engine arguments")
     if not model or model.startswith("-"):
         raise StateError("MODEL", "missing", f"the model to {command}, as in `vllm serve MODEL ...` (or --model NAME_OR_PATH)")
     return out, dp, notes
@@ -100,6 +102,8 @@ def qp_depth_problem(engine_args: list[str], environ: Any) -> ConfigError | None
 
 def require_dbo_parallelism(engine_args: list[str], dp: int, command: str, *, expert_parallel: bool = True) -> None:
     """vLLM microbatches only with DP >= 2, and DBO's comm SMs serve the expert-parallel all2all."""
+    if dp == 0:
+        raise StateError("--data-parallel-size", "not given (vLLM's default is 1)", DP_RULE.format(command=command))
     if dp < 2:
         raise ConfigError("--data-parallel-size", dp, DP_RULE.format(command=command))
     last = [normal_arg(a) for a in engine_args if normal_arg(a) in ("--enable-expert-parallel", "--no-enable-expert-parallel", "-ep")]

@@ -1,9 +1,10 @@
 # Source on the GPU machine after install.sh: vLLM from /tmp/site, this checkout first on the path.
-# Without install.sh's environment there is no vLLM to run: the sourcing script stops here, exit 2.
+# Without install.sh's environment there is no vLLM to run: a sourcing script stops here (exit 2); an interactive
+# shell gets status 2 and stays open.
 GPU_ENV=${DBO_GPU_ENV:-/tmp/gpu-vllm/env.sh}
 if [ ! -f "$GPU_ENV" ]; then
-  echo "$(basename "$0"): $GPU_ENV is missing: send every bundle part (.gpu-vllm/p0..pN) and run /tmp/gpu-vllm/install.sh first (tools/gpu/README.md)" >&2
-  exit 2
+  echo "$(basename "${BASH_SOURCE[1]:-${BASH_SOURCE[0]}}"): $GPU_ENV is missing: send every bundle part (.gpu-vllm/p0..pN) and run /tmp/gpu-vllm/install.sh first (tools/gpu/README.md)" >&2
+  case $- in *i*) return 2 ;; *) exit 2 ;; esac
 fi
 . "$GPU_ENV"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
