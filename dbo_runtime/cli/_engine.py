@@ -38,10 +38,13 @@ def has_flag(args: list[str], *names: str) -> bool:
     return any(normal_arg(a).split("=", 1)[0] in names for a in args)
 
 
-def split_engine_args(extra: list[str], command: str) -> tuple[list[str], int, list[str]]:
-    """(engine arguments without the DP size and DBO flags, in vLLM's spelling; the DP size, 0 if not given; notes)."""
+def split_engine_args(extra: list[str], command: str) -> tuple[list[str], int | None, list[str]]:
+    """(engine arguments without the DP size and DBO flags, in vLLM's spelling; the DP size, None if not given; notes)."""
     args = [normal_arg(a) for a in extra if a != "--"]
-    notes, out, dp, i = [], [], 0, 0
+    notes: list[str] = []
+    out: list[str] = []
+    dp: int | None = None
+    i = 0
     while i < len(args):
         name, eq, value = args[i].partition("=")
         if name == "--config":
@@ -63,10 +66,9 @@ def split_engine_args(extra: list[str], command: str) -> tuple[list[str], int, l
     if out and not out[0].startswith("-"):
         out = ["--model", *out]  # `vllm serve MODEL ...`: the positional model
     model = engine_arg(out, "--model")
-    if (not model or model.startswith("-")) and out and out[0].startswith("-"):
-        raise StateError(out[0], f"not a {command} option", f"{command}'s options (--help) first, then MODEL, then vLLM engine arguments")
     if not model or model.startswith("-"):
-        raise StateError("MODEL", "missing", f"the model to {command}, as in `vllm serve MODEL ...` (or --model NAME_OR_PATH)")
+        first = f" ({out[0]} came first)" if out else ""
+        raise StateError("MODEL", "missing", f"the model to {command}, right after {command}'s own options{first}, as in `vllm serve MODEL ...` (or --model NAME_OR_PATH)")
     return out, dp, notes
 
 
@@ -75,8 +77,8 @@ def prepare(extra: list[str], command: str, *, expert_parallel: bool) -> tuple[l
     from dbo_runtime.core.cli_support import vllm_setting_problems
     from dbo_runtime.core.settings import setting_problems
 
-    engine_args, dp, notes = split_engine_args(extra, command)
-    require_dbo_parallelism(engine_args, dp, command, expert_parallel=expert_parallel)
+    engine_args, given_dp, notes = split_engine_args(extra, command)
+    dp = require_dbo_parallelism(engine_args, given_dp, command, expert_parallel=expert_parallel)
     from dbo_runtime.cli._split import comm_sms_problem
 
     backend = engine_arg(engine_args, "--all2all-backend")
@@ -100,15 +102,16 @@ def qp_depth_problem(engine_args: list[str], environ: Any) -> ConfigError | None
     return StateError("NVSHMEM_QP_DEPTH", "unset (NVSHMEM default 1024)", allowed) if raw is None else ConfigError("NVSHMEM_QP_DEPTH", raw, allowed)
 
 
-def require_dbo_parallelism(engine_args: list[str], dp: int, command: str, *, expert_parallel: bool = True) -> None:
-    """vLLM microbatches only with DP >= 2, and DBO's comm SMs serve the expert-parallel all2all."""
-    if dp == 0:
+def require_dbo_parallelism(engine_args: list[str], dp: int | None, command: str, *, expert_parallel: bool = True) -> int:
+    """The DP size: vLLM microbatches only with DP >= 2, and DBO's comm SMs serve the expert-parallel all2all."""
+    if dp is None:
         raise StateError("--data-parallel-size", "not given (vLLM's default is 1)", DP_RULE.format(command=command))
     if dp < 2:
         raise ConfigError("--data-parallel-size", dp, DP_RULE.format(command=command))
     last = [normal_arg(a) for a in engine_args if normal_arg(a) in ("--enable-expert-parallel", "--no-enable-expert-parallel", "-ep")]
     if expert_parallel and (not last or last[-1] == "--no-enable-expert-parallel"):
         raise StateError("--enable-expert-parallel", "missing", "given (DBO overlaps the expert-parallel all2all)")
+    return dp
 
 
 def switch_notes() -> list[str]:

@@ -54,7 +54,10 @@ def test_verify_and_tune_hand_unknown_arguments_on_as_engine_arguments(capsys: p
     for command in ("verify", "tune"):
         assert main([command, "--model", "m", "--enable-expert-parallel"]) == 2
         [line] = capsys.readouterr().err.splitlines()
-        assert line.startswith(f"dbo-runtime {command}: error: --data-parallel-size=1 is not allowed; allowed values: an integer >= 2")
+        assert line.startswith(f"dbo-runtime {command}: error: --data-parallel-size is not given (vLLM's default is 1); allowed values: an integer >= 2")
+        assert main([command, "--bogus", "m", "-dp", "2"]) == 2  # an unknown option before MODEL: said, not "no model"
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"dbo-runtime {command}: error: MODEL is missing; allowed values: the model to {command}, right after {command}'s own options (--bogus came first)")
 
 
 @pytest.mark.parametrize(("command", "defaults"), [("verify", ["(default 0.95)", "(default 0.25)"]), ("tune", ["(default 4,8,12,16,20)"])])
