@@ -87,6 +87,8 @@ def test_without_install_sh_one_line_and_exit_2(script: str, tmp_path: Path) -> 
         ("session-emulated.sh", ["300", "--seconds=9"], {}, "--seconds=9 is set by this script"),
         # the benchmark's own parser, before env.sh, the install and the clean-up of /tmp/host-cost
         ("session-host-cost.sh", ["300", "--bogus"], {}, "bench_host_cost: error: unrecognized arguments: --bogus"),
+        ("session-host-cost.sh", ["--bogus"], {}, "bench_host_cost: error: unrecognized arguments: --bogus"),  # SECONDS left out
+        ("session-emulated.sh", ["--rows", "nope"], {}, "python -m tests.e2e.emulated: error: unknown row(s) nope"),
         ("session-host-cost.sh", ["300", "--only", "glm53-7L-eager-dbo-off"], {}, "bench_host_cost: error: argument --only: invalid value 'glm53-7L-eager-dbo-off'"),
     ],
 )

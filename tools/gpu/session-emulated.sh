@@ -2,7 +2,7 @@
 # On the GPU machine, after install.sh: the one-GPU DBO emulation matrix (tests/e2e/emulated.py), one record per
 # row appended to $OUT/emulated.jsonl, engine logs and results in $OUT/emulated-runs.tgz.
 #   tools/gpu/session-emulated.sh [seconds] [tests.e2e.emulated session arguments: --rows --model --layers --runner --at-once]
-# SECONDS comes first when arguments follow (60-3600, default 540). Rows (default repro,a-eager,a-control-eager,b-eager,c):
+# SECONDS (60-3600, default 540) comes first when given. Rows (default repro,a-eager,a-control-eager,b-eager,c):
 # repro, a-eager, a-control-eager, b-eager, b-control-eager, c, a-graphs, a-control-graphs, b-graphs,
 # b-control-graphs, n-eager, n-control-eager, n-graphs, n-control-graphs (floor rows a-control-*, b-control-* are
 # added where a row needs them),
@@ -18,9 +18,8 @@ set -u
 cd "$(dirname "$0")/../.."
 . tools/gpu/_checks.sh
 need_out session-emulated.sh
-LIMIT=${1-540}
+if [ $# = 0 ] || [[ $1 == -* ]]; then LIMIT=540; else LIMIT=$1; shift; fi  # SECONDS may be left out
 need_int session-emulated.sh seconds "$LIMIT" 60 3600
-shift || true
 for arg in "$@"; do
   case "$arg" in --out|--out=*|--seconds|--seconds=*) echo "session-emulated.sh: $arg is set by this script (\$OUT and SECONDS)" >&2; exit 2;; esac
 done

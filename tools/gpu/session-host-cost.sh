@@ -5,9 +5,8 @@ set -u
 cd "$(dirname "$0")/../.."
 . tools/gpu/_checks.sh
 need_out session-host-cost.sh
-LIMIT=${1-540}
+if [ $# = 0 ] || [[ $1 == -* ]]; then LIMIT=540; else LIMIT=$1; shift; fi  # SECONDS may be left out
 need_int session-host-cost.sh seconds "$LIMIT" 1 3600
-shift || true
 # the benchmark's own parser checks its arguments before anything is installed or deleted (it needs no vLLM)
 # (with the --out the run adds, so a second --out is refused here, not after the install)
 checked=$(python3 graphs/bench_host_cost.py --check --out /tmp/host-cost "$@" 2>&1) || { echo "session-host-cost.sh: ${checked##*$'\n'}" >&2; exit 2; }
