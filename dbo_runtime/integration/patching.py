@@ -320,8 +320,11 @@ class PatchSet:
         setattr(applied.owner, applied.name, applied.replacement)
 
     def _arm_failed(self, patch: Patch, message: str) -> None:
-        """An armed patch's target could not be set: the patch is broken; the failure listeners hear it."""
+        """An armed patch's target could not be set: the patch is broken; the failure listeners hear it once
+        (both microbatch threads, and every later step, may retry the arming)."""
         with self._lock:
+            if patch.name in self._broken:
+                return
             self._broken[patch.name] = message
             listeners = list(self.failure_listeners)
         _notify("failure", listeners, [patch], f"dbo_runtime: {message}")

@@ -165,5 +165,8 @@ def test_a_target_that_cannot_be_set_is_broken_and_told_to_the_failure_listeners
         assert status.state == "broken" and "topk.method could not be put in force" in status.detail
         [(names, message)] = heard
         assert names == ["topk.method"] and "could not be put in force" in message
+        with pytest.raises(PatchError, match=r"topk\.method"):  # the next step (or the other thread) retries: told once
+            arming.arm("UBatchContext.__enter__")
+        assert len(heard) == 1
     finally:
         ps.uninstall()

@@ -336,7 +336,7 @@ def test_probe_target_of_a_lazy_patch_is_skipped_only_when_its_module_cannot_imp
 
 def test_a_patch_that_runs_on_microbatch_threads_is_shielded_by_the_set(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``runs_on_ubatch_thread`` is applied by PatchSet, not by each hook: on a microbatch thread a failure is
-    recorded and the fallback (default: vLLM's original) answers; off one it raises as it came."""
+    recorded and vLLM's original answers; off one it raises as it came."""
     import importlib
 
     from dbo_runtime.integration import ubatch_failures, ubatch_ids
