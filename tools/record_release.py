@@ -13,6 +13,10 @@ fix relies on without patching it) there and prints one line per patch or relian
 * ``new``        the patch has no record in ``--against`` (or its target was missing there);
 * ``excluded``   ``--against`` left the patch out of its set on purpose (``--exclude``).
 
+Then every module that reaches DeepGEMM's paged-MQA logits function (``hooked`` by a logits patch, or ``REVIEW``):
+a deferred plan-ahead schedule is fitted only at a hooked call site, so an unhooked one that can run under DBO
+needs a patch before the release is recorded.
+
 ``--write`` records this release in ``dbo_runtime/integration/recorded_fingerprints.json`` (other releases
 kept); ``--exclude PATCH ...`` records those patches as left out of its set on purpose. Recording is the maintainer's sign-off: a recorded fingerprint makes the patch install there.
 The procedure: ``docs/new-release.md``.
@@ -21,6 +25,7 @@ The procedure: ``docs/new-release.md``.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import functools
 import json
@@ -101,6 +106,34 @@ def review(patch: Patch | Reliance, printed: str, previous: dict[str, str], root
     return "changed", f"{want} -> {printed}"
 
 
+LOGITS = "fp8_fp4_paged_mqa_logits"
+NOT_CALL_SITES = ("vllm/utils/deep_gemm.py", "vllm/third_party/")
+"""DeepGEMM's wrapper and vendored copy define the function; every other module naming it in code calls it."""
+
+
+def logits_call_sites(root: pathlib.Path) -> list[tuple[str, str]]:
+    """(module, the logits patch hooking it or "") for each module whose code names DeepGEMM's paged-MQA logits."""
+    hooked = {p.module: p.name for p in all_patches() if p.attr == LOGITS}
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root.parent).as_posix()
+        if where.startswith(NOT_CALL_SITES) or LOGITS not in (text := path.read_text(errors="replace")):
+            continue
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        if any(
+            (isinstance(n, ast.ImportFrom) and any(a.name == LOGITS for a in n.names))
+            or (isinstance(n, ast.Attribute) and n.attr == LOGITS)
+            or (isinstance(n, ast.Name) and n.id == LOGITS)
+            for n in ast.walk(tree)
+        ):
+            module = where.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+            out.append((module, hooked.get(module, "")))
+    return out
+
+
 def render(releases: dict[str, dict[str, str]]) -> str:
     return json.dumps(releases, indent=2) + "\n"
 
@@ -127,15 +160,19 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--source {root} is not a vllm package directory (no __init__.py)")
         with use_source_root(root.resolve()):
             # anchors may depend on what exists there
-            patches = [*(p for p in all_patches() if p.fingerprint_anchors), *all_reliances()]
+            patches: list[Patch | Reliance] = [*(p for p in all_patches() if p.fingerprint_anchors), *all_reliances()]
             printed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in patches}
             rows = [(p.name, *review(p, printed[p.name], RELEASES[against], root)) for p in patches]
+        sites = logits_call_sites(root.resolve())
     width = max(len(name) for name, _, _ in rows)
     print(f"vLLM {args.version} against the record of {against}:")
     for name, status, detail in rows:
         print(f"  {status:<9} {name:<{width}}  {detail}")
     counts = {s: sum(1 for _, st, _ in rows if st == s) for s in ("unchanged", "changed", "moved", "missing", "new", "excluded")}
     print("  " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    print(f"modules calling DeepGEMM's {LOGITS} (a deferred plan-ahead schedule is fitted only where hooked):")
+    for module, patch in sites:
+        print(f"  {'hooked' if patch else 'REVIEW':<9} {module}  " + (patch or "not hooked: may it run under DBO?"))
     unknown = sorted(set(args.exclude) - set(printed))
     if unknown:
         parser.error(f"--exclude: no patch bound to vLLM code is named {', '.join(unknown)}")

@@ -160,8 +160,12 @@ def test_record_release_reviews_the_installed_release_as_unchanged(capsys: pytes
     root = fingerprints.module_file("vllm.config")
     assert root is not None
     assert record_release.main([installed, "--source", str(root.parents[1]), "--against", installed]) == 0
-    out = capsys.readouterr().out
+    out, _, call_sites = capsys.readouterr().out.partition("modules calling DeepGEMM's fp8_fp4_paged_mqa_logits")
     assert f"vLLM {installed} against the record of {installed}:" in out
+    sites = [ln.split()[:2] for ln in call_sites.splitlines()[1:]]
+    assert ["hooked", "vllm.model_executor.layers.sparse_attn_indexer"] in sites, sites
+    # reviewed: the only unhooked callers are specialized decode paths that refuse DBO themselves
+    assert all(".specialized_decode." in module for status, module in sites if status == "REVIEW"), sites
     lines = [ln.split() for ln in out.splitlines() if ln.startswith("  ") and not ln.startswith("   ")]
     statuses = {parts[0] for parts in lines[:-1]}
     recorded = RELEASES[installed]
