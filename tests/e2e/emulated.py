@@ -18,7 +18,8 @@ Rows (MODE is ``eager`` or ``graphs``, FULL_DECODE_ONLY):
 - ``n-MODE`` and ``n-control-MODE``: two identical engines (dbo_runtime on the model with followers, vanilla on
   the control): how much of the floor is run-to-run;
 - ``c``: eager, each follower's top-k read against its own microbatch's leader's: 0 wrong with dbo_runtime,
-  more than 0 vanilla;
+  more than 0 vanilla (the top-k buffer the layer reads; an index group's converted workspace is judged by the
+  a rows' outputs, not here);
 - ``mtp-kK`` (K 1, 2, 3: DeepGEMM's paged MQA ``next_n`` 2, 1 (K + 1 = 3 is flattened to single rows) and 4 on
   SM90), eager, the GLM-5.3 model with one MTP layer: dbo_runtime comm 20 against comm 0 within the eager floor
   (the b rule), vanilla comm 0 beside them; microbatched steps and draft acceptance recorded for all three;

@@ -182,6 +182,17 @@ def test_bundle_refuses_a_dry_run_switch_that_is_not_0_or_1(value: str, tmp_path
     assert dry.returncode == 0 and "into .gpu-vllm/p0..pN" in dry.stdout and list(tmp_path.iterdir()) == [], dry.stderr
 
 
+def test_bundle_refuses_a_release_without_its_lock(tmp_path: Path) -> None:
+    """A release the GPU image's wheel set was never worked out for would download for minutes, then fail in pip."""
+    proc = _bundle(tmp_path, DRY_RUN="1", VLLM_VERSION="9.9.9")
+    assert proc.returncode == 2 and proc.stdout == "" and list(tmp_path.iterdir()) == []
+    assert proc.stderr.strip().splitlines() == [
+        "bundle.sh: VLLM_VERSION '9.9.9' is not allowed; allowed values: 0.33.0 0.34.0 (another release: add "
+        "tools/gpu/gpu-extra-lock-9.9.9.txt)"
+    ]
+    assert _bundle(tmp_path, DRY_RUN="1", VLLM_VERSION="0.33.0").returncode == 0
+
+
 def test_install_without_the_bundle_parts_is_one_line_and_exit_2(tmp_path: Path) -> None:
     """install.sh before the parts were copied: one line naming the folder and what to do, nothing written."""
     proc = subprocess.run(

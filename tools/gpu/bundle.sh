@@ -27,6 +27,11 @@ version=${VLLM_VERSION:-0.34.0}
 [[ "$version" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || { echo "bundle.sh: VLLM_VERSION '$version' is not allowed; allowed values: a vLLM release such as 0.34.0" >&2; exit 2; }
 locks=("$here/gpu-extra-lock.txt")
 [ ! -f "$here/gpu-extra-lock-$version.txt" ] || locks+=("$here/gpu-extra-lock-$version.txt")
+if [ "$version" != 0.33.0 ] && [ ${#locks[@]} = 1 ]; then  # gpu-extra-lock.txt alone is 0.33.0's set
+  known=$(cd "$here" && ls gpu-extra-lock-*.txt | sed 's/gpu-extra-lock-\(.*\)\.txt/\1/' | tr '\n' ' ')
+  echo "bundle.sh: VLLM_VERSION '$version' is not allowed; allowed values: 0.33.0 $known(another release: add tools/gpu/gpu-extra-lock-$version.txt)" >&2
+  exit 2
+fi
 drop=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs vllm/_qutlass_C.abi3.so vllm/third_party/fmha_sm100)
 . "$here/_checks.sh"
 need_switch bundle.sh DRY_RUN "${DRY_RUN-0}"
