@@ -320,8 +320,7 @@ class PatchSet:
         setattr(applied.owner, applied.name, applied.replacement)
 
     def _arm_failed(self, patch: Patch, message: str) -> None:
-        """An armed patch's target could not be set: the patch is broken; the failure listeners hear it once
-        (both microbatch threads, and every later step, may retry the arming)."""
+        """An armed patch's target could not be set: it is broken; the listeners hear it once (arming is retried)."""
         with self._lock:
             if patch.name in self._broken:
                 return
