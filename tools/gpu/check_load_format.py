@@ -26,10 +26,18 @@ def main(argv: list[str]) -> int:
         helped = bool(argv) and argv[0] in ("-h", "--help")
         print("usage: check_load_format.py WORKDIR   (a directory for the run's logs; see the module docstring)", file=sys.stdout if helped else sys.stderr)
         return 0 if helped else 2
+    workdir, existed = Path(argv[0]), Path(argv[0]).exists()
+    try:  # a bad WORKDIR is said before the GPU is looked for
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"check_load_format: WORKDIR {argv[0]!r} is not allowed; allowed values: a folder it can create ({exc.strerror})", file=sys.stderr)
+        return 2
     from tests.harness.machine import refuse_without_engine
 
     refused = refuse_without_engine("check_load_format", 1, "nothing checked")
     if refused is not None:
+        if not existed:
+            workdir.rmdir()
         return refused
     from dbo_runtime.harness.launch import RunSpec, launch
     from dbo_runtime.harness.prompts import PromptSpec
