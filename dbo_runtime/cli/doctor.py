@@ -44,7 +44,7 @@ def _deep_gemm() -> dict[str, Any]:
         ok = doctor_probes.deep_gemm_available()
     except Exception as exc:  # a broken build is reported, not a crash
         return {"available": False, "detail": f"{type(exc).__name__}: {exc}"}
-    return {"available": ok, "detail": "importable" if ok else "not importable here (--json: import_warnings)"}
+    return {"available": ok, "detail": "importable" if ok else "not importable here; --json shows import_warnings"}
 
 
 def _fingerprint(bound: Any, usable: bool, match: Any) -> str:
