@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dbo_runtime.cli import _common
-from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, int_in, print_json, print_table
+from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, int_in, print_json, print_table, warn
 from dbo_runtime.cli._split import budget_for, comm_sms, deepep_sms, split_warnings
 from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, PLATFORMS, SMBudget
 from dbo_runtime.core.cli_support import DBO_BACKENDS, H200_SMS
@@ -227,6 +227,9 @@ def render(doc: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    doc = collect(args)  # its warnings are the result's (the table's caption, or --json's "warnings")
+    if args.json:  # the table shows the warnings in its caption; --json's stdout is for scripts
+        for problem in switch_problems():
+            warn("sms", problem)
+    doc = collect(args)
     print_json(doc) if args.json else render(doc)
     return 0
