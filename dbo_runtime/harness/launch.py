@@ -99,18 +99,12 @@ class RunSpec:
         except Exception:
             plugin = False
         return {
-            "label": self.label,
-            "plugin": plugin,
-            "ok": ok,
-            "error": error,
-            "failure_signatures": signatures,
-            "start_s": [r.get("start_s") for r in ranks],
-            "generate_s": [r.get("generate_s") for r in ranks],
-            "wall_s": wall_s,
-            "microbatched_steps": builds if self.dp > 1 else builds[0],
+            "label": self.label, "plugin": plugin, "ok": ok, "error": error, "failure_signatures": signatures,
+            "start_s": [r.get("start_s") for r in ranks], "generate_s": [r.get("generate_s") for r in ranks],
+            "wall_s": wall_s, "microbatched_steps": builds if self.dp > 1 else builds[0],
             "requests": sorted((req for r in ranks for req in r.get("requests") or []), key=lambda q: q["index"]),
             "bench": [r.get("bench") for r in ranks if r.get("bench")] or None,
-        }
+        }  # fmt: skip
 
 
 PORT_BLOCK = 16
@@ -123,18 +117,10 @@ def free_port(block: int = 1) -> int:
 
     for _ in range(200):
         base = random.randrange(20000, 60000 - block)
-        sockets = []
-        try:
+        with contextlib.ExitStack() as sockets, contextlib.suppress(OSError):  # closed once checked
             for port in range(base, base + block):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
+                sockets.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)).bind(("127.0.0.1", port))
             return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
     raise RuntimeError(f"no block of {block} free ports found")
 
 
@@ -162,12 +148,10 @@ def engine_arg(args: list[str], *flags: str) -> str | None:
 
 def _fatal_in_logs(logs: list[Path]) -> bool:
     for path in logs:
-        try:
+        with contextlib.suppress(OSError):
             text = path.read_text(errors="replace")
-        except OSError:
-            continue
-        if any(re.search(SIGNATURES[name], text) for name in FATAL_IN_LOG):
-            return True
+            if any(re.search(SIGNATURES[name], text) for name in FATAL_IN_LOG):
+                return True
     return False
 
 
@@ -253,8 +237,7 @@ def launch(
                     failed_at = now
             if failed_at is not None and now - failed_at > FAIL_GRACE_S:
                 break
-            if now - started > spec.timeout_s:
-                timed_out = True
+            if timed_out := now - started > spec.timeout_s:
                 break
             time.sleep(0.5)
     finally:
@@ -286,15 +269,13 @@ def load_ranks(root: Path, dp: int, why_missing: Callable[[int], str]) -> list[d
         else:
             result = {"rank": rank, "ok": False, "error": f"rank {rank} {why_missing(rank)}"}
         if not result.get("bench"):  # killed, or failed mid-benchmark (a turn or barrier timeout): keep its reps
-            partial = partial_path(path)
             try:
-                kept = json.loads(partial.read_text()) if partial.exists() else None
-                bench, versions = (kept["bench"], kept.get("versions")) if kept is not None else (None, None)
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                kept = json.loads(partial_path(path).read_text())
+                bench, versions = kept["bench"], kept.get("versions")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none kept, or unreadable
                 bench, versions = None, None
             if isinstance(bench, dict):
-                result["bench"] = bench
-                result["bench_partial"] = True
+                result.update(bench=bench, bench_partial=True)
                 if isinstance(versions, dict) and not result.get("versions"):
                     result["versions"] = versions  # the GPU that measured the reps kept
         ranks.append(result)

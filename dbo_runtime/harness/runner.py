@@ -203,13 +203,7 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
 
 
 def bench_reps(
-    llm: Any,
-    sampling: Any,
-    batch: list[Any],
-    bench: dict[str, Any],
-    rank: int,
-    size: int,
-    hook: RowHook | None = None,
+    llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], rank: int, size: int, hook: RowHook | None = None
 ) -> dict[str, Any]:
     """Per rep a 1-token and a T-token pass on warm caches, timed, with SMControl's partitions over each;
     ``hook`` adds a caller's columns."""
@@ -249,15 +243,10 @@ def bench_reps(
     return {"max_tokens": steps, "requests": len(batch), "reps": reps}
 
 
-def _watchdog(seconds: float) -> None:
+def _exit_hard() -> None:
     """vLLM's DP shutdown can hang after the result is written; never let that block the caller."""
-
-    def fire() -> None:
-        time.sleep(seconds)
-        _log(f"shutdown took over {seconds:.0f} s; exiting hard")
-        os._exit(3)
-
-    threading.Thread(target=fire, daemon=True).start()
+    _log("shutdown took over 90 s; exiting hard")
+    os._exit(3)
 
 
 def main(argv: list[str] | None = None, run_rank: RankRun = run) -> int:
@@ -281,7 +270,9 @@ def main(argv: list[str] | None = None, run_rank: RankRun = run) -> int:
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(out)  # before the exit barrier: a peer's failure must not cost this rank's result
-    _watchdog(90.0)
+    watchdog = threading.Timer(90.0, _exit_hard)
+    watchdog.daemon = True
+    watchdog.start()
     if result.get("ok"):
         # Only a rank that succeeded waits for the others; the launcher kills a failed peer.
         try:

@@ -4,6 +4,7 @@ for every configuration, no restart per rep), the order rotated by one each rep 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 import time
@@ -38,13 +39,9 @@ def _turn(root: Path, rep: int, dp: int, deadline: float, finished: Callable[[],
 
 
 def run_interleaved(
-    specs: Sequence[RunSpec],
-    workdir: Path,
-    reps: int,
-    *,
-    timeout_s: float = 1800.0,
+    specs: Sequence[RunSpec], workdir: Path, reps: int, *, timeout_s: float = 1800.0,
     progress: Callable[[str], None] | None = None,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Launch every spec, then run turn ``rep r`` of each, the order rotated by ``r``. Turn files live in a
     folder made for this call, so an earlier run's engine cannot answer; past ``timeout_s`` no turn starts
     and every engine this process launched is killed."""
@@ -55,39 +52,32 @@ def run_interleaved(
     if len(set(labels)) != len(labels):
         raise ValueError(f"labels must be distinct (two runs would share one directory): {sorted(labels)}")
     token = f"run-{os.getpid()}-{time.monotonic_ns()}"
-    barriers = {}
-    for spec in specs:
-        clear_dir(workdir / spec.label / "barrier")
-        barriers[spec.label] = workdir / spec.label / "barrier" / token
-        barriers[spec.label].mkdir()
+    barriers = {spec.label: workdir / spec.label / "barrier" / token for spec in specs}
+    for folder in barriers.values():
+        clear_dir(folder.parent)
+        folder.mkdir()
     records: dict[str, dict[str, Any]] = {}
-    threads = []
-    for spec in specs:
 
-        def work(s: RunSpec = spec) -> None:
-            records[s.label] = launch(s, workdir, progress, barrier=barriers[s.label])
+    def work(s: RunSpec) -> None:
+        records[s.label] = launch(s, workdir, progress, barrier=barriers[s.label])
 
-        t = threading.Thread(target=work, daemon=True)
+    threads = [threading.Thread(target=work, args=(spec,), daemon=True) for spec in specs]
+    for t in threads:
         t.start()
-        threads.append(t)
     deadline = time.monotonic() + timeout_s
     total = int(specs[0].bench.get("warmup", 1)) + reps if specs and specs[0].bench else 0
     order: list[tuple[int, str]] = []
     expired = False
     try:
-        for rep in range(total):
-            shift = rep % len(specs)
-            for spec in [*specs[shift:], *specs[:shift]]:
-                finished = functools.partial(records.__contains__, spec.label)
-                outcome = _turn(barriers[spec.label], rep, spec.dp, deadline, finished)
-                if progress is not None:
-                    progress(f"rep {rep}: {spec.label} {outcome}")
-                if outcome == "done":
-                    order.append((rep, spec.label))
-                expired = outcome.endswith("(time limit)")
-                if expired:
-                    break
-            if expired:
+        for rep, i in itertools.product(range(total), range(len(specs))):
+            spec = specs[(rep + i) % len(specs)]  # the order rotated by one each rep
+            finished = functools.partial(records.__contains__, spec.label)
+            outcome = _turn(barriers[spec.label], rep, spec.dp, deadline, finished)
+            if progress is not None:
+                progress(f"rep {rep}: {spec.label} {outcome}")
+            if outcome == "done":
+                order.append((rep, spec.label))
+            if expired := outcome.endswith("(time limit)"):
                 break
     except BaseException:
         # The engines run in sessions of their own that SIGINT does not reach: kill them before leaving.

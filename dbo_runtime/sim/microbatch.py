@@ -21,11 +21,6 @@ class MicrobatchAborted(RuntimeError):
 
 
 @dataclass
-class _RunState:
-    aborted: bool = False
-
-
-@dataclass
 class MicrobatchContext:
     """One microbatch's thread-side context (vLLM's ``UBatchContext``)."""
 
@@ -33,7 +28,7 @@ class MicrobatchContext:
     wait_event: threading.Event
     signal_event: threading.Event
     barrier: threading.Barrier
-    run_state: _RunState = field(default_factory=_RunState)
+    aborted: threading.Event = field(default_factory=threading.Event)
     token_offset: int = 0
     compute_stream: Any = None
     comm_stream: Any = None
@@ -65,7 +60,7 @@ class MicrobatchContext:
         self.signal_event.set()
         self.wait_event.wait()
         self.wait_event.clear()
-        if self.run_state.aborted:
+        if self.aborted.is_set():
             raise MicrobatchAborted(f"microbatch {self.id}: the other microbatch failed")
         self._use(self.compute_stream)
 
@@ -112,7 +107,7 @@ def start_microbatches(
     """Start one parked thread per body; every body must yield the same number of times."""
     n = len(bodies)
     barrier = threading.Barrier(n + 1)
-    run_state = _RunState()
+    aborted = threading.Event()
     events = [threading.Event() for _ in range(n)]
     gpu_events: list[tuple[Any, Any]] = [(None, None)] * n
     if compute_stream is not None:
@@ -121,7 +116,7 @@ def start_microbatches(
         gpu_events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in range(n)]
     offsets, streams = token_offsets if token_offsets is not None else [0] * n, (compute_stream, comm_stream)
     contexts = [
-        MicrobatchContext(i, events[i], events[(i + 1) % n], barrier, run_state, offsets[i], *streams, *gpu_events[i])
+        MicrobatchContext(i, events[i], events[(i + 1) % n], barrier, aborted, offsets[i], *streams, *gpu_events[i])
         for i in range(n)
     ]
     results: dict[int, Any] = {}
@@ -143,7 +138,7 @@ def start_microbatches(
             if not isinstance(exc, MicrobatchAborted):
                 errors.append(exc)
             # Never leave the other microbatch parked forever: it unwinds at its next yield.
-            run_state.aborted = True
+            aborted.set()
             for other in contexts:
                 other.wait_event.set()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -111,16 +112,8 @@ class ScenarioResult:
         return {**asdict(self), "ok": self.ok, "steady_state_replans": self.steady_state_replans}
 
 
-class _SimIndexGroup:
-    """The fields of vLLM's ``SparseMLAIndexGroup`` that ``UbatchTopkState`` reads."""
-
-    def __init__(self, logical: torch.Tensor) -> None:
-        self.logical_topk_indices = logical
-        self.physical_topk_indices = logical
-        self.valid_topk_counts = torch.zeros(logical.shape[0], dtype=torch.int32, device=logical.device)
-        self.side_stream = None
-        self.has_indexer = True
-        self.num_layers = 2
+class _SimIndexGroup(types.SimpleNamespace):
+    """The fields of vLLM's ``SparseMLAIndexGroup`` that ``UbatchTopkState`` reads (a class: it is weakly referenced)."""
 
 
 class Scenario:
@@ -160,7 +153,10 @@ class Scenario:
         )
         self.topk.mark_model_buffer(self.logical)
         # Held for the scenario's lifetime: the per-microbatch state is anchored to the group.
-        self.topk_group = _SimIndexGroup(self.logical)
+        self.topk_group = _SimIndexGroup(
+            logical_topk_indices=self.logical, physical_topk_indices=self.logical, side_stream=None, has_indexer=True,
+            num_layers=2, valid_topk_counts=torch.zeros(b * n, dtype=torch.int32, device=self.dev),
+        )  # fmt: skip
         if config.isolate_topk:
             self.topk.attach(self.topk_group, 2, lambda: torch.cuda.Event() if self.dev.type == "cuda" else None)
         self.cache = IndexerScheduleCache(planner=backend, defer_plan_ahead=config.defer_plan_ahead)  # type: ignore[arg-type]
@@ -181,11 +177,8 @@ class Scenario:
         self.sched_buf = [torch.zeros((backend.total_sms + 1, 2), dtype=torch.int32, device=self.dev) for _ in range(2)]
         self.sched_full = torch.zeros((backend.total_sms + 1, 2), dtype=torch.int32, device=self.dev)
         self.schedules: list[torch.Tensor] = []
-        if self.dev.type == "cuda":
-            self.compute_stream = torch.cuda.Stream(device=self.dev)
-            self.comm_stream = torch.cuda.Stream(device=self.dev)
-        else:
-            self.compute_stream = self.comm_stream = None
+        streams = [torch.cuda.Stream(device=self.dev) for _ in range(2)] if self.dev.type == "cuda" else [None, None]
+        self.compute_stream, self.comm_stream = streams
 
     def new_inputs(self) -> None:
         """Fresh contexts, block tables, queries and weights, copied in place."""
@@ -281,9 +274,8 @@ class Scenario:
         return {"logits": self.out_logits.clone(), "topk": self.out_topk.clone(), "follow": self.out_follow.clone()}
 
     def clear_outputs(self) -> None:
-        self.out_logits.zero_()
-        self.out_topk.zero_()
-        self.out_follow.zero_()
+        for out in (self.out_logits, self.out_topk, self.out_follow):
+            out.zero_()
 
     def join(self, run: Any) -> None:
         """Release and join the threads; outside a capture the caller's stream waits for them."""
@@ -338,12 +330,9 @@ CONTRASTS: tuple[Contrast, ...] = (
 
 
 def run_scenario(
-    config: ScenarioConfig,
-    backend: KernelBackend,
-    mode: Mode = "eager",
-    *,
+    config: ScenarioConfig, backend: KernelBackend, mode: Mode = "eager", *,
     progress: Callable[[int, int], None] | None = None,
-) -> ScenarioResult:
+) -> ScenarioResult:  # fmt: skip
     """Reference + DBO steps in ``mode`` (graph modes on a CUDA backend); never raises for a scenario failure
     (it is in the result)."""
     sc = Scenario(config, backend)

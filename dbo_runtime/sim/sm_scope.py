@@ -29,11 +29,7 @@ class SMControl(sm_control.SMControl):
 
     @contextmanager
     def partition(
-        self,
-        budget: SMBudget,
-        *,
-        comm_knob: SMKnob | None = None,
-        compute_knob: SMKnob | None = None,
+        self, budget: SMBudget, *, comm_knob: SMKnob | None = None, compute_knob: SMKnob | None = None
     ) -> Iterator[SMBudget]:
         token = self.enter(budget, comm_knob=comm_knob, compute_knob=compute_knob)
         try:
