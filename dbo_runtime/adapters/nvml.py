@@ -56,13 +56,9 @@ class NvmlGpu:
     memory_total_bytes: int | None = None
 
     @property
-    def cores_per_sm(self) -> int | None:
-        return cores_per_sm(self.compute_capability)
-
-    @property
     def sms_from_cores(self) -> int | None:
         """NVML cores / cores-per-SM: the cross-check for the CUDA SM count."""
-        cps = self.cores_per_sm
+        cps = cores_per_sm(self.compute_capability)
         if self.num_gpu_cores is None or not cps or self.num_gpu_cores % cps:
             return None
         return self.num_gpu_cores // cps
@@ -116,16 +112,12 @@ def _gpu(nvml: Any, index: int) -> NvmlGpu:
     cores = r("nvmlDeviceGetNumGpuCores", handle)
     memory = r("nvmlDeviceGetMemoryInfo", handle)
     return NvmlGpu(
-        index=index,
-        name=_text(r("nvmlDeviceGetName", handle)),
-        uuid=_text(r("nvmlDeviceGetUUID", handle)),
-        compute_capability=None if cc is None else (int(cc[0]), int(cc[1])),
-        num_gpu_cores=None if cores is None else int(cores),
-        mig_enabled=mig_enabled,
+        index=index, name=_text(r("nvmlDeviceGetName", handle)), uuid=_text(r("nvmlDeviceGetUUID", handle)),
+        compute_capability=None if cc is None else (int(cc[0]), int(cc[1])), mig_enabled=mig_enabled,
+        num_gpu_cores=None if cores is None else int(cores), mig_devices=_mig_devices(r, handle) if mig_enabled else (),
         attributes_multiprocessor_count=None if attrs is None else int(attrs.multiprocessorCount),
-        mig_devices=_mig_devices(r, handle) if mig_enabled else (),
         memory_total_bytes=None if memory is None else int(memory.total),
-    )
+    )  # fmt: skip
 
 
 def query(nvml: ModuleType | None = None) -> NvmlSnapshot:

@@ -69,10 +69,8 @@ def disabled_warning(environ: Mapping[str, str] | None = None) -> str | None:
     switch = read_switch("DBO_RUNTIME_DISABLE", environ)
     if not switch.on:
         return None
-    return (
-        f"DBO_RUNTIME_DISABLE={switch.raw}: nothing patched, nothing refused; --enable-dbo runs vLLM's own DBO "
-        "(the DeepGEMM schedule crash / wrong top-k on DSA models)"
-    )
+    return (f"DBO_RUNTIME_DISABLE={switch.raw}: nothing patched, nothing refused; --enable-dbo runs vLLM's own DBO "
+            "(the DeepGEMM schedule crash / wrong top-k on DSA models)")  # fmt: skip
 
 
 def settings_a_server_refuses(environ: Mapping[str, str] | None = None) -> list[Exception]:
@@ -94,13 +92,10 @@ def int_in(low: int, high: int) -> Any:
     """An argparse ``type``: an integer in ``[low, high]``."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text, 10)
-        except ValueError:
-            value = low - 1
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: allowed integers in [{low}, {high}]")
-        return value
+        with contextlib.suppress(ValueError):
+            if low <= (value := int(text, 10)) <= high:
+                return value
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: allowed integers in [{low}, {high}]")
 
     return parse
 

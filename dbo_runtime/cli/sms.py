@@ -100,36 +100,36 @@ def _hardware_rows() -> tuple[list[DeviceRow], dict[str, Any], dict[str, Any]]:
         used.update([found.index] if found is not None else [])
         return found
 
+    def counted(row: DeviceRow, cd: Any, nvml_sms: int | None, nvml_source: str) -> DeviceRow:
+        """The matched CUDA device's SM count, else NVML's; whether the counts agree."""
+        if cd is not None:
+            row.cuda_index, row.sms_cuda = cd.index, cd.multi_processor_count
+        row.sms, row.sms_source = (row.sms_cuda, "cuda") if row.sms_cuda is not None else (nvml_sms, nvml_source)
+        row.sms_source = None if row.sms is None else row.sms_source
+        row.sms_consistent = _agree(row.sms_cuda, row.sms_nvml_cores, row.sms_nvml_mig_attributes)
+        return row
+
     rows: list[DeviceRow] = []
     for g in snap.gpus if snap is not None else ():
         cd = None if g.mig_enabled else match(g.uuid, g.index)
+        cc, name = _cc(g.compute_capability), g.name or (cd.name if cd else "unknown NVIDIA GPU")
         row = DeviceRow(
-            str(g.index), "gpu", g.index, None if cd is None else cd.index, None, g.name or (cd.name if cd else "unknown NVIDIA GPU"),
-            uuid=g.uuid, compute_capability=_cc(g.compute_capability), sms_cuda=None if cd is None else cd.multi_processor_count,
+            str(g.index), "gpu", g.index, None, None, name, uuid=g.uuid, compute_capability=cc, mig_enabled=g.mig_enabled,
             sms_nvml_mig_attributes=g.attributes_multiprocessor_count, sms_nvml_cores=g.sms_from_cores,
-            nvml_gpu_cores=g.num_gpu_cores, cores_per_sm=g.cores_per_sm, mig_enabled=g.mig_enabled,
+            nvml_gpu_cores=g.num_gpu_cores, cores_per_sm=nvml.cores_per_sm(g.compute_capability),
         )  # fmt: skip
-        row.sms, row.sms_source = (row.sms_cuda, "cuda") if row.sms_cuda is not None else (row.sms_nvml_cores, "nvml-cores")
-        row.sms_consistent = _agree(row.sms_cuda, row.sms_nvml_cores, row.sms_nvml_mig_attributes)
-        rows.append(row)
+        rows.append(counted(row, cd, g.sms_from_cores, "nvml-cores"))
         for m in g.mig_devices:
-            mcd = match(m.uuid, None)
-            mrow = DeviceRow(
-                f"{g.index} MIG {m.slot}", "mig", g.index, None if mcd is None else mcd.index, m.slot, m.name or f"{row.name} MIG",
-                uuid=m.uuid, compute_capability=row.compute_capability, sms_cuda=None if mcd is None else mcd.multi_processor_count,
-                sms_nvml_mig_attributes=m.multiprocessor_count, mig_enabled=True,
+            row = DeviceRow(
+                f"{g.index} MIG {m.slot}", "mig", g.index, None, m.slot, m.name or f"{name} MIG", uuid=m.uuid,
+                compute_capability=cc, sms_nvml_mig_attributes=m.multiprocessor_count, mig_enabled=True,
             )  # fmt: skip
-            cuda = mrow.sms_cuda is not None
-            mrow.sms, mrow.sms_source = (mrow.sms_cuda, "cuda") if cuda else (mrow.sms_nvml_mig_attributes, "nvml-mig-attributes")
-            mrow.sms_consistent = _agree(mrow.sms_cuda, mrow.sms_nvml_mig_attributes)
-            rows.append(mrow)
+            rows.append(counted(row, match(m.uuid, None), m.multiprocessor_count, "nvml-mig-attributes"))
     rows += [
-        DeviceRow(f"cuda:{d.index}", "cuda", None, d.index, None, d.name, uuid=d.uuid, compute_capability=_cc(d.compute_capability),
-                  sms=d.multi_processor_count, sms_source="cuda", sms_cuda=d.multi_processor_count)
+        counted(DeviceRow(f"cuda:{d.index}", "cuda", None, None, None, d.name, uuid=d.uuid,
+                          compute_capability=_cc(d.compute_capability)), d, None, "cuda")
         for d in scan.devices if d.index not in used
     ]  # fmt: skip
-    for r in rows:
-        r.sms_source = None if r.sms is None else r.sms_source
     return rows, nvml_info, cuda_info
 
 

@@ -26,7 +26,6 @@ class Sweep:
     values: tuple[int, ...]
     default: int
     """The value the operator runs today: ``VLLM_DBO_COMM_SMS`` if set, else vLLM's default."""
-    ceiling: int
     total_sms: int
     notes: tuple[str, ...] = ()
 
@@ -38,10 +37,8 @@ def plan_sweep(
     if platform == "rocm":
         raise ConfigError("platform", platform, "cuda: on ROCm vLLM forces 0 comm SMs for DBO with DeepEP HT")
     if backend != TUNABLE_BACKEND:
-        why = (
-            "deepep_high_throughput: vLLM allows DBO with deepep_high_throughput, deepep_low_latency and nixl_ep, and "
-            "the last two reserve no comm SMs (max_sms_used() is 0)"
-        )
+        why = ("deepep_high_throughput: vLLM allows DBO with deepep_high_throughput, deepep_low_latency and nixl_ep, "
+               "and the last two reserve no comm SMs (max_sms_used() is 0)")  # fmt: skip
         if backend is None:
             raise StateError("--all2all-backend", "not given", why)
         raise ConfigError("--all2all-backend", backend, why + did_you_mean(backend, (TUNABLE_BACKEND,)))
@@ -66,11 +63,9 @@ def plan_sweep(
     if len(values) < 2:
         raise ConfigError("--values", raw_values, "at least one value besides the one in force today")
     for value in values:  # vLLM's policy must accept each, as the engine will see it
-        compute_budget(
-            total_sms=total_sms, platform="cuda", enable_dbo=True, expert_parallel=True, all2all_backend=backend,
-            env_comm_sms=str(value), compute_multiple=2,
-        )  # fmt: skip
-    return Sweep(tuple(values), default, ceiling, total_sms, tuple(notes))
+        compute_budget(total_sms=total_sms, platform="cuda", enable_dbo=True, expert_parallel=True,
+                       all2all_backend=backend, env_comm_sms=str(value), compute_multiple=2)  # fmt: skip
+    return Sweep(tuple(values), default, total_sms, tuple(notes))
 
 
 @dataclass
@@ -94,24 +89,18 @@ class Measurement:
 
 def measurement(value: int, record: Mapping[str, Any], metric: str, microbatch_key: str) -> Measurement:
     """From a harness record: per measured round, the max of ``metric`` over the ranks (``bench`` rows)."""
-    out = Measurement(value)
     if not record.get("ok"):
-        out.error = str(record.get("error") or "the engine run failed")
-        return out
+        return Measurement(value, error=str(record.get("error") or "the engine run failed"))
     ranks = [b.get("reps") or [] for b in (record.get("bench") or [])]
     if not ranks:
-        out.error = "no timings in the record"
-        return out
+        return Measurement(value, error="no timings in the record")
+    out = Measurement(value)
     by_rep: dict[int, list[float]] = {}
-    for rows in ranks:
-        for row in rows:
-            if row.get("warmup"):
-                continue
-            value_ms = row.get(metric)
-            built = row.get(microbatch_key)
-            if isinstance(built, int):
-                out.microbatched += built
-            if isinstance(value_ms, (int, float)) and isinstance(built, int) and built > 0:
+    for row in (row for rows in ranks for row in rows if not row.get("warmup")):
+        value_ms, built = row.get(metric), row.get(microbatch_key)
+        if isinstance(built, int):
+            out.microbatched += built
+            if isinstance(value_ms, (int, float)) and built > 0:
                 by_rep.setdefault(int(row["rep"]), []).append(float(value_ms))
     out.by_rep = {rep: max(times) for rep, times in by_rep.items() if len(times) == len(ranks)}
     if not out.by_rep:
@@ -161,38 +150,28 @@ def choose(measurements: Sequence[Measurement], default: int, *, min_gain: float
     for r in alternatives:
         r["p_value"] = sign_test_p(r["faster_rounds"], r["rounds"], len(alternatives))
     best = max(alternatives, key=lambda r: r["paired_speedup"], default=None)
-    confirmed = [
-        r for r in alternatives
-        if r["paired_speedup"] - 1 >= min_gain and r["faster_rounds"] == r["rounds"] >= need
-    ]  # fmt: skip
+    confirmed = [r for r in alternatives
+                 if r["paired_speedup"] - 1 >= min_gain and r["faster_rounds"] == r["rounds"] >= need]  # fmt: skip
     if confirmed:
         chosen = max(confirmed, key=lambda r: r["paired_speedup"])
-        reason = (
-            f"{chosen['paired_speedup'] - 1:.1%} faster than {default} (median of {chosen['rounds']} paired rounds, "
-            f"faster in every one; p = {chosen['p_value']:.3g})"
-        )
         value, chosen_speedup, p_value = chosen["comm_sms"], chosen["paired_speedup"], chosen["p_value"]
+        reason = (f"{chosen_speedup - 1:.1%} faster than {default} (median of {chosen['rounds']} paired rounds, "
+                  f"faster in every one; p = {p_value:.3g})")  # fmt: skip
     elif best is not None and best["paired_speedup"] > 1:
         value, chosen_speedup, p_value = default, 1.0, best["p_value"]
         gain = best["paired_speedup"] - 1
         if gain < min_gain:
             reason = f"{best['comm_sms']} measured {gain:.1%} faster, below --min-gain {min_gain:.0%}: keep {default}"
         else:
-            reason = (
-                f"{best['comm_sms']} measured {gain:.1%} faster but in {best['faster_rounds']} of {best['rounds']} "
-                f"paired rounds (confirming needs all of at least {need}, --reps {need}): keep {default}"
-            )
+            reason = (f"{best['comm_sms']} measured {gain:.1%} faster but in {best['faster_rounds']} of "
+                      f"{best['rounds']} paired rounds (confirming needs all of at least {need}, --reps {need}): "
+                      f"keep {default}")  # fmt: skip
     else:
         value, reason, chosen_speedup, p_value = default, f"{default} is the fastest value measured", 1.0, None
     doc.update(
-        verdict="measured",
-        best=best["comm_sms"] if best is not None and best["paired_speedup"] > 1 else default,
-        best_paired_speedup=max(best["paired_speedup"], 1.0) if best is not None else 1.0,
-        chosen=value,
-        chosen_speedup=chosen_speedup,
-        p_value=p_value,
-        rounds_needed=need,
-        reason=reason,
+        verdict="measured", best=best["comm_sms"] if best is not None and best["paired_speedup"] > 1 else default,
+        best_paired_speedup=max(best["paired_speedup"], 1.0) if best is not None else 1.0, chosen=value,
+        chosen_speedup=chosen_speedup, p_value=p_value, rounds_needed=need, reason=reason,
         setting=f"VLLM_DBO_COMM_SMS={value}",
-    )
+    )  # fmt: skip
     return doc

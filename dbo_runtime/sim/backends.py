@@ -87,10 +87,8 @@ class SimulatedDeepGemm:
         num_blocks = k.shape[0] // block_kv
         return q.float(), k.float().reshape(num_blocks, block_kv, k.shape[-1])
 
-    def logits(
-        self, q: Any, kv_cache: Any, weights: torch.Tensor, context_lens: torch.Tensor,
-        block_table: torch.Tensor, schedule: torch.Tensor, max_context_len: int,
-    ) -> torch.Tensor:
+    def logits(self, q: Any, kv_cache: Any, weights: torch.Tensor, context_lens: torch.Tensor,
+               block_table: torch.Tensor, schedule: torch.Tensor, max_context_len: int) -> torch.Tensor:  # fmt: skip
         batch, next_n, _, dim = q.shape
         slots = self.slots(self._num_sms, next_n)
         if schedule.shape[0] != slots + 1:
@@ -159,18 +157,15 @@ class DeepGemmBackend:
         kv[:, block_kv * dim :] = scale.reshape(num_blocks, block_kv).contiguous().view(torch.uint8)
         return q.to(torch.float8_e4m3fn), kv.view(num_blocks, block_kv, 1, dim + 4)
 
-    def logits(
-        self, q: Any, kv_cache: Any, weights: torch.Tensor, context_lens: torch.Tensor,
-        block_table: torch.Tensor, schedule: torch.Tensor, max_context_len: int,
-    ) -> torch.Tensor:
+    def logits(self, q: Any, kv_cache: Any, weights: torch.Tensor, context_lens: torch.Tensor,
+               block_table: torch.Tensor, schedule: torch.Tensor, max_context_len: int) -> torch.Tensor:  # fmt: skip
         batch, next_n = q.shape[0], q.shape[1]
         capturing = self.capturing()
         self.jit.note("logits", batch, self.slots(self.get_num_sms(), next_n), capturing)
+        kernel = self.dg.fp8_fp4_paged_mqa_logits
         try:
-            return self.dg.fp8_fp4_paged_mqa_logits(
-                (q, None), kv_cache, weights, context_lens, block_table, schedule, max_context_len,
-                **logits_options(self.dg.fp8_fp4_paged_mqa_logits),
-            )
+            args = (q, None), kv_cache, weights, context_lens, block_table, schedule, max_context_len
+            return kernel(*args, **logits_options(kernel))
         except RuntimeError as exc:
             if "_schedule_meta_size" in str(exc):
                 raise ScheduleAssertion(str(exc)) from exc

@@ -113,7 +113,7 @@ class ScenarioResult:
 
 
 class _SimIndexGroup(types.SimpleNamespace):
-    """The fields of vLLM's ``SparseMLAIndexGroup`` that ``UbatchTopkState`` reads (a class: it is weakly referenced)."""
+    """The fields of vLLM's ``SparseMLAIndexGroup`` that ``UbatchTopkState`` reads (a class: weakly referenced)."""
 
 
 class Scenario:
