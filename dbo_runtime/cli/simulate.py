@@ -88,9 +88,8 @@ def _run(args: argparse.Namespace) -> int:
     base = SMALL if args.preset == "small" else GLM53
     if backend.simulated and base is GLM53:
         base = dataclasses.replace(GLM53, steps=GLM53_CPU_STEPS, num_requests=GLM53_CPU_REQUESTS)
-    config = dataclasses.replace(
-        base, comm_sms=comm[0], seed=args.seed, topk_layout=layout, steps=args.steps or base.steps, num_requests=args.requests or base.num_requests
-    )
+    config = dataclasses.replace(base, comm_sms=comm[0], seed=args.seed, topk_layout=layout,
+                                 steps=args.steps or base.steps, num_requests=args.requests or base.num_requests)
     budget = budget_for(total=backend.total_sms, comm=comm, platform="cuda", all2all_backend="deepep_high_throughput", sm_major=backend.sm_major)
     warnings += split_warnings(budget)
     for line in warnings:

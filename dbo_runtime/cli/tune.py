@@ -14,8 +14,7 @@ from typing import Any
 from dbo_runtime.cli import _engine
 from dbo_runtime.cli._common import EXIT_INCONCLUSIVE, EXIT_NO_DEVICE, int_in, print_json, print_table, say
 from dbo_runtime.cli._engine import engine_arg, has_flag, prepare
-from dbo_runtime.core import comm_sweep
-from dbo_runtime.core.comm_sweep import DEFAULT_VALUES, Sweep, choose, measurement, plan_sweep
+from dbo_runtime.core.comm_sweep import ALPHA, DEFAULT_VALUES, Sweep, choose, measurement, plan_sweep, rounds_needed
 from dbo_runtime.core.errors import ConfigError
 
 SCHEMA = "dbo-runtime/tune/v1"
@@ -50,12 +49,11 @@ def options(args: argparse.Namespace) -> argparse.Namespace:
 
 def check_reps(opts: argparse.Namespace, sweep: Sweep) -> argparse.Namespace:
     """``--reps`` (default: what the sign test needs): fewer rounds could only ever say "keep today's"."""
-    others = len(sweep.values) - 1
-    need = comm_sweep.rounds_needed(others, comm_sweep.ALPHA)
+    need = rounds_needed(len(sweep.values) - 1, ALPHA)
     if opts.reps is None:
         return argparse.Namespace(**{**vars(opts), "reps": max(7, need)})
     if opts.reps < need:
-        raise ConfigError("--reps", opts.reps, f">= {need} to confirm one of {len(sweep.values)} values at {comm_sweep.ALPHA:.0%}; or fewer --values")
+        raise ConfigError("--reps", opts.reps, f">= {need} to confirm one of {len(sweep.values)} values at {ALPHA:.0%}; or fewer --values")
     return opts
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -71,9 +72,9 @@ def compare(reference: Sequence[Request], other: Sequence[Request]) -> Compariso
     """Compare ``other`` against ``reference`` (matched by ``index``)."""
     by_index = {r.index: r for r in other}
     out = Comparison()
-    prefix_sum = dsum = exact_sum = 0.0
-    exact_n = 0
+    prefix_sum = 0.0
     per_request: list[float] = []
+    marks: list[tuple[str, float]] = []  # _dlogprob of each position compared
     for ref in sorted(reference, key=lambda r: r.index):
         n = len(ref.tokens)
         out.tokens += n
@@ -91,23 +92,18 @@ def compare(reference: Sequence[Request], other: Sequence[Request]) -> Compariso
         out.first_divergences.append(first)
         out.exact_requests += first is None and len(test.tokens) == n
         prefix_sum += (n if first is None else first) / n if n else 1.0
-        for pos in range(n if first is None else first + 1):
-            kind, d = _dlogprob(ref, test, pos)
-            out.dlogprob_missing += kind == "missing"
-            out.nonfinite_logprobs += kind == "nonfinite"
-            if kind in ("missing", "nonfinite"):
-                continue
-            out.dlogprob_bounded += kind == "bound"
-            if kind == "exact":
-                exact_sum, exact_n = exact_sum + d, exact_n + 1
-            out.dlogprob_positions += 1
-            dsum += d
-            out.max_abs_dlogprob = max(out.max_abs_dlogprob, d)
+        marks += [_dlogprob(ref, test, pos) for pos in range(n if first is None else first + 1)]
+    n_of = Counter(kind for kind, _ in marks)
+    out.dlogprob_missing, out.nonfinite_logprobs = n_of["missing"], n_of["nonfinite"]
+    counted = [d for kind, d in marks if kind in ("exact", "bound")]
+    exact = [d for kind, d in marks if kind == "exact"]
+    out.dlogprob_positions, out.dlogprob_bounded = len(counted), n_of["bound"]
+    out.max_abs_dlogprob = max(counted, default=0.0)
     total_requests = out.requests + len(out.missing_requests)
     out.agreement = out.equal_tokens / out.tokens if out.tokens else 1.0
     out.prefix_agreement = prefix_sum / total_requests if total_requests else 1.0
-    out.mean_abs_dlogprob = dsum / out.dlogprob_positions if out.dlogprob_positions else 0.0
-    out.mean_abs_dlogprob_exact = exact_sum / exact_n if exact_n else 0.0
+    out.mean_abs_dlogprob = sum(counted) / len(counted) if counted else 0.0
+    out.mean_abs_dlogprob_exact = sum(exact) / len(exact) if exact else 0.0
     if len(per_request) > 1:
         out.agreement_se = statistics.stdev(per_request) / math.sqrt(len(per_request))
     return out

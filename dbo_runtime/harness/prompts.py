@@ -1,6 +1,5 @@
 """Deterministic prompts: synthetic token ids (no tokenizer needed, the same on every rank and run, so
-runs compare request by request) or an operator's prompt file.
-"""
+runs compare request by request) or an operator's prompt file."""
 
 from __future__ import annotations
 

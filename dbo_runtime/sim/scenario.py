@@ -4,11 +4,10 @@ followers (what corrupts shared top-k state), under ``SMControl.partition`` (wha
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import types
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -62,7 +61,7 @@ def for_backend(config: ScenarioConfig, backend: KernelBackend) -> ScenarioConfi
     """Real DeepGEMM only runs real indexer shapes: widen toy heads to GLM-5.3's 32 x 128."""
     if backend.simulated or (config.heads, config.head_dim) in DEEPGEMM_INDEXER_SHAPES:
         return config
-    return dataclasses.replace(config, heads=32, head_dim=128)
+    return replace(config, heads=32, head_dim=128)
 GLM53 = ScenarioConfig(num_requests=32, max_context=16384, heads=32, head_dim=128, index_topk=2048, steps=20)
 """GPU default: GLM-5.3 indexer shapes (32 heads x 128, block 64, top-k 2048)."""
 
@@ -147,10 +146,8 @@ class Scenario:
         # The model-wide logical top-k buffer (max_num_batched_tokens rows) and the services.
         self.logical = torch.zeros((b * n, config.index_topk), dtype=torch.int32, device=self.dev)
         self.comm_buf = torch.zeros(1024, device=self.dev)
-        self.topk = UbatchTopkState(
-            (lambda: current_ubatch()) if config.isolate_topk else (lambda: (0, 0)),
-            layout=TopkLayout(config.topk_layout),
-        )
+        locate = current_ubatch if config.isolate_topk else (lambda: (0, 0))
+        self.topk = UbatchTopkState(locate, layout=TopkLayout(config.topk_layout))
         self.topk.mark_model_buffer(self.logical)
         # Held for the scenario's lifetime: the per-microbatch state is anchored to the group.
         self.topk_group = _SimIndexGroup(
@@ -219,10 +216,8 @@ class Scenario:
             if self.cfg.fix_schedule and sms != builder_sms and self.cache.defer_plan_ahead:
                 # As the patched builder: record the rows and inputs; the first eager call site plans.
                 view = buf[: self.be.slots(sms, self.cfg.next_n) + 1]
-                self.cache.track_deferred(
-                    view, planned_sms=sms, block_kv=self.cfg.block_kv, next_n=self.cfg.next_n, context_lens=lens,
-                    indices=None,
-                )
+                self.cache.track_deferred(view, planned_sms=sms, block_kv=self.cfg.block_kv, next_n=self.cfg.next_n,
+                                          context_lens=lens, indices=None)  # fmt: skip
                 self.cache.stats.planned_ahead += 1
                 self.schedules.append(view)
                 continue
@@ -230,9 +225,8 @@ class Scenario:
             view = buf[: planned.shape[0]]
             view.copy_(planned)
             if self.cfg.fix_schedule:
-                self.cache.track(
-                    view, planned_sms=sms, block_kv=self.cfg.block_kv, next_n=self.cfg.next_n, ahead=sms != builder_sms
-                )
+                self.cache.track(view, planned_sms=sms, block_kv=self.cfg.block_kv, next_n=self.cfg.next_n,
+                                 ahead=sms != builder_sms)  # fmt: skip
                 if ub is not None:
                     self.cache.stats.planned_ahead += int(sms != builder_sms)
             self.schedules.append(view)
@@ -250,9 +244,8 @@ class Scenario:
             buf = self.topk.logical(self.logical)
             if self.leaders[layer]:
                 sched = self.cache.resolve(schedule, lens, None, c.block_kv) if c.fix_schedule else schedule
-                logits = self.be.logits(
-                    self.q[leader_pos, reqs], self.kv_cache, self.weights[leader_pos, rows], lens, table, sched, c.max_context
-                )
+                logits = self.be.logits(self.q[leader_pos, reqs], self.kv_cache, self.weights[leader_pos, rows], lens,
+                                        table, sched, c.max_context)  # fmt: skip
                 masked = logits.masked_fill(~valid, float("-inf"))
                 order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, : c.index_topk].to(torch.int32)
                 buf[:nrows].copy_(order)
@@ -285,15 +278,12 @@ class Scenario:
 
     def start(self) -> Any:
         """Park the two microbatch threads; the compute stream first waits for the inputs."""
-        n = self.cfg.next_n
         if self.compute_stream is not None and not torch.cuda.is_current_stream_capturing():
             self.compute_stream.wait_stream(torch.cuda.current_stream())
+        bodies = [lambda ctx: self.forward(0, ctx), lambda ctx: self.forward(1, ctx)]
         return start_microbatches(
-            [lambda ctx: self.forward(0, ctx), lambda ctx: self.forward(1, ctx)],
-            token_offsets=[0, self.split[0] * n],
-            compute_stream=self.compute_stream,
-            comm_stream=self.comm_stream,
-            device=self.dev.index if self.dev.type == "cuda" else None,
+            bodies, token_offsets=[0, self.split[0] * self.cfg.next_n], compute_stream=self.compute_stream,
+            comm_stream=self.comm_stream, device=self.dev.index if self.dev.type == "cuda" else None,
         )
 
     def compare(self, ref: dict[str, torch.Tensor], step: int, phase: str, replans: int) -> StepCheck:
@@ -337,9 +327,8 @@ def run_scenario(
     (it is in the result)."""
     sc = Scenario(config, backend)
     n = len(sc.leader_ids)
-    result = ScenarioResult(
-        mode, backend.name, backend.simulated, asdict(config), sc.budget.describe(), n, config.num_layers - n
-    )
+    result = ScenarioResult(mode, backend.name, backend.simulated, asdict(config), sc.budget.describe(), n,
+                            config.num_layers - n)  # fmt: skip
     result.topk_extra_bytes = sc.topk.extra_bytes()
     graph: Any = None
     try:
