@@ -82,13 +82,6 @@ def _call(nvml: Any, name: str, *args: Any) -> Any:
         return None
 
 
-def _load() -> ModuleType:
-    try:
-        return importlib.import_module("pynvml")
-    except ImportError as exc:
-        raise NvmlUnavailable(f"nvidia-ml-py is not installed ({exc})") from None
-
-
 def _mig_devices(r: Callable[..., Any], handle: Any) -> tuple[NvmlMigDevice, ...]:
     count = r("nvmlDeviceGetMaxMigDeviceCount", handle)
     out: list[NvmlMigDevice] = []
@@ -122,7 +115,10 @@ def _gpu(nvml: Any, index: int) -> NvmlGpu:
 
 def query(nvml: ModuleType | None = None) -> NvmlSnapshot:
     """Snapshot every GPU NVML sees; raises ``NvmlUnavailable`` when NVML cannot start."""
-    module = nvml if nvml is not None else _load()
+    try:
+        module = nvml if nvml is not None else importlib.import_module("pynvml")
+    except ImportError as exc:
+        raise NvmlUnavailable(f"nvidia-ml-py is not installed ({exc})") from None
     error: type[BaseException] = module.NVMLError
     try:
         module.nvmlInit()

@@ -40,13 +40,12 @@ def has_flag(args: list[str], *names: str) -> bool:
 
 def split_engine_args(extra: list[str], command: str) -> tuple[list[str], int | None, list[str]]:
     """(engine arguments without the DP size and DBO flags, in vLLM's spelling; the DP size, None if not given; notes)."""
-    args = [normal_arg(a) for a in extra if a != "--"]
     notes: list[str] = []
     out: list[str] = []
     dp: int | None = None
-    i = 0
-    while i < len(args):
-        name, eq, value = args[i].partition("=")
+    tokens = (normal_arg(a) for a in extra if a != "--")
+    for arg in tokens:
+        name, eq, value = arg.partition("=")
         if name == "--config":
             raise StateError("--config", "given", f"left out ({command} takes engine arguments on the command line only)")
         if name in UNSUPPORTED_FLAGS:
@@ -55,14 +54,12 @@ def split_engine_args(extra: list[str], command: str) -> tuple[list[str], int | 
             notes.append(f"{name} ignored: {command} sets DBO itself")
         elif name in DP_SIZE_FLAGS:
             if not eq:
-                i += 1
-                value = args[i] if i < len(args) else ""
+                value = next(tokens, "")
             if not value.isdigit():
                 raise ConfigError(name, value, DP_RULE.format(command=command))
             dp = int(value)
         else:
-            out.append(args[i])
-        i += 1
+            out.append(arg)
     if out and not out[0].startswith("-"):
         out = ["--model", *out]  # `vllm serve MODEL ...`: the positional model
     model = engine_arg(out, "--model")
@@ -74,13 +71,12 @@ def split_engine_args(extra: list[str], command: str) -> tuple[list[str], int | 
 
 def prepare(extra: list[str], command: str, *, expert_parallel: bool) -> tuple[list[str], int, list[str]]:
     """(engine arguments, DP size, notes) after every check an engine would fail, before any starts."""
+    from dbo_runtime.cli._split import comm_sms_problem
     from dbo_runtime.core.cli_support import vllm_setting_problems
     from dbo_runtime.core.settings import setting_problems
 
     engine_args, given_dp, notes = split_engine_args(extra, command)
     dp = require_dbo_parallelism(engine_args, given_dp, command, expert_parallel=expert_parallel)
-    from dbo_runtime.cli._split import comm_sms_problem
-
     backend = engine_arg(engine_args, "--all2all-backend")
     for problem in (qp_depth_problem(engine_args, os.environ), comm_sms_problem(os.environ, backend), *setting_problems(), *vllm_setting_problems()):
         if problem is not None:

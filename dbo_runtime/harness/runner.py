@@ -170,10 +170,8 @@ def start(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) ->
     mine = for_rank(prompts, rank, size)
     if not mine:
         raise ValueError(f"DP rank {rank} has no prompt: give at least {size} prompts")
-    logprobs = int(spec.get("logprobs", 5))
-    params = SamplingParams(
-        temperature=0.0, max_tokens=int(spec["max_tokens"]), ignore_eos=True, logprobs=logprobs, detokenize=False
-    )
+    params = SamplingParams(temperature=0.0, max_tokens=int(spec["max_tokens"]), ignore_eos=True,
+                            logprobs=int(spec.get("logprobs", 5)), detokenize=False)  # fmt: skip
     return llm, params, [prompts[i] for i in mine], mine, vocab
 
 
