@@ -54,14 +54,6 @@ def _backend(kind: str, mode: str, total_sms: int) -> Any:
     return backend
 
 
-def _runs(no_contrast: bool, comm: int) -> list[Any]:
-    """The dbo_runtime run and the contrasts; with comm 0 vLLM never lowers DeepGEMM's count: only the top-k bug."""
-    from dbo_runtime.sim.scenario import CONTRASTS, Contrast
-
-    contrasts = [Contrast(c.name, "topk-mismatch", c.overrides) if comm == 0 and c.expect == "assertion" else c for c in CONTRASTS]
-    return [Contrast("dbo_runtime", "pass", {}), *([] if no_contrast else contrasts)]
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
@@ -75,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from dbo_runtime.core.cli_support import vllm_setting_problems
     from dbo_runtime.core.settings import LAYOUT_ENV, parse_layout, warm_max_batch
-    from dbo_runtime.sim.scenario import GLM53, SMALL, for_backend, run_scenario
+    from dbo_runtime.sim.scenario import CONTRASTS, GLM53, SMALL, Contrast, for_backend, run_scenario
 
     warnings = switch_problems()
     # the environment a server would read, refused here as a server would refuse it
@@ -97,7 +89,10 @@ def _run(args: argparse.Namespace) -> int:
     disabled = _common.disabled_warning()
     warnings += [disabled] if disabled else []
     config = for_backend(config, backend)
-    runs = _runs(args.no_contrast, int(config.comm_sms))
+    # the dbo_runtime run and the contrasts; with comm 0 vLLM never lowers DeepGEMM's count: only the top-k bug
+    contrasts = [Contrast(c.name, "topk-mismatch", c.overrides) if int(config.comm_sms) == 0 and c.expect == "assertion"
+                 else c for c in CONTRASTS]
+    runs = [Contrast("dbo_runtime", "pass", {}), *([] if args.no_contrast else contrasts)]
     results: list[tuple[Any, Any]] = []
     for c in runs:
 

@@ -121,9 +121,8 @@ def sign_test_p(faster: int, rounds: int, alternatives: int) -> float:
 
 
 def choose(measurements: Sequence[Measurement], default: int, *, min_gain: float, alpha: float = ALPHA) -> dict[str, Any]:
-    """The verdict: the curve, ``best`` (the fastest value measured) and ``chosen`` (the one to set).
-    Values are compared with the default within each round, so drift cancels; ``best`` and ``chosen``
-    differ when the fastest is not confirmed."""
+    """The verdict: the curve, ``best`` (the fastest value measured) and ``chosen`` (the one to set: not ``best``
+    where that is not confirmed). Values are compared with the default within each round, so drift cancels."""
     usable = [m for m in measurements if m.by_rep]
     base = next((m for m in usable if m.value == default), None)
     curve: list[dict[str, Any]] = []

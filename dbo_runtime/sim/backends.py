@@ -1,6 +1,5 @@
-"""The DBO scenario's kernels: real DeepGEMM on a GPU, or a CPU simulation (``sim.reference_planner``) with the
-same SM count, planner, capture probes and the logits kernel's schedule assertion, so the crash and its fix show
-on a CPU as on the GPU."""
+"""The DBO scenario's kernels: real DeepGEMM on a GPU, or a CPU simulation (``sim.reference_planner``) with its SM
+count, planner, capture probes and the logits kernel's schedule assertion, so the crash and its fix show on a CPU."""
 
 from __future__ import annotations
 
