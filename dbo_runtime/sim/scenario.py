@@ -219,16 +219,15 @@ class Scenario:
                 self.cache.track_deferred(view, planned_sms=sms, block_kv=self.cfg.block_kv, next_n=self.cfg.next_n,
                                           context_lens=lens, indices=None)  # fmt: skip
                 self.cache.stats.planned_ahead += 1
-                self.schedules.append(view)
-                continue
-            planned = self.be.plan(lens, self.cfg.block_kv, sms)
-            view = buf[: planned.shape[0]]
-            view.copy_(planned)
-            if self.cfg.fix_schedule:
-                self.cache.track(view, planned_sms=sms, block_kv=self.cfg.block_kv, next_n=self.cfg.next_n,
-                                 ahead=sms != builder_sms)  # fmt: skip
-                if ub is not None:
-                    self.cache.stats.planned_ahead += int(sms != builder_sms)
+            else:
+                planned = self.be.plan(lens, self.cfg.block_kv, sms)
+                view = buf[: planned.shape[0]]
+                view.copy_(planned)
+                if self.cfg.fix_schedule:
+                    self.cache.track(view, planned_sms=sms, block_kv=self.cfg.block_kv, next_n=self.cfg.next_n,
+                                     ahead=sms != builder_sms)  # fmt: skip
+                    if ub is not None:
+                        self.cache.stats.planned_ahead += int(sms != builder_sms)
             self.schedules.append(view)
 
     def forward(self, ub: int | None, ctx: MicrobatchContext | None) -> None:
