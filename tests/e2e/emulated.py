@@ -297,6 +297,10 @@ def engine_main(spec_path: str, out_path: str) -> int:
     import torch
 
     result["device"] = torch.cuda.get_device_name(0)
+    from dbo_runtime.integration.plugin import installed_patch_set
+
+    patch_set = installed_patch_set()  # the engine core runs in this process
+    result["dbo_runtime"] = patch_set is not None and patch_set.installed
     save()
     vocab = int(llm.llm_engine.model_config.get_vocab_size())
     greedy = {"temperature": 0.0, "ignore_eos": True, "detokenize": False}
@@ -381,6 +385,13 @@ def _load(out: Path, engine: Engine) -> dict[str, Any]:
     text = log.read_text(errors="replace") if log.exists() else ""
     result["assertion_seen"] = ASSERTION in text
     result["log_tail"] = text[-600:]
+    if result.get("ok") and result.get("dbo_runtime", engine.plugin) is not engine.plugin:
+        # a pair of engines that are both vanilla (or both patched) would pass every row without testing anything
+        result["ok"] = False
+        result["log_tail"] = (
+            f"{engine.label} ran with dbo_runtime {'not ' if engine.plugin else ''}installed: vLLM "
+            f"{'did not find' if engine.plugin else 'found'} its entry point (install the project into the site vLLM runs from)"
+        )
     return result
 
 

@@ -246,6 +246,25 @@ def test_a_transparency_floor_engine_that_was_planned_but_did_not_run_leaves_no_
     assert rec["pass"] is False and "out of memory" in rec["error"][0]
 
 
+@pytest.mark.parametrize("unpatched", ["plugin", "vanilla"])
+def test_a_pair_whose_engines_did_not_load_what_their_labels_say_leaves_no_verdict(tmp_path: Path, unpatched: str) -> None:
+    """A "plugin" engine that vLLM started without dbo_runtime (its entry point not installed) makes two vanilla
+    engines agree: that is an error naming the engine, never a pass."""
+    engines = [e for e, _ in emulated.needs("t-eager", emulated.Settings("glm53"))]
+    for engine in engines:
+        _write_results(tmp_path, engine, _requests(-1.0))
+        result = json.loads((tmp_path / f"{engine.label}.json").read_text())
+        wrong = engine.plugin if unpatched == "plugin" else not engine.plugin and engine.replica == 0
+        result["dbo_runtime"] = engine.plugin is not wrong
+        (tmp_path / f"{engine.label}.json").write_text(json.dumps(result))
+    rec = emulated.verdict("t-eager", emulated.Settings("glm53"), tmp_path)
+    assert rec["pass"] is False and "dbo_runtime" in " ".join(rec["error"])
+    for engine in engines:  # the same results, each engine as its label says: a verdict
+        result = json.loads((tmp_path / f"{engine.label}.json").read_text())
+        (tmp_path / f"{engine.label}.json").write_text(json.dumps({**result, "dbo_runtime": engine.plugin}))
+    assert emulated.verdict("t-eager", emulated.Settings("glm53"), tmp_path)["pass"] is True
+
+
 def test_judge_and_plan_refuse_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "transparency.jsonl").write_text("")
     assert emulated.main(["judge", "--out", str(tmp_path), "--rows", "t-eager"]) == 2

@@ -31,6 +31,9 @@ WORK=${EMU_WORK:-/tmp/emulated}
 if [ "${EMU_INSTALLED-0}" != 1 ]; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
 fi
+# without the entry point vLLM never loads the plugin, and every "plugin" engine would run vanilla
+python3 -c 'import importlib.metadata as m, sys; sys.exit(not any(e.name == "dbo_runtime" for e in m.entry_points(group="vllm.general_plugins")))' || {
+  echo "session-emulated.sh: vLLM cannot find dbo_runtime's entry point: EMU_INSTALLED=1 is allowed only once the project is installed in /tmp/site (leave it unset to install it here)" >&2; exit 2; }
 rm -rf "$WORK" && mkdir -p "$WORK"
 echo "engines: $(echo "$checked" | tr '\n' ';')"
 # the engines stop 20 s before the limit, so the records are written for whatever ran
