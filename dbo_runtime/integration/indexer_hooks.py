@@ -208,19 +208,14 @@ def register_builder(builder: Any, device_index: int | None = None) -> PlannerPr
     per_token = flat or varlen
     max_seqs, max_tokens = int(sched.max_num_seqs), int(sched.max_num_batched_tokens)
     profile = PlannerProfile(
-        device=builder.device,
-        block_kv=int(builder.kv_cache_spec.num_states),
+        device=builder.device, block_kv=int(builder.kv_cache_spec.num_states),
         shapes=dbo_planner_shapes(
-            max_num_seqs=max_seqs,
-            max_num_batched_tokens=max_tokens,
-            num_speculative_tokens=speculative,
+            max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, num_speculative_tokens=speculative,
             capture_sizes=tuple(compilation.cudagraph_capture_sizes or ()) if full_graphs else (),
             num_ubatches=int(parallel.num_ubatches) if parallel.use_ubatching else 2,
-            decode_token_threshold=int(parallel.dbo_decode_token_threshold),
-            per_token_rows=per_token,
+            decode_token_threshold=int(parallel.dbo_decode_token_threshold), per_token_rows=per_token,
         ),
-        varlen=varlen,
-        max_rows=min(max_seqs * q, max_tokens) if per_token else min(max_seqs, max_tokens),
+        varlen=varlen, max_rows=min(max_seqs * q, max_tokens) if per_token else min(max_seqs, max_tokens),
         width=1 if per_token else q,
     )
     if not parallel.use_ubatching:  # nothing microbatches: vLLM's own planning, untouched
@@ -267,10 +262,7 @@ def _start_serving() -> None:
             "dbo_runtime: start-up cost: %d paged-MQA planner variants compiled at load in %.1f s (%d failed), %d "
             "more met first by vLLM's own start-up runs; every later first launch counts as jit_in_step "
             "(a persistent DG_JIT_CACHE_DIR makes the next start cheap)",
-            stats.warmups,
-            stats.warm_ns / 1e9,
-            stats.warm_failures,
-            stats.jit_at_start,
+            stats.warmups, stats.warm_ns / 1e9, stats.warm_failures, stats.jit_at_start,
         )
 
 
@@ -320,14 +312,8 @@ def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
 
     @shields_itself
     def fp8_fp4_paged_mqa_logits(
-        q: Any,
-        kv_cache: Any,
-        weights: Any,
-        context_lens: Any,
-        block_tables: Any,
-        schedule_metadata: Any,
-        max_model_len: int,
-        indices: Any = None,
+        q: Any, kv_cache: Any, weights: Any, context_lens: Any, block_tables: Any, schedule_metadata: Any,
+        max_model_len: int, indices: Any = None,
     ) -> Any:
         try:
             cache = _sc._CACHE or schedule_cache()
@@ -352,15 +338,8 @@ def _make_logits_with_dtype(original: Any, where: str) -> Any:
 
     @shields_itself
     def fp8_fp4_paged_mqa_logits(
-        q: Any,
-        kv_cache: Any,
-        weights: Any,
-        context_lens: Any,
-        block_tables: Any,
-        schedule_metadata: Any,
-        max_model_len: int,
-        logits_dtype: Any = float32,
-        indices: Any = None,
+        q: Any, kv_cache: Any, weights: Any, context_lens: Any, block_tables: Any, schedule_metadata: Any,
+        max_model_len: int, logits_dtype: Any = float32, indices: Any = None,
     ) -> Any:
         try:
             cache = _sc._CACHE or schedule_cache()
@@ -463,20 +442,14 @@ def _sm_writes_patch(name: str, module: str, attr: str) -> Patch:
         _restore_alias()
 
     return Patch(
-        name=name,
-        module=module,
-        attr=attr,
-        make=make,
-        anchors=(f"{DEEP_GEMM_WRAPPER}:set_num_sms", *write_timing()),
+        name=name, module=module, attr=attr, make=make, anchors=(f"{DEEP_GEMM_WRAPPER}:set_num_sms", *write_timing()),
         reason="mark the indexer call site's cached DeepGEMM SM count stale after every write, so the call site "
         "reads the count once per change instead of calling DeepGEMM's torch op (a dispatch and a GIL release) "
         "once per indexer layer; a write also ends the indexer hooks' stepping aside for the process",
         upstream_pr="none (a dbo_runtime cost measure)",
         removal="the call site stops asking DeepGEMM for its live count (vLLM records the planned count itself, #60732)",
-        lazy=True,
-        optional=True,
-        on_install=lambda: LIVE_NUM_SMS.watch(writer, _binding(module, attr)),
-        on_uninstall=uninstalled,
+        lazy=True, optional=True,
+        on_install=lambda: LIVE_NUM_SMS.watch(writer, _binding(module, attr)), on_uninstall=uninstalled,
     )
 
 
@@ -510,16 +483,10 @@ def _make_mrv2_prepare(original: Any) -> Any:
 def _logits_patch(label: str, module: str, caller: str, reason: str, removal: str, architectures: tuple[str, ...] = ()) -> Patch:
     """A module that binds the logits function by ``from``, and its caller there."""
     return Patch(
-        name=f"indexer.logits.{label}",
-        module=module,
-        attr="fp8_fp4_paged_mqa_logits",
+        name=f"indexer.logits.{label}", module=module, attr="fp8_fp4_paged_mqa_logits",
         make=functools.partial(_make_logits, where=f"indexer.logits.{label}"),
         anchors=(f"{DEEP_GEMM_WRAPPER}:fp8_fp4_paged_mqa_logits", f"{module}:{caller}"),
-        architectures=architectures,
-        reason=reason,
-        upstream_pr=UPSTREAM_PR,
-        removal=removal,
-        lazy=True,
+        architectures=architectures, reason=reason, upstream_pr=UPSTREAM_PR, removal=removal, lazy=True,
         runs_on_ubatch_thread=True,
         # until then every schedule matches the count in force: vLLM's own function
         armed_at_first_microbatch=True,
@@ -534,17 +501,13 @@ def patches() -> list[Patch]:
     )
     builder = functools.partial(Patch, module=INDEXER_MODULE, upstream_pr=UPSTREAM_PR, removal=removal_cache, lazy=True)
     plan_ahead = functools.partial(
-        Patch,
-        upstream_pr="none (improvement over #60732: zero steady-state re-plans)",
-        removal="vLLM passes the microbatch SM budget to the indexer builder",
-        lazy=True,
+        Patch, upstream_pr="none (improvement over #60732: zero steady-state re-plans)",
+        removal="vLLM passes the microbatch SM budget to the indexer builder", lazy=True,
         optional=True,  # without it the call site re-plans for the live count (#60732's path): slower, as correct
     )
     return [
         builder(
-            name="indexer.builder_init",
-            attr=f"{BUILDER}.__init__",
-            make=_make_builder_init,
+            name="indexer.builder_init", attr=f"{BUILDER}.__init__", make=_make_builder_init,
             reason="register the planner shapes vLLM will run microbatched (FULL capture sizes, the full "
             "max_num_seqs batch, from the builder's vLLM config) so the DBO SM count's planner is JIT-compiled "
             "at model load, never in a step or a capture",
@@ -553,9 +516,7 @@ def patches() -> list[Patch]:
             on_uninstall=lambda: guard.after_warm_up(_start_serving, remove=True),
         ),
         builder(
-            name="indexer.builder_planner",
-            attr="get_paged_mqa_logits_metadata",
-            make=_make_builder_planner,
+            name="indexer.builder_planner", attr="get_paged_mqa_logits_metadata", make=_make_builder_planner,
             anchors=(
                 f"{DEEP_GEMM_WRAPPER}:get_paged_mqa_logits_metadata",
                 f"{INDEXER_MODULE}:{BUILDER}.build",
@@ -566,16 +527,13 @@ def patches() -> list[Patch]:
             "call site instead of in build() (a FULL-graph replay re-plans in the graph and never reads it)",
         ),
         builder(
-            name="indexer.builder_build",
-            attr=f"{BUILDER}.build",
-            make=_make_build,
+            name="indexer.builder_build", attr=f"{BUILDER}.build", make=_make_build,
             reason="attach (planned SMs, block size, next_n) to each new decode schedule; a new build is a new "
             "cache entry. In a process whose engines never microbatch (and whose writes to DeepGEMM's count are "
             "watched) it steps aside, with the planner and call-site hooks: vLLM's build as it is",
         ),
         builder(
-            name="indexer.builder_update_draft",
-            attr=f"{BUILDER}.update_draft_decode_metadata",
+            name="indexer.builder_update_draft", attr=f"{BUILDER}.update_draft_decode_metadata",
             make=_make_update_draft,
             reason="seq_lens are rewritten in place: drop cached re-plans; re-plan for the schedule's own count "
             "(vLLM asserts an unchanged shape)",
@@ -585,9 +543,7 @@ def patches() -> list[Patch]:
         _logits_patch("glm5next", GLM5NEXT_MODULE, "sparse_attn_indexer_kpool", logits_reason + " (GLM-5-Next kpool indexer)",
                       removal_cache, architectures=("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration")),
         builder(
-            name="indexer.slice_planner",
-            module=SPARSE_ATTN_INDEXER_MODULE,
-            attr="get_paged_mqa_logits_metadata",
+            name="indexer.slice_planner", module=SPARSE_ATTN_INDEXER_MODULE, attr="get_paged_mqa_logits_metadata",
             make=_make_slice_planner,
             anchors=(
                 f"{DEEP_GEMM_WRAPPER}:get_paged_mqa_logits_metadata",
@@ -596,26 +552,18 @@ def patches() -> list[Patch]:
             reason="the SM100 chunked decode re-plans each row slice for the whole batch's planned count and runs "
             "the logits kernel on it: plan the slice for DeepGEMM's live count (DBO) and track it for the call site",
             # A cost measure: without it the call site re-plans the slice for the live count (one more planner).
-            optional=True,
-            runs_on_ubatch_thread=True,
-            armed_at_first_microbatch=True,
+            optional=True, runs_on_ubatch_thread=True, armed_at_first_microbatch=True,
         ),
         _sm_writes_patch("indexer.sm_writes.deep_gemm", DEEP_GEMM_WRAPPER, "set_num_sms"),
         _sm_writes_patch("indexer.sm_writes.ubatch_alias", UBATCH_UTILS, ALIAS),
         plan_ahead(
-            name="indexer.plan_ahead.mrv1",
-            runner="mrv1",
-            module=MRV1_RUNNER_MODULE,
-            attr="GPUModelRunner._build_attention_metadata",
-            make=_make_mrv1_build_attention_metadata,
+            name="indexer.plan_ahead.mrv1", runner="mrv1", module=MRV1_RUNNER_MODULE,
+            attr="GPUModelRunner._build_attention_metadata", make=_make_mrv1_build_attention_metadata,
             reason="metadata built with ubatch_slices is for a microbatched step: plan the schedule for the DBO "
             "compute count up front",
         ),
         plan_ahead(
-            name="indexer.plan_ahead.mrv2",
-            runner="mrv2",
-            module=MRV2_UBATCH_MODULE,
-            attr="UBatchRunner.prepare",
+            name="indexer.plan_ahead.mrv2", runner="mrv2", module=MRV2_UBATCH_MODULE, attr="UBatchRunner.prepare",
             make=_make_mrv2_prepare,
             # a deferred plan is safe only while FULL microbatched replays come from graphs captured after arming
             anchors=(f"{MRV2_UBATCH_MODULE}:UBatchRunner.prepare", "vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager"),
