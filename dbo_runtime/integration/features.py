@@ -18,9 +18,7 @@ Verdict = Literal[
 
 
 _PROBES = {
-    "param": fingerprints.has_param,
-    "member": fingerprints.has_member,
-    "call": fingerprints.calls,
+    "param": fingerprints.has_param, "member": fingerprints.has_member, "call": fingerprints.calls,
     "uses": fingerprints.uses,
 }
 

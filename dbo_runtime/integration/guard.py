@@ -87,14 +87,10 @@ def partitions_deep_gemm(parallel: Any, platform: str, stage: Stage) -> bool:
     backend = getattr(parallel, "all2all_backend", None)
     try:
         decision = decide_comm(
-            platform=platform,
-            enable_dbo=bool(getattr(parallel, "enable_dbo", False)),
-            expert_parallel=bool(getattr(parallel, "enable_expert_parallel", False)),
-            all2all_backend=backend,
-            env_comm_sms=os.environ.get("VLLM_DBO_COMM_SMS"),
-            has_all2all_manager=True,
-            max_sms_used=BACKEND_MAX_SMS_USED.get(str(backend)),
-            has_deep_gemm=_deep_gemm_present(stage),
+            platform=platform, enable_dbo=bool(getattr(parallel, "enable_dbo", False)),
+            expert_parallel=bool(getattr(parallel, "enable_expert_parallel", False)), all2all_backend=backend,
+            env_comm_sms=os.environ.get("VLLM_DBO_COMM_SMS"), has_all2all_manager=True,
+            max_sms_used=BACKEND_MAX_SMS_USED.get(str(backend)), has_deep_gemm=_deep_gemm_present(stage),
             allow_unknown_backend=True,
         )
     except ConfigError:
@@ -170,8 +166,7 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
         if row is None:
             return (
                 f"{head}: {shared}, and dbo_runtime does not know how this architecture hands top-k between layers, "
-                "so under DBO one microbatch could read the other's selection with no error. "
-                + ways_out()
+                "so under DBO one microbatch could read the other's selection with no error. " + ways_out()
             )
         if row.status == "refused":
             return f"{head}: {shared}, but {row.refusal}. " + ways_out()
@@ -191,8 +186,7 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
         if why:
             return (
                 f"{head}: DBO lowers DeepGEMM's SM count for the DSA indexer, and {why}; DeepGEMM would assert "
-                "'_schedule_meta_size == num_sms + 1' in the middle of serving. "
-                + ways_out(verified=VERIFIED)
+                "'_schedule_meta_size == num_sms + 1' in the middle of serving. " + ways_out(verified=VERIFIED)
                 + " (VLLM_DBO_COMM_SMS=0 also avoids the partition.)"
             )
     return ""
@@ -208,8 +202,7 @@ _WORKER_DEFINERS = ((WORKER_MODULE, "Worker"), ("vllm.v1.worker.worker_base", "W
 def _worker_hooks_missing() -> list[str]:
     """The worker entry points the guard wraps that this build lacks (read from source, before any worker)."""
     return [
-        f"Worker.{name}"
-        for name in WORKER_HOOKS
+        f"Worker.{name}" for name in WORKER_HOOKS
         if all(fingerprints.source_block(module, f"{cls}.{name}") is None for module, cls in _WORKER_DEFINERS)
     ]
 
@@ -298,8 +291,7 @@ def pending_required(runner: str | None = None) -> list[str]:
     if _PATCH_SET is None:
         return []
     return [
-        s.patch.name
-        for s in _PATCH_SET.status()
+        s.patch.name for s in _PATCH_SET.status()
         if s.state == "pending" and not s.patch.optional and (runner is None or s.patch.runner in (None, runner))
     ]
 
@@ -314,9 +306,7 @@ def _report_worker(vllm_config: Any, runner: str | None) -> None:
     if pending:
         logger.info(
             "dbo_runtime: %d patches never applied in this process because %s never imported their module: %s",
-            len(pending),
-            arch,
-            ", ".join(pending),
+            len(pending), arch, ", ".join(pending),
         )
     row = coverage.BY_ARCHITECTURE.get(arch)
     speculative = getattr(vllm_config, "speculative_config", None) is not None
@@ -328,8 +318,7 @@ def _report_worker(vllm_config: Any, runner: str | None) -> None:
                 "dbo_runtime: %s with speculative decoding under microbatching: %s, so one microbatch's MTP hidden "
                 "states can overwrite the other's before the drafter reads them (tokens stay correct; draft "
                 "acceptance drops)",
-                arch,
-                why,
+                arch, why,
             )
 
 
@@ -410,33 +399,25 @@ def _around_warm_up(original: Any) -> Any:
 
 def guard_patches() -> list[Patch]:
     veto = functools.partial(
-        Patch,
-        upstream_pr="none (vLLM has no plugin veto on a configuration)",
-        removal="the supported vLLM ships both DBO fixes for every DSA architecture",
-        anchors=(),
+        Patch, upstream_pr="none (vLLM has no plugin veto on a configuration)",
+        removal="the supported vLLM ships both DBO fixes for every DSA architecture", anchors=(),
     )
     return [
         veto(
-            name="guard.engine_config",
-            module="vllm.engine.arg_utils",
-            attr="EngineArgs.create_engine_config",
+            name="guard.engine_config", module="vllm.engine.arg_utils", attr="EngineArgs.create_engine_config",
             make=lambda original: _after(original, "config", lambda self, result: result),
             reason="refuse, before any worker starts, a DBO configuration whose model needs a dbo_runtime fix "
             "that is not in force in this vLLM build",
         ),
         veto(
-            name="guard.worker_load_model",
-            module=WORKER_MODULE,
-            attr="Worker.load_model",
+            name="guard.worker_load_model", module=WORKER_MODULE, attr="Worker.load_model",
             make=lambda original: _after(original, "worker", lambda self, result: getattr(self, "vllm_config", None)),
             reason="after the model is built (lazy patches applied or failed): refuse a DBO model whose fix is "
             "not in force in this worker",
             lazy=True,
         ),
         veto(
-            name="guard.worker_warm_up",
-            module=WORKER_MODULE,
-            attr="Worker.compile_or_warm_up_model",
+            name="guard.worker_warm_up", module=WORKER_MODULE, attr="Worker.compile_or_warm_up_model",
             make=_around_warm_up,
             reason="before vLLM's warm-up and graph capture (indexer builders and the KV cache exist by now): the "
             "same check",

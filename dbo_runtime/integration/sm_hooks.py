@@ -62,8 +62,7 @@ def _platform_name(platform: Any) -> str:
     if platform.is_rocm():
         return "rocm"
     raise ConfigError(
-        "current_platform",
-        getattr(platform, "device_name", type(platform).__name__),
+        "current_platform", getattr(platform, "device_name", type(platform).__name__),
         "cuda, rocm (vLLM's SM/CU control exists only on CUDA and ROCm)",
     )
 
@@ -104,21 +103,13 @@ def budget_from_vllm(parallel_config: Any) -> tuple[SMBudget, SMKnob | None, SMK
         _unknown_logged.add(backend)
         logger.info(
             "dbo_runtime: all2all backend %r is new to dbo_runtime; its SM split follows vLLM's policy with the "
-            "manager's max_sms_used()=%r",
-            backend,
-            max_sms_used,
+            "manager's max_sms_used()=%r", backend, max_sms_used,
         )
     budget = compute_budget(
-        total_sms=total,
-        platform=platform,
-        enable_dbo=bool(parallel_config.enable_dbo),
-        expert_parallel=bool(parallel_config.enable_expert_parallel),
-        all2all_backend=parallel_config.all2all_backend,
-        env_comm_sms=env_comm_sms,
-        has_all2all_manager=manager is not None,
-        max_sms_used=max_sms_used,
-        has_deep_gemm=deep_gemm_present,
-        device=device,
+        total_sms=total, platform=platform, enable_dbo=bool(parallel_config.enable_dbo),
+        expert_parallel=bool(parallel_config.enable_expert_parallel), all2all_backend=parallel_config.all2all_backend,
+        env_comm_sms=env_comm_sms, has_all2all_manager=manager is not None, max_sms_used=max_sms_used,
+        has_deep_gemm=deep_gemm_present, device=device,
         comm_cap=cap if isinstance(cap, int) and not isinstance(cap, bool) else None,
         compute_multiple=deep_gemm_compute_multiple(int(capability.major) if capability is not None else 0),
         allow_unknown_backend=True,
@@ -141,8 +132,7 @@ def create_sm_control_context(parallel_config: Any) -> DboSMControlContext:
         export_to_prometheus(control)
     except Exception as exc:
         logger.warning("dbo_runtime: Prometheus metrics not exported (%r); the engine runs without them", exc)
-    # Runs at UBatchWrapper / UBatchRunner construction (model load): the right
-    # moment for subscribers to warm per-SM-count kernels, outside any capture.
+    # UBatchWrapper / UBatchRunner construction (model load): subscribers warm per-SM-count kernels outside any capture
     control.announce(budget)
     activation.flush()
     logger.info("dbo_runtime: DBO SM budget on device %d: %s", budget.device, budget.describe())
@@ -160,31 +150,24 @@ def _replace(original: Any) -> Any:
 
 def patches() -> list[Patch]:
     patch = functools.partial(
-        Patch,
-        make=_replace,
+        Patch, make=_replace,
         reason=(
             "route DBO's compute/comm SM split through SMControl so subscribers (indexer schedule "
             "cache, planner warm-up) learn the budget before any kernel runs under it"
         ),
-        upstream_pr=UPSTREAM_PR,
-        removal="vLLM exposes an SM-budget callback from create_sm_control_context",
-        # Patched when the runner module is imported (in the worker), so the API-server
-        # process never imports CUDA-only runner code just because the plugin loaded.
+        upstream_pr=UPSTREAM_PR, removal="vLLM exposes an SM-budget callback from create_sm_control_context",
+        # patched at the runner module's import (in the worker): the API server never imports CUDA-only runner code
         lazy=True,
     )
     policy = ("vllm.v1.worker.ubatch_utils:create_sm_control_context", "vllm.v1.worker.ubatch_utils:SMControlContextManager")
     return [
         patch(
-            name="sm_control.mrv1",
-            runner="mrv1",
-            module="vllm.v1.worker.gpu_ubatch_wrapper",
+            name="sm_control.mrv1", runner="mrv1", module="vllm.v1.worker.gpu_ubatch_wrapper",
             attr="create_sm_control_context",
             anchors=(*policy, "vllm.v1.worker.gpu_ubatch_wrapper:UBatchWrapper.__init__"),
         ),
         patch(
-            name="sm_control.mrv2",
-            runner="mrv2",
-            module="vllm.v1.worker.gpu.ubatch_utils",
+            name="sm_control.mrv2", runner="mrv2", module="vllm.v1.worker.gpu.ubatch_utils",
             attr="create_sm_control_context",
             anchors=(*policy, "vllm.v1.worker.gpu.ubatch_utils:UBatchRunner.__init__"),
         ),

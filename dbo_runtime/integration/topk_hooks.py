@@ -81,9 +81,7 @@ WINDOW_BOUNDARIES = (
 
 FEATURES = [
     Feature(
-        coverage.TOPK_V32,
-        "per-microbatch top-k for shared index groups (vllm#60734)",
-        requires=("ubatch_guard",),
+        coverage.TOPK_V32, "per-microbatch top-k for shared index groups (vllm#60734)", requires=("ubatch_guard",),
         relies_on=WINDOW_BOUNDARIES,
         upstream=Upstream(
             "vllm#60734: index groups keep top-k state per microbatch",
@@ -211,11 +209,8 @@ def _refuse_unsupported(builder: Any, vllm_config: Any, state: UbatchTopkState) 
     if _hisparse(vllm_config):
         _refuse_hisparse()
     if not state.is_model_buffer(builder.logical_topk_indices):
-        _refuse(
-            vllm_config,
-            "its index groups use a top-k buffer that is not the CUDA DSA model's "
-            "(the torch.compiled generic DeepseekV2 path bakes it into its graph)",
-        )
+        _refuse(vllm_config, "its index groups use a top-k buffer that is not the CUDA DSA model's "
+                "(the torch.compiled generic DeepseekV2 path bakes it into its graph)")
 
 
 def _register_layer_patch(state: UbatchTopkState) -> Patch:
@@ -245,18 +240,14 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
                 log(
                     "dbo_runtime: per-microbatch top-k state for index groups with followers "
                     "(%s layout, %d groups so far, %d extra bytes)",
-                    state.layout,
-                    state.num_groups(),
-                    state.extra_bytes(),
+                    state.layout, state.num_groups(), state.extra_bytes(),
                 )
             return result
 
         return register_layer
 
     return _topk_patch(
-        name="topk.builder_register_layer",
-        module=_INDEX_GROUP,
-        attr="SparseMLAIndexGroupBuilder.register_layer",
+        name="topk.builder_register_layer", module=_INDEX_GROUP, attr="SparseMLAIndexGroupBuilder.register_layer",
         make=make,
         anchors=(f"{_INDEX_GROUP}:SparseMLAIndexGroupBuilder.register_layer", f"{_INDEX_GROUP}:SparseMLAIndexGroup"),
         reason="allocate/attach per-microbatch top-k state when a group gets a follower under DBO; "
@@ -267,10 +258,7 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
 
 def _group_method_patch(name: str, method: str, make: Any) -> Patch:
     return _per_access(
-        name=name,
-        module=_INDEX_GROUP,
-        attr=f"SparseMLAIndexGroup.{method}",
-        make=make,
+        name=name, module=_INDEX_GROUP, attr=f"SparseMLAIndexGroup.{method}", make=make,
         anchors=(f"{_INDEX_GROUP}:SparseMLAIndexGroup",),  # the view is right only while no other method touches its fields
         reason="run vLLM's conversion / ready-event record on the calling microbatch's physical "
         "workspace and events instead of the group's single copy",
@@ -295,16 +283,8 @@ def _convert_once_patch(state: UbatchTopkState) -> Patch:
         @shields_itself
         @functools.wraps(original)
         def _convert_once(
-            self: Any,
-            layer_index: int,
-            logical_topk_indices: Any,
-            req_id_per_token: Any,
-            block_table: Any,
-            block_size: int,
-            *,
-            block_stride_rows: int | None,
-            return_valid_counts: bool,
-            idx_mapping: Any = None,
+            self: Any, layer_index: int, logical_topk_indices: Any, req_id_per_token: Any, block_table: Any,
+            block_size: int, *, block_stride_rows: int | None, return_valid_counts: bool, idx_mapping: Any = None,
         ) -> Any:
             table = THREAD_TABLE
             try:
@@ -391,19 +371,12 @@ def _current_config() -> Any:
 
 
 def _descriptor_patch(
-    state: UbatchTopkState,
-    module: str,
-    cls: str,
-    *,
-    model: bool = False,
-    architectures: tuple[str, ...] = V32_ARCHITECTURES,
-    optional: bool = False,
+    state: UbatchTopkState, module: str, cls: str, *, model: bool = False,
+    architectures: tuple[str, ...] = V32_ARCHITECTURES, optional: bool = False,
 ) -> Patch:
     shared_by = ("MistralLarge4ForCausalLM", "DeepseekV41ForCausalLM") if module == _SPARSE_INDEXER else ()
     return _topk_patch(
-        name=f"topk.{cls}.{ATTR}",
-        module=module,
-        attr=f"{cls}.{ATTR}",
+        name=f"topk.{cls}.{ATTR}", module=module, attr=f"{cls}.{ATTR}",
         make=lambda original: TopkIndicesBufferAttr(state, marks_model_buffer=model),
         reason=(
             "the model's logical top-k buffer, marked as resolvable per microbatch at its assignment (model "
@@ -411,8 +384,7 @@ def _descriptor_patch(
             if model
             else "writers of the leader's top-k resolve the calling microbatch's logical buffer"
         ),
-        adds=True,
-        optional=optional,
+        adds=True, optional=optional,
         # also writes Mistral Large 4's and DeepSeek-V4.1's shared buffers
         architectures=(*architectures, *shared_by),
         runs_on_ubatch_thread=True,
@@ -443,10 +415,7 @@ def _shared_buffer_patch(state: UbatchTopkState) -> Patch:
         return property(topk_indices_buffer, fset, fdel, original.__doc__)
 
     return _per_access(
-        name=where,
-        module=_SPARSE_MLA,
-        attr=f"SharedTopkIndicesBuffer.{ATTR}",
-        make=make,
+        name=where, module=_SPARSE_MLA, attr=f"SharedTopkIndicesBuffer.{ATTR}", make=make,
         # windows are right only while every reader indexes from its own microbatch's row 0
         anchors=tuple(f"{_SPARSE_MLA}:{c}" for c in ("SharedTopkIndicesBuffer", "SparseMLACommonImpl", "SparseMLACommonMetadataBuilder")),
         reason="followers' sparse MLA impls read the calling microbatch's logical buffer",
@@ -489,10 +458,7 @@ def _fa4_scalars_patch(state: UbatchTopkState) -> Patch:
         return _fa4_varlen_scalars
 
     return _per_access(
-        name=FA4_SCALARS,
-        module=_FA4_SPARSE,
-        attr="_fa4_varlen_scalars",
-        make=make,
+        name=FA4_SCALARS, module=_FA4_SPARSE, attr="_fa4_varlen_scalars", make=make,
         reason="keep FA4's never-evicted varlen-scalar cache at one entry when microbatch 1 reads a window "
         "of the logical top-k buffer (a new window length per split point would leak device memory)",
         optional=True,
@@ -503,10 +469,7 @@ def patches(state: UbatchTopkState | None = None) -> list[Patch]:
     """All top-k patches, bound to ``state`` (the process registry by default)."""
     st = state if state is not None else default_state()
     return [
-        _register_layer_patch(st),
-        _convert_once_patch(st),
-        _ready_patch(st),
-        _shared_buffer_patch(st),
+        _register_layer_patch(st), _convert_once_patch(st), _ready_patch(st), _shared_buffer_patch(st),
         _descriptor_patch(st, _V32_ATTENTION, "DeepseekV32Attention"),
         _descriptor_patch(st, _V32_ATTENTION, "DeepseekV32Indexer"),
         _descriptor_patch(st, _SPARSE_INDEXER, "SparseAttnIndexer"),
