@@ -15,21 +15,9 @@ PLATFORMS: tuple[Platform, ...] = ("cuda", "rocm")
 DEFAULT_COMM_SMS: dict[Platform, int] = {"cuda": 20, "rocm": 64}
 
 ALL2ALL_BACKENDS: tuple[str, ...] = (
-    "naive",
-    "pplx",
-    "deepep_high_throughput",
-    "deepep_low_latency",
-    "deepep_v2",
-    "mori_high_throughput",
-    "mori_low_latency",
-    "moonep",
-    "mori",
-    "nixl_ep",
-    "allgather_reducescatter",
-    "flashinfer_all2allv",
-    "flashinfer_nvlink_two_sided",
-    "flashinfer_nvlink_one_sided",
-    "passthrough",
+    "naive", "pplx", "deepep_high_throughput", "deepep_low_latency", "deepep_v2", "mori_high_throughput",
+    "mori_low_latency", "moonep", "mori", "nixl_ep", "allgather_reducescatter", "flashinfer_all2allv",
+    "flashinfer_nvlink_two_sided", "flashinfer_nvlink_one_sided", "passthrough",
 )
 """vLLM's ``All2AllBackend`` values over every supported release (a contract test checks the installed one's)."""
 
@@ -49,11 +37,7 @@ def deep_gemm_compute_multiple(sm_major: int) -> int:
 
 
 #: ``max_sms_used()`` of each backend's all2all manager (None: the whole GPU; 0: no reservation).
-BACKEND_MAX_SMS_USED: dict[str, int | None] = {
-    "deepep_high_throughput": None,
-    "deepep_low_latency": 0,
-    "nixl_ep": 0,
-}
+BACKEND_MAX_SMS_USED: dict[str, int | None] = {"deepep_high_throughput": None, "deepep_low_latency": 0, "nixl_ep": 0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,15 +144,8 @@ class CommDecision:
 
 
 def decide_comm(
-    *,
-    platform: str,
-    enable_dbo: bool,
-    expert_parallel: bool,
-    all2all_backend: str | None,
-    env_comm_sms: object | None,
-    has_all2all_manager: bool,
-    max_sms_used: int | None,
-    has_deep_gemm: bool,
+    *, platform: str, enable_dbo: bool, expert_parallel: bool, all2all_backend: str | None,
+    env_comm_sms: object | None, has_all2all_manager: bool, max_sms_used: int | None, has_deep_gemm: bool,
     allow_unknown_backend: bool = False,
 ) -> CommDecision:
     """The comm share and knobs, in vLLM's order. ``allow_unknown_backend`` takes a backend vLLM added
@@ -195,19 +172,9 @@ def decide_comm(
 
 
 def compute_budget(
-    *,
-    total_sms: int,
-    platform: str,
-    enable_dbo: bool,
-    expert_parallel: bool,
-    all2all_backend: str | None,
-    env_comm_sms: object | None = None,
-    has_all2all_manager: bool = True,
-    max_sms_used: int | None = None,
-    has_deep_gemm: bool = True,
-    device: int = 0,
-    comm_cap: int | None = None,
-    compute_multiple: int = 1,
+    *, total_sms: int, platform: str, enable_dbo: bool, expert_parallel: bool, all2all_backend: str | None,
+    env_comm_sms: object | None = None, has_all2all_manager: bool = True, max_sms_used: int | None = None,
+    has_deep_gemm: bool = True, device: int = 0, comm_cap: int | None = None, compute_multiple: int = 1,
     allow_unknown_backend: bool = False,
 ) -> SMBudget:
     """vLLM's ``create_sm_control_context``, decision only, with one deliberate deviation: DeepGEMM's share is
@@ -222,15 +189,9 @@ def compute_budget(
     in_range = f"integers in [0, {total_sms - (compute_multiple if has_deep_gemm else 1)}] on this device ({total_sms} SMs)"
     try:
         decision = decide_comm(
-            platform=platform,
-            enable_dbo=enable_dbo,
-            expert_parallel=expert_parallel,
-            all2all_backend=all2all_backend,
-            env_comm_sms=env_comm_sms,
-            has_all2all_manager=has_all2all_manager,
-            max_sms_used=max_sms_used,
-            has_deep_gemm=has_deep_gemm,
-            allow_unknown_backend=allow_unknown_backend,
+            platform=platform, enable_dbo=enable_dbo, expert_parallel=expert_parallel, all2all_backend=all2all_backend,
+            env_comm_sms=env_comm_sms, has_all2all_manager=has_all2all_manager, max_sms_used=max_sms_used,
+            has_deep_gemm=has_deep_gemm, allow_unknown_backend=allow_unknown_backend,
         )
     except ConfigError as exc:  # not an integer >= 0: the same range as a share too large
         raise ConfigError(exc.parameter, exc.value, in_range) if exc.parameter == "VLLM_DBO_COMM_SMS" else exc from None
@@ -242,35 +203,23 @@ def compute_budget(
     reaches_deepep = min(comm, comm_cap) if comm_cap is not None else comm
     if decision.comm_knob and all2all_backend == "deepep_high_throughput" and reaches_deepep % 2:
         raise ConfigError(
-            "VLLM_DBO_COMM_SMS",
-            env_value,
+            "VLLM_DBO_COMM_SMS", env_value,
             f"even integers up to the DeepEP manager's {comm_cap}-SM ceiling, or values above it (vLLM clamps "
             "those to the ceiling); DeepEP's Buffer.set_num_sms asserts an even SM count",
         )
     idle = (total_sms - comm) % compute_multiple if compute_knob else 0
     if idle and total_sms - comm - idle <= 0:
         raise ConfigError(
-            "VLLM_DBO_COMM_SMS",
-            env_value,
+            "VLLM_DBO_COMM_SMS", env_value,
             f"integers in [0, {total_sms - compute_multiple}] on this device ({total_sms} SMs): DeepGEMM's count "
             f"must be a multiple of {compute_multiple} here ({EVEN_COMPUTE_WHY}), and {total_sms} - {comm} leaves fewer "
             "compute SMs than that",
         )
     return SMBudget(
-        total=total_sms,
-        comm=comm,
-        compute=total_sms - comm - idle,
-        device=device,
-        idle=idle,
+        total=total_sms, comm=comm, compute=total_sms - comm - idle, device=device, idle=idle,
         reason=BudgetReason(
-            platform=platform,
-            all2all_backend=all2all_backend,
-            env_comm_sms=env_value,
-            max_sms_used=decision.max_sms_used,
-            rocm_override=decision.rocm_override,
-            expert_parallel=expert_parallel,
-            comm_knob=decision.comm_knob,
-            compute_knob=compute_knob,
-            compute_multiple=compute_multiple,
+            platform=platform, all2all_backend=all2all_backend, env_comm_sms=env_value,
+            max_sms_used=decision.max_sms_used, rocm_override=decision.rocm_override, expert_parallel=expert_parallel,
+            comm_knob=decision.comm_knob, compute_knob=compute_knob, compute_multiple=compute_multiple,
         ),
     )
