@@ -44,10 +44,7 @@ class UbatchFailures:
                 logger.error(
                     "dbo_runtime: %s failed on DBO microbatch %d (%r); continuing the microbatch with a "
                     "placeholder so no thread is left waiting, and raising on the main thread after the join",
-                    where,
-                    ubatch,
-                    exc,
-                    exc_info=exc,
+                    where, ubatch, exc, exc_info=exc,
                 )
             else:
                 logger.debug("dbo_runtime: %s failed again on DBO microbatch %d: %r", where, ubatch, exc)

@@ -159,37 +159,25 @@ def patches() -> list[Patch]:
     patch = functools.partial(Patch, upstream_pr=UPSTREAM_PR, removal=REMOVAL, lazy=True)
     return [
         patch(
-            name="ubatch_guard.mrv1_run",
-            runner="mrv1",
-            module=MRV1_MODULE,
-            attr="UBatchWrapper._run_ubatches",
+            name="ubatch_guard.mrv1_run", runner="mrv1", module=MRV1_MODULE, attr="UBatchWrapper._run_ubatches",
             make=functools.partial(_checked_join, where="UBatchWrapper._run_ubatches"),
             reason="arm the per-access hooks before the first microbatched run's threads start; after the threads "
             "are joined, raise what dbo_runtime hooks recorded on them "
             "(they never raise there: a dead microbatch thread hangs the join and the DP group)",
         ),
         patch(
-            name="ubatch_guard.mrv1_capture",
-            runner="mrv1",
-            module=MRV1_MODULE,
-            attr="UBatchWrapper._capture_ubatches",
+            name="ubatch_guard.mrv1_capture", runner="mrv1", module=MRV1_MODULE, attr="UBatchWrapper._capture_ubatches",
             make=functools.partial(_checked_join, where="UBatchWrapper._capture_ubatches", drop_new_graphs=True),
             reason="same for a FULL-graph DBO capture; a graph captured with a placeholder is dropped",
         ),
         patch(
-            name="ubatch_guard.mrv2_finish",
-            runner="mrv2",
-            module=MRV2_MODULE,
-            attr="UBatchRunner.begin_capturable_run",
-            make=_make_mrv2_begin,
+            name="ubatch_guard.mrv2_finish", runner="mrv2", module=MRV2_MODULE,
+            attr="UBatchRunner.begin_capturable_run", make=_make_mrv2_begin,
             reason="wrap the returned finish() (and abort_pending_run's) so it raises what dbo_runtime hooks "
             "recorded on the microbatch threads after joining them",
         ),
         patch(
-            name=CONTEXT_ENTER,
-            module=UBATCHING,
-            attr="UBatchContext.__enter__",
-            make=_make_context_enter,
+            name=CONTEXT_ENTER, module=UBATCHING, attr="UBatchContext.__enter__", make=_make_context_enter,
             reason="every microbatch thread registers here: put the patches armed at the first microbatched run "
             "in force before its model code runs, on a path that reached microbatch threads without the join points",
             runs_on_ubatch_thread=True,

@@ -41,12 +41,9 @@ def _identity(worker: Any) -> dict[str, Any]:
     return {
         "dp_rank": getattr(parallel, "data_parallel_rank", None),
         "dp_size": getattr(parallel, "data_parallel_size", None),
-        "rank": getattr(worker, "rank", None),
-        "local_rank": getattr(worker, "local_rank", None),
-        "device": str(device) if device is not None else None,
-        "enable_dbo": getattr(parallel, "enable_dbo", None),
-        "all2all_backend": getattr(parallel, "all2all_backend", None),
-        "runner": _runner_kind(worker),
+        "rank": getattr(worker, "rank", None), "local_rank": getattr(worker, "local_rank", None),
+        "device": str(device) if device is not None else None, "enable_dbo": getattr(parallel, "enable_dbo", None),
+        "all2all_backend": getattr(parallel, "all2all_backend", None), "runner": _runner_kind(worker),
     }
 
 
@@ -76,24 +73,17 @@ def collect(worker: Any = None) -> dict[str, Any]:
         "microbatched_builds": snap["steps"]["microbatched_builds"],
         "partitions": sum(c["partitions_entered"] for c in snap["sm_control"].values()),
         "partition_s": sum(c["partition_seconds"] for c in snap["sm_control"].values()),
-        "replans_call_site": cache.get("replans", 0),
-        "replans_in_graph": cache.get("captured_replans", 0),
-        "replans_untracked": cache.get("untracked_replans", 0),
-        "planned_ahead": cache.get("planned_ahead", 0),
-        "warmups": cache.get("warmups", 0),
-        "warm_failures": cache.get("warm_failures", 0),
+        "replans_call_site": cache.get("replans", 0), "replans_in_graph": cache.get("captured_replans", 0),
+        "replans_untracked": cache.get("untracked_replans", 0), "planned_ahead": cache.get("planned_ahead", 0),
+        "warmups": cache.get("warmups", 0), "warm_failures": cache.get("warm_failures", 0),
         "warm_s": cache.get("warm_ns", 0) / 1e9,
-        "topk_groups_attached": snap["topk"]["groups_attached"],
-        "topk_shared_buffers": snap["topk"]["shared_buffers"],
+        "topk_groups_attached": snap["topk"]["groups_attached"], "topk_shared_buffers": snap["topk"]["shared_buffers"],
         "topk_extra_bytes": snap["topk"]["extra_bytes"],
-        "jit_in_step": cache.get("jit_in_step", 0),
-        "jit_at_start": cache.get("jit_at_start", 0),
+        "jit_in_step": cache.get("jit_in_step", 0), "jit_at_start": cache.get("jit_at_start", 0),
         "builders_stepped_aside": cache.get("builders_stepped_aside", 0),
         "indexer_steps_aside": bool(schedule_cache._CACHE is not None and schedule_cache._CACHE.steps_aside),
-        "armed_patches": snap["arming"]["armed_patches"],
-        "armable_patches": snap["arming"]["armable_patches"],
-        "patches_pending": len(pending),
-        "patches_broken": sum(1 for s in statuses if s.state == "broken"),
+        "armed_patches": snap["arming"]["armed_patches"], "armable_patches": snap["arming"]["armable_patches"],
+        "patches_pending": len(pending), "patches_broken": sum(1 for s in statuses if s.state == "broken"),
     }
     snap["pending_required"] = pending
     snap["features"] = {name: state.describe() for name, state in REGISTRY.all().items()}
@@ -113,16 +103,12 @@ def _make_method(existing: Any) -> Any:
 def patches() -> list[Patch]:
     return [
         Patch(
-            name="stats.worker_rpc",
-            module=WORKER_MODULE,
-            attr=f"Worker.{METHOD}",
-            make=_make_method,
+            name="stats.worker_rpc", module=WORKER_MODULE, attr=f"Worker.{METHOD}", make=_make_method,
             reason="expose dbo_runtime's per-worker counters to LLM.collective_rpc (offline runs, tests, "
             "dbo-runtime verify) without insecure serialization",
             upstream_pr="none (vLLM has no plugin RPC registry)",
             removal="vLLM lets a plugin register worker extension methods",
-            lazy=True,
-            adds=True,
+            lazy=True, adds=True,
             anchors=(),  # a method added by name; collective_rpc resolves it, no vLLM code relied on
         )
     ]

@@ -171,10 +171,7 @@ class PlannerWarmup:
             logger.info(
                 "dbo_runtime: compiling %d paged-MQA planner variants for %d SMs on device %d (%s; about 1-2 s each "
                 "on a cold DG_JIT_CACHE_DIR, milliseconds when cached)",
-                len(todo),
-                num_sms,
-                device_index,
-                policy.source,
+                len(todo), num_sms, device_index, policy.source,
             )
         for key, (profile, batch, width) in todo.items():
             try:
@@ -188,8 +185,7 @@ class PlannerWarmup:
                 if self.stats.warm_failures == 1:
                     logger.warning(
                         "dbo_runtime: planner warm-up for %d SMs failed (%r); the variant compiles on first use",
-                        num_sms,
-                        exc,
+                        num_sms, exc,
                     )
                 continue
             self._warmed.add(key)
@@ -201,11 +197,6 @@ class PlannerWarmup:
         if launched:
             logger.info(
                 "dbo_runtime: warmed %d paged-MQA planners for %d SMs on device %d in %.1f s (%s; %s)",
-                launched,
-                num_sms,
-                device_index,
-                elapsed / 1e9,
-                "DBO count" if dbo else "full GPU",
-                policy.source,
+                launched, num_sms, device_index, elapsed / 1e9, "DBO count" if dbo else "full GPU", policy.source,
             )
         return launched

@@ -201,10 +201,7 @@ class IndexerScheduleCache:
         live = self._num_sms
         captures = self._captures
         return (
-            state is not None
-            and live is not None
-            and captures.installed
-            and not captures.active
+            state is not None and live is not None and captures.installed and not captures.active
             and live() == state.planned_sms
         )
 

@@ -130,11 +130,7 @@ class SMControl:
                     "dbo_runtime: SM budget subscriber %r raised on %r (%s) and is skipped for this event; the SM "
                     "partition is unaffected. Further failures of this subscriber are counted in "
                     "SMControl.stats.subscriber_errors_by_name and logged at DEBUG: %r",
-                    sub.name,
-                    event.kind,
-                    event.budget.describe(),
-                    exc,
-                    exc_info=exc,
+                    sub.name, event.kind, event.budget.describe(), exc, exc_info=exc,
                 )
             else:
                 logger.debug("dbo_runtime: SM budget subscriber %r raised on %r again: %r", sub.name, event.kind, exc)
@@ -157,8 +153,7 @@ class SMControl:
     def _check_device(self, budget: SMBudget) -> None:
         if budget.device != self.device or budget.total != self.total_sms:
             raise ConfigError(
-                "budget",
-                f"device {budget.device} with {budget.total} SMs",
+                "budget", f"device {budget.device} with {budget.total} SMs",
                 f"device {self.device} with {self.total_sms} SMs (the SMControl it was given to)",
             )
 

@@ -79,12 +79,7 @@ class _GroupState:
     """Per-microbatch events, workspaces and cached views of one index group."""
 
     def __init__(
-        self,
-        owner: UbatchTopkState,
-        group: Any,
-        logical: _LogicalState,
-        layout: TopkLayout,
-        num_ubatches: int,
+        self, owner: UbatchTopkState, group: Any, logical: _LogicalState, layout: TopkLayout, num_ubatches: int,
         make_event: Callable[[], Any],
     ) -> None:
         self.owner = owner
@@ -108,14 +103,9 @@ class _GroupState:
             physical = group.physical_topk_indices[offset:]
             valid = group.valid_topk_counts[offset:]
         view = GroupView(
-            logical_topk_indices=group.logical_topk_indices,
-            physical_topk_indices=physical,
-            valid_topk_counts=valid,
-            side_stream=group.side_stream,
-            logical_topk_ready=logical_ready,
-            physical_topk_ready=physical_ready,
-            has_indexer=group.has_indexer,
-            num_layers=group.num_layers,
+            logical_topk_indices=group.logical_topk_indices, physical_topk_indices=physical, valid_topk_counts=valid,
+            side_stream=group.side_stream, logical_topk_ready=logical_ready, physical_topk_ready=physical_ready,
+            has_indexer=group.has_indexer, num_layers=group.num_layers,
             stream_of=getattr(type(group), "_current_stream", None),
         )
         self.cache[ubatch] = (offset, view)
