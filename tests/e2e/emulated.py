@@ -701,6 +701,14 @@ def judge(rows: list[str], s: Settings, out: Path, command: str) -> int:
             file=sys.stderr,
         )
         return 2
+    labels = [e.label for e in plan(rows, s)]
+    if not any((out / f"{label}.json").exists() for label in labels):
+        print(
+            f"judge: {out} holds no result of the engines these rows need ({labels[0]}.json, ...): pass the folder "
+            "that the session's emulated-runs.tgz unpacks to, with the session's --rows, --model and --layers",
+            file=sys.stderr,
+        )
+        return 2
     first: dict[str, Any] = json.loads(lines[0])
     run = {k: first[k] for k in ("device", "vllm", "date", "command")}
     status = records(rows, s, out, {**run, "judged_by": command}, suffix="-judged")
@@ -725,6 +733,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.at_once is not None and a.at_once < 1:
         p.error(f"argument --at-once: {a.at_once} is not allowed; allowed values: an integer >= 1")
     asked = [r for r in a.rows.split(",") if r]
+    if not asked:
+        p.error(f"argument --rows: {a.rows!r} is not allowed; allowed values: one or more of {','.join(ROWS)}")
     bad = [r for r in asked if r not in ROWS]
     if bad:
         p.error(f"unknown row(s) {','.join(bad)}; rows are {','.join(ROWS)}")

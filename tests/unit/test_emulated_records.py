@@ -269,9 +269,16 @@ def test_judge_and_plan_refuse_in_one_line(tmp_path: Path, capsys: pytest.Captur
     (tmp_path / "transparency.jsonl").write_text("")
     assert emulated.main(["judge", "--out", str(tmp_path), "--rows", "t-eager"]) == 2
     assert "holds no session records" in capsys.readouterr().err
+    (tmp_path / "transparency.jsonl").write_text(json.dumps({"device": "d", "vllm": "v", "date": "x", "command": "c"}) + "\n")
+    assert emulated.main(["judge", "--out", str(tmp_path), "--rows", "t-eager"]) == 2  # records, no engine results
+    assert "holds no result of the engines" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:
         emulated.main(["plan", "--rows", "t-eager", "--at-once", "0"])
     assert stop.value.code == 2 and "--at-once" in capsys.readouterr().err
+    for rows in ("", ","):
+        with pytest.raises(SystemExit) as stop:
+            emulated.main(["plan", "--rows", rows])
+        assert stop.value.code == 2 and "argument --rows" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model", ["glm53", "ml4"])

@@ -20,6 +20,7 @@ cd "$(dirname "$0")/../.."
 need_out session-emulated.sh
 if [ $# = 0 ] || [[ $1 == -* ]]; then LIMIT=540; else LIMIT=$1; shift; fi  # SECONDS may be left out
 need_int session-emulated.sh seconds "$LIMIT" 60 3600
+need_switch session-emulated.sh EMU_INSTALLED "${EMU_INSTALLED-0}"
 for arg in "$@"; do
   case "$arg" in --out|--out=*|--seconds|--seconds=*) echo "session-emulated.sh: $arg is set by this script (\$OUT and SECONDS)" >&2; exit 2;; esac
 done
