@@ -12,7 +12,7 @@ PYTEST := -m pytest -q -p no:cacheprovider -m "not gpu and not e2e and not e2e_d
 help:
 	@awk '/^## /{text=substr($$0, 4); next} /^[a-z]+:/{if (text != "") printf "make %-6s %s\n", substr($$1, 1, length($$1)-1), text; text=""}' Makefile
 
-## Create .venv (vLLM 0.34.0) and .venv-0.33 (vLLM 0.33.0) with the project (about a minute each).
+## Create .venv (vLLM 0.34.0) and .venv-0.33 (vLLM 0.33.0) with the project (a few minutes each on two cores).
 setup:
 	@VENV=$(VENV) VLLM=0.34.0 bash .ci/setup-venv
 	@VENV=$(VENV33) VLLM=0.33.0 bash .ci/setup-venv

@@ -181,8 +181,9 @@ def render(doc: dict[str, Any]) -> None:
     states = Counter("not in this release" if p["fingerprint"] == "not in release" else p["state"] for p in doc["patches"])
     differs = [p["name"] for p in [*doc["patches"], *doc["relied_on"]] if p["fingerprint"] == "differs"]
     fingerprints = f"fingerprints differ: {len(differs)}" if differs else "fingerprints match"
+    checked = ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
     out += [
-        wrapped(f"patch targets: {', '.join(f'{n} {s}' for s, n in sorted(states.items())) or 'none checked'}; {fingerprints} (--json lists each)"),
+        wrapped(f"patch targets: {checked}; {fingerprints} (--json lists each)" if checked else "patch targets: not checked"),
         wrapped("guard targets: " + (", ".join(f"{g['name']} {g['state']}" for g in doc["guard"]) or "not checked")),
         f"entry point {ENTRY_POINT_GROUP}: {'registered' if doc['plugin']['entry_point'] else 'MISSING'}",
         *(wrapped(f"{name}: {'available' if doc[key]['available'] else 'unavailable'} ({doc[key]['detail']})") for name, key in (("DeepGEMM", "deep_gemm"), ("NVML", "nvml"))),

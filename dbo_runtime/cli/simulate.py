@@ -31,7 +31,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int_in(1, 1000), metavar="N", help="DBO steps per run (default: the preset's)")
     p.add_argument("--requests", type=int_in(2, 1024), metavar="N", help="requests per step, split in two microbatches")
     p.add_argument("--comm-sms", type=int_in(0, 1024), metavar="N", help="comm SMs (default: $VLLM_DBO_COMM_SMS, else 20)")
-    p.add_argument("--total-sms", type=int_in(1, 1024), metavar="N", help=f"SMs of the simulated SM90 device (CPU backend; default {H200_SMS})")
+    p.add_argument("--total-sms", type=int_in(2, 1024), metavar="N", help=f"SMs of the simulated SM90 device (CPU backend; default {H200_SMS})")
     p.add_argument("--topk-layout", choices=("windows", "copies"), help="per-microbatch top-k layout (default: $DBO_RUNTIME_TOPK_LAYOUT, else windows)")
     p.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, metavar="N", help="seed of the random inputs")
     p.add_argument("--no-contrast", action="store_true", help="skip the runs that reproduce vLLM without dbo_runtime")

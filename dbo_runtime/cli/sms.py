@@ -52,7 +52,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     description = "SMs per GPU (CUDA, NVML, MIG) and the DBO compute/comm split vLLM applies under --enable-dbo."
     p = subparsers.add_parser("sms", help="SMs per GPU and the DBO compute/comm split vLLM would apply", description=description)
     p.add_argument("--json", action="store_true", help=f"print the result as JSON ({SCHEMA})")
-    p.add_argument("--total-sms", type=int_in(1, 1024), metavar="N", help="skip the hardware: one N-SM device (132: the H200 profile, SM90)")
+    p.add_argument("--total-sms", type=int_in(2, 1024), metavar="N", help="skip the hardware: one N-SM device (132: the H200 profile, SM90)")
     backends = sorted({b for v in BACKENDS.values() for b in v})
     p.add_argument("--all2all-backend", default="deepep_high_throughput", choices=backends, help="the all2all backend (default deepep_high_throughput; allgather_reducescatter needs --platform rocm)")
     p.add_argument("--comm-sms", type=int, metavar="N", help="VLLM_DBO_COMM_SMS (default: $VLLM_DBO_COMM_SMS, else 20 CUDA / 64 ROCm)")

@@ -87,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
     loaded = from_file(args.prompt_file) if args.prompt_file is not None else []  # a bad file fails now, not after an engine start
     engine_args, dp, notes = prepare(args.extra_args, "verify", expert_parallel=False)
     count = len(loaded) if args.prompt_file is not None else args.prompts
+    if count < dp and loaded:
+        raise ConfigError("--prompt-file", args.prompt_file, f"a file with at least the data-parallel size ({dp}) of prompts ({count} here)")
     if count < dp:
-        raise ConfigError("--prompt-file" if loaded else "--prompts", count, f"at least the data-parallel size ({dp}): every rank needs prompts")
+        raise ConfigError("--prompts", count, f"at least the data-parallel size ({dp}): every rank needs prompts")
     plan: list[tuple[str, list[str]]] = [("dbo-off", []), ("dbo-on", ["--enable-dbo"])]
     if args.noise_floor:
         added, note = floor_args(engine_args, -(-count // dp))

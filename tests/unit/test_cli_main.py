@@ -27,7 +27,7 @@ def usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     ("argv", "line"),
     [
         (["sms", "--platform", "cpu"], "dbo-runtime sms: error: argument --platform: invalid choice: 'cpu' (choose from 'cuda', 'rocm')"),
-        (["sms", "--total-sms", "0"], "dbo-runtime sms: error: argument --total-sms: invalid value '0': allowed integers in [1, 1024]"),
+        (["sms", "--total-sms", "0"], "dbo-runtime sms: error: argument --total-sms: invalid value '0': allowed integers in [2, 1024]"),
         (["simulate", "--steps", "x"], "dbo-runtime simulate: error: argument --steps: invalid value 'x': allowed integers in [1, 1000]"),
         (["simulate", "--mode", "graphs"], "dbo-runtime simulate: error: argument --mode: invalid choice: 'graphs'"),
         (["tune", "--shape", "train"], "dbo-runtime tune: error: argument --shape: invalid choice: 'train'"),

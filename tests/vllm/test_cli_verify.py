@@ -66,6 +66,13 @@ def test_what_an_engine_would_refuse_is_one_line_before_any_starts(
     assert not (tmp_path / "w").exists()  # a refused run leaves nothing on disk
 
 
+def test_a_prompt_file_shorter_than_the_dp_size_is_named_with_its_count(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "one.txt").write_text("a single prompt\n")
+    assert main(["verify", "--workdir", str(tmp_path / "w"), "--prompt-file", str(tmp_path / "one.txt"), "--model", "m", "-dp", "2"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[verify]")]
+    assert len(err) == 1 and f"--prompt-file='{tmp_path / 'one.txt'}' is not allowed" in err[0] and "(1 here)" in err[0], err
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
