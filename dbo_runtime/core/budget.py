@@ -186,7 +186,7 @@ def compute_budget(
     if not isinstance(total_sms, int) or isinstance(total_sms, bool) or total_sms <= 0:
         raise ConfigError("total_sms", total_sms, "a positive integer")
     # the fewest compute SMs a split may leave: DeepGEMM's multiple
-    in_range = f"integers in [0, {total_sms - (compute_multiple if has_deep_gemm else 1)}] on this device ({total_sms} SMs)"
+    in_range = f"integers in [0, {total_sms - (compute_multiple if has_deep_gemm else 1)}] on a {total_sms}-SM device"
     try:
         decision = decide_comm(
             platform=platform, enable_dbo=enable_dbo, expert_parallel=expert_parallel, all2all_backend=all2all_backend,
@@ -211,7 +211,7 @@ def compute_budget(
     if idle and total_sms - comm - idle <= 0:
         raise ConfigError(
             "VLLM_DBO_COMM_SMS", env_value,
-            f"integers in [0, {total_sms - compute_multiple}] on this device ({total_sms} SMs): DeepGEMM's count "
+            f"integers in [0, {total_sms - compute_multiple}] on a {total_sms}-SM device: DeepGEMM's count "
             f"must be a multiple of {compute_multiple} here ({EVEN_COMPUTE_WHY}), and {total_sms} - {comm} leaves fewer "
             "compute SMs than that",
         )
