@@ -26,14 +26,11 @@ GROUPS: dict[str, tuple[str, bool]] = {"ht": ("shared-topk", False), "ll": ("sha
 """(model, FULL decode graphs) per group: DeepEP LL needs hidden >= 2048; vLLM runs HT with DP > 1 eager."""
 CONFIGS: dict[str, list[tuple[str, bool, bool, dict[str, str]]]] = {
     "ht": [
-        ("ht-dbo-off", False, True, {}),
-        ("ht-dbo-plugin", True, True, {}),
+        ("ht-dbo-off", False, True, {}), ("ht-dbo-plugin", True, True, {}),
         ("ht-dbo-plugin-selftime", True, True, {"DBO_RUNTIME_SELF_TIME": "1"}),
     ],
     "ll": [
-        ("ll-dbo-off", False, True, {}),
-        ("ll-dbo-plugin", True, True, {}),
-        ("ll-dbo-vanilla", True, False, {}),
+        ("ll-dbo-off", False, True, {}), ("ll-dbo-plugin", True, True, {}), ("ll-dbo-vanilla", True, False, {}),
         ("ll-dbo-plugin-selftime", True, True, {"DBO_RUNTIME_SELF_TIME": "1"}),
     ],
 }
@@ -89,10 +86,7 @@ def _run_group(args: argparse.Namespace, group: str, out: Path, env_facts: dict)
     specs = [
         dataclasses.replace(
             plan.dp_spec(label, model, backend, dbo=dbo, runner="v1", plugin=plugin, graphs=graphs, what="bench_dbo_engine", **env),
-            prompts=prompts,
-            max_tokens=4,
-            bench=bench,
-            timeout_s=1500,
+            prompts=prompts, max_tokens=4, bench=bench, timeout_s=1500,
         )
         for label, dbo, plugin, env in CONFIGS[group]
     ]

@@ -32,11 +32,7 @@ from graphs._plotting import bar_panels
 from tests.harness.report import environment, write_json
 from tests.harness.topk_memory import topk_memory_bytes
 
-VARIANTS = {
-    "dbo_runtime": {},
-    "upstream": {"plan_ahead": False},
-    "no_partition": {"comm_sms": 0},
-}
+VARIANTS = {"dbo_runtime": {}, "upstream": {"plan_ahead": False}, "no_partition": {"comm_sms": 0}}
 
 
 def eager_dbo_step(sc: Scenario) -> None:

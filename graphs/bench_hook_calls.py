@@ -30,10 +30,8 @@ from graphs._args import EXIT_NO_DEVICE, add_out, integer, say_written  # noqa: 
 from graphs._plotting import bar_panels  # noqa: E402
 
 MODULES = (
-    "vllm.model_executor.layers.sparse_attn_indexer",
-    "vllm.model_executor.layers.attention.sparse_mla_attention",
-    "vllm.models.deepseek_v32.attention",
-    "vllm.v1.attention.backends.mla.index_group",
+    "vllm.model_executor.layers.sparse_attn_indexer", "vllm.model_executor.layers.attention.sparse_mla_attention",
+    "vllm.models.deepseek_v32.attention", "vllm.v1.attention.backends.mla.index_group",
     "vllm.models.deepseek_v41.nvidia.model",
 )
 

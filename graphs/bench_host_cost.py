@@ -26,10 +26,7 @@ sys.path.insert(0, str(ROOT))
 from graphs._args import EXIT_NO_DEVICE, add_out, integer, progress, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
 
-MODELS = {
-    "glm53": ("shared-topk", {"index_topk_freq": 4, "index_skip_topk_offset": 3}),
-    "v32": ("deepseek-v32", {}),
-}
+MODELS = {"glm53": ("shared-topk", {"index_topk_freq": 4, "index_skip_topk_offset": 3}), "v32": ("deepseek-v32", {})}
 MODES = ("eager", "graphs")
 DBO = ("off", "dp1", "emu")
 EMU_COMM_SMS = {"plugin": 0, "vanilla": 0, "selftime": 20}

@@ -130,10 +130,8 @@ def _summary(runs: list[dict]) -> dict:
     start_delta = (s["start_s"]["plugin"] - s["start_s"]["vanilla"]) if s["start_s"]["plugin"] and s["start_s"]["vanilla"] else None
     step_over = (s["decode_step_ms"]["plugin_over_vanilla"] - 1.0) if s["decode_step_ms"]["plugin_over_vanilla"] else None
     s["goals"] = {
-        "decode_step_overhead": step_over,
-        "decode_step_overhead_le_1pct": step_over is not None and step_over <= 0.01,
-        "start_delta_s": start_delta,
-        "start_delta_le_3s": start_delta is not None and start_delta <= 3.0,
+        "decode_step_overhead": step_over, "decode_step_overhead_le_1pct": step_over is not None and step_over <= 0.01,
+        "start_delta_s": start_delta, "start_delta_le_3s": start_delta is not None and start_delta <= 3.0,
     }
     s["failed_runs"] = [f"{r['variant']}-{r['rep']}: {r['error']}" for r in runs if not r["ok"]]
     return s

@@ -165,8 +165,7 @@ def measure(name: str, sc: Any, steps: int) -> dict[str, Any]:
         "profiler_build_window_per_step": build_window,
         "profiler_replay_window_per_step": replay_window,
         "build_plus_replay_gpu_ms_median": round(statistics.median(gpu_ms), 4),
-        "replays_bit_identical": sum(ok),
-        "steps": steps,
+        "replays_bit_identical": sum(ok), "steps": steps,
         "deferred_plans_total": sc.cache.stats.deferred_plans,
     }
 
