@@ -304,7 +304,7 @@ def test_sm90_no_even_compute_left_is_refused(gpu_platform: FakeGpuPlatform, cle
     gpu_platform.set(total_sms=132, env_comm_sms=131, sm_major=9)
     assert run_context(ubatch_utils.create_sm_control_context, pc, gpu_platform.calls)[0] == (132, 131, 1)
     clean_plugin()
-    with pytest.raises(ConfigError, match=r"VLLM_DBO_COMM_SMS=131 .*\(132 SMs\).*multiple of 2") as e:
+    with pytest.raises(ConfigError, match=r"VLLM_DBO_COMM_SMS=131 .*on a 132-SM device.*multiple of 2") as e:
         gpu_ubatch_wrapper.create_sm_control_context(pc)
     assert e.value.parameter == "VLLM_DBO_COMM_SMS"
 
