@@ -200,7 +200,8 @@ def test_comm_rows_are_judged_against_the_same_comm_change_on_the_control(mode: 
 
 
 def _write_results(out: Path, engine: emulated.Engine, requests: list[dict[str, Any]]) -> None:
-    (out / f"{engine.label}.json").write_text(json.dumps({"ok": True, "passes": {"accuracy": {"requests": requests}}}))
+    result = {"ok": True, "dbo_runtime": engine.plugin, "passes": {"accuracy": {"requests": requests}}}
+    (out / f"{engine.label}.json").write_text(json.dumps(result))
 
 
 def _requests(lp: float, token: int = 5) -> list[dict[str, Any]]:
@@ -262,6 +263,18 @@ def test_a_pair_whose_engines_did_not_load_what_their_labels_say_leaves_no_verdi
     for engine in engines:  # the same results, each engine as its label says: a verdict
         result = json.loads((tmp_path / f"{engine.label}.json").read_text())
         (tmp_path / f"{engine.label}.json").write_text(json.dumps({**result, "dbo_runtime": engine.plugin}))
+    assert emulated.verdict("t-eager", emulated.Settings("glm53"), tmp_path)["pass"] is True
+
+
+def test_a_result_that_does_not_say_whether_dbo_runtime_was_in_force_is_trusted_only_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engines = [e for e, _ in emulated.needs("t-eager", emulated.Settings("glm53"))]
+    for engine in engines:
+        (tmp_path / f"{engine.label}.json").write_text(json.dumps({"ok": True, "passes": {"accuracy": {"requests": _requests(-1.0)}}}))
+    rec = emulated.verdict("t-eager", emulated.Settings("glm53"), tmp_path)
+    assert rec["pass"] is False and "--trust-labels" in " ".join(rec["error"])
+    monkeypatch.setattr(emulated, "TRUST_LABELS", True)
     assert emulated.verdict("t-eager", emulated.Settings("glm53"), tmp_path)["pass"] is True
 
 
