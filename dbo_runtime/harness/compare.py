@@ -102,8 +102,8 @@ def compare(reference: Sequence[Request], other: Sequence[Request]) -> Compariso
     total_requests = out.requests + len(out.missing_requests)
     out.agreement = out.equal_tokens / out.tokens if out.tokens else 1.0
     out.prefix_agreement = prefix_sum / total_requests if total_requests else 1.0
-    out.mean_abs_dlogprob = sum(counted) / len(counted) if counted else 0.0
-    out.mean_abs_dlogprob_exact = sum(exact) / len(exact) if exact else 0.0
+    out.mean_abs_dlogprob = math.fsum(counted) / len(counted) if counted else 0.0  # fsum: one result on every Python
+    out.mean_abs_dlogprob_exact = math.fsum(exact) / len(exact) if exact else 0.0
     if len(per_request) > 1:
         out.agreement_se = statistics.stdev(per_request) / math.sqrt(len(per_request))
     return out

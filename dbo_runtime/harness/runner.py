@@ -241,9 +241,13 @@ def bench_reps(
     return {"max_tokens": steps, "requests": len(batch), "reps": reps}
 
 
+EXIT_WATCHDOG_S = 90.0
+"""From the result written to the process gone: past it the runner exits hard (it runs as its own process)."""
+
+
 def _exit_hard() -> None:
     """vLLM's DP shutdown can hang after the result is written; never let that block the caller."""
-    _log("shutdown took over 90 s; exiting hard")
+    _log(f"shutdown took over {EXIT_WATCHDOG_S:.0f} s; exiting hard")
     os._exit(3)
 
 
@@ -268,7 +272,7 @@ def main(argv: list[str] | None = None, run_rank: RankRun = run) -> int:
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(out)  # before the exit barrier: a peer's failure must not cost this rank's result
-    watchdog = threading.Timer(90.0, _exit_hard)
+    watchdog = threading.Timer(EXIT_WATCHDOG_S, _exit_hard)
     watchdog.daemon = True
     watchdog.start()
     if result.get("ok"):
