@@ -83,6 +83,8 @@ def test_without_install_sh_one_line_and_exit_2(script: str, tmp_path: Path) -> 
         ("session-e2e.sh", [], {"TWIN_BENCHES": "bench_nope.py"}, "TWIN_BENCHES 'bench_nope.py' is not allowed"),
         ("session-e2e.sh", [], {"DBO_E2E_MAX_ENGINES": "abc"}, "DBO_E2E_MAX_ENGINES='abc' is not allowed; allowed values: an integer >= 1"),
         ("session-e2e.sh", [], {"DBO_E2E_LOAD_FORMAT": "foo"}, "DBO_E2E_LOAD_FORMAT='foo' is not allowed; allowed values: 'dummy', 'dbo_runtime_random'"),
+        ("session-e2e.sh", ["e2e and (", "60"], {}, "MARK 'e2e and (' is not allowed; allowed values: a pytest -m expression"),
+        ("session-emulated.sh", ["300", "--rows", "t-eager"], {"EMU_INSTALLED": "yes"}, "EMU_INSTALLED 'yes' is not allowed"),
         ("session-emulated.sh", ["300", "--rows", "t-eager", "--out", "/tmp/y"], {}, "--out is set by this script"),
         ("session-emulated.sh", ["300", "--seconds=9"], {}, "--seconds=9 is set by this script"),
         # the benchmark's own parser, before env.sh, the install and the clean-up of /tmp/host-cost

@@ -15,6 +15,10 @@ MARK=${1-"e2e or e2e_dp2"}
 LIMIT=${2-540}
 KEXPR=${3:-}
 [ -n "$MARK" ] || { echo "session-e2e.sh: MARK '' is not allowed; allowed values: a pytest -m expression (default \"e2e or e2e_dp2\")" >&2; exit 2; }
+# pytest's own parser, where pytest is importable (a malformed -m would otherwise fail only after the twins ran)
+python3 -c 'import sys; from _pytest.mark.expression import Expression; Expression.compile(sys.argv[1])' "$MARK" 2>/dev/null \
+  || ! python3 -c 'import _pytest.mark.expression' 2>/dev/null \
+  || { echo "session-e2e.sh: MARK '$MARK' is not allowed; allowed values: a pytest -m expression (default \"e2e or e2e_dp2\")" >&2; exit 2; }
 [ "$#" -le 3 ] || { echo "session-e2e.sh: arguments '$*' are not allowed; allowed values: [MARK] [SECONDS] [KEXPR]" >&2; exit 2; }
 need_int session-e2e.sh seconds "$LIMIT" 1 3600
 need_int session-e2e.sh TWIN_LIMIT "${TWIN_LIMIT-300}" 1 3600
