@@ -220,7 +220,6 @@ class _LazyFinder(importlib.abc.MetaPathFinder):
         self._busy = threading.local()
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
-        # every import in the process asks: a scan, not a set built per import
         if not any(p.module == fullname for p in self.owner._lazy_waiting) or getattr(self._busy, "on", False):
             return None
         self._busy.on = True
