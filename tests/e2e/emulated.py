@@ -112,6 +112,12 @@ def kernel_next_n(k: int) -> int:
 IN_PROCESS = os.environ.get("DBO_EMU_IN_PROCESS", "1") == "1"
 """The engine core in the engine's own process: every request is added before the first step, so two engines
 see identical batches (in its own process the core starts stepping while requests still arrive)."""
+UPSTREAM_WORKSPACE_BUG = os.environ.get("DBO_EMU_KEEP_MQA_OVERLAP", "0") == "1"
+"""Keep vLLM's default for ``ml4-emu-control`` in FULL graphs: every layer there prepares its MQA query beside the
+indexer, so microbatch 1's workspace slot never grows before the lock and the first long microbatched prefill dies
+on vLLM's locked workspace. By default those engines set ``VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD=0`` (the same
+kernels, without that overlap) so the control can serve as a floor; records name it."""
+WORKAROUND_ENV = "VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD"
 KV_CACHE_DTYPE = os.environ.get("DBO_EMU_KV_CACHE_DTYPE", "fp8")
 """The reproducer's KV cache dtype (vllm#60732), kept for every row so one engine can serve several rows."""
 
@@ -135,6 +141,11 @@ class Engine:
         depth = f"{self.layers}L" if self.layers else "asis"
         extra = ("" if self.dbo else "-dbooff") + (f"-mtp{self.spec_tokens}" if self.spec_tokens else "") + ("-selftime" if self.self_time else "") + (f"-r{self.replica}" if self.replica else "")
         return f"{self.model}-{depth}-{self.runner}-{self.mode}-{'plugin' if self.plugin else 'vanilla'}-comm{self.comm_sms}{extra}"
+
+    @property
+    def workaround(self) -> bool:
+        """Whether this engine avoids vLLM's microbatch workspace lock (``UPSTREAM_WORKSPACE_BUG``)."""
+        return self.model == "ml4-emu-control" and self.mode == "graphs" and self.dbo and not UPSTREAM_WORKSPACE_BUG
 
     def args(self) -> list[str]:
         """vLLM's CLI for this engine. ``layers`` 0 keeps the config's depth, which a Mistral ``params.json`` (its
@@ -179,6 +190,8 @@ class Engine:
         }
         if self.self_time:
             env.update({"DBO_RUNTIME_SELF_TIME": "1", ROW_HOOK_ENV: selftime.ROW_HOOK})
+        if self.workaround:
+            env[WORKAROUND_ENV] = "0"
         if not self.plugin:
             env["DBO_RUNTIME_DISABLE"] = "1"
         if not self.dbo:
@@ -700,6 +713,8 @@ def records(rows: list[str], s: Settings, out: Path, run: dict[str, Any], suffix
                 "microbatched_steps": [c.get("microbatched_steps") for c in counters],
                 "yields_per_step": [c.get("yields_per_step") for c in counters],
                 "dbo_runtime_in_force": [_flag(out, e) for e, _ in needs(row, s)],
+                **({"workaround": f"{WORKAROUND_ENV}=0 on {row}'s engines: vLLM's microbatch workspace lock"}
+                   if any(e.workaround for e, _ in needs(row, s)) else {}),
                 **{k: v for k, v in rec.items() if k != "counters"},
             }
             lines.write(json.dumps(record) + "\n")

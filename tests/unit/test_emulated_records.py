@@ -179,6 +179,15 @@ def test_every_eager_dbo_engine_runs_the_in_engine_checks_and_graph_engines_do_n
             assert checked == (engine.dbo and engine.mode == "eager"), (row, engine.label)
 
 
+def test_only_the_ml4_control_in_graphs_avoids_vllms_workspace_lock() -> None:
+    """ml4-emu-control's layers all prepare the MQA query beside the indexer, so vLLM never grows microbatch 1's
+    workspace before the lock; only those engines drop that overlap."""
+    for row, model in (("b-graphs", "ml4"), ("a-control-graphs", "ml4"), ("b-eager", "ml4"), ("b-graphs", "glm53")):
+        for engine, _ in emulated.needs(row, emulated.Settings(model, 8)):
+            avoided = engine.env().get(emulated.WORKAROUND_ENV) == "0"
+            assert avoided == (engine.model == "ml4-emu-control" and engine.mode == "graphs"), (row, engine.label)
+
+
 def test_paired_engines_run_the_engine_core_in_their_own_process_and_the_records_say_so() -> None:
     """In-process, every request is added before the first step: paired engines see the same batches."""
     for row in ("a-control-eager", "b-graphs", "mtp-k3", "t-eager"):
