@@ -29,7 +29,10 @@ def runs(tmp_path: Path) -> Path:
     engine = {"ok": True, "device": "NVIDIA H100 80GB HBM3", "vllm_version": "0.34.0", "dp": 1, "microbatched_steps": 35,
               "requests": [{"tokens": [1, 2]}], "plugin_log_lines": ["a", "b"], "engine_args": ["--model", "m"]}  # fmt: skip
     _job(tmp_path / "runs", "1gpu-x-plugin", engine)
-    reps = [{"rep": 0, "warmup": True, "decode_step_ms": 9.0}, {"rep": 1, "warmup": False, "decode_step_ms": 9.4123456, "jit_in_step": 0, "log": "x"}]
+    by_patch = {"plugin_calls_per_step_by_patch": {"indexer": 2.0, "topk": 0}}
+    reps = [{"rep": 0, "warmup": True, "decode_step_ms": 9.0, "plugin_calls_per_step_by_patch": {"indexer": 50.0}},
+            {"rep": 1, "warmup": False, "decode_step_ms": 9.4123456, "jit_in_step": 0, "log": "x", **by_patch},
+            {"rep": 2, "warmup": False, "decode_step_ms": 9.5, "jit_in_step": 0, "plugin_calls_per_step_by_patch": {"indexer": 4.0}}]  # fmt: skip
     _job(tmp_path / "runs", "glm53-6L-eager-dbo-off-plugin", {**engine, "meta": {"what": "bench_host_cost"}, "bench": [{"requests": 32, "reps": reps}]})
     return tmp_path / "runs"
 
@@ -43,7 +46,8 @@ def test_runs_become_compact_lines_of_their_family(runs: Path, tmp_path: Path) -
     assert e2e["command"] == COMMAND and e2e["dp_emulated"] is True and e2e["microbatched_steps"] == 35
     assert "requests" not in e2e and "engine_args" not in e2e and e2e["plugin_log_lines"] == 2
     [cost] = [json.loads(line) for line in (out / "host-cost.jsonl").read_text().splitlines()]
-    assert cost["bench"][0]["reps"] == [{"rep": 1, "warmup": False, "decode_step_ms": 9.412, "jit_in_step": 0}]
+    assert cost["bench"][0]["reps"] == [{"decode_step_ms": 9.412, "jit_in_step": 0}, {"decode_step_ms": 9.5, "jit_in_step": 0}]
+    assert cost["bench"][0]["by_patch_mean"] == {"calls_per_step": {"indexer": 3.0}}  # timed reps only, zeros dropped
     assert run(str(runs), "--records", str(out), "--date", "2026-12-07", "--command", COMMAND).returncode == 0
     assert len((out / "e2e.jsonl").read_text().splitlines()) == 2  # appended, never rewritten
 
