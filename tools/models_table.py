@@ -273,6 +273,20 @@ def render() -> str:
         "`index_topk_pattern`, `indexer_types`, `index_sharing`, `index_source_layer_ids`) is refused under DBO as",
         "unknown.",
         "",
+        "## vLLM's own crashes under DBO (not bugs A or B; dbo_runtime neither causes nor fixes them)",
+        "",
+        "Seen in vanilla vLLM 0.34.0 on one H100 under the one-GPU DBO emulation (`docs/accuracy.md`):",
+        "",
+        "- `DeepseekV4ForCausalLM`, every DBO step whose second microbatch starts at a token offset that is not a multiple",
+        "  of 8: the CuTe DSL compressor (`sparse_attn_compress_cutedsl.py`) is compiled for 64-byte-aligned `positions`",
+        "  and slot mappings, and raises `Misaligned Tensor data` on microbatch 1's views. Seen with MTP 1 in eager mode;",
+        "  the cause is read from vLLM's code. Until vLLM accepts such views, DeepSeek-V4 cannot run DBO on 0.34.0, and",
+        "  dbo_runtime's MTP hidden-buffer fix for it is proven by CPU tests and a kernel twin only.",
+        "- `MistralLarge4ForCausalLM` whose every layer has its own indexer, in FULL CUDA graphs: microbatch 1's sparse MLA",
+        "  workspace never grows before vLLM locks it, and the first long microbatched prefill raises `Workspace is",
+        "  locked`. A layer that reuses a leader's top-k grows it, so a model with followers is not affected;",
+        "  `VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD=0` avoids it.",
+        "",
     ]
     return "\n".join(lines)
 
