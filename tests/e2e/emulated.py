@@ -116,7 +116,7 @@ UPSTREAM_WORKSPACE_BUG = os.environ.get("DBO_EMU_KEEP_MQA_OVERLAP", "0") == "1"
 """Keep vLLM's default for ``ml4-emu-control`` in FULL graphs: every layer there prepares its MQA query beside the
 indexer, so microbatch 1's workspace slot never grows before the lock and the first long microbatched prefill dies
 on vLLM's locked workspace. By default those engines set ``VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD=0`` (the same
-kernels, without that overlap) so the control can serve as a floor; records name it."""
+operations, the query prepared inside ``forward_mqa``) so the control can serve as a floor; records name it."""
 WORKAROUND_ENV = "VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD"
 KV_CACHE_DTYPE = os.environ.get("DBO_EMU_KV_CACHE_DTYPE", "fp8")
 """The reproducer's KV cache dtype (vllm#60732), kept for every row so one engine can serve several rows."""
@@ -310,12 +310,19 @@ def engine_main(spec_path: str, out_path: str) -> int:
     import torch
 
     result["device"] = torch.cuda.get_device_name(0)
+    from vllm import envs
+
+    from dbo_runtime.integration.features import REGISTRY
     from dbo_runtime.integration.plugin import installed_patch_set
 
     patch_set = installed_patch_set()  # the engine core and its worker run in this process (uni executor, DP 1)
     states = [st.state for st in patch_set.status()] if patch_set is not None and patch_set.installed else []
-    # in force: some fix applied and none broken (an empty or broken set would make a "plugin" engine vanilla)
-    result["dbo_runtime"] = "installed" in states and "broken" not in states
+    # in force: every feature this release takes verified in this process (the live registry, where a failed
+    # install or a broken hook marks its feature) and no patch broken; an empty set leaves a "plugin" engine vanilla
+    short = [f"{name}: {st.describe()}" for name, st in REGISTRY.all().items() if st.applies and not st.in_force]
+    result["dbo_runtime"] = bool(REGISTRY.all()) and not short and "installed" in states and "broken" not in states
+    result["dbo_runtime_shortfall"] = short
+    result[WORKAROUND_ENV] = envs.VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD  # what vLLM used (the record's workaround)
     save()
     vocab = int(llm.llm_engine.model_config.get_vocab_size())
     greedy = {"temperature": 0.0, "ignore_eos": True, "detokenize": False}
@@ -422,6 +429,17 @@ def _flag(out: Path, engine: Engine) -> bool | None:
     """What the engine recorded: dbo_runtime's fixes in force in its process (None: not recorded, or no result)."""
     path = out / f"{engine.label}.json"
     return json.loads(path.read_text()).get("dbo_runtime") if path.exists() else None
+
+
+def _workarounds(out: Path, row: str, s: Settings) -> dict[str, str]:
+    """Which of the row's engines, and of its floor's, ran with ``WORKAROUND_ENV`` 0, as each engine recorded it."""
+    def used(r: str) -> list[str]:
+        found = [json.loads(p.read_text()) for e, _ in needs(r, s) if (p := out / f"{e.label}.json").exists()]
+        return [f.get("label", "?") for f in found if f.get(WORKAROUND_ENV) == 0]
+
+    notes = {"workaround": used(row), "floor_workaround": used(floor) if (floor := floor_row(row)) else []}
+    why = f"{WORKAROUND_ENV}=0 (vLLM's microbatch workspace lock) in "
+    return {key: why + ", ".join(labels) for key, labels in notes.items() if labels}
 
 
 def differing(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
@@ -713,8 +731,7 @@ def records(rows: list[str], s: Settings, out: Path, run: dict[str, Any], suffix
                 "microbatched_steps": [c.get("microbatched_steps") for c in counters],
                 "yields_per_step": [c.get("yields_per_step") for c in counters],
                 "dbo_runtime_in_force": [_flag(out, e) for e, _ in needs(row, s)],
-                **({"workaround": f"{WORKAROUND_ENV}=0 on {row}'s engines: vLLM's microbatch workspace lock"}
-                   if any(e.workaround for e, _ in needs(row, s)) else {}),
+                **_workarounds(out, row, s),
                 **{k: v for k, v in rec.items() if k != "counters"},
             }
             lines.write(json.dumps(record) + "\n")

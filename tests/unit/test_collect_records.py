@@ -47,7 +47,7 @@ def test_runs_become_compact_lines_of_their_family(runs: Path, tmp_path: Path) -
     assert "requests" not in e2e and "engine_args" not in e2e and e2e["plugin_log_lines"] == 2
     [cost] = [json.loads(line) for line in (out / "host-cost.jsonl").read_text().splitlines()]
     assert cost["bench"][0]["reps"] == [{"decode_step_ms": 9.412, "jit_in_step": 0}, {"decode_step_ms": 9.5, "jit_in_step": 0}]
-    assert cost["bench"][0]["by_patch_mean"] == {"calls_per_step": {"indexer": 3.0}}  # timed reps only, zeros dropped
+    assert cost["bench"][0]["by_patch_median"] == {"calls_per_step": {"indexer": 3.0}}  # timed reps only, zeros dropped
     assert run(str(runs), "--records", str(out), "--date", "2026-12-07", "--command", COMMAND).returncode == 0
     assert len((out / "e2e.jsonl").read_text().splitlines()) == 2  # appended, never rewritten
 

@@ -179,13 +179,26 @@ def test_every_eager_dbo_engine_runs_the_in_engine_checks_and_graph_engines_do_n
             assert checked == (engine.dbo and engine.mode == "eager"), (row, engine.label)
 
 
-def test_only_the_ml4_control_in_graphs_avoids_vllms_workspace_lock() -> None:
+def test_only_the_ml4_control_in_graphs_avoids_vllms_workspace_lock(monkeypatch: pytest.MonkeyPatch) -> None:
     """ml4-emu-control's layers all prepare the MQA query beside the indexer, so vLLM never grows microbatch 1's
     workspace before the lock; only those engines drop that overlap."""
+    monkeypatch.setattr(emulated, "UPSTREAM_WORKSPACE_BUG", False)
     for row, model in (("b-graphs", "ml4"), ("a-control-graphs", "ml4"), ("b-eager", "ml4"), ("b-graphs", "glm53")):
         for engine, _ in emulated.needs(row, emulated.Settings(model, 8)):
             avoided = engine.env().get(emulated.WORKAROUND_ENV) == "0"
             assert avoided == (engine.model == "ml4-emu-control" and engine.mode == "graphs"), (row, engine.label)
+
+
+def test_records_name_the_workaround_each_engine_recorded_for_the_row_and_its_floor(tmp_path: Path) -> None:
+    """Read from what each engine says vLLM used, not from this process's environment at judging time."""
+    s = emulated.Settings("ml4", 8)
+    for row in ("b-graphs", "b-control-graphs"):
+        for engine, _ in emulated.needs(row, s):
+            used = 0 if engine.model == "ml4-emu-control" else 1024
+            (tmp_path / f"{engine.label}.json").write_text(json.dumps({"label": engine.label, emulated.WORKAROUND_ENV: used}))
+    notes = emulated._workarounds(tmp_path, "b-graphs", s)
+    assert set(notes) == {"floor_workaround"} and "ml4-emu-control-8L-v2-graphs-plugin-comm20" in notes["floor_workaround"]
+    assert set(emulated._workarounds(tmp_path, "b-control-graphs", s)) == {"workaround"}
 
 
 def test_paired_engines_run_the_engine_core_in_their_own_process_and_the_records_say_so() -> None:

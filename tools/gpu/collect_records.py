@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -110,28 +111,29 @@ def compact_e2e(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 BY_PATCH = {"plugin_calls_per_step_by_patch": "calls_per_step", "plugin_self_us_per_step_by_patch": "self_us_per_step"}
-"""Per-patch maps a host-cost record keeps once per engine, as the mean over its timed reps."""
+"""Per-patch maps a host-cost record keeps once per engine: per patch, the median over the timed reps that called
+it (as ``graphs/bench_host_cost.py`` summarizes them)."""
 
 
 def _host_cost_rank(rank: dict[str, Any]) -> dict[str, Any]:
     """Rank 0 of a benchmark engine: its timed reps in order (no ``rep``/``warmup`` keys: warm-ups are left out),
-    the per-patch maps averaged over those reps."""
+    the per-patch maps as medians over those reps."""
     reps = [_rep(r) for r in rank.get("reps", []) if not r.get("warmup")]
-    means = {}
+    medians = {}
     for key, name in BY_PATCH.items():
         maps = [r.pop(key) for r in reps if isinstance(r.get(key), dict)]
         if maps:
-            means[name] = {p: sum(m.get(p, 0) for m in maps) / len(maps) for p in sorted({p for m in maps for p in m})}
+            medians[name] = {p: statistics.median(m[p] for m in maps if p in m) for p in sorted({p for m in maps for p in m})}
     for r in reps:
         for key in ("rep", "warmup"):
             r.pop(key, None)
-    kept = {k: v for k, v in rank.items() if k != "reps" and k != "by_patch_mean"}
-    return {**kept, "reps": reps, **({"by_patch_mean": {**rank.get("by_patch_mean", {}), **means}} if means or "by_patch_mean" in rank else {})}
+    kept = {k: v for k, v in rank.items() if k not in ("reps", "by_patch_median")}
+    return {**kept, "reps": reps, **({"by_patch_median": medians} if medians else {})}
 
 
 def compact_host_cost(rec: dict[str, Any]) -> dict[str, Any]:
     """A ``bench_host_cost`` engine's compact record: rank 0's timed reps (step time, self time, hooked calls) and
-    its per-patch means."""
+    its per-patch medians."""
     doc = _base(rec)
     bench = rec.get("bench") if isinstance(rec.get("bench"), list) else []
     doc["bench"] = [_host_cost_rank(rank) for rank in bench[:1]]
