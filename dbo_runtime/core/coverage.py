@@ -14,6 +14,8 @@ Indexer = Literal["always", "with index_topk", "never"]
 
 ROCM_MTP_WRITES_AT_OFFSET = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration"})
 """ROCm models that write the MTP hidden buffer at the microbatch's offset themselves (``mtp_hidden`` is NVIDIA-only)."""
+UNALIGNED_COMPRESSOR = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration"})
+"""CUDA models that run vLLM's V4 CuTe compressor."""
 
 TOPK_V32 = "topk"
 """Feature names (``Patch.name`` prefixes) a row may require."""

@@ -14,7 +14,7 @@ from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, decide_comm
 from dbo_runtime.core.errors import ConfigError, DboRefusal, ways_out
 from dbo_runtime.core.log import get_logger
 from dbo_runtime.core.settings import setting_problems
-from dbo_runtime.integration import fingerprints
+from dbo_runtime.integration import fingerprints, upstream_crashes
 from dbo_runtime.integration.engine_config import model_of
 from dbo_runtime.integration.features import REGISTRY
 from dbo_runtime.integration.fingerprints import RELEASES
@@ -189,7 +189,18 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
                 "'_schedule_meta_size == num_sms + 1' in the middle of serving. " + ways_out(verified=VERIFIED)
                 + " (VLLM_DBO_COMM_SMS=0 also avoids the partition.)"
             )
+    crash = upstream_crashes.problem(arch, platform_name, _splits(parallel))
+    if crash:
+        return f"{head}: {crash}. " + ways_out(also="a vLLM whose DeepSeek-V4 compressor accepts unaligned views")
     return ""
+
+
+def _splits(parallel: Any) -> bool:
+    """Whether vLLM will split steps: microbatching runs only with data-parallel peers (unreadable: assume so)."""
+    try:
+        return int(getattr(parallel, "data_parallel_size", 2) or 1) > 1
+    except (TypeError, ValueError):
+        return True
 
 
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"

@@ -111,6 +111,10 @@ def refusal(config: Any, stage: guard.Stage = "config") -> str:
     return message
 
 
+V4_RUNS_DBO = {"vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl": lambda t: t.replace("divisibility=8)", "divisibility=1)")}
+"""A build whose DeepSeek-V4 compressor takes unaligned microbatch views (vLLM's own crash fixed), so V4 runs DBO."""
+
+
 V32_MODULES = (
     "vllm.v1.attention.backends.mla.index_group",
     "vllm.model_executor.layers.attention.sparse_mla_attention",
@@ -569,7 +573,7 @@ def test_speculative_decoding_without_the_mtp_fix_is_warned(
     config = engine_config("DeepseekV4ForCausalLM", hf("deepseek-v4"))
     config.speculative_config = object()  # type: ignore[assignment]
     guard.reset()
-    with caplog.at_level(logging.WARNING, logger="vllm.dbo_runtime"):
+    with caplog.at_level(logging.WARNING, logger="vllm.dbo_runtime"), edited_sources(V4_RUNS_DBO):
         guard.check(config, "worker", "mrv1")
     assert any("draft acceptance drops" in r.getMessage() for r in caplog.records)
 
@@ -603,7 +607,7 @@ def test_on_rocm_the_mtp_warning_follows_the_rocm_model_vllm_runs(
         monkeypatch.setattr(guard, "platform", lambda platform=platform: platform)
         guard.reset()
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="vllm.dbo_runtime"):
+        with caplog.at_level(logging.WARNING, logger="vllm.dbo_runtime"), edited_sources(V4_RUNS_DBO):
             guard.check(config, "worker", "mrv1")
         assert any("draft acceptance drops" in r.getMessage() for r in caplog.records) is warned, platform
 
@@ -627,3 +631,34 @@ def test_the_warm_up_check_runs_before_vllms_warm_up_and_tells_listeners_after(f
         assert order == ["vllm warm-up", "listener"]
     finally:
         guard._warmed_up.clear()
+
+
+def test_vllms_own_deepseek_v4_crash_under_dp_microbatching_is_refused_in_one_line(
+    fresh: None, cuda_platform: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CuTe DSL compressor assumes aligned per-token inputs; each microbatch gets a view at its first token.
+    Refused only where vLLM splits steps (DP peers), on CUDA, and while the build still assumes alignment."""
+    from dbo_runtime.integration import upstream_crashes
+
+    assert upstream_crashes.aligned_compressor_inputs() == ("kv_slot_mapping", "positions", "slot_mapping")
+    plugin.register()
+    message = refusal(engine_config("DeepseekV4ForCausalLM", hf("deepseek-v4")))
+    assert message.startswith("dbo_runtime refuses DeepseekV4ForCausalLM with --enable-dbo: vLLM's DeepSeek-V4")
+    assert "Misaligned Tensor data" in message and "without --enable-dbo" in message and "unaligned views" in message
+    for config in (
+        engine_config("DeepseekV4ForCausalLM", hf("deepseek-v4"), dp=1),  # vLLM never splits a step at DP 1
+        engine_config("DeepseekV4ForCausalLM", hf("deepseek-v4"), enable_dbo=False),
+    ):
+        guard.check(config, "config")
+    monkeypatch.setattr(guard, "platform", lambda: "rocm")
+    guard.check(engine_config("DeepseekV4ForCausalLM", hf("deepseek-v4")), "config")
+
+
+def test_a_build_whose_compressor_takes_unaligned_views_starts_deepseek_v4(fresh: None, cuda_platform: None) -> None:
+    from dbo_runtime.integration import upstream_crashes
+
+    assert set(V4_RUNS_DBO) == {upstream_crashes.COMPRESSOR_MODULE}
+    with edited_sources(V4_RUNS_DBO):
+        assert upstream_crashes.aligned_compressor_inputs() == ()
+        plugin.register()
+        guard.check(engine_config("DeepseekV4ForCausalLM", hf("deepseek-v4")), "config")
