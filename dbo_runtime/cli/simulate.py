@@ -164,4 +164,4 @@ def _print_human(backend: Any, mode: str, results: list[Any], passed: bool, vllm
         verdict = "PASS: bit-identical at every step; dbo_runtime's fixes are in force on this vLLM"
     print(f"verdict: {verdict}")  # one line, however long: greppable in logs
     if disabled is not None:
-        print(f"WARNING: {disabled}")
+        print(wrapped(f"WARNING: {disabled}"))

@@ -743,6 +743,9 @@ def records(rows: list[str], s: Settings, out: Path, run: dict[str, Any], suffix
 def judge(rows: list[str], s: Settings, out: Path, command: str) -> int:
     """Re-judge a finished session from its engine results, without a GPU: records to ``*-judged.jsonl`` beside
     the session's own, with the session's device, vLLM, date and command and this ``judged_by``."""
+    if not out.is_dir():
+        print(f"judge: {out} is not a folder: pass the one the session's emulated-runs.tgz unpacks to", file=sys.stderr)
+        return 2
     found = [out / n for n in ("emulated.jsonl", "transparency.jsonl") if (out / n).exists()]
     lines = [line for f in found for line in f.read_text().splitlines() if line.strip()]
     if not lines:

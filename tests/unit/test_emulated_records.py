@@ -301,6 +301,8 @@ def test_a_result_that_does_not_say_whether_dbo_runtime_was_in_force_is_trusted_
 
 
 def test_judge_and_plan_refuse_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert emulated.main(["judge", "--out", str(tmp_path / "nope"), "--rows", "t-eager"]) == 2
+    assert "is not a folder" in capsys.readouterr().err
     (tmp_path / "transparency.jsonl").write_text("")
     assert emulated.main(["judge", "--out", str(tmp_path), "--rows", "t-eager"]) == 2
     assert "holds no session records" in capsys.readouterr().err
