@@ -37,12 +37,16 @@ SIGNATURES: dict[str, str] = {
     "engine_dead": r"EngineDeadError|EngineCore encountered an issue",
     "hang_killed": r"\[dbo-harness launcher\] timeout",
     "deepep_ll_qp_depth": r"nvshmem_qp_depth >= \(num_max_dispatch_tokens_per_rank",
+    "misaligned_microbatch_view": r"Misaligned Tensor data",
+    "dbo_runtime_refused": r"DboRefusal: dbo_runtime refuses",
 }
 """Known failure texts in the logs, so a record says *what* happened, not only that it failed."""
 
 SIGNATURE_HINTS: dict[str, str] = {
     "deepgemm_schedule_assert": "vLLM 0.33's DBO crash (indexer schedule planned for the whole GPU, DeepGEMM "
     "lowered to the compute SMs): dbo_runtime fixes it; is DBO_RUNTIME_DISABLE set?",
+    "misaligned_microbatch_view": "vLLM's own DeepSeek-V4 crash under DBO (its CuTe compressor assumes aligned per-token "
+    "inputs; a microbatch's are views at any token): serve DeepSeek-V4 without --enable-dbo",
     "deepep_ll_qp_depth": "DeepEP low-latency needs NVSHMEM_QP_DEPTH >= 2 x (max_num_batched_tokens + 1) "
     "(default 1024, i.e. at most 511 tokens): set NVSHMEM_QP_DEPTH=8192 or lower --max-num-batched-tokens",
 }

@@ -162,6 +162,9 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
     shared = coverage.shared_topk(arch, hf)
     platform_name = platform()
     head = f"dbo_runtime refuses {arch} with {switch}"
+    crash = upstream_crashes.problem(arch, platform_name, _splits(parallel))  # first: no release of ours lifts it
+    if crash:
+        return f"{head}: {crash}. " + ways_out(also="a vLLM whose DeepSeek-V4 compressor accepts unaligned views")
     if shared:
         if row is None:
             return (
@@ -189,9 +192,6 @@ def problem(vllm_config: Any, stage: Stage, runner: str | None = None) -> str:
                 "'_schedule_meta_size == num_sms + 1' in the middle of serving. " + ways_out(verified=VERIFIED)
                 + " (VLLM_DBO_COMM_SMS=0 also avoids the partition.)"
             )
-    crash = upstream_crashes.problem(arch, platform_name, _splits(parallel))
-    if crash:
-        return f"{head}: {crash}. " + ways_out(also="a vLLM whose DeepSeek-V4 compressor accepts unaligned views")
     return ""
 
 

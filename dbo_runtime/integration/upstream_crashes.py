@@ -4,21 +4,30 @@ read from vLLM's code, so a build that fixes it starts."""
 from __future__ import annotations
 
 import ast
+import functools
 
 from dbo_runtime.core import coverage
 from dbo_runtime.integration import fingerprints
 
 COMPRESSOR_MODULE = "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl"
-PER_TOKEN_INPUTS = ("positions", "slot_mapping", "kv_slot_mapping")  # views of shared buffers at a microbatch's start
+PER_TOKEN_INPUTS = ("positions", "slot_mapping", "kv_slot_mapping")
 
 
 def aligned_compressor_inputs() -> tuple[str, ...]:
-    """The per-token inputs vLLM's CuTe DSL compressor is compiled to assume aligned (``divisibility`` above 1)."""
+    """Per-token inputs the CuTe DSL compressor assumes aligned (``divisibility`` > 1); none where its source is
+    absent or unreadable (vLLM's crash is loud, never a wrong token)."""
     text = fingerprints.read_source(COMPRESSOR_MODULE)
-    if text is None:
+    return _aligned(text) if text is not None else ()
+
+
+@functools.lru_cache(maxsize=4)
+def _aligned(text: str) -> tuple[str, ...]:
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
         return ()
     found: set[str] = set()
-    for node in ast.walk(ast.parse(text)):
+    for node in ast.walk(tree):
         if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
             continue
         func = node.value.func
@@ -38,7 +47,7 @@ def problem(arch: str, platform: str, microbatches: bool) -> str:
     if not aligned:
         return ""
     return (
-        f"vLLM's DeepSeek-V4 compressor (CuTe DSL, head 512) is compiled for aligned {', '.join(aligned)}, and each "
+        f"vLLM's DeepSeek-V4 compressor (CuTe DSL) is compiled for aligned {', '.join(aligned)}, and each "
         "microbatch reads them as a view that starts at its first token, so vLLM raises 'Misaligned Tensor data' at "
         "the first split that is not a multiple of 8 tokens (vLLM's bug; vanilla vLLM dies the same way)"
     )

@@ -123,17 +123,22 @@ def test_the_top_k_state_costs_what_the_formula_says(records: Records) -> None:
 
 
 # -- 6. the DSA family under DBO -------------------------------------------------------------------------
-@pytest.mark.runs(*FAMILY_RUNS)
+@pytest.mark.runs(*FAMILY_RUNS, "dp2w-ht-ref-v32-width-v1", "dp2w-ht-dbo-plugin-v32-width-v1")
 @pytest.mark.parametrize("model", FAMILY_MODELS)
 def test_each_family_architecture_runs_dbo_at_dp2_and_vanilla_crashes_under_ht(records: Records, model: str) -> None:
     vanilla = records[f"dp2-family-{model}-dbo-vanilla"]
     records.annotate(f"dp2-family-{model}-dbo-vanilla", observed=sorted(set(vanilla.get("failure_signatures") or [])))
-    assert not vanilla["ok"] and set(vanilla["failure_signatures"]) & CRASHED, vanilla.get("error")
+    assert not vanilla["ok"] and set(vanilla["failure_signatures"]) & (CRASHED | {"misaligned_microbatch_view"}), vanilla.get("error")
+    plugin = records[f"dp2-family-{model}-dbo-plugin"]
+    if model == "deepseek-v4":  # vLLM's own compressor crash: dbo_runtime refuses at start, in one line
+        assert not plugin["ok"] and "dbo_runtime_refused" in plugin["failure_signatures"], plugin.get("error")
+        return
     result = _cmp(records, f"dp2-family-{model}-ref", f"dp2-family-{model}-dbo-plugin")
-    _microbatched(records[f"dp2-family-{model}-dbo-plugin"])
+    _microbatched(plugin)
     if model != "deepseek-v41":  # no top-k sharing: DBO's own noise is all there is
         return
-    floor = _cmp(records, "dp2-family-deepseek-v4-ref", "dp2-family-deepseek-v4-dbo-plugin")
+    # DBO's own noise at DP 2, HT eager, V1, from V3.2 (no top-k sharing): DeepSeek-V4 cannot run DBO in vLLM itself
+    floor = _cmp(records, "dp2w-ht-ref-v32-width-v1", "dp2w-ht-dbo-plugin-v32-width-v1")
     assert WITHIN.judge(result, floor)[0], (result, floor)
 
 

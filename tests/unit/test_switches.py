@@ -153,11 +153,13 @@ def test_simulate_and_doctor_say_disable_the_same_way(monkeypatch: pytest.Monkey
     assert run["name"] == "dbo_runtime" and run["ok"] and run["as_expected"]
     assert main(fast) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[-2] == (
+    at = next(i for i, text in enumerate(out) if text.startswith("verdict: "))
+    assert out[at] == (
         "verdict: NOT PROTECTED: DBO_RUNTIME_DISABLE turns dbo_runtime off here (a server with this environment runs "
         "vanilla vLLM); the simulation of dbo_runtime's own logic passed"
     )
-    assert out[-1] == f"WARNING: {line}" and "FAIL" not in "\n".join(out) and "PASS" not in "\n".join(out)
+    assert " ".join(t.strip() for t in out[at + 1 :]) == f"WARNING: {line}"  # folded to the CLI's width
+    assert all(len(t) <= 100 for t in out[at + 1 :]) and "FAIL" not in "\n".join(out) and "PASS" not in "\n".join(out)
     monkeypatch.delenv("DBO_RUNTIME_DISABLE")
     assert disabled_warning() is None
     assert main([*fast, "--json"]) == 0
