@@ -775,18 +775,20 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["engine"]:
         return engine_main(*argv[1:3])
     p = argparse.ArgumentParser(prog="python -m tests.e2e.emulated", description="The one-GPU DBO emulation matrix.")
-    p.add_argument("cmd", choices=["session", "plan", "judge"])
+    p.add_argument("cmd", choices=["session", "plan", "judge"], help="session: run the engines (GPU); plan: list them; judge: re-judge a session's folder")
     p.add_argument("--rows", default="repro,a-eager,a-control-eager,b-eager,c", help=f"comma-separated, from {','.join(ROWS)}")
     p.add_argument("--model", default="glm53", choices=sorted(set(FOLLOWERS) | set(TRANSPARENCY)))
     p.add_argument("--layers", type=int, default=61, choices=[8, 61, 78])
     p.add_argument("--runner", default="v2", choices=["v1", "v2"])
-    p.add_argument("--out", type=Path, default=Path("emulated-out"))
-    p.add_argument("--seconds", type=float, default=540.0)
-    p.add_argument("--at-once", type=int, default=None)
+    p.add_argument("--out", type=Path, default=Path("emulated-out"), help="session: where results go; judge: the folder a session's emulated-runs.tgz unpacks to")
+    p.add_argument("--seconds", type=float, default=540.0, help="session: stop the engines after this long (records are still written)")
+    p.add_argument("--at-once", type=int, default=None, help="session: engines alive together (default: as many as fit 72 GiB)")
     p.add_argument("--trust-labels", action="store_true", help="judge: results written before engines recorded dbo_runtime's state")
     a = p.parse_args(argv)
     if a.at_once is not None and a.at_once < 1:
         p.error(f"argument --at-once: {a.at_once} is not allowed; allowed values: an integer >= 1")
+    if not a.seconds > 0:
+        p.error(f"argument --seconds: {a.seconds} is not allowed; allowed values: a number > 0")
     asked = [r for r in a.rows.split(",") if r]
     if not asked:
         p.error(f"argument --rows: {a.rows!r} is not allowed; allowed values: one or more of {','.join(ROWS)}")
