@@ -182,8 +182,9 @@ def fingerprint(anchors: Iterable[str]) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def _node(module: str, qualname: str) -> ast.AST | None:
-    """The parsed ``qualname`` of ``module`` (the whole module for ``""``), or None."""
+@functools.lru_cache(maxsize=128)
+def parsed(module: str, qualname: str = "") -> ast.AST | None:
+    """The parsed ``qualname`` of ``module`` (the whole module for ``""``), or None; read-only (cached)."""
     text = read_source(module) if not qualname else source_block(module, qualname)
     if text is None:
         return None
@@ -206,7 +207,7 @@ def _defines(body: Iterable[ast.stmt], name: str) -> bool:
 
 def has_param(module: str, qualname: str, name: str) -> bool:
     """Whether the function ``qualname`` takes a parameter ``name``."""
-    node = _node(module, qualname)
+    node = parsed(module, qualname)
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
     args = node.args
@@ -217,7 +218,7 @@ def has_param(module: str, qualname: str, name: str) -> bool:
 
 def has_member(module: str, qualname: str, name: str) -> bool:
     """Whether the class ``qualname`` (module for ``""``) defines ``name`` in its own body."""
-    node = _node(module, qualname)
+    node = parsed(module, qualname)
     if isinstance(node, ast.ClassDef):
         return _defines(node.body, name) or any(
             isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
@@ -238,17 +239,18 @@ def _named(node: ast.AST, name: str) -> bool:
 
 def uses(module: str, qualname: str, name: str) -> bool:
     """Whether code in ``qualname`` (module for ``""``) reads something named ``name``."""
-    node = _node(module, qualname)
+    node = parsed(module, qualname)
     return node is not None and any(_named(sub, name) for sub in ast.walk(node))
 
 
 def calls(module: str, qualname: str, name: str) -> bool:
     """Whether code in ``qualname`` (module for ``""``) calls something named ``name``."""
-    node = _node(module, qualname)
+    node = parsed(module, qualname)
     return node is not None and any(isinstance(sub, ast.Call) and _named(sub.func, name) for sub in ast.walk(node))
 
 
 def clear_caches() -> None:
     read_source.cache_clear()
+    parsed.cache_clear()
     anchor_fingerprint.cache_clear()
     _vllm_root.cache_clear()

@@ -4,7 +4,6 @@ read from vLLM's code, so a build that fixes it starts."""
 from __future__ import annotations
 
 import ast
-import functools
 
 from dbo_runtime.core import coverage
 from dbo_runtime.integration import fingerprints
@@ -16,18 +15,9 @@ PER_TOKEN_INPUTS = ("positions", "slot_mapping", "kv_slot_mapping")
 def aligned_compressor_inputs() -> tuple[str, ...]:
     """Per-token inputs the CuTe DSL compressor assumes aligned (``divisibility`` > 1); none where its source is
     absent or unreadable (vLLM's crash is loud, never a wrong token)."""
-    text = fingerprints.read_source(COMPRESSOR_MODULE)
-    return _aligned(text) if text is not None else ()
-
-
-@functools.lru_cache(maxsize=4)
-def _aligned(text: str) -> tuple[str, ...]:
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
-        return ()
+    tree = fingerprints.parsed(COMPRESSOR_MODULE)
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(tree) if tree is not None else ():
         if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
             continue
         func = node.value.func

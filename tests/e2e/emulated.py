@@ -319,8 +319,9 @@ def engine_main(spec_path: str, out_path: str) -> int:
     states = [st.state for st in patch_set.status()] if patch_set is not None and patch_set.installed else []
     # in force: every feature this release takes verified in this process (the live registry, where a failed
     # install or a broken hook marks its feature) and no patch broken; an empty set leaves a "plugin" engine vanilla
-    short = [f"{name}: {st.describe()}" for name, st in REGISTRY.all().items() if st.applies and not st.in_force]
-    result["dbo_runtime"] = bool(REGISTRY.all()) and not short and "installed" in states and "broken" not in states
+    features = REGISTRY.all()
+    short = [f"{name}: {st.describe()}" for name, st in features.items() if st.applies and not st.in_force]
+    result["dbo_runtime"] = bool(features) and not short and "installed" in states and "broken" not in states
     result["dbo_runtime_shortfall"] = short
     result[WORKAROUND_ENV] = envs.VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD  # what vLLM used (the record's workaround)
     save()
@@ -425,17 +426,21 @@ def _load(out: Path, engine: Engine) -> dict[str, Any]:
     return result
 
 
-def _flag(out: Path, engine: Engine) -> bool | None:
-    """What the engine recorded: dbo_runtime's fixes in force in its process (None: not recorded, or no result)."""
+def _recorded(out: Path, engine: Engine, key: str) -> Any:
+    """What the engine recorded under ``key`` in its result (None: not recorded, or no result)."""
     path = out / f"{engine.label}.json"
-    return json.loads(path.read_text()).get("dbo_runtime") if path.exists() else None
+    return json.loads(path.read_text()).get(key) if path.exists() else None
+
+
+def _flag(out: Path, engine: Engine) -> bool | None:
+    """Whether dbo_runtime's fixes were in force in the engine's process, as it recorded."""
+    return _recorded(out, engine, "dbo_runtime")
 
 
 def _workarounds(out: Path, row: str, s: Settings) -> dict[str, str]:
     """Which of the row's engines, and of its floor's, ran with ``WORKAROUND_ENV`` 0, as each engine recorded it."""
     def used(r: str) -> list[str]:
-        found = [json.loads(p.read_text()) for e, _ in needs(r, s) if (p := out / f"{e.label}.json").exists()]
-        return [f.get("label", "?") for f in found if f.get(WORKAROUND_ENV) == 0]
+        return [e.label for e, _ in needs(r, s) if _recorded(out, e, WORKAROUND_ENV) == 0]
 
     notes = {"workaround": used(row), "floor_workaround": used(floor) if (floor := floor_row(row)) else []}
     why = f"{WORKAROUND_ENV}=0 (vLLM's microbatch workspace lock) in "

@@ -127,8 +127,7 @@ def _host_cost_rank(rank: dict[str, Any]) -> dict[str, Any]:
     for r in reps:
         for key in ("rep", "warmup"):
             r.pop(key, None)
-    kept = {k: v for k, v in rank.items() if k not in ("reps", "by_patch_median")}
-    return {**kept, "reps": reps, **({"by_patch_median": medians} if medians else {})}
+    return {**{k: v for k, v in rank.items() if k != "reps"}, "reps": reps, **({"by_patch_median": medians} if medians else {})}
 
 
 def compact_host_cost(rec: dict[str, Any]) -> dict[str, Any]:

@@ -22,4 +22,4 @@ def _read(module: str) -> str | None:
 
 
 fingerprints.read_source = _read
-fingerprints.clear_caches = lambda: (_read.cache_clear(), fingerprints.anchor_fingerprint.cache_clear())
+fingerprints.clear_caches = lambda: (_read.cache_clear(), fingerprints.anchor_fingerprint.cache_clear(), fingerprints.parsed.cache_clear())
