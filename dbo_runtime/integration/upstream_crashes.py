@@ -1,5 +1,4 @@
-"""vLLM's own crashes under microbatching (not bug A or B; vanilla dies alike), refused before they happen. Each is
-read from vLLM's code, so a build that fixes it starts."""
+"""vLLM's own crashes under microbatching (vanilla dies alike), read from its code: a build that fixes one starts."""
 
 from __future__ import annotations
 
