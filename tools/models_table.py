@@ -55,7 +55,9 @@ def _v32_family(arch: str, module: str, *, notes: str = "", evidence: tuple[str,
     )
 
 
-def _generic(arch: str, module: str, releases: tuple[str, ...] = RELEASES) -> Row:
+def _generic(
+    arch: str, module: str, releases: tuple[str, ...] = RELEASES, per_release: tuple[tuple[str, str], ...] = ()
+) -> Row:
     return Row(
         architecture=arch,
         module=module,
@@ -63,6 +65,7 @@ def _generic(arch: str, module: str, releases: tuple[str, ...] = RELEASES) -> Ro
         bug_b="only with index_topk and index_topk_freq > 1 (shared builder on a compiled model)",
         evidence=("tests/vllm/test_topk_patches.py",),
         releases=releases,
+        per_release=per_release,
     )
 
 
@@ -93,8 +96,8 @@ ROWS: tuple[Row, ...] = (
     _v32_family(
         "GlmMoeDsaForCausalLM",
         "vllm.models.deepseek_v32",
-        notes="on CUDA an alias of DeepseekV32ForCausalLM; vLLM reads index_topk_freq / index_skip_topk_offset / "
-        "index_topk_pattern (a string), never indexer_types",
+        notes="on CUDA an alias of DeepseekV32ForCausalLM; followers from index_topk_freq / index_skip_topk_offset / "
+        "index_topk_pattern (a string), and in 0.34.0 first from indexer_types (compute_skip_topk_layers)",
         evidence=("tests/vllm/test_coverage_rules.py", _E2E, _FAMILY_E2E, _CALL_SITES),
     ),
     Row(
@@ -118,7 +121,8 @@ ROWS: tuple[Row, ...] = (
         "vllm.models.deepseek_v4",
         bug_a="as DeepseekV4ForCausalLM",
         bug_b="",
-        notes="as DeepseekV4ForCausalLM",
+        notes="as DeepseekV4ForCausalLM (the vision entry point: vLLM's V2 runner refuses it DBO)",
+        per_release=VLLM_REFUSES_MULTIMODAL,
     ),
     _not_affected("DeepSeekV4MTPModel", "vllm.models.deepseek_v4", "drafter; never microbatched"),
     _not_affected(
@@ -170,7 +174,7 @@ ROWS: tuple[Row, ...] = (
         "vllm.models.dots3_note",
         bug_a="full-attention layers' deepseek_v2 Indexer -> SparseAttnIndexer",
         bug_b="only when the checkpoint or --hf-overrides sets index_topk_freq > 1 or an index_topk_pattern with 'S'",
-        per_release=VLLM_REFUSES_HYBRID,
+        per_release=VLLM_REFUSES_MULTIMODAL,
     ),
     _not_affected("Dots3NoteMTPModel", "vllm.models.dots3_note", "drafter; never microbatched"),
     _generic("DeepseekV2ForCausalLM", "vllm.model_executor.models.deepseek_v2"),
@@ -179,10 +183,10 @@ ROWS: tuple[Row, ...] = (
     _generic("DeepseekV3BidirectionalModel", "vllm.model_executor.models.deepseek_v2"),
     _generic("Glm4MoeLiteForCausalLM", "vllm.model_executor.models.glm4_moe_lite"),
     _generic("MistralLarge3ForCausalLM", "vllm.model_executor.models.mistral_large_3"),
-    _generic("KimiK25ForConditionalGeneration", "vllm.model_executor.models.kimi_k25"),
-    _generic("KimiVLForConditionalGeneration", "vllm.model_executor.models.kimi_vl"),
+    _generic("KimiK25ForConditionalGeneration", "vllm.model_executor.models.kimi_k25", per_release=VLLM_REFUSES_MULTIMODAL),
+    _generic("KimiVLForConditionalGeneration", "vllm.model_executor.models.kimi_vl", per_release=VLLM_REFUSES_MULTIMODAL),
     _generic("LongcatFlashForCausalLM", "vllm.model_executor.models.longcat_flash"),
-    _generic("UnlimitedOCRForCausalLM", "vllm.model_executor.models.unlimited_ocr"),
+    _generic("UnlimitedOCRForCausalLM", "vllm.model_executor.models.unlimited_ocr", per_release=VLLM_REFUSES_MULTIMODAL),
     _generic("UnlimitedOCR2TextForCausalLM", "vllm.model_executor.models.unlimited_ocr", releases=NEW_IN_034),
     Row(
         "MistralLarge4ForCausalLM",
@@ -225,7 +229,10 @@ ROWS: tuple[Row, ...] = (
         "vllm.models.minimax_m3",
         "its MSA indexer plans no DeepGEMM schedule; on CUDA it shares no top-k (use_index_cache is ROCm only)",
     ),
-    _not_affected("MiniMaxM3SparseForConditionalGeneration", "vllm.models.minimax_m3", "as MiniMaxM3SparseForCausalLM"),
+    _not_affected(
+        "MiniMaxM3SparseForConditionalGeneration", "vllm.models.minimax_m3", "as MiniMaxM3SparseForCausalLM",
+        per_release=VLLM_REFUSES_MULTIMODAL,
+    ),
     _not_affected("MiniMaxM3MTP", "vllm.models.minimax_m3", "drafter; never microbatched"),
 )
 """Every architecture of ``core.coverage``, in the table's order (a test keeps the two sets equal)."""

@@ -13,7 +13,7 @@ from typing import Any
 from dbo_runtime.core import coverage
 from dbo_runtime.core.errors import UnsupportedConfiguration, ways_out
 from dbo_runtime.core.log import get_logger
-from dbo_runtime.integration import fingerprints
+from dbo_runtime.integration import fingerprints, guard
 from dbo_runtime.integration.engine_config import decode_rows, model_of
 from dbo_runtime.integration.features import Feature, Probe, Reliance, Upstream
 from dbo_runtime.integration.patching import ArgSlots, Patch, require_parameters
@@ -193,15 +193,19 @@ def _refuse_hisparse() -> None:
     )
 
 
-def _refuse(vllm_config: Any, default_reason: str) -> None:
-    """One line: the architecture, the real reason (``core.coverage``) and the ways out."""
+def _refuse(vllm_config: Any, reason: str, *, build: bool = True) -> None:
+    """One line: the architecture, the real reason and the ways out. ``core.coverage``'s reason where it refuses
+    the architecture (a fixed one's is ROCm's); elsewhere ``reason``, and where the cause is this vLLM build
+    (``build``) a verified release is a way out."""
     arch = model_of(vllm_config, "this model")[0]
     row = coverage.BY_ARCHITECTURE.get(arch)
-    reason = row.refusal if row is not None and row.refusal else default_reason
+    if row is not None and row.refusal and (row.status == "refused" or guard.platform() == "rocm"):
+        reason, ways = row.refusal, ways_out()
+    else:
+        ways = ways_out(verified=guard.VERIFIED if build else ())
     raise UnsupportedConfiguration(
         f"dbo_runtime refuses {arch} with --enable-dbo: its layers reuse an earlier layer's top-k, but {reason}, "
-        "so under DBO one microbatch would read the other's selection with no error. "
-        + ways_out()
+        "so under DBO one microbatch would read the other's selection with no error. " + ways
     )
 
 
@@ -209,8 +213,12 @@ def _refuse_unsupported(builder: Any, vllm_config: Any, state: UbatchTopkState) 
     if _hisparse(vllm_config):
         _refuse_hisparse()
     if not state.is_model_buffer(builder.logical_topk_indices):
-        _refuse(vllm_config, "its index groups use a top-k buffer that is not the CUDA DSA model's "
-                "(the torch.compiled generic DeepseekV2 path bakes it into its graph)")
+        if model_of(vllm_config, "this model")[0] in SHARED_GROUP_ARCHITECTURES:
+            why = ("the patch that hands its indexer that buffer is not installed: this vLLM's code differs from "
+                   "the verified releases")
+        else:
+            why = "not the CUDA DSA model's: the torch.compiled generic DeepseekV2 path bakes it into its graph"
+        _refuse(vllm_config, f"its index groups use a top-k buffer dbo_runtime gives no per-microbatch view ({why})")
 
 
 def _register_layer_patch(state: UbatchTopkState) -> Patch:
@@ -228,7 +236,7 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
                 if follower:
                     _refuse_unsupported(self, config, state)
                 elif not is_index_producing_layer:  # no group: a top-k nothing ties it to
-                    _refuse(config, "it builds its sparse MLA layers without a shared index-group builder")
+                    _refuse(config, "it builds its sparse MLA layers without a shared index-group builder", build=False)
                 elif _hisparse(config) and _model_shares_topk(config):
                     _refuse_hisparse()  # before HiSparse builds host caches for the leader
             result = original(self, *args, **kwargs)

@@ -9,6 +9,7 @@ importing them would run CUDA-only package ``__init__`` files.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import pathlib
 import re
@@ -67,12 +68,69 @@ def test_every_row_is_a_registered_architecture_of_its_module() -> None:
             continue
         module = registry._resolve_module_name(registry._VLLM_MODELS[row.architecture][0])
         assert module == row.module, (row.architecture, module)
+    assert _installed_release()
+
+
+def _installed_release() -> str:
+    """The table's release whose rows are exactly the installed registry's (read from the registry, not a version)."""
+    from vllm.model_executor.models import registry
+
     missing_here = {row.architecture for row in models_table.ROWS if row.architecture not in registry._VLLM_MODELS}
-    for release in models_table.RELEASES:  # the installed registry is exactly one release's rows
+    for release in models_table.RELEASES:
         if {row.architecture for row in models_table.ROWS if release not in row.releases} == missing_here:
-            break
-    else:
-        raise AssertionError(f"no release's rows match this registry (absent here: {sorted(missing_here)})")
+            return release
+    raise AssertionError(f"no release's rows match this registry (absent here: {sorted(missing_here)})")
+
+
+KINDS = {"multimodal": "SupportsMultiModal", "hybrid": "IsHybrid"}
+"""vLLM's DBO refusal by model kind, and the interface a model class declares it with."""
+
+
+@functools.cache
+def _class_bases() -> dict[str, list[str]]:
+    """Every class defined in vLLM's sources: name -> the text of its base lists (one per definition)."""
+    out: dict[str, list[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        for name, bases in re.findall(r"^class (\w+)\(([^)]*)\)", path.read_text(errors="replace"), flags=re.M):
+            out.setdefault(name, []).append(bases)
+    return out
+
+
+def _declared_kinds(arch: str) -> set[str]:
+    """The kinds the class and its parent classes (by name, anywhere in vLLM) declare among their bases."""
+    kinds: set[str] = set()
+    todo, seen = [arch], set()
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        for bases in _class_bases().get(name, []):
+            kinds |= {kind for kind, base in KINDS.items() if re.search(rf"\b{base}\b", bases)}
+            todo += [b for b in re.findall(r"\b(\w+)\b", bases) if b not in seen and b != name]
+    return kinds
+
+
+def test_vllm_refusals_shown_per_release_match_the_model_classes() -> None:
+    """A cell "vLLM refuses DBO (KIND)" of the installed release names a kind the class declares; and where this
+    vLLM's DBO check refuses a kind (read from its code), every DSA architecture of that kind shows the cell."""
+    import inspect
+
+    from vllm.config import VllmConfig
+    from vllm.model_executor.models import registry
+
+    release = _installed_release()
+    # a build that still has Model Runner V1 runs DBO there, where these refusals (the V2 runner's) do not apply
+    v1_runner = importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+    check = inspect.getsource(VllmConfig)
+    refused_here = set() if v1_runner else {k for k in KINDS if f"dual batch overlap with {k} models" in check}
+    for row in models_table.ROWS:
+        if row.architecture not in registry._VLLM_MODELS:
+            continue
+        declared = _declared_kinds(registry._VLLM_MODELS[row.architecture][1])  # the class the registry loads
+        cell = dict(row.per_release).get(release, "")
+        shown = {k for k in KINDS if cell == f"vLLM refuses DBO ({k})"}
+        assert shown <= declared, (row.architecture, cell, declared)
+        if declared & refused_here:
+            assert shown, f"{row.architecture} declares {declared}: vLLM {release} refuses it DBO; the table must say so"
 
 
 def test_rows_that_fix_or_refuse_say_how_and_why() -> None:

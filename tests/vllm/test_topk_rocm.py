@@ -12,7 +12,8 @@ Boundary fakes (no ROCm GPU here, and no ROCm twin: the project's GPU machine is
 ``get_tensor_model_parallel_world_size`` of the sparse-MLA module (needs an initialised TP
 group), the ROCm backend's ``current_workspace_manager`` (allocates on an accelerator), and the
 model config (``FakeModelConfig``: the impl reads only ``dtype``; a real ModelConfig needs the
-model's HF config).
+model's HF config), and the platform (``guard.platform`` answers ``rocm``; on CPU it reads vLLM's current
+platform as neither CUDA nor ROCm).
 """
 
 from __future__ import annotations
@@ -117,7 +118,21 @@ def test_rocm_model_builds_layers_without_a_shared_index_group_builder() -> None
     assert "SparseMLAIndexGroupBuilder" not in inspect.getsource(amd_model)
 
 
-def test_rocm_glm5_shared_topk_with_dbo_is_refused_at_construction(rocm: Any, installed: Any) -> None:  # noqa: F811
+def test_on_cuda_a_follower_without_a_group_is_refused_without_the_rocm_reason(rocm: Any, installed: Any) -> None:  # noqa: F811
+    """The same construction off ROCm (a follower before any leader would reach it): the real cause, no ROCm text."""
+    installed(UbatchTopkState(lambda: (0, 0), TopkLayout.WINDOWS))
+    with pytest.raises(UnsupportedConfiguration) as err:
+        build_rocm_layers(_config(enable_dbo=True), num_layers=8)
+    message = str(err.value)
+    assert "without a shared index-group builder" in message and "ROCm" not in message and "\n" not in message
+
+
+def test_rocm_glm5_shared_topk_with_dbo_is_refused_at_construction(
+    rocm: Any, installed: Any, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    from dbo_runtime.integration import guard
+
+    monkeypatch.setattr(guard, "platform", lambda: "rocm")  # boundary: no ROCm device here
     installed(UbatchTopkState(lambda: (0, 0), TopkLayout.WINDOWS))
     # GLM-5.3's pattern: layers 0, 1, 2 lead, layer 3 is the first follower.
     with pytest.raises(UnsupportedConfiguration) as err:
