@@ -71,6 +71,13 @@ def fetch_source(version: str, into: pathlib.Path) -> pathlib.Path:
     return into / "vllm"
 
 
+def source_version(root: pathlib.Path) -> str | None:
+    """The release a vllm package directory says it is (``_version.py``, written by the wheel build); None if absent."""
+    path = root / "_version.py"
+    found = re.search(r"^__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]", path.read_text() if path.is_file() else "", re.M)
+    return found.group(1) if found else None
+
+
 def _relocated(root: pathlib.Path, anchor: str) -> list[str]:
     """Other ``module:qualname`` places in ``root`` that define the anchor's last name at the same nesting."""
     module, _, qualname = anchor.partition(":")
@@ -153,11 +160,17 @@ def main(argv: list[str] | None = None) -> int:
         help="with --write: leave these patches out of the release's set on purpose (their fix is unreachable there)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if not re.fullmatch(r"\d+\.\d+\.\d+", args.version):
+        parser.error(f"version '{args.version}' is not allowed; allowed values: a vLLM release such as 0.34.0")
     against = args.against or max(RELEASES, key=_key)
     with tempfile.TemporaryDirectory() as tmp:
         root = args.source or fetch_source(args.version, pathlib.Path(tmp))
         if not (root / "__init__.py").is_file():
             parser.error(f"--source {root} is not a vllm package directory (no __init__.py)")
+        found = source_version(root)
+        if found not in (None, args.version):
+            parser.error(f"--source {root} holds vLLM {found}, not {args.version}: its fingerprints would be recorded "
+                         "under the wrong release; pass the version it holds, or another --source")
         with use_source_root(root.resolve()):
             # anchors may depend on what exists there
             patches: list[Patch | Reliance] = [*(p for p in all_patches() if p.fingerprint_anchors), *all_reliances()]

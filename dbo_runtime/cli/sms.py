@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dbo_runtime.cli import _common
-from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, int_in, print_json, print_table, warn
+from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, int_in, print_json, print_table, warn, wrapped
 from dbo_runtime.cli._split import budget_for, comm_sms, deepep_sms, split_warnings
 from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, PLATFORMS, SMBudget
 from dbo_runtime.core.cli_support import DBO_BACKENDS, H200_SMS
@@ -211,18 +211,20 @@ def render(doc: dict[str, Any]) -> None:
         rows.append([
             d["label"], d["name"], _dash(d["sms"]), _dash(d["sms_source"]), ", ".join(check) or "-",
             "-" if d["mig_enabled"] is None else ("on" if d["mig_enabled"] else "off"),
-            f"{b['total']}/{b['comm']}/{b['compute']}" if b else d["note"] or "-", _knobs(b) if b else "-",
+            f"{b['total']}/{b['comm']}/{b['compute']}" if b else d["note"] or "-",
         ])  # fmt: skip
     s = doc["settings"]
-    caption = [
+    # the knobs on their own lines, so the table stays within 100 columns
+    caption = [wrapped(f"{d['label']}: vLLM turns {_knobs(d['budget'])}") for d in doc["devices"] if d["budget"]]
+    caption += [
         f"all2all_backend={s['all2all_backend']} platform={s['platform']} comm_sms={s['comm_sms']} ({s['comm_sms_source']}) "
         f"max_sms_used={_dash(s['max_sms_used'])}",
         f"NVML: {doc['nvml']['detail']}; CUDA: {doc['cuda']['detail']}",
         f"dbo_runtime verified: {doc['vllm_release']}",
     ]
-    caption += [f"warning: device {d['label']}: {w}" for d in doc["devices"] for w in d["warnings"]]
-    caption += [f"warning: {w}" for w in doc["warnings"]]
-    columns = ["GPU", "Name", "SMs", "SM source", "NVML check", "MIG", "total/comm/compute", "Knobs vLLM turns"]
+    caption += [wrapped(f"warning: device {d['label']}: {w}") for d in doc["devices"] for w in d["warnings"]]
+    caption += [wrapped(f"warning: {w}") for w in doc["warnings"]]
+    columns = ["GPU", "Name", "SMs", "SM source", "NVML check", "MIG", "total/comm/compute"]
     print_table("dbo-runtime sms: DBO SM split under --enable-dbo", columns, rows, caption)
 
 

@@ -761,6 +761,15 @@ def judge(rows: list[str], s: Settings, out: Path, command: str) -> int:
         )
         return 2
     labels = [e.label for e in plan(rows, s)]
+    planned = json.loads((out / "plan.json").read_text()) if (out / "plan.json").exists() else labels
+    unplanned = [label for label in labels if label not in planned]
+    if unplanned:
+        print(
+            f"judge: the session in {out} ran no engine {', '.join(unplanned)}: pass the session's own --rows, "
+            f"--model and --layers (its engines: {', '.join(planned)})",
+            file=sys.stderr,
+        )
+        return 2
     if not any((out / f"{label}.json").exists() for label in labels):
         print(
             f"judge: {out} holds no result of the engines these rows need ({labels[0]}.json, ...): pass the folder "
@@ -770,6 +779,8 @@ def judge(rows: list[str], s: Settings, out: Path, command: str) -> int:
         return 2
     first: dict[str, Any] = json.loads(lines[0])
     run = {k: first[k] for k in ("device", "vllm", "date", "command")}
+    for earlier in out.glob("*-judged.jsonl"):  # a judge rewrites its records, never appends to an earlier judge's
+        earlier.unlink()
     status = records(rows, s, out, {**run, "judged_by": command}, suffix="-judged")
     print(f"judge: records in {out}/*-judged.jsonl", file=sys.stderr)
     return status
@@ -781,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
         return engine_main(*argv[1:3])
     p = argparse.ArgumentParser(prog="python -m tests.e2e.emulated", description="The one-GPU DBO emulation matrix.")
     p.add_argument("cmd", choices=["session", "plan", "judge"], help="session: run the engines (GPU); plan: list them; judge: re-judge a session's folder")
-    p.add_argument("--rows", default="repro,a-eager,a-control-eager,b-eager,c", help=f"comma-separated, from {','.join(ROWS)}")
+    p.add_argument("--rows", default="repro,a-eager,a-control-eager,b-eager,c", help=f"comma-separated, from {','.join(ROWS)} (default %(default)s)")
     p.add_argument("--model", default="glm53", choices=sorted(set(FOLLOWERS) | set(TRANSPARENCY)))
     p.add_argument("--layers", type=int, default=61, choices=[8, 61, 78])
     p.add_argument("--runner", default="v2", choices=["v1", "v2"])

@@ -97,7 +97,8 @@ def test_sms_table_on_gpu(cuda_device: torch.device, capsys: pytest.CaptureFixtu
     sms = int(torch.cuda.get_device_properties(cuda_device).multi_processor_count)
     assert main(["sms"]) == 0
     table = capsys.readouterr().out
-    assert f"{sms}/20/{sms - 20}" in table
+    assert f"{sms}/20/{sms - 20}" in table and f"DeepGEMM set_num_sms({sms - 20})" in table
+    assert max(map(len, table.splitlines())) <= 100  # with real NVML names and checks
     assert main(["sms", "--all2all-backend", "deepep_low_latency"]) == 0
     assert f"{sms}/0/{sms}" in capsys.readouterr().out
     if out_dir is not None:

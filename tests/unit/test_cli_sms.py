@@ -78,6 +78,9 @@ def test_the_table_shows_the_split_the_knobs_and_the_release_verified(capsys: py
     assert main(["sms", "--total-sms", "132", "--comm-sms", "32"]) == 0  # vLLM's HT manager clamps to 20
     out = capsys.readouterr().out
     assert "all2all set_num_sms(32) -> DeepEP 20 (HT clamp)" in out and "12 of the 32 comm SMs stay idle" in out
+    for argv in (["--comm-sms", "21"], ["--platform", "rocm", "--all2all-backend", "allgather_reducescatter"]):
+        assert main(["sms", "--total-sms", "132", *argv]) == 0
+        assert max(map(len, capsys.readouterr().out.splitlines())) <= 100, argv  # a table and notes of <= 100 columns
 
 
 def test_rocm_deepep_ht_forces_comm_zero_and_allgather_takes_64(capsys: pytest.CaptureFixture[str]) -> None:

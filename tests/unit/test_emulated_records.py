@@ -309,6 +309,11 @@ def test_judge_and_plan_refuse_in_one_line(tmp_path: Path, capsys: pytest.Captur
     (tmp_path / "transparency.jsonl").write_text(json.dumps({"device": "d", "vllm": "v", "date": "x", "command": "c"}) + "\n")
     assert emulated.main(["judge", "--out", str(tmp_path), "--rows", "t-eager"]) == 2  # records, no engine results
     assert "holds no result of the engines" in capsys.readouterr().err
+    # a session that planned other engines (its own --rows): refused, naming them, not judged as failures
+    (tmp_path / "plan.json").write_text(json.dumps(["other-engine"]))
+    assert emulated.main(["judge", "--out", str(tmp_path), "--rows", "t-eager"]) == 2
+    assert "ran no engine" in (err := capsys.readouterr().err) and "its engines: other-engine" in err
+    assert not list(tmp_path.glob("*-judged.jsonl"))
     with pytest.raises(SystemExit) as stop:
         emulated.main(["plan", "--rows", "t-eager", "--at-once", "0"])
     assert stop.value.code == 2 and "--at-once" in capsys.readouterr().err
@@ -329,3 +334,17 @@ def test_each_model_is_judged_against_its_own_control(model: str) -> None:
     assert rows == ["a-control-eager", "b-control-graphs", "a-eager", "b-graphs", "c", "n-eager", "n-control-eager"]
     assert engines == {r: {control if "control" in r else followers} for r in rows}
     assert emulated._gib(rows, s) == emulated.GIB_PER_ENGINE[(model, 61)]
+
+
+def test_judging_again_replaces_the_earlier_judged_records(tmp_path: Path) -> None:
+    """Re-judging a folder is the documented workflow: its ``*-judged.jsonl`` holds one record per row, not one
+    per judge run."""
+    engines = [e for e, _ in emulated.needs("t-eager", emulated.Settings("glm53"))]
+    for engine in engines:
+        _write_results(tmp_path, engine, _requests(-1.0))
+    (tmp_path / "plan.json").write_text(json.dumps([e.label for e in engines]))
+    (tmp_path / "transparency.jsonl").write_text(json.dumps({"device": "d", "vllm": "v", "date": "x", "command": "c"}) + "\n")
+    for _ in range(2):
+        assert emulated.main(["judge", "--out", str(tmp_path), "--rows", "t-eager", "--model", "glm53"]) == 0
+    judged = (tmp_path / "transparency-judged.jsonl").read_text().splitlines()
+    assert [json.loads(line)["row"] for line in judged] == ["t-eager"]

@@ -186,3 +186,20 @@ def test_record_release_marks_a_changed_anchor_changed(capsys: pytest.CaptureFix
 
 def test_the_rendered_record_reads_back_as_the_same_releases() -> None:
     assert json.loads(record_release.render(RELEASES)) == RELEASES
+
+
+def test_record_release_refuses_a_source_of_another_release(capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``--source`` holding another release would record its fingerprints under the wrong name: exit 2, one line."""
+    installed = metadata.version("vllm")
+    root = fingerprints.module_file("vllm.config")
+    assert root is not None and record_release.source_version(root.parents[1]) == installed
+    other = next(r for r in RELEASES if r != installed)
+    before = record_release.RECORD.read_text()
+    with pytest.raises(SystemExit) as stop:
+        record_release.main([other, "--source", str(root.parents[1]), "--write"])
+    assert stop.value.code == 2 and record_release.RECORD.read_text() == before
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"holds vLLM {installed}, not {other}" in err
+    with pytest.raises(SystemExit) as stop:
+        record_release.main(["abc"])
+    assert stop.value.code == 2
