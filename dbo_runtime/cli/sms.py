@@ -153,7 +153,9 @@ def _apply_budget(row: DeviceRow, args: argparse.Namespace, comm: tuple[int, str
 def collect(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--json`` document; ``CliError`` (exit 3) when no GPU is visible and no ``--total-sms`` was given."""
     if args.all2all_backend not in BACKENDS[args.platform]:
-        raise ConfigError("--all2all-backend", args.all2all_backend, BACKENDS[args.platform])
+        allowed = ", ".join(repr(b) for b in BACKENDS[args.platform])
+        elsewhere = [p for p, names in BACKENDS.items() if args.all2all_backend in names]
+        raise ConfigError("--all2all-backend", args.all2all_backend, allowed + (f" (it needs --platform {elsewhere[0]})" if elsewhere else ""))
     comm = comm_sms(args.comm_sms, args.platform)
     max_sms = BACKEND_MAX_SMS_USED.get(args.all2all_backend)
     if args.total_sms is not None:

@@ -88,6 +88,9 @@ def test_rocm_deepep_ht_forces_comm_zero_and_allgather_takes_64(capsys: pytest.C
     assert split(dev) == (304, 0, 304) and dev["budget"]["rocm_override"]
     [dev] = run_json(capsys, "--total-sms", "304", "--platform", "rocm", "--all2all-backend", "allgather_reducescatter")["devices"]
     assert split(dev) == (304, 64, 240)
+    assert main(["sms", "--total-sms", "304", "--all2all-backend", "allgather_reducescatter"]) == 2  # CUDA by default
+    [line] = capsys.readouterr().err.splitlines()
+    assert "is not allowed" in line and "(it needs --platform rocm)" in line
 
 
 def test_the_comm_share_comes_from_the_flag_then_the_environment(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

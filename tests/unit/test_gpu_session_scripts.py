@@ -240,3 +240,13 @@ def test_tune_values_all_passes_the_early_check(tmp_path: Path) -> None:
     proc = _run("session-tune.sh", ["v32-width", "540", "all"], tmp_path)
     assert proc.returncode == 2 and "is missing: send every bundle part (.gpu-vllm/p0..pN)" in proc.stderr, proc.stderr
     assert '--reps "$REPS"' in (ROOT / "tools" / "gpu" / "session-tune.sh").read_text()
+
+
+def test_bundle_refuses_a_folder_named_for_another_release(tmp_path: Path) -> None:
+    """``bundle.sh .gpu-vllm-0.33`` without ``VLLM_VERSION=0.33.0`` would fill that folder with 0.34.0."""
+    proc = _bundle(tmp_path, ".gpu-vllm-0.33", DRY_RUN="1")
+    assert proc.returncode == 2 and proc.stdout == "" and list(tmp_path.iterdir()) == []
+    [line] = proc.stderr.strip().splitlines()
+    assert "names vLLM 0.33 but VLLM_VERSION is 0.34.0" in line
+    ok = _bundle(tmp_path, ".gpu-vllm-0.33", DRY_RUN="1", VLLM_VERSION="0.33.0")
+    assert ok.returncode == 0 and ok.stdout.startswith("vllm==0.33.0"), ok.stderr

@@ -39,6 +39,9 @@ need_switch bundle.sh DRY_RUN "${DRY_RUN-0}"
 case "$out" in
   ''|/*|.|..|*/*|.git*) echo "bundle.sh: folder '$out' is not allowed; allowed values: a new folder name in the project root (default .gpu-vllm)" >&2; exit 2 ;;
 esac
+if [[ "$out" =~ -([0-9]+\.[0-9]+(\.[0-9]+)?)$ ]] && [[ "$version." != "${BASH_REMATCH[1]}."* ]]; then
+  echo "bundle.sh: folder '$out' names vLLM ${BASH_REMATCH[1]} but VLLM_VERSION is $version; allowed values: VLLM_VERSION=${BASH_REMATCH[1]}... for that folder, or another folder name" >&2; exit 2
+fi
 if [ -e "$out" ] && { [ ! -d "$out" ] || [ -n "$(find "$out" -mindepth 1 -maxdepth 1 ! -name 'p[0-9]*' -print -quit)" ]; }; then
   echo "bundle.sh: folder '$out' is not allowed; allowed values: a new folder, or an earlier bundle (only p0, p1, ... inside): it holds other files and would be deleted" >&2; exit 2
 fi
