@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         help="with --write: leave these patches out of the release's set on purpose (their fix is unreachable there)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    if not re.fullmatch(r"\d+\.\d+\.\d+", args.version):
+    if not re.fullmatch(r"\d+\.\d+\.\d+(\.\d+)?(\.post\d+)?(\+[\w.]+)?", args.version):
         parser.error(f"version '{args.version}' is not allowed; allowed values: a vLLM release such as 0.34.0")
     against = args.against or max(RELEASES, key=_key)
     with tempfile.TemporaryDirectory() as tmp:
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (root / "__init__.py").is_file():
             parser.error(f"--source {root} is not a vllm package directory (no __init__.py)")
         found = source_version(root)
-        if found not in (None, args.version):
+        if found is not None and found.split("+")[0] != args.version.split("+")[0]:  # a local build tag aside
             parser.error(f"--source {root} holds vLLM {found}, not {args.version}: its fingerprints would be recorded "
                          "under the wrong release; pass the version it holds, or another --source")
         with use_source_root(root.resolve()):

@@ -221,7 +221,7 @@ def render(doc: dict[str, Any]) -> None:
     caption += [
         f"all2all_backend={s['all2all_backend']} platform={s['platform']} comm_sms={s['comm_sms']} ({s['comm_sms_source']}) "
         f"max_sms_used={_dash(s['max_sms_used'])}",
-        f"NVML: {doc['nvml']['detail']}; CUDA: {doc['cuda']['detail']}",
+        wrapped(f"NVML: {doc['nvml']['detail']}; CUDA: {doc['cuda']['detail']}"),
         f"dbo_runtime verified: {doc['vllm_release']}",
     ]
     caption += [wrapped(f"warning: device {d['label']}: {w}") for d in doc["devices"] for w in d["warnings"]]

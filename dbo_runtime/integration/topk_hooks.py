@@ -213,12 +213,12 @@ def _refuse_unsupported(builder: Any, vllm_config: Any, state: UbatchTopkState) 
     if _hisparse(vllm_config):
         _refuse_hisparse()
     if not state.is_model_buffer(builder.logical_topk_indices):
-        if model_of(vllm_config, "this model")[0] in SHARED_GROUP_ARCHITECTURES:
-            why = ("the patch that hands its indexer that buffer is not installed: this vLLM's code differs from "
-                   "the verified releases")
+        if build := model_of(vllm_config, "this model")[0] in SHARED_GROUP_ARCHITECTURES:
+            why = "the patch that hands its indexer that buffer is not installed: this vLLM's code is not verified"
         else:
             why = "not the CUDA DSA model's: the torch.compiled generic DeepseekV2 path bakes it into its graph"
-        _refuse(vllm_config, f"its index groups use a top-k buffer dbo_runtime gives no per-microbatch view ({why})")
+        _refuse(vllm_config, f"its index groups use a top-k buffer dbo_runtime gives no per-microbatch view ({why})",
+                build=build)
 
 
 def _register_layer_patch(state: UbatchTopkState) -> Patch:

@@ -779,8 +779,9 @@ def judge(rows: list[str], s: Settings, out: Path, command: str) -> int:
         return 2
     first: dict[str, Any] = json.loads(lines[0])
     run = {k: first[k] for k in ("device", "vllm", "date", "command")}
-    for earlier in out.glob("*-judged.jsonl"):  # a judge rewrites its records, never appends to an earlier judge's
-        earlier.unlink()
+    for earlier in out.glob("*-judged.jsonl"):  # these rows' records are replaced, never appended to; others kept
+        kept = [line for line in earlier.read_text().splitlines() if line.strip() and json.loads(line).get("row") not in rows]
+        earlier.write_text("".join(f"{line}\n" for line in kept))
     status = records(rows, s, out, {**run, "judged_by": command}, suffix="-judged")
     print(f"judge: records in {out}/*-judged.jsonl", file=sys.stderr)
     return status

@@ -344,7 +344,8 @@ def test_judging_again_replaces_the_earlier_judged_records(tmp_path: Path) -> No
         _write_results(tmp_path, engine, _requests(-1.0))
     (tmp_path / "plan.json").write_text(json.dumps([e.label for e in engines]))
     (tmp_path / "transparency.jsonl").write_text(json.dumps({"device": "d", "vllm": "v", "date": "x", "command": "c"}) + "\n")
+    (tmp_path / "transparency-judged.jsonl").write_text(json.dumps({"row": "t-graphs"}) + "\n")  # another row's: kept
     for _ in range(2):
         assert emulated.main(["judge", "--out", str(tmp_path), "--rows", "t-eager", "--model", "glm53"]) == 0
     judged = (tmp_path / "transparency-judged.jsonl").read_text().splitlines()
-    assert [json.loads(line)["row"] for line in judged] == ["t-eager"]
+    assert [json.loads(line)["row"] for line in judged] == ["t-graphs", "t-eager"]

@@ -203,3 +203,5 @@ def test_record_release_refuses_a_source_of_another_release(capsys: pytest.Captu
     with pytest.raises(SystemExit) as stop:
         record_release.main(["abc"])
     assert stop.value.code == 2
+    # a local build tag (vLLM's own index: +cu130) is the same release's code
+    assert record_release.main([f"{installed}+cu130", "--source", str(root.parents[1]), "--against", installed]) == 0

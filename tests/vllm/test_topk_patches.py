@@ -192,8 +192,9 @@ def test_generic_path_with_dbo_and_followers_refuses(boundary: Any, installed: A
     builder = SparseMLAIndexGroupBuilder(torch.zeros(8, 2, dtype=torch.int32), 4)
     config = dbo_config()
     builder.register_layer(True, config)  # a leader alone is fine
-    with pytest.raises(UnsupportedConfiguration, match=r"refuses .* with --enable-dbo: .*not the CUDA DSA model.*Ways out"):
+    with pytest.raises(UnsupportedConfiguration, match=r"refuses .* with --enable-dbo: .*not the CUDA DSA model.*Ways out") as err:
         builder.register_layer(False, config)
+    assert "install a vLLM release" not in str(err.value)  # the model is the cause: no release would lift it
     # Without DBO the same model builds and nothing is attached.
     builder2 = SparseMLAIndexGroupBuilder(torch.zeros(8, 2, dtype=torch.int32), 4)
     builder2.register_layer(True, dbo_config(enable_dbo=False))
