@@ -432,11 +432,6 @@ def _recorded(out: Path, engine: Engine, key: str) -> Any:
     return json.loads(path.read_text()).get(key) if path.exists() else None
 
 
-def _flag(out: Path, engine: Engine) -> bool | None:
-    """Whether dbo_runtime's fixes were in force in the engine's process, as it recorded."""
-    return _recorded(out, engine, "dbo_runtime")
-
-
 def _workarounds(out: Path, row: str, s: Settings) -> dict[str, str]:
     """Which of the row's engines, and of its floor's, ran with ``WORKAROUND_ENV`` 0, as each engine recorded it."""
     def used(r: str) -> list[str]:
@@ -735,7 +730,7 @@ def records(rows: list[str], s: Settings, out: Path, run: dict[str, Any], suffix
                 "steps": [c.get("steps") for c in counters],
                 "microbatched_steps": [c.get("microbatched_steps") for c in counters],
                 "yields_per_step": [c.get("yields_per_step") for c in counters],
-                "dbo_runtime_in_force": [_flag(out, e) for e, _ in needs(row, s)],
+                "dbo_runtime_in_force": [_recorded(out, e, "dbo_runtime") for e, _ in needs(row, s)],
                 **_workarounds(out, row, s),
                 **{k: v for k, v in rec.items() if k != "counters"},
             }
