@@ -202,22 +202,16 @@ def _knobs(b: dict[str, Any]) -> str:
 def render(doc: dict[str, Any]) -> None:
     rows = []
     for d in doc["devices"]:
-        check = []
-        if d["nvml_gpu_cores"] is not None and d["cores_per_sm"]:
-            check.append(f"{d['nvml_gpu_cores']} cores / {d['cores_per_sm']} = {_dash(d['sms_nvml_cores'])}")
-        if d["sms_nvml_mig_attributes"] is not None:
+        check = [f"{d['nvml_gpu_cores']}/{d['cores_per_sm']} = {_dash(d['sms_nvml_cores'])}"] if d["nvml_gpu_cores"] is not None and d["cores_per_sm"] else []
+        if d["sms_nvml_mig_attributes"] is not None and d["sms_source"] != "nvml-mig-attributes":
             check.append(f"MIG attributes {d['sms_nvml_mig_attributes']}")
-        if d["sms_consistent"] is not None:
-            check.append("ok" if d["sms_consistent"] else "MISMATCH")
+        check += [] if d["sms_consistent"] is None else ["ok" if d["sms_consistent"] else "MISMATCH"]
         b = d["budget"]
-        rows.append([
-            d["label"], d["name"], _dash(d["sms"]), _dash(d["sms_source"]), ", ".join(check) or "-",
-            "-" if d["mig_enabled"] is None else ("on" if d["mig_enabled"] else "off"),
-            f"{b['total']}/{b['comm']}/{b['compute']}" if b else d["note"] or "-",
-        ])  # fmt: skip
+        split = f"{b['total']}/{b['comm']}/{b['compute']}" if b else "-"
+        rows.append([d["label"], d["name"].removeprefix("NVIDIA "), _dash(d["sms"]), _dash(d["sms_source"]), ", ".join(check) or "-", split])
     s = doc["settings"]
     # the knobs on their own lines, so the table stays within 100 columns
-    caption = [wrapped(f"{d['label']}: vLLM turns {_knobs(d['budget'])}") for d in doc["devices"] if d["budget"]]
+    caption = [wrapped(f"{d['label']}: " + (f"vLLM turns {_knobs(d['budget'])}" if d["budget"] else d["note"] or "-")) for d in doc["devices"]]
     caption += [
         f"all2all_backend={s['all2all_backend']} platform={s['platform']} comm_sms={s['comm_sms']} ({s['comm_sms_source']}) "
         f"max_sms_used={_dash(s['max_sms_used'])}",
@@ -226,7 +220,7 @@ def render(doc: dict[str, Any]) -> None:
     ]
     caption += [wrapped(f"warning: device {d['label']}: {w}") for d in doc["devices"] for w in d["warnings"]]
     caption += [wrapped(f"warning: {w}") for w in doc["warnings"]]
-    columns = ["GPU", "Name", "SMs", "SM source", "NVML check", "MIG", "total/comm/compute"]
+    columns = ["GPU", "Name", "SMs", "SM source", "NVML cores/SM", "total/comm/compute"]
     print_table("dbo-runtime sms: DBO SM split under --enable-dbo", columns, rows, caption)
 
 

@@ -175,6 +175,11 @@ def test_mig_instances_get_their_own_split(capsys: pytest.CaptureFixture[str], m
     assert parent["budget"] is None and "MIG enabled" in parent["note"]
     assert (mig0["label"], mig0["sms_source"], split(mig0)) == ("0 MIG 0", "nvml-mig-attributes", (60, 20, 40))
     assert split(mig2) == (32, 20, 12)
+    assert main(["sms"]) == 0
+    out = capsys.readouterr().out  # the parent's note is a caption line; an H100 MIG name still fits 100 columns
+    assert "0: MIG enabled: DBO runs on the MIG instances" in out and max(map(len, out.splitlines())) <= 100
+    fake_gpus(monkeypatch, FakePynvml([h200_mig(FakeMig("NVIDIA H100 80GB HBM3 MIG 3g.40gb", "MIG-cccc-0001", 60))]))
+    assert main(["sms"]) == 0 and max(map(len, capsys.readouterr().out.splitlines())) <= 100
     fake_gpus(monkeypatch, FakePynvml([h200_mig(FakeMig("NVIDIA H200 MIG 1g.18gb", "MIG-bbbb-0001", 16))]))
     assert main(["sms"]) == 2  # 20 comm SMs leave no compute SM on a 16-SM slice
     assert "device 0 MIG 0, 16 SMs" in capsys.readouterr().err
