@@ -43,5 +43,13 @@ rc=$?
 echo "exit $rc" >> "$WORK/session.log"
 cp "$WORK/emulated.jsonl" "$WORK/transparency.jsonl" "$OUT/" 2>/dev/null
 tar czf "$OUT/emulated-runs.tgz" -C "$(dirname "$WORK")" "$(basename "$WORK")" 2>/dev/null
+# JIT_SAVE=1: the kernels the engines compiled (vLLM's DeepGEMM folder, Triton, TileLang) as $OUT/jit-cache.tgz (one
+# of the 8 files), for the next fresh machine (tools/gpu/README.md); under 60 MiB, or it could not travel back
+if [ "${JIT_SAVE-0}" = 1 ]; then
+  caches=$(cd ~ && ls -d .cache/vllm/deep_gemm .triton/cache .tilelang 2>/dev/null)
+  [ -n "$caches" ] && (cd ~ && tar czf "$OUT/jit-cache.tgz" $caches)
+  size=$(stat -c %s "$OUT/jit-cache.tgz" 2>/dev/null || echo 0)
+  if [ "$size" -gt $((60 << 20)) ]; then rm -f "$OUT/jit-cache.tgz"; echo "jit cache not kept: $size bytes"; else echo "jit cache: $size bytes"; fi
+fi
 tail -20 "$WORK/session.log"
 exit "$rc"
