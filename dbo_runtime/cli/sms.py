@@ -208,7 +208,7 @@ def render(doc: dict[str, Any]) -> None:
         check += [] if d["sms_consistent"] is None else ["ok" if d["sms_consistent"] else "MISMATCH"]
         b = d["budget"]
         split = f"{b['total']}/{b['comm']}/{b['compute']}" if b else "-"
-        rows.append([d["label"], d["name"].removeprefix("NVIDIA "), _dash(d["sms"]), _dash(d["sms_source"]), ", ".join(check) or "-", split])
+        rows.append([d["label"], d["name"].removeprefix("NVIDIA "), _dash(d["sms"]), _dash(d["sms_source"]).removesuffix("-attributes"), ", ".join(check) or "-", split])
     s = doc["settings"]
     # the knobs on their own lines, so the table stays within 100 columns
     caption = [wrapped(f"{d['label']}: " + (f"vLLM turns {_knobs(d['budget'])}" if d["budget"] else d["note"] or "-")) for d in doc["devices"]]
@@ -220,7 +220,7 @@ def render(doc: dict[str, Any]) -> None:
     ]
     caption += [wrapped(f"warning: device {d['label']}: {w}") for d in doc["devices"] for w in d["warnings"]]
     caption += [wrapped(f"warning: {w}") for w in doc["warnings"]]
-    columns = ["GPU", "Name", "SMs", "SM source", "NVML cores/SM", "total/comm/compute"]
+    columns = ["GPU", "Name", "SMs", "SM source", "NVML check", "total/comm/compute"]
     print_table("dbo-runtime sms: DBO SM split under --enable-dbo", columns, rows, caption)
 
 

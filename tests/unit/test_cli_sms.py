@@ -162,6 +162,11 @@ def test_cuda_devices_merge_by_uuid_and_a_mismatch_is_flagged(capsys: pytest.Cap
     assert [(d["label"], d["kind"], d["cuda_index"]) for d in devs] == [("0", "gpu", 1), ("1", "gpu", 0), ("cuda:2", "cuda", 2)]
     assert (devs[1]["sms"], devs[1]["sms_consistent"], split(devs[1])) == (114, False, (114, 20, 94))
     assert main(["sms"]) == 0 and "MISMATCH" in capsys.readouterr().out
+    mig = h200_mig(FakeMig("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "MIG-dddd-0001", 16))
+    fake_gpus(monkeypatch, FakePynvml([gpu0, gpu1, mig]), fake_cuda_device(0, 114, gpu1.uuid[4:].upper()))
+    assert main(["sms", "--comm-sms", "8"]) == 0  # a MISMATCH row beside a MIG slice CUDA cannot see
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out and "nvml-mig " in out and max(map(len, out.splitlines())) <= 100
 
 
 def test_mig_instances_get_their_own_split(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

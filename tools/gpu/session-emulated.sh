@@ -21,6 +21,7 @@ need_out session-emulated.sh
 if [ $# = 0 ] || [[ $1 == -* ]]; then LIMIT=540; else LIMIT=$1; shift; fi  # SECONDS may be left out
 need_int session-emulated.sh seconds "$LIMIT" 60 3600
 need_switch session-emulated.sh EMU_INSTALLED "${EMU_INSTALLED-0}"
+need_switch session-emulated.sh JIT_SAVE "${JIT_SAVE-0}"
 for arg in "$@"; do
   case "$arg" in --out|--out=*|--seconds|--seconds=*) echo "session-emulated.sh: $arg is set by this script (\$OUT and SECONDS)" >&2; exit 2;; esac
 done
@@ -43,13 +44,16 @@ rc=$?
 echo "exit $rc" >> "$WORK/session.log"
 cp "$WORK/emulated.jsonl" "$WORK/transparency.jsonl" "$OUT/" 2>/dev/null
 tar czf "$OUT/emulated-runs.tgz" -C "$(dirname "$WORK")" "$(basename "$WORK")" 2>/dev/null
-# JIT_SAVE=1: the kernels the engines compiled (vLLM's DeepGEMM folder, Triton, TileLang) as $OUT/jit-cache.tgz (one
-# of the 8 files), for the next fresh machine (tools/gpu/README.md); under 60 MiB, or it could not travel back
+# JIT_SAVE=1: the kernels the engines compiled (vLLM's DeepGEMM folder, then Triton's and TileLang's caches while
+# they fit) as $OUT/jit-cache.tgz, one of the 8 files, at most 15 MiB: a larger file does not come back
 if [ "${JIT_SAVE-0}" = 1 ]; then
-  caches=$(cd ~ && ls -d .cache/vllm/deep_gemm .triton/cache .tilelang 2>/dev/null)
-  [ -n "$caches" ] && (cd ~ && tar czf "$OUT/jit-cache.tgz" $caches)
-  size=$(stat -c %s "$OUT/jit-cache.tgz" 2>/dev/null || echo 0)
-  if [ "$size" -gt $((60 << 20)) ]; then rm -f "$OUT/jit-cache.tgz"; echo "jit cache not kept: $size bytes"; else echo "jit cache: $size bytes"; fi
+  saved=""
+  for dir in .cache/vllm/deep_gemm .triton/cache .tilelang; do
+    [ -d ~/"$dir" ] || continue
+    (cd ~ && tar czf /tmp/jit-cache.tgz $saved "$dir") || continue  # a folder that changes while read is left out
+    [ "$(stat -c %s /tmp/jit-cache.tgz)" -le $((15 << 20)) ] && saved="$saved $dir" && cp /tmp/jit-cache.tgz "$OUT/"
+  done
+  echo "jit cache:${saved:- nothing compiled was found or fits}"
 fi
 tail -20 "$WORK/session.log"
 exit "$rc"
