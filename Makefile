@@ -17,8 +17,9 @@ setup:
 	@VENV=$(VENV) VLLM=0.34.0 bash .ci/setup-venv
 	@VENV=$(VENV33) VLLM=0.33.0 bash .ci/setup-venv
 
-## Main job: the DBO + DSA scenario against the installed vLLM 0.34.0 (CPU: simulated H200; GPU + DeepGEMM: real kernels).
-run: setup
+## Main job (sets up .venv only): the DBO + DSA scenario against the installed vLLM 0.34.0 (CPU: simulated H200; GPU + DeepGEMM: real kernels).
+run:
+	@VENV=$(VENV) VLLM=0.34.0 bash .ci/setup-venv
 	@$(VENV)/bin/dbo-runtime simulate
 
 ## CPU tests: unit tests once, the vLLM-facing tests against 0.34.0 and 0.33.0; then lint, types, hygiene (what CI runs).

@@ -75,10 +75,6 @@ def _agree(*counts: int | None) -> bool | None:
     return None if len([c for c in counts if c is not None]) < 2 else len(known) == 1
 
 
-def _cc(capability: tuple[int, int] | None) -> str | None:
-    return None if capability is None else "{}.{}".format(*capability)
-
-
 def _hardware_rows() -> tuple[list[DeviceRow], dict[str, Any], dict[str, Any]]:
     """NVML's GPUs and MIG instances, matched to CUDA devices by UUID, then CUDA devices NVML did not list."""
     from dbo_runtime.adapters import cuda_devices, nvml
@@ -104,15 +100,14 @@ def _hardware_rows() -> tuple[list[DeviceRow], dict[str, Any], dict[str, Any]]:
         """The matched CUDA device's SM count, else NVML's; whether the counts agree."""
         if cd is not None:
             row.cuda_index, row.sms_cuda = cd.index, cd.multi_processor_count
-        row.sms, row.sms_source = (row.sms_cuda, "cuda") if row.sms_cuda is not None else (nvml_sms, nvml_source)
-        row.sms_source = None if row.sms is None else row.sms_source
+        row.sms, row.sms_source = (row.sms_cuda, "cuda") if row.sms_cuda is not None else (nvml_sms, None if nvml_sms is None else nvml_source)
         row.sms_consistent = _agree(row.sms_cuda, row.sms_nvml_cores, row.sms_nvml_mig_attributes)
         return row
 
     rows: list[DeviceRow] = []
     for g in snap.gpus if snap is not None else ():
         cd = None if g.mig_enabled else match(g.uuid, g.index)
-        cc, name = _cc(g.compute_capability), g.name or (cd.name if cd else "unknown NVIDIA GPU")
+        cc, name = "{}.{}".format(*g.compute_capability) if g.compute_capability else None, g.name or (cd.name if cd else "unknown NVIDIA GPU")
         row = DeviceRow(
             str(g.index), "gpu", g.index, None, None, name, uuid=g.uuid, compute_capability=cc, mig_enabled=g.mig_enabled,
             sms_nvml_mig_attributes=g.attributes_multiprocessor_count, sms_nvml_cores=g.sms_from_cores,
@@ -127,7 +122,7 @@ def _hardware_rows() -> tuple[list[DeviceRow], dict[str, Any], dict[str, Any]]:
             rows.append(counted(row, match(m.uuid, None), m.multiprocessor_count, "nvml-mig-attributes"))
     rows += [
         counted(DeviceRow(f"cuda:{d.index}", "cuda", None, None, None, d.name, uuid=d.uuid,
-                          compute_capability=_cc(d.compute_capability)), d, None, "cuda")
+                          compute_capability="{}.{}".format(*d.compute_capability) if d.compute_capability else None), d, None, "cuda")
         for d in scan.devices if d.index not in used
     ]  # fmt: skip
     return rows, nvml_info, cuda_info
@@ -170,8 +165,15 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         if not rows:
             why = f"NVML: {nvml_info['detail']}; CUDA: {cuda_info['detail']}"
             raise CliError(f"no GPU visible ({why}); pass --total-sms N to compute the split for an N-SM GPU (132 = H200)", EXIT_NO_DEVICE)
-    for row in rows:
-        _apply_budget(row, args, comm, max_sms)
+    refused: list[ConfigError] = []
+    for row in rows:  # one device refusing the share leaves the others' split shown (exit 2 when none has one)
+        try:
+            _apply_budget(row, args, comm, max_sms)
+        except ConfigError as exc:
+            refused.append(exc)
+            row.warnings = [f"no split: {exc}"]
+    if refused and not any(r.budget for r in rows):
+        raise refused[0]
     warnings = switch_problems() + [f"{p} (a server refuses it at engine start)" for p in _common.settings_a_server_refuses()]
     disabled = _common.disabled_warning()
     return {
@@ -190,13 +192,13 @@ def _dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _knobs(b: dict[str, Any]) -> str:
+def _knobs(b: dict[str, Any], backend: str) -> str:
     knobs = [f"DeepGEMM set_num_sms({b['compute']})"] if b["compute_knob"] else []
     if b["comm_knob"]:
         deepep = " (a no-op for this backend)" if b["deepep_sms"] is None else f" -> DeepEP {b['deepep_sms']} (HT clamp)"
         knobs.append(f"all2all set_num_sms({b['comm']})" + ("" if b["deepep_sms"] == b["comm"] else deepep))
-    knobs += ["ROCm HT override: comm 0"] if b["rocm_override"] else []
-    return ", ".join(knobs) or "none (no partition)"
+    why = "vLLM's ROCm override gives DeepEP HT no comm SMs" if b["rocm_override"] else f"{backend} reserves no comm SMs"
+    return f"vLLM calls {', '.join(knobs)}" + (f" ({why})" if b["rocm_override"] else "") if knobs else f"no SM partition: {why}"
 
 
 def render(doc: dict[str, Any]) -> None:
@@ -206,19 +208,24 @@ def render(doc: dict[str, Any]) -> None:
         if d["sms_nvml_mig_attributes"] is not None and d["sms_source"] != "nvml-mig-attributes":
             check.append(f"MIG attributes {d['sms_nvml_mig_attributes']}")
         check += [] if d["sms_consistent"] is None else ["ok" if d["sms_consistent"] else "MISMATCH"]
-        b = d["budget"]
-        split = f"{b['total']}/{b['comm']}/{b['compute']}" if b else "-"
-        rows.append([d["label"], d["name"].removeprefix("NVIDIA "), _dash(d["sms"]), _dash(d["sms_source"]).removesuffix("-attributes"), ", ".join(check) or "-", split])
+        b = d["budget"]  # the knobs go to the caption, so the table stays within 100 columns
+        rows.append([d["label"], d["name"].removeprefix("NVIDIA "), _dash(d["sms"]), _dash(d["sms_source"]).removesuffix("-attributes"),
+                     ", ".join(check) or "-", f"{b['total']}/{b['comm']}/{b['compute']}" if b else "-"])
     s = doc["settings"]
-    # the knobs on their own lines, so the table stays within 100 columns
-    caption = [wrapped(f"{d['label']}: " + (f"vLLM turns {_knobs(d['budget'])}" if d["budget"] else d["note"] or "-")) for d in doc["devices"]]
+    said: dict[tuple[str, str], list[str]] = {}  # a line per text, naming every device it holds for
+    for d in doc["devices"]:
+        name = f"GPU {d['label']}" if d["label"][0].isdigit() else d["label"]
+        if d["budget"] or d["note"]:
+            said.setdefault(("", _knobs(d["budget"], s["all2all_backend"]) if d["budget"] else d["note"]), []).append(name)
+        for w in d["warnings"]:
+            said.setdefault(("warning: ", w), []).append(name)
+    caption = [wrapped(f"{kind}{', '.join(names)}: {text}") for (kind, text), names in said.items()]
     caption += [
-        f"all2all_backend={s['all2all_backend']} platform={s['platform']} comm_sms={s['comm_sms']} ({s['comm_sms_source']}) "
-        f"max_sms_used={_dash(s['max_sms_used'])}",
+        f"all2all_backend={s['all2all_backend']} platform={s['platform']} comm_sms={s['comm_sms']} ({s['comm_sms_source']})"
+        + ("" if s["max_sms_used"] is None else f" max_sms_used={s['max_sms_used']} (the backend's own cap)"),
         wrapped(f"NVML: {doc['nvml']['detail']}; CUDA: {doc['cuda']['detail']}"),
         f"dbo_runtime verified: {doc['vllm_release']}",
     ]
-    caption += [wrapped(f"warning: device {d['label']}: {w}") for d in doc["devices"] for w in d["warnings"]]
     caption += [wrapped(f"warning: {w}") for w in doc["warnings"]]
     columns = ["GPU", "Name", "SMs", "SM source", "NVML check", "total/comm/compute"]
     print_table("dbo-runtime sms: DBO SM split under --enable-dbo", columns, rows, caption)

@@ -27,7 +27,7 @@ DEEPEP_HT_MANAGER_NUM_SMS = 20
 #: Multiple DeepGEMM's SM count must have, by compute-capability major: on SM90 the MTP-3 logits kernel
 #: launches 2-CTA clusters over all of DeepGEMM's SMs, so an odd count fails to launch.
 DEEP_GEMM_COMPUTE_MULTIPLE: dict[int, int] = {9: 2}
-EVEN_COMPUTE_WHY = "kept even on SM90 whatever the next_n: an MTP-3 indexer, next_n 4, launches 2-CTA clusters"
+EVEN_COMPUTE_WHY = "SM90's MTP indexer kernel launches 2-SM clusters"
 """Why DeepGEMM's share is rounded on SM90, as every refusal and warning says it."""
 
 
@@ -211,9 +211,8 @@ def compute_budget(
     if idle and total_sms - comm - idle <= 0:
         raise ConfigError(
             "VLLM_DBO_COMM_SMS", env_value,
-            f"integers in [0, {total_sms - compute_multiple}] on a {total_sms}-SM device: DeepGEMM's count "
-            f"must be a multiple of {compute_multiple} here ({EVEN_COMPUTE_WHY}), and {total_sms} - {comm} leaves fewer "
-            "compute SMs than that",
+            f"integers in [0, {total_sms - compute_multiple}] on a {total_sms}-SM device, so that DeepGEMM keeps at "
+            f"least {compute_multiple} SMs ({EVEN_COMPUTE_WHY})",
         )
     return SMBudget(
         total=total_sms, comm=comm, compute=total_sms - comm - idle, device=device, idle=idle,

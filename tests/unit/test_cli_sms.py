@@ -186,9 +186,29 @@ def test_mig_instances_get_their_own_split(capsys: pytest.CaptureFixture[str], m
     fake_gpus(monkeypatch, FakePynvml([h200_mig(FakeMig("NVIDIA H100 80GB HBM3 MIG 3g.40gb", "MIG-cccc-0001", 60))]))
     assert main(["sms"]) == 0 and max(map(len, capsys.readouterr().out.splitlines())) <= 100
     fake_gpus(monkeypatch, FakePynvml([h200_mig(FakeMig("NVIDIA H200 MIG 1g.18gb", "MIG-bbbb-0001", 16))]))
-    assert main(["sms"]) == 2  # 20 comm SMs leave no compute SM on a 16-SM slice
+    assert main(["sms"]) == 2  # 20 comm SMs leave no compute SM on a 16-SM slice, the only device
     assert "device 0 MIG 0, 16 SMs" in capsys.readouterr().err
+    small = h200_mig(FakeMig("NVIDIA H200 MIG 1g.18gb", "MIG-bbbb-0001", 16))
+    small.uuid = "GPU-6b1f0c2e-0000-4000-8000-0000000000bb"
+    fake_gpus(monkeypatch, FakePynvml([h200(), small]))
+    assert main(["sms"]) == 0  # beside a device with a split, the slice's refusal is its warning line
+    out = capsys.readouterr().out
+    assert "132/20/112" in out and "warning: GPU 1 MIG 0: no split: --comm-sms=20 is not allowed" in out
+    assert "GPU 1 MIG 0: -" not in out
     assert main(["sms", "--comm-sms", "8"]) == 0 and "16/8/8" in capsys.readouterr().out
+
+
+def test_eight_gpus_share_one_caption_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    gpus = [h200() for _ in range(8)]
+    for i, gpu in enumerate(gpus):
+        gpu.uuid = f"GPU-6b1f0c2e-0000-4000-8000-00000000001{i}"
+    fake_gpus(monkeypatch, FakePynvml(gpus))
+    assert main(["sms", "--comm-sms", "32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    everyone = ", ".join(f"GPU {i}" for i in range(8))
+    assert sum(line.startswith(everyone[:20]) for line in lines) == 1
+    assert sum(line.startswith("warning: GPU 0, GPU 1") and "12 of the 32 comm SMs stay idle" in line for line in lines) == 1
+    assert max(map(len, lines)) <= 100
 
 
 def test_a_setting_a_server_refuses_is_a_warning_and_the_split_still_shown(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
