@@ -82,11 +82,11 @@ def split_warnings(budget: SMBudget) -> list[str]:
     """What makes a valid split a poor one; warned, never refused (vLLM runs it as asked)."""
     out = []
     if budget.partitioned and budget.compute < budget.comm:
-        out.append(f"compute {budget.compute} of {budget.total} SMs is less than the comm share {budget.comm}: the "
+        out.append(f"only {budget.compute} of {budget.total} SMs are left for compute, fewer than the {budget.comm} for comm: the "
                    "compute kernels lose more than DBO's overlap can win back (lower VLLM_DBO_COMM_SMS / --comm-sms)")
     used = deepep_sms(budget)
     if used is not None and budget.comm > used:
-        out.append(f"{budget.comm - used} of the {budget.comm} comm SMs stay idle: vLLM's DeepEP high-throughput "
+        out.append(f"{budget.comm - used} of the {budget.comm} comm SMs {'stays' if budget.comm - used == 1 else 'stay'} idle: vLLM's DeepEP high-throughput "
                    f"manager clamps set_num_sms({budget.comm}) to {used}, the SM count its buffers were sized for")
     if budget.idle:
         out.append(f"{budget.idle} SM idle: DeepGEMM's count rounded down to {budget.compute} of "

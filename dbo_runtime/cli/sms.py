@@ -192,12 +192,12 @@ def _dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _knobs(b: dict[str, Any], backend: str) -> str:
+def _knobs(b: dict[str, Any], s: dict[str, Any]) -> str:
     knobs = [f"DeepGEMM set_num_sms({b['compute']})"] if b["compute_knob"] else []
     if b["comm_knob"]:
         deepep = " (a no-op for this backend)" if b["deepep_sms"] is None else f" -> DeepEP {b['deepep_sms']} (HT clamp)"
         knobs.append(f"all2all set_num_sms({b['comm']})" + ("" if b["deepep_sms"] == b["comm"] else deepep))
-    why = "vLLM's ROCm override gives DeepEP HT no comm SMs" if b["rocm_override"] else f"{backend} reserves no comm SMs"
+    why = "vLLM's ROCm override gives DeepEP HT no comm SMs" if b["rocm_override"] else f"comm_sms is 0 ({s['comm_sms_source']})" if s["comm_sms"] == 0 else f"{s['all2all_backend']} reserves no comm SMs"
     return f"vLLM calls {', '.join(knobs)}" + (f" ({why})" if b["rocm_override"] else "") if knobs else f"no SM partition: {why}"
 
 
@@ -216,13 +216,13 @@ def render(doc: dict[str, Any]) -> None:
     for d in doc["devices"]:
         name = f"GPU {d['label']}" if d["label"][0].isdigit() else d["label"]
         if d["budget"] or d["note"]:
-            said.setdefault(("", _knobs(d["budget"], s["all2all_backend"]) if d["budget"] else d["note"]), []).append(name)
+            said.setdefault(("", _knobs(d["budget"], s) if d["budget"] else d["note"]), []).append(name)
         for w in d["warnings"]:
             said.setdefault(("warning: ", w), []).append(name)
     caption = [wrapped(f"{kind}{', '.join(names)}: {text}") for (kind, text), names in said.items()]
     caption += [
-        f"all2all_backend={s['all2all_backend']} platform={s['platform']} comm_sms={s['comm_sms']} ({s['comm_sms_source']})"
-        + ("" if s["max_sms_used"] is None else f" max_sms_used={s['max_sms_used']} (the backend's own cap)"),
+        wrapped(f"all2all_backend={s['all2all_backend']} platform={s['platform']} comm_sms={s['comm_sms']} ({s['comm_sms_source']})"
+                + ("" if s["max_sms_used"] is None else f" max_sms_used={s['max_sms_used']}")),
         wrapped(f"NVML: {doc['nvml']['detail']}; CUDA: {doc['cuda']['detail']}"),
         f"dbo_runtime verified: {doc['vllm_release']}",
     ]

@@ -68,6 +68,10 @@ def test_the_h200_profile_json_and_the_ht_split(capsys: pytest.CaptureFixture[st
 def test_low_latency_and_nixl_do_not_partition(capsys: pytest.CaptureFixture[str], backend: str) -> None:
     [dev] = run_json(capsys, "--total-sms", "132", "--all2all-backend", backend)["devices"]
     assert split(dev) == (132, 0, 132) and not dev["budget"]["compute_knob"]
+    assert main(["sms", "--total-sms", "132", "--all2all-backend", backend]) == 0
+    assert f"profile: no SM partition: {backend} reserves no comm SMs" in capsys.readouterr().out
+    assert main(["sms", "--total-sms", "132", "--comm-sms", "0"]) == 0  # the user's 0, not the backend's
+    assert "profile: no SM partition: comm_sms is 0 (--comm-sms)" in capsys.readouterr().out
 
 
 def test_the_table_shows_the_split_the_knobs_and_the_release_verified(capsys: pytest.CaptureFixture[str]) -> None:
