@@ -27,7 +27,7 @@ DEEPEP_HT_MANAGER_NUM_SMS = 20
 #: Multiple DeepGEMM's SM count must have, by compute-capability major: on SM90 the MTP-3 logits kernel
 #: launches 2-CTA clusters over all of DeepGEMM's SMs, so an odd count fails to launch.
 DEEP_GEMM_COMPUTE_MULTIPLE: dict[int, int] = {9: 2}
-EVEN_COMPUTE_WHY = "SM90's MTP indexer kernel launches 2-SM clusters"
+EVEN_COMPUTE_WHY = "on SM90 the MTP-3 indexer kernel launches 2-CTA clusters"
 """Why DeepGEMM's share is rounded on SM90, as every refusal and warning says it."""
 
 
