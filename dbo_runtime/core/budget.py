@@ -211,8 +211,8 @@ def compute_budget(
     if idle and total_sms - comm - idle <= 0:
         raise ConfigError(
             "VLLM_DBO_COMM_SMS", env_value,
-            f"integers in [0, {total_sms - compute_multiple}] on a {total_sms}-SM device, so that DeepGEMM keeps at "
-            f"least {compute_multiple} SMs ({EVEN_COMPUTE_WHY})",
+            f"integers in [0, {total_sms - compute_multiple}] on a {total_sms}-SM device, so that DeepGEMM keeps a "
+            f"multiple of {compute_multiple} SMs, at least {compute_multiple} ({EVEN_COMPUTE_WHY})",
         )
     return SMBudget(
         total=total_sms, comm=comm, compute=total_sms - comm - idle, device=device, idle=idle,
