@@ -71,8 +71,12 @@ def budget_json(budget: SMBudget) -> dict[str, Any]:
 
 
 def _agree(*counts: int | None) -> bool | None:
-    known = {c for c in counts if c is not None}
-    return None if len([c for c in counts if c is not None]) < 2 else len(known) == 1
+    known = [c for c in counts if c is not None]
+    return None if len(known) < 2 else len(set(known)) == 1
+
+
+def _cc(capability: tuple[int, int] | None) -> str | None:
+    return None if capability is None else "{}.{}".format(*capability)
 
 
 def _hardware_rows() -> tuple[list[DeviceRow], dict[str, Any], dict[str, Any]]:
@@ -107,7 +111,7 @@ def _hardware_rows() -> tuple[list[DeviceRow], dict[str, Any], dict[str, Any]]:
     rows: list[DeviceRow] = []
     for g in snap.gpus if snap is not None else ():
         cd = None if g.mig_enabled else match(g.uuid, g.index)
-        cc, name = "{}.{}".format(*g.compute_capability) if g.compute_capability else None, g.name or (cd.name if cd else "unknown NVIDIA GPU")
+        cc, name = _cc(g.compute_capability), g.name or (cd.name if cd else "unknown NVIDIA GPU")
         row = DeviceRow(
             str(g.index), "gpu", g.index, None, None, name, uuid=g.uuid, compute_capability=cc, mig_enabled=g.mig_enabled,
             sms_nvml_mig_attributes=g.attributes_multiprocessor_count, sms_nvml_cores=g.sms_from_cores,
@@ -122,7 +126,7 @@ def _hardware_rows() -> tuple[list[DeviceRow], dict[str, Any], dict[str, Any]]:
             rows.append(counted(row, match(m.uuid, None), m.multiprocessor_count, "nvml-mig-attributes"))
     rows += [
         counted(DeviceRow(f"cuda:{d.index}", "cuda", None, None, None, d.name, uuid=d.uuid,
-                          compute_capability="{}.{}".format(*d.compute_capability) if d.compute_capability else None), d, None, "cuda")
+                          compute_capability=_cc(d.compute_capability)), d, None, "cuda")
         for d in scan.devices if d.index not in used
     ]  # fmt: skip
     return rows, nvml_info, cuda_info
@@ -197,8 +201,12 @@ def _knobs(b: dict[str, Any], s: dict[str, Any]) -> str:
     if b["comm_knob"]:
         deepep = " (a no-op for this backend)" if b["deepep_sms"] is None else f" -> DeepEP {b['deepep_sms']} (HT clamp)"
         knobs.append(f"all2all set_num_sms({b['comm']})" + ("" if b["deepep_sms"] == b["comm"] else deepep))
-    why = "vLLM's ROCm override gives DeepEP HT no comm SMs" if b["rocm_override"] else f"comm_sms is 0 ({s['comm_sms_source']})" if s["comm_sms"] == 0 else f"{s['all2all_backend']} reserves no comm SMs"
-    return f"vLLM calls {', '.join(knobs)}" + (f" ({why})" if b["rocm_override"] else "") if knobs else f"no SM partition: {why}"
+    if b["rocm_override"]:
+        why = "vLLM's ROCm override gives DeepEP HT no comm SMs"
+        return f"vLLM calls {', '.join(knobs)} ({why})" if knobs else f"no SM partition: {why}"
+    if knobs:
+        return f"vLLM calls {', '.join(knobs)}"
+    return f"no SM partition: comm_sms is 0 ({s['comm_sms_source']})" if s["comm_sms"] == 0 else f"no SM partition: {s['all2all_backend']} reserves no comm SMs"
 
 
 def render(doc: dict[str, Any]) -> None:

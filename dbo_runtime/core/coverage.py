@@ -49,10 +49,6 @@ def _v32(arch: str) -> Coverage:
     return Coverage(arch, "index_topk_freq", "fixed", (TOPK_V32,), _ROCM.format("deepseek_v32") + "the layers get no shared index-group builder")
 
 
-def _generic(arch: str) -> Coverage:
-    return Coverage(arch, "index_topk_freq", "refused", refusal=_GENERIC_REFUSAL, indexer="with index_topk")
-
-
 _DRAFTERS_AND_OTHERS = (
     "DeepSeekV4MTPModel", "DSparkDraftModel", "DSparkV41DraftModel", "Glm5NextMTPModel", "HYV4MTPModel", "Dots3NoteMTPModel",
     "MistralLarge4DSparkModel", "KimiK3ForConditionalGeneration", "KimiK31ForConditionalGeneration", "KimiLinearForCausalLM",
@@ -93,7 +89,7 @@ ROWS: tuple[Coverage, ...] = (
         "MistralLarge4ForCausalLM", "index_sharing", "fixed", (TOPK_V32,),
         _ROCM.format("mistral") + "its indexer holds the top-k buffer where no per-microbatch view reaches it",
     ),
-    *(_generic(arch) for arch in _GENERIC),
+    *(Coverage(arch, "index_topk_freq", "refused", refusal=_GENERIC_REFUSAL, indexer="with index_topk") for arch in _GENERIC),
     *(Coverage(arch, "none", indexer="never") for arch in _DRAFTERS_AND_OTHERS),
 )
 """Every architecture whose source builds a DSA indexer, shares top-k or reuses DeepSeek-V2/V3.2 layers that can."""
@@ -109,8 +105,7 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
 def v32_followers(config: Any, *, indexer_types: bool | None = None) -> list[int]:
     """Layers DeepSeek-V3.2 / GLM-5.x build without an indexer: ``index_topk_pattern`` (``'S'``) wins over
     ``index_topk_freq`` / ``index_skip_topk_offset``. ``indexer_types``: whether vLLM honours that key first
-    (``compute_skip_topk_layers``: its ``'shared'`` entries, none without ``index_topk``); None: both, so none
-    is missed."""
+    (``compute_skip_topk_layers``: its ``'shared'`` entries, none without ``index_topk``); None: both."""
     if indexer_types is None:
         return sorted(set(v32_followers(config, indexer_types=False)) | set(v32_followers(config, indexer_types=True)))
     if indexer_types:

@@ -204,7 +204,7 @@ class PatchStatus:
     detail: str = ""
 
 
-def _notify(kind: str, listeners: list[Callable[..., None]], *args: Any) -> None:
+def _notify(kind: str, listeners: Sequence[Callable[..., object]], *args: Any) -> None:
     for listener in listeners:
         try:
             listener(*args)
@@ -276,7 +276,7 @@ class PatchSet:
         self._finder: _LazyFinder | None = None
         self._lock = threading.RLock()
         self.installed = False
-        self.lazy_listeners: list[Callable[[str], None]] = []
+        self.lazy_listeners: list[Callable[[str], object]] = []
         """Called (module name) after a lazy module's patches were applied."""
         self.failure_listeners: list[Callable[[list[Patch], str], None]] = []
         """Called (patches, message) when a lazy module's required patches could not be applied."""

@@ -104,7 +104,7 @@ def register() -> None:
         _patch_set = patch_set
         guard.bind_patch_set(patch_set)
         patch_set.failure_listeners.append(_on_lazy_failure)
-        patch_set.lazy_listeners.append(_flush_activation)
+        patch_set.lazy_listeners.append(lambda module: activation.flush())
         activation.set_summary(lambda: activation.summary_line(patch_set, REGISTRY.all(), match.describe(), skip))
     # outside the lock: the line may stay pending (activation.py)
     activation.flush()
@@ -114,10 +114,6 @@ def _on_lazy_failure(patches: list[Patch], message: str) -> None:
     """A feature is broken where a patch every runner needs failed (runner-only ones are judged per worker)."""
     for feature in {p.feature for p in patches if p.runner is None}:
         REGISTRY.mark(feature, "broken", message)
-
-
-def _flush_activation(module: str) -> None:
-    activation.flush()
 
 
 def _forget_runtime_state() -> None:

@@ -193,11 +193,10 @@ def _refuse_hisparse() -> None:
     )
 
 
-def _refuse(vllm_config: Any, reason: str, *, build: bool = True) -> None:
+def _refuse(arch: str, reason: str, *, build: bool) -> None:
     """One line: the architecture, the real reason and the ways out. ``core.coverage``'s reason where it refuses
     the architecture (a fixed one's is ROCm's); elsewhere ``reason``, and where the cause is this vLLM build
     (``build``) a verified release is a way out."""
-    arch = model_of(vllm_config, "this model")[0]
     row = coverage.BY_ARCHITECTURE.get(arch)
     if row is not None and row.refusal and (row.status == "refused" or guard.platform() == "rocm"):
         reason, ways = row.refusal, ways_out()
@@ -213,12 +212,12 @@ def _refuse_unsupported(builder: Any, vllm_config: Any, state: UbatchTopkState) 
     if _hisparse(vllm_config):
         _refuse_hisparse()
     if not state.is_model_buffer(builder.logical_topk_indices):
-        if build := model_of(vllm_config, "this model")[0] in SHARED_GROUP_ARCHITECTURES:
+        arch = model_of(vllm_config, "this model")[0]
+        if build := arch in SHARED_GROUP_ARCHITECTURES:
             why = "the patch that hands its indexer that buffer is not installed: this vLLM's code is not verified"
         else:
             why = "not the CUDA DSA model's: the torch.compiled generic DeepseekV2 path bakes it into its graph"
-        _refuse(vllm_config, f"its index groups use a top-k buffer dbo_runtime gives no per-microbatch view ({why})",
-                build=build)
+        _refuse(arch, f"its index groups use a top-k buffer dbo_runtime gives no per-microbatch view ({why})", build=build)
 
 
 def _register_layer_patch(state: UbatchTopkState) -> Patch:
@@ -236,7 +235,7 @@ def _register_layer_patch(state: UbatchTopkState) -> Patch:
                 if follower:
                     _refuse_unsupported(self, config, state)
                 elif not is_index_producing_layer:  # no group: a top-k nothing ties it to
-                    _refuse(config, "it builds its sparse MLA layers without a shared index-group builder", build=False)
+                    _refuse(model_of(config, "this model")[0], "it builds its sparse MLA layers without a shared index-group builder", build=False)
                 elif _hisparse(config) and _model_shares_topk(config):
                     _refuse_hisparse()  # before HiSparse builds host caches for the leader
             result = original(self, *args, **kwargs)
