@@ -1,6 +1,9 @@
-"""Line counts the layout is held to: what vLLM imports, the CLI, and the whole package.
+"""Line counts the layout is held to: what vLLM imports, the CLI, the package, the scripts and the READMEs.
 
     python tools/size_report.py [--root DIR]
+
+Prints each count against its limit and exits 1 if any is over (0 if none): the limits keep the part of
+the project a newcomer must read, and the part that runs inside vLLM, small enough to read in an hour.
 
 "vLLM imports" is the import closure of the wheel's ``vllm.general_plugins`` entry points (read from
 ``pyproject.toml``), found with ``ast``: module-level and function-level imports both count, and so does
@@ -17,6 +20,9 @@ import tomllib
 from pathlib import Path
 
 PACKAGE = "dbo_runtime"
+LIMITS = {"vLLM imports": 6_500, "cli/": 1_500, f"{PACKAGE}/": 10_000, "graphs/": 2_500, "README.md": 150,
+          "tools/gpu/README.md": 40}
+"""Most lines each part may have."""
 MODULE_NAME = re.compile(rf"^{PACKAGE}(?:\.\w+)+(?::\w+)?$")
 
 
@@ -90,13 +96,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     known = modules(args.root)
     loaded = closure(entry_points(args.root), known)
-    print(f"vLLM imports: {lines([known[m] for m in loaded])} lines in {len(loaded)} modules")
-    print(f"cli/: {lines([p for m, p in known.items() if m.startswith(PACKAGE + '.cli')])} lines")
-    print(f"{PACKAGE}/: {lines(list(known.values()))} lines in {len(known)} modules")
+    counts = {
+        "vLLM imports": lines([known[m] for m in loaded]),
+        "cli/": lines([p for m, p in known.items() if m.startswith(PACKAGE + ".cli")]),
+        f"{PACKAGE}/": lines(list(known.values())),
+        "graphs/": lines(sorted((args.root / "graphs").glob("*.py"))),
+        "README.md": lines([args.root / "README.md"]),
+        "tools/gpu/README.md": lines([args.root / "tools" / "gpu" / "README.md"]),
+    }
+    over = 0
+    for part, count in counts.items():
+        over += count > LIMITS[part]
+        print(f"{part}: {count} lines (limit {LIMITS[part]}){'  OVER' if count > LIMITS[part] else ''}")
     if args.list:
         for m in sorted(loaded):
             print(f"  {lines([known[m]]):5d} {m}")
-    return 0
+    return 1 if over else 0
 
 
 if __name__ == "__main__":
