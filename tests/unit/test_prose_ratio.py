@@ -3,14 +3,11 @@ what it does, the docstrings the contract and why, in a few lines; measurements 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+from tools import prose_ratio
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("prose_ratio", ROOT / "tools" / "prose_ratio.py")
-assert _spec is not None and _spec.loader is not None
-prose_ratio = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(prose_ratio)
 
 
 def test_every_product_file_is_at_most_a_fifth_prose(capsys):

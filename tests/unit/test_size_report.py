@@ -3,15 +3,12 @@ benchmark scripts and the two READMEs stay small enough for a newcomer to read."
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
+from tools import size_report
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("size_report", ROOT / "tools" / "size_report.py")
-assert _spec is not None and _spec.loader is not None
-size_report = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(size_report)
 
 
 def test_every_part_is_within_its_limit(capsys):
