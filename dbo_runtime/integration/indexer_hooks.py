@@ -297,17 +297,25 @@ LOGITS_DTYPE_PARAMETERS = (*LOGITS_PARAMETERS[:-1], "logits_dtype", "indices")
 """The same with ``logits_dtype`` (the placeholder takes that dtype)."""
 
 
+def _fitted(schedule_metadata: Any, context_lens: Any, indices: Any, kv_cache: Any) -> Any:
+    """The caller's schedule when it fits DeepGEMM's SMs now (or nothing microbatches), else the cache's re-plan."""
+    cache = _sc._CACHE or schedule_cache()
+    if cache.steps_aside or cache.fits(schedule_metadata):
+        return schedule_metadata
+    return cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
+
+
 def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
     """The call site, in vLLM's own (anchored) signature. It shields itself: on a microbatch thread a failure is
     recorded and answered with placeholder logits, no kernel and no allocation; the step raises after the join."""
     import inspect
 
     try:
-        found = tuple(inspect.signature(original).parameters)
+        parameters = dict(inspect.signature(original).parameters)
     except (TypeError, ValueError):
-        found = ()
-    if found == LOGITS_DTYPE_PARAMETERS:
-        return _make_logits_with_dtype(original, where)
+        parameters = {}
+    if tuple(parameters) == LOGITS_DTYPE_PARAMETERS:  # with vLLM's own default dtype
+        return _make_logits_with_dtype(original, where, parameters["logits_dtype"].default)
     require_parameters(original, LOGITS_PARAMETERS, where)
 
     @shields_itself
@@ -316,11 +324,9 @@ def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
         max_model_len: int, indices: Any = None,
     ) -> Any:
         try:
-            cache = _sc._CACHE or schedule_cache()
-            if not cache.steps_aside and not cache.fits(schedule_metadata):
-                schedule_metadata = cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
             return original(
-                q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len=max_model_len,
+                q, kv_cache, weights, context_lens, block_tables,
+                _fitted(schedule_metadata, context_lens, indices, kv_cache), max_model_len=max_model_len,
                 indices=indices,
             )  # fmt: skip
         except Exception as exc:
@@ -331,22 +337,16 @@ def _make_logits(original: Any, where: str = "indexer.logits") -> Any:
     return fp8_fp4_paged_mqa_logits
 
 
-def _make_logits_with_dtype(original: Any, where: str) -> Any:
-    import torch
-
-    float32 = torch.float32
-
+def _make_logits_with_dtype(original: Any, where: str, default_dtype: Any) -> Any:
     @shields_itself
     def fp8_fp4_paged_mqa_logits(
         q: Any, kv_cache: Any, weights: Any, context_lens: Any, block_tables: Any, schedule_metadata: Any,
-        max_model_len: int, logits_dtype: Any = float32, indices: Any = None,
+        max_model_len: int, logits_dtype: Any = default_dtype, indices: Any = None,
     ) -> Any:
         try:
-            cache = _sc._CACHE or schedule_cache()
-            if not cache.steps_aside and not cache.fits(schedule_metadata):
-                schedule_metadata = cache.resolve(schedule_metadata, context_lens, indices, kv_cache)
             return original(
-                q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len=max_model_len,
+                q, kv_cache, weights, context_lens, block_tables,
+                _fitted(schedule_metadata, context_lens, indices, kv_cache), max_model_len=max_model_len,
                 logits_dtype=logits_dtype, indices=indices,
             )  # fmt: skip
         except Exception as exc:
