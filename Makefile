@@ -30,8 +30,10 @@ test: setup
 	$(MAKE) --no-print-directory lint || rc=1; \
 	exit $$rc
 
-## ruff, mypy and repository hygiene only.
+## ruff, mypy, repository hygiene and the layout limits (lines per part, prose share per file) only.
 lint:
 	$(VENV)/bin/ruff check dbo_runtime tests graphs tools
 	$(VENV)/bin/mypy dbo_runtime
 	$(PY) tools/lint_repo.py
+	$(PY) tools/size_report.py
+	$(PY) tools/prose_ratio.py --top 3

@@ -59,12 +59,13 @@ def share(path: Path) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=float, default=LIMIT, help="highest share allowed, in percent (default 20)")
+    parser.add_argument("--top", type=int, help="list only the N highest shares (every file over the limit still counts)")
     parser.add_argument("paths", nargs="*", type=Path, help="files (default: dbo_runtime/**/*.py)")
     args = parser.parse_args(argv)
     root = Path(__file__).resolve().parents[1]
     paths = args.paths or sorted((root / "dbo_runtime").rglob("*.py"))
     shares = sorted(((share(p), p) for p in paths), reverse=True)
-    for pct, path in shares:
+    for pct, path in shares[: args.top]:
         shown = path.resolve().relative_to(root) if path.resolve().is_relative_to(root) else path
         print(f"{pct:5.1f}% {shown}{'  (over ' + format(args.limit, 'g') + '%)' if pct > args.limit else ''}")
     over = [p for pct, p in shares if pct > args.limit]

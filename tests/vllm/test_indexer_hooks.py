@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -1118,3 +1119,14 @@ def test_a_row_slice_of_the_chunked_decode_is_planned_for_the_live_count(env: En
     )  # fmt: skip
     assert float(logits[0, 0]) == 113.0 and len(env.dg.plan_calls) == plans
     assert env.cache.stats.untracked_replans == 0 and env.cache.stats.replans == 0
+
+
+def test_the_dtype_wrapper_keeps_the_wrapped_functions_own_default_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    def logits(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len,
+               logits_dtype=torch.bfloat16, indices=None):  # fmt: skip
+        return logits_dtype
+
+    wrapper = indexer_hooks._make_logits(logits)
+    assert inspect.signature(wrapper).parameters["logits_dtype"].default is torch.bfloat16
+    monkeypatch.setattr(schedule_cache, "_CACHE", SimpleNamespace(steps_aside=True))  # nothing microbatches
+    assert wrapper(*[None] * 7) is torch.bfloat16
