@@ -178,7 +178,7 @@ def render(doc: dict[str, Any]) -> None:
         "features:" if doc["features"] else "features: not checked (vLLM not importable)",
     ]
     out += [wrapped(f"  {f['name']}: {'disabled by DBO_RUNTIME_DISABLE' if doc['plugin']['disabled_by_env'] else f['state']}", "    ") for f in doc["features"]]
-    states = Counter("not in this release" if p["fingerprint"] == "not in release" else p["state"] for p in doc["patches"])
+    states = Counter("not in this release" if p["fingerprint"] == "not in release" else "not checked here" if p["state"] == "skipped" else p["state"] for p in doc["patches"])
     differs = [p["name"] for p in [*doc["patches"], *doc["relied_on"]] if p["fingerprint"] == "differs"]
     fingerprints = f"fingerprints differ: {len(differs)}" if differs else "fingerprints match"
     checked = ", ".join(f"{n} {s}" for s, n in sorted(states.items()))

@@ -27,7 +27,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("simulate", help="run the DBO + DSA scenario and print a verdict", description=__doc__.split("\n\n")[1].replace("``", ""))
     p.add_argument("--backend", default="auto", choices=("auto", "cpu", "deep_gemm"), help="auto: real DeepGEMM where CUDA and deep_gemm load, else cpu")
     p.add_argument("--mode", default="eager", choices=("eager", "mrv1", "mrv2"), help="eager, or FULL CUDA-graph capture as MRV1/MRV2 (GPU)")
-    p.add_argument("--preset", default="small", choices=("small", "glm53"), help="small: toy widths; glm53: GLM-5.3 indexer shapes")
+    p.add_argument("--preset", default="small", choices=("small", "glm53"), help="small: toy widths (default, seconds); glm53: GLM-5.3 indexer shapes (a minute on a CPU)")
     p.add_argument("--steps", type=int_in(1, 1000), metavar="N", help="DBO steps per run (default: the preset's)")
     p.add_argument("--requests", type=int_in(2, 1024), metavar="N", help="requests per step, split in two microbatches")
     p.add_argument("--comm-sms", type=int_in(0, 1024), metavar="N", help="comm SMs (default: $VLLM_DBO_COMM_SMS, else 20)")

@@ -13,7 +13,7 @@ from typing import Any
 from dbo_runtime.cli import _common
 from dbo_runtime.cli._common import EXIT_NO_DEVICE, CliError, int_in, print_json, print_table, warn, wrapped
 from dbo_runtime.cli._split import budget_for, comm_sms, deepep_sms, split_warnings
-from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, PLATFORMS, SMBudget
+from dbo_runtime.core.budget import BACKEND_MAX_SMS_USED, PLATFORMS, SMBudget, parse_comm_sms
 from dbo_runtime.core.cli_support import DBO_BACKENDS, H200_SMS
 from dbo_runtime.core.errors import ConfigError
 from dbo_runtime.core.switches import parse_switch, switch_problems
@@ -167,6 +167,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     else:
         rows, nvml_info, cuda_info = _hardware_rows()
         if not rows:
+            if isinstance(comm[0], str):  # a malformed share is named before the missing GPU (exit 2, not 3)
+                parse_comm_sms(comm[0])
             why = f"NVML: {nvml_info['detail']}; CUDA: {cuda_info['detail']}"
             raise CliError(f"no GPU visible ({why}); pass --total-sms N to compute the split for an N-SM GPU (132 = H200)", EXIT_NO_DEVICE)
     refused: list[ConfigError] = []

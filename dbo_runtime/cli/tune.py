@@ -11,9 +11,9 @@ import math
 import os
 from typing import Any
 
-from dbo_runtime.cli import _engine
 from dbo_runtime.cli._common import EXIT_INCONCLUSIVE, EXIT_NO_DEVICE, int_in, print_json, print_table, say
-from dbo_runtime.cli._engine import engine_arg, has_flag, prepare
+from dbo_runtime.cli._engine import add_engine_command, engine_arg, has_flag, prepare, same_runner_env, start
+from dbo_runtime.core.budget import DEEPEP_HT_MANAGER_NUM_SMS
 from dbo_runtime.core.comm_sweep import ALPHA, DEFAULT_VALUES, Sweep, choose, measurement, plan_sweep, rounds_needed
 from dbo_runtime.core.errors import ConfigError
 
@@ -26,12 +26,12 @@ KV_CACHE_BYTES = 4 << 30
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = _engine.add_engine_command(subparsers, "tune", __doc__, "measure the DBO step time for each VLLM_DBO_COMM_SMS value and say which to use", 3600.0, "seconds for the whole sweep")
+    p = add_engine_command(subparsers, "tune", __doc__, "measure the DBO step time for each VLLM_DBO_COMM_SMS value and say which to use", 3600.0, "seconds for the whole sweep")
     p.add_argument("--shape", default="prefill", choices=("prefill", "decode"), help="the workload timed (default prefill, HT's regime)")
     p.add_argument("--prefill-tokens", type=int_in(64, 1 << 20), default=8192, metavar="N", help="prefill tokens per rank per step (default 8192)")
     p.add_argument("--prompt-len", type=int_in(1, 1 << 20), default=1024, metavar="N", help="tokens per prompt (default 1024)")
     p.add_argument("--decode-batch", type=int_in(1, 65536), default=128, metavar="B", help="decode requests per rank (default 128)")
-    p.add_argument("--values", default=",".join(map(str, DEFAULT_VALUES)), metavar="LIST", help="comm-SM values to try, comma-separated, or 'all' (default %(default)s)")
+    p.add_argument("--values", default=",".join(map(str, DEFAULT_VALUES)), metavar="LIST", help=f"comm-SM values to try: 0 and even numbers in [2, {DEEPEP_HT_MANAGER_NUM_SMS}], comma-separated, or 'all' (default %(default)s)")
     p.add_argument("--reps", type=int_in(1, 100), metavar="N", help="measured rounds (default: what confirming a value against the others needs, at least 7)")
     p.add_argument("--warmup", type=int_in(1, 100), default=1, metavar="N", help="unmeasured rounds first (default 1)")
     p.add_argument("--steps", type=int_in(1, 64), default=4, metavar="N", help="prefill steps per turn (default 4)")
@@ -119,7 +119,7 @@ def specs(engine_args: list[str], dp: int, sweep: Sweep, opts: argparse.Namespac
 
     added, prompts, bench, metric, counter, notes = workload(engine_args, dp, opts)
     memory, memory_notes = memory_args(engine_args, len(sweep.values))
-    env = _engine.same_runner_env(environ)
+    env = same_runner_env(environ)
     out = [
         RunSpec(label=f"comm-{v:02d}", engine_args=[*engine_args, *added, *memory, "--enable-dbo"], dp=dp,
                 env={**env, "VLLM_DBO_COMM_SMS": str(v)}, prompts=prompts, max_tokens=1, bench=dict(bench),
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     opts = check_reps(opts, sweep)
     plan, metric, counter, more = specs(engine_args, dp, sweep, opts, os.environ)
     notes = [*notes, *sweep.notes, *more]
-    folder = _engine.start("tune", plan[0].engine_args, gpus_needed(engine_args, dp), f"data-parallel {dp} x tensor x pipeline parallel", notes, args.workdir)
+    folder = start("tune", plan[0].engine_args, gpus_needed(engine_args, dp), f"data-parallel {dp} x tensor x pipeline parallel", notes, args.workdir)
     say("[tune]", f"starting {len(plan)} DBO engines of {dp} ranks (one per value), then {opts.warmup + opts.reps} turns each ...")
     records = run_interleaved(plan, folder, opts.reps, timeout_s=opts.timeout, progress=lambda line: say("[tune]", line))
     measured = [measurement(value, records.get(f"comm-{value:02d}", {}), metric, counter) for value in sweep.values]

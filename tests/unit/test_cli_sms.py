@@ -141,6 +141,9 @@ def test_no_gpu_is_one_line_and_exit_3(capsys: pytest.CaptureFixture[str], monke
     assert main(["sms"]) == 3
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and "Driver Not Loaded" in err and "--total-sms" in err
+    monkeypatch.setenv("VLLM_DBO_COMM_SMS", "abc")  # a malformed share is the user's to fix first, GPU or not
+    assert main(["sms"]) == 2
+    assert capsys.readouterr().err == "dbo-runtime sms: error: VLLM_DBO_COMM_SMS='abc' is not allowed; allowed values: a non-negative integer\n"
 
 
 def test_an_h200_without_cuda_is_counted_by_nvml_cores(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
