@@ -5,6 +5,8 @@ VENV33 ?= .venv-0.33
 PY := $(VENV)/bin/python
 PY33 := $(VENV33)/bin/python
 PYTEST := -m pytest -q -p no:cacheprovider -m "not gpu and not e2e and not e2e_dp2"
+LINT := $(VENV)/bin/ruff check dbo_runtime tests graphs tools && $(VENV)/bin/mypy dbo_runtime && $(PY) tools/lint_repo.py \
+	&& $(PY) tools/size_report.py && $(PY) tools/prose_ratio.py --top 3
 
 .PHONY: help run test setup lint
 
@@ -27,13 +29,9 @@ test: setup
 	@rc=0; \
 	$(PY) $(PYTEST) tests || rc=1; \
 	$(PY33) $(PYTEST) tests/vllm tests/unit/test_install.py || rc=1; \
-	$(MAKE) --no-print-directory lint || rc=1; \
+	{ $(LINT); } || rc=1; \
 	exit $$rc
 
 ## ruff, mypy, repository hygiene and the layout limits (lines per part, prose share per file) only.
 lint:
-	$(VENV)/bin/ruff check dbo_runtime tests graphs tools
-	$(VENV)/bin/mypy dbo_runtime
-	$(PY) tools/lint_repo.py
-	$(PY) tools/size_report.py
-	$(PY) tools/prose_ratio.py --top 3
+	$(LINT)
