@@ -377,22 +377,25 @@ def _plot(rows: list[dict], path: Path) -> None:
     colour_of = {s: palette[i % len(palette)] for i, s in enumerate(dict.fromkeys(sources))}
     colours = [colour_of[s] for s in sources]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    ratios = [(r["plugin_over_vanilla_paired"] or {}).get("median") for r in rows]
+    # a ratio of fewer than MIN_PAIRS pairs is not a measurement (step_time_warnings): no bar, the pairs named
+    pairs = [r["plugin_over_vanilla_paired"] or {} for r in rows]
+    measured = [p if (p.get("n") or 0) >= MIN_PAIRS else {} for p in pairs]
+    ratios = [p.get("median") for p in measured]
     shares = [None if r["self_net_share_of_step"] is None else 100 * r["self_net_share_of_step"] for r in rows]
     panels = (
-        (axes[0], ratios, "dbo_runtime / vanilla step (paired median)"),
-        (axes[1], shares, "plugin self time net of the timer,\n% of a vanilla step"),
+        (axes[0], ratios, "dbo_runtime / vanilla step (paired median)", [f"n/a: {p['n']} pair(s)" if p.get("n") else "n/a" for p in pairs]),
+        (axes[1], shares, "plugin self time net of the timer,\n% of a vanilla step", ["n/a"] * len(rows)),
     )
-    for ax, values, ylabel in panels:
+    for ax, values, ylabel, missing in panels:
         ax.bar(range(len(rows)), [v or 0 for v in values], color=colours)
         for i, v in enumerate(values):
             if v is None:
-                ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
+                ax.text(i, 0, missing[i], ha="center", va="bottom", fontsize=7, rotation=90)
         ax.set_ylabel(ylabel)
         ax.set_xticks(range(len(rows)), labels, rotation=35, ha="right", fontsize=7)
     axes[0].axhline(1.0, color="k", lw=0.8)
     # the pairs' spread: fresh engines differ more than the plugin's cost, and a median alone hides that
-    spread = [(i, p) for i, p in enumerate(r["plugin_over_vanilla_paired"] or {} for r in rows) if None not in (p.get("median"), p.get("min"), p.get("max"))]
+    spread = [(i, p) for i, p in enumerate(measured) if None not in (p.get("median"), p.get("min"), p.get("max"))]
     if spread:
         low = [max(0.0, p["median"] - p["min"]) for _, p in spread]  # hand-merged records may disagree
         high = [max(0.0, p["max"] - p["median"]) for _, p in spread]

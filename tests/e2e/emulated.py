@@ -694,7 +694,7 @@ def session(rows: list[str], s: Settings, out: Path, seconds: float, at_once: in
     t0 = time.monotonic()
     work = plan(rows, s)
     (out / "plan.json").write_text(json.dumps([e.label for e in work]))
-    at_once = at_once or max(1, int(72 // _gib(rows, s)))
+    at_once = at_once or max(1, 72 // _gib(rows, s))
     run_engines(work, out, at_once, t0 + seconds)
     return records(rows, s, out, {**_versions(), "command": command, "date": datetime.date.today().isoformat()})
 
@@ -812,6 +812,9 @@ def main(argv: list[str] | None = None) -> int:
     wrong = [r for r in asked if a.model not in MODELS_OF[r]]
     if wrong:
         p.error(f"row(s) {','.join(wrong)} do not take --model {a.model} (" + "; ".join(f"{r}: {','.join(MODELS_OF[r])}" for r in wrong) + ")")
+    fits = max(1, 72 // _gib(rows, s))
+    if a.at_once is not None and a.at_once > fits:
+        p.error(f"argument --at-once: {a.at_once} engines of about {_gib(rows, s)} GiB do not fit the 72 GiB a session budgets; at most {fits}")
     if a.cmd == "plan":
         for engine, passes in plan(rows, s).items():
             print(engine.label, ",".join(passes))

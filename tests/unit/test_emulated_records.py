@@ -317,6 +317,12 @@ def test_judge_and_plan_refuse_in_one_line(tmp_path: Path, capsys: pytest.Captur
     with pytest.raises(SystemExit) as stop:
         emulated.main(["plan", "--rows", "t-eager", "--at-once", "0"])
     assert stop.value.code == 2 and "--at-once" in capsys.readouterr().err
+    # three 78-layer engines of about 26 GiB each ran out of GPU memory on an H100: refused before any install
+    assert emulated.main(["plan", "--layers", "78", "--at-once", "2"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        emulated.main(["plan", "--layers", "78", "--at-once", "3"])
+    assert stop.value.code == 2 and "do not fit" in (err := capsys.readouterr().err) and "at most 2" in err
     for rows in ("", ","):
         with pytest.raises(SystemExit) as stop:
             emulated.main(["plan", "--rows", rows])

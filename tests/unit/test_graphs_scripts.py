@@ -678,7 +678,7 @@ def test_host_cost_plot_says_na_for_a_row_without_vanilla_and_colours_by_records
     if plt is None:
         pytest.fail("matplotlib is a dev dependency (make setup): the plot cannot be checked without it")
     mod = load("bench_host_cost.py")
-    measured = {"label": "v32-6L-eager-dbo-off", "plugin_over_vanilla_paired": {"median": 1.01}, "self_net_share_of_step": 0.0004,
+    measured = {"label": "v32-6L-eager-dbo-off", "plugin_over_vanilla_paired": {"median": 1.01, "n": 5}, "self_net_share_of_step": 0.0004,
                 "source": "docs/gpu-runs/2026-12-04-lease20-hostcost"}  # fmt: skip
     unmeasured = {"label": "v32-61L-eager-dbo-off", "plugin_over_vanilla_paired": None, "self_net_share_of_step": None,
                   "source": "docs/gpu-runs/2026-12-02-lease14-hostcost"}  # fmt: skip
@@ -695,6 +695,25 @@ def test_host_cost_plot_says_na_for_a_row_without_vanilla_and_colours_by_records
     # a mixed set names the device it has and counts the rows without one, never as a device of its own
     fig = _host_cost_figure(plt, mod, [{**measured, "device": "NVIDIA H200"}, unmeasured], tmp_path)
     assert "one GPU: NVIDIA H200 (1 row(s) with no device recorded)\n" in fig._suptitle.get_text()
+    plt.close(fig)
+
+
+def test_host_cost_plot_draws_no_ratio_bar_from_fewer_pairs_than_a_measurement(tmp_path: Path) -> None:
+    """Two pairs of reps are not a step ratio (``step_time_warnings`` says so): the panel names the pairs instead
+    of drawing a bar and its spread; the self-time share, measured per rep, is still drawn."""
+    from graphs._plotting import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        pytest.fail("matplotlib is a dev dependency (make setup): the plot cannot be checked without it")
+    mod = load("bench_host_cost.py")
+    row = {"label": "glm53-61L-eager-dbo-emu", "plugin_over_vanilla_paired": {"median": 0.48, "min": 0.12, "max": 0.84, "n": 2},
+           "self_net_share_of_step": 0.0076, "device": "NVIDIA H100 80GB HBM3"}  # fmt: skip
+    fig = _host_cost_figure(plt, mod, [row], tmp_path)
+    ratio, share = fig.axes[:2]
+    assert [t.get_text() for t in ratio.texts] == ["n/a: 2 pair(s)"] and ratio.patches[0].get_height() == 0
+    assert not ratio.containers[1:]  # no error bar
+    assert not share.texts and share.patches[0].get_height() == pytest.approx(0.76)
     plt.close(fig)
 
 
