@@ -204,8 +204,8 @@ MIN_DECODE_SHARE = 0.5
 
 
 def step_time_warnings(reps: dict[str, list[dict]], pairs: int) -> list[str]:
-    """Why a row's step times may not be a measurement (pure). A rep's decode step is the difference of a 1-token and
-    a full pass, so one compile inside either pass moves it, and two passes of similar length leave mostly noise."""
+    """Why a row's step times may not be a measurement (pure). A rep's decode step is the full pass less the faster of
+    two 1-token passes, so a compile inside the full pass moves it, and passes of similar length leave mostly noise."""
     said = []
     if pairs < MIN_PAIRS:
         said.append(f"{pairs} plugin/vanilla pair(s) of reps (fewer than {MIN_PAIRS}): the step ratio is not a measurement")

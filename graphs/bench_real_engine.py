@@ -1,7 +1,7 @@
 """dbo_runtime vs vanilla vLLM in the real engine on one GPU: start-up and decode cost.
 
 Fresh engines alternate plugin / vanilla (``DBO_RUNTIME_DISABLE=1``) so drift hits both alike, after untimed
-warm-up engines that fill the JIT caches; decode step = (T-token pass - 1-token pass) / (T - 1). One more
+warm-up engines that fill the JIT caches; decode step = (T-token pass - faster 1-token pass) / (T - 1). One more
 self-timed plugin engine gives the plugin's own host time per step. Goals: decode overhead <= 1 %, start <= +3 s.
 
     python graphs/bench_real_engine.py [--reps 5] [--model shared-topk] [--graphs] [--out graphs/results]

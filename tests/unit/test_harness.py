@@ -413,6 +413,26 @@ def test_bench_reports_no_step_time_when_the_host_made_it_unmeasurable(monkeypat
     assert "plugin_self_us_per_step" not in row  # only a measurement harness adds its columns
 
 
+def test_bench_takes_the_faster_of_two_one_token_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile that stalls one 1-token pass (7.6 s of a 61-layer engine's first reps) must not become a tiny or
+    missing decode step: the rep's step is the full pass less the faster 1-token pass, and both are kept."""
+    from dbo_runtime.harness import runner
+    from tests.harness.engine_runner import ROW_HOOK_ENV, bench_row
+
+    monkeypatch.setattr(runner, "_stats", lambda llm: [{"summary": {"microbatched_builds": 0}}])
+    monkeypatch.delenv(ROW_HOOK_ENV, raising=False)
+    sleeps = iter([0.2, 0.3, 0.01])  # the first 1-token pass stalls, then the full pass, then the second 1-token pass
+
+    class LLM:
+        def generate(self, batch: list[object], params: _FakeParams, use_tqdm: bool = False) -> None:
+            time.sleep(next(sleeps))
+
+    [row] = runner.bench_reps(LLM(), _FakeParams, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1, bench_row(2))["reps"]
+    first, second = row["prefill_passes_s"]
+    assert first > 0.19 and second < 0.15 and row["prefill_s"] == second
+    assert row["decode_step_ms"] == pytest.approx((row["total_s"] - second) / 7 * 1e3)
+
+
 def test_replay_reads_a_finished_session_back(tmp_path: Path) -> None:
     """DBO_E2E_REPLAY: the recorded runs of a GPU session are judged again without an engine."""
     from tests.e2e.pool import replay_all
@@ -543,6 +563,14 @@ def test_an_engine_whose_run_folder_was_taken_over_stops_and_writes_nothing(tmp_
             wait()
         assert time.monotonic() - started < 5
         remover.join()
+    # a peer that never comes: a timeout naming the wait, not a hang
+    gone.mkdir(parents=True)
+    monkeypatch.setattr(runner, "BARRIER_TIMEOUT_S", 0.1)
+    with pytest.raises(TimeoutError, match="barrier 'bench0a': the other DP ranks did not arrive"):
+        runner.barrier("bench0a", 0, 2)
+    with pytest.raises(TimeoutError, match="turn 'rep0': never started by the coordinator"):
+        runner.wait_turn("rep0", 0)
+    shutil.rmtree(gone)
     out = tmp_path / "rank0.json"
     runner._PARTIAL[:] = [runner.partial_path(out)]
     runner._save_partial({"reps": [{"rep": 0}]})
