@@ -82,7 +82,7 @@ def _run_group(args: argparse.Namespace, group: str, out: Path, env_facts: dict)
     model, graphs = GROUPS[group]
     backend = plan.HT if group == "ht" else plan.LL
     prompts = PromptSpec(num=64, min_len=300, max_len=600, seed=12)
-    bench = {"max_tokens": args.steps, "reps": args.reps, "warmup": 1, "coordinated": True}
+    bench = {"max_tokens": args.steps, "reps": args.reps, "warmup": 1, "coordinated": True, "prefill_twice": True}
     specs = [
         dataclasses.replace(
             plan.dp_spec(label, model, backend, dbo=dbo, runner="v1", plugin=plugin, graphs=graphs, what="bench_dbo_engine", **env),

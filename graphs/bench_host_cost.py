@@ -67,7 +67,7 @@ def specs_for(config: dict, steps: int, reps: int) -> list:
     emu = config["dbo"] == "emu"  # dp1: --enable-dbo at DP 1 arms the hooks, never microbatches; emu microbatches every step
     extra += ["--enable-expert-parallel", "--all2all-backend", plan.HT, "--enable-dbo"] if config["dbo"] != "off" else []
     extra += ["--dbo-decode-token-threshold", "4", "--dbo-prefill-token-threshold", "32"] if emu else []
-    bench = {"max_tokens": steps, "reps": reps, "warmup": 1, "coordinated": True}
+    bench = {"max_tokens": steps, "reps": reps, "warmup": 1, "coordinated": True, "prefill_twice": True}
     return [
         E2ESpec(label=f"{config['label']}-{variant}", engine_args=plan.tiny_args(name, eager=config["mode"] == "eager", extra=extra),
                 env={**plan.bench_env(env), **(dp_emulation.engine_env(EMU_COMM_SMS[variant]) if emu else {})}, cold_jit_cache=emu,

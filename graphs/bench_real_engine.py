@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(args.out) / "bench_real_engine_runs"
     prompts = PromptSpec(num=32, min_len=300, max_len=600, seed=11)
-    bench = {"max_tokens": args.steps, "reps": args.decode_reps, "warmup": 1}
+    bench = {"max_tokens": args.steps, "reps": args.decode_reps, "warmup": 1, "prefill_twice": True}
 
     def spec(label: str, env: dict[str, str]) -> E2ESpec:
         return E2ESpec(label=label, engine_args=plan.tiny_args(args.model, eager=not args.graphs), env=plan.bench_env(env), prompts=prompts, max_tokens=4,

@@ -200,8 +200,8 @@ def run(spec: dict[str, Any], rank: int, size: int, result: dict[str, Any]) -> d
 def bench_reps(
     llm: Any, sampling: Any, batch: list[Any], bench: dict[str, Any], rank: int, size: int, hook: RowHook | None = None
 ) -> dict[str, Any]:
-    """Per rep a 1-token, a T-token and another 1-token pass, timed, with SMControl's partitions over the first
-    two; ``prefill_s`` is the faster 1-token pass (a compile may stall one). ``hook`` adds a caller's columns."""
+    """Per rep a 1-token and a T-token pass, timed, with SMControl's partitions over each; ``prefill_twice``: one
+    more 1-token pass, ``prefill_s`` the faster (a compile may stall one). ``hook`` adds a caller's columns."""
     steps = int(bench["max_tokens"])
     one = sampling(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     full = sampling(temperature=0.0, max_tokens=steps, ignore_eos=True, detokenize=False)
@@ -222,7 +222,7 @@ def bench_reps(
         s1 = _stats(llm)
         total = timed(full, f"bench{rep}b")
         s2 = _stats(llm)
-        passes = [prefill, timed(one, f"bench{rep}c")]
+        passes = [prefill, timed(one, f"bench{rep}c")] if bench.get("prefill_twice") else [prefill]
         row: dict[str, Any] = {"rep": rep, "warmup": rep < int(bench.get("warmup", 1)), "prefill_s": min(passes), "total_s": total}
         row["prefill_passes_s"] = passes
         # per microbatched forward: free of the DP ranks' start skew

@@ -682,6 +682,15 @@ def _versions() -> dict[str, Any]:
     return info
 
 
+def _card_gib() -> int:
+    """The GPU's memory in GiB (nvidia-smi); 80 where none answers, as on a CPU machine planning a session."""
+    try:
+        query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+        return int(subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout.split()[0]) // 1024
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 80
+
+
 def _gib(rows: list[str], s: Settings) -> int:
     """The largest engine's estimated GPU share: tiny models (DBO off, V4) fit vLLM's 0.2 of the GPU each."""
     if any(not (r.startswith("t-") or r == "v4-mtp") for r in rows):
@@ -794,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runner", default="v2", choices=["v1", "v2"])
     p.add_argument("--out", type=Path, default=Path("emulated-out"), help="session: where results go; judge: the folder a session's emulated-runs.tgz unpacks to")
     p.add_argument("--seconds", type=float, default=540.0, help="session: stop the engines after this long (records are still written)")
-    p.add_argument("--at-once", type=int, default=None, help="session: engines alive together (default: as many as fit 72 GiB)")
+    p.add_argument("--at-once", type=int, default=None, help="session: engines alive together (default: as many as fit 72 GiB; refused above the GPU's memory less 4 GiB)")
     p.add_argument("--trust-labels", action="store_true", help="judge: results written before engines recorded dbo_runtime's state")
     a = p.parse_args(argv)
     if a.at_once is not None and a.at_once < 1:
@@ -812,9 +821,9 @@ def main(argv: list[str] | None = None) -> int:
     wrong = [r for r in asked if a.model not in MODELS_OF[r]]
     if wrong:
         p.error(f"row(s) {','.join(wrong)} do not take --model {a.model} (" + "; ".join(f"{r}: {','.join(MODELS_OF[r])}" for r in wrong) + ")")
-    fits = max(1, 72 // _gib(rows, s))
-    if a.at_once is not None and a.at_once > fits:
-        p.error(f"argument --at-once: {a.at_once} engines of about {_gib(rows, s)} GiB do not fit the 72 GiB a session budgets; at most {fits}")
+    if a.at_once is not None and a.at_once * _gib(rows, s) > (card := _card_gib()) - 4:  # the twins and CUDA contexts beside
+        fits = max(1, (card - 4) // _gib(rows, s))
+        p.error(f"argument --at-once: {a.at_once} engines of about {_gib(rows, s)} GiB do not fit {card - 4} of the GPU's {card} GiB; at most {fits}")
     if a.cmd == "plan":
         for engine, passes in plan(rows, s).items():
             print(engine.label, ",".join(passes))

@@ -300,7 +300,7 @@ def test_a_result_that_does_not_say_whether_dbo_runtime_was_in_force_is_trusted_
     assert emulated.verdict("t-eager", emulated.Settings("glm53"), tmp_path)["pass"] is True
 
 
-def test_judge_and_plan_refuse_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_judge_and_plan_refuse_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     assert emulated.main(["judge", "--out", str(tmp_path / "nope"), "--rows", "t-eager"]) == 2
     assert "is not a folder" in capsys.readouterr().err
     (tmp_path / "transparency.jsonl").write_text("")
@@ -317,12 +317,16 @@ def test_judge_and_plan_refuse_in_one_line(tmp_path: Path, capsys: pytest.Captur
     with pytest.raises(SystemExit) as stop:
         emulated.main(["plan", "--rows", "t-eager", "--at-once", "0"])
     assert stop.value.code == 2 and "--at-once" in capsys.readouterr().err
-    # three 78-layer engines of about 26 GiB each ran out of GPU memory on an H100: refused before any install
+    # three 78-layer engines of about 26 GiB each ran out of an H100's memory: refused before any install; an H200 holds five
+    monkeypatch.setattr(emulated, "_card_gib", lambda: 79)
     assert emulated.main(["plan", "--layers", "78", "--at-once", "2"]) == 0
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
         emulated.main(["plan", "--layers", "78", "--at-once", "3"])
-    assert stop.value.code == 2 and "do not fit" in (err := capsys.readouterr().err) and "at most 2" in err
+    assert stop.value.code == 2 and "do not fit 75 of the GPU's 79 GiB; at most 2" in capsys.readouterr().err
+    monkeypatch.setattr(emulated, "_card_gib", lambda: 139)
+    assert emulated.main(["plan", "--layers", "78", "--at-once", "5"]) == 0
+    capsys.readouterr()
     for rows in ("", ","):
         with pytest.raises(SystemExit) as stop:
             emulated.main(["plan", "--rows", rows])

@@ -413,7 +413,7 @@ def test_bench_reports_no_step_time_when_the_host_made_it_unmeasurable(monkeypat
     assert "plugin_self_us_per_step" not in row  # only a measurement harness adds its columns
 
 
-def test_bench_takes_the_faster_of_two_one_token_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_benchmark_takes_the_faster_of_two_one_token_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A compile that stalls one 1-token pass (7.6 s of a 61-layer engine's first reps) must not become a tiny or
     missing decode step: the rep's step is the full pass less the faster 1-token pass, and both are kept."""
     from dbo_runtime.harness import runner
@@ -427,10 +427,15 @@ def test_bench_takes_the_faster_of_two_one_token_passes(monkeypatch: pytest.Monk
         def generate(self, batch: list[object], params: _FakeParams, use_tqdm: bool = False) -> None:
             time.sleep(next(sleeps))
 
-    [row] = runner.bench_reps(LLM(), _FakeParams, [1, 2], {"max_tokens": 8, "reps": 1, "warmup": 0}, 0, 1, bench_row(2))["reps"]
+    bench = {"max_tokens": 8, "reps": 1, "warmup": 0, "prefill_twice": True}
+    [row] = runner.bench_reps(LLM(), _FakeParams, [1, 2], bench, 0, 1, bench_row(2))["reps"]
     first, second = row["prefill_passes_s"]
     assert first > 0.19 and second < 0.15 and row["prefill_s"] == second
     assert row["decode_step_ms"] == pytest.approx((row["total_s"] - second) / 7 * 1e3)
+    # without it (dbo-runtime tune reads only the first pass's partitions): one 1-token pass, no extra prefill
+    sleeps = iter([0.01, 0.02])
+    [row] = runner.bench_reps(LLM(), _FakeParams, [1, 2], {**bench, "prefill_twice": False}, 0, 1, bench_row(2))["reps"]
+    assert len(row["prefill_passes_s"]) == 1 and next(sleeps, None) is None
 
 
 def test_replay_reads_a_finished_session_back(tmp_path: Path) -> None:

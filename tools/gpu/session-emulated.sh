@@ -12,8 +12,8 @@
 # `python3 -m tests.e2e.emulated plan ARGS` lists the engines, MODEL-DEPTH-RUNNER-MODE-plugin|vanilla-commN, then -dbooff,
 # -mtpK, -rN (a replica, the run-to-run floor) where they apply (DEPTH "asis": the model's own), and the passes each runs.
 # Re-judge a finished session on any machine: python -m tests.e2e.emulated judge --out DIR --rows ROWS --layers N.
-# Engines share the GPU: --at-once above what fits 72 GiB (2 at 78 layers, 3 at 61) is refused. Sessions run side by
-# side when each has its own EMU_WORK folder and $OUT, with EMU_INSTALLED=1 once the project is in /tmp/site.
+# Engines share the GPU: --at-once above the GPU's memory less 4 GiB is refused (on an H100: 2 at 78 layers, 3 at 61).
+# Sessions run side by side when each has its own EMU_WORK folder and $OUT, with EMU_INSTALLED=1 once the project is in /tmp/site.
 set -u
 cd "$(dirname "$0")/../.."
 . tools/gpu/_checks.sh
