@@ -49,6 +49,14 @@ def test_no_command_prints_the_help_as_vllm_does(capsys: pytest.CaptureFixture[s
     assert out.startswith("usage: dbo-runtime") and all(c in out for c in ("sms", "doctor", "simulate", "verify", "tune"))
 
 
+def test_a_stray_option_without_a_command_is_an_error_not_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """``dbo-runtime --verison`` is a typo: one argparse line and exit 2, as vLLM's CLI answers it."""
+    for argv in (["--verison"], ["-V"]):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == f"dbo-runtime: error: unrecognized arguments: {argv[0]}"
+
+
 def test_verify_and_tune_hand_unknown_arguments_on_as_engine_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     """The engine arguments reach the commands' own checks (no GPU needed): a DP size of 1 cannot microbatch."""
     for command in ("verify", "tune"):

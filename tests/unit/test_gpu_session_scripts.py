@@ -39,6 +39,16 @@ def _wrote(tmp_path: Path) -> bool:
     return out.exists() and any(out.iterdir())
 
 
+@pytest.mark.parametrize("script", [*SESSIONS, "bundle.sh"])
+def test_every_script_answers_help_with_its_header_and_runs_nothing(script: str, tmp_path: Path) -> None:
+    """``--help`` is not a folder, a model or a limit: the header comment, exit 0, nothing installed or written."""
+    for flag in ("-h", "--help"):
+        proc = _run(script, [flag], tmp_path)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert proc.stdout.startswith(("On the ", "Build the real vLLM")) and "tools/gpu/" in proc.stdout and "#" not in proc.stdout[:2]
+        assert not _wrote(tmp_path) and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_every_session_script_is_listed() -> None:
     assert sorted(SESSIONS) == sorted(p.name for p in (ROOT / "tools" / "gpu").glob("session-*.sh"))
 
@@ -160,7 +170,7 @@ def _bundle(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProce
 
 
 @pytest.mark.parametrize("dry_run", [{}, {"DRY_RUN": "1"}])
-@pytest.mark.parametrize("folder", [".", "..", "/tmp/x", "a/b", ".git", "docs"])
+@pytest.mark.parametrize("folder", [".", "..", "/tmp/x", "a/b", ".git", "docs", "-x"])
 def test_bundle_refuses_a_folder_it_would_delete(folder: str, dry_run: dict[str, str], tmp_path: Path) -> None:
     """bundle.sh replaces its output folder (rm -rf) after minutes of downloads: the checkout, a system path or a
     folder holding anything but an earlier bundle's parts is refused first, with nothing downloaded or written;

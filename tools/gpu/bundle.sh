@@ -22,6 +22,7 @@
 #  * parts of at most 50 MB: a part plus the tracked tree stays under the 64 MiB a command can bring.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+[[ "${1:-}" != -h && "${1:-}" != --help ]] || . "$here/_checks.sh"  # prints this header
 out=${1:-.gpu-vllm}
 version=${VLLM_VERSION:-0.34.0}
 [[ "$version" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || { echo "bundle.sh: VLLM_VERSION '$version' is not allowed; allowed values: a vLLM release such as 0.34.0" >&2; exit 2; }
@@ -37,7 +38,7 @@ drop=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs vllm/_qutlass_C.abi3
 need_switch bundle.sh DRY_RUN "${DRY_RUN-0}"
 # The folder is replaced at the end (rm -rf): only a new one, or an earlier bundle (p0, p1, ... and nothing else).
 case "$out" in
-  ''|/*|.|..|*/*|.git*) echo "bundle.sh: folder '$out' is not allowed; allowed values: a new folder name in the project root (default .gpu-vllm)" >&2; exit 2 ;;
+  ''|-*|/*|.|..|*/*|.git*) echo "bundle.sh: folder '$out' is not allowed; allowed values: a new folder name in the project root (default .gpu-vllm)" >&2; exit 2 ;;
 esac
 if [[ "$out" =~ -([0-9]+\.[0-9]+(\.[0-9]+)?)$ ]] && [[ "$version." != "${BASH_REMATCH[1]}."* ]]; then
   echo "bundle.sh: folder '$out' names vLLM ${BASH_REMATCH[1]} but VLLM_VERSION is $version; allowed values: VLLM_VERSION=${BASH_REMATCH[1]}... for that folder, or another folder name" >&2; exit 2
@@ -52,6 +53,7 @@ if [ "${DRY_RUN-0}" = 1 ]; then
   exit 0
 fi
 work=$(mktemp -d /tmp/gpu-vllm.XXXX)
+trap 'rm -rf "$work"' EXIT  # a build stopped midway leaves no gigabyte behind
 if [ -d .git/info ]; then grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude; fi
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
       --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_24_x86_64

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the two-GPU machine, after install.sh: `dbo-runtime tune` for the HT prefill shape of one
-# production-width model (tests/e2e/models/<model>: glm53-width or v32-width), into $OUT/tune-<model>.{json,png,log}.
+# production-width model (tests/e2e/models/<model>: glm53-width or v32-width), into $OUT/tune-<model>.{json,log} and
+# its run folders as $OUT/tune-<model>-runs.tgz.
 #   tools/gpu/session-tune.sh MODEL [seconds] [values]
 set -u
 cd "$(dirname "$0")/../.."
