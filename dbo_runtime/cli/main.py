@@ -28,13 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command is None:  # as vLLM's own CLI: no subcommand prints the help, a stray option is an error
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra and not (args.command and args.takes_engine_args):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command is None:  # as vLLM's own CLI: no subcommand prints the help
         parser.print_help()
         return 0
-    if extra and not args.takes_engine_args:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra_args = extra
     where = f"{PROG} {args.command}"
     try:
