@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from graphs._args import EXIT_NO_DEVICE, add_out, integer, progress, say_written  # noqa: E402
 from graphs._plotting import pyplot  # noqa: E402
+from tests.harness.machine import gpu_gib  # noqa: E402
 
 MODELS = {"glm53": ("shared-topk", {"index_topk_freq": 4, "index_skip_topk_offset": 3}), "v32": ("deepseek-v32", {})}
 MODES = ("eager", "graphs")
@@ -168,21 +169,6 @@ def memory_problem(configs: list[dict], at_once: int, gpu_gib: float) -> str | N
         f"argument --at-once: {at_once} is not allowed for these rows on this GPU: a group needs about {worst(at_once):.1f} GiB "
         f"(three engines per configuration; GiB per engine: {per_engine}) of its {gpu_gib:.1f} GiB; allowed values: {allowed}"
     )
-
-
-def gpu_gib() -> float | None:
-    """The smallest GPU's total memory per NVML (no CUDA context here): a rough guard; None where NVML cannot say
-    or a GPU is MIG-sliced."""
-    from dbo_runtime.adapters import nvml
-
-    try:
-        gpus = nvml.query().gpus
-    except nvml.NvmlUnavailable:
-        return None
-    if any(g.mig_enabled for g in gpus):
-        return None
-    totals = [g.memory_total_bytes for g in gpus if g.memory_total_bytes]
-    return min(totals) / 2**30 if totals else None
 
 
 def engine_failures(records: dict[str, dict | None]) -> list[str]:

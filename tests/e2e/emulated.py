@@ -62,6 +62,7 @@ from dbo_runtime.harness.compare import Comparison, FloorRule, Request, compare
 from tests.e2e import dp_emulation
 from tests.harness import selftime
 from tests.harness.engine_runner import ROW_HOOK_ENV
+from tests.harness.machine import gpu_gib
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -683,12 +684,9 @@ def _versions() -> dict[str, Any]:
 
 
 def _card_gib() -> int:
-    """The GPU's memory in GiB (nvidia-smi); 80 where none answers, as on a CPU machine planning a session."""
-    try:
-        query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
-        return int(subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout.split()[0]) // 1024
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return 80
+    """The GPU's memory in whole GiB; 80 where NVML cannot say, as on a CPU machine planning a session."""
+    gib = gpu_gib()
+    return 80 if gib is None else int(gib)
 
 
 def _gib(rows: list[str], s: Settings) -> int:
@@ -821,9 +819,8 @@ def main(argv: list[str] | None = None) -> int:
     wrong = [r for r in asked if a.model not in MODELS_OF[r]]
     if wrong:
         p.error(f"row(s) {','.join(wrong)} do not take --model {a.model} (" + "; ".join(f"{r}: {','.join(MODELS_OF[r])}" for r in wrong) + ")")
-    if a.at_once is not None and a.at_once * _gib(rows, s) > (card := _card_gib()) - 4:  # the twins and CUDA contexts beside
-        fits = max(1, (card - 4) // _gib(rows, s))
-        p.error(f"argument --at-once: {a.at_once} engines of about {_gib(rows, s)} GiB do not fit {card - 4} of the GPU's {card} GiB; at most {fits}")
+    if a.at_once is not None and a.at_once * (gib := _gib(rows, s)) > (card := _card_gib()) - 4:  # the twins and CUDA contexts beside
+        p.error(f"argument --at-once: {a.at_once} engines of about {gib} GiB do not fit {card - 4} of the GPU's {card} GiB; at most {max(1, (card - 4) // gib)}")
     if a.cmd == "plan":
         for engine, passes in plan(rows, s).items():
             print(engine.label, ",".join(passes))

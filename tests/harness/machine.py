@@ -1,4 +1,4 @@
-"""Can the real vLLM engine run here? One answer, in the same words, for tests, benchmarks and scripts (not the wheel's)."""
+"""Can the real vLLM engine run here, and in how much GPU memory? One answer, in the same words, for tests, benchmarks and scripts (not the wheel's)."""
 
 from __future__ import annotations
 
@@ -36,4 +36,19 @@ def refuse_without_engine(script: str, gpus: int, done: str = "nothing measured"
     print(f"{script}: needs {need} and vLLM {' or '.join(SUPPORTED)}: {missing}; {done}", file=sys.stderr)
     return 3
 
-__all__ = ["engine_missing", "refuse_without_engine"]
+def gpu_gib() -> float | None:
+    """The smallest GPU's total memory per NVML (no CUDA context here): a rough guard; None where NVML cannot say
+    or a GPU is MIG-sliced."""
+    from dbo_runtime.adapters import nvml
+
+    try:
+        gpus = nvml.query().gpus
+    except nvml.NvmlUnavailable:
+        return None
+    if any(g.mig_enabled for g in gpus):
+        return None
+    totals = [g.memory_total_bytes for g in gpus if g.memory_total_bytes]
+    return min(totals) / 2**30 if totals else None
+
+
+__all__ = ["engine_missing", "gpu_gib", "refuse_without_engine"]

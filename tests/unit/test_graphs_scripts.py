@@ -656,8 +656,14 @@ def test_host_cost_bench_refuses_more_engines_at_once_than_the_gpu_holds(
     assert line.startswith("bench_host_cost: error: argument --at-once: 4 is not allowed for these rows on this GPU")
 
 
-def _host_cost_figure(plt: Any, mod: Any, rows: list[dict], tmp_path: Path) -> Any:
-    """The one figure ``bench_host_cost._plot`` draws for ``rows``, caught at ``savefig``."""
+def _host_cost_figure(rows: list[dict], tmp_path: Path) -> Any:
+    """The one figure ``bench_host_cost._plot`` draws for ``rows``, caught at ``savefig`` (close it with ``_close``)."""
+    from graphs._plotting import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        pytest.fail("matplotlib is a dev dependency (make setup): the plot cannot be checked without it")
+    mod = load("bench_host_cost.py")
     drawn: list = []
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
@@ -669,20 +675,20 @@ def _host_cost_figure(plt: Any, mod: Any, rows: list[dict], tmp_path: Path) -> A
     return fig
 
 
+def _close(fig: Any) -> None:
+    from graphs._plotting import pyplot
+
+    pyplot().close(fig)
+
+
 def test_host_cost_plot_says_na_for_a_row_without_vanilla_and_colours_by_records(tmp_path: Path) -> None:
     """A row whose vanilla engine never finished has no ratio and no share: the figure says n/a rather than
     drawing a zero bar (which reads as "costs nothing"), and rows merged from two leases get two colours."""
-    from graphs._plotting import pyplot
-
-    plt = pyplot()
-    if plt is None:
-        pytest.fail("matplotlib is a dev dependency (make setup): the plot cannot be checked without it")
-    mod = load("bench_host_cost.py")
     measured = {"label": "v32-6L-eager-dbo-off", "plugin_over_vanilla_paired": {"median": 1.01, "n": 5}, "self_net_share_of_step": 0.0004,
                 "source": "docs/gpu-runs/2026-12-04-lease20-hostcost"}  # fmt: skip
     unmeasured = {"label": "v32-61L-eager-dbo-off", "plugin_over_vanilla_paired": None, "self_net_share_of_step": None,
                   "source": "docs/gpu-runs/2026-12-02-lease14-hostcost"}  # fmt: skip
-    fig = _host_cost_figure(plt, mod, [measured, unmeasured], tmp_path)
+    fig = _host_cost_figure([measured, unmeasured], tmp_path)
     for ax in fig.axes[:2]:
         assert [t.get_text() for t in ax.texts] == ["n/a"] and ax.texts[0].get_position()[0] == 1
         bars = ax.patches
@@ -691,45 +697,33 @@ def test_host_cost_plot_says_na_for_a_row_without_vanilla_and_colours_by_records
     assert fig.axes[1].get_legend() is None
     assert [t.get_text() for t in legend.get_texts()] == ["2026-12-04-lease20-hostcost", "2026-12-02-lease14-hostcost"]
     assert "one GPU: not recorded\n" in fig._suptitle.get_text()
-    plt.close(fig)
+    _close(fig)
     # a mixed set names the device it has and counts the rows without one, never as a device of its own
-    fig = _host_cost_figure(plt, mod, [{**measured, "device": "NVIDIA H200"}, unmeasured], tmp_path)
+    fig = _host_cost_figure([{**measured, "device": "NVIDIA H200"}, unmeasured], tmp_path)
     assert "one GPU: NVIDIA H200 (1 row(s) with no device recorded)\n" in fig._suptitle.get_text()
-    plt.close(fig)
+    _close(fig)
 
 
 def test_host_cost_plot_draws_no_ratio_bar_from_fewer_pairs_than_a_measurement(tmp_path: Path) -> None:
     """Two pairs of reps are not a step ratio (``step_time_warnings`` says so): the panel names the pairs instead
     of drawing a bar and its spread; the self-time share, measured per rep, is still drawn."""
-    from graphs._plotting import pyplot
-
-    plt = pyplot()
-    if plt is None:
-        pytest.fail("matplotlib is a dev dependency (make setup): the plot cannot be checked without it")
-    mod = load("bench_host_cost.py")
     row = {"label": "glm53-61L-eager-dbo-emu", "plugin_over_vanilla_paired": {"median": 0.48, "min": 0.12, "max": 0.84, "n": 2},
            "self_net_share_of_step": 0.0076, "device": "NVIDIA H100 80GB HBM3"}  # fmt: skip
-    fig = _host_cost_figure(plt, mod, [row], tmp_path)
+    fig = _host_cost_figure([row], tmp_path)
     ratio, share = fig.axes[:2]
     assert [t.get_text() for t in ratio.texts] == ["n/a: 2 pair(s)"] and ratio.patches[0].get_height() == 0
     assert not ratio.containers[1:]  # no error bar
     assert not share.texts and share.patches[0].get_height() == pytest.approx(0.76)
-    plt.close(fig)
+    _close(fig)
 
 
 def test_host_cost_plot_names_the_device_even_when_one_lease_drew_it(tmp_path: Path) -> None:
     """A figure drawn from one lease has no legend; its title still says which GPU the numbers hold for."""
-    from graphs._plotting import pyplot
-
-    plt = pyplot()
-    if plt is None:
-        pytest.fail("matplotlib is a dev dependency (make setup): the plot cannot be checked without it")
-    mod = load("bench_host_cost.py")
     row = {"label": "v32-6L-eager-dbo-emu", "plugin_over_vanilla_paired": {"median": 1.0}, "self_net_share_of_step": 0.002,
            "source": "docs/gpu-runs/2026-12-05-lease21-hostcost", "device": "NVIDIA H100 80GB HBM3"}  # fmt: skip
-    fig = _host_cost_figure(plt, mod, [row, {**row, "label": "glm53-6L-eager-dbo-emu"}], tmp_path)
+    fig = _host_cost_figure([row, {**row, "label": "glm53-6L-eager-dbo-emu"}], tmp_path)
     assert not fig.legends and "one GPU: NVIDIA H100 80GB HBM3\n" in fig._suptitle.get_text()
-    plt.close(fig)
+    _close(fig)
 
 
 def test_a_benchmark_says_which_files_it_wrote(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -746,22 +740,16 @@ def test_a_benchmark_says_which_files_it_wrote(tmp_path: Path, capsys: pytest.Ca
 def test_host_cost_plot_draws_the_pairs_spread_around_each_median(tmp_path: Path) -> None:
     """Fresh engines differ more than the plugin costs: the ratio panel shows each row's min-max of the pairs, so
     a median of 1.31 from pairs that reach 1.03 is not read as a 31 % cost. A row without a spread gets none."""
-    from graphs._plotting import pyplot
-
-    plt = pyplot()
-    if plt is None:
-        pytest.fail("matplotlib is a dev dependency (make setup): the plot cannot be checked without it")
-    mod = load("bench_host_cost.py")
     spread = {"label": "v32-61L-eager-dbo-off", "plugin_over_vanilla_paired": {"median": 1.31, "min": 1.03, "max": 1.31, "n": 3},
               "self_net_share_of_step": 0.00006, "device": "NVIDIA H100 80GB HBM3"}  # fmt: skip
     bare = {**spread, "label": "glm53-61L-eager-dbo-off", "plugin_over_vanilla_paired": {"median": 0.92}}
-    fig = _host_cost_figure(plt, mod, [bare, spread], tmp_path)
+    fig = _host_cost_figure([bare, spread], tmp_path)
     (bars,) = fig.axes[0].collections  # one errorbar set: the row with a spread only
     (segment,) = bars.get_segments()
     assert segment[0][0] == segment[1][0] == 1
     assert sorted(round(float(y), 2) for _, y in segment) == [1.03, 1.31]
     assert fig.axes[0].get_ylabel().endswith("(paired median, min-max)")
-    plt.close(fig)
+    _close(fig)
 
 
 def test_host_cost_check_parses_and_starts_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
