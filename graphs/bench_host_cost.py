@@ -102,6 +102,7 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
 
     self_us, net_us, calls = measured("plugin_self_us_per_step"), measured("plugin_self_net_us_per_step"), measured("plugin_calls_per_step")
     gc_us, gc_n = measured("plugin_gc_us_per_step"), measured("plugin_gc_per_step")
+    in_situ_us = measured("plugin_self_in_situ_net_us_per_step")
     def per_patch(key: str) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {}
         for r in self_reps:
@@ -136,6 +137,8 @@ def summarize(config: dict, records: dict[str, dict]) -> dict:
         "self_net_us_per_step": med(net_us),
         "self_net_ns_per_hooked_call": med(net_us) * 1e3 / calls_med if net_us and calls_med else None,
         "self_net_share_of_step": med(net_us) / 1e3 / vanilla_ms if net_us and vanilla_ms else None,
+        "self_in_situ_net_us_per_step": med(in_situ_us),
+        "self_in_situ_net_share_of_step": med(in_situ_us) / 1e3 / vanilla_ms if in_situ_us and vanilla_ms else None,
         "gc_in_plugin_per_step": med(gc_n),
         "gc_in_plugin_us_per_step": med(gc_us),
         "calls_per_step_by_patch": {name: med(v) for name, v in by_patch.items()},
@@ -280,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "bench_host_cost.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     _plot(rows, out / "bench_host_cost.png")
     say_written("bench_host_cost", out / "bench_host_cost.json", out / "bench_host_cost.png")
-    print(json.dumps([{k: r[k] for k in ("label", "device", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step", "step_time_warnings", "engine_failures")} for r in rows], indent=1, default=str))
+    print(json.dumps([{k: r[k] for k in ("label", "device", "plugin_over_vanilla_paired", "self_us_per_step", "self_net_us_per_step", "self_in_situ_net_us_per_step", "hooked_calls_per_step", "self_ns_per_hooked_call", "self_net_ns_per_hooked_call", "jit_in_step", "step_time_warnings", "engine_failures")} for r in rows], indent=1, default=str))
     return 0
 
 

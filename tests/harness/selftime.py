@@ -6,7 +6,7 @@ its ``PatchSet`` instrument and adds a ``self_time`` section to the worker stats
 patched function, descriptor and property is wrapped at install time and the time spent *in plugin
 code* is accumulated, with calls per patch. Time inside the vLLM original a wrapper calls is
 excluded; a kernel the plugin launches counts. The wrappers' own cost is measured and reported
-beside the totals, which are therefore an upper bound.
+beside the totals, which are therefore an upper bound: warm (``_calibrate``) and in situ (``SAMPLE_EVERY``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ _clock = time.perf_counter_ns
 class _ThreadClock:
     """One thread's clock and tables since its last fold; only this thread writes them."""
 
-    __slots__ = ("calls", "counts", "gc_count", "gc_ns", "gc_since", "in_plugin", "long", "name", "ns", "since", "total_ns")
+    __slots__ = ("calls", "counts", "gc_count", "gc_ns", "gc_since", "in_plugin", "long", "name", "ns", "since", "tick", "total_ns")
 
     def __init__(self) -> None:
         self.in_plugin = False
@@ -46,6 +46,8 @@ class _ThreadClock:
         self.gc_ns = 0
         self.gc_since = 0
         """When a collection that started inside plugin code began (0: none under way)."""
+        self.tick = 0
+        """Outermost timed calls and accesses on this thread, for ``SAMPLE_EVERY``."""
 
 
 class _Local(threading.local):
@@ -66,6 +68,11 @@ _ns_by_patch: dict[str, int] = {}
 MEASUREMENT = frozenset({"stats.worker_rpc"})
 """Patches that only read the measurement out: left unwrapped, so reading costs no step time."""
 LONG_NS = 20_000
+SAMPLE_EVERY = 8
+"""Every 8th outermost hook on a thread is preceded, at its own site, by an empty timed hook of its kind
+(``NULL_CALL``, ``NULL_ACCESS``): the clock's own charge in the caches a hook really meets, which the warm
+calibration misses. Null hooks stay out of the totals; ``snapshot`` reports them as ``in_situ_null``."""
+NULL_CALL, NULL_ACCESS = "selftime.null_call", "selftime.null_access"
 _long_by_patch: dict[str, list[int]] = {}
 """[count, ns] per patch of single charges over ``LONG_NS`` (a kernel launch, a lost GIL), kept apart."""
 
@@ -161,10 +168,14 @@ def time_plugin(fn: Any, name: str, *, fold: bool = True) -> Any:
     return _timed(fn, name, fold)
 
 
-def _timed(fn: Any, name: str, fold: bool) -> Any:
+def _timed(fn: Any, name: str, fold: bool, sample: bool = True) -> Any:
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
         clock = _mine()
+        if sample and not clock.in_plugin:
+            clock.tick += 1
+            if clock.tick % SAMPLE_EVERY == 0:
+                _null_call()
         was = _switch(clock, True)
         outer, clock.name = clock.name, name
         clock.calls += 1
@@ -184,13 +195,18 @@ def _timed(fn: Any, name: str, fold: bool) -> Any:
 class TimedDescriptor:
     """A data descriptor whose ``__get__`` / ``__set__`` / ``__delete__`` are timed and counted like a call."""
 
-    def __init__(self, inner: Any, name: str, fold: bool = True) -> None:
+    def __init__(self, inner: Any, name: str, fold: bool = True, sample: bool = True) -> None:
         self.inner = inner
         self.name = name
         self.fold = fold
+        self.sample = sample
 
     def _enter(self) -> tuple[_ThreadClock, bool, str]:
         clock = _mine()
+        if self.sample and not clock.in_plugin:
+            clock.tick += 1
+            if clock.tick % SAMPLE_EVERY == 0:
+                _NULL_HOLDER.x  # noqa: B018
         was = _switch(clock, True)
         outer, clock.name = clock.name, self.name
         clock.calls += 1
@@ -277,6 +293,15 @@ class _Plain:
         obj.__dict__["x"] = value
 
 
+class _NullHolder:
+    x = TimedDescriptor(_Plain(), NULL_ACCESS, sample=False)
+
+
+_NULL_HOLDER = _NullHolder()
+_NULL_HOLDER.x = None
+_null_call = _timed(lambda: None, NULL_CALL, True, sample=False)
+
+
 def _calibrate(samples: int = 2000) -> tuple[float, float, float, float]:
     """The wrappers' own cost per call and per access, and the part the clock charges to the plugin;
     measured on a throwaway thread, so nothing reaches the totals."""
@@ -286,7 +311,7 @@ def _calibrate(samples: int = 2000) -> tuple[float, float, float, float]:
         return None
 
     def measure() -> None:
-        wrapped = time_plugin(empty, "calibration", fold=False)
+        wrapped = _timed(empty, "calibration", False, sample=False)
         start = _clock()
         for _ in range(samples):
             wrapped()
@@ -297,7 +322,7 @@ def _calibrate(samples: int = 2000) -> tuple[float, float, float, float]:
         result[0] = max(0.0, (timed - (_clock() - start)) / samples)
 
         plain_cls = type("Plain", (), {"x": _Plain()})
-        timed_cls = type("Timed", (), {"x": TimedDescriptor(_Plain(), "calibration", fold=False)})
+        timed_cls = type("Timed", (), {"x": TimedDescriptor(_Plain(), "calibration", fold=False, sample=False)})
         plain, timed_obj = plain_cls(), timed_cls()
         plain.x = timed_obj.x = 1
         start = _clock()
@@ -311,7 +336,7 @@ def _calibrate(samples: int = 2000) -> tuple[float, float, float, float]:
 
         clock = _mine()
         paused = pause_for_original(empty)
-        hook = time_plugin(lambda: paused(), "calibration", fold=False)
+        hook = _timed(lambda: paused(), "calibration", False, sample=False)
         before = clock.total_ns
         for _ in range(samples):
             hook()
@@ -335,7 +360,10 @@ def snapshot(calibrate: bool = True) -> dict[str, Any]:
     with _totals_lock:
         total_ns, calls, gc_count, gc_ns = _totals
         by_patch, ns_by_patch = dict(_by_patch), dict(_ns_by_patch)
-        long_by_patch = {name: list(v) for name, v in _long_by_patch.items()}
+        long_by_patch = {name: list(v) for name, v in _long_by_patch.items() if name not in (NULL_CALL, NULL_ACCESS)}
+    null = {kind: [by_patch.pop(name, 0), ns_by_patch.pop(name, 0)] for kind, name in (("call", NULL_CALL), ("access", NULL_ACCESS))}
+    total_ns -= null["call"][1] + null["access"][1]
+    calls -= null["call"][0] + null["access"][0]
     return {
         "enabled": enabled(),
         "total_ns": total_ns,
@@ -352,6 +380,7 @@ def snapshot(calibrate: bool = True) -> dict[str, Any]:
         "charged_ns_per_call": charged_call,
         "charged_ns_per_access": charged_access,
         "untimed": sorted(_untimed - {"calibration"}),
+        "in_situ_null": null,
     }
 
 
@@ -375,6 +404,7 @@ def bench_row(row: dict[str, Any], s0: Any, s1: Any, s2: Any, steps: int) -> Non
         for name, n in per_step_by_patch(s0, s1, s2, steps, key="long_by_patch", index=0).items()
     }
     row["plugin_self_net_us_per_step"] = net_self_us(row["plugin_self_us_per_step"], row["plugin_calls_per_step_by_patch"], s2)
+    row["plugin_self_in_situ_net_us_per_step"] = net_self_us(row["plugin_self_us_per_step"], row["plugin_calls_per_step_by_patch"], s2, in_situ=True)
     gc_ns = _per_decode_step(s0, s1, s2, "self_time_gc_ns", steps)
     gc_count = _per_decode_step(s0, s1, s2, "self_time_gc_count", steps)
     if gc_ns is not None and gc_count is not None:
@@ -391,17 +421,25 @@ def _per_decode_step(s0: Any, s1: Any, s2: Any, key: str, steps: int) -> float |
     return max(0.0, (full - one) / (steps - 1))
 
 
-def net_self_us(self_us: float, per_step: dict[str, float], snap: list[dict[str, Any]] | None) -> float | None:
-    """``self_us`` less what the self-timer's own clock charged: a lower estimate beside the upper bound."""
-    timer = next((w.get("self_time") for w in snap or [] if (w.get("self_time") or {}).get("charged_ns_per_call") is not None), None)
-    if timer is None:
-        return None
-    kinds = timer.get("kinds", {})
-    charged = sum(
-        n * (timer["charged_ns_per_access"] if kinds.get(name) == "descriptor" else timer["charged_ns_per_call"])
-        for name, n in per_step.items()
-    )
-    return max(0.0, self_us - charged / 1e3)
+def net_self_us(self_us: float, per_step: dict[str, float], snap: list[dict[str, Any]] | None, in_situ: bool = False) -> float | None:
+    """``self_us`` less what the self-timer's own clock charged: as calibrated warm, or (``in_situ``) as an empty
+    hook of the same kind charged at the hooks' own sites, summed over workers. Without either, ``None``."""
+    timers = [w["self_time"] for w in snap or [] if w.get("self_time")]
+    per: dict[str, float | None]
+    if in_situ:
+        null = [sum(t.get("in_situ_null", {}).get(kind, [0, 0])[i] for t in timers) for kind in ("call", "access") for i in (0, 1)]
+        if not null[0] and not null[2]:
+            return None
+        per = {"function": null[1] / null[0] if null[0] else None, "descriptor": null[3] / null[2] if null[2] else None}
+    else:
+        timer = next((t for t in timers if t.get("charged_ns_per_call") is not None), None)
+        if timer is None:
+            return None
+        per = {"function": timer["charged_ns_per_call"], "descriptor": timer["charged_ns_per_access"]}
+    kinds = {name: kind for t in timers for name, kind in t.get("kinds", {}).items()}
+    each = [(n, per["descriptor" if kinds.get(name) == "descriptor" else "function"]) for name, n in per_step.items() if n]
+    charged = [n * ns for n, ns in each if ns is not None]
+    return None if len(charged) < len(each) else max(0.0, self_us - sum(charged) / 1e3)
 
 
 def per_step_by_patch(s0: Any, s1: Any, s2: Any, steps: int, key: str = "by_patch", index: int | None = None) -> dict[str, float]:

@@ -470,6 +470,7 @@ def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -
         "glm53-78L-eager-dbo-emu-vanilla": rec([200.0, 200.0, 200.0]),
         "glm53-78L-eager-dbo-emu-selftime": rec(
             [210.0] * 3, plugin_self_us_per_step=390.0, plugin_self_net_us_per_step=78.0, plugin_calls_per_step=780.0,
+            plugin_self_in_situ_net_us_per_step=40.0,
             plugin_calls_per_step_by_patch={"topk.SparseAttnIndexer.topk_indices_buffer": 42.0}, jit_in_step=0,
             plugin_self_us_per_step_by_patch={"indexer.logits.sparse_attn_indexer": 300.0},
             plugin_long_per_step_by_patch={"indexer.logits.sparse_attn_indexer": {"count": 1.0, "us": 250.0}},
@@ -484,6 +485,7 @@ def test_host_cost_bench_plans_the_matrix_and_reports_per_step_and_per_layer() -
     assert row["calls_per_step_by_patch"] == {"topk.SparseAttnIndexer.topk_indices_buffer": 42.0}
     assert row["self_net_us_per_step"] == 78.0 and row["self_net_ns_per_hooked_call"] == 100.0
     assert abs(row["self_net_share_of_step"] - 78e-3 / 200.0) < 1e-12
+    assert row["self_in_situ_net_us_per_step"] == 40.0 and abs(row["self_in_situ_net_share_of_step"] - 40e-3 / 200.0) < 1e-12
     assert row["jit_in_step"] == {"plugin": [0, 0, 0], "selftime": [0, 0, 0]}
     assert row["self_us_per_step_by_patch"] == {"indexer.logits.sparse_attn_indexer": 300.0}
     assert row["long_per_step_by_patch"] == {"indexer.logits.sparse_attn_indexer": {"count": 1.0, "us": 250.0}}

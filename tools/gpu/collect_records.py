@@ -58,7 +58,7 @@ DROPPED = (
 """Keys a compact record leaves out: tokens, logs and paths are raw data; the command reproduces them."""
 REP_KEYS = (
     "rep", "warmup", "prefill_s", "prefill_passes_s", "total_s", "decode_step_ms", "jit_in_step", "microbatched_builds", "decode_partitions",
-    "plugin_self_us_per_step", "plugin_self_net_us_per_step", "plugin_calls_per_step", "plugin_calls_per_step_by_patch",
+    "plugin_self_us_per_step", "plugin_self_net_us_per_step", "plugin_self_in_situ_net_us_per_step", "plugin_calls_per_step", "plugin_calls_per_step_by_patch",
     "plugin_self_us_per_step_by_patch", "armed_patches",
 )  # fmt: skip
 """What a compact record keeps of each timed rep of a benchmark engine (warm-up reps are left out)."""
