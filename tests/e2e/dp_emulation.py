@@ -51,6 +51,8 @@ class Target:
     module: str
     attribute: str
     params: tuple[str, ...] = ()
+    named: tuple[str, ...] = ()
+    """Parameters the emulation reads by name wherever they stand (a rename would silently change its vote)."""
 
 
 _COMMON = (
@@ -119,6 +121,7 @@ _V1 = (
         "vllm.v1.worker.gpu_model_runner",
         "GPUModelRunner._determine_batch_execution_and_padding",
         ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens"),
+        ("allow_microbatching", "force_uniform_decode"),
     ),
     Target(
         "vllm.v1.worker.gpu_model_runner",
@@ -138,6 +141,7 @@ _V2 = (
         "vllm.v1.worker.gpu.model_runner",
         "dispatch_cg_and_sync_dp",
         ("cudagraph_manager", "num_reqs", "num_tokens", "uniform_token_count", "dp_size", "dp_rank"),
+        ("allow_ubatching", "dp_sync_state"),
     ),
     Target("vllm.v1.worker.gpu.model_runner", "maybe_build_ubatch_runner", ("vllm_config", "device", "model_state", "attn_groups", "kv_cache_config", "max_num_reqs")),
     Target("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model", ("self", "scheduler_output")),
@@ -196,8 +200,8 @@ def problems(release: str) -> list[str]:
                 out.append(f"{where} is not callable")
                 continue
             names = tuple(inspect.signature(obj).parameters)
-            if names[: len(target.params)] != target.params:
-                out.append(f"{where} takes {names}, the emulation relies on {target.params}")
+            if names[: len(target.params)] != target.params or not set(target.named) <= set(names):
+                out.append(f"{where} takes {names}, the emulation relies on {target.params} and {target.named}")
     return out
 
 

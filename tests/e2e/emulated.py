@@ -509,7 +509,9 @@ def _judged(rec: dict[str, Any], floor: Comparison | None, want_outside: bool) -
 
 
 def _counted(result: dict[str, Any], what: str) -> dict[str, Any]:
-    """This engine's emulation counters over one pass (summed over workers)."""
+    """This engine's emulation counters over one pass (summed over workers). A split step whose threads never
+    switched (no yield inside an eager step, none at any capture for a replayed one) is ``unswitched``, not
+    microbatched: its microbatches ran one after the other, so neither bug could act."""
     p = result["passes"].get(what, {})
     before, after = p.get("counters_before") or [], p.get("counters_after") or []
     keys = (
@@ -519,6 +521,11 @@ def _counted(result: dict[str, Any], what: str) -> dict[str, Any]:
     out = {k: sum(w.get(k, 0) for w in after) - sum(w.get(k, 0) for w in before) for k in keys} if after else {}
     eager = out.get("microbatched_steps", 0) - out.get("microbatched_graph_steps", 0)
     out["yields_per_step"] = round(out["yields_in_steps"] / eager, 2) if out and eager else None
+    if after:
+        captured = sum(w.get("yields_outside_steps", 0) for w in after)
+        out["unswitched_steps"] = (0 if out["yields_in_steps"] else eager) + (0 if captured else out["microbatched_graph_steps"])
+        out["microbatched_steps"] -= out["unswitched_steps"]
+    out["runners"] = sorted({w["runner"] for w in after if w.get("runner")})
     return out
 
 
@@ -737,10 +744,14 @@ def records(rows: list[str], s: Settings, out: Path, run: dict[str, Any], suffix
                 "steps": [c.get("steps") for c in counters],
                 "microbatched_steps": [c.get("microbatched_steps") for c in counters],
                 "yields_per_step": [c.get("yields_per_step") for c in counters],
+                **({"unswitched_steps": [c.get("unswitched_steps") for c in counters]} if any(c.get("unswitched_steps") for c in counters) else {}),
                 "dbo_runtime_in_force": [_recorded(out, e, "dbo_runtime") for e, _ in needs(row, s)],
                 **_workarounds(out, row, s),
                 **{k: v for k, v in rec.items() if k != "counters"},
             }
+            ran = sorted({r for c in counters for r in c.get("runners", [])} - {s.runner})
+            if ran:  # vLLM chose another runner than the one asked for: the record would misname what ran
+                record.update({"pass": False, "error": f"the engines ran the {', '.join(ran)} runner, not {s.runner}"})
             lines.write(json.dumps(record) + "\n")
             print(json.dumps({k: record[k] for k in ("row", "pass", "microbatched_steps", "yields_per_step")}), flush=True)
             failed += not record["pass"]

@@ -360,3 +360,35 @@ def test_judging_again_replaces_the_earlier_judged_records(tmp_path: Path) -> No
         assert emulated.main(["judge", "--out", str(tmp_path), "--rows", "t-eager", "--model", "glm53"]) == 0
     judged = (tmp_path / "transparency-judged.jsonl").read_text().splitlines()
     assert [json.loads(line)["row"] for line in judged] == ["t-graphs", "t-eager"]
+
+
+def _counters(steps: int, graph: int, yields_in: int, yields_outside: int, runner: str = "v1") -> list[dict[str, Any]]:
+    return [{"steps": steps, "microbatched_steps": steps, "microbatched_graph_steps": graph, "yields_in_steps": yields_in,
+             "yields_outside_steps": yields_outside, "topk_reads": 0, "topk_wrong_reads": 0, "runner": runner}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("graph", "yields_in", "yields_outside", "microbatched", "unswitched"),
+    [(0, 300, 0, 10, 0), (0, 0, 0, 0, 10), (10, 0, 6, 10, 0), (10, 0, 0, 0, 10), (4, 0, 6, 4, 6)],
+)
+def test_a_split_step_whose_threads_never_switched_is_not_counted_as_microbatched(
+    graph: int, yields_in: int, yields_outside: int, microbatched: int, unswitched: int
+) -> None:
+    """Microbatches that ran one after the other (the emulated all2all never yielded) cannot show either bug: an
+    eager step needs a yield inside it, a replayed one a yield at capture, or the row would pass on nothing."""
+    result = {"passes": {"accuracy": {"counters_before": [], "counters_after": _counters(10, graph, yields_in, yields_outside)}}}
+    c = emulated._counted(result, "accuracy")
+    assert (c["microbatched_steps"], c["unswitched_steps"], c["runners"]) == (microbatched, unswitched, ["v1"])
+    assert emulated._counted({"passes": {}}, "accuracy") == {"yields_per_step": None, "runners": []}
+
+
+def test_a_record_whose_engines_ran_another_runner_fails_and_says_which(tmp_path: Path) -> None:
+    """vLLM may pick its runner itself: a record must describe the runner that ran, never the one asked for."""
+    s = emulated.Settings(runner="v1")
+    for engine, _ in emulated.needs("c", s):
+        counters = {"counters_before": [], "counters_after": _counters(10, 0, 300, 0, runner="v2")}
+        result = {"ok": True, "dbo_runtime": engine.plugin, "passes": {"accuracy": {"requests": _requests(-1.0), **counters}}}
+        (tmp_path / f"{engine.label}.json").write_text(json.dumps(result))
+    emulated.records(["c"], s, tmp_path, {"device": "d", "vllm": "0.33.0", "date": "2026-12-08", "command": "x"})
+    record = json.loads((tmp_path / "emulated.jsonl").read_text())
+    assert record["pass"] is False and record["error"] == "the engines ran the v2 runner, not v1"
