@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import random
 import sys
 import threading
 import time
@@ -46,8 +47,9 @@ class _ThreadClock:
         self.gc_ns = 0
         self.gc_since = 0
         """When a collection that started inside plugin code began (0: none under way)."""
-        self.tick = 0
-        """Outermost timed calls and accesses on this thread, for ``SAMPLE_EVERY``."""
+        self.tick = random.randrange(SAMPLE_EVERY)
+        """Outermost timed calls and accesses on this thread, for ``SAMPLE_EVERY``; a random phase, so threads
+        that live one step each do not sample the same hooks every step."""
 
 
 class _Local(threading.local):
@@ -70,8 +72,9 @@ MEASUREMENT = frozenset({"stats.worker_rpc"})
 LONG_NS = 20_000
 SAMPLE_EVERY = 8
 """Every 8th outermost hook on a thread is preceded, at its own site, by an empty timed hook of its kind
-(``NULL_CALL``, ``NULL_ACCESS``): the clock's own charge in the caches a hook really meets, which the warm
-calibration misses. Null hooks stay out of the totals; ``snapshot`` reports them as ``in_situ_null``."""
+(``NULL_CALL`` calls an original, as a patched function does; ``NULL_ACCESS``): the clock's own charge in the
+caches a hook really meets, which the warm calibration misses. Null hooks stay out of the totals; ``snapshot``
+reports them as ``in_situ_null``, less their charges over ``LONG_NS`` (a lost GIL is no clock cost)."""
 NULL_CALL, NULL_ACCESS = "selftime.null_call", "selftime.null_access"
 _long_by_patch: dict[str, list[int]] = {}
 """[count, ns] per patch of single charges over ``LONG_NS`` (a kernel launch, a lost GIL), kept apart."""
@@ -94,7 +97,8 @@ def install() -> None:
 def _publish(snap: dict[str, Any]) -> None:
     timed = snap["self_time"] = snapshot(calibrate=True)
     snap["summary"].update(
-        self_time_ns=timed["total_ns"], self_time_calls=timed["calls"], self_time_gc_count=timed["gc_count"], self_time_gc_ns=timed["gc_ns"]
+        self_time_ns=timed["total_ns"], self_time_calls=timed["calls"], self_time_gc_count=timed["gc_count"], self_time_gc_ns=timed["gc_ns"],
+        **{f"self_time_null_{kind}_{unit}": timed["in_situ_null"][kind][i] for kind in ("call", "access") for i, unit in enumerate(("n", "ns"))},
     )
 
 
@@ -298,8 +302,9 @@ class _NullHolder:
 
 
 _NULL_HOLDER = _NullHolder()
-_NULL_HOLDER.x = None
-_null_call = _timed(lambda: None, NULL_CALL, True, sample=False)
+_NULL_HOLDER.__dict__["x"] = None  # set untimed: the import is no sample
+_null_original = pause_for_original(lambda: None)
+_null_call = _timed(lambda: _null_original(), NULL_CALL, True, sample=False)
 
 
 def _calibrate(samples: int = 2000) -> tuple[float, float, float, float]:
@@ -360,10 +365,11 @@ def snapshot(calibrate: bool = True) -> dict[str, Any]:
     with _totals_lock:
         total_ns, calls, gc_count, gc_ns = _totals
         by_patch, ns_by_patch = dict(_by_patch), dict(_ns_by_patch)
-        long_by_patch = {name: list(v) for name, v in _long_by_patch.items() if name not in (NULL_CALL, NULL_ACCESS)}
-    null = {kind: [by_patch.pop(name, 0), ns_by_patch.pop(name, 0)] for kind, name in (("call", NULL_CALL), ("access", NULL_ACCESS))}
-    total_ns -= null["call"][1] + null["access"][1]
-    calls -= null["call"][0] + null["access"][0]
+        long_by_patch = {name: list(v) for name, v in _long_by_patch.items()}
+    null = {}
+    for kind, name in (("call", NULL_CALL), ("access", NULL_ACCESS)):
+        n, ns, (long_n, long_ns) = by_patch.pop(name, 0), ns_by_patch.pop(name, 0), long_by_patch.pop(name, [0, 0])
+        total_ns, calls, null[kind] = total_ns - ns, calls - n, [n - long_n, ns - long_ns]
     return {
         "enabled": enabled(),
         "total_ns": total_ns,
@@ -404,7 +410,8 @@ def bench_row(row: dict[str, Any], s0: Any, s1: Any, s2: Any, steps: int) -> Non
         for name, n in per_step_by_patch(s0, s1, s2, steps, key="long_by_patch", index=0).items()
     }
     row["plugin_self_net_us_per_step"] = net_self_us(row["plugin_self_us_per_step"], row["plugin_calls_per_step_by_patch"], s2)
-    row["plugin_self_in_situ_net_us_per_step"] = net_self_us(row["plugin_self_us_per_step"], row["plugin_calls_per_step_by_patch"], s2, in_situ=True)
+    null = {kind: [_per_decode_step(s0, s1, s2, f"self_time_null_{kind}_{unit}", steps) for unit in ("n", "ns")] for kind in ("call", "access")}
+    row["plugin_self_in_situ_net_us_per_step"] = net_self_us(row["plugin_self_us_per_step"], row["plugin_calls_per_step_by_patch"], s2, null)
     gc_ns = _per_decode_step(s0, s1, s2, "self_time_gc_ns", steps)
     gc_count = _per_decode_step(s0, s1, s2, "self_time_gc_count", steps)
     if gc_ns is not None and gc_count is not None:
@@ -421,16 +428,17 @@ def _per_decode_step(s0: Any, s1: Any, s2: Any, key: str, steps: int) -> float |
     return max(0.0, (full - one) / (steps - 1))
 
 
-def net_self_us(self_us: float, per_step: dict[str, float], snap: list[dict[str, Any]] | None, in_situ: bool = False) -> float | None:
-    """``self_us`` less what the self-timer's own clock charged: as calibrated warm, or (``in_situ``) as an empty
-    hook of the same kind charged at the hooks' own sites, summed over workers. Without either, ``None``."""
+def net_self_us(
+    self_us: float, per_step: dict[str, float], snap: list[dict[str, Any]] | None, null: dict[str, list[float | None]] | None = None
+) -> float | None:
+    """``self_us`` less what the self-timer's own clock charged: as calibrated warm, or, given ``null`` (``kind ->
+    [count, ns]`` of the empty hooks in the same decode steps), as charged to them at the hooks' own sites."""
     timers = [w["self_time"] for w in snap or [] if w.get("self_time")]
     per: dict[str, float | None]
-    if in_situ:
-        null = [sum(t.get("in_situ_null", {}).get(kind, [0, 0])[i] for t in timers) for kind in ("call", "access") for i in (0, 1)]
-        if not null[0] and not null[2]:
+    if null is not None:
+        per = {k: ns / n if n and ns is not None and n > 0 else None for k, (n, ns) in (("function", null["call"]), ("descriptor", null["access"]))}
+        if per["function"] is None and per["descriptor"] is None:
             return None
-        per = {"function": null[1] / null[0] if null[0] else None, "descriptor": null[3] / null[2] if null[2] else None}
     else:
         timer = next((t for t in timers if t.get("charged_ns_per_call") is not None), None)
         if timer is None:

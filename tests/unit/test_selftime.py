@@ -357,6 +357,24 @@ def test_an_empty_hook_is_timed_in_situ_and_kept_out_of_the_totals() -> None:
     assert after["calls"] - before["calls"] == 4 * selftime.SAMPLE_EVERY  # the empty hooks are not counted
     assert [after["in_situ_null"][k][0] - before["in_situ_null"][k][0] for k in ("call", "access")] == [2, 2]
     assert selftime.NULL_CALL not in after["by_patch"] and selftime.NULL_ACCESS not in after["ns_by_patch"]
-    worker = {"self_time": {"in_situ_null": {"call": [10, 20_000], "access": [20, 20_000]}, "kinds": {"f": "function", "d": "descriptor"}}}
-    assert selftime.net_self_us(20.0, {"f": 4, "d": 6}, [worker], in_situ=True) == pytest.approx(20.0 - 8.0 - 6.0)
-    assert selftime.net_self_us(20.0, {"f": 4}, [{"self_time": {"in_situ_null": {"call": [0, 0], "access": [0, 0]}}}], in_situ=True) is None
+    worker = {"self_time": {"kinds": {"f": "function", "d": "descriptor"}}}
+    null = {"call": [10.0, 20_000.0], "access": [20.0, 20_000.0]}  # per decode step: 2 us a call, 1 us an access
+    assert selftime.net_self_us(20.0, {"f": 4, "d": 6}, [worker], null) == pytest.approx(20.0 - 8.0 - 6.0)
+    assert selftime.net_self_us(20.0, {"f": 4}, [worker], {"call": [0.0, 0.0], "access": [0.0, 0.0]}) is None
+    assert selftime.net_self_us(20.0, {"d": 4}, [worker], {"call": [10.0, 20_000.0], "access": [0.0, 0.0]}) is None  # none timed
+
+
+def test_a_self_timed_bench_subtracts_the_empty_hooks_of_the_same_decode_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-situ charge is taken over the decode steps it is subtracted from (T-token pass less 1-token pass),
+    not over the process's life (its profile run, captures and prefills)."""
+
+    def stats(ns: int, calls: int, null: tuple[int, int, int, int]) -> list[dict]:
+        names = ("self_time_null_call_n", "self_time_null_call_ns", "self_time_null_access_n", "self_time_null_access_ns")
+        summary = {"microbatched_builds": 0, "self_time_ns": ns, "self_time_calls": calls, **dict(zip(names, null, strict=True))}
+        return [{"summary": summary, "self_time": {"by_patch": {"f": calls}, "kinds": {"f": "function"}}}]
+
+    # start-up charged 10 empty calls 50 us each; later each costs 1 us: a pass of 8 calls and 1 empty call, then 8 of them
+    before, one, full = (0, 0, (10, 500_000, 0, 0)), (10_000, 8, (11, 501_000, 0, 0)), (90_000, 72, (19, 509_000, 0, 0))
+    row = _bench_row(monkeypatch, [stats(*before), stats(*one), stats(*full)])
+    assert row["plugin_self_us_per_step"] == 10.0 and row["plugin_calls_per_step"] == 8.0
+    assert row["plugin_self_in_situ_net_us_per_step"] == pytest.approx(10.0 - 8 * 1.0)
