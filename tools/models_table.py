@@ -300,4 +300,7 @@ def render() -> str:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(prog=Path(__file__).name, description=(__doc__ or "").split("\n\n")[0]).parse_args()
     print(render(), end="")

@@ -62,7 +62,7 @@ from dbo_runtime.harness.compare import Comparison, FloorRule, Request, compare
 from tests.e2e import dp_emulation
 from tests.harness import selftime
 from tests.harness.engine_runner import ROW_HOOK_ENV
-from tests.harness.machine import gpu_gib
+from tests.harness.machine import gpu_gib, refuse_without_engine
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -690,10 +690,10 @@ def _versions() -> dict[str, Any]:
     return info
 
 
-def _card_gib() -> int:
-    """The GPU's memory in whole GiB; 80 where NVML cannot say, as on a CPU machine planning a session."""
+def _card_gib() -> tuple[int, bool]:
+    """The GPU's memory in whole GiB, and whether NVML said so; 80 where it cannot, as on a CPU machine planning."""
     gib = gpu_gib()
-    return 80 if gib is None else int(gib)
+    return (80, False) if gib is None else (int(gib), True)
 
 
 def _gib(rows: list[str], s: Settings) -> int:
@@ -830,8 +830,10 @@ def main(argv: list[str] | None = None) -> int:
     wrong = [r for r in asked if a.model not in MODELS_OF[r]]
     if wrong:
         p.error(f"row(s) {','.join(wrong)} do not take --model {a.model} (" + "; ".join(f"{r}: {','.join(MODELS_OF[r])}" for r in wrong) + ")")
-    if a.at_once is not None and a.at_once * (gib := _gib(rows, s)) > (card := _card_gib()) - 4:  # the twins and CUDA contexts beside
-        p.error(f"argument --at-once: {a.at_once} engines of about {gib} GiB do not fit {card - 4} of the GPU's {card} GiB; at most {max(1, (card - 4) // gib)}")
+    card, seen = _card_gib()
+    if a.at_once is not None and a.at_once * (gib := _gib(rows, s)) > card - 4:  # the twins and CUDA contexts beside
+        assumed = "" if seen else " (no GPU visible here: an 80 GiB card assumed)"
+        p.error(f"argument --at-once: {a.at_once} engines of about {gib} GiB do not fit {card - 4} of the GPU's {card} GiB{assumed}; at most {max(1, (card - 4) // gib)}")
     if a.cmd == "plan":
         for engine, passes in plan(rows, s).items():
             print(engine.label, ",".join(passes))
@@ -845,6 +847,9 @@ def main(argv: list[str] | None = None) -> int:
     release = dp_emulation.release_of(metadata.version("vllm"))
     if release is None or a.runner not in dp_emulation.RUNNERS[release]:
         p.error(f"--runner {a.runner} is not emulated on vLLM {metadata.version('vllm')} (tables: {dp_emulation.RUNNERS})")
+    refused = refuse_without_engine("python -m tests.e2e.emulated session", 1, "no engine started, no record written")
+    if refused is not None:
+        return refused
     return session(rows, s, a.out, a.seconds, a.at_once, "python -m tests.e2e.emulated " + " ".join(argv))
 
 

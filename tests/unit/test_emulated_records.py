@@ -324,10 +324,10 @@ def test_judge_and_plan_refuse_in_one_line(tmp_path: Path, capsys: pytest.Captur
 
     assert "--at-once" in refused("--rows", "t-eager", "--at-once", "0")
     # three 78-layer engines of about 26 GiB each ran out of an H100's memory: refused before any install; an H200 holds five
-    monkeypatch.setattr(emulated, "_card_gib", lambda: 79)
+    monkeypatch.setattr(emulated, "_card_gib", lambda: (79, True))
     assert emulated.main(["plan", "--layers", "78", "--at-once", "2"]) == 0
     assert "do not fit 75 of the GPU's 79 GiB; at most 2" in refused("--layers", "78", "--at-once", "3")
-    monkeypatch.setattr(emulated, "_card_gib", lambda: 139)
+    monkeypatch.setattr(emulated, "_card_gib", lambda: (139, True))
     assert emulated.main(["plan", "--layers", "78", "--at-once", "5"]) == 0
     capsys.readouterr()
     for rows in ("", ","):
@@ -392,3 +392,10 @@ def test_a_record_whose_engines_ran_another_runner_fails_and_says_which(tmp_path
     emulated.records(["c"], s, tmp_path, {"device": "d", "vllm": "0.33.0", "date": "2026-12-08", "command": "x"})
     record = json.loads((tmp_path / "emulated.jsonl").read_text())
     assert record["pass"] is False and record["error"] == "the engines ran the v2 runner, not v1"
+
+
+def test_a_session_without_a_gpu_is_one_line_and_exit_3(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No engine can start: the project's exit 3, with no record that would read as a failed row."""
+    monkeypatch.setattr(emulated, "refuse_without_engine", lambda script, gpus, done: print(f"{script}: needs a CUDA GPU; {done}") or 3)
+    assert emulated.main(["session", "--rows", "c", "--out", str(tmp_path / "s")]) == 3
+    assert "no record written" in capsys.readouterr().out and not (tmp_path / "s").exists()

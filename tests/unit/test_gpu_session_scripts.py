@@ -94,6 +94,9 @@ def test_without_install_sh_one_line_and_exit_2(script: str, tmp_path: Path) -> 
         ("session-e2e.sh", [], {"DBO_E2E_MAX_ENGINES": "abc"}, "DBO_E2E_MAX_ENGINES='abc' is not allowed; allowed values: an integer >= 1"),
         ("session-e2e.sh", [], {"DBO_E2E_LOAD_FORMAT": "foo"}, "DBO_E2E_LOAD_FORMAT='foo' is not allowed; allowed values: 'dummy', 'dbo_runtime_random'"),
         ("session-e2e.sh", ["e2e and (", "60"], {}, "MARK 'e2e and (' is not allowed; allowed values: a pytest -m expression"),
+        ("session-e2e.sh", ["e2e_dp", "60"], {}, "MARK 'e2e_dp' is not allowed; allowed values: a pytest -m expression of the markers in pyproject.toml (unknown: e2e_dp)"),
+        ("session-host-cost.sh", ["300", "--out", "/tmp/y"], {}, "--out is not allowed"),  # the results would miss $OUT
+        ("session-emulated.sh", ["300", "--rows", "c"], {"EMU_WORK": "/"}, "EMU_WORK '/' is not allowed"),  # it is emptied first
         ("session-emulated.sh", ["300", "--rows", "t-eager"], {"EMU_INSTALLED": "yes"}, "EMU_INSTALLED 'yes' is not allowed"),
         ("session-emulated.sh", ["300", "--rows", "t-eager", "--out", "/tmp/y"], {}, "--out is set by this script"),
         ("session-emulated.sh", ["300", "--seconds=9"], {}, "--seconds=9 is set by this script"),
@@ -260,3 +263,19 @@ def test_bundle_refuses_a_folder_named_for_another_release(tmp_path: Path) -> No
     assert "names vLLM 0.33 but VLLM_VERSION is 0.34.0" in line
     ok = _bundle(tmp_path, ".gpu-vllm-0.33", DRY_RUN="1", VLLM_VERSION="0.33.0")
     assert ok.returncode == 0 and ok.stdout.startswith("vllm==0.33.0"), ok.stderr
+
+
+@pytest.mark.parametrize("script", ["install.sh", "_checks.sh"])
+def test_the_helpers_answer_help_with_their_header_only(script: str, tmp_path: Path) -> None:
+    """install.sh travels alone and installs on any argument; _checks.sh has no ``set`` line to stop at."""
+    proc = _run(script, ["--help"], tmp_path, DBO_BUNDLE_PARTS=str(tmp_path))
+    assert proc.returncode == 0 and proc.stdout.startswith(("On the GPU machine", "Sourced by bundle.sh")), proc.stderr
+    assert "{" not in proc.stdout and not (tmp_path / "bundle.tar").exists()
+
+
+def test_a_work_folder_holding_other_files_is_never_emptied(tmp_path: Path) -> None:
+    work = tmp_path / "mine"
+    work.mkdir()
+    (work / "keep.txt").write_text("precious")
+    proc = _run("session-emulated.sh", ["300", "--rows", "c"], tmp_path, EMU_WORK=str(work))
+    assert proc.returncode == 2 and "EMU_WORK" in proc.stderr and (work / "keep.txt").exists()

@@ -5,7 +5,7 @@
 #   need_int SCRIPT NAME VALUE MIN MAX  VALUE must be an integer in [MIN, MAX] ('' is refused, not a default; no
 #                                       leading zero, which bash arithmetic would read as octal; at most 9 digits)
 case "${1:-}" in  # -h / --help (the sourcing script's first argument): its header comment, nothing run
-  -h|--help) sed -n '2,/^set -/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+  -h|--help) awk 'NR == 1 && /^#!/ { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; exit 0 ;;
 esac
 need_out() {
   [ -n "${OUT:-}" ] || { echo "$1: OUT is not set; allowed values: the folder that receives the results (the device machine sets it)" >&2; exit 2; }

@@ -11,7 +11,7 @@
 #
 # What is in it and why:
 #  * vllm $VLLM_VERSION (the official wheel) unpacked, minus what an H200 DSA run never loads:
-#    the FA2 extension (FA3 is kept), the vllm-rs frontend binary, flashkda, qutlass and the
+#    the FA2 extension (FA3 is kept), the vllm-rs frontend binary, qutlass and the
 #    SM100 FMHA headers. vLLM 0.33's kernels are built on torch's stable ABI, so they load on
 #    the GPU image's torch 2.11 (checked: every torch symbol they import is exported by 2.11).
 #  * gpu-extra-lock.txt: the Python packages vLLM imports that the GPU image lacks, DeepEP

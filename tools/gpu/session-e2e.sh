@@ -3,7 +3,7 @@
 # (tests/gpu, real DeepGEMM wheel without vLLM on the path) beside them, everything collected
 # into $OUT/e2e.tgz even when a limit stops the tests.
 #   tools/gpu/session-e2e.sh ["e2e or e2e_dp2"] [seconds] [pytest -k expression]
-# E2E=0 runs only the twins (TWINS=0 only the e2e tests; each 0 or 1, and the twins need .whl carried). Exit status:
+# E2E=0 runs only the twins (TWINS=0 only the e2e tests; each 0 or 1; the twins use a carried .whl, else vLLM's vendored DeepGEMM). Exit status:
 # the e2e tests', else the twins'.
 # With DBO_E2E_LOAD_FORMAT=dbo_runtime_random, tools/gpu/check_load_format.py first loads one tiny model
 # with it; if that fails the plan falls back to vLLM's dummy weights (the default), and says so.
@@ -19,6 +19,10 @@ KEXPR=${3:-}
 python3 -c 'import sys; from _pytest.mark.expression import Expression; Expression.compile(sys.argv[1])' "$MARK" 2>/dev/null \
   || ! python3 -c 'import _pytest.mark.expression' 2>/dev/null \
   || { echo "session-e2e.sh: MARK '$MARK' is not allowed; allowed values: a pytest -m expression (default \"e2e or e2e_dp2\")" >&2; exit 2; }
+unknown=$(python3 -c 'import re, sys, tomllib
+known = {m.split(":")[0].split("(")[0] for m in tomllib.load(open("pyproject.toml", "rb"))["tool"]["pytest"]["ini_options"]["markers"]}
+print(" ".join(sorted(set(re.findall(r"[A-Za-z_]\w*", sys.argv[1])) - known - {"and", "or", "not"})))' "$MARK" 2>/dev/null)
+[ -z "$unknown" ] || { echo "session-e2e.sh: MARK '$MARK' is not allowed; allowed values: a pytest -m expression of the markers in pyproject.toml (unknown: $unknown)" >&2; exit 2; }
 [ "$#" -le 3 ] || { echo "session-e2e.sh: arguments '$*' are not allowed; allowed values: [MARK] [SECONDS] [KEXPR]" >&2; exit 2; }
 need_int session-e2e.sh seconds "$LIMIT" 1 3600
 need_int session-e2e.sh TWIN_LIMIT "${TWIN_LIMIT-300}" 1 3600

@@ -27,9 +27,14 @@ for arg in "$@"; do
 done
 # the matrix's own parser checks the arguments before anything is installed (it needs no vLLM)
 checked=$(python3 -m tests.e2e.emulated plan "$@" 2>&1) || { echo "session-emulated.sh: ${checked##*$'\n'}" >&2; exit 2; }
+WORK=${EMU_WORK:-/tmp/emulated}
+# WORK is emptied first: only a new folder, an empty one or an earlier session's (its plan.json), never $OUT or the checkout
+case "$(cd "$WORK" 2>/dev/null && pwd -P)" in "$(pwd -P)"|"$(cd "$OUT" && pwd -P)"|/) bad=1 ;; *) bad=0 ;; esac
+if [ "$bad" = 1 ] || { [ -e "$WORK" ] && { [ ! -d "$WORK" ] || { [ -n "$(ls -A "$WORK")" ] && [ ! -f "$WORK/plan.json" ]; }; }; }; then
+  echo "session-emulated.sh: EMU_WORK '$WORK' is not allowed; allowed values: a new or empty folder, or an earlier session's (it holds plan.json); it is emptied first" >&2; exit 2
+fi
 . tools/gpu/env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} VLLM_DEEP_GEMM_WARMUP=skip
-WORK=${EMU_WORK:-/tmp/emulated}
 if [ "${EMU_INSTALLED-0}" != 1 ]; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "project install failed"
 fi

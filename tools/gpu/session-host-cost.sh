@@ -7,8 +7,10 @@ cd "$(dirname "$0")/../.."
 need_out session-host-cost.sh
 if [ $# = 0 ] || [[ $1 == -* ]]; then LIMIT=540; else LIMIT=$1; shift; fi  # SECONDS may be left out
 need_int session-host-cost.sh seconds "$LIMIT" 1 3600
+for arg in "$@"; do
+  case "$arg" in --out|--out=*|--from-runs|--from-runs=*) echo "session-host-cost.sh: $arg is not allowed; allowed values: bench_host_cost.py's other arguments (this script writes into \$OUT)" >&2; exit 2;; esac
+done
 # the benchmark's own parser checks its arguments before anything is installed or deleted (it needs no vLLM)
-# (with the --out the run adds, so a second --out is refused here, not after the install)
 checked=$(python3 graphs/bench_host_cost.py --check --out /tmp/host-cost "$@" 2>&1) || { echo "session-host-cost.sh: ${checked##*$'\n'}" >&2; exit 2; }
 . tools/gpu/env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
