@@ -808,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("cmd", choices=["session", "plan", "judge"], help="session: run the engines (GPU); plan: list them; judge: re-judge a session's folder")
     p.add_argument("--rows", default="repro,a-eager,a-control-eager,b-eager,c", help=f"comma-separated, from {','.join(ROWS)} (default %(default)s)")
     p.add_argument("--model", default="glm53", choices=sorted(set(FOLLOWERS) | set(TRANSPARENCY)))
-    p.add_argument("--layers", type=int, default=61, choices=[8, 61, 78])
+    p.add_argument("--layers", type=int, default=None, choices=[8, 61, 78], help="depth of the DSA rows (default 61)")
     p.add_argument("--runner", default="v2", choices=["v1", "v2"])
     p.add_argument("--out", type=Path, default=Path("emulated-out"), help="session: where results go; judge: the folder a session's emulated-runs.tgz unpacks to")
     p.add_argument("--seconds", type=float, default=540.0, help="session: stop the engines after this long (records are still written)")
@@ -826,7 +826,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown row(s) {','.join(bad)}; rows are {','.join(ROWS)}")
     rows = with_floors(asked)
-    s = Settings(a.model, a.layers, a.runner)
+    if a.layers is not None and all(r.startswith("t-") or r == "v4-mtp" for r in asked):
+        print(f"{p.prog}: note: --layers {a.layers} does not apply to rows {','.join(asked)}: they run the model at its own depth", file=sys.stderr)
+    s = Settings(a.model, a.layers or 61, a.runner)
     wrong = [r for r in asked if a.model not in MODELS_OF[r]]
     if wrong:
         p.error(f"row(s) {','.join(wrong)} do not take --model {a.model} (" + "; ".join(f"{r}: {','.join(MODELS_OF[r])}" for r in wrong) + ")")
