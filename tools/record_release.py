@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             printed = {p.name: fingerprints.fingerprint(p.fingerprint_anchors) for p in patches}
             rows = [(p.name, *review(p, printed[p.name], RELEASES[against], root)) for p in patches]
         sites = logits_call_sites(root.resolve())
+    unknown = sorted(set(args.exclude) - set(printed))
+    if unknown:  # before the review list, so the refusal is the one line a user sees
+        parser.error(f"--exclude: no patch bound to vLLM code is named {', '.join(unknown)}")
     width = max(len(name) for name, _, _ in rows)
     print(f"vLLM {args.version} against the record of {against}:")
     for name, status, detail in rows:
@@ -186,9 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"modules calling DeepGEMM's {LOGITS} (a deferred plan-ahead schedule is fitted only where hooked):")
     for module, patch in sites:
         print(f"  {'hooked' if patch else 'REVIEW':<9} {module}  " + (patch or "not hooked: may it run under DBO?"))
-    unknown = sorted(set(args.exclude) - set(printed))
-    if unknown:
-        parser.error(f"--exclude: no patch bound to vLLM code is named {', '.join(unknown)}")
     if args.write:
         printed.update({name: fingerprints.EXCLUDED for name in args.exclude})
         releases = {**RELEASES, args.version: printed}

@@ -238,3 +238,18 @@ def test_the_ml4_topk_check_counts_followers_that_read_another_microbatchs_topk(
             assert (counters.topk_reads, int(counters.topk_wrong)) == (2, wrong), shared
     finally:
         counters.topk_reads, counters.topk_wrong = saved
+
+
+@pytest.mark.skipif(RELEASE is None, reason="no table for this vLLM (the test above fails)")
+def test_a_parameter_the_vote_reads_by_name_is_checked_wherever_it_stands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dp_sync_state`` is read with ``.get``: renamed, the vote would silently run on reused-sync calls."""
+    import vllm.v1.worker.gpu.model_runner as mr2
+
+    real = mr2.dispatch_cg_and_sync_dp
+
+    def renamed(cudagraph_manager, num_reqs, num_tokens, uniform_token_count, dp_size, dp_rank, allow_ubatching=True, sync_state=None):  # type: ignore[no-untyped-def]
+        return real
+
+    monkeypatch.setattr(mr2, "dispatch_cg_and_sync_dp", renamed)
+    [problem] = dp_emulation.problems(RELEASE)  # type: ignore[arg-type]
+    assert problem.startswith("vllm.v1.worker.gpu.model_runner:dispatch_cg_and_sync_dp takes") and "dp_sync_state" in problem
