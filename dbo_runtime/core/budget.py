@@ -201,8 +201,8 @@ def compute_budget(
     if comm_cap is None and all2all_backend == "deepep_high_throughput":
         comm_cap = DEEPEP_HT_MANAGER_NUM_SMS
     reaches_deepep = min(comm, comm_cap) if comm_cap is not None else comm
-    even = f" (even up to DeepEP's {comm_cap}-SM ceiling)" if decision.comm_knob and all2all_backend == "deepep_high_throughput" else ""
-    if even and reaches_deepep % 2:
+    even_note = f" (even up to DeepEP's {comm_cap}-SM ceiling)" if decision.comm_knob and all2all_backend == "deepep_high_throughput" else ""
+    if even_note and reaches_deepep % 2:
         raise ConfigError(
             "VLLM_DBO_COMM_SMS", env_value,
             f"even integers up to the DeepEP manager's {comm_cap}-SM ceiling, or values above it (vLLM clamps "
@@ -212,7 +212,7 @@ def compute_budget(
     if idle and total_sms - comm - idle <= 0:
         raise ConfigError(
             "VLLM_DBO_COMM_SMS", env_value,
-            f"integers in [0, {total_sms - compute_multiple}]{even} on a {total_sms}-SM device, so that DeepGEMM keeps a "
+            f"integers in [0, {total_sms - compute_multiple}]{even_note} on a {total_sms}-SM device, so that DeepGEMM keeps a "
             f"multiple of {compute_multiple} SMs, at least {compute_multiple} ({EVEN_COMPUTE_WHY})",
         )
     return SMBudget(

@@ -518,13 +518,14 @@ def _counted(result: dict[str, Any], what: str) -> dict[str, Any]:
         "steps", "microbatched_steps", "microbatched_graph_steps", "yields_in_steps", "topk_reads", "topk_wrong_reads",
         "mtp_hidden_checks", "mtp_hidden_wrong",
     )  # fmt: skip
-    out = {k: sum(w.get(k, 0) for w in after) - sum(w.get(k, 0) for w in before) for k in keys} if after else {}
-    eager = out.get("microbatched_steps", 0) - out.get("microbatched_graph_steps", 0)
-    out["yields_per_step"] = round(out["yields_in_steps"] / eager, 2) if out and eager else None
-    if after:
-        captured = sum(w.get("yields_outside_steps", 0) for w in after)
-        out["unswitched_steps"] = (0 if out["yields_in_steps"] else eager) + (0 if captured else out["microbatched_graph_steps"])
-        out["microbatched_steps"] -= out["unswitched_steps"]
+    if not after:  # the engine ran without the emulation (DBO off) or never reached this pass
+        return {"yields_per_step": None, "runners": []}
+    out: dict[str, Any] = {k: sum(w.get(k, 0) for w in after) - sum(w.get(k, 0) for w in before) for k in keys}
+    eager = out["microbatched_steps"] - out["microbatched_graph_steps"]
+    out["yields_per_step"] = round(out["yields_in_steps"] / eager, 2) if eager else None
+    captured = sum(w.get("yields_outside_steps", 0) for w in after)
+    out["unswitched_steps"] = (0 if out["yields_in_steps"] else eager) + (0 if captured else out["microbatched_graph_steps"])
+    out["microbatched_steps"] -= out["unswitched_steps"]
     out["runners"] = sorted({w["runner"] for w in after if w.get("runner")})
     return out
 
